@@ -1,0 +1,221 @@
+"""Paged KV cache write and paged attention in plain torch.
+
+Two jobs, one implementation:
+
+* the **oracle** of the Triton kernels: it runs in float64 and is written so that its
+  correctness can be read off the code (gather the KV of a sequence through its block table,
+  build the bottom-right causal mask explicitly, call ``scaled_dot_product_attention``);
+* the **production attention backend on the CPU**: the engine calls it for every layer of
+  every step, so the common case (a batch of decodes) is vectorised, never a Python loop per
+  sequence.
+
+Layout (see DESIGN.md, section Kernels)::
+
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot s of the pool  ==  key_cache[s // block_size, s % block_size]
+
+Semantics of ``paged_attention`` (identical in every backend):
+
+* sequence ``b`` owns the query rows ``cu_seqlens_q[b] : cu_seqlens_q[b + 1]`` (``q_len`` of
+  them) and ``seq_lens[b]`` KV tokens, the new ones included (already stored);
+* causal masking is bottom-right: query ``i`` of the sequence sees keys
+  ``0 .. seq_len - q_len + i`` (inclusive);
+* a query row that sees no key (``seq_len - q_len + i < 0``) gets an all-zero output, never
+  NaN; rows of ``query`` that belong to no sequence (after ``cu_seqlens_q[-1]``) are left
+  untouched in ``out`` (zeros when ``out`` is allocated here);
+* grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
+
+Precision: float64 inputs are computed in float64 (the oracle); on the CPU, float16/bfloat16
+inputs are computed in float32 (the CPU has no fast half-precision matmul and the GPU kernels
+accumulate in float32 too); float8 caches are upcast to the compute dtype after the gather.
+
+How the decode batch is vectorised: the sequences with ``q_len == 1`` are sorted by length and
+cut into chunks whose padded KV fits a gather budget (``_GATHER_BUDGET_ELEMENTS``); each chunk
+is one ``key_cache[block_tables]`` gather, one length mask and one SDPA call with
+``enable_gqa=True`` (measured faster on CPU than an explicit ``repeat_interleave`` or a
+hand-written matmul/softmax). Sequences with ``q_len > 1`` (prefill chunks, extends) are
+handled one by one: they are few per step and each is already a large matrix product.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["store_kv", "paged_attention"]
+
+# Upper bound on the elements of one gathered K (and one V) chunk of decode sequences:
+# 2^23 float32 elements = 32 MiB. Keeps the CPU path's peak memory bounded for big batches
+# of long sequences while leaving typical decode batches (e.g. 64 x 512 tokens x 3 x 64) in one chunk.
+_GATHER_BUDGET_ELEMENTS = 1 << 23
+
+_SDPA_HAS_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def store_kv(
+    key: torch.Tensor,  # [T, Hkv, D], any strides
+    value: torch.Tensor,  # [T, Hkv, D], any strides
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64, -1 = do not store this token
+) -> None:
+    """Write token ``t``'s K and V into slot ``slot_mapping[t]`` of the caches (in place)."""
+    block_size = key_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    blocks = torch.div(slots, block_size, rounding_mode="floor")
+    offsets = slots % block_size
+    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
+    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, H, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32, KV tokens per sequence (new ones included)
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32, query rows of sequence b: cu[b]:cu[b+1]
+    *,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,  # [T, H, D], query's dtype
+) -> torch.Tensor:  # [T, H, D]
+    """Varlen causal attention of packed queries over a paged KV cache (see module docstring)."""
+    num_tokens, num_heads, head_dim = query.shape
+    if scale is None:
+        scale = head_dim**-0.5
+    if out is None:
+        out = torch.zeros_like(query)
+    compute_dtype = _compute_dtype(query)
+
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    decodes = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
+    if decodes:
+        for chunk in _decode_chunks(decodes, lens, key_cache.shape[2] * head_dim):
+            rows = torch.tensor([cu[b] for b in chunk], device=query.device)
+            out[rows] = _attend_decodes(
+                query[rows], key_cache, value_cache, block_tables[chunk], seq_lens[chunk],
+                scale, compute_dtype,
+            ).to(out.dtype)
+    for b in range(len(lens)):
+        q_len = cu[b + 1] - cu[b]
+        if q_len > 1:
+            out[cu[b] : cu[b + 1]] = _attend_one_sequence(
+                query[cu[b] : cu[b + 1]], key_cache, value_cache, block_tables[b], lens[b],
+                scale, compute_dtype,
+            ).to(out.dtype)
+    return out
+
+
+def _compute_dtype(query: torch.Tensor) -> torch.dtype:
+    if query.dtype == torch.float64:
+        return torch.float64
+    if query.device.type == "cpu":
+        return torch.float32
+    return query.dtype
+
+
+def _decode_chunks(decodes: list[int], lens: list[int], elements_per_token: int) -> list[list[int]]:
+    """Cut the decode sequences, sorted by length, into chunks within the gather budget.
+
+    Sorting keeps the padding of each chunk small (a chunk pads to its longest sequence).
+    """
+    order = sorted(decodes, key=lambda b: lens[b])
+    budget_tokens = max(1, _GATHER_BUDGET_ELEMENTS // elements_per_token)
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    for b in order:
+        # Ascending order: b is the longest of the chunk if it joins.
+        if current and (len(current) + 1) * max(lens[b], 1) > budget_tokens:
+            chunks.append(current)
+            current = []
+        current.append(b)
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [N, max_blocks] int32
+    num_blocks: int,  # leading block-table columns to read
+    seq_lens: torch.Tensor,  # [N]
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:  # [N, Hkv, num_blocks * block_size, D]
+    """The KV of N sequences, contiguous per sequence, padded to ``num_blocks`` blocks.
+
+    Block-table entries past a sequence's last block may be padding (-1, stale ids): they are
+    replaced by block 0 so that the gather stays in bounds; the padded keys are masked later.
+    """
+    n, block_size, num_kv_heads, head_dim = (block_tables.shape[0], *cache.shape[1:])
+    table = block_tables[:, :num_blocks].long()
+    blocks_used = torch.div(seq_lens.long() + block_size - 1, block_size, rounding_mode="floor")
+    in_use = torch.arange(num_blocks, device=table.device) < blocks_used[:, None]
+    table = torch.where(in_use, table, torch.zeros_like(table))
+    gathered = cache[table]  # [N, num_blocks, block_size, Hkv, D]
+    gathered = gathered.view(n, num_blocks * block_size, num_kv_heads, head_dim)
+    return gathered.transpose(1, 2).to(compute_dtype)
+
+
+def _sdpa(
+    q: torch.Tensor,  # [N, H, Lq, D]
+    k: torch.Tensor,  # [N, Hkv, Lk, D]
+    v: torch.Tensor,  # [N, Hkv, Lk, D]
+    visible: torch.Tensor,  # bool, broadcastable to [N, H, Lq, Lk]; True = may attend
+    scale: float,
+) -> torch.Tensor:  # [N, H, Lq, D]
+    """SDPA with GQA and an explicit mask; rows that see no key come out as zeros."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1 and not _SDPA_HAS_GQA:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    kwargs = {"enable_gqa": True} if groups > 1 and _SDPA_HAS_GQA else {}
+    result = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, **kwargs)
+    # Older torch returns NaN for fully masked rows; the contract is zeros.
+    sees_nothing = ~visible.any(dim=-1, keepdim=True)
+    return result.masked_fill(sees_nothing, 0.0)
+
+
+def _attend_decodes(
+    query: torch.Tensor,  # [N, H, D], one query row per sequence
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [N, max_blocks] int32
+    seq_lens: torch.Tensor,  # [N]
+    scale: float,
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:  # [N, H, D]
+    block_size = key_cache.shape[1]
+    max_len = int(seq_lens.max())
+    num_blocks = max(1, -(-max_len // block_size))
+    k = _gather_kv(key_cache, block_tables, num_blocks, seq_lens, compute_dtype)
+    v = _gather_kv(value_cache, block_tables, num_blocks, seq_lens, compute_dtype)
+    # The single query of a decode is the last token: it sees every key of its sequence.
+    positions = torch.arange(num_blocks * block_size, device=query.device)
+    visible = positions[None, :] < seq_lens.to(query.device).long()[:, None]  # [N, Lk]
+    q = query.to(compute_dtype)[:, :, None, :]  # [N, H, 1, D]
+    return _sdpa(q, k, v, visible[:, None, None, :], scale)[:, :, 0, :]
+
+
+def _attend_one_sequence(
+    query: torch.Tensor,  # [q_len, H, D]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks] int32
+    seq_len: int,
+    scale: float,
+    compute_dtype: torch.dtype,
+) -> torch.Tensor:  # [q_len, H, D]
+    q_len = query.shape[0]
+    block_size = key_cache.shape[1]
+    num_blocks = max(1, -(-seq_len // block_size))
+    lens = torch.tensor([seq_len], device=block_table.device)
+    k = _gather_kv(key_cache, block_table[None], num_blocks, lens, compute_dtype)
+    v = _gather_kv(value_cache, block_table[None], num_blocks, lens, compute_dtype)
+    # Bottom-right causal mask: query i sees keys 0 .. seq_len - q_len + i.
+    key_pos = torch.arange(num_blocks * block_size, device=query.device)
+    last_visible = seq_len - q_len + torch.arange(q_len, device=query.device)
+    visible = (key_pos[None, :] <= last_visible[:, None]) & (key_pos[None, :] < seq_len)
+    q = query.to(compute_dtype).transpose(0, 1)[None]  # [1, H, q_len, D]
+    return _sdpa(q, k, v, visible, scale)[0].transpose(0, 1)

@@ -1,0 +1,129 @@
+"""What a request returns: ``RequestOutput`` holding one ``CompletionOutput`` per sample (vLLM's names).
+
+``LLM.generate`` returns finished ``RequestOutput``s; ``LLMEngine.step`` and ``AsyncLLM`` stream
+them while they run (``finished=False``). Reprs abbreviate long token lists so that printing a
+batch of outputs stays readable; the fields themselves always hold everything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "CompletionOutput",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "SampleLogprobs",
+]
+
+# Reprs show at most this many token ids of a list, then "..." and the length.
+_REPR_MAX_IDS = 16
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one token, its 1-based rank in the vocabulary, and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob (the chosen token plus the top ones).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated completion of a request.
+
+    ``finish_reason`` is ``None`` while it runs, then ``"stop"`` (eos, a stop token id or a stop
+    string), ``"length"`` (``max_tokens`` or the context length) or ``"abort"``.
+    ``stop_reason`` is the stop string or stop token id that ended it (``None`` for eos, length
+    or abort).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, "
+            f"token_ids={_short_ids(self.token_ids)}, "
+            f"cumulative_logprob={self.cumulative_logprob}, "
+            f"logprobs={_short_logprobs(self.logprobs)}, "
+            f"finish_reason={self.finish_reason}, stop_reason={self.stop_reason!r})"
+        )
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (``time.time()`` seconds) of one request's life, and its prefix-cache hits."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    # Prompt tokens whose KV came from the prefix cache instead of being computed.
+    num_cached_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt and its ``n`` completions so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = field(default=0)
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={_short_ids(self.prompt_token_ids)}, "
+            f"outputs={self.outputs!r}, finished={self.finished}, "
+            f"num_cached_tokens={self.num_cached_tokens}, metrics={self.metrics!r})"
+        )
+
+
+def _short_ids(ids: list[int]) -> str:
+    if len(ids) <= _REPR_MAX_IDS:
+        return repr(list(ids))
+    head = ", ".join(str(token_id) for token_id in ids[: _REPR_MAX_IDS - 1])
+    return f"[{head}, ..., {ids[-1]}] (len={len(ids)})"
+
+
+def _short_logprobs(logprobs: SampleLogprobs | None) -> str:
+    if logprobs is None:
+        return "None"
+    return f"<{len(logprobs)} positions>"

@@ -1,0 +1,200 @@
+"""``SamplingParams``: how one request's tokens are chosen and when it stops (vLLM's names).
+
+Validated on construction: every bad value raises :class:`pagedkv.errors.ConfigError` naming
+the field and the value, so a server can turn it into a 400 without inspecting it further.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv.errors import ConfigError
+
+__all__ = ["SAMPLING_EPS", "SamplingParams", "SamplingType"]
+
+# Temperatures below this are greedy (vLLM's threshold): dividing logits by ~0 would overflow.
+SAMPLING_EPS = 1e-5
+
+# torch.Generator.manual_seed accepts this range.
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+
+
+class SamplingType(enum.IntEnum):
+    """How the sampler treats a request: argmax, a draw from the shared RNG, or from its own."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request, with vLLM's names, defaults and meanings.
+
+    - ``n``: number of completions to return for the prompt (forked sequences share its KV).
+    - ``max_tokens``: most tokens to generate per completion; ``None`` = until the model's
+      context length (``max_model_len``) is reached.
+    - ``min_tokens``: eos and ``stop_token_ids`` are suppressed (and stop strings ignored) until
+      this many tokens have been generated.
+    - ``temperature``: 0 means greedy; otherwise logits are divided by it before sampling.
+    - ``top_p``: keep the smallest set of most likely tokens whose probability sums to >= top_p.
+    - ``top_k``: keep the k most likely tokens; 0 or -1 means all (vLLM accepts both).
+    - ``min_p``: drop tokens whose probability is below ``min_p`` times the top token's.
+    - ``seed``: per-request random seed; the draw is then reproducible whatever else is batched.
+    - ``stop``: strings that end the completion; the text is cut before the stop string unless
+      ``include_stop_str_in_output``.
+    - ``stop_token_ids``: token ids that end the completion (besides eos).
+    - ``ignore_eos``: keep generating after eos.
+    - ``logprobs``: ``None``, or how many top log-probabilities to return per generated token
+      besides the chosen token's own (which is always returned when this is not ``None``).
+    - ``skip_special_tokens``: leave special tokens out of the detokenized text.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Normalized copy of `stop` (always a list) for the detokenizer; not a constructor argument.
+    _stop_strings: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.n = _check_int("n", self.n, minimum=1)
+        if self.max_tokens is not None:
+            self.max_tokens = _check_int("max_tokens", self.max_tokens, minimum=1)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens, minimum=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ConfigError(
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > "
+                f"max_tokens={self.max_tokens}"
+            )
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0.0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _check_int("top_k", self.top_k, minimum=-1)
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            self.seed = _check_int("seed", self.seed, minimum=_SEED_MIN)
+            if self.seed > _SEED_MAX:
+                raise ConfigError(f"seed must fit in 64 bits, got {self.seed}")
+        self._stop_strings = _normalize_stop(self.stop)
+        if self.stop is not None:
+            self.stop = list(self._stop_strings)
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
+        self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
+        if self.logprobs is not None:
+            self.logprobs = _check_int("logprobs", self.logprobs, minimum=0)
+        self.include_stop_str_in_output = _check_bool(
+            "include_stop_str_in_output", self.include_stop_str_in_output
+        )
+        self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        if self.temperature < SAMPLING_EPS:
+            # Greedy ignores the filters; normalizing them lets the sampler skip their work.
+            self.temperature = 0.0
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature == 0.0:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list (empty when there are none)."""
+        return self._stop_strings
+
+    @property
+    def effective_top_k(self) -> int:
+        """``top_k`` with "off" as 0 (whether given as 0 or -1)."""
+        return max(self.top_k, 0)
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> int:
+    # bool is an int subclass; True as "n" is almost certainly a mistake. operator.index accepts
+    # Python, numpy and 0-d torch integers but no floats (1.5 tokens is not a count).
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise ConfigError(f"{name} must be an int, got {value!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _check_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            value = float(value)  # numpy scalars, 0-d tensors
+        except (TypeError, ValueError):
+            raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    value = float(value)
+    if math.isnan(value) or math.isinf(value):
+        raise ConfigError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def _normalize_stop(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    elif not isinstance(stop, Sequence):
+        raise ConfigError(f"stop must be a str or a list of str, got {stop!r}")
+    strings: list[str] = []
+    for item in stop:
+        if not isinstance(item, str):
+            raise ConfigError(f"stop must be a str or a list of str, got item {item!r}")
+        if not item:
+            raise ConfigError("stop strings must not be empty")
+        if item not in strings:
+            strings.append(item)
+    return strings
+
+
+def _check_token_ids(name: str, ids: Any) -> list[int]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise ConfigError(f"{name} must be a list of token ids, got {ids!r}")
+    checked: list[int] = []
+    for token_id in ids:
+        checked.append(_check_int(name, token_id, minimum=0))
+        if checked[-1] >= 2**31:
+            raise ConfigError(f"{name} entries must fit in int32, got {token_id}")
+    return checked

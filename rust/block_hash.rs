@@ -1,0 +1,171 @@
+//! Chained 128-bit hashes of full KV blocks, the keys of the prefix cache.
+//!
+//! `hash(block k) = xxh3_128(hash(block k-1) || extra-key hash || token ids of block k)`, so a
+//! block's hash names its whole prefix. The extra key (cache salt, adapter id) separates cache
+//! namespaces: the same tokens under another salt hash differently and never hit.
+//!
+//! A hash is only a candidate: the prefix cache verifies every hit against the stored token ids
+//! and the parent link (block_pool.rs), so even a full collision cannot serve another
+//! sequence's KV. [`HashMode::Degenerate`] exists to prove that in tests: it maps every block to
+//! the same hash.
+
+use std::sync::Arc;
+
+use xxhash_rust::xxh3::{xxh3_128, xxh3_64};
+
+/// 128-bit hash of a full block and, through the chain, of its whole prefix.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockHash(pub u128);
+
+/// The extra key of a sequence's blocks: an optional cache salt, with its hash precomputed.
+/// Equality compares the salt itself, never only its hash.
+#[derive(Clone, Debug, Default)]
+pub struct ExtraKey {
+    salt: Option<Arc<str>>,
+    hash: u64,
+}
+
+impl ExtraKey {
+    /// The key for `salt` (`None`: the shared, unsalted namespace).
+    pub fn new(salt: Option<&str>) -> Self {
+        match salt {
+            None => ExtraKey::default(),
+            // Salted keys hash their bytes; the unsalted key hashes to 0. A salt whose hash is 0
+            // is still told apart by verification, which compares the strings.
+            Some(s) => ExtraKey { salt: Some(Arc::from(s)), hash: xxh3_64(s.as_bytes()) | 1 },
+        }
+    }
+
+    /// The salt, if any.
+    pub fn salt(&self) -> Option<&str> {
+        self.salt.as_deref()
+    }
+}
+
+impl PartialEq for ExtraKey {
+    fn eq(&self, other: &Self) -> bool {
+        self.salt == other.salt
+    }
+}
+
+impl Eq for ExtraKey {}
+
+/// How block hashes are computed.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub enum HashMode {
+    /// xxh3-128 over the chained input (production).
+    #[default]
+    Xxh3,
+    /// Test hook: every block hashes to the same value, so every lookup finds a colliding
+    /// candidate and only verification decides.
+    Degenerate,
+}
+
+/// Computes chained block hashes, reusing one scratch buffer.
+#[derive(Debug, Default, Clone)]
+pub struct BlockHasher {
+    mode: HashMode,
+    scratch: Vec<u8>,
+}
+
+impl BlockHasher {
+    /// A hasher in the given mode.
+    pub fn new(mode: HashMode) -> Self {
+        BlockHasher { mode, scratch: Vec::new() }
+    }
+
+    /// The mode in use.
+    pub fn mode(&self) -> HashMode {
+        self.mode
+    }
+
+    /// Hash of one full block given its parent's hash (`None` for the first block).
+    pub fn hash_block(&mut self, parent: Option<BlockHash>, extra: &ExtraKey, tokens: &[u32]) -> BlockHash {
+        if self.mode == HashMode::Degenerate {
+            return BlockHash(0xDEAD_BEEF);
+        }
+        let buf = &mut self.scratch;
+        buf.clear();
+        buf.reserve(25 + 4 * tokens.len());
+        match parent {
+            // The marker byte keeps "no parent" apart from a parent whose hash is 0.
+            Some(p) => {
+                buf.push(1);
+                buf.extend_from_slice(&p.0.to_le_bytes());
+            }
+            None => {
+                buf.push(0);
+                buf.extend_from_slice(&[0u8; 16]);
+            }
+        }
+        buf.extend_from_slice(&extra.hash.to_le_bytes());
+        for &t in tokens {
+            buf.extend_from_slice(&t.to_le_bytes());
+        }
+        BlockHash(xxh3_128(buf))
+    }
+
+    /// Appends to `hashes` the chained hashes of the full blocks of `tokens` that are not
+    /// hashed yet (`hashes` holds the first blocks' hashes already), up to `max_blocks` in all.
+    pub fn extend_chain(
+        &mut self,
+        hashes: &mut Vec<BlockHash>,
+        tokens: &[u32],
+        block_size: usize,
+        extra: &ExtraKey,
+        max_blocks: usize,
+    ) {
+        let full = (tokens.len() / block_size).min(max_blocks);
+        while hashes.len() < full {
+            let k = hashes.len();
+            let parent = hashes.last().copied();
+            let h = self.hash_block(parent, extra, &tokens[k * block_size..(k + 1) * block_size]);
+            hashes.push(h);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chain_depends_on_prefix_tokens_and_salt() {
+        let mut h = BlockHasher::new(HashMode::Xxh3);
+        let none = ExtraKey::new(None);
+        let a = h.hash_block(None, &none, &[1, 2, 3, 4]);
+        let b = h.hash_block(None, &none, &[1, 2, 3, 5]);
+        assert_ne!(a, b);
+        assert_eq!(a, h.hash_block(None, &none, &[1, 2, 3, 4]));
+        // Same block tokens, different parents.
+        let c1 = h.hash_block(Some(a), &none, &[7, 7, 7, 7]);
+        let c2 = h.hash_block(Some(b), &none, &[7, 7, 7, 7]);
+        assert_ne!(c1, c2);
+        // Salt separates namespaces.
+        let salted = ExtraKey::new(Some("tenant-1"));
+        assert_ne!(a, h.hash_block(None, &salted, &[1, 2, 3, 4]));
+        assert_ne!(ExtraKey::new(Some("x")), ExtraKey::new(None));
+        assert_eq!(ExtraKey::new(Some("x")), ExtraKey::new(Some("x")));
+    }
+
+    #[test]
+    fn extend_chain_hashes_only_full_blocks() {
+        let mut h = BlockHasher::new(HashMode::Xxh3);
+        let key = ExtraKey::new(None);
+        let tokens: Vec<u32> = (0..10).collect();
+        let mut hashes = Vec::new();
+        h.extend_chain(&mut hashes, &tokens, 4, &key, usize::MAX);
+        assert_eq!(hashes.len(), 2);
+        assert_eq!(hashes[1], h.hash_block(Some(hashes[0]), &key, &[4, 5, 6, 7]));
+        let mut capped = Vec::new();
+        h.extend_chain(&mut capped, &tokens, 4, &key, 1);
+        assert_eq!(capped, hashes[..1]);
+    }
+
+    #[test]
+    fn degenerate_mode_collides() {
+        let mut h = BlockHasher::new(HashMode::Degenerate);
+        let key = ExtraKey::new(None);
+        assert_eq!(h.hash_block(None, &key, &[1]), h.hash_block(None, &key, &[2]));
+    }
+}

@@ -1,0 +1,683 @@
+//! The block pool: ref counts, the free queue, and the prefix cache's index.
+//!
+//! Invariants (checked by [`BlockPool::check_invariants`]):
+//! - a block is in the free queue if and only if its ref count is 0, so
+//!   `num_free + num_used == num_blocks`;
+//! - the free queue holds every block without a cached hash before every block with one
+//!   (uncached blocks are reused first; cached ones in LRU order, least recently freed first);
+//! - the cache index maps a hash to a block if and only if that block's metadata carries that
+//!   hash; only full blocks are registered, and a registered block is never written again.
+//!
+//! Eviction is lazy: a freed cached block keeps its hash and stays findable until the pool
+//! hands it out again, at which point its cache identity ends (the index entry is removed and
+//! the block's generation is bumped, which invalidates parent links that name it).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::block_hash::{BlockHash, BlockHasher, ExtraKey, HashMode};
+use crate::error::{CoreError, Result};
+use crate::free_queue::FreeBlockQueue;
+use crate::ids::BlockId;
+
+/// Largest pool accepted: block ids must fit in int32, and the per-block bookkeeping must fit
+/// comfortably in host memory (16.7M blocks is far beyond any accelerator's KV cache).
+pub const MAX_NUM_BLOCKS: usize = 1 << 24;
+/// Largest block size accepted, in tokens.
+pub const MAX_BLOCK_SIZE: usize = 1 << 12;
+
+/// Metadata of a block registered in the prefix cache.
+#[derive(Debug, Clone)]
+struct CachedBlock {
+    hash: BlockHash,
+    /// The block holding the previous block of the prefix and its generation when this block
+    /// was registered; `None` for a first block.
+    parent: Option<(BlockId, u32)>,
+    extra: ExtraKey,
+}
+
+/// Block hashes are already uniformly distributed: the index uses their low bits directly.
+#[derive(Default)]
+struct PassThroughHasher(u64);
+
+impl Hasher for PassThroughHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ b as u64;
+        }
+    }
+    fn write_u128(&mut self, v: u128) {
+        self.0 = (v as u64) ^ ((v >> 64) as u64);
+    }
+}
+
+type HashIndex = HashMap<BlockHash, BlockId, BuildHasherDefault<PassThroughHasher>>;
+
+/// Counters of the pool's lifetime.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolCounters {
+    /// Cached blocks whose identity ended because the pool reused them.
+    pub evictions: u64,
+    /// Registrations skipped because another block already holds the same hash (the same
+    /// content computed twice, or a hash collision).
+    pub duplicate_registrations: u64,
+}
+
+/// A fixed pool of KV blocks (see the module docs).
+#[derive(Debug, Clone)]
+pub struct BlockPool {
+    block_size: usize,
+    ref_counts: Vec<u32>,
+    free: FreeBlockQueue,
+    caching: bool,
+    index: HashIndex,
+    cached: Vec<Option<CachedBlock>>,
+    /// Token ids of each registered block (`block_size` of them), for verification. The inner
+    /// vectors keep their capacity when a block is evicted and registered again.
+    cached_tokens: Vec<Vec<u32>>,
+    generation: Vec<u32>,
+    counters: PoolCounters,
+    hash_mode: HashMode,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` free blocks of `block_size` tokens.
+    pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool, hash_mode: HashMode) -> Result<Self> {
+        if num_blocks == 0 || num_blocks > MAX_NUM_BLOCKS {
+            return Err(CoreError::Config(format!(
+                "num_blocks must be in 1..={MAX_NUM_BLOCKS}, got {num_blocks}"
+            )));
+        }
+        if block_size == 0 || block_size > MAX_BLOCK_SIZE {
+            return Err(CoreError::Config(format!(
+                "block_size must be in 1..={MAX_BLOCK_SIZE}, got {block_size}"
+            )));
+        }
+        let oom = |_| CoreError::Config(format!("cannot allocate bookkeeping for {num_blocks} blocks"));
+        let mut ref_counts = Vec::new();
+        ref_counts.try_reserve_exact(num_blocks).map_err(oom)?;
+        ref_counts.resize(num_blocks, 0);
+        let mut generation = Vec::new();
+        generation.try_reserve_exact(num_blocks).map_err(oom)?;
+        generation.resize(num_blocks, 0);
+        let (cached, cached_tokens) = if enable_prefix_caching {
+            let mut c = Vec::new();
+            c.try_reserve_exact(num_blocks).map_err(oom)?;
+            c.resize(num_blocks, None);
+            let mut t = Vec::new();
+            t.try_reserve_exact(num_blocks).map_err(oom)?;
+            t.resize_with(num_blocks, Vec::new);
+            (c, t)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        Ok(BlockPool {
+            block_size,
+            ref_counts,
+            free: FreeBlockQueue::new_full(num_blocks)?,
+            caching: enable_prefix_caching,
+            index: HashIndex::default(),
+            cached,
+            cached_tokens,
+            generation,
+            counters: PoolCounters::default(),
+            hash_mode,
+        })
+    }
+
+    /// Total number of blocks.
+    #[inline]
+    pub fn num_blocks(&self) -> usize {
+        self.ref_counts.len()
+    }
+
+    /// Tokens per block.
+    #[inline]
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Whether full blocks are registered in and looked up from the prefix cache.
+    #[inline]
+    pub fn prefix_caching(&self) -> bool {
+        self.caching
+    }
+
+    /// The hash mode blocks are hashed with (a hasher for this pool: [`Self::new_hasher`]).
+    #[inline]
+    pub fn hash_mode(&self) -> HashMode {
+        self.hash_mode
+    }
+
+    /// A block hasher that matches this pool's hash mode.
+    pub fn new_hasher(&self) -> BlockHasher {
+        BlockHasher::new(self.hash_mode)
+    }
+
+    /// Number of free blocks (ref count 0), cached or not.
+    #[inline]
+    pub fn num_free(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Number of blocks with a ref count above 0.
+    #[inline]
+    pub fn num_used(&self) -> usize {
+        self.num_blocks() - self.free.len()
+    }
+
+    /// Fraction of blocks in use, in `[0, 1]`.
+    #[inline]
+    pub fn usage(&self) -> f64 {
+        self.num_used() as f64 / self.num_blocks() as f64
+    }
+
+    /// Lifetime counters.
+    pub fn counters(&self) -> PoolCounters {
+        self.counters
+    }
+
+    /// Number of blocks registered in the prefix cache (in use or free).
+    pub fn num_cached_blocks(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Checks that `block` is a valid id.
+    #[inline]
+    pub fn check_id(&self, block: BlockId) -> Result<()> {
+        if block.index() < self.num_blocks() {
+            Ok(())
+        } else {
+            Err(CoreError::BlockOutOfRange { block: block.0 as i64, num_blocks: self.num_blocks() })
+        }
+    }
+
+    /// Converts a caller's integer to a valid block id.
+    pub fn block_id(&self, raw: i64) -> Result<BlockId> {
+        if raw < 0 || raw as u64 >= self.num_blocks() as u64 {
+            return Err(CoreError::BlockOutOfRange { block: raw, num_blocks: self.num_blocks() });
+        }
+        Ok(BlockId(raw as u32))
+    }
+
+    /// The ref count of `block`.
+    pub fn ref_count(&self, block: BlockId) -> Result<u32> {
+        self.check_id(block)?;
+        Ok(self.ref_counts[block.index()])
+    }
+
+    /// The ref count of a block known to be valid.
+    #[inline]
+    pub(crate) fn ref_count_unchecked(&self, block: BlockId) -> u32 {
+        self.ref_counts[block.index()]
+    }
+
+    /// True when `block` is registered in the prefix cache.
+    pub fn is_cached(&self, block: BlockId) -> bool {
+        self.caching && self.cached[block.index()].is_some()
+    }
+
+    /// Takes one free block (ref count becomes 1), evicting its cached identity if it had one.
+    #[inline]
+    pub fn allocate_one(&mut self) -> Option<BlockId> {
+        let block = self.free.pop_front()?;
+        self.evict(block);
+        self.ref_counts[block.index()] = 1;
+        Some(block)
+    }
+
+    /// All-or-nothing: appends `n` fresh blocks to `out` and returns true, or returns false and
+    /// changes nothing when fewer than `n` blocks are free.
+    pub fn allocate_into(&mut self, n: usize, out: &mut Vec<BlockId>) -> bool {
+        if n > self.free.len() {
+            return false;
+        }
+        out.reserve(n);
+        for _ in 0..n {
+            // Cannot fail: n <= free blocks was checked above.
+            if let Some(b) = self.allocate_one() {
+                out.push(b);
+            }
+        }
+        true
+    }
+
+    /// All-or-nothing allocation of `n` blocks; `None` (and no change) when too few are free.
+    pub fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        let mut out = Vec::with_capacity(n);
+        self.allocate_into(n, &mut out).then_some(out)
+    }
+
+    /// Shares allocated blocks: every ref count + 1. All-or-nothing: fails, changing nothing,
+    /// if any id is out of range or not allocated.
+    pub fn fork(&mut self, blocks: &[BlockId]) -> Result<()> {
+        for &b in blocks {
+            self.check_id(b)?;
+            if self.ref_counts[b.index()] == 0 {
+                return Err(CoreError::BlockNotAllocated(b.0));
+            }
+        }
+        for &b in blocks {
+            self.ref_counts[b.index()] += 1;
+        }
+        Ok(())
+    }
+
+    /// Takes a reference on a block that is allocated or that is free but still cached
+    /// (reviving it: it leaves the free queue). A free uncached block is an error: its content
+    /// is garbage. All-or-nothing over `blocks`.
+    pub fn touch(&mut self, blocks: &[BlockId]) -> Result<()> {
+        for &b in blocks {
+            self.check_id(b)?;
+            if self.ref_counts[b.index()] == 0 && !self.is_cached(b) {
+                return Err(CoreError::BlockNotAllocated(b.0));
+            }
+        }
+        for &b in blocks {
+            self.acquire_unchecked(b);
+        }
+        Ok(())
+    }
+
+    /// Reference on a valid block that is allocated or cached (see [`Self::touch`]).
+    #[inline]
+    pub(crate) fn acquire_unchecked(&mut self, block: BlockId) {
+        let rc = &mut self.ref_counts[block.index()];
+        if *rc == 0 {
+            self.free.remove(block);
+        }
+        *rc += 1;
+    }
+
+    /// Drops one reference from each block; blocks reaching 0 return to the free queue in the
+    /// order given (cached ones at the LRU end, others at the reuse-first end).
+    /// All-or-nothing: a double free (also within `blocks`) or a bad id changes nothing.
+    pub fn free(&mut self, blocks: &[BlockId]) -> Result<()> {
+        for (i, &b) in blocks.iter().enumerate() {
+            let err = match self.check_id(b) {
+                Err(e) => Some(e),
+                Ok(()) if self.ref_counts[b.index()] == 0 => Some(CoreError::BlockNotAllocated(b.0)),
+                Ok(()) => None,
+            };
+            if let Some(e) = err {
+                // Roll back the decrements done so far.
+                for &r in &blocks[..i] {
+                    self.ref_counts[r.index()] += 1;
+                }
+                return Err(e);
+            }
+            self.ref_counts[b.index()] -= 1;
+        }
+        for &b in blocks {
+            // A block listed twice reaches 0 once; push it only if it is not queued yet.
+            if self.ref_counts[b.index()] == 0 && !self.free.contains(b) {
+                self.release(b);
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops one reference from a block the caller holds (a sequence's own block).
+    #[inline]
+    pub(crate) fn release_ref_unchecked(&mut self, block: BlockId) {
+        let rc = &mut self.ref_counts[block.index()];
+        debug_assert!(*rc > 0);
+        *rc -= 1;
+        if *rc == 0 {
+            self.release(block);
+        }
+    }
+
+    #[inline]
+    fn release(&mut self, block: BlockId) {
+        if self.is_cached(block) {
+            self.free.push_back(block);
+        } else {
+            self.free.push_front(block);
+        }
+    }
+
+    /// Ends the cached identity of `block` (no-op if it has none).
+    #[inline]
+    fn evict(&mut self, block: BlockId) {
+        if !self.caching {
+            return;
+        }
+        if let Some(meta) = self.cached[block.index()].take() {
+            if self.index.get(&meta.hash) == Some(&block) {
+                self.index.remove(&meta.hash);
+            }
+            self.generation[block.index()] = self.generation[block.index()].wrapping_add(1);
+            self.counters.evictions += 1;
+        }
+    }
+
+    /// Registers the full, computed, allocated `block` under `hash` with its verification data.
+    /// Returns false (no change) when caching is off, the block is registered already, or
+    /// another block holds the hash (same content computed twice, or a collision).
+    pub fn register(
+        &mut self,
+        block: BlockId,
+        hash: BlockHash,
+        parent: Option<BlockId>,
+        tokens: &[u32],
+        extra: &ExtraKey,
+    ) -> bool {
+        if !self.caching || self.cached[block.index()].is_some() {
+            return false;
+        }
+        debug_assert_eq!(tokens.len(), self.block_size);
+        debug_assert!(self.ref_counts[block.index()] > 0);
+        if self.index.contains_key(&hash) {
+            self.counters.duplicate_registrations += 1;
+            return false;
+        }
+        self.index.insert(hash, block);
+        let store = &mut self.cached_tokens[block.index()];
+        store.clear();
+        store.extend_from_slice(tokens);
+        self.cached[block.index()] = Some(CachedBlock {
+            hash,
+            parent: parent.map(|p| (p, self.generation[p.index()])),
+            extra: extra.clone(),
+        });
+        true
+    }
+
+    /// The cached block for `hash` if it really holds `tokens` after `parent` (the block
+    /// matched for the previous position, `None` at the start) under `extra`. Pure.
+    pub fn lookup_verified(
+        &self,
+        hash: BlockHash,
+        parent: Option<BlockId>,
+        tokens: &[u32],
+        extra: &ExtraKey,
+    ) -> Option<BlockId> {
+        if !self.caching {
+            return None;
+        }
+        let &block = self.index.get(&hash)?;
+        let meta = self.cached[block.index()].as_ref()?;
+        let parent_ok = match (meta.parent, parent) {
+            (None, None) => meta.extra == *extra,
+            (Some((pb, pg)), Some(p)) => pb == p && pg == self.generation[p.index()],
+            _ => false,
+        };
+        (parent_ok && self.cached_tokens[block.index()] == tokens).then_some(block)
+    }
+
+    /// The longest verified cached prefix of `tokens`, in blocks, leaving at least one token to
+    /// compute (its logits are needed). `hashes` holds the first blocks' chained hashes and is
+    /// extended as needed (callers keep it to register blocks later without rehashing). Pure
+    /// with respect to the pool.
+    pub fn match_prefix(
+        &self,
+        hasher: &mut BlockHasher,
+        tokens: &[u32],
+        extra: &ExtraKey,
+        hashes: &mut Vec<BlockHash>,
+    ) -> Vec<BlockId> {
+        let mut hits = Vec::new();
+        if !self.caching || tokens.is_empty() {
+            return hits;
+        }
+        let bs = self.block_size;
+        let max_blocks = (tokens.len() - 1) / bs;
+        hasher.extend_chain(hashes, tokens, bs, extra, max_blocks);
+        let mut parent = None;
+        for (k, &h) in hashes.iter().take(max_blocks).enumerate() {
+            match self.lookup_verified(h, parent, &tokens[k * bs..(k + 1) * bs], extra) {
+                Some(b) => {
+                    hits.push(b);
+                    parent = Some(b);
+                }
+                None => break,
+            }
+        }
+        hits
+    }
+
+    /// Ends the cached identity of every free cached block (they move to the reuse-first end).
+    /// Blocks in use keep theirs. Returns how many were dropped.
+    pub fn reset_prefix_cache(&mut self) -> usize {
+        if !self.caching {
+            return 0;
+        }
+        let victims: Vec<BlockId> = self.free.iter().filter(|&b| self.is_cached(b)).collect();
+        for &b in &victims {
+            self.free.remove(b);
+            self.evict(b);
+            self.free.push_front(b);
+        }
+        victims.len()
+    }
+
+    /// The free blocks from reuse-first to reuse-last (for tests and the memory map).
+    pub fn free_blocks(&self) -> Vec<BlockId> {
+        self.free.iter().collect()
+    }
+
+    /// Checks the invariants of the module docs.
+    pub fn check_invariants(&self) -> Result<()> {
+        self.free.check()?;
+        let mut used = 0usize;
+        for (i, &rc) in self.ref_counts.iter().enumerate() {
+            let b = BlockId(i as u32);
+            if rc > 0 {
+                used += 1;
+            }
+            if (rc == 0) != self.free.contains(b) {
+                return Err(CoreError::InvariantViolation(format!(
+                    "block {i} has ref count {rc} but is {}in the free queue",
+                    if self.free.contains(b) { "" } else { "not " }
+                )));
+            }
+        }
+        if used + self.free.len() != self.num_blocks() {
+            return Err(CoreError::InvariantViolation(format!(
+                "free ({}) + used ({used}) != total ({})",
+                self.free.len(),
+                self.num_blocks()
+            )));
+        }
+        if self.caching {
+            let mut seen_cached = false;
+            for b in self.free.iter() {
+                let c = self.is_cached(b);
+                if seen_cached && !c {
+                    return Err(CoreError::InvariantViolation(format!(
+                        "uncached free block {b} sits behind a cached one in the free queue"
+                    )));
+                }
+                seen_cached |= c;
+            }
+            let mut registered = 0usize;
+            for (i, meta) in self.cached.iter().enumerate() {
+                if let Some(m) = meta {
+                    registered += 1;
+                    if self.index.get(&m.hash) != Some(&BlockId(i as u32)) {
+                        return Err(CoreError::InvariantViolation(format!(
+                            "block {i} is registered but the cache index does not point at it"
+                        )));
+                    }
+                    if self.cached_tokens[i].len() != self.block_size {
+                        return Err(CoreError::InvariantViolation(format!(
+                            "cached block {i} stores {} tokens, not {}",
+                            self.cached_tokens[i].len(),
+                            self.block_size
+                        )));
+                    }
+                }
+            }
+            if registered != self.index.len() {
+                return Err(CoreError::InvariantViolation(format!(
+                    "cache index has {} entries but {registered} blocks are registered",
+                    self.index.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(n: usize, bs: usize) -> BlockPool {
+        BlockPool::new(n, bs, true, HashMode::Xxh3).unwrap()
+    }
+
+    #[test]
+    fn rejects_bad_sizes() {
+        assert!(matches!(BlockPool::new(0, 16, true, HashMode::Xxh3), Err(CoreError::Config(_))));
+        assert!(matches!(BlockPool::new(4, 0, true, HashMode::Xxh3), Err(CoreError::Config(_))));
+        assert!(matches!(BlockPool::new(MAX_NUM_BLOCKS + 1, 16, true, HashMode::Xxh3), Err(CoreError::Config(_))));
+        assert!(matches!(BlockPool::new(4, MAX_BLOCK_SIZE + 1, true, HashMode::Xxh3), Err(CoreError::Config(_))));
+    }
+
+    #[test]
+    fn allocate_is_all_or_nothing() {
+        let mut p = pool(4, 4);
+        let a = p.allocate(3).unwrap();
+        assert_eq!(a, vec![BlockId(0), BlockId(1), BlockId(2)]);
+        assert_eq!(p.allocate(2), None);
+        assert_eq!(p.num_free(), 1);
+        assert_eq!(p.allocate(1), Some(vec![BlockId(3)]));
+        assert_eq!(p.allocate(0), Some(vec![]));
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn free_and_fork_ref_counts() {
+        let mut p = pool(4, 4);
+        let a = p.allocate(2).unwrap();
+        p.fork(&a).unwrap();
+        assert_eq!(p.ref_count(a[0]).unwrap(), 2);
+        p.free(&a).unwrap();
+        assert_eq!(p.num_free(), 2);
+        p.free(&a).unwrap();
+        assert_eq!(p.num_free(), 4);
+        assert_eq!(p.free(&a), Err(CoreError::BlockNotAllocated(0)));
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn failed_free_changes_nothing() {
+        let mut p = pool(4, 4);
+        let a = p.allocate(2).unwrap();
+        // Second entry duplicates the first: ref 1 cannot be dropped twice.
+        assert_eq!(p.free(&[a[0], a[1], a[0]]), Err(CoreError::BlockNotAllocated(0)));
+        assert_eq!(p.ref_count(a[0]).unwrap(), 1);
+        assert_eq!(p.ref_count(a[1]).unwrap(), 1);
+        assert!(matches!(p.free(&[a[0], BlockId(99)]), Err(CoreError::BlockOutOfRange { .. })));
+        assert_eq!(p.num_free(), 2);
+        assert!(matches!(p.fork(&[a[0], BlockId(3)]), Err(CoreError::BlockNotAllocated(3))));
+        assert_eq!(p.ref_count(a[0]).unwrap(), 1);
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn lru_eviction_order_and_uncached_first() {
+        let mut p = pool(4, 2);
+        let mut h = p.new_hasher();
+        let key = ExtraKey::new(None);
+        let blocks = p.allocate(4).unwrap();
+        // Register blocks 0 and 1 (different content), leave 2 and 3 uncached.
+        let h0 = h.hash_block(None, &key, &[1, 2]);
+        let h1 = h.hash_block(None, &key, &[3, 4]);
+        assert!(p.register(blocks[0], h0, None, &[1, 2], &key));
+        assert!(p.register(blocks[1], h1, None, &[3, 4], &key));
+        // Free cached 1 first, then cached 0, then uncached 2 and 3.
+        p.free(&[blocks[1]]).unwrap();
+        p.free(&[blocks[0]]).unwrap();
+        p.free(&[blocks[2], blocks[3]]).unwrap();
+        p.check_invariants().unwrap();
+        // Uncached blocks come first, then cached ones least recently freed first.
+        assert_eq!(p.free_blocks(), vec![BlockId(3), BlockId(2), BlockId(1), BlockId(0)]);
+        // Freed cached blocks remain findable until reused.
+        assert_eq!(p.lookup_verified(h0, None, &[1, 2], &key), Some(BlockId(0)));
+        let got = p.allocate(3).unwrap();
+        assert_eq!(got, vec![BlockId(3), BlockId(2), BlockId(1)]);
+        assert_eq!(p.lookup_verified(h1, None, &[3, 4], &key), None);
+        assert_eq!(p.lookup_verified(h0, None, &[1, 2], &key), Some(BlockId(0)));
+        assert_eq!(p.counters().evictions, 1);
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn touch_revives_cached_free_block() {
+        let mut p = pool(2, 2);
+        let mut h = p.new_hasher();
+        let key = ExtraKey::new(None);
+        let b = p.allocate(1).unwrap()[0];
+        let hb = h.hash_block(None, &key, &[5, 6]);
+        p.register(b, hb, None, &[5, 6], &key);
+        p.free(&[b]).unwrap();
+        assert_eq!(p.num_free(), 2);
+        p.touch(&[b]).unwrap();
+        assert_eq!(p.ref_count(b).unwrap(), 1);
+        assert_eq!(p.num_free(), 1);
+        // The other block is free and uncached: touching it is an error.
+        assert_eq!(p.touch(&[BlockId(1)]), Err(CoreError::BlockNotAllocated(1)));
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn forced_collision_is_never_a_hit() {
+        let mut p = BlockPool::new(4, 2, true, HashMode::Degenerate).unwrap();
+        let mut h = p.new_hasher();
+        let key = ExtraKey::new(None);
+        let b = p.allocate(1).unwrap()[0];
+        let hash = h.hash_block(None, &key, &[1, 1]);
+        assert!(p.register(b, hash, None, &[1, 1], &key));
+        let other = h.hash_block(None, &key, &[2, 2]);
+        assert_eq!(hash, other);
+        assert_eq!(p.lookup_verified(other, None, &[2, 2], &key), None);
+        assert_eq!(p.lookup_verified(hash, None, &[1, 1], &key), Some(b));
+        // Same tokens, another salt: no hit either.
+        assert_eq!(p.lookup_verified(hash, None, &[1, 1], &ExtraKey::new(Some("s"))), None);
+    }
+
+    #[test]
+    fn parent_link_is_verified_with_generation() {
+        let mut p = BlockPool::new(3, 1, true, HashMode::Degenerate).unwrap();
+        let mut h = p.new_hasher();
+        let key = ExtraKey::new(None);
+        let blocks = p.allocate(2).unwrap();
+        let (a, b) = (blocks[0], blocks[1]);
+        let ha = h.hash_block(None, &key, &[1]);
+        p.register(a, ha, None, &[1], &key);
+        // Child registered under a different hash value space is impossible in degenerate
+        // mode, so use the real hasher for the child.
+        let mut real = BlockHasher::new(HashMode::Xxh3);
+        let hb = real.hash_block(Some(ha), &key, &[2]);
+        p.register(b, hb, Some(a), &[2], &key);
+        assert_eq!(p.lookup_verified(hb, Some(a), &[2], &key), Some(b));
+        // Evict and reuse the parent: the child's link is now stale.
+        p.free(&[a]).unwrap();
+        let c = p.allocate(2).unwrap();
+        assert!(c.contains(&a));
+        assert_eq!(p.lookup_verified(hb, Some(a), &[2], &key), None);
+    }
+
+    #[test]
+    fn reset_prefix_cache_drops_free_cached_blocks() {
+        let mut p = pool(3, 1);
+        let mut h = p.new_hasher();
+        let key = ExtraKey::new(None);
+        let bl = p.allocate(2).unwrap();
+        for (i, &b) in bl.iter().enumerate() {
+            let t = [i as u32];
+            let hash = h.hash_block(None, &key, &t);
+            p.register(b, hash, None, &t, &key);
+        }
+        p.free(&bl[..1]).unwrap();
+        assert_eq!(p.reset_prefix_cache(), 1);
+        assert_eq!(p.num_cached_blocks(), 1);
+        p.check_invariants().unwrap();
+    }
+}

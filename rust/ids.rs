@@ -1,0 +1,58 @@
+//! Id newtypes. No raw `usize` ids cross module borders: a block id and a sequence id cannot be
+//! confused with each other or with a count.
+
+use std::fmt;
+
+/// A physical block of the KV cache: an index into the pool, `0 .. num_blocks`.
+///
+/// Block ids fit in `i32` (they cross to Python and the kernels as int32 block tables), which
+/// the pool guarantees by capping `num_blocks` at [`crate::block_pool::MAX_NUM_BLOCKS`].
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId(pub u32);
+
+impl BlockId {
+    /// The block's index into per-block arrays.
+    #[inline]
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl fmt::Display for BlockId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// A live sequence of a [`crate::kv_cache_manager::KvCacheManager`].
+///
+/// Packs a slot index (low 32 bits) and that slot's generation (high 32 bits), so an id that
+/// outlives its sequence is recognised as stale instead of aliasing the slot's next occupant.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+impl SeqId {
+    /// Builds an id from a slot index and the slot's generation.
+    #[inline]
+    pub fn new(slot: u32, generation: u32) -> Self {
+        SeqId(((generation as u64) << 32) | slot as u64)
+    }
+
+    /// The slab slot this id points at.
+    #[inline]
+    pub fn slot(self) -> usize {
+        (self.0 & 0xFFFF_FFFF) as usize
+    }
+
+    /// The generation the slot had when this id was handed out.
+    #[inline]
+    pub fn generation(self) -> u32 {
+        (self.0 >> 32) as u32
+    }
+}
+
+impl fmt::Display for SeqId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}

@@ -1,0 +1,36 @@
+//! pagedkv: paged KV-cache management for LLM serving.
+//!
+//! The KV cache is cut into fixed-size blocks. Each sequence owns a block table (logical block
+//! → physical block); blocks are allocated as a sequence grows and return to a free pool when
+//! it ends; blocks are shared by reference count (prefix caching, parallel sampling) and copied
+//! on write; freed cached blocks are evicted lazily in LRU order.
+//!
+//! Modules, bottom up:
+//! - [`ids`]: `BlockId`, `SeqId` newtypes.
+//! - [`error`]: the crate's one error enum.
+//! - [`free_queue`]: O(1) intrusive free-block queue.
+//! - [`block_hash`]: chained 128-bit block hashes and cache salts.
+//! - [`block_pool`]: ref counts, free queue, prefix-cache index with verified lookups.
+//! - [`block_table`]: logical → physical mapping and slot computation.
+//! - [`kv_cache_manager`]: sequences over the pool: prefix hits, slots, copy-on-write, fork.
+//!
+//! The Python bindings live in `py` behind the `python` feature.
+
+#![deny(missing_docs)]
+
+pub mod block_hash;
+pub mod block_pool;
+pub mod block_table;
+pub mod error;
+pub mod free_queue;
+pub mod ids;
+pub mod kv_cache_manager;
+
+#[cfg(feature = "python")]
+mod py;
+
+pub use block_hash::{BlockHash, ExtraKey, HashMode};
+pub use block_pool::BlockPool;
+pub use error::{CoreError, Result};
+pub use ids::{BlockId, SeqId};
+pub use kv_cache_manager::{KvCacheManager, PrefixMatch};
