@@ -67,6 +67,8 @@ class SamplingMetadata:
     min_p: torch.Tensor | None
     # [S] int64 top-k per row, with "off" stored as V (a no-op); None when no row uses top-k.
     top_k: torch.Tensor | None
+    # Largest top-k among the rows that use it (known on the host: no device sync per step).
+    max_top_k: int | None
     # [S] float32 top-p per row (1 = off); None when no row uses top-p.
     top_p: torch.Tensor | None
     # [F] int64: the rows that use top-k or top-p (only they are sorted); None if all rows do.
@@ -110,7 +112,7 @@ class SamplingMetadata:
         temperature = as_tensor([t if t > 0.0 else 1.0 for t in temperatures], torch.float32)
         greedy_mask = None if all_greedy or all_random else as_tensor(greedy, torch.bool)
 
-        min_p = top_k = top_p = filtered_rows = None
+        min_p = top_k = top_p = filtered_rows = max_top_k = None
         row_generators: dict[int, torch.Generator] = {}
         if not all_greedy:
             # Greedy rows carry normalized "off" values (SamplingParams does that), so they
@@ -124,6 +126,7 @@ class SamplingMetadata:
             uses_top_p = [p < 1.0 for p in top_ps]
             if any(uses_top_k):
                 top_k = as_tensor(top_ks, torch.int64)
+                max_top_k = max(k for k in top_ks if k < vocab_size)
             if any(uses_top_p):
                 top_p = as_tensor(top_ps, torch.float32)
             filtered = [i for i in range(num_rows) if uses_top_k[i] or uses_top_p[i]]
@@ -165,6 +168,7 @@ class SamplingMetadata:
             all_random=all_random,
             min_p=min_p,
             top_k=top_k,
+            max_top_k=max_top_k,
             top_p=top_p,
             filtered_rows=filtered_rows,
             generators=row_generators,
@@ -236,12 +240,15 @@ class Sampler:
         if metadata.top_k is not None or metadata.top_p is not None:
             rows = metadata.filtered_rows
             if rows is None:
-                scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
+                scaled = apply_top_k_top_p(
+                    scaled, metadata.top_k, metadata.top_p, max_top_k=metadata.max_top_k
+                )
             else:
                 subset = apply_top_k_top_p(
                     scaled.index_select(0, rows),
                     None if metadata.top_k is None else metadata.top_k.index_select(0, rows),
                     None if metadata.top_p is None else metadata.top_p.index_select(0, rows),
+                    max_top_k=metadata.max_top_k,
                 )
                 scaled.index_copy_(0, rows, subset)
         probs = torch.softmax(scaled, dim=-1)
@@ -264,18 +271,23 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 
 
 def apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    *,
+    max_top_k: int | None = None,
 ) -> torch.Tensor:
     """Mask all but each row's top-k tokens, then all but its top-p nucleus.
 
     ``logits`` [S, V] float32 (may be modified); ``top_k`` [S] int64 in [1, V] (V = off);
     ``top_p`` [S] float32 in (0, 1] (1 = off). Ties with the k-th value are kept (as in vLLM).
+    ``max_top_k``: ``max(top_k)`` if the caller knows it (saves a device sync).
     """
     vocab_size = logits.shape[1]
     if top_p is None:
         assert top_k is not None
         # Top-k alone needs no full sort: the k-th largest value is a threshold.
-        max_k = int(top_k.max())
+        max_k = min(int(top_k.max()) if max_top_k is None else max_top_k, vocab_size)
         top_values = logits.topk(max_k, dim=-1).values  # [S, max_k], descending
         kth_value = top_values.gather(1, (top_k - 1).clamp(max=max_k - 1).unsqueeze(1))
         kth_value.masked_fill_((top_k >= vocab_size).unsqueeze(1), float("-inf"))
