@@ -146,16 +146,21 @@ def _gather_kv(
     """The KV of N sequences, contiguous per sequence, padded to ``num_blocks`` blocks.
 
     Block-table entries past a sequence's last block may be padding (-1, stale ids): they are
-    replaced by block 0 so that the gather stays in bounds; the padded keys are masked later.
+    replaced by block 0 so that the gather stays in bounds. Every position at or past
+    ``seq_len`` is then zeroed: the cache may hold anything there (stale KV, or NaN bit
+    patterns of never-written memory), and a NaN would survive the mask (0 * NaN = NaN).
     """
     n, block_size, num_kv_heads, head_dim = (block_tables.shape[0], *cache.shape[1:])
     table = block_tables[:, :num_blocks].long()
     blocks_used = torch.div(seq_lens.long() + block_size - 1, block_size, rounding_mode="floor")
     in_use = torch.arange(num_blocks, device=table.device) < blocks_used[:, None]
     table = torch.where(in_use, table, torch.zeros_like(table))
-    gathered = cache[table]  # [N, num_blocks, block_size, Hkv, D]
+    gathered = cache[table].to(compute_dtype)  # [N, num_blocks, block_size, Hkv, D]
     gathered = gathered.view(n, num_blocks * block_size, num_kv_heads, head_dim)
-    return gathered.transpose(1, 2).to(compute_dtype)
+    positions = torch.arange(num_blocks * block_size, device=table.device)
+    past_end = positions[None, :] >= seq_lens.long()[:, None]  # [N, L]
+    gathered.masked_fill_(past_end[:, :, None, None], 0.0)
+    return gathered.transpose(1, 2)
 
 
 def _sdpa(

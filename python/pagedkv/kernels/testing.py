@@ -1,0 +1,137 @@
+"""Random paged batches for the kernel tests and the GPU check.
+
+:func:`make_paged_batch` builds a batch the way the engine would see it, with the traps a
+kernel can fall into made explicit:
+
+* each sequence's K/V is kept contiguous (``keys[b]``: ``[seq_len, Hkv, D]``) as ground
+  truth, and scattered into the paged caches through a **shuffled, non-monotonic** block table;
+* every cache slot that holds no token of the batch (unused blocks, the tail of each
+  sequence's last block) is **NaN** when ``poison`` is set, so that reading one shows up as a
+  non-finite output;
+* block-table entries past a sequence's last block are ``-1``, and the table has a spare
+  column, so that reading past the end shows up as a bad address or a NaN.
+
+Query rows are packed in batch order; ``cu_seqlens_q`` and ``seq_lens`` follow DESIGN.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedkv.kernels import reference
+
+__all__ = ["PagedBatch", "make_paged_batch", "causal_reference"]
+
+
+@dataclass
+class PagedBatch:
+    query: torch.Tensor  # [T, H, D]
+    key_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor  # [B, max_blocks] int32, -1 past each sequence's blocks
+    seq_lens: torch.Tensor  # [B] int32
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    keys: list[torch.Tensor]  # per sequence [seq_len, Hkv, D], the ground truth of key_cache
+    values: list[torch.Tensor]  # per sequence [seq_len, Hkv, D]
+    q_lens: list[int]
+
+    def attention_args(self) -> tuple[torch.Tensor, ...]:
+        return (self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens, self.cu_seqlens_q)
+
+    def as_dtype(self, dtype: torch.dtype) -> PagedBatch:
+        """The same batch in another dtype (e.g. float64 for the oracle); metadata shared."""
+        return PagedBatch(
+            self.query.to(dtype), self.key_cache.to(dtype), self.value_cache.to(dtype),
+            self.block_tables, self.seq_lens, self.cu_seqlens_q,
+            [k.to(dtype) for k in self.keys], [v.to(dtype) for v in self.values], self.q_lens,
+        )
+
+
+def make_paged_batch(
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    spare_blocks: int = 3,
+    poison: bool = True,
+) -> PagedBatch:
+    """A packed batch: sequence b has ``q_lens[b]`` query rows and ``seq_lens[b]`` KV tokens."""
+    if len(q_lens) != len(seq_lens):
+        raise ValueError(f"q_lens ({len(q_lens)}) and seq_lens ({len(seq_lens)}) differ in length")
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype=dtype, device=device)
+
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    physical = torch.randperm(num_blocks, generator=generator).tolist()
+    max_blocks = max(blocks_per_seq, default=0) + 1
+    block_tables = torch.full((len(q_lens), max_blocks), -1, dtype=torch.int32)
+    slots: list[int] = []
+    next_block = 0
+    for b, (n, seq_len) in enumerate(zip(blocks_per_seq, seq_lens)):
+        owned = physical[next_block : next_block + n]
+        next_block += n
+        block_tables[b, :n] = torch.tensor(owned, dtype=torch.int32)
+        slots.extend(owned[j // block_size] * block_size + j % block_size for j in range(seq_len))
+
+    fill = float("nan") if poison else 0.0
+    key_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), fill, dtype=dtype, device=device)
+    value_cache = torch.full_like(key_cache, fill)
+    keys = [randn(s, num_kv_heads, head_dim) for s in seq_lens]
+    values = [randn(s, num_kv_heads, head_dim) for s in seq_lens]
+    if slots:
+        reference.store_kv(
+            torch.cat(keys), torch.cat(values), key_cache, value_cache,
+            torch.tensor(slots, dtype=torch.int64, device=device),
+        )
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
+    return PagedBatch(
+        query=randn(sum(q_lens), num_heads, head_dim),
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        cu_seqlens_q=cu.to(device),
+        keys=keys,
+        values=values,
+        q_lens=list(q_lens),
+    )
+
+
+def causal_reference(batch: PagedBatch, scale: float | None = None) -> torch.Tensor:  # [T, H, D]
+    """Attention computed from the contiguous ground truth with SDPA and an explicit mask.
+
+    Independent of the block tables and of :mod:`.reference`: a per-sequence loop over
+    ``torch.nn.functional.scaled_dot_product_attention`` with a hand-built bottom-right mask
+    (never ``is_causal``, which is top-left when ``q_len != kv_len``) and an explicit repeat of
+    the KV heads. Rows that see no key are set to zero.
+    """
+    num_heads = batch.query.shape[1]
+    out = torch.zeros_like(batch.query)
+    row = 0
+    for q_len, k, v in zip(batch.q_lens, batch.keys, batch.values):
+        seq_len = k.shape[0]
+        group = num_heads // k.shape[1]
+        q = batch.query[row : row + q_len].transpose(0, 1)  # [H, q_len, D]
+        k_heads = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, seq_len, D]
+        v_heads = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        query_pos = torch.arange(q_len)[:, None] + (seq_len - q_len)
+        key_pos = torch.arange(seq_len)[None, :]
+        mask = (key_pos <= query_pos).to(q.device)  # [q_len, seq_len]
+        if seq_len > 0:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k_heads, v_heads, attn_mask=mask, scale=scale)
+            o = o.masked_fill(~mask.any(dim=-1)[None, :, None], 0.0)
+            out[row : row + q_len] = o.transpose(0, 1)
+        row += q_len
+    return out

@@ -1,0 +1,262 @@
+"""Launches the Triton paged-attention kernels for one packed batch.
+
+A batch mixes decodes (``q_len == 1``) and prefill/extend chunks (``q_len > 1``). Nothing here
+reads device memory on the host (no sync): the launch is planned from shapes and optional
+host-side hints only.
+
+* Decodes go to the split-KV kernel (:mod:`.triton_decode`), grid ``(B, Hkv, num_splits)``.
+  ``num_splits`` (:func:`choose_num_splits`) is picked so that ``B * Hkv * num_splits`` is at
+  least ``_PROGRAMS_PER_SM`` times the SM count while every split keeps at least
+  ``_MIN_TOKENS_PER_SPLIT`` keys of the longest context; one split means no workspace and no
+  merge.
+* Everything else goes to the prefill kernel (:mod:`.triton_prefill`), grid
+  ``(T // BLOCK_M + B, H)``, which skips the decode rows.
+* When ``T == B`` the batch is taken to be all decodes (every scheduled sequence has at least
+  one query row, so ``T == B`` means every ``q_len`` is 1) and the prefill kernel is not
+  launched; when the caller passes ``max_seqlen_q`` that is used instead.
+
+Workspace policy: the split-KV partial results (``[B, H, num_splits, D]`` output and two
+``[B, H, num_splits]`` statistics, fp32) are allocated per call with ``torch.empty`` from the
+torch caching allocator (no state kept between calls, CUDA-graph friendly); a caller may pass
+a :class:`DecodeWorkspace` instead (the tests pass one filled with NaN to prove that nothing
+reads an entry the kernel did not write).
+
+Longest context: ``max_seqlen_k`` when given, else ``block_tables.shape[1] * block_size``
+(the block tables are padded to the longest sequence of the batch).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.kernels.triton_decode import decode_split_kernel, merge_splits_kernel
+from pagedkv.kernels.triton_prefill import prefill_kernel
+
+__all__ = [
+    "DecodeWorkspace",
+    "choose_num_splits",
+    "paged_attention",
+    "is_interpreted",
+]
+
+_LOG2_E = 1.4426950408889634
+_PROGRAMS_PER_SM = 2  # decode programs wanted per SM (the kernel is bandwidth-bound)
+_MIN_TOKENS_PER_SPLIT = 256  # keep each split several blocks long
+_MAX_SPLITS = 64
+_INTERPRETER_SMS = 4  # "SM count" under TRITON_INTERPRET: few programs, fast tests
+
+
+def is_interpreted() -> bool:
+    """True when the kernels were decorated under ``TRITON_INTERPRET=1`` (they run on the CPU)."""
+    return type(decode_split_kernel).__name__ == "InterpretedFunction"
+
+
+@dataclass
+class DecodeWorkspace:
+    """fp32 partial results of split-KV decode, one entry per (sequence, query head, split)."""
+
+    partial_out: torch.Tensor  # [B, H, num_splits, D] fp32, contiguous
+    partial_max: torch.Tensor  # [B, H, num_splits] fp32, contiguous (base-2 running max)
+    partial_sum: torch.Tensor  # [B, H, num_splits] fp32, contiguous
+
+    @classmethod
+    def allocate(
+        cls, num_seqs: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device,
+        fill: float | None = None,
+    ) -> DecodeWorkspace:
+        def make(*shape: int) -> torch.Tensor:
+            if fill is None:
+                return torch.empty(shape, dtype=torch.float32, device=device)
+            return torch.full(shape, fill, dtype=torch.float32, device=device)
+
+        return cls(
+            make(num_seqs, num_heads, num_splits, head_dim),
+            make(num_seqs, num_heads, num_splits),
+            make(num_seqs, num_heads, num_splits),
+        )
+
+    def fits(self, num_seqs: int, num_heads: int, num_splits: int, head_dim: int) -> bool:
+        return tuple(self.partial_out.shape) == (num_seqs, num_heads, num_splits, head_dim)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _INTERPRETER_SMS
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int) -> int:
+    """Splits per (sequence, KV head) for decode: fill the GPU, keep splits long enough.
+
+    >>> choose_num_splits(256, 8, 4096, 132)  # 2048 programs already fill an H200
+    1
+    >>> choose_num_splits(1, 8, 32768, 132)  # one long sequence: spread it over the SMs
+    33
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = _PROGRAMS_PER_SM * num_sms
+    if programs >= wanted:
+        return 1
+    longest_useful = max(1, max_context // _MIN_TOKENS_PER_SPLIT)
+    return max(1, min(math.ceil(wanted / programs), longest_useful, _MAX_SPLITS))
+
+
+@dataclass(frozen=True)
+class _PrefillConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def _prefill_config(head_dim_padded: int, dtype: torch.dtype) -> _PrefillConfig:
+    if is_interpreted():
+        # The interpreter pays per loop iteration, not per element: big tiles, few iterations.
+        return _PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return _PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if head_dim_padded >= 256:
+        return _PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+    return _PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+
+def _decode_block_n(head_dim_padded: int, dtype: torch.dtype) -> int:
+    if is_interpreted():
+        return 64
+    if head_dim_padded >= 256 or dtype == torch.float32:
+        return 32
+    return 64
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: exact fp32 products (tf32 would miss the fp32 tolerance); halves ignore it.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, H, D] fp16/bf16/fp32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], query's dtype or float8
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    *,
+    scale: float,
+    out: torch.Tensor,  # [T, H, D], query's dtype
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    num_splits: int | None = None,  # decode splits; None = choose_num_splits
+    workspace: DecodeWorkspace | None = None,
+    use_decode_kernel: bool = True,  # False: the prefill kernel does the q_len == 1 rows too
+) -> torch.Tensor:
+    """Launch decode and/or prefill kernels (inputs already validated by the dispatcher)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = block_tables.shape[0]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_heads // num_kv_heads
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    scale_log2e = scale * _LOG2_E
+    dot_precision = _dot_precision(query.dtype)
+
+    if max_seqlen_q is None:
+        all_decodes = num_tokens == num_seqs
+    else:
+        all_decodes = max_seqlen_q <= 1
+    has_prefill = not all_decodes or not use_decode_kernel
+
+    if use_decode_kernel:
+        if max_seqlen_k is None:
+            max_seqlen_k = block_tables.shape[1] * block_size
+        if num_splits is None:
+            num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, _num_sms(query.device))
+        _launch_decode(
+            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out,
+            scale_log2e=scale_log2e, num_splits=num_splits, workspace=workspace, group=group,
+            head_dim_padded=head_dim_padded, dot_precision=dot_precision,
+        )
+    if has_prefill:
+        config = _prefill_config(head_dim_padded, query.dtype)
+        grid = (num_tokens // config.block_m + num_seqs, num_heads)
+        prefill_kernel[grid](
+            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out,
+            scale_log2e,
+            *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(),
+            *out.stride(),
+            num_seqs, head_dim,
+            GROUP=group,
+            BLOCK_SIZE=block_size,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            HEAD_DIM_PADDED=head_dim_padded,
+            SKIP_DECODES=use_decode_kernel,
+            DOT_PRECISION=dot_precision,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    return out
+
+
+def _launch_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale_log2e: float,
+    num_splits: int,
+    workspace: DecodeWorkspace | None,
+    group: int,
+    head_dim_padded: int,
+    dot_precision: str,
+) -> None:
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_seqs = block_tables.shape[0]
+    num_kv_heads = key_cache.shape[2]
+    single_split = num_splits == 1
+    if single_split:
+        partials = (out, out, out)  # unused by the kernel; any pointer will do
+    else:
+        if workspace is None:
+            workspace = DecodeWorkspace.allocate(num_seqs, num_heads, num_splits, head_dim, query.device)
+        elif not workspace.fits(num_seqs, num_heads, num_splits, head_dim):
+            raise InvalidArgumentError(
+                f"workspace has shape {tuple(workspace.partial_out.shape)}, "
+                f"needs {(num_seqs, num_heads, num_splits, head_dim)}"
+            )
+        partials = (workspace.partial_out, workspace.partial_max, workspace.partial_sum)
+
+    decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out, *partials,
+        scale_log2e,
+        *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(),
+        *out.stride(),
+        num_heads, num_splits, head_dim,
+        GROUP=group,
+        GROUP_PADDED=max(16, triton.next_power_of_2(group)),
+        BLOCK_SIZE=key_cache.shape[1],
+        BLOCK_N=_decode_block_n(head_dim_padded, query.dtype),
+        HEAD_DIM_PADDED=head_dim_padded,
+        WRITE_OUTPUT=single_split,
+        DOT_PRECISION=dot_precision,
+        num_warps=4,
+        num_stages=3 if not is_interpreted() else 1,
+    )
+    if not single_split:
+        merge_splits_kernel[(num_seqs, num_heads)](
+            workspace.partial_out, workspace.partial_max, workspace.partial_sum, cu_seqlens_q, out,
+            *out.stride(),
+            num_heads, num_splits, head_dim,
+            SPLITS_PADDED=triton.next_power_of_2(num_splits),
+            HEAD_DIM_PADDED=head_dim_padded,
+            num_warps=4,
+        )

@@ -1,0 +1,173 @@
+"""Triton split-KV decode attention (flash-decoding) over a paged KV cache.
+
+Decode rows have one query token (``q_len == 1``) that sees every key of its sequence. Their
+cost is reading K and V, so the kernel is built to read each byte of KV once, from as many SMs
+as possible:
+
+* **GQA packing**: program ``(b, kv_head, split)`` loads the ``GROUP = H / Hkv`` query heads
+  that share ``kv_head`` as the rows of one ``[GROUP_PADDED, D]`` tile, so one ``tl.dot``
+  serves the whole group and K/V are read once per KV head. ``tl.dot`` needs M >= 16: the
+  group is padded to ``GROUP_PADDED = max(16, next_pow2(GROUP))`` rows of zeros (free, the
+  kernel is bandwidth-bound).
+* **Split-KV**: a sequence's keys are cut into ``num_splits`` ranges of
+  ``tokens_per_split = round_up(ceil(seq_len / num_splits), BLOCK_N)`` tokens. Each program
+  walks its range ``BLOCK_N`` tokens at a time; token ``j`` lives in physical block
+  ``block_tables[b, j // BLOCK_SIZE]`` (widened to int64 before any pointer arithmetic) at row
+  ``j % BLOCK_SIZE``, so a tile may span several pages or part of one.
+* **Online softmax** in fp32, base 2 (``scale * log2(e)`` is folded into the scores). Every
+  loop iteration has at least one valid key, so the running max is finite after the first.
+* **Partial results**: with ``num_splits > 1`` each program writes its un-normalised output
+  ``sum_j 2^(s_j - m) v_j``, its max ``m`` and its sum ``l = sum_j 2^(s_j - m)`` to an fp32
+  workspace; :func:`_merge_splits_kernel` combines the splits of one (sequence, head)::
+
+      M = max_s m_s,   out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
+
+  A split with no keys (short sequence, or ``seq_len == 0``) writes ``m = -inf, l = 0,
+  acc = 0`` and so weighs nothing; a row with no key at all gets zeros. The merge reads only
+  the ``num_splits`` entries every program writes, so stale or NaN workspace is harmless.
+  With ``num_splits == 1`` the kernel normalises and writes the output itself (no merge).
+
+Programs of sequences with ``q_len != 1`` return at once; the prefill kernel handles those.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["decode_split_kernel", "merge_splits_kernel"]
+
+
+@triton.jit
+def _decode_split_kernel(
+    query_ptr,  # [T, H, D]
+    key_cache_ptr, value_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    out_ptr,  # [T, H, D], written when WRITE_OUTPUT
+    partial_out_ptr,  # [B, H, num_splits, D] fp32, written unless WRITE_OUTPUT
+    partial_max_ptr, partial_sum_ptr,  # [B, H, num_splits] fp32
+    scale_log2e,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt_b, stride_bt_n,
+    stride_ot, stride_oh, stride_od,
+    num_heads, num_splits, head_dim,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PADDED: tl.constexpr,  # >= 16, power of two
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCK_N: tl.constexpr,  # keys per loop iteration
+    HEAD_DIM_PADDED: tl.constexpr,
+    WRITE_OUTPUT: tl.constexpr,  # num_splits == 1: normalise and write `out` directly
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    q_row = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_row
+    if q_len != 1:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    kv_start = split * tokens_per_split
+    kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
+
+    group_rows = tl.arange(0, GROUP_PADDED)
+    heads = kv_head * GROUP + group_rows
+    row_mask = group_rows < GROUP
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_mask = dims < head_dim
+
+    q_ptrs = query_ptr + q_row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    m_i = tl.full([GROUP_PADDED], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PADDED], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PADDED, HEAD_DIM_PADDED], dtype=tl.float32)
+
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
+    kv_head_offset_k = kv_head.to(tl.int64) * stride_kh
+    kv_head_offset_v = kv_head.to(tl.int64) * stride_vh
+    for start in range(kv_start, kv_end, BLOCK_N):
+        tokens = start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < kv_end
+        physical_block = tl.load(block_table_row + (tokens // BLOCK_SIZE) * stride_bt_n, mask=token_mask, other=0)
+        physical_block = physical_block.to(tl.int64)
+        row_in_block = tokens % BLOCK_SIZE
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+
+        k_ptrs = (key_cache_ptr + physical_block[:, None] * stride_kb + row_in_block[:, None] * stride_ks
+                  + kv_head_offset_k + dims[None, :] * stride_kd)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, D]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [GROUP_PADDED, BLOCK_N]
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: some token of the tile is valid
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v_ptrs = (value_cache_ptr + physical_block[:, None] * stride_vb + row_in_block[:, None] * stride_vs
+                  + kv_head_offset_v + dims[None, :] * stride_vd)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    store_mask = row_mask[:, None] & dim_mask[None, :]
+    if WRITE_OUTPUT:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        result = acc / l_safe[:, None]
+        o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :] * stride_od
+        tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # Workspace index of (seq, head, split); int64 so that large batches cannot overflow.
+        entry = (seq.to(tl.int64) * num_heads + heads) * num_splits + split  # [GROUP_PADDED]
+        tl.store(partial_out_ptr + entry[:, None] * head_dim + dims[None, :], acc, mask=store_mask)
+        tl.store(partial_max_ptr + entry, m_i, mask=row_mask)
+        tl.store(partial_sum_ptr + entry, l_i, mask=row_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_out_ptr,  # [B, H, num_splits, D] fp32
+    partial_max_ptr, partial_sum_ptr,  # [B, H, num_splits] fp32
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    out_ptr,  # [T, H, D]
+    stride_ot, stride_oh, stride_od,
+    num_heads, num_splits, head_dim,
+    SPLITS_PADDED: tl.constexpr,  # power of two >= num_splits
+    HEAD_DIM_PADDED: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_row = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_row
+    if q_len != 1:
+        return
+
+    splits = tl.arange(0, SPLITS_PADDED)
+    split_mask = splits < num_splits
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_mask = dims < head_dim
+    entry = (seq.to(tl.int64) * num_heads + head) * num_splits + splits  # [SPLITS_PADDED]
+
+    m = tl.load(partial_max_ptr + entry, mask=split_mask, other=float("-inf"))
+    l = tl.load(partial_sum_ptr + entry, mask=split_mask, other=0.0)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no key anywhere: all weights 0
+    weight = tl.exp2(m - m_max)  # 0 for empty and padded splits
+    total = tl.sum(weight * l, axis=0)
+
+    acc = tl.load(partial_out_ptr + entry[:, None] * head_dim + dims[None, :],
+                  mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    result = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0.0, total, 1.0)
+    o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims * stride_od
+    tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+decode_split_kernel = _decode_split_kernel
+merge_splits_kernel = _merge_splits_kernel

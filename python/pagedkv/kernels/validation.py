@@ -1,0 +1,219 @@
+"""Argument checks shared by every backend of ``store_kv`` and ``paged_attention``.
+
+Every check raises :class:`pagedkv.errors.InvalidArgumentError` with a message naming the bad
+argument and value. Shape, dtype and device checks are free (metadata only) and always run.
+Checks that read tensor *values* (``cu_seqlens_q`` monotone, block ids in range, slots in
+range, ...) run only for CPU tensors: on a GPU they would force a device-to-host sync on every
+call, which a serving loop cannot afford.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedkv.errors import InvalidArgumentError
+
+__all__ = [
+    "TRITON_HEAD_DIMS",
+    "TRITON_DTYPES",
+    "FP8_CACHE_DTYPES",
+    "check_store_kv_args",
+    "check_paged_attention_args",
+]
+
+# head_dim values the Triton kernels are built and tested for (non powers of two are padded).
+TRITON_HEAD_DIMS = (64, 80, 96, 128, 256)
+# Query / K / V dtypes of the Triton kernels; the torch path also takes float64.
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# A cache may also be stored in float8 (unit scale); it is upcast to the query's dtype on load.
+FP8_CACHE_DTYPES = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
+)
+_TORCH_DTYPES = (*TRITON_DTYPES, torch.float64)
+
+
+def _require_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _require_dim(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:
+    if tensor.dim() != ndim:
+        raise InvalidArgumentError(f"{name} must be {ndim}-D {layout}, got shape {tuple(tensor.shape)}")
+
+
+def _require_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    if tensor.dtype != dtype:
+        raise InvalidArgumentError(f"{name} must be {dtype}, got {tensor.dtype}")
+
+
+def _require_same_device(tensors: dict[str, torch.Tensor]) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise InvalidArgumentError(f"all tensors must be on one device, got {listing}")
+
+
+def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    _require_dim("key_cache", key_cache, 4, "[num_blocks, block_size, num_kv_heads, head_dim]")
+    if value_cache.shape != key_cache.shape:
+        raise InvalidArgumentError(
+            f"value_cache shape {tuple(value_cache.shape)} differs from key_cache shape {tuple(key_cache.shape)}"
+        )
+    if value_cache.dtype != key_cache.dtype:
+        raise InvalidArgumentError(f"value_cache dtype {value_cache.dtype} differs from key_cache dtype {key_cache.dtype}")
+    block_size = key_cache.shape[1]
+    if block_size < 8 or block_size & (block_size - 1):
+        raise InvalidArgumentError(f"block_size (key_cache.shape[1]) must be a power of two >= 8, got {block_size}")
+
+
+def _check_compute_dtypes(name: str, dtype: torch.dtype, cache_dtype: torch.dtype, backend: str) -> None:
+    allowed = TRITON_DTYPES if backend == "triton" else _TORCH_DTYPES
+    if dtype not in allowed:
+        raise InvalidArgumentError(
+            f"{name} dtype {dtype} is not supported by the {backend} backend (supported: {', '.join(map(str, allowed))})"
+        )
+    if cache_dtype != dtype and cache_dtype not in FP8_CACHE_DTYPES:
+        raise InvalidArgumentError(
+            f"cache dtype {cache_dtype} must equal {name} dtype {dtype} (or be a float8 type)"
+        )
+
+
+def _check_head_dim(head_dim: int, backend: str) -> None:
+    if backend == "triton" and head_dim not in TRITON_HEAD_DIMS:
+        raise InvalidArgumentError(
+            f"head_dim {head_dim} is not supported by the triton backend (supported: {TRITON_HEAD_DIMS})"
+        )
+
+
+def check_store_kv_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend: str,
+) -> None:
+    for name, arg in (("key", key), ("value", value), ("key_cache", key_cache),
+                      ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
+        _require_tensor(name, arg)
+    _require_dim("key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
+    if value.shape != key.shape:
+        raise InvalidArgumentError(f"value shape {tuple(value.shape)} differs from key shape {tuple(key.shape)}")
+    if value.dtype != key.dtype:
+        raise InvalidArgumentError(f"value dtype {value.dtype} differs from key dtype {key.dtype}")
+    _check_cache_pair(key_cache, value_cache)
+    if key.shape[1:] != key_cache.shape[2:]:
+        raise InvalidArgumentError(
+            f"key has (num_kv_heads, head_dim) = {tuple(key.shape[1:])} but the cache has {tuple(key_cache.shape[2:])}"
+        )
+    _require_dim("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    _require_dtype("slot_mapping", slot_mapping, torch.int64)
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise InvalidArgumentError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens"
+        )
+    _check_compute_dtypes("key", key.dtype, key_cache.dtype, backend)
+    _check_head_dim(key.shape[2], backend)
+    _require_same_device({"key": key, "value": value, "key_cache": key_cache,
+                          "value_cache": value_cache, "slot_mapping": slot_mapping})
+    if slot_mapping.device.type == "cpu" and slot_mapping.numel() > 0:
+        num_slots = key_cache.shape[0] * key_cache.shape[1]
+        largest = int(slot_mapping.max())
+        if largest >= num_slots:
+            raise InvalidArgumentError(f"slot_mapping holds slot {largest}, but the cache has only {num_slots} slots")
+
+
+def check_paged_attention_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    scale: float | None,
+    out: torch.Tensor | None,
+    backend: str,
+) -> None:
+    for name, arg in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
+                      ("block_tables", block_tables), ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
+        _require_tensor(name, arg)
+    _require_dim("query", query, 3, "[num_tokens, num_heads, head_dim]")
+    _check_cache_pair(key_cache, value_cache)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise InvalidArgumentError(f"query head_dim {head_dim} differs from the cache's head_dim {key_cache.shape[3]}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise InvalidArgumentError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    _check_compute_dtypes("query", query.dtype, key_cache.dtype, backend)
+    _check_head_dim(head_dim, backend)
+
+    _require_dim("block_tables", block_tables, 2, "[num_seqs, max_blocks]")
+    _require_dtype("block_tables", block_tables, torch.int32)
+    _require_dim("seq_lens", seq_lens, 1, "[num_seqs]")
+    _require_dtype("seq_lens", seq_lens, torch.int32)
+    _require_dim("cu_seqlens_q", cu_seqlens_q, 1, "[num_seqs + 1]")
+    _require_dtype("cu_seqlens_q", cu_seqlens_q, torch.int32)
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape[0] != num_seqs or cu_seqlens_q.shape[0] != num_seqs + 1:
+        raise InvalidArgumentError(
+            f"block_tables has {num_seqs} rows, so seq_lens needs {num_seqs} entries (has {seq_lens.shape[0]}) "
+            f"and cu_seqlens_q {num_seqs + 1} (has {cu_seqlens_q.shape[0]})"
+        )
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+        raise InvalidArgumentError(f"scale must be a finite number or None, got {scale!r}")
+    tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache,
+               "block_tables": block_tables, "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q}
+    if out is not None:
+        _require_tensor("out", out)
+        if out.shape != query.shape or out.dtype != query.dtype:
+            raise InvalidArgumentError(
+                f"out must match query ({tuple(query.shape)}, {query.dtype}), "
+                f"got ({tuple(out.shape)}, {out.dtype})"
+            )
+        tensors["out"] = out
+    _require_same_device(tensors)
+    if query.device.type == "cpu":
+        _check_batch_values(block_tables, seq_lens, cu_seqlens_q, num_tokens, key_cache.shape[0], key_cache.shape[1])
+
+
+def _check_batch_values(
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    num_tokens: int,
+    num_blocks: int,
+    block_size: int,
+) -> None:
+    """Value checks of the batch metadata (CPU tensors only: no device sync)."""
+    if cu_seqlens_q.numel() and int(cu_seqlens_q[0]) != 0:
+        raise InvalidArgumentError(f"cu_seqlens_q must start at 0, got {int(cu_seqlens_q[0])}")
+    q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    if q_lens.numel() == 0:
+        return
+    if int(q_lens.min()) < 0:
+        b = int(torch.argmin(q_lens))
+        raise InvalidArgumentError(
+            f"cu_seqlens_q must be non-decreasing; it falls from {int(cu_seqlens_q[b])} to {int(cu_seqlens_q[b + 1])} "
+            f"at sequence {b}"
+        )
+    if int(cu_seqlens_q[-1]) > num_tokens:
+        raise InvalidArgumentError(f"cu_seqlens_q ends at {int(cu_seqlens_q[-1])}, past the {num_tokens} query rows")
+    capacity = block_tables.shape[1] * block_size
+    if int(seq_lens.min()) < 0 or int(seq_lens.max()) > capacity:
+        b = int(torch.argmin(seq_lens)) if int(seq_lens.min()) < 0 else int(torch.argmax(seq_lens))
+        raise InvalidArgumentError(
+            f"seq_lens[{b}] = {int(seq_lens[b])} is outside 0 .. {capacity} (block_tables width x block_size)"
+        )
+    blocks_used = (seq_lens.long() + block_size - 1) // block_size
+    in_use = torch.arange(block_tables.shape[1]) < blocks_used[:, None]
+    used_ids = block_tables[in_use]
+    if used_ids.numel() and (int(used_ids.min()) < 0 or int(used_ids.max()) >= num_blocks):
+        bad = int(used_ids.min()) if int(used_ids.min()) < 0 else int(used_ids.max())
+        raise InvalidArgumentError(f"block_tables holds block id {bad} for a used block; the cache has {num_blocks} blocks")
