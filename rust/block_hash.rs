@@ -6,8 +6,8 @@
 //!
 //! A hash is only a candidate: the prefix cache verifies every hit against the stored token ids
 //! and the parent link (block_pool.rs), so even a full collision cannot serve another
-//! sequence's KV. [`HashMode::Degenerate`] exists to prove that in tests: it maps every block to
-//! the same hash.
+//! sequence's KV. [`HashMode::Truncated`] exists to prove that in tests: it keeps only a few
+//! bits of each hash (0 bits: every block hashes alike), so collisions are the rule.
 
 use std::sync::Arc;
 
@@ -56,9 +56,9 @@ pub enum HashMode {
     /// xxh3-128 over the chained input (production).
     #[default]
     Xxh3,
-    /// Test hook: every block hashes to the same value, so every lookup finds a colliding
-    /// candidate and only verification decides.
-    Degenerate,
+    /// Test hook: only the low `n` bits of the xxh3 hash are kept (`n` < 128), so different
+    /// blocks collide often (always, for 0 bits) and only verification tells them apart.
+    Truncated(u8),
 }
 
 /// Computes chained block hashes, reusing one scratch buffer.
@@ -81,9 +81,6 @@ impl BlockHasher {
 
     /// Hash of one full block given its parent's hash (`None` for the first block).
     pub fn hash_block(&mut self, parent: Option<BlockHash>, extra: &ExtraKey, tokens: &[u32]) -> BlockHash {
-        if self.mode == HashMode::Degenerate {
-            return BlockHash(0xDEAD_BEEF);
-        }
         let buf = &mut self.scratch;
         buf.clear();
         buf.reserve(25 + 4 * tokens.len());
@@ -102,7 +99,12 @@ impl BlockHasher {
         for &t in tokens {
             buf.extend_from_slice(&t.to_le_bytes());
         }
-        BlockHash(xxh3_128(buf))
+        let h = xxh3_128(buf);
+        match self.mode {
+            HashMode::Xxh3 => BlockHash(h),
+            HashMode::Truncated(bits) if bits >= 128 => BlockHash(h),
+            HashMode::Truncated(bits) => BlockHash(h & ((1u128 << bits) - 1)),
+        }
     }
 
     /// Appends to `hashes` the chained hashes of the full blocks of `tokens` that are not
@@ -163,8 +165,8 @@ mod tests {
     }
 
     #[test]
-    fn degenerate_mode_collides() {
-        let mut h = BlockHasher::new(HashMode::Degenerate);
+    fn truncated_mode_collides() {
+        let mut h = BlockHasher::new(HashMode::Truncated(0));
         let key = ExtraKey::new(None);
         assert_eq!(h.hash_block(None, &key, &[1]), h.hash_block(None, &key, &[2]));
     }

@@ -628,7 +628,7 @@ mod tests {
 
     #[test]
     fn forced_collision_is_never_a_hit() {
-        let mut p = BlockPool::new(4, 2, true, HashMode::Degenerate).unwrap();
+        let mut p = BlockPool::new(4, 2, true, HashMode::Truncated(0)).unwrap();
         let mut h = p.new_hasher();
         let key = ExtraKey::new(None);
         let b = p.allocate(1).unwrap()[0];
@@ -644,7 +644,7 @@ mod tests {
 
     #[test]
     fn parent_link_is_verified_with_generation() {
-        let mut p = BlockPool::new(3, 1, true, HashMode::Degenerate).unwrap();
+        let mut p = BlockPool::new(3, 1, true, HashMode::Truncated(0)).unwrap();
         let mut h = p.new_hasher();
         let key = ExtraKey::new(None);
         let blocks = p.allocate(2).unwrap();

@@ -26,8 +26,9 @@ impl fmt::Display for BlockId {
 
 /// A live sequence of a [`crate::kv_cache_manager::KvCacheManager`].
 ///
-/// Packs a slot index (low 32 bits) and that slot's generation (high 32 bits), so an id that
+/// Packs a slot index (low 32 bits) and that slot's generation (next 31 bits), so an id that
 /// outlives its sequence is recognised as stale instead of aliasing the slot's next occupant.
+/// Ids are non-negative `i64` values, so they cross to Python and numpy int64 unchanged.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId(pub u64);
 
@@ -35,8 +36,11 @@ impl SeqId {
     /// Builds an id from a slot index and the slot's generation.
     #[inline]
     pub fn new(slot: u32, generation: u32) -> Self {
-        SeqId(((generation as u64) << 32) | slot as u64)
+        SeqId((((generation & Self::GENERATION_MASK) as u64) << 32) | slot as u64)
     }
+
+    /// Generations wrap within 31 bits.
+    pub const GENERATION_MASK: u32 = 0x7FFF_FFFF;
 
     /// The slab slot this id points at.
     #[inline]

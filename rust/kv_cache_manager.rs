@@ -352,6 +352,28 @@ impl KvCacheManager {
         Ok(ok)
     }
 
+    /// Decode step for a batch: appends `tokens[i]` to `ids[i]` and gives it a slot, each
+    /// sequence all-or-nothing; `ok[i]` says which succeeded (the others need preemption).
+    /// Fails, changing nothing, if any id is unknown or the lengths differ.
+    pub fn append_tokens_with_slots(&mut self, ids: &[SeqId], tokens: &[u32], ok: &mut Vec<bool>) -> Result<()> {
+        if ids.len() != tokens.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "got {} sequence ids but {} token ids",
+                ids.len(),
+                tokens.len()
+            )));
+        }
+        for &id in ids {
+            self.seq(id)?;
+        }
+        ok.clear();
+        ok.reserve(ids.len());
+        for (&id, &t) in ids.iter().zip(tokens) {
+            ok.push(self.append_token_with_slot(id, t)?);
+        }
+        Ok(())
+    }
+
     /// A new sequence sharing every block of `id` (ref counts + 1), with the same tokens.
     /// Both sequences' write windows close: fork after the step's KV writes are done.
     pub fn fork(&mut self, id: SeqId) -> Result<SeqId> {
@@ -372,7 +394,7 @@ impl KvCacheManager {
         let Some(mut seq) = slot.seq.take() else {
             return Err(CoreError::UnknownSequence(id.0));
         };
-        slot.generation = slot.generation.wrapping_add(1);
+        slot.generation = slot.generation.wrapping_add(1) & SeqId::GENERATION_MASK;
         self.free_slots.push(id.slot() as u32);
         self.num_live -= 1;
         for b in seq.table.take().into_iter().rev() {

@@ -15,6 +15,7 @@ __all__ = [
     "PagedKVError",
     "ConfigError",
     "InvalidArgumentError",
+    "InvalidTypeError",
     "InvalidBlockError",
     "InvalidTokenError",
     "UnknownRequestError",
@@ -39,6 +40,10 @@ class ConfigError(PagedKVError, ValueError):
 
 class InvalidArgumentError(PagedKVError, ValueError):
     """An argument has the wrong type, dtype, shape, layout or value."""
+
+
+class InvalidTypeError(InvalidArgumentError, TypeError):
+    """An argument has the wrong type or dtype (e.g. floats where token ids are expected)."""
 
 
 class InvalidBlockError(InvalidArgumentError):

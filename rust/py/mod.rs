@@ -1,0 +1,21 @@
+//! Python bindings (`pagedkv._core`), built only with the `python` feature.
+//!
+//! The boundary is crossed once per call with whole arrays, never per token or block. Inputs
+//! are validated in `args`; errors map to the `pagedkv.errors` tree in `errors`.
+
+mod allocator;
+mod args;
+mod errors;
+mod manager;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+#[pyo3(name = "_core")]
+fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<allocator::PyBlockAllocator>()?;
+    m.add_class::<manager::PyKvCacheManager>()?;
+    m.add("MAX_NUM_BLOCKS", crate::block_pool::MAX_NUM_BLOCKS)?;
+    m.add("MAX_BLOCK_SIZE", crate::block_pool::MAX_BLOCK_SIZE)?;
+    Ok(())
+}
