@@ -1,0 +1,209 @@
+"""The kernels' dispatcher: backend selection, lazy Triton import, argument validation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import pagedkv.kernels as kernels
+from pagedkv.errors import ConfigError, InvalidArgumentError
+from pagedkv.kernels.testing import make_paged_batch
+
+PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
+
+
+def _run_python(code: str, **env_overrides: str) -> subprocess.CompletedProcess[str]:
+    env = os.environ.copy()
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PYTHON_DIR), env.get("PYTHONPATH", "")) if p)
+    env.update(env_overrides)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture
+def batch():
+    return make_paged_batch([1, 3], [10, 20], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                            poison=False)
+
+
+# --- backend selection -------------------------------------------------------------------------
+
+
+def test_auto_picks_torch_on_cpu_and_triton_on_cuda(monkeypatch):
+    monkeypatch.delenv(kernels.BACKEND_ENV_VAR, raising=False)
+    assert kernels.resolve_backend(torch.device("cpu")) == "torch"
+    assert kernels.resolve_backend(torch.device("cuda")) == "triton"  # triton is installed here
+
+
+def test_environment_variable_and_keyword(monkeypatch):
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "torch")
+    assert kernels.resolve_backend(torch.device("cuda")) == "torch"
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, " Triton ")
+    assert kernels.resolve_backend(torch.device("cpu")) == "triton"  # TRITON_INTERPRET=1 in the tests
+    assert kernels.resolve_backend(torch.device("cpu"), "torch") == "torch"  # keyword wins
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "cuda")
+    with pytest.raises(ConfigError, match="'cuda'"):
+        kernels.resolve_backend(torch.device("cpu"))
+    with pytest.raises(InvalidArgumentError, match="'flash'"):
+        kernels.resolve_backend(torch.device("cpu"), "flash")
+
+
+def test_environment_variable_selects_the_kernel(monkeypatch, batch):
+    """The env var really routes the call: the triton path rejects float64, the torch path takes it."""
+    wide = batch.as_dtype(torch.float64)
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "triton")
+    with pytest.raises(InvalidArgumentError, match="not supported by the triton backend"):
+        kernels.paged_attention(*wide.attention_args())
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "torch")
+    assert kernels.paged_attention(*wide.attention_args()).dtype == torch.float64
+
+
+def test_torch_path_never_imports_triton():
+    result = _run_python(
+        """
+        import sys
+        sys.modules["triton"] = None  # any `import triton` now raises ImportError
+        import torch
+        import pagedkv.kernels as kernels
+        from pagedkv.errors import ConfigError
+        from pagedkv.kernels.testing import make_paged_batch
+        b = make_paged_batch([1, 2], [5, 9], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8)
+        out = kernels.paged_attention(*b.attention_args())
+        kernels.store_kv(b.keys[0], b.values[0], b.key_cache, b.value_cache, torch.arange(5))
+        assert torch.isfinite(out).all()
+        assert not any(name.startswith("pagedkv.kernels.triton") for name in sys.modules), sorted(sys.modules)
+        try:
+            kernels.paged_attention(*b.attention_args(), backend="triton")
+        except ConfigError as exc:
+            print("ConfigError:", exc)
+        """,
+        PAGEDKV_ATTENTION_BACKEND="auto",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ConfigError: the triton backend needs the `triton` package" in result.stdout
+
+
+def test_triton_on_cpu_without_interpreter_is_a_clear_error():
+    result = _run_python(
+        """
+        import pagedkv.kernels as kernels
+        from pagedkv.errors import InvalidArgumentError
+        from pagedkv.kernels.testing import make_paged_batch
+        b = make_paged_batch([1], [5], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8)
+        try:
+            kernels.paged_attention(*b.attention_args(), backend="triton")
+        except InvalidArgumentError as exc:
+            print("InvalidArgumentError:", exc)
+        """,
+        TRITON_INTERPRET="0",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "InvalidArgumentError: the triton backend got tensors on cpu" in result.stdout
+    assert "TRITON_INTERPRET=1" in result.stdout
+
+
+# --- validation --------------------------------------------------------------------------------
+
+
+def _replace(args: tuple, index: int, value) -> tuple:
+    return (*args[:index], value, *args[index + 1 :])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_attention_shape_and_dtype_errors(batch, backend):
+    args = batch.attention_args()
+    q, kc, vc, bt, sl, cu = args
+    cases = [
+        (_replace(args, 0, q[0]), "query must be 3-D"),
+        (_replace(args, 2, vc[:, :, :1]), "value_cache shape"),
+        (_replace(args, 2, vc.half()), "value_cache dtype"),
+        (_replace(args, 0, q[:, :3]), r"num_heads \(3\) must be a multiple of num_kv_heads \(2\)"),
+        (_replace(args, 0, q[..., :32]), "query head_dim 32 differs"),
+        (_replace(args, 0, q.long()), "query dtype torch.int64 is not supported"),
+        (_replace(args, 0, q.half()), "cache dtype torch.float32 must equal query dtype torch.float16"),
+        (_replace(args, 3, bt.long()), "block_tables must be torch.int32, got torch.int64"),
+        (_replace(args, 3, bt[0]), "block_tables must be 2-D"),
+        (_replace(args, 4, sl[:1]), "seq_lens needs 2 entries"),
+        (_replace(args, 5, cu[:2]), r"cu_seqlens_q 3 \(has 2\)"),
+        (_replace(args, 4, sl.to("meta")), "all tensors must be on one device"),
+        (_replace(args, 5, [0, 1, 4]), "cu_seqlens_q must be a torch.Tensor, got list"),
+    ]
+    for bad_args, message in cases:
+        with pytest.raises(InvalidArgumentError, match=message):
+            kernels.paged_attention(*bad_args, backend=backend)
+    with pytest.raises(InvalidArgumentError, match="scale must be a finite number"):
+        kernels.paged_attention(*args, scale=float("nan"), backend=backend)
+    with pytest.raises(InvalidArgumentError, match="out must match query"):
+        kernels.paged_attention(*args, out=torch.empty_like(q).half(), backend=backend)
+
+
+@pytest.mark.parametrize("block_size", [4, 12])
+def test_block_size_must_be_a_power_of_two_of_at_least_8(block_size):
+    b = make_paged_batch([1], [5], num_heads=2, num_kv_heads=1, head_dim=64, block_size=block_size)
+    with pytest.raises(InvalidArgumentError, match=f"power of two >= 8, got {block_size}"):
+        kernels.paged_attention(*b.attention_args())
+    with pytest.raises(InvalidArgumentError, match=f"power of two >= 8, got {block_size}"):
+        kernels.store_kv(b.keys[0], b.values[0], b.key_cache, b.value_cache, torch.arange(5))
+
+
+def test_head_dim_support_differs_by_backend():
+    b = make_paged_batch([1, 2], [5, 9], num_heads=2, num_kv_heads=1, head_dim=48, block_size=8, poison=False)
+    assert torch.isfinite(kernels.paged_attention(*b.attention_args(), backend="torch")).all()
+    with pytest.raises(InvalidArgumentError, match=r"head_dim 48 is not supported by the triton backend"):
+        kernels.paged_attention(*b.attention_args(), backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_batch_value_errors_on_cpu(batch, backend):
+    args = batch.attention_args()
+    q, kc, vc, bt, sl, cu = args
+    decreasing = torch.tensor([0, 3, 1], dtype=torch.int32)
+    too_long = torch.tensor([0, 1, 9], dtype=torch.int32)
+    over_capacity = torch.tensor([10, bt.shape[1] * 16 + 1], dtype=torch.int32)
+    bad_block = bt.clone()
+    bad_block[1, 0] = kc.shape[0]
+    unused_padding = bt.clone()
+    unused_padding[0, 1:] = 10_000  # past sequence 0's only block: never read, so allowed
+    cases = [
+        (_replace(args, 5, decreasing), "non-decreasing; it falls from 3 to 1 at sequence 1"),
+        (_replace(args, 5, too_long), "cu_seqlens_q ends at 9, past the 4 query rows"),
+        (_replace(args, 4, over_capacity), r"seq_lens\[1\] = 49 is outside 0 .. 48"),
+        (_replace(args, 3, bad_block), f"block id {kc.shape[0]} for a used block"),
+    ]
+    for bad_args, message in cases:
+        with pytest.raises(InvalidArgumentError, match=message):
+            kernels.paged_attention(*bad_args, backend=backend)
+    torch.testing.assert_close(kernels.paged_attention(*_replace(args, 3, unused_padding), backend=backend),
+                               kernels.paged_attention(*args, backend="torch"), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_store_errors(batch, backend):
+    key, value = batch.keys[0], batch.values[0]  # [10, 2, 64]
+    kc, vc = batch.key_cache, batch.value_cache
+    slots = torch.arange(10)
+    cases = [
+        ((key, value, kc, vc, slots.int()), "slot_mapping must be torch.int64, got torch.int32"),
+        ((key, value, kc, vc, slots[:4]), "slot_mapping has 4 entries but key has 10 tokens"),
+        ((key[:, :1], value[:, :1], kc, vc, slots), r"key has \(num_kv_heads, head_dim\) = \(1, 64\)"),
+        ((key, value[:5], kc, vc, slots), "value shape"),
+        ((key, value.half(), kc, vc, slots), "value dtype"),
+        ((key.half(), value.half(), kc, vc, slots), "cache dtype torch.float32 must equal key dtype torch.float16"),
+        ((key, value, kc, vc, slots + kc.shape[0] * 16), "slot_mapping holds slot"),
+        ((key, value, kc, vc.to("meta"), slots), "all tensors must be on one device"),
+        ((key.numpy(), value, kc, vc, slots), "key must be a torch.Tensor, got ndarray"),
+    ]
+    for bad_args, message in cases:
+        with pytest.raises(InvalidArgumentError, match=message):
+            kernels.store_kv(*bad_args, backend=backend)
+
+
+def test_errors_are_value_errors_for_vllm_style_callers(batch):
+    with pytest.raises(ValueError):
+        kernels.paged_attention(*_replace(batch.attention_args(), 3, batch.block_tables.long()))
