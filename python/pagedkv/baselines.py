@@ -70,7 +70,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pagedkv.errors import ConfigError, InvalidArgumentError, InvariantViolationError, PromptTooLongError
+from pagedkv.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    InvariantViolationError,
+    PromptTooLongError,
+)
 from pagedkv.workloads.request import TraceRequest
 
 __all__ = [
@@ -109,7 +114,7 @@ class ContiguousArena:
         self.num_free = num_slots
 
     def reserve(self, size: int) -> int | None:
-        """Start of a new region of ``size`` slots in the first hole that fits; None if none does."""
+        """Start of a new ``size``-slot region in the first hole that fits; None if none does."""
         if size < 1:
             raise InvalidArgumentError(f"a reservation needs >= 1 slot, got {size}")
         for index, start in enumerate(self._hole_starts):
@@ -159,7 +164,10 @@ class ContiguousArena:
         return sum(hole for hole in self._hole_sizes.values() if hole < size)
 
     def check_invariants(self) -> None:
-        pieces = sorted([(s, n, "hole") for s, n in self.holes()] + [(s, n, "region") for s, n in self.regions()])
+        pieces = sorted(
+            [(s, n, "hole") for s, n in self.holes()]
+            + [(s, n, "region") for s, n in self.regions()]
+        )
         cursor, previous_kind = 0, None
         for start, size, kind in pieces:
             if start != cursor or size < 1:
@@ -168,7 +176,9 @@ class ContiguousArena:
                 raise InvariantViolationError(f"adjacent holes were not coalesced: {pieces}")
             cursor, previous_kind = start + size, kind
         if cursor != self.num_slots or self.num_free != sum(self._hole_sizes.values()):
-            raise InvariantViolationError(f"arena pieces do not cover {self.num_slots} slots: {pieces}")
+            raise InvariantViolationError(
+                f"arena pieces do not cover {self.num_slots} slots: {pieces}"
+            )
         if self._hole_starts != sorted(self._hole_sizes):
             raise InvariantViolationError("hole index is out of order")
 
@@ -195,7 +205,9 @@ class ReservationConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_model_len < 2:
-            raise ConfigError(f"max_model_len must be >= 2 (a prompt token and an output token), got {self.max_model_len}")
+            raise ConfigError(
+                f"max_model_len must be >= 2 (prompt + output token), got {self.max_model_len}"
+            )
         if not (math.isfinite(self.step_duration_s) and self.step_duration_s > 0):
             raise ConfigError(f"step_duration_s must be finite and > 0, got {self.step_duration_s}")
 
@@ -277,7 +289,9 @@ def _region_size(request: TraceRequest, policy: ReservationPolicy, max_model_len
     return _final_len(request, max_model_len)
 
 
-def _validate(requests: Sequence[TraceRequest], config: ReservationConfig, policy: ReservationPolicy) -> None:
+def _validate(
+    requests: Sequence[TraceRequest], config: ReservationConfig, policy: ReservationPolicy
+) -> None:
     if policy is ReservationPolicy.MAX_LENGTH and config.max_model_len > config.num_slots:
         raise ConfigError(
             f"max_model_len {config.max_model_len} exceeds the arena's {config.num_slots} slots: "
@@ -332,7 +346,9 @@ def replay_reservation(
     try:
         policy = ReservationPolicy(policy)
     except ValueError:
-        raise ConfigError(f"unknown reservation policy {policy!r}; use 'max_length' or 'exact'") from None
+        raise ConfigError(
+            f"unknown reservation policy {policy!r}; use 'max_length' or 'exact'"
+        ) from None
     ordered = sorted(requests, key=lambda request: request.arrival_time)
     _validate(ordered, config, policy)
 
@@ -432,7 +448,9 @@ def replay_reservation(
             num_waiting=len(waiting),
         )
         if sum(breakdown.slots().values()) != config.num_slots:
-            raise InvariantViolationError(f"breakdown does not add up to {config.num_slots}: {breakdown}")
+            raise InvariantViolationError(
+                f"breakdown does not add up to {config.num_slots}: {breakdown}"
+            )
         for category, slots in breakdown.slots().items():
             sum_slots[category] += slots
             peak_slots[category] = max(peak_slots[category], slots)

@@ -66,7 +66,7 @@ def check_id(name: str, value: Any) -> str:
 
 
 def check_token_ids(value: Any) -> np.ndarray:
-    """Return the prompt as a read-only int32 array; reject empty, non-integer or out-of-range ids."""
+    """The prompt as a read-only int32 array; rejects empty, non-integer or out-of-range ids."""
     if isinstance(value, np.ndarray):
         if value.ndim != 1 or value.dtype.kind not in "iu":
             raise FieldError(
@@ -96,14 +96,16 @@ def check_token_ids(value: Any) -> np.ndarray:
     else:
         bad = np.flatnonzero(ids < 0)
         if bad.size:
-            raise FieldError(f"prompt_token_ids[{bad[0]}]", f"token id {int(ids[bad[0]])} is negative")
+            raise FieldError(
+                f"prompt_token_ids[{bad[0]}]", f"token id {int(ids[bad[0]])} is negative"
+            )
         ids = ids.copy()
     ids.flags.writeable = False
     return ids
 
 
 def check_shared_prefix(prefix_id: str | None, prefix_len: Any, prompt_len: int) -> int:
-    """``shared_prefix_id`` and ``shared_prefix_len`` go together, and the prefix fits the prompt."""
+    """``shared_prefix_id`` and ``shared_prefix_len`` go together; the prefix fits the prompt."""
     if not is_json_int(prefix_len) or prefix_len < 0:
         raise FieldError("shared_prefix_len", f"must be an integer >= 0, got {prefix_len!r}")
     if prefix_id is None and prefix_len != 0:
@@ -148,7 +150,9 @@ class TraceRequest:
             object.__setattr__(self, "request_id", check_id("request_id", self.request_id))
             object.__setattr__(self, "arrival_time", check_arrival_time(self.arrival_time))
             object.__setattr__(self, "prompt_token_ids", check_token_ids(self.prompt_token_ids))
-            object.__setattr__(self, "output_len", check_positive_int("output_len", self.output_len))
+            object.__setattr__(
+                self, "output_len", check_positive_int("output_len", self.output_len)
+            )
             object.__setattr__(self, "n", check_positive_int("n", self.n))
             prefix_id = (
                 None

@@ -13,9 +13,9 @@ outside the known aliases, are skipped.
 
 from __future__ import annotations
 
-import io
+import codecs
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import IO, Any
@@ -63,7 +63,30 @@ class Conversation:
     turns: tuple[Turn, ...]
 
 
-def iter_json_array(stream: IO[str] | IO[bytes], *, chunk_chars: int = _DEFAULT_CHUNK_CHARS) -> Iterator[Any]:
+def _text_reader(stream: IO[str] | IO[bytes], chunk_chars: int) -> Callable[[], str]:
+    """A function returning the next chunk of text ('' at the end) from a text or binary stream.
+
+    Bytes are decoded as UTF-8 incrementally (a character split between reads is kept for the
+    next one). Undecodable bytes become U+FFFD instead of failing: the file's tail is cut at
+    an arbitrary byte. The caller's stream is never closed here.
+    """
+    if isinstance(stream.read(0), str):  # read(0) tells text ('') from bytes (b'') harmlessly
+        return lambda: stream.read(chunk_chars)  # type: ignore[return-value]
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def read_bytes() -> str:
+        while True:
+            data = stream.read(chunk_chars)
+            text = decoder.decode(data, final=not data)  # type: ignore[arg-type]
+            if text or not data:
+                return text
+
+    return read_bytes
+
+
+def iter_json_array(
+    stream: IO[str] | IO[bytes], *, chunk_chars: int = _DEFAULT_CHUNK_CHARS
+) -> Iterator[Any]:
     """Yield the elements of the JSON array in ``stream``, stopping at a truncated or bad tail.
 
     Elements are decoded one at a time; when one does not decode, more input is read and it is
@@ -73,11 +96,7 @@ def iter_json_array(stream: IO[str] | IO[bytes], *, chunk_chars: int = _DEFAULT_
     """
     if chunk_chars < 1:
         raise InvalidArgumentError(f"chunk_chars must be >= 1, got {chunk_chars}")
-    text_stream: IO[str]
-    if isinstance(stream, io.TextIOBase):
-        text_stream = stream  # type: ignore[assignment]
-    else:
-        text_stream = io.TextIOWrapper(stream, encoding="utf-8")  # type: ignore[arg-type]
+    read_text = _text_reader(stream, chunk_chars)
     decoder = json.JSONDecoder()
     buffer = ""
     position = 0
@@ -88,7 +107,7 @@ def iter_json_array(stream: IO[str] | IO[bytes], *, chunk_chars: int = _DEFAULT_
         nonlocal buffer, position, exhausted
         if exhausted:
             return False
-        chunk = text_stream.read(chunk_chars)
+        chunk = read_text()
         if not chunk:
             exhausted = True
             return False
@@ -152,7 +171,9 @@ def _conversation_from_record(record: Any) -> Conversation | None:
     return Conversation(str(record.get("id", "")), tuple(turns))
 
 
-def parse_sharegpt_records(stream: IO[str] | IO[bytes], *, limit: int | None = None) -> Iterator[Conversation]:
+def parse_sharegpt_records(
+    stream: IO[str] | IO[bytes], *, limit: int | None = None
+) -> Iterator[Conversation]:
     """Conversations from a ShareGPT-format JSON array (possibly truncated), at most ``limit``."""
     if limit is not None and limit < 0:
         raise InvalidArgumentError(f"limit must be >= 0 or None, got {limit}")

@@ -105,12 +105,16 @@ def sharegpt_first_turn_requests(
         if chat_template:
             prompts = [
                 tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+                    [{"role": "user", "content": prompt}],
+                    add_generation_prompt=True,
+                    tokenize=False,
                 )
                 for prompt in prompts
             ]
         prompt_ids = encode_batch(tokenizer, prompts)
-        output_ids = encode_batch(tokenizer, [conversations[index].turns[1].text for index in batch])
+        output_ids = encode_batch(
+            tokenizer, [conversations[index].turns[1].text for index in batch]
+        )
         for index, prompt, output in zip(batch, prompt_ids, output_ids):
             prompt_len, output_len = len(prompt), len(output)
             if prompt_len < min_len or output_len < min_len:
@@ -119,9 +123,7 @@ def sharegpt_first_turn_requests(
                 continue
             if prompt_len + output_len > max_model_len:
                 continue
-            requests.append(
-                TraceRequest(f"sharegpt-{index}", 0.0, prompt, output_len)
-            )
+            requests.append(TraceRequest(f"sharegpt-{index}", 0.0, prompt, output_len))
             if num_requests is not None and len(requests) == num_requests:
                 break
     return requests
@@ -156,7 +158,9 @@ def chat_turn_texts(
     """
     texts = []
     if use_template:
-        messages: list[dict[str, str]] = [] if system is None else [{"role": "system", "content": system}]
+        messages: list[dict[str, str]] = (
+            [] if system is None else [{"role": "system", "content": system}]
+        )
         for human, gpt in pairs:
             messages.append({"role": "user", "content": human})
             texts.append(
@@ -265,7 +269,9 @@ def sharegpt_multi_turn_requests(
             for _, system, pairs in parsed
         ]
         prompt_ids = _tokenize_turns(tokenizer, texts)
-        reply_ids = iter(encode_batch(tokenizer, [gpt for _, _, pairs in parsed for _, gpt in pairs]))
+        reply_ids = iter(
+            encode_batch(tokenizer, [gpt for _, _, pairs in parsed for _, gpt in pairs])
+        )
         for (index, _, pairs), prompts in zip(parsed, prompt_ids):
             replies = [len(next(reply_ids)) for _ in pairs]
             turns = []
@@ -276,7 +282,9 @@ def sharegpt_multi_turn_requests(
             if turns and (num_conversations is None or len(dialogues) < num_conversations):
                 dialogues.append((index, turns))
 
-    starts = (arrivals or ArrivalProcess()).sample(len(dialogues), np.random.default_rng(arrival_seed))
+    starts = (arrivals or ArrivalProcess()).sample(
+        len(dialogues), np.random.default_rng(arrival_seed)
+    )
     requests = []
     for (index, turns), start in zip(dialogues, starts):
         previous_prompt = np.zeros(0, dtype=np.int32)
@@ -295,4 +303,3 @@ def sharegpt_multi_turn_requests(
             previous_prompt = prompt
     requests.sort(key=lambda request: request.arrival_time)  # stable: ties keep their order
     return requests
-

@@ -53,7 +53,9 @@ def default_tokenizer() -> Any:
     try:
         return AutoTokenizer.from_pretrained(folder, **kwargs)
     except (OSError, ValueError) as error:
-        raise ModelLoadError(f"could not load the default tokenizer from {folder}: {error}") from error
+        raise ModelLoadError(
+            f"could not load the default tokenizer from {folder}: {error}"
+        ) from error
 
 
 def has_chat_template(tokenizer: Any) -> bool:
