@@ -1,0 +1,302 @@
+"""ModelRunner: packed paged forward of transformers models against transformers itself.
+
+The steps are built by hand here (a tiny block allocator, no Rust scheduler), with the field
+names of the Rust ``SchedulerOutput``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+import torch
+
+from pagedkv.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
+from pagedkv.model_runner import ModelRunner
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Step:
+    """A hand-built step with the fields of the Rust ``SchedulerOutput``."""
+
+    input_ids: np.ndarray  # int64[T]
+    positions: np.ndarray  # int64[T]
+    cu_seqlens_q: np.ndarray  # int32[B + 1]
+    seq_lens: np.ndarray  # int32[B]
+    block_tables: np.ndarray  # int32[B, max_blocks]
+    slot_mapping: np.ndarray  # int64[T]
+    logits_indices: np.ndarray  # int64[S]
+    copy_ops: np.ndarray  # int32[K, 2]
+
+
+@dataclass
+class Seq:
+    tokens: list[int]
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+
+class BlockCounter:
+    """Hands out fresh block ids (no reuse: tests only)."""
+
+    def __init__(self) -> None:
+        self.next_id = 0
+
+    def take(self) -> int:
+        self.next_id += 1
+        return self.next_id - 1
+
+
+def make_step(
+    pool: BlockCounter,
+    chunks: list[tuple[Seq, int]],
+    copy_ops: list[tuple[int, int]] = (),
+    block_size: int = BLOCK_SIZE,
+) -> Step:
+    """Schedule the next ``n`` uncomputed tokens of each sequence; sample where a chunk ends
+    at the last known token."""
+    ids, positions, slots, cu, seq_lens, logits_indices = [], [], [], [0], [], []
+    for seq, n in chunks:
+        start, end = seq.num_computed, seq.num_computed + n
+        assert end <= len(seq.tokens)
+        while len(seq.blocks) * block_size < end:
+            seq.blocks.append(pool.take())
+        ids += seq.tokens[start:end]
+        positions += range(start, end)
+        slots += [seq.blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        cu.append(cu[-1] + n)
+        seq_lens.append(end)
+        if end == len(seq.tokens):
+            logits_indices.append(cu[-1] - 1)
+        seq.num_computed = end
+    width = max(len(seq.blocks) for seq, _ in chunks)
+    tables = np.full((len(chunks), width), -1, dtype=np.int32)  # -1: padding
+    for row, (seq, _) in enumerate(chunks):
+        tables[row, : len(seq.blocks)] = seq.blocks
+    return Step(
+        input_ids=np.array(ids, dtype=np.int64),
+        positions=np.array(positions, dtype=np.int64),
+        cu_seqlens_q=np.array(cu, dtype=np.int32),
+        seq_lens=np.array(seq_lens, dtype=np.int32),
+        block_tables=tables,
+        slot_mapping=np.array(slots, dtype=np.int64),
+        logits_indices=np.array(logits_indices, dtype=np.int64),
+        copy_ops=np.array(copy_ops, dtype=np.int32).reshape(-1, 2),
+    )
+
+
+def hf_last_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0, -1].float()
+
+
+def hf_greedy(model, tokens: list[int], num_new: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([tokens]), max_new_tokens=num_new, do_sample=False, min_new_tokens=num_new,
+            pad_token_id=0,
+        )
+    return out[0, len(tokens) :].tolist()
+
+
+# ---------------------------------------------------------------- SmolLM2 (the default model)
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    return ModelRunner(None, dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=128)
+
+
+@pytest.fixture(scope="module")
+def hf_model(runner: ModelRunner):
+    """The same checkpoint with transformers' own attention (sdpa) and cache."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(runner.model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(runner: ModelRunner) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(runner.model_path)
+    questions = ["What is the capital of France?", "Write a haiku about the sea and the wind in autumn.", "2+2="]
+    chats = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions[:2]
+    ]
+    encoded = [tokenizer.encode(text) for text in chats] + [tokenizer.encode(questions[2])]
+    assert len({len(p) for p in encoded}) == 3  # different lengths
+    return encoded
+
+
+def test_runner_reports_geometry(runner: ModelRunner) -> None:
+    assert (runner.num_layers, runner.num_heads, runner.num_kv_heads, runner.head_dim) == (30, 9, 3, 64)
+    assert runner.vocab_size == 49152 and runner.max_model_len == 8192
+    assert runner.bytes_per_block == 2 * 30 * BLOCK_SIZE * 3 * 64 * 4
+    assert runner.kv_cache_bytes == 128 * runner.bytes_per_block
+    key_cache, value_cache = runner.kv_caches[7]
+    assert key_cache.shape == value_cache.shape == (128, BLOCK_SIZE, 3, 64)
+
+
+def test_packed_prefill_and_decode_match_transformers(runner, hf_model, prompts) -> None:
+    pool = BlockCounter()
+    seqs = [Seq(list(p)) for p in prompts]
+    logits = runner.execute(make_step(pool, [(s, len(s.tokens)) for s in seqs]))
+    assert logits.shape == (3, runner.vocab_size) and logits.dtype == torch.float32
+    for row, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits[row], hf_last_logits(hf_model, prompt), rtol=1e-4, atol=1e-3)
+
+    num_new = 6
+    generated: list[list[int]] = [[] for _ in seqs]
+    for _ in range(num_new):
+        next_tokens = logits.argmax(dim=-1).tolist()
+        for seq, out, token in zip(seqs, generated, next_tokens):
+            seq.tokens.append(token)
+            out.append(token)
+        if len(generated[0]) == num_new:
+            break
+        logits = runner.execute(make_step(pool, [(s, 1) for s in seqs]))
+    for prompt, out in zip(prompts, generated):
+        assert out == hf_greedy(hf_model, prompt, num_new)
+
+
+def test_chunked_prefill_equals_one_shot(runner, prompts) -> None:
+    tokens = prompts[1]
+    one_shot = runner.execute(make_step(BlockCounter(), [(Seq(list(tokens)), len(tokens))]))
+
+    pool = BlockCounter()
+    chunked, other = Seq(list(tokens)), Seq(list(prompts[2]))
+    first = runner.execute(make_step(pool, [(chunked, 21)]))  # ends mid-block, samples nothing
+    assert first.shape == (0, runner.vocab_size)
+    # The second chunk extends the cached prefix, packed with another sequence's prefill.
+    rest = runner.execute(make_step(pool, [(other, len(other.tokens)), (chunked, len(tokens) - 21)]))
+    torch.testing.assert_close(rest[1], one_shot[0], rtol=1e-4, atol=1e-4)
+
+
+def test_copy_blocks_copies_every_layer(runner) -> None:
+    with torch.inference_mode():
+        runner.kv_cache[:, :, 100:104].copy_(torch.randn_like(runner.kv_cache[:, :, 100:104]))
+        before = runner.kv_cache.clone()
+    runner.copy_blocks(np.array([[100, 110], [102, 111]], dtype=np.int32))
+    assert torch.equal(runner.kv_cache[:, :, 110], before[:, :, 100])
+    assert torch.equal(runner.kv_cache[:, :, 111], before[:, :, 102])
+    untouched = [b for b in range(runner.num_blocks) if b not in (110, 111)]
+    assert torch.equal(runner.kv_cache[:, :, untouched], before[:, :, untouched])
+    with pytest.raises(InvalidArgumentError, match="block id"):
+        runner.copy_blocks(np.array([[0, runner.num_blocks]], dtype=np.int32))
+
+
+def test_copy_on_write_fork(runner, hf_model, prompts) -> None:
+    """A forked sequence shares the prompt's blocks; its first write into the shared last
+    block goes to a private copy made by the step's copy op."""
+    pool = BlockCounter()
+    parent = Seq(list(prompts[0]))
+    runner.execute(make_step(pool, [(parent, len(parent.tokens))]))
+    assert len(parent.tokens) % BLOCK_SIZE != 0  # the last block is partly filled and shared
+    child = Seq(list(parent.tokens), blocks=list(parent.blocks), num_computed=parent.num_computed)
+    private = pool.take()
+    child.blocks[-1] = private
+    parent.tokens.append(11)
+    child.tokens.append(22)
+    logits = runner.execute(
+        make_step(pool, [(parent, 1), (child, 1)], copy_ops=[(parent.blocks[-1], private)])
+    )
+    torch.testing.assert_close(logits[0], hf_last_logits(hf_model, parent.tokens), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(logits[1], hf_last_logits(hf_model, child.tokens), rtol=1e-4, atol=1e-3)
+
+
+def test_bad_steps_raise(runner, prompts) -> None:
+    step = make_step(BlockCounter(), [(Seq(list(prompts[2])), len(prompts[2]))])
+    step.positions = step.positions[:-1]
+    with pytest.raises(InvalidArgumentError, match="one entry per token"):
+        runner.execute(step)
+    step = make_step(BlockCounter(), [(Seq(list(prompts[2])), len(prompts[2]))])
+    step.cu_seqlens_q = step.cu_seqlens_q[:-1]
+    with pytest.raises(InvalidArgumentError, match="cu_seqlens_q"):
+        runner.execute(step)
+
+
+def test_missing_model_folder_raises(tmp_path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        ModelRunner(str(tmp_path / "nope"), device="cpu")
+
+
+# ---------------------------------------------------------------- tiny random models
+
+
+def _save_tiny(tmp_path_factory, name: str, config) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    folder = tmp_path_factory.mktemp(name)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+_TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral"])
+def test_tiny_models_match_transformers(tmp_path_factory, model_type: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"sliding_window": None} if model_type == "mistral" else {}
+    config = AutoConfig.for_model(model_type, **_TINY, **extra)
+    path = _save_tiny(tmp_path_factory, model_type, config)
+    runner = ModelRunner(path, dtype="float32", device="cpu", block_size=8, num_blocks=32)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    pool = BlockCounter()
+    rng = np.random.default_rng(1)
+    seqs = [Seq(rng.integers(0, 256, size=n).tolist()) for n in (5, 19, 12)]
+    prompts = [list(s.tokens) for s in seqs]
+    logits = runner.execute(make_step(pool, [(s, len(s.tokens)) for s in seqs], block_size=8))
+    for row, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits[row], hf_last_logits(reference, prompt), rtol=1e-4, atol=1e-4)
+    generated: list[list[int]] = [[] for _ in seqs]
+    for _ in range(4):
+        for seq, out, token in zip(seqs, generated, logits.argmax(dim=-1).tolist()):
+            seq.tokens.append(token)
+            out.append(token)
+        logits = runner.execute(make_step(pool, [(s, 1) for s in seqs], block_size=8))
+    for prompt, out in zip(prompts, generated):
+        assert out == hf_greedy(reference, prompt, 4)
+
+
+def test_sliding_window_in_use_is_refused(tmp_path_factory) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("mistral", **_TINY, sliding_window=32)
+    path = _save_tiny(tmp_path_factory, "mistral_swa", config)
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        ModelRunner(path, dtype="float32", device="cpu", num_blocks=8)
+    # When the served context fits in the window, the window never slides: full attention.
+    runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=8, max_model_len=32)
+    assert runner.max_model_len == 32
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "fragment"),
+    [
+        ("gemma2", {"head_dim": 16}, "soft-capping"),
+        ("bloom", {"n_embed": 64, "n_layer": 2, "n_head": 4}, "ALiBi"),
+        ("t5", {"d_model": 64, "num_layers": 1, "num_heads": 2, "d_kv": 16, "d_ff": 64}, "encoder-decoder"),
+    ],
+)
+def test_unsupported_architectures_are_refused(tmp_path_factory, model_type, overrides, fragment) -> None:
+    from transformers import AutoConfig
+
+    base = {} if model_type in ("bloom", "t5") else dict(_TINY)
+    config = AutoConfig.for_model(model_type, **{**base, **overrides, "vocab_size": 256})
+    folder = tmp_path_factory.mktemp(model_type)
+    config.save_pretrained(folder)  # the check runs on the config, before any weights load
+    with pytest.raises(UnsupportedModelError, match=fragment):
+        ModelRunner(str(folder), dtype="float32", device="cpu", num_blocks=8)
