@@ -103,6 +103,14 @@ impl BlockPool {
         let mut generation = Vec::new();
         generation.try_reserve_exact(num_blocks).map_err(oom)?;
         generation.resize(num_blocks, 0);
+        // The index never holds more entries than blocks: size it up front (up to a bound) so
+        // registration never pays for a rehash of the whole index mid-step.
+        let mut index = HashIndex::default();
+        if enable_prefix_caching {
+            index.try_reserve(num_blocks.min(1 << 20)).map_err(|_| {
+                CoreError::Config(format!("cannot allocate a prefix-cache index for {num_blocks} blocks"))
+            })?;
+        }
         let (cached, cached_tokens) = if enable_prefix_caching {
             let mut c = Vec::new();
             c.try_reserve_exact(num_blocks).map_err(oom)?;
@@ -119,7 +127,7 @@ impl BlockPool {
             ref_counts,
             free: FreeBlockQueue::new_full(num_blocks)?,
             caching: enable_prefix_caching,
-            index: HashIndex::default(),
+            index,
             cached,
             cached_tokens,
             generation,

@@ -31,6 +31,12 @@ pub fn int_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<i64> {
     })
 }
 
+/// A bool (Python bool or numpy bool; ints and other objects are refused).
+pub fn bool_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
+    obj.extract::<bool>()
+        .map_err(|_| invalid_type(format!("{name} must be a bool, got {}", type_name(obj))))
+}
+
 /// A non-negative integer.
 pub fn count_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
     let v = int_arg(obj, name)?;

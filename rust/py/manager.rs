@@ -5,7 +5,7 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 
 use super::allocator::{hash_mode_arg, pool_size_args};
-use super::args::{count_arg, int_arg, int_list_arg, salt_arg, token_ids_arg};
+use super::args::{bool_arg, count_arg, int_arg, int_list_arg, salt_arg, token_ids_arg};
 use crate::block_hash::ExtraKey;
 use crate::error::CoreError;
 use crate::ids::SeqId;
@@ -40,14 +40,16 @@ impl PyKvCacheManager {
 #[pymethods]
 impl PyKvCacheManager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, enable_prefix_caching = true, *, hash_bits = None))]
+    #[pyo3(signature = (num_blocks, block_size, enable_prefix_caching = None, *, hash_bits = None))]
     fn new(
         num_blocks: &Bound<'_, PyAny>,
         block_size: &Bound<'_, PyAny>,
-        enable_prefix_caching: bool,
+        enable_prefix_caching: Option<&Bound<'_, PyAny>>,
         hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let (n, bs) = pool_size_args(num_blocks, block_size)?;
+        let enable_prefix_caching =
+            enable_prefix_caching.map(|o| bool_arg(o, "enable_prefix_caching")).transpose()?.unwrap_or(true);
         let mode = hash_bits.map(hash_mode_arg).transpose()?.unwrap_or_default();
         Ok(PyKvCacheManager { inner: KvCacheManager::new(n, bs, enable_prefix_caching, mode)?, ok_scratch: Vec::new() })
     }

@@ -1,0 +1,73 @@
+"""Random garbage through every binding: each call either succeeds or raises a
+pagedkv.PagedKVError. A PanicException (or any other exception type) reaching Python is a bug."""
+
+from __future__ import annotations
+
+import inspect
+import random
+
+import numpy as np
+import pytest
+
+import pagedkv
+from pagedkv import BlockAllocator, KVCacheManager
+
+GARBAGE: list[object] = [
+    None, True, False, 0, 1, 3, -1, -(2**31), 2**31, 2**63, -(2**63) - 1, 2**70, 0.5, float("nan"),
+    float("inf"), "", "abc", b"\x00", [], [0], [1, 2, 3], [-1], [2**40], [0.5], ["a"], [[1]], (1, 2),
+    {1: 2}, {1, 2}, object(), np.int64(2), np.int32(-7), np.float32(1.0), np.bool_(True),
+    np.array([], dtype=np.int64), np.array([1, 2], dtype=np.int32), np.array([1, 2], dtype=np.uint8),
+    np.array([0.1]), np.array([[1, 2]]), np.arange(10)[::3], np.array(5), np.array(["x"]),
+    range(5), iter([1, 2]), np.array([2**40], dtype=np.int64),
+]
+
+
+def public_methods(obj: object) -> list[tuple[str, int]]:
+    out = []
+    for name in dir(obj):
+        if name.startswith("_"):
+            continue
+        attr = getattr(obj, name)
+        if callable(attr):
+            try:
+                params = inspect.signature(attr).parameters.values()
+                arity = sum(1 for p in params if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+            except (TypeError, ValueError):
+                arity = 1
+            out.append((name, arity))
+    return out
+
+
+def call_with_garbage(obj: object, rng: random.Random, rounds: int) -> None:
+    methods = public_methods(obj)
+    assert methods
+    for _ in range(rounds):
+        name, arity = rng.choice(methods)
+        args = [rng.choice(GARBAGE) for _ in range(arity + rng.randint(0, 1))]
+        try:
+            getattr(obj, name)(*args)
+        except pagedkv.PagedKVError:
+            pass
+        except TypeError as e:
+            # Only a wrong *number* of arguments may surface as a plain TypeError from Python's
+            # call machinery; every value error must be a pagedkv exception.
+            assert "argument" in str(e) and ("positional" in str(e) or "takes" in str(e)), (name, args, e)
+        # Anything else (PanicException is a BaseException) propagates and fails the test.
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_garbage_never_panics(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(30):
+        try:
+            a = BlockAllocator(rng.choice(GARBAGE + [8, 16]), rng.choice(GARBAGE + [4, 16]))
+        except pagedkv.PagedKVError:
+            continue
+        call_with_garbage(a, rng, 40)
+        a.check_invariants()
+    m = KVCacheManager(32, 4)
+    seq, _ = m.add_sequence([1, 2, 3, 4, 5])
+    m.allocate_slots(seq, 3)
+    for _ in range(20):
+        call_with_garbage(m, rng, 60)
+        m.check_invariants()
