@@ -224,6 +224,16 @@ def test_arrivals_map_to_steps_and_idle_time_is_skipped() -> None:
     assert result.makespan_s == 23 * 0.5
 
 
+@pytest.mark.parametrize(("arrival", "first_step"), [(0.3, 3), (0.7, 7), (0.70001, 8), (2.0, 20)])
+def test_idle_jump_lands_on_the_first_step_at_or_after_arrival(
+    arrival: float, first_step: int
+) -> None:
+    config = ReservationConfig(num_slots=10, max_model_len=5, step_duration_s=0.1)
+    result = replay_reservation([request("A", 2, 1, arrival)], config, "exact")
+    assert result.total_steps == 1
+    assert result.makespan_s == (first_step + 1) * 0.1
+
+
 def test_output_is_cut_at_max_model_len() -> None:
     result = replay_reservation(
         [request("A", 6, 10)],

@@ -236,6 +236,20 @@ def test_length_only_lines_synthesize_deterministic_shared_prefixes(tmp_path: Pa
     assert load_trace(path) == [a, b, c, d, e]
 
 
+def test_example_trace_file_loads() -> None:
+    """tests/data/example_trace.jsonl is the documented example: both line forms and a blank line."""
+    requests = load_trace(Path(__file__).parent / "data" / "example_trace.jsonl")
+    assert [(r.request_id, r.prompt_len, r.output_len, r.n) for r in requests] == [
+        ("chat-1", 8, 32, 1),
+        ("sys-a-1", 700, 128, 1),
+        ("sys-a-2", 540, 64, 2),
+        ("solo", 90, 200, 1),
+    ]
+    assert [r.arrival_time for r in requests] == [0.0, 0.25, 0.5, 1.75]
+    assert np.array_equal(requests[1].prompt_token_ids[:512], requests[2].prompt_token_ids[:512])
+    assert requests[1].prompt_token_ids[512] != requests[2].prompt_token_ids[512]
+
+
 def test_prefix_stream_is_prefix_consistent_across_chunks() -> None:
     long = prefix_tokens("x", 5000)
     for length in (0, 1, 1023, 1024, 1025, 4999):

@@ -325,8 +325,11 @@ def _validate(
 
 
 def _first_step_at_or_after(time_s: float, step_duration_s: float) -> int:
+    """The smallest step k with ``k * step_duration_s >= time_s``, exact despite float division."""
     step = math.ceil(time_s / step_duration_s)
-    if step > 0 and (step - 1) * step_duration_s >= time_s:  # float rounding pushed it one late
+    while step * step_duration_s < time_s:
+        step += 1
+    while step > 0 and (step - 1) * step_duration_s >= time_s:
         step -= 1
     return step
 
@@ -369,7 +372,10 @@ def replay_reservation(
 
     while waiting or running:
         if not running and waiting[0].arrival_time > step_index * config.step_duration_s:
-            step_index = _first_step_at_or_after(waiting[0].arrival_time, config.step_duration_s)
+            step_index = max(
+                step_index,
+                _first_step_at_or_after(waiting[0].arrival_time, config.step_duration_s),
+            )
         now = step_index * config.step_duration_s
 
         # 1. running sequences take their prefill chunk or decode tokens from the budget.
