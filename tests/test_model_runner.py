@@ -7,13 +7,16 @@ names of the Rust ``SchedulerOutput``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from pagedkv.attention_backend import AttentionCall
 from pagedkv.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from pagedkv.model_runner import ModelRunner
+from pagedkv.model_support import check_config, check_probe
 
 BLOCK_SIZE = 16
 
@@ -93,13 +96,15 @@ def hf_last_logits(model, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0, -1].float()
 
 
-def hf_greedy(model, tokens: list[int], num_new: int) -> list[int]:
+def assert_greedy_matches(model, prompt: list[int], generated: list[int]) -> None:
+    """``generated`` starts with transformers' own greedy continuation (which may stop at eos)."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([tokens]), max_new_tokens=num_new, do_sample=False, min_new_tokens=num_new,
-            pad_token_id=0,
+            torch.tensor([prompt]), max_new_tokens=len(generated), do_sample=False, pad_token_id=0
         )
-    return out[0, len(tokens) :].tolist()
+    expected = out[0, len(prompt) :].tolist()
+    assert len(expected) >= 2
+    assert generated[: len(expected)] == expected
 
 
 # ---------------------------------------------------------------- SmolLM2 (the default model)
@@ -161,7 +166,7 @@ def test_packed_prefill_and_decode_match_transformers(runner, hf_model, prompts)
             break
         logits = runner.execute(make_step(pool, [(s, 1) for s in seqs]))
     for prompt, out in zip(prompts, generated):
-        assert out == hf_greedy(hf_model, prompt, num_new)
+        assert_greedy_matches(hf_model, prompt, out)
 
 
 def test_chunked_prefill_equals_one_shot(runner, prompts) -> None:
@@ -268,7 +273,7 @@ def test_tiny_models_match_transformers(tmp_path_factory, model_type: str) -> No
             out.append(token)
         logits = runner.execute(make_step(pool, [(s, 1) for s in seqs], block_size=8))
     for prompt, out in zip(prompts, generated):
-        assert out == hf_greedy(reference, prompt, 4)
+        assert_greedy_matches(reference, prompt, out)
 
 
 def test_sliding_window_in_use_is_refused(tmp_path_factory) -> None:
@@ -300,3 +305,67 @@ def test_unsupported_architectures_are_refused(tmp_path_factory, model_type, ove
     config.save_pretrained(folder)  # the check runs on the config, before any weights load
     with pytest.raises(UnsupportedModelError, match=fragment):
         ModelRunner(str(folder), dtype="float32", device="cpu", num_blocks=8)
+
+
+# ---------------------------------------------------------------- the checks, on their own
+
+
+def _call(layer_idx, q=(1, 4, 5, 16), k=(1, 2, 5, 16), v=None, mask=False, **extras) -> AttentionCall:
+    return AttentionCall(
+        layer_idx=layer_idx, query_shape=q, key_shape=k, value_shape=v or k,
+        scaling=0.25, has_mask=mask, extras=extras,
+    )
+
+
+def test_check_probe_accepts_plain_attention() -> None:
+    config = SimpleNamespace(model_type="toy", num_hidden_layers=2)
+    geometry = check_probe([_call(1), _call(0)], config, num_probe_tokens=5, max_model_len=64)
+    assert (geometry.num_layers, geometry.num_heads, geometry.num_kv_heads, geometry.head_dim) == (2, 4, 2, 16)
+    # A window that covers the whole served context is full attention.
+    check_probe([_call(0, sliding_window=64), _call(1)], config, 5, max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    ("calls", "fragment"),
+    [
+        ([], "AttentionInterface"),
+        ([_call(0)], r"layers \[0\] of 2"),
+        ([_call(0), _call(0)], r"layers \[0\] of 2"),
+        ([_call(0), _call(None)], "layer_idx"),
+        ([_call(0), _call(1, k=(1, 2, 9, 16))], "cross-attention"),
+        ([_call(0), _call(1, v=(1, 2, 5, 32))], "head dims"),
+        ([_call(0), _call(1, k=(1, 3, 5, 16))], "KV heads"),
+        ([_call(0), _call(1, mask=True)], "mask"),
+        ([_call(0), _call(1, sliding_window=16)], "sliding_window=16"),
+        ([_call(0), _call(1, softcap=30.0)], "softcap"),
+        ([_call(0), _call(1, is_causal=False)], "is_causal"),
+        ([_call(0), _call(1, q=(1, 2, 5, 16))], "different attention shapes"),
+    ],
+)
+def test_check_probe_refuses(calls, fragment: str) -> None:
+    config = SimpleNamespace(model_type="toy", num_hidden_layers=2)
+    with pytest.raises(UnsupportedModelError, match=fragment):
+        check_probe(calls, config, num_probe_tokens=5, max_model_len=64)
+
+
+@pytest.mark.parametrize(
+    ("attributes", "fragment"),
+    [
+        ({"layer_types": ["full_attention", "linear_attention"]}, "linear_attention"),
+        ({"layer_types": ["full_attention", "mamba"]}, "hybrid"),
+        ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}, "sliding-window"),
+        ({"attention_chunk_size": 8}, "chunked"),
+        ({"alibi": True}, "ALiBi"),
+        ({"attn_config": {"alibi": True}}, "ALiBi"),
+        ({"cross_attention_layers": [1]}, "cross-attention"),
+    ],
+)
+def test_check_config_refuses(attributes: dict, fragment: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=fragment):
+        check_config(SimpleNamespace(model_type="toy", **attributes), max_model_len=64)
+
+
+def test_check_config_accepts_unused_or_wide_windows() -> None:
+    check_config(SimpleNamespace(model_type="toy", sliding_window=8, use_sliding_window=False), 64)
+    check_config(SimpleNamespace(model_type="toy", sliding_window=8, layer_types=["full_attention"]), 64)
+    check_config(SimpleNamespace(model_type="toy", sliding_window=64), 64)
