@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +75,7 @@ def test_trace_request_rejects_bad_fields_naming_them(kwargs: dict, field: str) 
         "output_len": 2,
     }
     fields.update(kwargs)
-    with pytest.raises(InvalidArgumentError, match=f"field '{__import__('re').escape(field)}'"):
+    with pytest.raises(InvalidArgumentError, match=f"field '{re.escape(field)}'"):
         TraceRequest(**fields)
 
 
