@@ -119,7 +119,8 @@ def _prefill_config(head_dim_padded: int, dtype: torch.dtype) -> _PrefillConfig:
         # The interpreter pays per loop iteration, not per element: big tiles, few iterations.
         return _PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
     if dtype == torch.float32:
-        return _PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+        # fp32 runs exact (FMA, "ieee") dots: small tiles and 8 warps keep register spills small.
+        return _PrefillConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)
     if head_dim_padded >= 256:
         return _PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
     return _PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)

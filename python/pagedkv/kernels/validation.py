@@ -82,6 +82,18 @@ def _check_compute_dtypes(name: str, dtype: torch.dtype, cache_dtype: torch.dtyp
         )
 
 
+def _check_fp8_support(cache_dtype: torch.dtype, device: torch.device, backend: str) -> None:
+    """Triton has float8 e4m3 from compute capability 8.9 (Ada, Hopper) on; e5m2 everywhere."""
+    if backend != "triton" or device.type != "cuda" or cache_dtype != getattr(torch, "float8_e4m3fn", None):
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise InvalidArgumentError(
+            f"a float8_e4m3fn cache needs compute capability >= 8.9 for the triton backend; "
+            f"{device} has {capability[0]}.{capability[1]} (use float8_e5m2 or a 16-bit cache)"
+        )
+
+
 def _check_head_dim(head_dim: int, backend: str) -> None:
     if backend == "triton" and head_dim not in TRITON_HEAD_DIMS:
         raise InvalidArgumentError(
@@ -120,6 +132,7 @@ def check_store_kv_args(
     _check_head_dim(key.shape[2], backend)
     _require_same_device({"key": key, "value": value, "key_cache": key_cache,
                           "value_cache": value_cache, "slot_mapping": slot_mapping})
+    _check_fp8_support(key_cache.dtype, key_cache.device, backend)
     if slot_mapping.device.type == "cpu" and slot_mapping.numel() > 0:
         num_slots = key_cache.shape[0] * key_cache.shape[1]
         largest = int(slot_mapping.max())
@@ -179,6 +192,7 @@ def check_paged_attention_args(
             )
         tensors["out"] = out
     _require_same_device(tensors)
+    _check_fp8_support(key_cache.dtype, key_cache.device, backend)
     if query.device.type == "cpu":
         _check_batch_values(block_tables, seq_lens, cu_seqlens_q, num_tokens, key_cache.shape[0], key_cache.shape[1])
 

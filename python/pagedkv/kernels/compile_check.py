@@ -1,0 +1,185 @@
+"""Compile the Triton kernels for a GPU architecture on a machine without a GPU.
+
+``python -m pagedkv.kernels.compile_check [--arch 90] [--json]``
+
+The CPU tests run the kernels in Triton's interpreter, which does not lower anything: a kernel
+can pass them and still fail to compile for a GPU (an unsupported op, a type error in a
+``while`` loop, too much shared memory) or compile into register spills. This tool closes that
+gap: it launches the real host-side code of :mod:`.triton_attention` and :mod:`.triton_store`
+(the same configs, the same specialisation of strides and alignments) on CPU tensors, with a
+stand-in Triton driver that reports a CUDA target, and with every kernel switched to
+``warmup`` (compile, never run). Triton's own ``ptxas`` assembles the result; the report lists
+registers, spilled bytes (``STACK``) and shared memory per compiled variant.
+
+It relies on two Triton internals (``triton.runtime.driver.set_active`` and
+``JITFunction.run(..., warmup=True)``), both present in Triton 3.x. It must run in a fresh
+process with ``TRITON_INTERPRET`` unset or 0 (``main`` checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["CompiledVariant", "compile_all", "main"]
+
+
+@dataclass
+class CompiledVariant:
+    kernel: str
+    case: str
+    registers: int
+    spilled_bytes: int
+    shared_bytes: int
+    async_copies: int  # cp.async groups in the TTGIR: loads are software-pipelined
+    wgmma: int  # Hopper warp-group MMAs in the TTGIR
+
+
+class _CompileOnlyDriver:
+    """Stands in for the CUDA driver: a target to compile for, nothing to run on."""
+
+    def __init__(self, arch: int) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self):  # noqa: ANN201 (a triton GPUTarget)
+        return self.target
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, spilled bytes) of a cubin, read with the cuobjdump that ships with Triton."""
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
+        handle.write(cubin)
+        handle.flush()
+        listing = subprocess.run([str(cuobjdump), "--dump-resource-usage", handle.name],
+                                 capture_output=True, text=True, check=True).stdout
+    for line in listing.splitlines():
+        fields = dict(f.split(":", 1) for f in line.split() if ":" in f and f.split(":", 1)[1].isdigit())
+        if "REG" in fields:
+            return int(fields["REG"]), int(fields.get("STACK", 0))
+    raise RuntimeError(f"no resource usage in cuobjdump output:\n{listing}")
+
+
+def _attention_cases(arch: int) -> list[tuple[str, dict]]:
+    """(name, arguments) of launches that together reach every kernel variant the engine uses."""
+    variants = [
+        (torch.bfloat16, torch.bfloat16, 64),
+        (torch.bfloat16, torch.bfloat16, 128),
+        (torch.bfloat16, torch.bfloat16, 256),
+        (torch.float16, torch.float16, 96),
+        (torch.float32, torch.float32, 128),
+        (torch.bfloat16, torch.float8_e5m2, 128),
+    ]
+    if arch >= 89:  # float8 e4m3 exists from Ada / Hopper on
+        variants.append((torch.bfloat16, torch.float8_e4m3fn, 128))
+    cases = []
+    for dtype, cache_dtype, head_dim in variants:
+        for num_splits in (1, 4):
+            cases.append((f"{dtype}/{cache_dtype}/D{head_dim}/splits{num_splits}",
+                          dict(dtype=dtype, cache_dtype=cache_dtype, head_dim=head_dim, num_splits=num_splits)))
+    return cases
+
+
+def compile_all(arch: int = 90) -> list[CompiledVariant]:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile_check needs TRITON_INTERPRET unset or 0 (the kernels must be JIT functions)")
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    driver.set_active(_CompileOnlyDriver(arch))
+    from pagedkv.kernels import triton_attention, triton_decode, triton_prefill, triton_store
+
+    compiled: list[tuple[str, object]] = []
+    current_case = [""]
+
+    def compile_only(kernel: JITFunction):
+        def run(*args, grid, warmup, **kwargs):  # noqa: ANN202
+            result = JITFunction.run(kernel, *args, grid=grid, warmup=True, **kwargs)
+            compiled.append((current_case[0], result))
+            return result
+        return run
+
+    kernels = [triton_decode.decode_split_kernel, triton_decode.merge_splits_kernel,
+               triton_prefill.prefill_kernel, triton_store._store_kv_kernel]
+    for kernel in kernels:
+        kernel.run = compile_only(kernel)
+    try:
+        for name, case in _attention_cases(arch):
+            current_case[0] = name
+            num_heads, num_kv_heads, block_size, num_seqs = 32, 8, 16, 4
+            query = torch.empty(num_seqs + 100, num_heads, case["head_dim"], dtype=case["dtype"])
+            cache = torch.empty(64, block_size, num_kv_heads, case["head_dim"], dtype=case["cache_dtype"])
+            triton_attention.paged_attention(
+                query, cache, cache,
+                torch.zeros(num_seqs, 40, dtype=torch.int32), torch.zeros(num_seqs, dtype=torch.int32),
+                torch.zeros(num_seqs + 1, dtype=torch.int32),
+                scale=0.1, out=torch.empty_like(query), max_seqlen_q=100, num_splits=case["num_splits"],
+            )
+        store_dtypes = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float8_e5m2)]
+        if arch >= 89:
+            store_dtypes.append((torch.bfloat16, torch.float8_e4m3fn))
+        for dtype, cache_dtype in store_dtypes:
+            current_case[0] = f"store {dtype}->{cache_dtype}"
+            key = torch.empty(10, 8, 128, dtype=dtype)
+            cache = torch.empty(4, 16, 8, 128, dtype=cache_dtype)
+            triton_store.store_kv(key, key, cache, cache, torch.zeros(10, dtype=torch.int64))
+    finally:
+        for kernel in kernels:
+            del kernel.run
+
+    variants = []
+    seen = set()
+    for case, result in compiled:
+        key = (result.name, result.hash)
+        if key in seen:
+            continue
+        seen.add(key)
+        registers, spilled = _resource_usage(result.asm["cubin"])
+        ttgir = result.asm["ttgir"]
+        variants.append(CompiledVariant(
+            kernel=result.name.lstrip("_"), case=case, registers=registers, spilled_bytes=spilled,
+            shared_bytes=result.metadata.shared, async_copies=ttgir.count("async_copy_global_to_local"),
+            wgmma=ttgir.count("warp_group_dot "),
+        ))
+    return variants
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90 = Hopper, 80 = Ampere)")
+    parser.add_argument("--json", action="store_true", help="print one JSON list instead of a table")
+    args = parser.parse_args(argv)
+    variants = compile_all(args.arch)
+    if args.json:
+        print(json.dumps([asdict(v) for v in variants]))
+        return 0
+    print(f"{'kernel':22s} {'case':44s} {'regs':>5s} {'spill':>6s} {'smem':>7s} {'cp.async':>8s} {'wgmma':>6s}")
+    for v in variants:
+        print(f"{v.kernel:22s} {v.case:44s} {v.registers:5d} {v.spilled_bytes:6d} {v.shared_bytes:7d} "
+              f"{v.async_copies:8d} {v.wgmma:6d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
