@@ -147,10 +147,11 @@ def test_dispatcher_triton_equals_torch_with_padding_rows_and_strided_query():
     assert got is out
     expected = kernels.paged_attention(*args, backend="torch")
     assert (out[num_tokens:] == 5.0).all(), "rows past cu_seqlens_q[-1] must be left alone"
-    torch.testing.assert_close(out[:num_tokens], expected[:num_tokens], rtol=0, atol=1e-5)
+    atol = 1e-5 if DEVICE == "cpu" else 1e-4  # the torch path on a GPU runs SDPA's own fp32 kernels
+    torch.testing.assert_close(out[:num_tokens], expected[:num_tokens], rtol=0, atol=atol)
     torch.testing.assert_close(
         kernels.paged_attention(*args, backend="triton", scale=0.05)[:num_tokens],
-        kernels.paged_attention(*args, backend="torch", scale=0.05)[:num_tokens], rtol=0, atol=1e-5,
+        kernels.paged_attention(*args, backend="torch", scale=0.05)[:num_tokens], rtol=0, atol=atol,
     )
 
 

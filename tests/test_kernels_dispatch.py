@@ -16,6 +16,10 @@ from pagedkv.errors import ConfigError, InvalidArgumentError
 from pagedkv.kernels.testing import make_paged_batch
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
+# Tests run the triton backend on CUDA tensors when there is a GPU, else on CPU tensors under the
+# interpreter (tests/conftest.py sets TRITON_INTERPRET=1 when there is no GPU).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _run_python(code: str, **env_overrides: str) -> subprocess.CompletedProcess[str]:
@@ -29,7 +33,7 @@ def _run_python(code: str, **env_overrides: str) -> subprocess.CompletedProcess[
 @pytest.fixture
 def batch():
     return make_paged_batch([1, 3], [10, 20], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                            poison=False)
+                            poison=False, device=DEVICE)
 
 
 # --- backend selection -------------------------------------------------------------------------
@@ -45,7 +49,9 @@ def test_environment_variable_and_keyword(monkeypatch):
     monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "torch")
     assert kernels.resolve_backend(torch.device("cuda")) == "torch"
     monkeypatch.setenv(kernels.BACKEND_ENV_VAR, " Triton ")
-    assert kernels.resolve_backend(torch.device("cpu")) == "triton"  # TRITON_INTERPRET=1 in the tests
+    assert kernels.resolve_backend(torch.device("cuda")) == "triton"
+    if INTERPRETED:
+        assert kernels.resolve_backend(torch.device("cpu")) == "triton"
     assert kernels.resolve_backend(torch.device("cpu"), "torch") == "torch"  # keyword wins
     monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "cuda")
     with pytest.raises(ConfigError, match="'cuda'"):
@@ -153,7 +159,8 @@ def test_block_size_must_be_a_power_of_two_of_at_least_8(block_size):
 
 
 def test_head_dim_support_differs_by_backend():
-    b = make_paged_batch([1, 2], [5, 9], num_heads=2, num_kv_heads=1, head_dim=48, block_size=8, poison=False)
+    b = make_paged_batch([1, 2], [5, 9], num_heads=2, num_kv_heads=1, head_dim=48, block_size=8, poison=False,
+                         device=DEVICE)
     assert torch.isfinite(kernels.paged_attention(*b.attention_args(), backend="torch")).all()
     with pytest.raises(InvalidArgumentError, match=r"head_dim 48 is not supported by the triton backend"):
         kernels.paged_attention(*b.attention_args(), backend="triton")
@@ -161,9 +168,13 @@ def test_head_dim_support_differs_by_backend():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_batch_value_errors_on_cpu(batch, backend):
+    if backend == "triton" and not INTERPRETED:
+        pytest.skip("value checks run on CPU tensors only; the triton backend takes CPU tensors under the interpreter")
+    batch = batch if DEVICE == "cpu" else make_paged_batch([1, 3], [10, 20], num_heads=4, num_kv_heads=2,
+                                                           head_dim=64, block_size=16, poison=False)
     args = batch.attention_args()
     q, kc, vc, bt, sl, cu = args
-    decreasing = torch.tensor([0, 3, 1], dtype=torch.int32)
+    decreasing = torch.tensor([0, 3, 1], dtype=torch.int32)  # CPU tensors: value checks apply
     too_long = torch.tensor([0, 1, 9], dtype=torch.int32)
     over_capacity = torch.tensor([10, bt.shape[1] * 16 + 1], dtype=torch.int32)
     bad_block = bt.clone()
@@ -187,7 +198,7 @@ def test_batch_value_errors_on_cpu(batch, backend):
 def test_store_errors(batch, backend):
     key, value = batch.keys[0], batch.values[0]  # [10, 2, 64]
     kc, vc = batch.key_cache, batch.value_cache
-    slots = torch.arange(10)
+    slots = torch.arange(10, device=DEVICE)
     cases = [
         ((key, value, kc, vc, slots.int()), "slot_mapping must be torch.int64, got torch.int32"),
         ((key, value, kc, vc, slots[:4]), "slot_mapping has 4 entries but key has 10 tokens"),
@@ -195,10 +206,11 @@ def test_store_errors(batch, backend):
         ((key, value[:5], kc, vc, slots), "value shape"),
         ((key, value.half(), kc, vc, slots), "value dtype"),
         ((key.half(), value.half(), kc, vc, slots), "cache dtype torch.float32 must equal key dtype torch.float16"),
-        ((key, value, kc, vc, slots + kc.shape[0] * 16), "slot_mapping holds slot"),
         ((key, value, kc, vc.to("meta"), slots), "all tensors must be on one device"),
-        ((key.numpy(), value, kc, vc, slots), "key must be a torch.Tensor, got ndarray"),
+        ((key.cpu().numpy(), value, kc, vc, slots), "key must be a torch.Tensor, got ndarray"),
     ]
+    if DEVICE == "cpu":  # value check: CPU tensors only (no device sync)
+        cases.append(((key, value, kc, vc, slots + kc.shape[0] * 16), "slot_mapping holds slot"))
     for bad_args, message in cases:
         with pytest.raises(InvalidArgumentError, match=message):
             kernels.store_kv(*bad_args, backend=backend)

@@ -1,0 +1,400 @@
+"""One prepared GPU check of the pagedkv kernels: correctness, bandwidth, throughput.
+
+    python benches/gpu_check.py                      # full run on one GPU (< 5 minutes on an H200)
+    python benches/gpu_check.py --out results.json   # JSON elsewhere (default benches/results/gpu_check.json)
+    python benches/gpu_check.py --dry-run            # tiny shapes, CPU, Triton interpreter (CI)
+    python benches/gpu_check.py --sections decode prefill
+
+Sections, run in order, each a function ``section(ctx) -> dict`` in ``SECTIONS``:
+
+1. ``correctness``: the kernel test files (``tests/test_kernels_*.py``) in a pytest subprocess,
+   compiled for the GPU with the ``gpu``-marked tests included (bf16, float8 caches, caches
+   past 2^31 elements), then a sweep of larger batches against the float64 oracle in bf16,
+   fp16 and with float8 caches.
+2. ``copy_bandwidth``: the device-to-device copy ceiling, ``2 * bytes / time`` (read + write)
+   of a large ``copy_``.
+3. ``decode``: batch 1-256 x context 512-32k, GQA groups 8 and 4, head_dim 128, bf16, block
+   size 16, shuffled block tables. Achieved bandwidth = K/V bytes read / time, against the
+   copy ceiling (target >= 75 % once a call reads >= 0.5 GB), and the time of torch SDPA on
+   contiguous KV with the same shapes (the no-paging baseline; target: paged within 10 %).
+4. ``prefill``: 4k-token prompts (one sequence of 4096, and 4 x 1024), causal TFLOP/s of the
+   prefill kernel and of SDPA (``is_causal`` is right here: q_len == kv_len).
+
+Timing uses ``triton.testing.do_bench`` (CUDA events, median) on a GPU and ``perf_counter`` in
+the dry run. The JSON has ``meta`` (device, versions, command), one object per section and
+``targets`` (each performance target with its measured value and pass/fail). The exit code is
+1 when a correctness check fails; missed performance targets are reported, not fatal.
+
+Adding a section (e.g. end-to-end engine throughput against transformers' generate_batch):
+write ``def section_engine(ctx: Context) -> dict`` that returns JSON-able results (put a
+``"table"`` list of row dicts in it to have it printed) and append ``("engine",
+section_engine)`` to ``SECTIONS``. ``ctx.bench(fn)`` times a callable, ``ctx.dry_run`` asks for
+tiny shapes, ``ctx.results`` holds the sections run so far (``ctx.results["copy_bandwidth"]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "benches" / "results" / "gpu_check.json"
+
+
+def _prepare_environment(dry_run: bool) -> None:
+    """Make ``pagedkv`` importable from the source tree; pick the interpreter for a dry run.
+
+    TRITON_INTERPRET must be set before the Triton kernels are imported (it is read when a
+    kernel is decorated), so this runs before any pagedkv import.
+    """
+    sys.path.insert(0, str(REPO_ROOT / "python"))
+    if dry_run:
+        os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+
+@dataclass
+class Context:
+    device: str  # "cuda" or "cpu" (dry run)
+    dry_run: bool
+    results: dict = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)  # correctness failures (exit code 1)
+    targets: list[dict] = field(default_factory=list)  # performance targets
+
+    def bench(self, fn: Callable[[], object]) -> float:
+        """Median seconds per call of ``fn``."""
+        if self.device == "cuda":
+            import triton.testing
+
+            return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") / 1e3
+        fn()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[1]
+
+    def free_bytes(self) -> int:
+        import torch
+
+        if self.device == "cuda":
+            return torch.cuda.mem_get_info()[0]
+        return 1 << 62
+
+    def target(self, name: str, value: float, goal: str, passed: bool, **details: object) -> None:
+        self.targets.append({"name": name, "value": value, "goal": goal, "passed": passed, **details})
+
+
+# --- 1. correctness --------------------------------------------------------------------------
+
+
+def section_correctness(ctx: Context) -> dict:
+    result: dict = {}
+    if ctx.dry_run:
+        result["pytest"] = {"skipped": "dry run (CI runs the kernel tests itself)"}
+    else:
+        result["pytest"] = _run_kernel_tests()
+        if result["pytest"]["returncode"] != 0:
+            ctx.failures.append("kernel tests failed (see correctness.pytest.tail)")
+    result["table"] = _oracle_sweep(ctx)
+    for row in result["table"]:
+        if not row["passed"]:
+            ctx.failures.append(f"oracle sweep: {row['case']} max error {row['max_error']:.2e} > {row['atol']:.0e}")
+    return result
+
+
+def _run_kernel_tests() -> dict:
+    tests = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "tests").glob("test_kernels_*.py"))
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # compiled for the GPU
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *tests],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    output = proc.stdout + proc.stderr
+    summary = next((line for line in reversed(output.splitlines()) if " in " in line and "=" in line), "")
+    return {"returncode": proc.returncode, "seconds": round(time.perf_counter() - start, 1),
+            "summary": summary.strip("= "), "tail": output[-3000:] if proc.returncode else ""}
+
+
+def _oracle_sweep(ctx: Context) -> list[dict]:
+    import torch
+
+    import pagedkv.kernels as kernels
+    from pagedkv.kernels import reference
+    from pagedkv.kernels.testing import PagedBatch, make_paged_batch
+
+    if ctx.dry_run:
+        # The interpreter computes bf16 and fp8 wrongly: fp32/fp16 only, tiny shapes.
+        cases = [("fp32 mixed", torch.float32, None, 4, 1, 64, [1, 1, 9], [40, 3, 30]),
+                 ("fp16 mixed", torch.float16, None, 2, 2, 64, [1, 5], [17, 21])]
+    else:
+        decodes = [int(x) for x in torch.randint(1, 6000, (48,), generator=torch.Generator().manual_seed(0))]
+        cases = []
+        for dtype, cache_dtype in [(torch.bfloat16, None), (torch.float16, None),
+                                   (torch.bfloat16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e5m2)]:
+            name = f"{str(dtype)[6:]}" + (f" cache {str(cache_dtype)[6:]}" if cache_dtype else "")
+            cases.append((f"{name} G4 D128 decodes+extends", dtype, cache_dtype, 32, 8, 128,
+                          [1] * 48 + [700, 1, 129], decodes + [700 + 1500, 33, 129 + 16 * 9 + 5]))
+        for head_dim in (64, 80, 96, 256):
+            cases.append((f"bf16 G8 D{head_dim}", torch.bfloat16, None, 8, 1, head_dim,
+                          [1] * 8 + [300], decodes[:8] + [300 + 77]))
+    rows = []
+    for name, dtype, cache_dtype, num_heads, num_kv_heads, head_dim, q_lens, seq_lens in cases:
+        batch = make_paged_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                 block_size=16, dtype=dtype, device=ctx.device, seed=head_dim)
+        if cache_dtype is not None:
+            batch = PagedBatch(batch.query, batch.key_cache.to(cache_dtype), batch.value_cache.to(cache_dtype),
+                               batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, batch.keys, batch.values,
+                               batch.q_lens)
+        oracle_args = [t.double() if t.is_floating_point() else t for t in batch.attention_args()]
+        expected = reference.paged_attention(*oracle_args)
+        got = kernels.paged_attention(*batch.attention_args(), backend="triton")
+        error = float((got.double() - expected).abs().max()) if torch.isfinite(got).all() else math.inf
+        atol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+        rows.append({"case": name, "tokens": int(batch.query.shape[0]), "max_kv_len": max(seq_lens),
+                     "max_error": error, "atol": atol, "passed": error <= atol})
+    return rows
+
+
+# --- 2. copy bandwidth -----------------------------------------------------------------------
+
+
+def section_copy_bandwidth(ctx: Context) -> dict:
+    import torch
+
+    num_bytes = (1 << 20) if ctx.dry_run else (4 << 30)
+    source = torch.empty(num_bytes, dtype=torch.uint8, device=ctx.device).random_(0, 255)
+    target = torch.empty_like(source)
+    seconds = ctx.bench(lambda: target.copy_(source))
+    bandwidth = 2 * num_bytes / seconds  # every byte is read once and written once
+    del source, target
+    return {"bytes": num_bytes, "seconds": seconds, "bandwidth_gbps": bandwidth / 1e9,
+            "table": [{"copy_bytes": num_bytes, "ms": seconds * 1e3, "GB/s (read+write)": bandwidth / 1e9}]}
+
+
+# --- 3. decode -------------------------------------------------------------------------------
+
+
+def _random_paged_cache(num_seqs: int, context: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        dtype, device: str, generator):  # noqa: ANN001, ANN202
+    """Caches holding exactly the batch's blocks, and a shuffled block table over them."""
+    import torch
+
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    value_cache = torch.randn_like(key_cache)
+    block_tables = torch.randperm(num_blocks, generator=generator).view(num_seqs, blocks_per_seq)
+    return key_cache, value_cache, block_tables.to(device=device, dtype=torch.int32)
+
+
+def section_decode(ctx: Context) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    import pagedkv.kernels as kernels
+
+    copy_gbps = ctx.results.get("copy_bandwidth", {}).get("bandwidth_gbps")
+    if ctx.dry_run:
+        dtype, head_dim, block_size = torch.float32, 64, 16
+        batches, contexts, shapes = [1, 2], [32, 64], [(8, 1)]
+    else:
+        dtype, head_dim, block_size = torch.bfloat16, 128, 16
+        batches, contexts = [1, 4, 16, 64, 128, 256], [512, 2048, 8192, 32768]
+        shapes = [(64, 8), (32, 8)]  # (num_heads, num_kv_heads): GQA groups 8 and 4
+    generator = torch.Generator().manual_seed(0)
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    rows = []
+    for num_heads, num_kv_heads in shapes:
+        for num_seqs in batches:
+            for context in contexts:
+                kv_bytes = 2 * num_seqs * context * num_kv_heads * head_dim * element_size
+                row = {"group": num_heads // num_kv_heads, "batch": num_seqs, "context": context,
+                       "kv_GB": kv_bytes / 1e9}
+                if 2.5 * kv_bytes > ctx.free_bytes():  # paged + contiguous copies, with headroom
+                    rows.append({**row, "skipped": "does not fit in free GPU memory"})
+                    continue
+                key_cache, value_cache, block_tables = _random_paged_cache(
+                    num_seqs, context, num_kv_heads, head_dim, block_size, dtype, ctx.device, generator)
+                query = torch.randn(num_seqs, num_heads, head_dim, dtype=dtype, device=ctx.device)
+                seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=ctx.device)
+                cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=ctx.device)
+                out = torch.empty_like(query)
+
+                def paged() -> None:
+                    kernels.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                                            out=out, backend="triton", max_seqlen_q=1, max_seqlen_k=context)
+
+                paged_s = ctx.bench(paged)
+                del key_cache, value_cache
+                # No-paging baseline: the same K/V contiguous per sequence, [B, Hkv, L, D].
+                keys = torch.randn(num_seqs, num_kv_heads, context, head_dim, dtype=dtype, device=ctx.device)
+                values = torch.randn_like(keys)
+                q4 = query[:, :, None, :]
+                sdpa_s = ctx.bench(lambda: F.scaled_dot_product_attention(q4, keys, values, enable_gqa=True))
+                del keys, values
+                bandwidth = kv_bytes / paged_s / 1e9
+                row.update({"paged_us": paged_s * 1e6, "sdpa_us": sdpa_s * 1e6, "paged_GB/s": bandwidth,
+                            "sdpa_GB/s": kv_bytes / sdpa_s / 1e9, "paged/sdpa": paged_s / sdpa_s})
+                if copy_gbps:
+                    row["pct_of_copy"] = 100 * bandwidth / copy_gbps
+                rows.append(row)
+                if kv_bytes >= 0.5e9 and copy_gbps:
+                    name = f"decode G{row['group']} B{num_seqs} ctx{context}"
+                    ctx.target(f"{name} bandwidth", row["pct_of_copy"], ">= 75 % of copy bandwidth",
+                               row["pct_of_copy"] >= 75)
+                    ctx.target(f"{name} vs SDPA", row["paged/sdpa"], "paged time <= 1.10 x SDPA time",
+                               row["paged/sdpa"] <= 1.10)
+    if ctx.device == "cuda":
+        torch.cuda.empty_cache()
+    return {"dtype": str(dtype), "head_dim": head_dim, "block_size": block_size, "table": rows}
+
+
+# --- 4. prefill ------------------------------------------------------------------------------
+
+
+def section_prefill(ctx: Context) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    import pagedkv.kernels as kernels
+
+    if ctx.dry_run:
+        dtype, num_heads, num_kv_heads, head_dim = torch.float32, 4, 2, 64
+        layouts = [[48], [16, 16]]
+    else:
+        dtype, num_heads, num_kv_heads, head_dim = torch.bfloat16, 32, 8, 128
+        layouts = [[4096], [1024] * 4]
+    block_size = 16
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for q_lens in layouts:
+        num_seqs, length = len(q_lens), q_lens[0]
+        num_tokens = sum(q_lens)
+        key_cache, value_cache, block_tables = _random_paged_cache(
+            num_seqs, length, num_kv_heads, head_dim, block_size, dtype, ctx.device, generator)
+        query = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=ctx.device)
+        seq_lens = torch.full((num_seqs,), length, dtype=torch.int32, device=ctx.device)
+        cu_seqlens_q = torch.arange(0, num_tokens + 1, length, dtype=torch.int32, device=ctx.device)
+        out = torch.empty_like(query)
+        paged_s = ctx.bench(lambda: kernels.paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out=out, backend="triton",
+            max_seqlen_q=length, max_seqlen_k=length))
+        # Baseline: SDPA on contiguous [B, H, L, D] (q_len == kv_len, so is_causal is right).
+        q = torch.randn(num_seqs, num_heads, length, head_dim, dtype=dtype, device=ctx.device)
+        k = torch.randn(num_seqs, num_kv_heads, length, head_dim, dtype=dtype, device=ctx.device)
+        v = torch.randn_like(k)
+        sdpa_s = ctx.bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        # Causal attention: QK^T and PV over half of the L x L score matrix.
+        flops = 4 * num_seqs * num_heads * head_dim * length * length / 2
+        rows.append({"layout": f"{num_seqs}x{length}", "tokens": num_tokens, "paged_ms": paged_s * 1e3,
+                     "sdpa_ms": sdpa_s * 1e3, "paged_TFLOP/s": flops / paged_s / 1e12,
+                     "sdpa_TFLOP/s": flops / sdpa_s / 1e12, "paged/sdpa": paged_s / sdpa_s})
+    return {"dtype": str(dtype), "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+            "table": rows}
+
+
+SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
+    ("correctness", section_correctness),
+    ("copy_bandwidth", section_copy_bandwidth),
+    ("decode", section_decode),
+    ("prefill", section_prefill),
+]
+
+
+# --- driver ----------------------------------------------------------------------------------
+
+
+def _format_table(rows: list[dict]) -> str:
+    if not rows:
+        return "  (no rows)"
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+
+    def cell(value: object) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+        return str(value)
+
+    cells = [[cell(row.get(c, "")) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = ["  " + "  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  " + "  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
+    return "\n".join(lines)
+
+
+def _meta(ctx: Context, argv: list[str]) -> dict:
+    import torch
+    import triton
+
+    meta = {"command": " ".join([Path(sys.executable).name, *argv]), "dry_run": ctx.dry_run,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+            "device": ctx.device}
+    if ctx.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        meta.update({"gpu": props.name, "sm_count": props.multi_processor_count,
+                     "memory_GiB": round(props.total_memory / 2**30, 1), "cuda": torch.version.cuda})
+    return meta
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description="pagedkv GPU check (see the module docstring)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET")
+    parser.add_argument("--sections", nargs="+", choices=[name for name, _ in SECTIONS],
+                        help="run only these sections (default: all)")
+    args = parser.parse_args(argv)
+
+    _prepare_environment(args.dry_run)
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU found; use --dry-run to exercise the script on the CPU", file=sys.stderr)
+        return 2
+    ctx = Context(device="cpu" if args.dry_run else "cuda", dry_run=args.dry_run)
+    report: dict = {"meta": _meta(ctx, ["benches/gpu_check.py", *argv])}
+    started = time.perf_counter()
+    for name, section in SECTIONS:
+        if args.sections and name not in args.sections:
+            continue
+        section_start = time.perf_counter()
+        print(f"== {name}", flush=True)
+        ctx.results[name] = section(ctx)
+        ctx.results[name]["section_seconds"] = round(time.perf_counter() - section_start, 2)
+        if "table" in ctx.results[name]:
+            print(_format_table(ctx.results[name]["table"]))
+        if name == "correctness":
+            print(f"  pytest: {ctx.results[name]['pytest'].get('summary') or ctx.results[name]['pytest']}")
+        print(f"  ({ctx.results[name]['section_seconds']} s)", flush=True)
+    report.update(ctx.results)
+    report["targets"] = ctx.targets
+    report["correctness_failures"] = ctx.failures
+    report["meta"]["total_seconds"] = round(time.perf_counter() - started, 1)
+
+    if ctx.targets:
+        missed = [t for t in ctx.targets if not t["passed"]]
+        print(f"== targets: {len(ctx.targets) - len(missed)}/{len(ctx.targets)} met")
+        for t in missed:
+            print(f"  missed: {t['name']}: {t['value']:.3g} (goal {t['goal']})")
+    for failure in ctx.failures:
+        print(f"FAILED: {failure}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"wrote {args.out} ({report['meta']['total_seconds']} s)")
+    return 1 if ctx.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

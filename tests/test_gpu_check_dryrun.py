@@ -1,0 +1,42 @@
+"""benches/gpu_check.py --dry-run: every section runs end to end on tiny CPU shapes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_check_dry_run_writes_its_report(tmp_path):
+    out = tmp_path / "nested" / "gpu_check.json"
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the script must set it itself for --dry-run
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benches" / "gpu_check.py"), "--dry-run", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"wrote {out}" in proc.stdout
+
+    report = json.loads(out.read_text())
+    assert report["meta"]["dry_run"] is True and report["meta"]["device"] == "cpu"
+    assert report["correctness_failures"] == []
+    assert set(report) >= {"meta", "correctness", "copy_bandwidth", "decode", "prefill", "targets"}
+
+    sweep = report["correctness"]["table"]
+    assert sweep and all(row["passed"] and row["max_error"] <= row["atol"] for row in sweep)
+    assert report["copy_bandwidth"]["bandwidth_gbps"] > 0
+
+    decode = report["decode"]["table"]
+    assert len(decode) == 4  # batches {1, 2} x contexts {32, 64}, one GQA shape
+    for row in decode:
+        for key in ("paged_us", "sdpa_us", "paged_GB/s", "pct_of_copy", "paged/sdpa"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+    prefill = report["prefill"]["table"]
+    assert [row["layout"] for row in prefill] == ["1x48", "2x16"]
+    assert all(row["paged_TFLOP/s"] > 0 for row in prefill)
+    # Tiny shapes read far less than 0.5 GB: no performance target applies.
+    assert report["targets"] == []
