@@ -43,6 +43,10 @@ def test_auto_picks_torch_on_cpu_and_triton_on_cuda(monkeypatch):
     monkeypatch.delenv(kernels.BACKEND_ENV_VAR, raising=False)
     assert kernels.resolve_backend(torch.device("cpu")) == "torch"
     assert kernels.resolve_backend(torch.device("cuda")) == "triton"  # triton is installed here
+    # auto falls back to the torch path for what the kernels do not support
+    assert kernels.resolve_backend(torch.device("cuda"), dtype=torch.float64, head_dim=128) == "torch"
+    assert kernels.resolve_backend(torch.device("cuda"), dtype=torch.bfloat16, head_dim=48) == "torch"
+    assert kernels.resolve_backend(torch.device("cuda"), dtype=torch.bfloat16, head_dim=128) == "triton"
 
 
 def test_environment_variable_and_keyword(monkeypatch):

@@ -16,7 +16,7 @@ Backends:
 
 The backend is the ``backend=`` argument if given, else the environment variable
 ``PAGEDKV_ATTENTION_BACKEND`` (read at every call), else ``auto``: ``triton`` for CUDA tensors
-when Triton is installed, ``torch`` otherwise. Triton is imported lazily, only when the
+when Triton is installed and supports the dtype and head_dim, ``torch`` otherwise. Triton is imported lazily, only when the
 ``triton`` backend is used, so the torch path works where Triton is not installed.
 
 Every call validates its arguments (:mod:`.validation`) and raises
@@ -39,7 +39,12 @@ import torch
 
 from pagedkv.errors import ConfigError, InvalidArgumentError
 from pagedkv.kernels import reference
-from pagedkv.kernels.validation import check_paged_attention_args, check_store_kv_args
+from pagedkv.kernels.validation import (
+    TRITON_DTYPES,
+    TRITON_HEAD_DIMS,
+    check_paged_attention_args,
+    check_store_kv_args,
+)
 
 __all__ = ["BACKEND_ENV_VAR", "BACKENDS", "resolve_backend", "store_kv", "paged_attention"]
 
@@ -59,8 +64,18 @@ def _triton_module(name: str) -> ModuleType:
         raise ConfigError(f"the triton backend needs the `triton` package, which failed to import: {exc}") from exc
 
 
-def resolve_backend(device: torch.device, backend: str | None = None) -> str:
-    """The backend (``"triton"`` or ``"torch"``) a call on tensors of ``device`` uses."""
+def resolve_backend(
+    device: torch.device,
+    backend: str | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+) -> str:
+    """The backend (``"triton"`` or ``"torch"``) a call on tensors of ``device`` uses.
+
+    ``auto`` takes Triton for CUDA tensors whose dtype and head_dim (when given) the kernels
+    support, and the torch path for everything else (CPU tensors, float64, other head dims).
+    """
     if backend is not None:
         if backend not in BACKENDS:
             raise InvalidArgumentError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -70,7 +85,8 @@ def resolve_backend(device: torch.device, backend: str | None = None) -> str:
         if choice not in BACKENDS:
             raise ConfigError(f"{BACKEND_ENV_VAR} must be one of {BACKENDS}, got {choice!r}")
     if choice == "auto":
-        return "triton" if device.type == "cuda" and _triton_installed() else "torch"
+        supported = (dtype is None or dtype in TRITON_DTYPES) and (head_dim is None or head_dim in TRITON_HEAD_DIMS)
+        return "triton" if device.type == "cuda" and supported and _triton_installed() else "torch"
     if choice == "triton" and device.type != "cuda":
         if not _triton_module("triton_attention").is_interpreted():
             raise InvalidArgumentError(
@@ -90,7 +106,7 @@ def store_kv(
     backend: str | None = None,
 ) -> None:
     """Write token ``t``'s K and V into cache slot ``slot_mapping[t]`` (in place)."""
-    chosen = resolve_backend(_device_of("key", key), backend)
+    chosen = resolve_backend(_device_of("key", key), backend, dtype=key.dtype, head_dim=key.shape[-1])
     check_store_kv_args(key, value, key_cache, value_cache, slot_mapping, chosen)
     if chosen == "triton":
         _triton_module("triton_store").store_kv(key, value, key_cache, value_cache, slot_mapping)
@@ -117,7 +133,7 @@ def paged_attention(
     Rows of ``out`` that belong to no sequence (past ``cu_seqlens_q[-1]``) are not written;
     a freshly allocated ``out`` has zeros there.
     """
-    chosen = resolve_backend(_device_of("query", query), backend)
+    chosen = resolve_backend(_device_of("query", query), backend, dtype=query.dtype, head_dim=query.shape[-1])
     check_paged_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, chosen
     )

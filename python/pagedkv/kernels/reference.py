@@ -159,7 +159,8 @@ def _gather_kv(
     gathered = gathered.view(n, num_blocks * block_size, num_kv_heads, head_dim)
     positions = torch.arange(num_blocks * block_size, device=table.device)
     past_end = positions[None, :] >= seq_lens.long()[:, None]  # [N, L]
-    gathered.masked_fill_(past_end[:, :, None, None], 0.0)
+    # Boolean-index assignment writes only the masked rows (a masked_fill_ would rewrite all of them).
+    gathered[past_end] = 0.0
     return gathered.transpose(1, 2)
 
 

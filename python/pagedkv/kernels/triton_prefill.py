@@ -20,6 +20,9 @@ later keys are skipped entirely. A row that sees no key at all (``prefix + i < 0
 possible when ``seq_len < q_len``) keeps ``m = -inf``; the update uses ``m = 0`` in its place so
 that no ``-inf - -inf`` arises, and the row's output is 0.
 
+Programs take the tiles in reverse order: within a sequence the last tiles see the most keys,
+so the longest programs start first and the grid's tail is short.
+
 fp32 accumulation, online softmax in base 2 (``scale * log2(e)`` folded into the scores).
 With ``SKIP_DECODES`` the programs of ``q_len == 1`` sequences return at once (the split-KV
 decode kernel does those); without it this kernel handles any batch by itself.
@@ -116,7 +119,8 @@ def _prefill_kernel(
     SKIP_DECODES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    tile_id = tl.program_id(0)
+    # Reversed: the last tiles of a sequence see the most keys; starting them first shortens the tail.
+    tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // GROUP
 
