@@ -10,6 +10,7 @@ from pagedkv.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, make_g
 from pagedkv.sampling_params import SamplingParams
 
 VOCAB = 1000
+METHODS = pytest.mark.parametrize("method", ["exponential", "inverse_cdf"])
 
 
 def _logits(rows: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
@@ -22,11 +23,12 @@ def _sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None] | None = None,
     banned: dict[int, list[int]] | None = None,
+    method: str | None = None,
 ):
     metadata = SamplingMetadata.build(
         params, vocab_size=logits.shape[1], generators=generators, banned_token_ids=banned
     )
-    return Sampler()(logits, metadata)
+    return Sampler(method)(logits, metadata)
 
 
 def test_greedy_is_argmax() -> None:
@@ -104,11 +106,12 @@ def test_top_k_then_top_p_renormalizes_over_top_k() -> None:
     assert kept.tolist() == [[True, False, False, False]]
 
 
-def test_min_p_only_samples_tokens_above_threshold() -> None:
+@METHODS
+def test_min_p_only_samples_tokens_above_threshold(method: str) -> None:
     # probs 0.4, 0.3, 0.19, 0.11: min_p=0.5 keeps tokens with p >= 0.2 -> {0, 1}.
     logits = torch.tensor([[0.4, 0.3, 0.19, 0.11]]).log().repeat(2000, 1)
     torch.manual_seed(2)
-    out = _sample(logits, [SamplingParams(temperature=1.0, min_p=0.5)] * 2000)
+    out = _sample(logits, [SamplingParams(temperature=1.0, min_p=0.5)] * 2000, method=method)
     assert set(out.sampled_token_ids.tolist()) == {0, 1}
 
 
@@ -129,22 +132,28 @@ def test_banned_tokens_are_never_sampled() -> None:
 
 
 def _seeded_draws(
-    logits: torch.Tensor, row: int, params: list[SamplingParams], seeds: list[int | None], steps: int
+    logits: torch.Tensor,
+    row: int,
+    params: list[SamplingParams],
+    seeds: list[int | None],
+    steps: int,
+    method: str | None = None,
 ) -> list[int]:
     """Sample `steps` times with per-row generators; return row `row`'s tokens."""
     generators = [None if s is None else make_generator(s) for s in seeds]
     tokens = []
     for _ in range(steps):
-        out = _sample(logits, params, generators)
+        out = _sample(logits, params, generators, method=method)
         tokens.append(int(out.sampled_token_ids[row]))
     return tokens
 
 
-def test_seeded_row_is_independent_of_batch_composition() -> None:
+@METHODS
+def test_seeded_row_is_independent_of_batch_composition(method: str) -> None:
     logits = _logits(6, seed=4)
     target_logits = logits[2:3]
     target = SamplingParams(temperature=1.3, top_p=0.95, seed=1234)
-    alone = _seeded_draws(target_logits, 0, [target], [1234], steps=5)
+    alone = _seeded_draws(target_logits, 0, [target], [1234], steps=5, method=method)
 
     # Same row among greedy, unseeded, differently-seeded and filtered rows, at another index.
     others = [
@@ -158,24 +167,27 @@ def test_seeded_row_is_independent_of_batch_composition() -> None:
     params = others[:2] + [target] + others[2:]
     seeds = [None, None, 1234, 99, None, None]
     torch.manual_seed(5)
-    in_batch = _seeded_draws(batch_logits, 2, params, seeds, steps=5)
+    in_batch = _seeded_draws(batch_logits, 2, params, seeds, steps=5, method=method)
     assert in_batch == alone
 
     # And at the end of a different batch, after other rows consumed the global RNG.
     batch_logits = torch.cat([logits[4:], target_logits])
     torch.manual_seed(6)
-    at_end = _seeded_draws(batch_logits, 2, [others[0], others[4], target], [None, None, 1234], 5)
+    at_end = _seeded_draws(
+        batch_logits, 2, [others[0], others[4], target], [None, None, 1234], 5, method=method
+    )
     assert at_end == alone
     # The draws really are random (not all the same token).
     assert len(set(alone)) > 1
 
 
-def test_same_seed_same_tokens_different_seed_differs() -> None:
+@METHODS
+def test_same_seed_same_tokens_different_seed_differs(method: str) -> None:
     logits = _logits(1, seed=7)
     params = [SamplingParams(temperature=1.5, seed=11)]
-    first = _seeded_draws(logits, 0, params, [11], steps=8)
-    assert _seeded_draws(logits, 0, params, [11], steps=8) == first
-    assert _seeded_draws(logits, 0, params, [12], steps=8) != first
+    first = _seeded_draws(logits, 0, params, [11], steps=8, method=method)
+    assert _seeded_draws(logits, 0, params, [11], steps=8, method=method) == first
+    assert _seeded_draws(logits, 0, params, [12], steps=8, method=method) != first
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -196,12 +208,13 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     ],
     ids=["t=1", "t=0.5", "top_k=3"],
 )
-def test_sampled_distribution_matches(params: SamplingParams, expected_fn) -> None:
+@METHODS
+def test_sampled_distribution_matches(params: SamplingParams, expected_fn, method: str) -> None:
     probs = torch.tensor([0.3, 0.2, 0.15, 0.12, 0.1, 0.07, 0.04, 0.02], dtype=torch.float64)
     draws = 20000
     logits = probs.log().float().repeat(draws, 1)
     torch.manual_seed(8)
-    out = _sample(logits, [params] * draws)
+    out = _sample(logits, [params] * draws, method=method)
     counts = torch.bincount(out.sampled_token_ids, minlength=8).double()
     expected = expected_fn(probs)
     assert counts[expected == 0].sum() == 0
@@ -209,13 +222,14 @@ def test_sampled_distribution_matches(params: SamplingParams, expected_fn) -> No
     assert _chi_square(counts, expected) < 40.0
 
 
-def test_seeded_rows_follow_the_distribution() -> None:
+@METHODS
+def test_seeded_rows_follow_the_distribution(method: str) -> None:
     # Many single-draw seeded rows: the exponential race is a correct sampler per generator too.
     probs = torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)
     rows = 4000
     logits = probs.log().float().repeat(rows, 1)
     params = [SamplingParams(temperature=1.0, seed=i) for i in range(rows)]
-    out = _sample(logits, params, [make_generator(i) for i in range(rows)])
+    out = _sample(logits, params, [make_generator(i) for i in range(rows)], method=method)
     counts = torch.bincount(out.sampled_token_ids, minlength=4).double()
     assert _chi_square(counts, probs) < 30.0
 
@@ -272,3 +286,43 @@ def test_bad_inputs_raise() -> None:
         SamplingMetadata.build(params, vocab_size=VOCAB, banned_token_ids={0: [VOCAB]})
     with pytest.raises(InvalidArgumentError, match="generators"):
         SamplingMetadata.build(params, vocab_size=VOCAB, generators=[None])
+
+
+def test_top_p_candidate_path_equals_full_sort() -> None:
+    """The CPU shortcut (top-256 candidates) and the full sort keep the same tokens, also for
+    rows whose nucleus extends past the candidates (flat rows) and with top-k first."""
+    from pagedkv import sampler as sampler_module
+
+    vocab = 5000
+    generator = torch.Generator().manual_seed(12)
+    peaked = torch.randn(6, vocab, generator=generator) * 4.0
+    flat = torch.randn(4, vocab, generator=generator) * 0.1  # top-256 holds ~5%: full sort
+    logits = torch.cat([peaked, flat])
+    top_p = torch.tensor([0.5, 0.9, 0.95, 0.99, 1.0, 0.3, 0.9, 0.5, 1.0, 0.99])
+    top_k = torch.tensor([vocab, 40, vocab, 1000, 3, vocab, vocab, 300, vocab, vocab])
+    assert (torch.softmax(flat, -1).topk(256).values.sum(-1) < 0.5).all()
+    by_sort = logits.clone()
+    sampler_module._apply_top_k(by_sort, top_k, None)
+    sampler_module._apply_top_p_by_sort(by_sort, top_p)
+    by_candidates = apply_top_k_top_p(logits.clone(), top_k, top_p)  # CPU: candidate path
+    assert torch.equal(torch.isfinite(by_candidates), torch.isfinite(by_sort))
+    assert torch.equal(by_candidates[torch.isfinite(by_candidates)], logits[torch.isfinite(by_sort)])
+    # Sanity: the filters did something on most rows, nothing on the p=1, k=V row.
+    kept = torch.isfinite(by_sort).sum(dim=-1)
+    assert kept[8] == vocab and kept[4] == 3 and (kept[:4] < vocab).all()
+
+
+@METHODS
+def test_masked_tokens_are_never_drawn(method: str) -> None:
+    """Zero-probability tokens at the edges and in the middle of the vocabulary (where the
+    inverse CDF is flat and the exponential race divides 0 by q)."""
+    logits = torch.full((3000, 9), float("-inf"))
+    logits[:, [1, 4, 7]] = torch.tensor([0.0, 1.0, 2.0])
+    torch.manual_seed(13)
+    out = _sample(logits, [SamplingParams(temperature=1.0)] * 3000, method=method)
+    assert set(out.sampled_token_ids.tolist()) == {1, 4, 7}
+
+
+def test_unknown_method_raises() -> None:
+    with pytest.raises(InvalidArgumentError, match="method"):
+        Sampler("gumbel-ish")
