@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use crate::slab::{SlabKey, GENERATION_MASK};
+
 /// A physical block of the KV cache: an index into the pool, `0 .. num_blocks`.
 ///
 /// Block ids fit in `i32` (they cross to Python and the kernels as int32 block tables), which
@@ -33,25 +35,16 @@ impl fmt::Display for BlockId {
 pub struct SeqId(pub u64);
 
 impl SeqId {
-    /// Builds an id from a slot index and the slot's generation.
+    /// The id of the sequence stored under `key`.
     #[inline]
-    pub fn new(slot: u32, generation: u32) -> Self {
-        SeqId((((generation & Self::GENERATION_MASK) as u64) << 32) | slot as u64)
+    pub fn from_key(key: SlabKey) -> Self {
+        SeqId((((key.generation & GENERATION_MASK) as u64) << 32) | key.slot as u64)
     }
 
-    /// Generations wrap within 31 bits.
-    pub const GENERATION_MASK: u32 = 0x7FFF_FFFF;
-
-    /// The slab slot this id points at.
+    /// The slab key this id packs.
     #[inline]
-    pub fn slot(self) -> usize {
-        (self.0 & 0xFFFF_FFFF) as usize
-    }
-
-    /// The generation the slot had when this id was handed out.
-    #[inline]
-    pub fn generation(self) -> u32 {
-        (self.0 >> 32) as u32
+    pub fn key(self) -> SlabKey {
+        SlabKey { slot: (self.0 & 0xFFFF_FFFF) as u32, generation: (self.0 >> 32) as u32 }
     }
 }
 

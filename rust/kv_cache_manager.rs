@@ -23,6 +23,7 @@ use crate::block_pool::BlockPool;
 use crate::block_table::{blocks_for, BlockTable};
 use crate::error::{CoreError, Result};
 use crate::ids::{BlockId, SeqId};
+use crate::slab::Slab;
 
 /// One sequence's state (see the module docs).
 #[derive(Debug, Clone)]
@@ -109,20 +110,12 @@ pub struct PrefixCounters {
     pub hits: u64,
 }
 
-#[derive(Debug, Clone, Default)]
-struct SeqSlot {
-    generation: u32,
-    seq: Option<Sequence>,
-}
-
 /// Block tables of many sequences over one [`BlockPool`] (see the module docs).
 #[derive(Debug, Clone)]
 pub struct KvCacheManager {
     pool: BlockPool,
     hasher: BlockHasher,
-    slots: Vec<SeqSlot>,
-    free_slots: Vec<u32>,
-    num_live: usize,
+    seqs: Slab<Sequence>,
     copy_ops: Vec<(BlockId, BlockId)>,
     prefix: PrefixCounters,
 }
@@ -135,9 +128,7 @@ impl KvCacheManager {
         Ok(KvCacheManager {
             pool,
             hasher,
-            slots: Vec::new(),
-            free_slots: Vec::new(),
-            num_live: 0,
+            seqs: Slab::default(),
             copy_ops: Vec::new(),
             prefix: PrefixCounters::default(),
         })
@@ -158,7 +149,7 @@ impl KvCacheManager {
     /// Number of live sequences.
     #[inline]
     pub fn num_sequences(&self) -> usize {
-        self.num_live
+        self.seqs.len()
     }
 
     /// Prefix-cache counters of `add_sequence` calls.
@@ -169,30 +160,16 @@ impl KvCacheManager {
     /// The live sequence `id`.
     #[inline]
     pub fn seq(&self, id: SeqId) -> Result<&Sequence> {
-        match self.slots.get(id.slot()) {
-            Some(SeqSlot { generation, seq: Some(s) }) if *generation == id.generation() => Ok(s),
-            _ => Err(CoreError::UnknownSequence(id.0)),
-        }
+        self.seqs.get(id.key()).ok_or(CoreError::UnknownSequence(id.0))
     }
 
     #[inline]
     fn seq_mut(&mut self, id: SeqId) -> Result<&mut Sequence> {
-        match self.slots.get_mut(id.slot()) {
-            Some(SeqSlot { generation, seq: Some(s) }) if *generation == id.generation() => Ok(s),
-            _ => Err(CoreError::UnknownSequence(id.0)),
-        }
+        self.seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))
     }
 
     fn insert(&mut self, seq: Sequence) -> SeqId {
-        self.num_live += 1;
-        if let Some(slot) = self.free_slots.pop() {
-            let s = &mut self.slots[slot as usize];
-            s.seq = Some(seq);
-            SeqId::new(slot, s.generation)
-        } else {
-            self.slots.push(SeqSlot { generation: 0, seq: Some(seq) });
-            SeqId::new((self.slots.len() - 1) as u32, 0)
-        }
+        SeqId::from_key(self.seqs.insert(seq))
     }
 
     /// The longest verified cached prefix of `tokens` under `extra`, leaving at least one token
@@ -294,11 +271,8 @@ impl KvCacheManager {
         }
         let cow = self.needs_cow(seq);
         let bs = self.block_size();
-        let KvCacheManager { pool, hasher, slots, copy_ops, .. } = self;
-        let seq = match slots.get_mut(id.slot()).and_then(|s| s.seq.as_mut()) {
-            Some(s) => s,
-            None => return Err(CoreError::UnknownSequence(id.0)),
-        };
+        let KvCacheManager { pool, hasher, seqs, copy_ops, .. } = self;
+        let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         if let Some(i) = cow {
             // Checked above: enough free blocks for the copy and the fresh blocks.
             if let Some(private) = pool.allocate_one() {
@@ -389,18 +363,17 @@ impl KvCacheManager {
     /// Ends sequence `id`: its blocks lose a reference, the last block first, so that among a
     /// sequence's cached blocks the tail (the least shareable) is evicted first.
     pub fn free(&mut self, id: SeqId) -> Result<()> {
-        self.seq(id)?;
-        let slot = &mut self.slots[id.slot()];
-        let Some(mut seq) = slot.seq.take() else {
-            return Err(CoreError::UnknownSequence(id.0));
-        };
-        slot.generation = slot.generation.wrapping_add(1) & SeqId::GENERATION_MASK;
-        self.free_slots.push(id.slot() as u32);
-        self.num_live -= 1;
+        self.free_take_tokens(id).map(drop)
+    }
+
+    /// Ends sequence `id` like [`Self::free`] and hands back its token ids (a preempted
+    /// request keeps them to be recomputed later).
+    pub fn free_take_tokens(&mut self, id: SeqId) -> Result<Vec<u32>> {
+        let mut seq = self.seqs.remove(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         for b in seq.table.take().into_iter().rev() {
             self.pool.release_ref_unchecked(b);
         }
-        Ok(())
+        Ok(seq.tokens)
     }
 
     /// Takes the copy-on-write ops recorded since the last call, in order.
@@ -420,19 +393,14 @@ impl KvCacheManager {
 
     /// Ids of all live sequences (slab order).
     pub fn sequence_ids(&self) -> Vec<SeqId> {
-        self.slots
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.seq.is_some())
-            .map(|(i, s)| SeqId::new(i as u32, s.generation))
-            .collect()
+        self.seqs.iter().map(|(k, _)| SeqId::from_key(k)).collect()
     }
 
     /// Total tokens holding slots over all live sequences, and the slots of the blocks in use
     /// (the two sides of memory utilization; shared blocks count once on the slot side and
     /// once per holder on the token side, so sharing can push utilization above 1).
     pub fn tokens_and_slots(&self) -> (usize, usize) {
-        let tokens = self.slots.iter().filter_map(|s| s.seq.as_ref()).map(|s| s.num_computed).sum();
+        let tokens = self.seqs.iter().map(|(_, s)| s.num_computed).sum();
         (tokens, self.pool.num_used() * self.block_size())
     }
 
@@ -441,10 +409,8 @@ impl KvCacheManager {
         self.pool.check_invariants()?;
         let bs = self.block_size();
         let mut holders = vec![0u32; self.pool.num_blocks()];
-        let mut live = 0usize;
-        for (slot, s) in self.slots.iter().enumerate() {
-            let Some(seq) = &s.seq else { continue };
-            live += 1;
+        for (key, seq) in self.seqs.iter() {
+            let slot = key.slot;
             let want = blocks_for(seq.num_computed, bs);
             if seq.table.len() != want {
                 return Err(CoreError::InvariantViolation(format!(
@@ -465,9 +431,6 @@ impl KvCacheManager {
                 holders[b.index()] += 1;
             }
         }
-        if live != self.num_live {
-            return Err(CoreError::InvariantViolation(format!("{live} live sequences, counter says {}", self.num_live)));
-        }
         for (i, &h) in holders.iter().enumerate() {
             let rc = self.pool.ref_count_unchecked(BlockId(i as u32));
             if rc != h {
@@ -480,8 +443,8 @@ impl KvCacheManager {
         // sequences hold it must be a registered full block, which they reached through a
         // verified prefix hit on exactly the tokens being written.
         let mut writers = vec![0u32; self.pool.num_blocks()];
-        for (slot, s) in self.slots.iter().enumerate() {
-            let Some(seq) = &s.seq else { continue };
+        for (key, seq) in self.seqs.iter() {
+            let slot = key.slot;
             if seq.write_start == seq.num_computed {
                 continue;
             }
@@ -621,7 +584,7 @@ mod tests {
         m.free(a).unwrap();
         assert_eq!(m.free(a), Err(CoreError::UnknownSequence(a.0)));
         let (b, _) = m.add_sequence_cached(toks(0..3), ExtraKey::new(None));
-        assert_eq!(a.slot(), b.slot());
+        assert_eq!(a.key().slot, b.key().slot);
         assert!(m.seq(a).is_err());
         assert!(m.seq(b).is_ok());
         assert!(m.allocate_slots(SeqId(12345), 1).is_err());

@@ -12,7 +12,10 @@
 //! - [`block_hash`]: chained 128-bit block hashes and cache salts.
 //! - [`block_pool`]: ref counts, free queue, prefix-cache index with verified lookups.
 //! - [`block_table`]: logical → physical mapping and slot computation.
+//! - [`slab`]: generation-checked slab (sequence and request storage).
 //! - [`kv_cache_manager`]: sequences over the pool: prefix hits, slots, copy-on-write, fork.
+//! - [`scheduler`]: continuous batching: token budget, chunked prefill, prefix-cache
+//!   admission, preemption, stops, and the flat step output.
 //!
 //! The Python bindings live in `py` behind the `python` feature.
 
@@ -25,6 +28,8 @@ pub mod error;
 pub mod free_queue;
 pub mod ids;
 pub mod kv_cache_manager;
+pub mod scheduler;
+pub mod slab;
 
 #[cfg(feature = "python")]
 mod py;

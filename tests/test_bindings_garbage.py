@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pagedkv
-from pagedkv import BlockAllocator, KVCacheManager
+from pagedkv import BlockAllocator, KVCacheManager, Scheduler, SchedulerConfig
 
 GARBAGE: list[object] = [
     None, True, False, 0, 1, 3, -1, -(2**31), 2**31, 2**63, -(2**63) - 1, 2**70, 0.5, float("nan"),
@@ -51,7 +51,8 @@ def call_with_garbage(obj: object, rng: random.Random, rounds: int) -> None:
         except TypeError as e:
             # Only a wrong *number* of arguments may surface as a plain TypeError from Python's
             # call machinery; every value error must be a pagedkv exception.
-            assert "argument" in str(e) and ("positional" in str(e) or "takes" in str(e)), (name, args, e)
+            msg = str(e)
+            assert "argument" in msg and ("positional" in msg or "takes" in msg or "keyword" in msg), (name, args, e)
         # Anything else (PanicException is a BaseException) propagates and fails the test.
 
 
@@ -71,3 +72,45 @@ def test_garbage_never_panics(seed: int) -> None:
     for _ in range(20):
         call_with_garbage(m, rng, 60)
         m.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_scheduler_garbage_never_panics(seed: int) -> None:
+    rng = random.Random(seed)
+    keys = ["num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+            "enable_prefix_caching", "policy", "watermark", "hash_bits"]
+    for _ in range(60):
+        kwargs = {k: rng.choice(GARBAGE + [4, 16, "fcfs", 0.1]) for k in rng.sample(keys, rng.randint(1, 4))}
+        kwargs.setdefault("num_blocks", rng.choice(GARBAGE + [64]))
+        try:
+            SchedulerConfig(**kwargs)
+        except pagedkv.PagedKVError:
+            pass
+    s = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64))
+    s.add_request("live", [1, 2, 3], max_tokens=5)
+    add_keys = ["min_tokens", "eos_token_ids", "stop_token_ids", "ignore_eos", "priority", "cache_salt", "n"]
+    for i in range(300):
+        kwargs = {k: rng.choice(GARBAGE) for k in rng.sample(add_keys, rng.randint(0, 3))}
+        try:
+            s.add_request(rng.choice(GARBAGE + [f"g{i}"]), rng.choice(GARBAGE), max_tokens=rng.choice(GARBAGE + [3]), **kwargs)
+        except pagedkv.PagedKVError:
+            pass
+        if i % 10 == 0:
+            out = s.schedule()
+            done = False
+            for bad in (rng.choice(GARBAGE), rng.choice(GARBAGE)):
+                try:
+                    s.update(out, bad)  # may be well-formed by chance (e.g. [] for 0 rows)
+                    done = True
+                    break
+                except pagedkv.PagedKVError:
+                    pass
+            if not done:
+                s.update(out, np.zeros(len(out.logits_indices), dtype=np.int64))
+        try:
+            s.abort_request(rng.choice(GARBAGE))
+        except pagedkv.PagedKVError:
+            pass
+        s.check_invariants()
+    call_with_garbage(s, rng, 100)
+    s.check_invariants()

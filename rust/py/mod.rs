@@ -7,6 +7,7 @@ mod allocator;
 mod args;
 mod errors;
 mod manager;
+mod scheduler;
 
 use pyo3::prelude::*;
 
@@ -15,6 +16,11 @@ use pyo3::prelude::*;
 fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<allocator::PyBlockAllocator>()?;
     m.add_class::<manager::PyKvCacheManager>()?;
+    m.add_class::<scheduler::PySchedulerConfig>()?;
+    m.add_class::<scheduler::PyScheduler>()?;
+    m.add_class::<scheduler::PySchedulerOutput>()?;
+    m.add_class::<scheduler::PyRequestUpdate>()?;
+    m.add_class::<scheduler::PySchedulerStats>()?;
     m.add("MAX_NUM_BLOCKS", crate::block_pool::MAX_NUM_BLOCKS)?;
     m.add("MAX_BLOCK_SIZE", crate::block_pool::MAX_BLOCK_SIZE)?;
     Ok(())

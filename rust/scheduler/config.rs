@@ -1,0 +1,136 @@
+//! Scheduler configuration, validated on construction.
+
+use crate::block_hash::HashMode;
+use crate::block_pool::{MAX_BLOCK_SIZE, MAX_NUM_BLOCKS};
+use crate::error::{CoreError, Result};
+
+/// Order in which waiting requests are admitted and running ones are preempted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// First come, first served: arrival order; the latest arrival is preempted first.
+    Fcfs,
+    /// Lower `priority` value first, then arrival order; the lowest priority (highest value),
+    /// latest arrival is preempted first.
+    Priority,
+}
+
+impl Policy {
+    /// Parses "fcfs" or "priority".
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "fcfs" => Ok(Policy::Fcfs),
+            "priority" => Ok(Policy::Priority),
+            _ => Err(CoreError::Config(format!("policy must be \"fcfs\" or \"priority\", got {s:?}"))),
+        }
+    }
+
+    /// The policy's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Fcfs => "fcfs",
+            Policy::Priority => "priority",
+        }
+    }
+}
+
+/// Everything the scheduler needs to know about its pool and budgets.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// Most sequences running at once.
+    pub max_num_seqs: usize,
+    /// Token budget of one step, shared by decodes and prefill chunks.
+    pub max_num_batched_tokens: usize,
+    /// Longest sequence (prompt + output) in tokens.
+    pub max_model_len: usize,
+    /// Reuse cached prompt blocks across requests.
+    pub enable_prefix_caching: bool,
+    /// Admission / preemption order.
+    pub policy: Policy,
+    /// Fraction of the pool kept free when admitting new requests (room to grow running
+    /// ones before preempting), in `[0, 1)`.
+    pub watermark: f64,
+    /// Block hash mode (tests force collisions with [`HashMode::Truncated`]).
+    pub hash_mode: HashMode,
+}
+
+impl SchedulerConfig {
+    /// A config with the given pool and defaults elsewhere (256 sequences, 2048-token budget,
+    /// max_model_len = the whole pool capped at 8192, prefix caching on, FCFS, no watermark).
+    pub fn new(block_size: usize, num_blocks: usize) -> Self {
+        SchedulerConfig {
+            block_size,
+            num_blocks,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            max_model_len: (block_size * num_blocks).clamp(1, 8192),
+            enable_prefix_caching: true,
+            policy: Policy::Fcfs,
+            watermark: 0.0,
+            hash_mode: HashMode::Xxh3,
+        }
+    }
+
+    /// Checks every field and their relations.
+    pub fn validate(&self) -> Result<()> {
+        let err = |m: String| Err(CoreError::Config(m));
+        if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
+            return err(format!("block_size must be in 1..={MAX_BLOCK_SIZE}, got {}", self.block_size));
+        }
+        if self.num_blocks == 0 || self.num_blocks > MAX_NUM_BLOCKS {
+            return err(format!("num_blocks must be in 1..={MAX_NUM_BLOCKS}, got {}", self.num_blocks));
+        }
+        if self.max_num_seqs == 0 {
+            return err("max_num_seqs must be >= 1".into());
+        }
+        if self.max_num_batched_tokens == 0 {
+            return err("max_num_batched_tokens must be >= 1".into());
+        }
+        if self.max_model_len == 0 {
+            return err("max_model_len must be >= 1".into());
+        }
+        if !(0.0..1.0).contains(&self.watermark) {
+            return err(format!("watermark must be in [0, 1), got {}", self.watermark));
+        }
+        let capacity = self.block_size * self.num_blocks;
+        if capacity < self.max_model_len {
+            // Otherwise a request of max_model_len tokens could never run, even alone.
+            return err(format!(
+                "the KV pool holds {capacity} tokens ({} blocks x {}), fewer than max_model_len = {}: \
+                 add blocks or lower max_model_len",
+                self.num_blocks, self.block_size, self.max_model_len
+            ));
+        }
+        Ok(())
+    }
+
+    /// Blocks kept free at admission.
+    pub fn watermark_blocks(&self) -> usize {
+        (self.watermark * self.num_blocks as f64).floor() as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_validate_and_bad_values_do_not() {
+        SchedulerConfig::new(16, 64).validate().unwrap();
+        let mut c = SchedulerConfig::new(16, 64);
+        c.max_model_len = 16 * 64 + 1;
+        assert!(c.validate().is_err());
+        let mut c = SchedulerConfig::new(16, 64);
+        c.watermark = 1.0;
+        assert!(c.validate().is_err());
+        let mut c = SchedulerConfig::new(16, 64);
+        c.max_num_seqs = 0;
+        assert!(c.validate().is_err());
+        assert!(SchedulerConfig::new(0, 64).validate().is_err());
+        assert!(Policy::parse("lifo").is_err());
+        assert_eq!(Policy::parse("priority").unwrap(), Policy::Priority);
+    }
+}

@@ -1,0 +1,687 @@
+//! Continuous-batching scheduler in the spirit of vLLM v1's unified scheduler.
+//!
+//! Each `schedule()` builds one step under one token budget (`max_num_batched_tokens`) and a
+//! sequence cap (`max_num_seqs`):
+//! 1. Running branches first, in policy order: each gets its pending tokens (1 for a decode,
+//!    the next chunk of its prompt otherwise) up to the remaining budget. When the pool has no
+//!    block for one, the lowest-priority / latest-arrived running branch that is not yet in
+//!    this step is preempted (recompute: its blocks are freed — full ones stay in the prefix
+//!    cache — its tokens are kept, and it goes back to the front of the waiting queue), and
+//!    the allocation is retried; a branch may have to preempt itself.
+//! 2. If nothing was preempted, waiting branches are admitted in policy order (head-of-line:
+//!    admission stops at the first that does not fit), each starting after its longest
+//!    verified cached prefix, with a first chunk cut to the remaining budget.
+//! 3. The step output is built as flat arrays (input ids, positions, slots, block tables,
+//!    logits rows, copy-on-write ops).
+//!
+//! `update(step, sampled)` appends one sampled token per logits row, forks `n > 1` requests
+//! into their branches at the end of their prompt, and applies the token-based stops (eos,
+//! stop ids, min_tokens, max_tokens, max_model_len). A finished branch frees its blocks.
+
+mod config;
+mod output;
+mod request;
+mod stats;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+pub use config::{Policy, SchedulerConfig};
+pub use output::{RequestUpdate, StepOutput};
+pub use request::{BranchKey, FinishReason, NewRequest, RequestKey};
+pub use stats::SchedulerStats;
+
+use crate::block_hash::ExtraKey;
+use crate::error::{CoreError, Result};
+use crate::ids::SeqId;
+use crate::kv_cache_manager::{KvCacheManager, PrefixMatch};
+use crate::slab::Slab;
+use output::StepPlan;
+use request::{Branch, Request};
+use stats::Counters;
+
+/// The scheduler (see the module docs).
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    kv: KvCacheManager,
+    requests: Slab<Request>,
+    by_id: HashMap<Arc<str>, RequestKey>,
+    branches: Slab<Branch>,
+    /// Waiting branches in admission order.
+    waiting: VecDeque<BranchKey>,
+    /// Running branches sorted by their order key (preemption takes from the back).
+    running: Vec<BranchKey>,
+    next_arrival: u64,
+    next_step: u64,
+    in_flight: Option<StepPlan>,
+    finished: Vec<(Arc<str>, FinishReason)>,
+    counters: Counters,
+}
+
+impl Scheduler {
+    /// A scheduler over a fresh pool.
+    pub fn new(config: SchedulerConfig) -> Result<Self> {
+        config.validate()?;
+        let kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching, config.hash_mode)?;
+        Ok(Scheduler {
+            config,
+            kv,
+            requests: Slab::default(),
+            by_id: HashMap::new(),
+            branches: Slab::default(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_arrival: 0,
+            next_step: 0,
+            in_flight: None,
+            finished: Vec::new(),
+            counters: Counters::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// The KV-cache manager (read-only).
+    pub fn kv(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    /// Branches waiting for admission.
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Branches running.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// True while any request is waiting, running, or has an end not yet reported in a step.
+    pub fn has_unfinished_requests(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    /// Live requests.
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// The id of a live request.
+    pub fn request_id(&self, key: RequestKey) -> Option<&Arc<str>> {
+        self.requests.get(key).map(|r| &r.id)
+    }
+
+    /// The key of a live request.
+    pub fn request_key(&self, id: &str) -> Option<RequestKey> {
+        self.by_id.get(id).copied()
+    }
+
+    /// Queues a request. Fails, changing nothing, on a duplicate id, invalid parameters, or a
+    /// prompt that can never be served (longer than max_model_len or than the whole pool).
+    pub fn add_request(&mut self, r: NewRequest) -> Result<RequestKey> {
+        r.validate()?;
+        if self.by_id.contains_key(r.id.as_str()) {
+            return Err(CoreError::DuplicateRequest(r.id));
+        }
+        let max_len = self.config.max_model_len;
+        if r.prompt.len() > max_len {
+            return Err(CoreError::PromptTooLong(format!(
+                "request {:?}: prompt of {} tokens exceeds max_model_len = {max_len}",
+                r.id,
+                r.prompt.len()
+            )));
+        }
+        if r.n > self.config.max_num_seqs {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {:?}: n = {} exceeds max_num_seqs = {}",
+                r.id, r.n, self.config.max_num_seqs
+            )));
+        }
+        let id: Arc<str> = Arc::from(r.id.as_str());
+        let arrival = self.next_arrival;
+        self.next_arrival += 1;
+        let prompt_len = r.prompt.len();
+        // Room for every token the branch can ever hold, so appends never reallocate.
+        let capacity = (prompt_len + r.max_tokens).min(max_len + 1);
+        let mut tokens = Vec::with_capacity(capacity);
+        tokens.extend_from_slice(&r.prompt);
+        let priority = match self.config.policy {
+            Policy::Priority => r.priority,
+            Policy::Fcfs => 0,
+        };
+        let key = self.requests.insert(Request {
+            id: id.clone(),
+            n: r.n,
+            max_tokens: r.max_tokens,
+            min_tokens: r.min_tokens,
+            eos_token_ids: if r.ignore_eos { Vec::new() } else { r.eos_token_ids },
+            stop_token_ids: r.stop_token_ids,
+            extra: ExtraKey::new(r.cache_salt.as_deref()),
+            branches: Vec::with_capacity(r.n),
+            forked: r.n == 1,
+            num_cached_tokens: 0,
+            admitted_once: false,
+        });
+        let branch = self.branches.insert(Branch {
+            req: key,
+            index: 0,
+            tokens,
+            seq: None,
+            num_output: 0,
+            resumed: false,
+            order: (priority, arrival, 0),
+        });
+        if let Some(req) = self.requests.get_mut(key) {
+            req.branches.push(branch);
+        }
+        self.by_id.insert(id, key);
+        self.enqueue_waiting(branch, false);
+        Ok(key)
+    }
+
+    /// Ends a request now: its blocks are freed and it is reported with reason "abort" in the
+    /// next step's finished ids.
+    pub fn abort_request(&mut self, id: &str) -> Result<()> {
+        let key = *self.by_id.get(id).ok_or_else(|| CoreError::UnknownRequest(id.to_string()))?;
+        let branches = self.requests.get(key).map(|r| r.branches.clone()).unwrap_or_default();
+        for b in branches {
+            self.running.retain(|&k| k != b);
+            self.waiting.retain(|&k| k != b);
+            self.drop_branch(b);
+        }
+        if let Some(req) = self.requests.remove(key) {
+            self.by_id.remove(&req.id);
+            self.finished.push((req.id, FinishReason::Abort));
+            self.counters.aborted += 1;
+        }
+        Ok(())
+    }
+
+    /// Frees a branch's sequence and removes it (not from the queues).
+    fn drop_branch(&mut self, b: BranchKey) {
+        if let Some(branch) = self.branches.remove(b) {
+            if let Some(seq) = branch.seq {
+                // The branch's sequence is live by construction; nothing to report otherwise.
+                let _ = self.kv.free(seq);
+            }
+        }
+    }
+
+    fn order_of(&self, b: BranchKey) -> (i64, u64, u32) {
+        self.branches.get(b).map(|x| x.order).unwrap_or((i64::MAX, u64::MAX, u32::MAX))
+    }
+
+    /// Puts a branch in the waiting queue: new ones at their place in policy order (the back,
+    /// under FCFS), preempted ones at the front (under priority: the front of their priority).
+    fn enqueue_waiting(&mut self, b: BranchKey, preempted: bool) {
+        let key = self.order_of(b);
+        match (self.config.policy, preempted) {
+            (Policy::Fcfs, false) => self.waiting.push_back(b),
+            (Policy::Fcfs, true) => self.waiting.push_front(b),
+            (Policy::Priority, _) => {
+                let pos = if preempted {
+                    self.waiting.partition_point(|&w| self.order_of(w).0 < key.0)
+                } else {
+                    self.waiting.partition_point(|&w| self.order_of(w) <= key)
+                };
+                self.waiting.insert(pos, b);
+            }
+        }
+    }
+
+    fn insert_running(&mut self, b: BranchKey) {
+        let key = self.order_of(b);
+        let pos = self.running.partition_point(|&r| self.order_of(r) <= key);
+        self.running.insert(pos, b);
+    }
+
+    /// Recompute preemption of a running branch.
+    fn preempt(&mut self, b: BranchKey, out: &mut StepOutput) {
+        let Some(branch) = self.branches.get_mut(b) else { return };
+        if let Some(seq) = branch.seq.take() {
+            match self.kv.free_take_tokens(seq) {
+                Ok(tokens) => branch.tokens = tokens,
+                Err(_) => return,
+            }
+        }
+        branch.resumed = true;
+        self.counters.preemptions += 1;
+        if let Some(req) = self.requests.get(branch.req) {
+            out.preempted_req_ids.push(req.id.clone());
+        }
+        self.enqueue_waiting(b, true);
+    }
+
+    /// Builds the next step. Fails only if the previous step's `update` is still owed.
+    pub fn schedule(&mut self) -> Result<StepOutput> {
+        if let Some(plan) = &self.in_flight {
+            return Err(CoreError::StaleOutput(format!(
+                "step {} was scheduled but update() was not called for it",
+                plan.step_id
+            )));
+        }
+        let step_id = self.next_step;
+        self.next_step += 1;
+        let mut out = StepOutput { step_id, ..StepOutput::default() };
+        out.cu_seqlens_q.push(0);
+        let mut plan = StepPlan { step_id, sampled: Vec::new() };
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut scheduled: Vec<(BranchKey, SeqId)> = Vec::new();
+
+        // 1. Running branches.
+        let mut i = 0;
+        let mut preempted_any = false;
+        while i < self.running.len() && budget > 0 {
+            let b = self.running[i];
+            let Some(seq) = self.branches.get(b).and_then(|x| x.seq) else {
+                i += 1;
+                continue;
+            };
+            let pending = self.kv.seq(seq).map(|s| s.num_pending()).unwrap_or(0);
+            if pending == 0 {
+                i += 1;
+                continue;
+            }
+            let n = pending.min(budget);
+            let mut preempted_self = false;
+            while !self.kv.allocate_slots(seq, n)? {
+                preempted_any = true;
+                // The back of `running` is the lowest priority / latest arrival, and is not
+                // scheduled yet (scheduled ones are in front of index i).
+                let victim = self.running.pop().unwrap_or(b);
+                self.preempt(victim, &mut out);
+                if victim == b {
+                    preempted_self = true;
+                    break;
+                }
+            }
+            if preempted_self {
+                break;
+            }
+            budget -= n;
+            scheduled.push((b, seq));
+            i += 1;
+        }
+
+        // 2. Waiting branches (not in a step that had to preempt).
+        if !preempted_any {
+            self.admit_waiting(&mut budget, &mut scheduled);
+        }
+
+        // 3. Arrays.
+        self.build_rows(&scheduled, &mut out, &mut plan)?;
+        for (src, dst) in self.kv.take_copy_ops() {
+            out.copy_ops.push(src.0 as i32);
+            out.copy_ops.push(dst.0 as i32);
+        }
+        out.finished = std::mem::take(&mut self.finished);
+        self.counters.steps += 1;
+        self.in_flight = Some(plan);
+        Ok(out)
+    }
+
+    fn admit_waiting(&mut self, budget: &mut usize, scheduled: &mut Vec<(BranchKey, SeqId)>) {
+        let bs = self.config.block_size;
+        while *budget > 0 {
+            let Some(&b) = self.waiting.front() else { break };
+            let Some(branch) = self.branches.get(b) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            let Some(req) = self.requests.get(branch.req) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            // An unforked request will become n branches: reserve room for all of them.
+            let seats = if req.forked { 1 } else { req.n };
+            if self.running.len() + seats > self.config.max_num_seqs {
+                break;
+            }
+            let extra = req.extra.clone();
+            let m = if self.config.enable_prefix_caching {
+                self.kv.match_prefix(&branch.tokens, &extra)
+            } else {
+                PrefixMatch::default()
+            };
+            let hit = m.num_tokens(bs);
+            let n = (branch.tokens.len() - hit).min(*budget);
+            let cost = self.kv.admission_cost(&m, n);
+            // The watermark keeps room for running branches to grow; a lone request may use
+            // the whole pool (else a request near max_model_len could never start).
+            let reserve = if self.running.is_empty() { 0 } else { self.config.watermark_blocks() };
+            if cost + reserve > self.kv.pool().num_free() {
+                break;
+            }
+            self.waiting.pop_front();
+            let Some(branch) = self.branches.get_mut(b) else { continue };
+            let tokens = std::mem::take(&mut branch.tokens);
+            let num_tokens = tokens.len();
+            let (seq, hit) = self.kv.add_sequence(tokens, extra, m);
+            match self.kv.allocate_slots(seq, n) {
+                Ok(true) => {}
+                _ => {
+                    // Cannot happen (cost was checked); undo and stop admitting.
+                    if let Ok(tokens) = self.kv.free_take_tokens(seq) {
+                        branch.tokens = tokens;
+                    }
+                    self.waiting.push_front(b);
+                    break;
+                }
+            }
+            branch.seq = Some(seq);
+            let resumed = std::mem::replace(&mut branch.resumed, false);
+            let req_key = branch.req;
+            if resumed {
+                self.counters.resumed_queries += num_tokens as u64;
+                self.counters.resumed_hits += hit as u64;
+            } else {
+                self.counters.prefix_queries += num_tokens as u64;
+                self.counters.prefix_hits += hit as u64;
+            }
+            if let Some(req) = self.requests.get_mut(req_key) {
+                if !req.admitted_once {
+                    req.admitted_once = true;
+                    req.num_cached_tokens = hit;
+                }
+            }
+            *budget -= n;
+            self.insert_running(b);
+            scheduled.push((b, seq));
+        }
+    }
+
+    fn build_rows(&self, scheduled: &[(BranchKey, SeqId)], out: &mut StepOutput, plan: &mut StepPlan) -> Result<()> {
+        let bs = self.config.block_size;
+        let mut width = 0;
+        for &(_, seq) in scheduled {
+            width = width.max(self.kv.seq(seq)?.table().len());
+        }
+        out.block_table_width = width;
+        out.block_tables = vec![0; scheduled.len() * width];
+        let total: usize = scheduled
+            .iter()
+            .map(|&(_, s)| self.kv.seq(s).map(|q| q.num_computed() - q.write_start()).unwrap_or(0))
+            .sum();
+        out.input_ids.reserve(total);
+        out.positions.reserve(total);
+        out.slot_mapping.reserve(total);
+        for (row, &(b, seq_id)) in scheduled.iter().enumerate() {
+            let seq = self.kv.seq(seq_id)?;
+            let branch = self.branches.get(b).ok_or_else(|| CoreError::InvariantViolation("scheduled branch vanished".into()))?;
+            let req = self
+                .requests
+                .get(branch.req)
+                .ok_or_else(|| CoreError::InvariantViolation("scheduled request vanished".into()))?;
+            let (start, end) = (seq.write_start(), seq.num_computed());
+            out.row_requests.push(branch.req);
+            out.req_ids.push(req.id.clone());
+            out.num_scheduled_tokens.push((end - start) as i32);
+            out.input_ids.extend(seq.tokens()[start..end].iter().map(|&t| t as i64));
+            out.positions.extend((start as i64)..(end as i64));
+            seq.table().extend_slots(start, end, bs, &mut out.slot_mapping);
+            out.cu_seqlens_q.push(out.input_ids.len() as i32);
+            out.seq_lens.push(end as i32);
+            for (j, blk) in seq.table().blocks().iter().enumerate() {
+                out.block_tables[row * width + j] = blk.0 as i32;
+            }
+            if end == seq.num_tokens() {
+                // Every known token is computed: this row's last logits give the next token,
+                // one sample per branch the request will have after this step.
+                let samples = if req.forked { 1 } else { req.n as u32 };
+                for k in 0..samples {
+                    let index = if req.forked { branch.index } else { k };
+                    out.logits_indices.push(out.input_ids.len() as i64 - 1);
+                    out.sampled_requests.push(branch.req);
+                    out.sampled_req_ids.push(req.id.clone());
+                    out.sample_indices.push(index as i32);
+                    plan.sampled.push((b, index));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies the sampled tokens of the step in flight (one per logits row of `step`).
+    /// Fails, changing nothing, if `step` is not the step in flight or the tokens do not fit.
+    pub fn update(&mut self, step_id: u64, sampled: &[u32]) -> Result<Vec<RequestUpdate>> {
+        let plan = match &self.in_flight {
+            Some(p) if p.step_id == step_id => p,
+            Some(p) => {
+                return Err(CoreError::StaleOutput(format!(
+                    "update() got the output of step {step_id}, but step {} is in flight",
+                    p.step_id
+                )))
+            }
+            None => {
+                return Err(CoreError::StaleOutput(format!(
+                    "update() got the output of step {step_id}, but no step is in flight (already updated?)"
+                )))
+            }
+        };
+        if sampled.len() != plan.sampled.len() {
+            return Err(CoreError::InvalidArgument(format!(
+                "sampled_token_ids has {} entries, but step {step_id} has {} logits rows",
+                sampled.len(),
+                plan.sampled.len()
+            )));
+        }
+        let plan = self.in_flight.take().unwrap_or_default();
+        let mut updates = Vec::with_capacity(sampled.len());
+        let mut ended: Vec<(BranchKey, FinishReason)> = Vec::new();
+        let mut i = 0;
+        while i < plan.sampled.len() {
+            let (b, index) = plan.sampled[i];
+            let Some(branch) = self.branches.get(b) else {
+                i += 1; // aborted after scheduling: its tokens are dropped
+                continue;
+            };
+            let req_key = branch.req;
+            let forking = index == 0 && self.requests.get(req_key).is_some_and(|r| !r.forked);
+            if forking {
+                // Rows i .. i+n are this request's n samples: fork before appending.
+                let n = self.requests.get(req_key).map(|r| r.n).unwrap_or(1);
+                let mut targets = vec![b];
+                for k in 1..n {
+                    targets.push(self.fork_branch(b, k as u32)?);
+                }
+                if let Some(r) = self.requests.get_mut(req_key) {
+                    r.forked = true;
+                }
+                for (k, &t) in targets.iter().enumerate() {
+                    self.append_sampled(t, sampled[i + k], &mut updates, &mut ended)?;
+                }
+                i += n;
+            } else {
+                self.append_sampled(b, sampled[i], &mut updates, &mut ended)?;
+                i += 1;
+            }
+        }
+        if !ended.is_empty() {
+            self.running.retain(|k| !ended.iter().any(|(e, _)| e == k));
+            for (b, reason) in ended {
+                self.finish_branch(b, reason);
+            }
+        }
+        Ok(updates)
+    }
+
+    /// A new running branch sharing all of `parent`'s blocks.
+    fn fork_branch(&mut self, parent: BranchKey, index: u32) -> Result<BranchKey> {
+        let p = self.branches.get(parent).ok_or_else(|| CoreError::InvariantViolation("fork of a missing branch".into()))?;
+        let seq = p.seq.ok_or_else(|| CoreError::InvariantViolation("fork of a waiting branch".into()))?;
+        let (req, order) = (p.req, (p.order.0, p.order.1, index));
+        let child_seq = self.kv.fork(seq)?;
+        let child = self.branches.insert(Branch {
+            req,
+            index,
+            tokens: Vec::new(),
+            seq: Some(child_seq),
+            num_output: 0,
+            resumed: false,
+            order,
+        });
+        if let Some(r) = self.requests.get_mut(req) {
+            r.branches.push(child);
+        }
+        self.insert_running(child);
+        Ok(child)
+    }
+
+    fn append_sampled(
+        &mut self,
+        b: BranchKey,
+        token: u32,
+        updates: &mut Vec<RequestUpdate>,
+        ended: &mut Vec<(BranchKey, FinishReason)>,
+    ) -> Result<()> {
+        let max_model_len = self.config.max_model_len;
+        let Some(branch) = self.branches.get_mut(b) else { return Ok(()) };
+        let Some(req) = self.requests.get(branch.req) else { return Ok(()) };
+        let Some(seq) = branch.seq else { return Ok(()) };
+        self.kv.append_tokens(seq, &[token])?;
+        branch.num_output += 1;
+        let num_tokens = self.kv.seq(seq)?.num_tokens();
+        let past_min = branch.num_output >= req.min_tokens;
+        let finish = if past_min && (req.eos_token_ids.contains(&token) || req.stop_token_ids.contains(&token)) {
+            Some(FinishReason::Stop)
+        } else if branch.num_output >= req.max_tokens || num_tokens >= max_model_len {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        updates.push(RequestUpdate {
+            request: branch.req,
+            request_id: req.id.clone(),
+            index: branch.index,
+            token,
+            finish_reason: finish,
+            num_cached_tokens: req.num_cached_tokens,
+        });
+        if let Some(reason) = finish {
+            ended.push((b, reason));
+            match reason {
+                FinishReason::Stop => self.counters.finished_stop += 1,
+                _ => self.counters.finished_length += 1,
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes a finished (already unqueued) branch; the request ends with its last branch,
+    /// and is reported with that branch's reason.
+    fn finish_branch(&mut self, b: BranchKey, reason: FinishReason) {
+        let req_key = self.branches.get(b).map(|x| x.req);
+        self.drop_branch(b);
+        let Some(req_key) = req_key else { return };
+        let done = match self.requests.get_mut(req_key) {
+            Some(r) => {
+                r.branches.retain(|&k| k != b);
+                r.branches.is_empty() && r.forked
+            }
+            None => false,
+        };
+        if done {
+            if let Some(req) = self.requests.remove(req_key) {
+                self.by_id.remove(&req.id);
+                // Requests ending in update are reported too, so a runner can drop their state.
+                self.finished.push((req.id, reason));
+            }
+        }
+    }
+
+    /// Current statistics.
+    pub fn stats(&self) -> SchedulerStats {
+        let bs = self.config.block_size;
+        let pool = self.kv.pool();
+        // Filled slots of the blocks in use: a shared block counts once, as filled as its
+        // fullest holder (holders agree on the shared prefix).
+        let mut filled: HashMap<u32, usize> = HashMap::new();
+        for &b in &self.running {
+            if let Some(seq) = self.branches.get(b).and_then(|x| x.seq).and_then(|s| self.kv.seq(s).ok()) {
+                let n = seq.num_computed();
+                for (j, blk) in seq.table().blocks().iter().enumerate() {
+                    let f = (n - j * bs).min(bs);
+                    let e = filled.entry(blk.0).or_insert(0);
+                    *e = (*e).max(f);
+                }
+            }
+        }
+        let tokens_held: usize = filled.values().sum();
+        let slots = pool.num_used() * bs;
+        let c = &self.counters;
+        SchedulerStats {
+            num_blocks: pool.num_blocks(),
+            num_free_blocks: pool.num_free(),
+            num_used_blocks: pool.num_used(),
+            num_cached_blocks: pool.num_cached_blocks(),
+            kv_usage: pool.usage(),
+            kv_utilization: if slots == 0 { 1.0 } else { tokens_held as f64 / slots as f64 },
+            tokens_held,
+            slots_allocated: slots,
+            num_running: self.running.len(),
+            num_waiting: self.waiting.len(),
+            num_preemptions: c.preemptions,
+            prefix_cache_queries: c.prefix_queries,
+            prefix_cache_hits: c.prefix_hits,
+            resumed_prefix_queries: c.resumed_queries,
+            resumed_prefix_hits: c.resumed_hits,
+            num_steps: c.steps,
+            num_finished_stop: c.finished_stop,
+            num_finished_length: c.finished_length,
+            num_aborted: c.aborted,
+            num_evictions: pool.counters().evictions,
+        }
+    }
+
+    /// Checks the KV manager's invariants and the scheduler's own bookkeeping: every running
+    /// branch has a sequence and every waiting one has its tokens; queues and request lists
+    /// agree; ids map both ways.
+    pub fn check_invariants(&self) -> Result<()> {
+        self.kv.check_invariants()?;
+        let bad = |m: String| Err(CoreError::InvariantViolation(m));
+        let mut seen = 0usize;
+        for &b in &self.running {
+            match self.branches.get(b) {
+                Some(x) if x.seq.is_some() && x.tokens.is_empty() => seen += 1,
+                _ => return bad(format!("running branch {b:?} is missing or has no sequence")),
+            }
+        }
+        for w in self.running.windows(2) {
+            if self.order_of(w[0]) > self.order_of(w[1]) {
+                return bad("running branches are out of policy order".into());
+            }
+        }
+        for &b in &self.waiting {
+            match self.branches.get(b) {
+                Some(x) if x.seq.is_none() && !x.tokens.is_empty() => seen += 1,
+                _ => return bad(format!("waiting branch {b:?} is missing, has a sequence, or has no tokens")),
+            }
+        }
+        if seen != self.branches.len() {
+            return bad(format!("{} branches exist but {seen} are queued", self.branches.len()));
+        }
+        if self.kv.num_sequences() != self.running.len() {
+            return bad(format!("{} sequences for {} running branches", self.kv.num_sequences(), self.running.len()));
+        }
+        let mut branch_count = 0;
+        for (key, req) in self.requests.iter() {
+            if self.by_id.get(&req.id) != Some(&key) {
+                return bad(format!("request {:?} is not indexed by its id", req.id));
+            }
+            for &b in &req.branches {
+                if self.branches.get(b).map(|x| x.req) != Some(key) {
+                    return bad(format!("request {:?} lists a branch that is not its own", req.id));
+                }
+            }
+            branch_count += req.branches.len();
+        }
+        if branch_count != self.branches.len() || self.by_id.len() != self.requests.len() {
+            return bad("request and branch tables disagree".into());
+        }
+        Ok(())
+    }
+}

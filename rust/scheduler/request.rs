@@ -1,0 +1,142 @@
+//! Requests and their branches.
+//!
+//! A request has a prompt and stop parameters shared by its `n` parallel samples. Each sample
+//! is a *branch*: its own token ids, output count and KV sequence. A request starts with one
+//! branch; when its prompt has been computed and `n > 1`, the scheduler forks it into `n`
+//! branches that share the prompt's blocks (copy-on-write on their first write). Branches are
+//! what the scheduler queues, runs and preempts.
+
+use std::sync::Arc;
+
+use crate::block_hash::ExtraKey;
+use crate::error::{CoreError, Result};
+use crate::ids::SeqId;
+use crate::slab::SlabKey;
+
+/// Why a branch stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An eos or stop token id was sampled.
+    Stop,
+    /// `max_tokens` or `max_model_len` was reached.
+    Length,
+    /// The request was aborted.
+    Abort,
+}
+
+impl FinishReason {
+    /// "stop", "length" or "abort".
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+        }
+    }
+}
+
+/// What a caller submits.
+#[derive(Debug, Clone)]
+pub struct NewRequest {
+    /// Caller's id, unique among live requests.
+    pub id: String,
+    /// Prompt token ids (non-empty).
+    pub prompt: Vec<u32>,
+    /// Parallel samples (>= 1).
+    pub n: usize,
+    /// Most tokens to generate per sample (>= 1).
+    pub max_tokens: usize,
+    /// Fewest tokens to generate before eos / stop ids may end a sample.
+    pub min_tokens: usize,
+    /// End-of-sequence ids (ignored with `ignore_eos`).
+    pub eos_token_ids: Vec<u32>,
+    /// Further ids that end a sample.
+    pub stop_token_ids: Vec<u32>,
+    /// Generate until a length limit even past eos.
+    pub ignore_eos: bool,
+    /// Lower values are served first under the priority policy.
+    pub priority: i64,
+    /// Prefix-cache namespace.
+    pub cache_salt: Option<String>,
+}
+
+impl NewRequest {
+    /// A request with defaults: n = 1, no stops besides `max_tokens`, priority 0, no salt.
+    pub fn new(id: impl Into<String>, prompt: Vec<u32>, max_tokens: usize) -> Self {
+        NewRequest {
+            id: id.into(),
+            prompt,
+            n: 1,
+            max_tokens,
+            min_tokens: 0,
+            eos_token_ids: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            priority: 0,
+            cache_salt: None,
+        }
+    }
+
+    /// Checks the parameters that do not depend on the scheduler's config.
+    pub(crate) fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(CoreError::InvalidArgument(m));
+        if self.prompt.is_empty() {
+            return bad(format!("request {:?}: the prompt is empty", self.id));
+        }
+        if self.n == 0 {
+            return bad(format!("request {:?}: n must be >= 1, got 0", self.id));
+        }
+        if self.max_tokens == 0 {
+            return bad(format!("request {:?}: max_tokens must be >= 1, got 0", self.id));
+        }
+        if self.min_tokens > self.max_tokens {
+            return bad(format!(
+                "request {:?}: min_tokens ({}) must not exceed max_tokens ({})",
+                self.id, self.min_tokens, self.max_tokens
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Key of a request in the scheduler's slab.
+pub type RequestKey = SlabKey;
+/// Key of a branch in the scheduler's slab.
+pub type BranchKey = SlabKey;
+
+/// A live request (shared by its branches).
+#[derive(Debug, Clone)]
+pub(crate) struct Request {
+    pub id: Arc<str>,
+    pub n: usize,
+    pub max_tokens: usize,
+    pub min_tokens: usize,
+    /// Empty when the request ignores eos.
+    pub eos_token_ids: Vec<u32>,
+    pub stop_token_ids: Vec<u32>,
+    pub extra: ExtraKey,
+    /// Live branches.
+    pub branches: Vec<BranchKey>,
+    /// Whether the `n`-way fork has happened.
+    pub forked: bool,
+    /// Prompt tokens found in the prefix cache at first admission.
+    pub num_cached_tokens: usize,
+    pub admitted_once: bool,
+}
+
+/// One sample stream of a request.
+#[derive(Debug, Clone)]
+pub(crate) struct Branch {
+    pub req: RequestKey,
+    /// Sample index within the request (`0 .. n`).
+    pub index: u32,
+    /// Token ids while the branch waits; while it runs, its KV sequence holds them.
+    pub tokens: Vec<u32>,
+    /// The KV sequence while running.
+    pub seq: Option<SeqId>,
+    pub num_output: usize,
+    /// Preempted and not yet re-admitted: its prefix hits are re-reads of its own blocks.
+    pub resumed: bool,
+    /// Ordering key: (priority under the priority policy else 0, arrival, index).
+    pub order: (i64, u64, u32),
+}

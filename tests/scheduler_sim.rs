@@ -1,0 +1,290 @@
+//! Scheduler simulations with a fake model that reads the KV cache the way attention does.
+//!
+//! The fake model keeps one value per KV slot: the digest of the token at that position
+//! chained with the value of the previous position, read *through the row's block table*
+//! (as attention reads earlier keys). A sampled token is a function of the last position's
+//! value and the sample index. The reference computes the same chain over each branch's own
+//! token list, as a contiguous cache would. Any error in block tables, slot mappings, prefix
+//! hits, copy-on-write or preemption changes a digest and therefore the tokens.
+//!
+//! Thousands of requests with random prompt/output lengths, arrivals, priorities, shared
+//! prefixes, parallel sampling, eos/stop ids and aborts run under a pool small enough to
+//! force preemption. After every step the invariants hold; at the end every request ended with
+//! the right tokens and reason, and every block is free with ref count 0.
+
+use std::collections::HashMap;
+
+use pagedkv::block_hash::HashMode;
+use pagedkv::ids::BlockId;
+use pagedkv::scheduler::{FinishReason, NewRequest, Policy, Scheduler, SchedulerConfig, StepOutput};
+use proptest::prelude::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const VOCAB: u64 = 997;
+const ROOT: u64 = 0x9E37_79B9_7F4A_7C15;
+
+fn chain(prev: u64, token: u32) -> u64 {
+    let mut z = prev ^ (token as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 31)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 29)
+}
+
+fn sample(digest: u64, index: i32) -> u32 {
+    (chain(digest, index as u32 + 7) % VOCAB) as u32
+}
+
+/// The fake model: executes copy ops and writes the step's KV, then samples.
+struct FakeModel {
+    bs: usize,
+    kv: Vec<Option<u64>>,
+}
+
+impl FakeModel {
+    fn new(num_blocks: usize, bs: usize) -> Self {
+        FakeModel { bs, kv: vec![None; num_blocks * bs] }
+    }
+
+    fn read(&self, table: &[i32], pos: usize) -> u64 {
+        let slot = table[pos / self.bs] as usize * self.bs + pos % self.bs;
+        self.kv[slot].expect("attention read a slot that was never written")
+    }
+
+    fn execute(&mut self, out: &StepOutput) -> Vec<u32> {
+        for op in out.copy_ops.chunks(2) {
+            let (src, dst) = (op[0] as usize, op[1] as usize);
+            for off in 0..self.bs {
+                self.kv[dst * self.bs + off] = self.kv[src * self.bs + off];
+            }
+        }
+        let w = out.block_table_width;
+        // Positions of one row depend on earlier positions of the same row, so rows are
+        // processed token by token in order (a causal forward).
+        for row in 0..out.num_rows() {
+            let table = &out.block_tables[row * w..(row + 1) * w];
+            let (s, e) = (out.cu_seqlens_q[row] as usize, out.cu_seqlens_q[row + 1] as usize);
+            for t in s..e {
+                let pos = out.positions[t] as usize;
+                let prev = if pos == 0 { ROOT } else { self.read(table, pos - 1) };
+                self.kv[out.slot_mapping[t] as usize] = Some(chain(prev, out.input_ids[t] as u32));
+            }
+            assert_eq!(out.seq_lens[row] as i64, out.positions[e - 1] + 1);
+        }
+        // Logits row -> the value at that token's slot.
+        out.logits_indices
+            .iter()
+            .zip(&out.sample_indices)
+            .map(|(&t, &idx)| sample(self.kv[out.slot_mapping[t as usize] as usize].unwrap(), idx))
+            .collect()
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Expect {
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    min_tokens: usize,
+    eos: Vec<u32>,
+    n: usize,
+    /// Output tokens received per sample index, and finish reasons.
+    outputs: Vec<Vec<u32>>,
+    reasons: Vec<Option<FinishReason>>,
+    aborted: bool,
+}
+
+/// The tokens a branch must produce: the reference chain over its own tokens.
+fn reference_outputs(e: &Expect, index: usize, max_model_len: usize) -> (Vec<u32>, FinishReason) {
+    let mut digest = ROOT;
+    for &t in &e.prompt {
+        digest = chain(digest, t);
+    }
+    let mut out = Vec::new();
+    loop {
+        let t = sample(digest, index as i32);
+        out.push(t);
+        if out.len() >= e.min_tokens && e.eos.contains(&t) {
+            return (out, FinishReason::Stop);
+        }
+        if out.len() >= e.max_tokens || e.prompt.len() + out.len() >= max_model_len {
+            return (out, FinishReason::Length);
+        }
+        digest = chain(digest, t);
+    }
+}
+
+struct SimSpec {
+    seed: u64,
+    num_requests: usize,
+    num_blocks: usize,
+    block_size: usize,
+    max_model_len: usize,
+    budget: usize,
+    max_num_seqs: usize,
+    policy: Policy,
+    caching: bool,
+    hash_mode: HashMode,
+    abort_prob: f64,
+}
+
+fn run_sim(spec: &SimSpec) -> (u64, u64) {
+    let mut cfg = SchedulerConfig::new(spec.block_size, spec.num_blocks);
+    cfg.max_model_len = spec.max_model_len;
+    cfg.max_num_batched_tokens = spec.budget;
+    cfg.max_num_seqs = spec.max_num_seqs;
+    cfg.policy = spec.policy;
+    cfg.enable_prefix_caching = spec.caching;
+    cfg.hash_mode = spec.hash_mode;
+    let mut sched = Scheduler::new(cfg).unwrap();
+    let mut model = FakeModel::new(spec.num_blocks, spec.block_size);
+    let mut rng = StdRng::seed_from_u64(spec.seed);
+    // A few shared system prompts so that the prefix cache gets hits.
+    let systems: Vec<Vec<u32>> = (0..4).map(|_| (0..rng.random_range(8..80)).map(|_| rng.random_range(0..VOCAB as u32)).collect()).collect();
+    let mut arrivals: Vec<(usize, String, Expect, NewRequest)> = (0..spec.num_requests)
+        .map(|i| {
+            let mut prompt = if rng.random_bool(0.5) { systems[rng.random_range(0..systems.len())].clone() } else { Vec::new() };
+            let own = rng.random_range(1..(spec.max_model_len / 3).max(2));
+            prompt.extend((0..own).map(|_| rng.random_range(0..VOCAB as u32)));
+            prompt.truncate(spec.max_model_len);
+            let max_tokens = rng.random_range(1..120);
+            let min_tokens = if rng.random_bool(0.2) { rng.random_range(0..=max_tokens) } else { 0 };
+            let eos: Vec<u32> = if rng.random_bool(0.7) { vec![rng.random_range(0..VOCAB as u32)] } else { vec![] };
+            let n = if rng.random_bool(0.1) { rng.random_range(2..4usize).min(spec.max_num_seqs) } else { 1 };
+            let id = format!("req-{i}");
+            let mut r = NewRequest::new(id.clone(), prompt.clone(), max_tokens);
+            r.min_tokens = min_tokens;
+            r.eos_token_ids = eos.clone();
+            r.n = n;
+            r.priority = rng.random_range(-2..3);
+            let e = Expect { prompt, max_tokens, min_tokens, eos, n, outputs: vec![Vec::new(); n], reasons: vec![None; n], aborted: false };
+            (rng.random_range(0..spec.num_requests / 4 + 1), id, e, r)
+        })
+        .collect();
+    arrivals.sort_by_key(|a| std::cmp::Reverse(a.0));
+    let mut expect: HashMap<String, Expect> = HashMap::new();
+    let mut step = 0usize;
+    let mut reported_finished = 0usize;
+    while !arrivals.is_empty() || sched.has_unfinished_requests() {
+        while arrivals.last().is_some_and(|a| a.0 <= step) {
+            let (_, id, e, r) = arrivals.pop().unwrap();
+            sched.add_request(r).unwrap();
+            expect.insert(id, e);
+        }
+        let out = sched.schedule().unwrap();
+        reported_finished += out.finished.len();
+        let sampled = model.execute(&out);
+        let updates = sched.update(out.step_id, &sampled).unwrap();
+        for u in &updates {
+            let e = expect.get_mut(&*u.request_id).unwrap();
+            let i = u.index as usize;
+            assert!(e.reasons[i].is_none(), "token after finish for {} #{i}", u.request_id);
+            e.outputs[i].push(u.token);
+            e.reasons[i] = u.finish_reason;
+        }
+        // Random aborts of live requests.
+        if spec.abort_prob > 0.0 && rng.random_bool(spec.abort_prob) {
+            let live: Vec<String> = expect.iter().filter(|(_, e)| !e.aborted && e.reasons.iter().any(|r| r.is_none())).map(|(k, _)| k.clone()).collect();
+            if !live.is_empty() {
+                let id = &live[rng.random_range(0..live.len())];
+                if sched.abort_request(id).is_ok() {
+                    expect.get_mut(id).unwrap().aborted = true;
+                }
+            }
+        }
+        sched.check_invariants().unwrap();
+        step += 1;
+        assert!(step < 200_000, "simulation does not terminate");
+    }
+    // One more (empty) step reports the last finished ids.
+    let out = sched.schedule().unwrap();
+    reported_finished += out.finished.len();
+    sched.update(out.step_id, &[]).unwrap();
+    assert_eq!(reported_finished, spec.num_requests, "every request is reported finished once");
+    for (id, e) in &expect {
+        for i in 0..e.n {
+            let (want, reason) = reference_outputs(e, i, spec.max_model_len);
+            if e.aborted {
+                assert!(want.starts_with(&e.outputs[i]), "{id} #{i}: aborted output is not a prefix of the reference");
+            } else {
+                assert_eq!(e.outputs[i], want, "{id} #{i}: tokens differ from the contiguous reference");
+                assert_eq!(e.reasons[i], Some(reason), "{id} #{i}: finish reason");
+            }
+        }
+    }
+    let stats = sched.stats();
+    assert_eq!(stats.num_free_blocks, spec.num_blocks);
+    for b in 0..spec.num_blocks {
+        assert_eq!(sched.kv().pool().ref_count(BlockId(b as u32)).unwrap(), 0);
+    }
+    (stats.num_preemptions, stats.prefix_cache_hits)
+}
+
+#[test]
+fn thousands_of_requests_under_preemption_match_contiguous_reference() {
+    for (seed, policy, caching) in [(1, Policy::Fcfs, true), (2, Policy::Priority, true), (3, Policy::Fcfs, false)] {
+        let (preemptions, hits) = run_sim(&SimSpec {
+            seed,
+            num_requests: 2000,
+            num_blocks: 96,
+            block_size: 16,
+            max_model_len: 512,
+            budget: 256,
+            max_num_seqs: 64,
+            policy,
+            caching,
+            hash_mode: HashMode::Xxh3,
+            abort_prob: 0.02,
+        });
+        assert!(preemptions > 100, "the pool must be small enough to force preemption (got {preemptions})");
+        if caching {
+            assert!(hits > 0, "shared prompts must hit the prefix cache");
+        }
+    }
+}
+
+#[test]
+fn hash_collisions_do_not_change_tokens() {
+    run_sim(&SimSpec {
+        seed: 9,
+        num_requests: 400,
+        num_blocks: 64,
+        block_size: 8,
+        max_model_len: 256,
+        budget: 64,
+        max_num_seqs: 32,
+        policy: Policy::Fcfs,
+        caching: true,
+        hash_mode: HashMode::Truncated(2),
+        abort_prob: 0.05,
+    });
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_configs_match_reference(
+        seed in any::<u64>(),
+        bs in prop::sample::select(vec![1usize, 2, 4, 8, 16]),
+        extra_blocks in 0usize..40,
+        budget in 1usize..100,
+        max_num_seqs in 1usize..12,
+        priority in any::<bool>(),
+        caching in any::<bool>(),
+        abort_prob in 0.0f64..0.2,
+    ) {
+        let max_model_len: usize = 64;
+        run_sim(&SimSpec {
+            seed,
+            num_requests: 60,
+            num_blocks: max_model_len.div_ceil(bs) + extra_blocks,
+            block_size: bs,
+            max_model_len,
+            budget,
+            max_num_seqs,
+            policy: if priority { Policy::Priority } else { Policy::Fcfs },
+            caching,
+            hash_mode: HashMode::Xxh3,
+            abort_prob,
+        });
+    }
+}
