@@ -10,6 +10,7 @@ call, which a serving loop cannot afford.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -179,7 +180,7 @@ def check_paged_attention_args(
             f"block_tables has {num_seqs} rows, so seq_lens needs {num_seqs} entries (has {seq_lens.shape[0]}) "
             f"and cu_seqlens_q {num_seqs + 1} (has {cu_seqlens_q.shape[0]})"
         )
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+    if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale)):
         raise InvalidArgumentError(f"scale must be a finite number or None, got {scale!r}")
     tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache,
                "block_tables": block_tables, "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q}
