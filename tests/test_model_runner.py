@@ -141,6 +141,7 @@ def prompts(runner: ModelRunner) -> list[list[int]]:
 def test_runner_reports_geometry(runner: ModelRunner) -> None:
     assert (runner.num_layers, runner.num_heads, runner.num_kv_heads, runner.head_dim) == (30, 9, 3, 64)
     assert runner.vocab_size == 49152 and runner.max_model_len == 8192
+    assert runner.eos_token_ids == [2]  # <|im_end|>
     assert runner.bytes_per_block == 2 * 30 * BLOCK_SIZE * 3 * 64 * 4
     assert runner.kv_cache_bytes == 128 * runner.bytes_per_block
     key_cache, value_cache = runner.kv_caches[7]

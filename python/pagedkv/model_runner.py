@@ -65,7 +65,7 @@ class ModelRunner:
     ``bytes_per_block`` (K and V of all layers), ``kv_cache_bytes``, ``num_layers``,
     ``num_heads``, ``num_kv_heads``, ``head_dim``, ``vocab_size``, ``max_model_len``,
     ``attention_backend``, ``kv_caches`` (per layer ``(key_cache, value_cache)``, each
-    ``[num_blocks, block_size, num_kv_heads, head_dim]``).
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``), ``eos_token_ids``.
     """
 
     def __init__(
@@ -120,7 +120,8 @@ class ModelRunner:
 
         self.dtype = _resolve_dtype(dtype, config, self.device)
         self.model = _load_model(self.model_path, self.dtype, self.device, trust_remote_code)
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        head = self.model.get_output_embeddings()
+        self.vocab_size = int(head.weight.shape[0]) if head is not None else int(text_config.vocab_size)
         self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
         geometry = self._probe()
@@ -147,6 +148,15 @@ class ModelRunner:
                 dtype=self.dtype, device=self.device,
             )
         self.kv_caches = [(self.kv_cache[layer, 0], self.kv_cache[layer, 1]) for layer in range(self.num_layers)]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The model's end-of-sequence ids (generation config, else model config); may be empty."""
+        for source in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+        return []
 
     # ------------------------------------------------------------------ per step
 
