@@ -17,8 +17,11 @@ Sections, run in order, each a function ``section(ctx) -> dict`` in ``SECTIONS``
    size 16, shuffled block tables. Achieved bandwidth = K/V bytes read / time, against the
    copy ceiling (target >= 75 % once a call reads >= 0.5 GB), and the time of torch SDPA on
    contiguous KV with the same shapes (the no-paging baseline; target: paged within 10 %).
+   Rows past 0.5 GB also time a few other tile / pipeline-depth choices (``best_alt_*``): the
+   data for tuning ``default_decode_config``.
 4. ``prefill``: 4k-token prompts (one sequence of 4096, and 4 x 1024), causal TFLOP/s of the
-   prefill kernel and of SDPA (``is_causal`` is right here: q_len == kv_len).
+   prefill kernel and of SDPA (``is_causal`` is right here: q_len == kv_len), plus the best of
+   a few other tile choices (``best_alt_*``, for tuning ``default_prefill_config``).
 
 Timing uses ``triton.testing.do_bench`` (CUDA events, median) on a GPU and ``perf_counter`` in
 the dry run. The JSON has ``meta`` (device, versions, command), one object per section and
@@ -265,6 +268,10 @@ def section_decode(ctx: Context) -> dict:
                                             out=out, backend="triton", max_seqlen_q=1, max_seqlen_k=context)
 
                 paged_s = ctx.bench(paged)
+                alternatives = {}
+                if kv_bytes >= 0.5e9 or ctx.dry_run:
+                    alternatives = _best_decode_config(ctx, query, key_cache, value_cache, block_tables, seq_lens,
+                                                       cu_seqlens_q, out, context, kv_bytes)
                 del key_cache, value_cache
                 # No-paging baseline: the same K/V contiguous per sequence, [B, Hkv, L, D].
                 keys = torch.randn(num_seqs, num_kv_heads, context, head_dim, dtype=dtype, device=ctx.device)
@@ -277,6 +284,7 @@ def section_decode(ctx: Context) -> dict:
                             "sdpa_GB/s": kv_bytes / sdpa_s / 1e9, "paged/sdpa": paged_s / sdpa_s})
                 if copy_gbps:
                     row["pct_of_copy"] = 100 * bandwidth / copy_gbps
+                row.update(alternatives)
                 rows.append(row)
                 if kv_bytes >= 0.5e9 and copy_gbps:
                     name = f"decode G{row['group']} B{num_seqs} ctx{context}"
@@ -289,7 +297,45 @@ def section_decode(ctx: Context) -> dict:
     return {"dtype": str(dtype), "head_dim": head_dim, "block_size": block_size, "table": rows}
 
 
+def _decode_alternatives(ctx: Context) -> list:
+    from pagedkv.kernels.triton_attention import DecodeConfig
+
+    if ctx.dry_run:
+        return [DecodeConfig(block_n=32, num_warps=4, num_stages=1)]
+    return [DecodeConfig(block_n=64, num_warps=4, num_stages=2), DecodeConfig(block_n=64, num_warps=4, num_stages=5),
+            DecodeConfig(block_n=128, num_warps=4, num_stages=3), DecodeConfig(block_n=128, num_warps=8, num_stages=3),
+            DecodeConfig(block_n=32, num_warps=4, num_stages=4)]
+
+
+def _best_decode_config(ctx: Context, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,  # noqa: ANN001
+                        out, context: int, kv_bytes: int) -> dict:
+    """Time the decode kernel with other tile/pipeline choices: data for tuning the defaults."""
+    from pagedkv.kernels import triton_attention
+
+    best: tuple[float, str] | None = None
+    for config in _decode_alternatives(ctx):
+        seconds = ctx.bench(lambda: triton_attention.paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=query.shape[-1] ** -0.5,
+            out=out, max_seqlen_q=1, max_seqlen_k=context, decode_config=config))
+        label = f"n{config.block_n}w{config.num_warps}s{config.num_stages}"
+        if best is None or seconds < best[0]:
+            best = (seconds, label)
+    assert best is not None
+    return {"best_alt_config": best[1], "best_alt_GB/s": kv_bytes / best[0] / 1e9}
+
+
 # --- 4. prefill ------------------------------------------------------------------------------
+
+
+def _prefill_alternatives(ctx: Context) -> list:
+    from pagedkv.kernels.triton_attention import PrefillConfig
+
+    if ctx.dry_run:
+        return [PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)]
+    return [PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
+            PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
+            PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+            PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=4)]
 
 
 def section_prefill(ctx: Context) -> dict:
@@ -297,6 +343,7 @@ def section_prefill(ctx: Context) -> dict:
     import torch.nn.functional as F
 
     import pagedkv.kernels as kernels
+    from pagedkv.kernels import triton_attention
 
     if ctx.dry_run:
         dtype, num_heads, num_kv_heads, head_dim = torch.float32, 4, 2, 64
@@ -319,6 +366,13 @@ def section_prefill(ctx: Context) -> dict:
         paged_s = ctx.bench(lambda: kernels.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out=out, backend="triton",
             max_seqlen_q=length, max_seqlen_k=length))
+        alternatives = {}
+        for config in _prefill_alternatives(ctx):
+            alternatives[f"m{config.block_m}n{config.block_n}w{config.num_warps}s{config.num_stages}"] = ctx.bench(
+                lambda: triton_attention.paged_attention(
+                    query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=head_dim**-0.5,
+                    out=out, max_seqlen_q=length, max_seqlen_k=length, prefill_config=config))
+        best_label = min(alternatives, key=alternatives.get)
         # Baseline: SDPA on contiguous [B, H, L, D] (q_len == kv_len, so is_causal is right).
         q = torch.randn(num_seqs, num_heads, length, head_dim, dtype=dtype, device=ctx.device)
         k = torch.randn(num_seqs, num_kv_heads, length, head_dim, dtype=dtype, device=ctx.device)
@@ -328,7 +382,8 @@ def section_prefill(ctx: Context) -> dict:
         flops = 4 * num_seqs * num_heads * head_dim * length * length / 2
         rows.append({"layout": f"{num_seqs}x{length}", "tokens": num_tokens, "paged_ms": paged_s * 1e3,
                      "sdpa_ms": sdpa_s * 1e3, "paged_TFLOP/s": flops / paged_s / 1e12,
-                     "sdpa_TFLOP/s": flops / sdpa_s / 1e12, "paged/sdpa": paged_s / sdpa_s})
+                     "sdpa_TFLOP/s": flops / sdpa_s / 1e12, "paged/sdpa": paged_s / sdpa_s,
+                     "best_alt_config": best_label, "best_alt_TFLOP/s": flops / alternatives[best_label] / 1e12})
     return {"dtype": str(dtype), "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
             "table": rows}
 

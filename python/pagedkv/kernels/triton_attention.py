@@ -38,10 +38,14 @@ from pagedkv.kernels.triton_decode import decode_split_kernel, merge_splits_kern
 from pagedkv.kernels.triton_prefill import prefill_kernel
 
 __all__ = [
+    "DecodeConfig",
     "DecodeWorkspace",
+    "PrefillConfig",
     "choose_num_splits",
-    "paged_attention",
+    "default_decode_config",
+    "default_prefill_config",
     "is_interpreted",
+    "paged_attention",
 ]
 
 _LOG2_E = 1.4426950408889634
@@ -107,31 +111,45 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
 
 
 @dataclass(frozen=True)
-class _PrefillConfig:
-    block_m: int
-    block_n: int
+class PrefillConfig:
+    """Tile sizes and launch options of the prefill kernel."""
+
+    block_m: int  # query rows per program
+    block_n: int  # keys per loop iteration
     num_warps: int
     num_stages: int
 
 
-def _prefill_config(head_dim_padded: int, dtype: torch.dtype) -> _PrefillConfig:
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile size and launch options of the split-KV decode kernel."""
+
+    block_n: int  # keys per loop iteration (may span several cache blocks)
+    num_warps: int
+    num_stages: int
+
+
+def default_prefill_config(head_dim_padded: int, dtype: torch.dtype) -> PrefillConfig:
     if is_interpreted():
         # The interpreter pays per loop iteration, not per element: big tiles, few iterations.
-        return _PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
+        return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         # fp32 runs exact (FMA, "ieee") dots: small tiles and 8 warps keep register spills small.
-        return _PrefillConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)
+        return PrefillConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)
     if head_dim_padded >= 256:
-        return _PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
-    return _PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+    # Hopper: 128 x 64 tiles on warp-group MMA, K/V loads pipelined over 3 stages.
+    return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
 
 
-def _decode_block_n(head_dim_padded: int, dtype: torch.dtype) -> int:
+def default_decode_config(head_dim_padded: int, dtype: torch.dtype) -> DecodeConfig:
     if is_interpreted():
-        return 64
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=1)
     if head_dim_padded >= 256 or dtype == torch.float32:
-        return 32
-    return 64
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=3)
+    # 64 keys x 128 dims of K and of V per iteration (32 KB in bf16); with 3 stages the block
+    # ids of the next iteration are prefetched along with it (see compile_check's report).
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -154,6 +172,8 @@ def paged_attention(
     num_splits: int | None = None,  # decode splits; None = choose_num_splits
     workspace: DecodeWorkspace | None = None,
     use_decode_kernel: bool = True,  # False: the prefill kernel does the q_len == 1 rows too
+    decode_config: DecodeConfig | None = None,  # None = default_decode_config
+    prefill_config: PrefillConfig | None = None,  # None = default_prefill_config
 ) -> torch.Tensor:
     """Launch decode and/or prefill kernels (inputs already validated by the dispatcher)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -181,9 +201,10 @@ def paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out,
             scale_log2e=scale_log2e, num_splits=num_splits, workspace=workspace, group=group,
             head_dim_padded=head_dim_padded, dot_precision=dot_precision,
+            config=decode_config or default_decode_config(head_dim_padded, query.dtype),
         )
     if has_prefill:
-        config = _prefill_config(head_dim_padded, query.dtype)
+        config = prefill_config or default_prefill_config(head_dim_padded, query.dtype)
         grid = (num_tokens // config.block_m + num_seqs, num_heads)
         prefill_kernel[grid](
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out,
@@ -219,6 +240,7 @@ def _launch_decode(
     group: int,
     head_dim_padded: int,
     dot_precision: str,
+    config: DecodeConfig,
 ) -> None:
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_seqs = block_tables.shape[0]
@@ -245,12 +267,12 @@ def _launch_decode(
         GROUP=group,
         GROUP_PADDED=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_N=_decode_block_n(head_dim_padded, query.dtype),
+        BLOCK_N=config.block_n,
         HEAD_DIM_PADDED=head_dim_padded,
         WRITE_OUTPUT=single_split,
         DOT_PRECISION=dot_precision,
-        num_warps=4,
-        num_stages=3 if not is_interpreted() else 1,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if not single_split:
         merge_splits_kernel[(num_seqs, num_heads)](
