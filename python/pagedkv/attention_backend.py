@@ -128,7 +128,7 @@ def pagedkv_attention_forward(
         q = query[0].transpose(0, 1)  # [T, H, D] (a view; the kernels take strides)
         k = key[0].transpose(0, 1)  # [T, Hkv, D]
         v = value[0].transpose(0, 1)
-        key_cache, value_cache = context.kv_caches[module.layer_idx]
+        key_cache, value_cache = context.kv_caches[module.layer_idx]  # type: ignore[index]
         context.kernels.store_kv(k, v, key_cache, value_cache, context.slot_mapping)
         out = context.kernels.paged_attention(
             q, key_cache, value_cache, context.block_tables, context.seq_lens,

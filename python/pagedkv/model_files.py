@@ -173,7 +173,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
         # The weights are dequantized already; the GGUF "quantizer" only blocks save_pretrained
         # (GGUF is not a serializable quantization) and must not reach the saved config.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             delattr(model.config, "quantization_config")
         model.config._name_or_path = DEFAULT_MODEL_NAME

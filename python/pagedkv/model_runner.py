@@ -169,10 +169,6 @@ class ModelRunner:
         ``block_tables`` int32[B, max_blocks], ``slot_mapping`` int64[T], ``logits_indices``
         int64[S] and optionally ``copy_ops`` int32[K, 2] (src, dst), run before the forward.
         """
-        copy_ops = getattr(step, "copy_ops", None)
-        if copy_ops is not None and len(copy_ops) > 0:
-            self.copy_blocks(copy_ops)
-
         input_ids = self._to_device(step.input_ids, torch.int64, "input_ids")
         positions = self._to_device(step.positions, torch.int64, "positions")
         slot_mapping = self._to_device(step.slot_mapping, torch.int64, "slot_mapping")
@@ -181,6 +177,10 @@ class ModelRunner:
         block_tables = self._to_device(step.block_tables, torch.int32, "block_tables")
         logits_indices = self._to_device(step.logits_indices, torch.int64, "logits_indices")
         _check_step_shapes(input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, block_tables, logits_indices)
+        # Copy-on-write before the forward: this step's K/V writes go into the copies.
+        copy_ops = getattr(step, "copy_ops", None)
+        if copy_ops is not None and len(copy_ops) > 0:
+            self.copy_blocks(copy_ops)
 
         num_tokens = input_ids.shape[0]
         if num_tokens == 0:  # nothing scheduled (copy ops only)
@@ -429,4 +429,5 @@ def _load_model(model_path: str, dtype: torch.dtype, device: torch.device, trust
     except OSError as exc:
         raise ModelLoadError(f"cannot load the weights of model {model_path!r}: {exc}") from exc
     model.eval()
-    return model.to(device)
+    # transformers decorates `to`; mypy mis-reads its signature.
+    return model.to(device)  # type: ignore[arg-type]
