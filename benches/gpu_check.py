@@ -309,19 +309,33 @@ def _decode_alternatives(ctx: Context) -> list:
 
 def _best_decode_config(ctx: Context, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,  # noqa: ANN001
                         out, context: int, kv_bytes: int) -> dict:
-    """Time the decode kernel with other tile/pipeline choices: data for tuning the defaults."""
+    """Time the decode kernel with other tiles, pipeline depths and split counts (tuning data)."""
     from pagedkv.kernels import triton_attention
 
+    num_seqs, num_kv_heads = block_tables.shape[0], key_cache.shape[2]
+    num_sms = torch_device_sms(ctx)
+    default_splits = triton_attention.choose_num_splits(num_seqs, num_kv_heads, context, num_sms)
+    trials = [(config, default_splits) for config in _decode_alternatives(ctx)]
+    trials += [(None, splits) for splits in {max(1, default_splits // 2), min(64, default_splits * 2)} - {default_splits}]
     best: tuple[float, str] | None = None
-    for config in _decode_alternatives(ctx):
+    for config, splits in trials:
         seconds = ctx.bench(lambda: triton_attention.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=query.shape[-1] ** -0.5,
-            out=out, max_seqlen_q=1, max_seqlen_k=context, decode_config=config))
-        label = f"n{config.block_n}w{config.num_warps}s{config.num_stages}"
+            out=out, max_seqlen_q=1, max_seqlen_k=context, decode_config=config, num_splits=splits))
+        label = "default" if config is None else f"n{config.block_n}w{config.num_warps}s{config.num_stages}"
+        label += f" splits{splits}"
         if best is None or seconds < best[0]:
             best = (seconds, label)
     assert best is not None
-    return {"best_alt_config": best[1], "best_alt_GB/s": kv_bytes / best[0] / 1e9}
+    return {"splits": default_splits, "best_alt_config": best[1], "best_alt_GB/s": kv_bytes / best[0] / 1e9}
+
+
+def torch_device_sms(ctx: Context) -> int:
+    import torch
+
+    if ctx.device == "cuda":
+        return torch.cuda.get_device_properties(0).multi_processor_count
+    return 4
 
 
 # --- 4. prefill ------------------------------------------------------------------------------

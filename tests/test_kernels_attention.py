@@ -168,12 +168,13 @@ def test_choose_num_splits_fills_the_gpu_with_long_splits():
     assert choose_num_splits(256, 8, 32768, num_sms=132) == 1
     assert choose_num_splits(1, 8, 512, num_sms=132) == 2  # short context: splits stay >= 256 keys
     assert choose_num_splits(1, 1, 100, num_sms=132) == 1
-    for batch in (1, 2, 4, 8, 16, 32):
+    for batch in (1, 2, 4, 8, 16, 32, 64, 128):
         for context in (512, 4096, 32768):
             splits = choose_num_splits(batch, 8, context, num_sms=132)
             assert 1 <= splits <= 64
-            enough_programs = batch * 8 * splits >= 2 * 132
+            enough_programs = batch * 8 * splits >= 2 * 132  # at least twice the SM count
             assert enough_programs or splits == min(64, context // 256)
+            assert splits == 1 or context / splits >= 256  # each split several blocks long
 
 
 # ---------------------------------------------------------------------------------------------
