@@ -19,6 +19,7 @@ use crate::block_hash::{BlockHash, BlockHasher, ExtraKey, HashMode};
 use crate::error::{CoreError, Result};
 use crate::free_queue::FreeBlockQueue;
 use crate::ids::BlockId;
+use crate::token_store::TokenStore;
 
 /// Largest pool accepted: block ids must fit in int32, and the per-block bookkeeping must fit
 /// comfortably in host memory (16.7M blocks is far beyond any accelerator's KV cache).
@@ -75,9 +76,8 @@ pub struct BlockPool {
     caching: bool,
     index: HashIndex,
     cached: Vec<Option<CachedBlock>>,
-    /// Token ids of each registered block (`block_size` of them), for verification. The inner
-    /// vectors keep their capacity when a block is evicted and registered again.
-    cached_tokens: Vec<Vec<u32>>,
+    /// Token ids of each registered block, for verification.
+    cached_tokens: TokenStore,
     generation: Vec<u32>,
     counters: PoolCounters,
     hash_mode: HashMode,
@@ -115,12 +115,9 @@ impl BlockPool {
             let mut c = Vec::new();
             c.try_reserve_exact(num_blocks).map_err(oom)?;
             c.resize(num_blocks, None);
-            let mut t = Vec::new();
-            t.try_reserve_exact(num_blocks).map_err(oom)?;
-            t.resize_with(num_blocks, Vec::new);
-            (c, t)
+            (c, TokenStore::new(num_blocks, block_size))
         } else {
-            (Vec::new(), Vec::new())
+            (Vec::new(), TokenStore::new(0, block_size))
         };
         Ok(BlockPool {
             block_size,
@@ -383,10 +380,10 @@ impl BlockPool {
             self.counters.duplicate_registrations += 1;
             return false;
         }
+        if !self.cached_tokens.set(block, tokens) {
+            return false; // no memory for the verification copy: leave the block uncached
+        }
         self.index.insert(hash, block);
-        let store = &mut self.cached_tokens[block.index()];
-        store.clear();
-        store.extend_from_slice(tokens);
         self.cached[block.index()] = Some(CachedBlock {
             hash,
             parent: parent.map(|p| (p, self.generation[p.index()])),
@@ -414,7 +411,7 @@ impl BlockPool {
             (Some((pb, pg)), Some(p)) => pb == p && pg == self.generation[p.index()],
             _ => false,
         };
-        (parent_ok && self.cached_tokens[block.index()] == tokens).then_some(block)
+        (parent_ok && self.cached_tokens.get(block) == tokens).then_some(block)
     }
 
     /// The longest verified cached prefix of `tokens`, in blocks, leaving at least one token to
@@ -511,10 +508,10 @@ impl BlockPool {
                             "block {i} is registered but the cache index does not point at it"
                         )));
                     }
-                    if self.cached_tokens[i].len() != self.block_size {
+                    if self.cached_tokens.get(BlockId(i as u32)).len() != self.block_size {
                         return Err(CoreError::InvariantViolation(format!(
                             "cached block {i} stores {} tokens, not {}",
-                            self.cached_tokens[i].len(),
+                            self.cached_tokens.get(BlockId(i as u32)).len(),
                             self.block_size
                         )));
                     }

@@ -10,6 +10,7 @@
 //! - [`error`]: the crate's one error enum.
 //! - [`free_queue`]: O(1) intrusive free-block queue.
 //! - [`block_hash`]: chained 128-bit block hashes and cache salts.
+//! - [`token_store`]: token ids of cached blocks, for verifying hits.
 //! - [`block_pool`]: ref counts, free queue, prefix-cache index with verified lookups.
 //! - [`block_table`]: logical → physical mapping and slot computation.
 //! - [`slab`]: generation-checked slab (sequence and request storage).
@@ -30,6 +31,7 @@ pub mod ids;
 pub mod kv_cache_manager;
 pub mod scheduler;
 pub mod slab;
+pub mod token_store;
 
 #[cfg(feature = "python")]
 mod py;

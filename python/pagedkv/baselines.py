@@ -324,7 +324,7 @@ def _validate(
             )
 
 
-def _first_step_at_or_after(time_s: float, step_duration_s: float) -> int:
+def first_step_at_or_after(time_s: float, step_duration_s: float) -> int:
     """The smallest step k with ``k * step_duration_s >= time_s``, exact despite float division."""
     step = math.ceil(time_s / step_duration_s)
     while step * step_duration_s < time_s:
@@ -374,7 +374,7 @@ def replay_reservation(
         if not running and waiting[0].arrival_time > step_index * config.step_duration_s:
             step_index = max(
                 step_index,
-                _first_step_at_or_after(waiting[0].arrival_time, config.step_duration_s),
+                first_step_at_or_after(waiting[0].arrival_time, config.step_duration_s),
             )
         now = step_index * config.step_duration_s
 

@@ -2,8 +2,6 @@
 //! `SchedulerOutput` (numpy arrays built in Rust, adopted by torch without a copy),
 //! `RequestUpdate` and `SchedulerStats`.
 
-use std::sync::Arc;
-
 use numpy::{PyArray1, PyArray2};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
@@ -385,10 +383,11 @@ impl IdStrings {
         self.slots[i] = Some((key.generation, s));
     }
 
-    fn get<'py>(&self, py: Python<'py>, key: RequestKey, fallback: &Arc<str>) -> Bound<'py, PyString> {
+    /// The string for `key`, or a new one from `fallback` (the id itself) when not cached.
+    fn get<'py>(&self, py: Python<'py>, key: RequestKey, fallback: Option<&str>) -> Bound<'py, PyString> {
         match self.slots.get(key.slot as usize) {
             Some(Some((g, s))) if *g == key.generation => s.bind(py).clone(),
-            _ => PyString::new(py, fallback),
+            _ => PyString::new(py, fallback.unwrap_or("")),
         }
     }
 }
@@ -549,7 +548,7 @@ impl PyScheduler {
         Py::new(
             py,
             PyRequestUpdate {
-                request_id: self.names.get(py, u.request, &u.request_id).unbind(),
+                request_id: self.names.get(py, u.request, Some(&u.request_id)).unbind(),
                 index: u.index,
                 token: u.token,
                 finish: u.finish_reason,
@@ -561,10 +560,9 @@ impl PyScheduler {
     fn to_python(&self, py: Python<'_>, out: StepOutput) -> PyResult<PySchedulerOutput> {
         let rows = out.num_rows();
         let k = out.copy_ops.len() / 2;
-        let names = &self.names;
-        let req_ids = str_list(py, out.row_requests.iter().zip(&out.req_ids).map(|(&key, id)| names.get(py, key, id)))?;
-        let sampled =
-            str_list(py, out.sampled_requests.iter().zip(&out.sampled_req_ids).map(|(&key, id)| names.get(py, key, id)))?;
+        let name = |key: RequestKey| self.names.get(py, key, self.inner.request_id(key).map(|s| &**s));
+        let req_ids = str_list(py, out.row_requests.iter().map(|&key| name(key)))?;
+        let sampled = str_list(py, out.sampled_requests.iter().map(|&key| name(key)))?;
         let preempted = str_list(py, out.preempted_req_ids.iter().map(|id| PyString::new(py, id)))?;
         let finished = str_list(py, out.finished.iter().map(|(id, _)| PyString::new(py, id)))?;
         let reasons = PyList::new(py, out.finished.iter().map(|(_, r)| r.as_str()))?;

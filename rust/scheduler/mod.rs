@@ -396,37 +396,34 @@ impl Scheduler {
 
     fn build_rows(&self, scheduled: &[(BranchKey, SeqId)], out: &mut StepOutput, plan: &mut StepPlan) -> Result<()> {
         let bs = self.config.block_size;
-        let mut width = 0;
-        for &(_, seq) in scheduled {
-            width = width.max(self.kv.seq(seq)?.table().len());
+        let vanished = || CoreError::InvariantViolation("a scheduled branch vanished".into());
+        let mut rows = Vec::with_capacity(scheduled.len());
+        let (mut width, mut total) = (0, 0);
+        for &(b, seq_id) in scheduled {
+            let seq = self.kv.seq(seq_id)?;
+            let branch = self.branches.get(b).ok_or_else(vanished)?;
+            let req = self.requests.get(branch.req).ok_or_else(vanished)?;
+            width = width.max(seq.table().len());
+            total += seq.num_computed() - seq.write_start();
+            rows.push((b, seq, branch, req));
         }
         out.block_table_width = width;
-        out.block_tables = vec![0; scheduled.len() * width];
-        let total: usize = scheduled
-            .iter()
-            .map(|&(_, s)| self.kv.seq(s).map(|q| q.num_computed() - q.write_start()).unwrap_or(0))
-            .sum();
+        out.block_tables = vec![0; rows.len() * width];
         out.input_ids.reserve(total);
         out.positions.reserve(total);
         out.slot_mapping.reserve(total);
-        for (row, &(b, seq_id)) in scheduled.iter().enumerate() {
-            let seq = self.kv.seq(seq_id)?;
-            let branch = self.branches.get(b).ok_or_else(|| CoreError::InvariantViolation("scheduled branch vanished".into()))?;
-            let req = self
-                .requests
-                .get(branch.req)
-                .ok_or_else(|| CoreError::InvariantViolation("scheduled request vanished".into()))?;
+        for (row, (b, seq, branch, req)) in rows.into_iter().enumerate() {
             let (start, end) = (seq.write_start(), seq.num_computed());
             out.row_requests.push(branch.req);
-            out.req_ids.push(req.id.clone());
             out.num_scheduled_tokens.push((end - start) as i32);
             out.input_ids.extend(seq.tokens()[start..end].iter().map(|&t| t as i64));
             out.positions.extend((start as i64)..(end as i64));
             seq.table().extend_slots(start, end, bs, &mut out.slot_mapping);
             out.cu_seqlens_q.push(out.input_ids.len() as i32);
             out.seq_lens.push(end as i32);
-            for (j, blk) in seq.table().blocks().iter().enumerate() {
-                out.block_tables[row * width + j] = blk.0 as i32;
+            let dst = &mut out.block_tables[row * width..row * width + seq.table().len()];
+            for (d, blk) in dst.iter_mut().zip(seq.table().blocks()) {
+                *d = blk.0 as i32;
             }
             if end == seq.num_tokens() {
                 // Every known token is computed: this row's last logits give the next token,
@@ -436,7 +433,6 @@ impl Scheduler {
                     let index = if req.forked { branch.index } else { k };
                     out.logits_indices.push(out.input_ids.len() as i64 - 1);
                     out.sampled_requests.push(branch.req);
-                    out.sampled_req_ids.push(req.id.clone());
                     out.sample_indices.push(index as i32);
                     plan.sampled.push((b, index));
                 }
@@ -597,20 +593,21 @@ impl Scheduler {
     pub fn stats(&self) -> SchedulerStats {
         let bs = self.config.block_size;
         let pool = self.kv.pool();
-        // Filled slots of the blocks in use: a shared block counts once, as filled as its
-        // fullest holder (holders agree on the shared prefix).
-        let mut filled: HashMap<u32, usize> = HashMap::new();
+        // Filled slots of the blocks in use: a shared block counts once. All holders of a
+        // shared block see it equally filled (it is never written while shared: copy-on-write),
+        // so each block's fill is taken from whichever holder comes first.
+        let mut seen = vec![false; pool.num_blocks()];
+        let mut tokens_held = 0usize;
         for &b in &self.running {
             if let Some(seq) = self.branches.get(b).and_then(|x| x.seq).and_then(|s| self.kv.seq(s).ok()) {
                 let n = seq.num_computed();
                 for (j, blk) in seq.table().blocks().iter().enumerate() {
-                    let f = (n - j * bs).min(bs);
-                    let e = filled.entry(blk.0).or_insert(0);
-                    *e = (*e).max(f);
+                    if !std::mem::replace(&mut seen[blk.index()], true) {
+                        tokens_held += (n - j * bs).min(bs);
+                    }
                 }
             }
         }
-        let tokens_held: usize = filled.values().sum();
         let slots = pool.num_used() * bs;
         let c = &self.counters;
         SchedulerStats {

@@ -10,10 +10,9 @@ use super::request::{BranchKey, FinishReason, RequestKey};
 pub struct StepOutput {
     /// Step number; `update` must be given this step's output.
     pub step_id: u64,
-    /// Request of each row.
+    /// Request of each row (a request with n > 1 appears once per branch); ids through
+    /// `Scheduler::request_id` (every row's request is live when the step is built).
     pub row_requests: Vec<RequestKey>,
-    /// Request id of each row (a request with n > 1 appears once per branch).
-    pub req_ids: Vec<Arc<str>>,
     /// Tokens computed per row: int32[B].
     pub num_scheduled_tokens: Vec<i32>,
     /// Token ids, rows concatenated: int64[T].
@@ -34,8 +33,6 @@ pub struct StepOutput {
     pub logits_indices: Vec<i64>,
     /// Request of each sampled row.
     pub sampled_requests: Vec<RequestKey>,
-    /// Request id of each sampled row.
-    pub sampled_req_ids: Vec<Arc<str>>,
     /// Sample index (0 .. n) of each sampled row: int32[S].
     pub sample_indices: Vec<i32>,
     /// Copy-on-write ops to run before the forward pass: int32[K, 2] as (src, dst) pairs.

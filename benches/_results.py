@@ -1,0 +1,88 @@
+"""Helpers for benchmark scripts: machine description, timing, and writing a section of
+benches/RESULTS.md (between `<!-- BEGIN name -->` and `<!-- END name -->` markers, so each
+benchmark rewrites only its own section)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return f"{cpu}, {os.cpu_count()} cores{mem}, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+
+
+def git_rev() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def time_calls(fn: Callable[[], object], *, repeat: int, warmup: int = 3) -> dict[str, float]:
+    """Times `repeat` calls of `fn`; returns median / mean / p10 / p90 in microseconds."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeat):
+        t = time.perf_counter_ns()
+        fn()
+        samples.append((time.perf_counter_ns() - t) / 1000)
+    samples.sort()
+    return {
+        "median_us": statistics.median(samples),
+        "mean_us": statistics.fmean(samples),
+        "p10_us": samples[len(samples) // 10],
+        "p90_us": samples[(len(samples) * 9) // 10],
+    }
+
+
+def write_section(name: str, command: str, body: str) -> None:
+    """Replaces (or appends) the section `name` of benches/RESULTS.md."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    block = (
+        f"<!-- BEGIN {name} -->\n"
+        f"Command: `{command}`  \nMachine: {machine()}  \nCommit: {git_rev()}, {stamp}\n\n"
+        f"{body.rstrip()}\n<!-- END {name} -->"
+    )
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    pattern = re.compile(rf"<!-- BEGIN {re.escape(name)} -->.*?<!-- END {re.escape(name)} -->", re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: block, text)
+    else:
+        text = text.rstrip() + f"\n\n## {name}\n\n{block}\n"
+    RESULTS.write_text(text)
+
+
+def md_table(headers: list[str], rows: list[list[object]]) -> str:
+    def fmt(v: object) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

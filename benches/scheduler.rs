@@ -1,0 +1,105 @@
+//! Scheduler step cost in pure Rust (criterion): `cargo bench --bench scheduler`.
+//!
+//! One step = `schedule()` (flat output arrays included) + `update()` with one sampled token
+//! per row. Scenarios: 256 decodes at 2k-token contexts; a mixed step of decodes and prefill
+//! chunks of arriving 1024-token prompts under a 2048-token budget. The Python figures (with
+//! the numpy conversion) come from benches/bench_scheduler.py.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use pagedkv::scheduler::{NewRequest, Scheduler, SchedulerConfig};
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| (i.wrapping_mul(2654435761) ^ seed.wrapping_mul(40503)) % 50_000).collect()
+}
+
+fn decode_scheduler(num_seqs: usize, ctx: usize, steps: usize) -> Scheduler {
+    let bs = 16;
+    let max_new = steps + num_seqs * ctx / 8192 + 16;
+    let max_len = ctx + max_new;
+    let mut cfg = SchedulerConfig::new(bs, num_seqs * (max_len / bs + 1));
+    cfg.max_model_len = max_len;
+    cfg.max_num_seqs = num_seqs;
+    cfg.max_num_batched_tokens = 8192;
+    let mut s = Scheduler::new(cfg).unwrap();
+    for i in 0..num_seqs {
+        let mut r = NewRequest::new(format!("r{i}"), prompt(i as u32, ctx), max_new);
+        r.ignore_eos = true;
+        s.add_request(r).unwrap();
+    }
+    loop {
+        let out = s.schedule().unwrap();
+        let sampled = vec![0u32; out.num_sampled()];
+        s.update(out.step_id, &sampled).unwrap();
+        if out.num_rows() == num_seqs && out.num_tokens() == num_seqs {
+            return s;
+        }
+    }
+}
+
+fn decode_step(c: &mut Criterion) {
+    let (num_seqs, ctx, steps_per_setup) = (256, 2048, 1000);
+    let sampled = vec![0u32; num_seqs];
+    c.bench_function("schedule+update: 256 decodes, 2k contexts", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut s = decode_scheduler(num_seqs, ctx, steps_per_setup);
+            let mut n = 0;
+            for _ in 0..iters {
+                if n == steps_per_setup {
+                    s = decode_scheduler(num_seqs, ctx, steps_per_setup);
+                    n = 0;
+                }
+                let t = Instant::now();
+                let out = s.schedule().unwrap();
+                black_box(s.update(out.step_id, &sampled).unwrap());
+                total += t.elapsed();
+                n += 1;
+            }
+            total
+        })
+    });
+}
+
+fn mixed_step(c: &mut Criterion) {
+    let mut cfg = SchedulerConfig::new(16, 40_000);
+    cfg.max_model_len = 4096;
+    cfg.max_num_seqs = 256;
+    cfg.max_num_batched_tokens = 2048;
+    let mut s = Scheduler::new(cfg).unwrap();
+    let mut next = 0u32;
+    let mut feed = |s: &mut Scheduler| {
+        while s.num_waiting() < 4 {
+            let mut r = NewRequest::new(format!("m{next}"), prompt(next, 1024), 100 + (next as usize * 37) % 300);
+            r.ignore_eos = true;
+            s.add_request(r).unwrap();
+            next += 1;
+        }
+    };
+    let mut step = |s: &mut Scheduler| {
+        let out = s.schedule().unwrap();
+        let sampled = vec![0u32; out.num_sampled()];
+        black_box(s.update(out.step_id, &sampled).unwrap());
+    };
+    for _ in 0..200 {
+        feed(&mut s);
+        step(&mut s);
+    }
+    c.bench_function("schedule+update: mixed decodes + 1024-token prompt chunks, budget 2048", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                feed(&mut s);
+                let t = Instant::now();
+                step(&mut s);
+                total += t.elapsed();
+            }
+            total
+        })
+    });
+}
+
+criterion_group!(benches, decode_step, mixed_step);
+criterion_main!(benches);
