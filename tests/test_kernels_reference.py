@@ -51,7 +51,7 @@ def test_decode_chunking_matches_one_chunk(monkeypatch):
     whole = reference.paged_attention(*_args(batch))
     # A budget of 40 tokens x Hkv x D elements: several chunks of length-sorted sequences.
     monkeypatch.setattr(reference, "_GATHER_BUDGET_ELEMENTS", 40 * 2 * 16)
-    assert len(reference._decode_chunks(list(range(9)), batch.seq_lens.tolist(), 2 * 16)) > 2
+    assert len(reference._decode_chunks(list(range(9)), batch.seq_lens.tolist(), 8, 2 * 16)) > 2
     chunked = reference.paged_attention(*_args(batch))
     torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-14)
     torch.testing.assert_close(chunked, causal_reference(batch), rtol=1e-12, atol=1e-12)

@@ -27,13 +27,15 @@ Semantics of ``paged_attention`` (identical in every backend):
 
 Precision: float64 inputs are computed in float64 (the oracle); on the CPU, float16/bfloat16
 inputs are computed in float32 (the CPU has no fast half-precision matmul and the GPU kernels
-accumulate in float32 too); float8 caches are upcast to the compute dtype after the gather.
+accumulate in float32 too); on a GPU the input dtype is kept (SDPA accumulates in float32).
+float8 caches are upcast to the compute dtype after the gather.
 
 How the decode batch is vectorised: the sequences with ``q_len == 1`` are sorted by length and
 cut into chunks whose padded KV fits a gather budget (``_GATHER_BUDGET_ELEMENTS``); each chunk
-is one ``key_cache[block_tables]`` gather, one length mask and one SDPA call with
-``enable_gqa=True`` (measured faster on CPU than an explicit ``repeat_interleave`` or a
-hand-written matmul/softmax). Sequences with ``q_len > 1`` (prefill chunks, extends) are
+is one block gather per cache (``index_select`` of the block-table rows into a reused
+per-thread buffer), one length mask and one SDPA call with ``enable_gqa=True`` (measured on
+the CPU: ~4.5 ms against ~6.5 ms for a hand-written matmul/softmax and ~50 ms with an explicit
+``repeat_interleave``, for 64 sequences x 512 keys x 9/3 heads x 64 dims in fp32). Sequences with ``q_len > 1`` (prefill chunks, extends) are
 handled one by one: they are few per step and each is already a large matrix product.
 """
 
@@ -95,7 +97,7 @@ def paged_attention(
     lens = seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
     if decodes:
-        for chunk in _decode_chunks(decodes, lens, key_cache.shape[2] * head_dim):
+        for chunk in _decode_chunks(decodes, lens, key_cache.shape[1], key_cache.shape[2] * head_dim):
             rows = torch.tensor([cu[b] for b in chunk], device=query.device)
             out[rows] = _attend_decodes(
                 query[rows], key_cache, value_cache, block_tables[chunk], seq_lens[chunk],
@@ -119,10 +121,13 @@ def _compute_dtype(query: torch.Tensor) -> torch.dtype:
     return query.dtype
 
 
-def _decode_chunks(decodes: list[int], lens: list[int], elements_per_token: int) -> list[list[int]]:
+def _decode_chunks(
+    decodes: list[int], lens: list[int], block_size: int, elements_per_token: int
+) -> list[list[int]]:
     """Cut the decode sequences, sorted by length, into chunks within the gather budget.
 
-    Sorting keeps the padding of each chunk small (a chunk pads to its longest sequence).
+    Sorting keeps the padding of each chunk small (a chunk pads to its longest sequence,
+    rounded up to whole blocks).
     """
     order = sorted(decodes, key=lambda b: lens[b])
     budget_tokens = max(1, _GATHER_BUDGET_ELEMENTS // elements_per_token)
@@ -130,7 +135,8 @@ def _decode_chunks(decodes: list[int], lens: list[int], elements_per_token: int)
     current: list[int] = []
     for b in order:
         # Ascending order: b is the longest of the chunk if it joins.
-        if current and (len(current) + 1) * max(lens[b], 1) > budget_tokens:
+        padded = max(1, -(-lens[b] // block_size)) * block_size
+        if current and (len(current) + 1) * padded > budget_tokens:
             chunks.append(current)
             current = []
         current.append(b)
@@ -142,10 +148,11 @@ def _decode_chunks(decodes: list[int], lens: list[int], elements_per_token: int)
 class _Scratch(threading.local):
     """Per-thread reusable buffers for the decode gathers.
 
-    A fresh multi-megabyte tensor per layer and step costs page faults on every call (the
-    allocator hands large blocks back to the OS); reusing one buffer halves the gather time on
-    the CPU. Buffers are per thread (concurrent callers never share one) and never larger than
-    ``_GATHER_BUDGET_ELEMENTS``: bigger gathers (long prefill chunks) allocate normally.
+    On the CPU a fresh multi-megabyte tensor per layer and step costs page faults on every
+    call (the allocator hands large blocks back to the OS); reusing one buffer halves the gather
+    time. Buffers are per thread (concurrent callers never share one) and never larger than
+    ``_GATHER_BUDGET_ELEMENTS``: bigger gathers (long prefill chunks) allocate normally, and so
+    does every gather on a GPU (the caching allocator already reuses memory there).
     """
 
     def __init__(self) -> None:
@@ -153,7 +160,7 @@ class _Scratch(threading.local):
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = math.prod(shape)
-        if numel > _GATHER_BUDGET_ELEMENTS:
+        if numel > _GATHER_BUDGET_ELEMENTS or device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
         key = (name, device, dtype)
         buffer = self.buffers.get(key)
