@@ -11,9 +11,11 @@ host-side hints only.
   merge.
 * Everything else goes to the prefill kernel (:mod:`.triton_prefill`), grid
   ``(T // BLOCK_M + B, H)``, which skips the decode rows.
-* When ``T == B`` the batch is taken to be all decodes (every scheduled sequence has at least
-  one query row, so ``T == B`` means every ``q_len`` is 1) and the prefill kernel is not
-  launched; when the caller passes ``max_seqlen_q`` that is used instead.
+* Without a ``max_seqlen_q`` hint, ``T == B`` is taken to mean all decodes and the prefill
+  kernel is not launched. That holds whenever every sequence has at least one query row (the
+  scheduler never batches a sequence with nothing to compute); a caller that does pass
+  ``q_len == 0`` sequences on a GPU must pass ``max_seqlen_q``. (On CPU tensors the dispatcher
+  computes ``max_seqlen_q`` itself.)
 
 Workspace policy: the split-KV partial results (``[B, H, num_splits, D]`` output and two
 ``[B, H, num_splits]`` statistics, fp32) are allocated per call with ``torch.empty`` from the
