@@ -533,6 +533,18 @@ impl PyScheduler {
         Ok(self.inner.check_invariants()?)
     }
 
+    /// The pool block by block: `(ref_counts int32[N], cached bool[N], owner int64[N])`, where
+    /// `owner` is the arrival number (0, 1, ... in add_request order) of the earliest-arrived
+    /// running request holding the block, or -1 for a free block.
+    #[allow(clippy::type_complexity)]
+    fn memory_map<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<bool>>, Bound<'py, PyArray1<i64>>) {
+        let (refs, cached, owner) = self.inner.memory_map();
+        (PyArray1::from_vec(py, refs), PyArray1::from_vec(py, cached), PyArray1::from_vec(py, owner))
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Scheduler(running={}, waiting={}, requests={})",

@@ -33,7 +33,7 @@ pub use stats::SchedulerStats;
 
 use crate::block_hash::ExtraKey;
 use crate::error::{CoreError, Result};
-use crate::ids::SeqId;
+use crate::ids::{BlockId, SeqId};
 use crate::kv_cache_manager::{KvCacheManager, PrefixMatch};
 use crate::slab::Slab;
 use output::StepPlan;
@@ -632,6 +632,29 @@ impl Scheduler {
             num_aborted: c.aborted,
             num_evictions: pool.counters().evictions,
         }
+    }
+
+    /// The pool block by block, for drawing memory maps: each block's ref count, whether it
+    /// is registered in the prefix cache, and its owner — the arrival number (0, 1, ... in
+    /// `add_request` order) of the earliest-arrived running request holding it, or -1.
+    pub fn memory_map(&self) -> (Vec<i32>, Vec<bool>, Vec<i64>) {
+        let pool = self.kv.pool();
+        let n = pool.num_blocks();
+        let mut owner = vec![-1i64; n];
+        for &b in &self.running {
+            let Some(branch) = self.branches.get(b) else { continue };
+            let Some(seq) = branch.seq.and_then(|s| self.kv.seq(s).ok()) else { continue };
+            let arrival = branch.order.1 as i64;
+            for blk in seq.table().blocks() {
+                let o = &mut owner[blk.index()];
+                if *o < 0 || arrival < *o {
+                    *o = arrival;
+                }
+            }
+        }
+        let refs = (0..n).map(|i| pool.ref_count_unchecked(BlockId(i as u32)) as i32).collect();
+        let cached = (0..n).map(|i| pool.is_cached(BlockId(i as u32))).collect();
+        (refs, cached, owner)
     }
 
     /// Checks the KV manager's invariants and the scheduler's own bookkeeping: every running
