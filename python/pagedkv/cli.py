@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedkv", description="Serve LLMs on a paged KV cache.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, add_help=False)
         p.set_defaults(_module=module_name)
         # Arguments are added lazily below, once the subcommand is known.
     return parser
