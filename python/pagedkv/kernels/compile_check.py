@@ -26,6 +26,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -117,7 +118,7 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[CompiledVariant]:
     driver.set_active(_CompileOnlyDriver(arch))
     from pagedkv.kernels import triton_attention, triton_decode, triton_prefill, triton_store
 
-    compiled: list[tuple[str, object]] = []
+    compiled: list[tuple[str, Any]] = []  # (case, triton CompiledKernel)
     current_case = [""]
 
     def compile_only(kernel: JITFunction):
@@ -132,8 +133,8 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[CompiledVariant]:
     for kernel in kernels:
         kernel.run = compile_only(kernel)
     try:
-        for name, case in _attention_cases(arch, quick):
-            current_case[0] = name
+        for case_name, case in _attention_cases(arch, quick):
+            current_case[0] = case_name
             num_heads, num_kv_heads, block_size, num_seqs = 32, 8, 16, 4
             query = torch.empty(num_seqs + 100, num_heads, case["head_dim"], dtype=case["dtype"])
             cache = torch.empty(64, block_size, num_kv_heads, case["head_dim"], dtype=case["cache_dtype"])
@@ -148,24 +149,24 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[CompiledVariant]:
             store_dtypes.append((torch.bfloat16, torch.float8_e4m3fn))
         for dtype, cache_dtype in store_dtypes:
             current_case[0] = f"store {dtype}->{cache_dtype}"
-            key = torch.empty(10, 8, 128, dtype=dtype)
-            cache = torch.empty(4, 16, 8, 128, dtype=cache_dtype)
-            triton_store.store_kv(key, key, cache, cache, torch.zeros(10, dtype=torch.int64))
+            new_kv = torch.empty(10, 8, 128, dtype=dtype)
+            kv_cache = torch.empty(4, 16, 8, 128, dtype=cache_dtype)
+            triton_store.store_kv(new_kv, new_kv, kv_cache, kv_cache, torch.zeros(10, dtype=torch.int64))
     finally:
         for kernel in kernels:
             del kernel.run
 
     variants = []
     seen = set()
-    for case, result in compiled:
-        key = (result.name, result.hash)
-        if key in seen:
+    for case_name, result in compiled:
+        identity = (result.name, result.hash)
+        if identity in seen:
             continue
-        seen.add(key)
+        seen.add(identity)
         registers, spilled = _resource_usage(result.asm["cubin"])
         ttgir = result.asm["ttgir"]
         variants.append(CompiledVariant(
-            kernel=result.name.lstrip("_"), case=case, registers=registers, spilled_bytes=spilled,
+            kernel=result.name.lstrip("_"), case=case_name, registers=registers, spilled_bytes=spilled,
             shared_bytes=result.metadata.shared, async_copies=ttgir.count("async_copy_global_to_local"),
             wgmma=ttgir.count("warp_group_dot "),
         ))

@@ -253,6 +253,7 @@ def _launch_decode(
     num_kv_heads = key_cache.shape[2]
     single_split = num_splits == 1
     if single_split:
+        workspace = None
         partials = (out, out, out)  # unused by the kernel; any pointer will do
     else:
         if workspace is None:
@@ -280,7 +281,7 @@ def _launch_decode(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if not single_split:
+    if workspace is not None:
         merge_splits_kernel[(num_seqs, num_heads)](
             workspace.partial_out, workspace.partial_max, workspace.partial_sum, cu_seqlens_q, out,
             *out.stride(),
