@@ -310,3 +310,26 @@ def test_many_random_requests_match_reference() -> None:
         assert reasons[(rid, 0)] == "length"
     assert s.stats().num_preemptions > 0
     assert s.stats().num_free_blocks == 24
+
+
+def test_finish_sample_ends_one_branch_then_the_request() -> None:
+    s, model = make(num_blocks=16, block_size=4)
+    s.add_request("p", [1, 2, 3, 4, 5], max_tokens=8, n=2)
+    out = s.schedule()
+    s.update(out, model.execute(out))
+    assert s.num_running == 2
+    used = s.stats().num_used_blocks
+    assert s.finish_sample("p", 1) is True
+    assert s.finish_sample("p", 1) is False
+    assert s.num_running == 1 and s.stats().num_used_blocks == used  # all blocks were shared
+    out = s.schedule()
+    assert out.sample_indices.tolist() == [0] and out.finished_req_ids == []
+    s.update(out, model.execute(out))
+    assert s.finish_sample("p", 0) is True
+    out = s.schedule()
+    assert out.finished_req_ids == ["p"] and out.finish_reasons == ["stop"]
+    with pytest.raises(pagedkv.UnknownRequestError):
+        s.finish_sample("p", 0)
+    s.update(out, model.execute(out))
+    s.check_invariants()
+    assert s.stats().num_free_blocks == 16

@@ -66,6 +66,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 (rid, k) in self.outputs for k in range(3)
             ), "a live request was reported unknown"
 
+    @precondition(lambda self: self.prompts)
+    @rule(i=st.integers(0, 1000), index=st.integers(0, 2))
+    def finish_sample(self, i: int, index: int) -> None:
+        rid = sorted(self.prompts)[i % len(self.prompts)]
+        try:
+            self.s.finish_sample(rid, index)
+        except pagedkv.UnknownRequestError:
+            pass
+
     @rule(data=st.data())
     def bad_update(self, data: st.DataObject) -> None:
         out = self.s.schedule()

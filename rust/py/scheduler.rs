@@ -506,6 +506,17 @@ impl PyScheduler {
         Ok(self.inner.abort_request(&id)?)
     }
 
+    /// Ends one sample of a request with reason "stop" (e.g. a stop string matched), freeing
+    /// its blocks; the request ends when its last sample does. Returns False if that sample had
+    /// already ended.
+    #[pyo3(signature = (request_id, index = None))]
+    fn finish_sample(&mut self, request_id: &Bound<'_, PyAny>, index: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+        let id: String = request_id.extract().map_err(|_| invalid_type("request_id must be a str"))?;
+        let index = index.map(|o| count_arg(o, "index")).transpose()?.unwrap_or(0);
+        let index = u32::try_from(index).map_err(|_| CoreError::InvalidArgument(format!("index {index} is out of range")))?;
+        Ok(self.inner.finish_sample(&id, index)?)
+    }
+
     /// True while any request is waiting or running.
     fn has_unfinished_requests(&self) -> bool {
         self.inner.has_unfinished_requests()

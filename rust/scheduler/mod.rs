@@ -201,6 +201,24 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Ends one sample (branch) of a request with reason "stop", e.g. when a stop string
+    /// matched in the detokenized text: its blocks are freed at once, and the request ends
+    /// (reported in the next step's finished ids) when its last sample does. Returns false if
+    /// that sample had already ended.
+    pub fn finish_sample(&mut self, id: &str, index: u32) -> Result<bool> {
+        let key = *self.by_id.get(id).ok_or_else(|| CoreError::UnknownRequest(id.to_string()))?;
+        let Some(req) = self.requests.get_mut(key) else { return Ok(false) };
+        // Before the n-way fork only sample 0 exists; ending it ends the request.
+        req.forked = true;
+        let found = req.branches.iter().copied().find(|&b| self.branches.get(b).is_some_and(|x| x.index == index));
+        let Some(b) = found else { return Ok(false) };
+        self.running.retain(|&k| k != b);
+        self.waiting.retain(|&k| k != b);
+        self.counters.finished_stop += 1;
+        self.finish_branch(b, FinishReason::Stop);
+        Ok(true)
+    }
+
     /// Frees a branch's sequence and removes it (not from the queues).
     fn drop_branch(&mut self, b: BranchKey) {
         if let Some(branch) = self.branches.remove(b) {
