@@ -21,8 +21,9 @@ PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
 
 def _compile(arch: int) -> list[dict]:
     triton = pytest.importorskip("triton")
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton build ships no ptxas")
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not ((tools / "ptxas").exists() and (tools / "cuobjdump").exists()):
+        pytest.skip("this Triton build ships no NVIDIA toolchain (ptxas, cuobjdump)")
     env = os.environ.copy()
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PYTHON_DIR), env.get("PYTHONPATH", "")) if p)
     env["TRITON_INTERPRET"] = "0"
