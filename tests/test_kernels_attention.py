@@ -103,6 +103,13 @@ def test_long_extend_crosses_many_tiles():
     _assert_matches(_run_triton(batch), _oracle(batch), torch.float32)
 
 
+def test_cache_blocks_larger_than_the_key_tile():
+    """block_size 128 > BLOCK_N: a key tile covers part of one cache block."""
+    batch = _batch([1, 1, 20], [129, 60, 20 + 130], group=2, num_kv_heads=1, head_dim=64, block_size=128,
+                   dtype=torch.float32, seed=13)
+    _assert_matches(_run_triton(batch, num_splits=2), _oracle(batch), torch.float32)
+
+
 def test_prefix_ending_next_to_a_key_tile_edge():
     """Prefixes 62, 63, 64: the first query row's last visible key sits just before, on and after
     the edge of a 32/64-key tile, where the unmasked loop must stop exactly."""
