@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import os
 
-import pytest
+# OpenMP threads that spin while waiting slow torch down 10-60x when another process holds a
+# core (a busy CI or developer machine); passive waiting costs nothing otherwise. Must be set
+# before torch is first imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
 
 
 def _cuda_available() -> bool:

@@ -2,12 +2,17 @@
 
 The Rust core (``pagedkv._core``) owns the block pool, the prefix cache, copy-on-write and the
 continuous-batching scheduler; the Python side owns tensors and model execution.
+
+The engine classes (``LLM``, ``LLMEngine``, ``AsyncLLM``, ``SamplingParams``, ...) need torch
+and transformers; they are imported on first use, so ``import pagedkv`` for the core alone stays
+light and works without them.
 """
 
 from __future__ import annotations
 
-from pagedkv.errors import *  # noqa: F401,F403  (the exception tree is part of the public API)
-from pagedkv.errors import __all__ as _errors_all
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from pagedkv._core import (
     BlockAllocator,
     KVCacheManager,
@@ -17,13 +22,55 @@ from pagedkv._core import (
     SchedulerOutput,
     SchedulerStats,
 )
+from pagedkv.errors import *  # noqa: F401,F403  (the exception tree is part of the public API)
+from pagedkv.errors import __all__ as _errors_all
+
+if TYPE_CHECKING:
+    from pagedkv.async_llm import AsyncLLM
+    from pagedkv.engine_args import EngineArgs
+    from pagedkv.llm import LLM
+    from pagedkv.llm_engine import LLMEngine
+    from pagedkv.outputs import CompletionOutput, RequestOutput
+    from pagedkv.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
+# Public name -> module that defines it, imported on first access (PEP 562).
+_LAZY = {
+    "LLM": "pagedkv.llm",
+    "LLMEngine": "pagedkv.llm_engine",
+    "AsyncLLM": "pagedkv.async_llm",
+    "EngineArgs": "pagedkv.engine_args",
+    "SamplingParams": "pagedkv.sampling_params",
+    "RequestOutput": "pagedkv.outputs",
+    "CompletionOutput": "pagedkv.outputs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
+    "AsyncLLM",
     "BlockAllocator",
+    "CompletionOutput",
+    "EngineArgs",
     "KVCacheManager",
+    "LLM",
+    "LLMEngine",
+    "RequestOutput",
     "RequestUpdate",
+    "SamplingParams",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
