@@ -32,11 +32,25 @@ from typing import Any
 import numpy as np
 
 from pagedkv._core import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
-from pagedkv.baselines import BREAKDOWN_CATEGORIES, MemoryBreakdown, first_step_at_or_after
+from pagedkv.baselines import (
+    BREAKDOWN_CATEGORIES,
+    MemoryBreakdown,
+    ReservationConfig,
+    ReservationReplayResult,
+    first_step_at_or_after,
+    replay_reservation,
+)
 from pagedkv.errors import ConfigError, PromptTooLongError
 from pagedkv.workloads.request import TraceRequest
 
-__all__ = ["PagedConfig", "PagedReplayResult", "replay_paged"]
+__all__ = [
+    "AllocatorComparison",
+    "PagedConfig",
+    "PagedReplayResult",
+    "allocator_metrics",
+    "compare_allocators",
+    "replay_paged",
+]
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,8 @@ class PagedReplayResult:
     prefix_cache_hits: int
     resumed_prefix_hits: int
     tokens_computed: int  # all tokens run through the "model" (prompts, recomputes, decodes)
+    peak_blocks_in_use: int  # most blocks held by running sequences in one step (shared once)
+    block_steps: int  # sum over counted steps of blocks in use: the time integral of KV held
     wall_time_s: float
     steps: tuple[MemoryBreakdown, ...] | None = field(default=None, repr=False)
 
@@ -102,9 +118,14 @@ class PagedReplayResult:
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
+    @property
+    def mean_blocks_in_use(self) -> float:
+        return self.block_steps / self.total_steps if self.total_steps else 0.0
+
     def to_dict(self, *, include_steps: bool = False) -> dict[str, Any]:
         d = asdict(self)
         d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        d["mean_blocks_in_use"] = self.mean_blocks_in_use
         if not include_steps:
             d.pop("steps")
         return d
@@ -155,7 +176,7 @@ def replay_paged(
     sum_slots = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
     peak_slots = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
     sum_running = peak_running = 0
-    sum_held = sum_allocated = 0
+    sum_held = sum_allocated = peak_allocated = 0
     finished = generated = tokens_computed = 0
     history: list[MemoryBreakdown] = []
     while waiting or sched.has_unfinished_requests():
@@ -179,6 +200,7 @@ def replay_paged(
                 peak_slots[c] = max(peak_slots[c], v)
             sum_held += stats.tokens_held
             sum_allocated += stats.slots_allocated
+            peak_allocated = max(peak_allocated, stats.slots_allocated)
             sum_running += stats.num_running
             peak_running = max(peak_running, stats.num_running)
             tokens_computed += out.num_tokens
@@ -216,6 +238,96 @@ def replay_paged(
         prefix_cache_hits=final.prefix_cache_hits,
         resumed_prefix_hits=final.resumed_prefix_hits,
         tokens_computed=tokens_computed,
+        peak_blocks_in_use=peak_allocated // config.block_size,
+        block_steps=sum_allocated // config.block_size,
         wall_time_s=time.perf_counter() - started,
         steps=tuple(history) if record_steps else None,
     )
+
+
+BASELINE_POLICIES = ("max_length", "exact")
+
+
+@dataclass(frozen=True)
+class AllocatorComparison:
+    """One workload replayed through the paged scheduler and the reservation baselines.
+
+    All allocators get the same memory (``num_slots`` token slots) and the same batching
+    limits. ``skipped`` maps a baseline that cannot run at all (e.g. ``n`` max-length regions
+    larger than the arena) to the reason.
+    """
+
+    paged: PagedReplayResult
+    baselines: dict[str, ReservationReplayResult]
+    skipped: dict[str, str]
+
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        """:func:`allocator_metrics` of each allocator that ran: ``"paged"`` first, then baselines."""
+        rows = {"paged": allocator_metrics(self.paged)}
+        rows.update({policy: allocator_metrics(result) for policy, result in self.baselines.items()})
+        return rows
+
+
+def allocator_metrics(result: PagedReplayResult | ReservationReplayResult) -> dict[str, Any]:
+    """The capacity figures ``pagedkv simulate`` reports, alike for paged and reservation replays.
+
+    ``kv_utilization`` is token states / slots held (allocated blocks, or reserved regions) over
+    the whole replay; ``kv_usage`` the time-averaged fraction of the pool held; concurrency
+    counts sequences (a request with ``n`` samples counts ``n`` once forked). Paging-only
+    figures (preemptions, prefix cache) are None for the baselines, which never preempt and
+    have no cache.
+    """
+    f = result.mean_fraction
+    held = f["token_states"] + f["reserved_unused"] + f["internal_fragmentation"]
+    paged = isinstance(result, PagedReplayResult)
+    return {
+        "policy": result.policy,
+        "peak_concurrent": result.peak_running,
+        "mean_concurrent": result.mean_running,
+        "kv_utilization": result.kv_utilization if paged else (f["token_states"] / held if held else 1.0),
+        "kv_usage": held,
+        "preemptions": result.num_preemptions if paged else None,
+        "prefix_cache_hit_rate": result.prefix_cache_hit_rate if paged else None,
+        "prefill_tokens_saved": result.prefix_cache_hits if paged else None,
+        "steps": result.total_steps,
+        "makespan_s": result.makespan_s,
+        "num_finished": result.num_finished,
+        "generated_tokens": result.generated_tokens,
+        "breakdown": dict(f),
+    }
+
+
+def compare_allocators(
+    requests: Sequence[TraceRequest],
+    config: PagedConfig,
+    *,
+    baselines: Sequence[str] = BASELINE_POLICIES,
+    seed: int = 0,
+    record_steps: bool = False,
+) -> AllocatorComparison:
+    """Replay ``requests`` through the paged scheduler and each reservation baseline.
+
+    The baselines get ``config.num_slots`` slots (the paged pool's), ``max_model_len``,
+    ``max_num_seqs``, ``max_num_batched_tokens`` and ``step_duration_s`` of ``config``.
+    Errors of the workload itself (a prompt too long for ``max_model_len``) propagate from the
+    paged replay; a baseline that cannot hold some request is listed in ``skipped``.
+    """
+    for policy in baselines:
+        if policy not in BASELINE_POLICIES:
+            raise ConfigError(f"unknown baseline {policy!r}; use one of {', '.join(BASELINE_POLICIES)}")
+    paged = replay_paged(requests, config, seed=seed, record_steps=record_steps)
+    reservation = ReservationConfig(
+        num_slots=config.num_slots,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        step_duration_s=config.step_duration_s,
+    )
+    results: dict[str, ReservationReplayResult] = {}
+    skipped: dict[str, str] = {}
+    for policy in baselines:
+        try:
+            results[policy] = replay_reservation(requests, reservation, policy, record_steps=record_steps)
+        except (ConfigError, PromptTooLongError) as error:
+            skipped[policy] = str(error)
+    return AllocatorComparison(paged=paged, baselines=results, skipped=skipped)
