@@ -17,7 +17,7 @@ from pagedkv.engine_args import EngineArgs
 from pagedkv.errors import InvalidArgumentError, InvalidTypeError
 from pagedkv.llm_engine import LLMEngine
 from pagedkv.outputs import RequestOutput
-from pagedkv.prompts import PromptType, is_single_prompt
+from pagedkv.prompts import PromptType, chat_prompt, is_single_prompt
 from pagedkv.sampling_params import SamplingParams
 
 __all__ = ["LLM"]
@@ -124,16 +124,10 @@ class LLM:
             raise InvalidTypeError("messages must be a conversation or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         tokenizer = self.get_tokenizer()
-        prompts: list[PromptType] = []
-        for conv in conversations:
-            if not all(isinstance(m, dict) and "role" in m and "content" in m for m in conv):
-                raise InvalidArgumentError("every message must be a dict with 'role' and 'content'")
-            text = tokenizer.apply_chat_template(
-                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
-            # The rendered template already holds the special tokens: do not add BOS again.
-            ids = tokenizer(text, add_special_tokens=False).input_ids
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts: list[PromptType] = [
+            chat_prompt(tokenizer, conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt)
+            for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
 

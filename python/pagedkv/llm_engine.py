@@ -141,11 +141,12 @@ class LLMEngine:
             request_id, text, prompt_ids, params, self.tokenizer, self.runner.device, arrival_time
         )
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """End requests now; their blocks are freed at once. Unknown ids raise
-        UnknownRequestError (the others in the same call are still aborted)."""
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """End requests now; their blocks are freed at once. Returns their final outputs
+        (unfinished samples get ``finish_reason="abort"``). Unknown ids raise
+        UnknownRequestError (the known ones in the same call are still aborted)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        unknown = []
+        unknown, outputs = [], []
         for rid in ids:
             state = self.requests.pop(rid, None)
             if state is None:
@@ -156,8 +157,10 @@ class LLMEngine:
                 if sample.finish_reason is None:
                     sample.finish_reason = "abort"
             state.metrics.finished_time = time.time()
+            outputs.append(state.output())
         if unknown:
             raise UnknownRequestError(f"unknown request id(s) {unknown}: never added, finished, or aborted")
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

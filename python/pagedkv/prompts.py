@@ -9,7 +9,7 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgumentError, InvalidTokenError, InvalidTypeError
 
-__all__ = ["PromptType", "is_single_prompt", "to_token_ids"]
+__all__ = ["PromptType", "chat_prompt", "is_single_prompt", "to_token_ids"]
 
 # A text prompt, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]} (with an
 # optional "prompt" text kept for the output).
@@ -63,3 +63,24 @@ def _check_ids(ids: Any, vocab_size: int) -> list[int]:
             raise InvalidTokenError(f"prompt token id {int(t)} at index {i} is outside the vocabulary [0, {vocab_size})")
         out.append(int(t))
     return out
+
+
+def chat_prompt(
+    tokenizer: Any,
+    messages: Sequence[dict[str, Any]],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+) -> dict[str, Any]:
+    """One conversation rendered with the chat template, as ``{"prompt", "prompt_token_ids"}``.
+
+    The rendered text already holds the template's special tokens, so it is tokenized without
+    adding any (no second BOS)."""
+    if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        raise InvalidArgumentError("a conversation is a non-empty list of dicts with 'role' and 'content'")
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise InvalidArgumentError("the tokenizer has no chat template; pass chat_template=...")
+    text = tokenizer.apply_chat_template(
+        list(messages), chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+    )
+    return {"prompt": text, "prompt_token_ids": list(tokenizer(text, add_special_tokens=False).input_ids)}
