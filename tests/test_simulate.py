@@ -218,6 +218,7 @@ def test_cli_bad_trace_line_exits_2_naming_the_line(tmp_path: Path) -> None:
         (["--num-blocks", "40", "--kv-dtype", "int3"], "kv_dtype 'int3'"),
         (["--num-blocks", "40", "--n", "0"], "n must be >= 1"),
         (["--num-blocks", "40", "--rate", "-2"], "--rate must be > 0"),
+        (["--num-blocks", "40", "--watermark", "1.5"], "watermark must be in"),
     ],
 )
 def test_cli_config_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],

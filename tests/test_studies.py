@@ -21,7 +21,11 @@ from pagedkv.studies import (  # noqa: E402
     speed_study,
 )
 from pagedkv.studies.memory_map import record_memory_maps, render  # noqa: E402
-from pagedkv.studies.prefix_cache import default_pool_sizes, ideal_prefix_hits  # noqa: E402
+from pagedkv.studies.prefix_cache import (  # noqa: E402
+    declared_prefix_hits,
+    default_pool_sizes,
+    unbounded_pool_blocks,
+)
 from pagedkv.workloads import ArrivalProcess, TraceRequest, shared_prefix_requests  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -94,7 +98,7 @@ def test_parallel_sampling_study_matches_prediction(tmp_path: Path) -> None:
     assert savings[0] < savings[1]  # more samples share more
 
 
-def test_ideal_prefix_hits_by_hand() -> None:
+def test_declared_prefix_hits_by_hand() -> None:
     def req(rid: str, prompt_len: int, prefix: str | None, shared: int) -> TraceRequest:
         return TraceRequest(rid, 0.0, np.arange(prompt_len), 1, shared_prefix_id=prefix, shared_prefix_len=shared)
 
@@ -105,7 +109,7 @@ def test_ideal_prefix_hits_by_hand() -> None:
         req("d", 20, None, 0),
         req("e", 16, "s", 16),  # leaves a token: 15 -> 0 blocks
     ]
-    assert ideal_prefix_hits(requests, 16) == 32 + 32
+    assert declared_prefix_hits(requests, 16) == 32 + 32
     assert default_pool_sizes(256, 16, 100) == [16, 32, 64]
 
 
@@ -114,10 +118,15 @@ def test_prefix_cache_study(tmp_path: Path) -> None:
     result = prefix_cache_study({"shared": requests}, tmp_path, pool_sizes=[16, 64, 256], max_model_len=MAX_MODEL_LEN)
     data = _check_outputs(result, tmp_path, ["prefix_cache.png"])
     workload = data["workloads"]["shared"]
-    assert workload["ideal_hits"] == ideal_prefix_hits(requests, 16)
-    rates = [r["hit_rate"] for r in workload["rows"]]
-    assert rates[-1] == pytest.approx(workload["ideal_hit_rate"])  # a pool this large never evicts a prefix
-    assert all(r["prefill_tokens_saved"] <= workload["ideal_hits"] for r in workload["rows"])
+    assert [r["num_blocks"] for r in workload["rows"]] == [16, 64, 256]
+    assert workload["declared_hits"] == declared_prefix_hits(requests, 16)
+    # Synthetic tokens share nothing by chance: a pool that never evicts hits exactly the declared prefixes.
+    unbounded = workload["unbounded"]
+    assert unbounded["num_blocks"] == unbounded_pool_blocks(requests, 16, MAX_MODEL_LEN)
+    assert unbounded["prefill_tokens_saved"] == workload["declared_hits"]
+    assert unbounded["num_preemptions"] == 0
+    assert all(r["prefill_tokens_saved"] <= workload["declared_hits"] for r in workload["rows"])
+    assert workload["rows"][0]["hit_rate"] < unbounded["hit_rate"]  # 16 blocks cannot keep three prefixes
 
 
 def test_memory_map_recording_is_consistent(tmp_path: Path) -> None:

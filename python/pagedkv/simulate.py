@@ -279,16 +279,16 @@ def allocator_metrics(result: PagedReplayResult | ReservationReplayResult) -> di
     """
     f = result.mean_fraction
     held = f["token_states"] + f["reserved_unused"] + f["internal_fragmentation"]
-    paged = isinstance(result, PagedReplayResult)
+    paged = result if isinstance(result, PagedReplayResult) else None
     return {
         "policy": result.policy,
         "peak_concurrent": result.peak_running,
         "mean_concurrent": result.mean_running,
-        "kv_utilization": result.kv_utilization if paged else (f["token_states"] / held if held else 1.0),
+        "kv_utilization": paged.kv_utilization if paged else (f["token_states"] / held if held else 1.0),
         "kv_usage": held,
-        "preemptions": result.num_preemptions if paged else None,
-        "prefix_cache_hit_rate": result.prefix_cache_hit_rate if paged else None,
-        "prefill_tokens_saved": result.prefix_cache_hits if paged else None,
+        "preemptions": paged.num_preemptions if paged else None,
+        "prefix_cache_hit_rate": paged.prefix_cache_hit_rate if paged else None,
+        "prefill_tokens_saved": paged.prefix_cache_hits if paged else None,
         "steps": result.total_steps,
         "makespan_s": result.makespan_s,
         "num_finished": result.num_finished,

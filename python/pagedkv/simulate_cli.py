@@ -99,6 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--max-num-seqs", type=int, default=256, help="running sequences at most [default: 256]")
     sched.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step at most [default: 8192]")
     sched.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    sched.add_argument("--watermark", type=float, default=0.0,
+                       help="fraction of blocks admission keeps free for running decodes [default: 0]")
     sched.add_argument("--step-duration", type=float, default=0.02,
                        help="simulated seconds per step; maps arrival times onto steps [default: 0.02]")
     sched.add_argument("--no-baselines", action="store_true", help="replay only the paged scheduler")
@@ -200,6 +202,7 @@ def simulate(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 8192,
     enable_prefix_caching: bool = True,
+    watermark: float = 0.0,
     step_duration_s: float = 0.02,
     baselines: bool = True,
     seed: int = 0,
@@ -227,7 +230,7 @@ def simulate(
     config = PagedConfig(
         num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-        step_duration_s=step_duration_s,
+        watermark=watermark, step_duration_s=step_duration_s,
     )
     started = time.perf_counter()
     comparison = compare_allocators(requests, config, baselines=() if not baselines else ("max_length", "exact"), seed=seed)
@@ -265,6 +268,7 @@ def simulate(
             "max_num_seqs": max_num_seqs,
             "max_num_batched_tokens": max_num_batched_tokens,
             "enable_prefix_caching": enable_prefix_caching,
+            "watermark": watermark,
             "step_duration_s": step_duration_s,
         },
         "allocators": comparison.metrics(),
@@ -324,7 +328,8 @@ def format_report(report: dict[str, Any], *, breakdown: bool = False) -> str:
     c = report["config"]
     lines.append(
         f"max_model_len {c['max_model_len']}, max_num_seqs {c['max_num_seqs']}, max_num_batched_tokens "
-        f"{c['max_num_batched_tokens']}, prefix caching {'on' if c['enable_prefix_caching'] else 'off'}"
+        f"{c['max_num_batched_tokens']}, prefix caching {'on' if c['enable_prefix_caching'] else 'off'}, "
+        f"watermark {c['watermark']:g}"
     )
     allocators = report["allocators"]
     names = list(allocators)
@@ -380,6 +385,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
+            watermark=args.watermark,
             step_duration_s=args.step_duration,
             baselines=not args.no_baselines,
             seed=args.seed,

@@ -62,19 +62,21 @@ def block_size_study(
     workloads: Mapping[str, Sequence[TraceRequest]],
     out_dir: Path,
     *,
-    num_slots: int,
+    num_slots: int | Mapping[str, int],
     block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES,
     max_model_len: int = 2048,
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 8192,
 ) -> StudyResult:
-    """Replay each workload (label -> requests) at every block size with ``num_slots`` slots."""
+    """Replay each workload (label -> requests) at every block size with ``num_slots`` slots
+    (one number for all, or one per workload label)."""
+    slots = {label: num_slots if isinstance(num_slots, int) else num_slots[label] for label in workloads}
     data: dict[str, list[dict[str, Any]]] = {}
     for label, requests in workloads.items():
         rows = []
         for block_size in block_sizes:
             config = PagedConfig(
-                num_blocks=num_slots // block_size, block_size=block_size, max_model_len=max_model_len,
+                num_blocks=slots[label] // block_size, block_size=block_size, max_model_len=max_model_len,
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             )
             result = replay_paged(requests, config)
@@ -91,14 +93,15 @@ def block_size_study(
                 "wall_time_s": result.wall_time_s,
             })
         data[label] = rows
-    subtitle = f"{num_slots:,} token slots, max_model_len {max_model_len}, max_num_seqs {max_num_seqs}"
+    memory = ", ".join(f"{n:,}" for n in dict.fromkeys(slots.values()))
+    subtitle = f"{memory} token slots, max_model_len {max_model_len}, max_num_seqs {max_num_seqs}"
     png = _plot(data, out_dir / "block_size.png", subtitle)
 
-    sections = [f"Same memory ({num_slots:,} token slots) at every block size; {max_num_batched_tokens} tokens "
+    sections = [f"Same memory at every block size (token slots per workload below); {max_num_batched_tokens} tokens "
                 f"per step, at most {max_num_seqs} sequences. Block-table bytes per token = 4 / block size (int32 "
                 "entries).", ""]
     for label, rows in data.items():
-        sections += [f"**{label}** ({len(workloads[label]):,} requests)", "", md_table(
+        sections += [f"**{label}** ({len(workloads[label]):,} requests, {slots[label]:,} token slots)", "", md_table(
             ["block size", "blocks", "KV utilization", "prefix hit rate", "table bytes / token", "steps",
              "preemptions", "mean concurrent", "tokens computed"],
             [[r["block_size"], r["num_blocks"], pct(r["kv_utilization"]), pct(r["prefix_cache_hit_rate"]),
@@ -107,7 +110,7 @@ def block_size_study(
         ), ""]
     sections.append(image("block size study", "block_size.png"))
     result_data = {
-        "num_slots": num_slots,
+        "num_slots": slots,
         "max_model_len": max_model_len,
         "max_num_seqs": max_num_seqs,
         "max_num_batched_tokens": max_num_batched_tokens,

@@ -78,14 +78,30 @@ def _explanations(requests: Sequence[TraceRequest], rows: dict[str, dict[str, An
     final_lens = [min(r.prompt_len + r.output_len, config.max_model_len) for r in requests]
     mean_final = sum(final_lens) / len(final_lens)
     paged = rows["paged"]
-    tail = paged["fraction_of_pool"]["internal_fragmentation"] * config.num_slots / max(paged["mean_concurrent"], 1e-9)
+    per_sequence = config.num_slots / max(paged["mean_concurrent"], 1e-9)
+    tail = paged["fraction_of_pool"]["internal_fragmentation"] * per_sequence
+    held = paged["fraction_of_pool"]["token_states"] * per_sequence
     out = [
         f"- **Paging** wastes only the unfilled tail of each sequence's last block: {tail:.1f} slots per running "
-        f"sequence on average here (about block_size / 2 = {config.block_size / 2:g} for lengths spread evenly). "
+        f"sequence on average here (about block_size / 2 = {config.block_size / 2:g} for lengths spread evenly) "
+        f"next to {held:.0f} tokens it holds, hence {100 * tail / (tail + held):.1f}% waste. How close paging comes "
+        "to 100% depends only on block size against the lengths of the sequences held. "
         "Nothing is reserved ahead and any free block serves any request, so there is no reservation and no "
         "external fragmentation; the pool is filled until a decode finds no free block, then the latest "
         "request is preempted and recomputed later.",
     ]
+    # Every token computed once: prompts, then each sample's generated tokens but the last.
+    needed = sum(
+        r.prompt_len + r.n * (min(r.output_len, config.max_model_len - r.prompt_len) - 1) for r in requests
+    )
+    computed = paged["tokens_computed"]
+    out.append(
+        f"  It preempted {paged['preemptions']:,} times (recompute) and computed {computed:,} tokens against "
+        f"{needed:,} needed (+{100 * (computed / needed - 1):.0f}%). That wastes compute, not memory (a resumed "
+        "sequence re-fills its blocks in one step), and the step model charges a recompute step like any other, "
+        "so `steps` understates its cost; a watermark (`pagedkv simulate --watermark`: blocks admission keeps "
+        "free) trades it for concurrency."
+    )
     if "max_length" in rows:
         out.append(
             f"- **Reserve max_model_len**: every sequence takes {config.max_model_len} slots but ends at "
@@ -132,6 +148,7 @@ def breakdown_study(
             "steps": m["steps"],
             "preemptions": m["preemptions"],
         }
+    rows["paged"]["tokens_computed"] = comparison.paged.tokens_computed
     subtitle = (f"{workload_label}: {len(requests):,} requests, {config.num_slots:,} token slots "
                 f"(block size {block_size}), max_model_len {max_model_len}")
     png = _plot(rows, out_dir / "memory_breakdown.png", subtitle)

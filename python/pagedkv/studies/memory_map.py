@@ -205,8 +205,8 @@ def memory_map_study(
         "",
         image("paged KV memory map", "memory_map.png"),
         "",
-        f"Request `{highlight_id}` (red) grew to {len(table)} blocks; only {contiguous_pairs} of its "
-        f"{max(len(table) - 1, 0)} consecutive logical blocks are physical neighbours, and its blocks span ids "
+        f"Request `{highlight_id}` (red) grew to {len(table)} blocks; of its {max(len(table) - 1, 0)} pairs of "
+        f"consecutive logical blocks, {contiguous_pairs or 'none'} are physical neighbours, and its blocks span ids "
         f"{int(table.min())}..{int(table.max())} of {num_blocks}. Its block table (right) is all the kernel needs "
         "to find them. On average per step: "
         f"{data['mean_blocks_in_use']:.0f} blocks in use, {data['mean_shared_blocks']:.1f} shared, "
