@@ -15,6 +15,7 @@
 //! - [`block_table`]: logical → physical mapping and slot computation.
 //! - [`slab`]: generation-checked slab (sequence and request storage).
 //! - [`kv_cache_manager`]: sequences over the pool: prefix hits, slots, copy-on-write, fork.
+//! - [`cpu_attention`]: paged decode attention on the CPU, straight from the block cache.
 //! - [`scheduler`]: continuous batching: token budget, chunked prefill, prefix-cache
 //!   admission, preemption, stops, and the flat step output.
 //!
@@ -25,6 +26,7 @@
 pub mod block_hash;
 pub mod block_pool;
 pub mod block_table;
+pub mod cpu_attention;
 pub mod error;
 pub mod free_queue;
 pub mod ids;

@@ -39,9 +39,13 @@ def batch():
 # --- backend selection -------------------------------------------------------------------------
 
 
-def test_auto_picks_torch_on_cpu_and_triton_on_cuda(monkeypatch):
+def test_auto_picks_cpu_on_cpu_and_triton_on_cuda(monkeypatch):
     monkeypatch.delenv(kernels.BACKEND_ENV_VAR, raising=False)
-    assert kernels.resolve_backend(torch.device("cpu")) == "torch"
+    assert kernels.resolve_backend(torch.device("cpu")) == "cpu"
+    assert kernels.resolve_backend(torch.device("cpu"), dtype=torch.float32) == "cpu"
+    assert kernels.resolve_backend(torch.device("cpu"), dtype=torch.float64) == "torch"
+    with pytest.raises(InvalidArgumentError):
+        kernels.resolve_backend(torch.device("cuda"), "cpu")
     assert kernels.resolve_backend(torch.device("cuda")) == "triton"  # triton is installed here
     # auto falls back to the torch path for what the kernels do not support
     assert kernels.resolve_backend(torch.device("cuda"), dtype=torch.float64, head_dim=128) == "torch"

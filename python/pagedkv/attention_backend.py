@@ -205,10 +205,11 @@ def resolve_kernels(backend: str | None, device: torch.device) -> KernelFns:
     """``store_kv`` / ``paged_attention`` of :mod:`pagedkv.kernels` for ``backend``.
 
     ``None`` leaves the choice to the kernels' dispatcher (``PAGEDKV_ATTENTION_BACKEND``, else
-    Triton on CUDA and torch on the CPU); ``"torch"`` / ``"triton"`` force one.
+    Triton on CUDA and the cpu backend on the CPU); ``"torch"`` / ``"triton"`` / ``"cpu"``
+    force one.
     """
-    if backend not in (None, "auto", "torch", "triton"):
-        raise ConfigError(f"attention_backend must be None, 'auto', 'torch' or 'triton', got {backend!r}")
+    if backend not in (None, "auto", "torch", "triton", "cpu"):
+        raise ConfigError(f"attention_backend must be None, 'auto', 'torch', 'triton' or 'cpu', got {backend!r}")
     import pagedkv.kernels as kernels
 
     if backend is None:

@@ -26,7 +26,8 @@ class EngineArgs:
     - ``max_num_seqs``, ``max_num_batched_tokens``: per-step caps of the scheduler.
     - ``enable_prefix_caching``: reuse the KV of shared prompt prefixes.
     - ``scheduling_policy``: ``"fcfs"`` or ``"priority"``.
-    - ``attention_backend``: ``"triton"``, ``"torch"`` or ``None`` (Triton on CUDA, torch on CPU).
+    - ``attention_backend``: ``"triton"``, ``"cpu"``, ``"torch"`` or ``None`` (Triton on CUDA,
+      the Rust decode kernel + torch on the CPU).
     - ``seed``: seed of the global generator used by unseeded random sampling.
     """
 

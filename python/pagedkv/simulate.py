@@ -63,7 +63,7 @@ class PagedConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     enable_prefix_caching: bool = True
-    watermark: float = 0.0
+    watermark: float = 0.01
     step_duration_s: float = 0.02  # simulated time per step; maps arrival times onto steps
 
     def __post_init__(self) -> None:

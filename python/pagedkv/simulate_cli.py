@@ -99,8 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--max-num-seqs", type=int, default=256, help="running sequences at most [default: 256]")
     sched.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step at most [default: 8192]")
     sched.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    sched.add_argument("--watermark", type=float, default=0.0,
-                       help="fraction of blocks admission keeps free for running decodes [default: 0]")
+    sched.add_argument("--watermark", type=float, default=0.01,
+                       help="fraction of blocks admission keeps free for running decodes [default: 0.01, the scheduler's]")
     sched.add_argument("--step-duration", type=float, default=0.02,
                        help="simulated seconds per step; maps arrival times onto steps [default: 0.02]")
     sched.add_argument("--no-baselines", action="store_true", help="replay only the paged scheduler")
@@ -202,7 +202,7 @@ def simulate(
     max_num_seqs: int = 256,
     max_num_batched_tokens: int = 8192,
     enable_prefix_caching: bool = True,
-    watermark: float = 0.0,
+    watermark: float = 0.01,
     step_duration_s: float = 0.02,
     baselines: bool = True,
     seed: int = 0,

@@ -4,6 +4,7 @@
 //! are validated in `args`; errors map to the `pagedkv.errors` tree in `errors`.
 
 mod allocator;
+mod attention;
 mod args;
 mod errors;
 mod manager;
@@ -21,6 +22,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PySchedulerOutput>()?;
     m.add_class::<scheduler::PyRequestUpdate>()?;
     m.add_class::<scheduler::PySchedulerStats>()?;
+    m.add_function(wrap_pyfunction!(attention::paged_decode_attention_cpu, m)?)?;
     m.add("MAX_NUM_BLOCKS", crate::block_pool::MAX_NUM_BLOCKS)?;
     m.add("MAX_BLOCK_SIZE", crate::block_pool::MAX_BLOCK_SIZE)?;
     Ok(())

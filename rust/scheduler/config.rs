@@ -59,7 +59,7 @@ pub struct SchedulerConfig {
 
 impl SchedulerConfig {
     /// A config with the given pool and defaults elsewhere (256 sequences, 2048-token budget,
-    /// max_model_len = the whole pool capped at 8192, prefix caching on, FCFS, no watermark).
+    /// max_model_len = the whole pool capped at 8192, prefix caching on, FCFS, 1% watermark).
     pub fn new(block_size: usize, num_blocks: usize) -> Self {
         SchedulerConfig {
             block_size,
@@ -69,7 +69,7 @@ impl SchedulerConfig {
             max_model_len: (block_size * num_blocks).clamp(1, 8192),
             enable_prefix_caching: true,
             policy: Policy::Fcfs,
-            watermark: 0.0,
+            watermark: 0.01,
             hash_mode: HashMode::Xxh3,
         }
     }

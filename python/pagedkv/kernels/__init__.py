@@ -12,11 +12,14 @@ Backends:
 * ``triton``: the Triton kernels (:mod:`.triton_store`, :mod:`.triton_attention`). Runs on
   CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` was set before the kernels were
   imported (how the CPU tests run them).
-* ``torch``: :mod:`.reference`, plain torch (the float64 oracle and the CPU production path).
+* ``cpu``: :mod:`.cpu`, decode rows in Rust straight from the paged cache (float32), prefill
+  and extend rows through the torch path: the CPU production path.
+* ``torch``: :mod:`.reference`, plain torch (the float64 oracle; any device and dtype).
 
 The backend is the ``backend=`` argument if given, else the environment variable
 ``PAGEDKV_ATTENTION_BACKEND`` (read at every call), else ``auto``: ``triton`` for CUDA tensors
-when Triton is installed and supports the dtype and head_dim, ``torch`` otherwise. Triton is imported lazily, only when the
+when Triton is installed and supports the dtype and head_dim, ``cpu`` for float32 CPU tensors,
+``torch`` otherwise. Triton is imported lazily, only when the
 ``triton`` backend is used, so the torch path works where Triton is not installed.
 
 Every call validates its arguments (:mod:`.validation`) and raises
@@ -49,7 +52,7 @@ from pagedkv.kernels.validation import (
 __all__ = ["BACKEND_ENV_VAR", "BACKENDS", "resolve_backend", "store_kv", "paged_attention"]
 
 BACKEND_ENV_VAR = "PAGEDKV_ATTENTION_BACKEND"
-BACKENDS = ("auto", "triton", "torch")
+BACKENDS = ("auto", "triton", "cpu", "torch")
 
 
 def _triton_installed() -> bool:
@@ -71,10 +74,10 @@ def resolve_backend(
     dtype: torch.dtype | None = None,
     head_dim: int | None = None,
 ) -> str:
-    """The backend (``"triton"`` or ``"torch"``) a call on tensors of ``device`` uses.
+    """The backend (``"triton"``, ``"cpu"`` or ``"torch"``) a call on tensors of ``device`` uses.
 
     ``auto`` takes Triton for CUDA tensors whose dtype and head_dim (when given) the kernels
-    support, and the torch path for everything else (CPU tensors, float64, other head dims).
+    support, the cpu backend for float32 CPU tensors, and the torch path for everything else.
     """
     if backend is not None:
         if backend not in BACKENDS:
@@ -85,8 +88,12 @@ def resolve_backend(
         if choice not in BACKENDS:
             raise ConfigError(f"{BACKEND_ENV_VAR} must be one of {BACKENDS}, got {choice!r}")
     if choice == "auto":
+        if device.type == "cpu":
+            return "cpu" if dtype in (None, torch.float32) else "torch"
         supported = (dtype is None or dtype in TRITON_DTYPES) and (head_dim is None or head_dim in TRITON_HEAD_DIMS)
         return "triton" if device.type == "cuda" and supported and _triton_installed() else "torch"
+    if choice == "cpu" and device.type != "cpu":
+        raise InvalidArgumentError(f"the cpu backend got tensors on {device}; use triton or torch there")
     if choice == "triton" and device.type != "cuda":
         if not _triton_module("triton_attention").is_interpreted():
             raise InvalidArgumentError(
@@ -142,6 +149,12 @@ def paged_attention(
     if chosen == "torch":
         return reference.paged_attention(
             query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, out=out
+        )
+    if chosen == "cpu":
+        from pagedkv.kernels import cpu
+
+        return cpu.paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=float(scale), out=out
         )
     if out is None:
         out = torch.zeros_like(query)

@@ -47,7 +47,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-__all__ = ["store_kv", "paged_attention"]
+__all__ = ["attend_decode_rows", "attend_extend_rows", "paged_attention", "store_kv"]
 
 # Upper bound on the elements of one gathered K (and one V) chunk of decode sequences:
 # 2^23 float32 elements = 32 MiB. Keeps the CPU path's peak memory bounded for big batches
@@ -65,13 +65,20 @@ def store_kv(
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not store this token
 ) -> None:
     """Write token ``t``'s K and V into slot ``slot_mapping[t]`` of the caches (in place)."""
-    block_size = key_cache.shape[1]
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    slots = slot_mapping.long()
+    if not bool(keep.all()):
+        slots, key, value = slots[keep], key[keep], value[keep]
+    if key_cache.is_contiguous() and value_cache.is_contiguous():
+        # Slot s is row s of the cache seen as [num_blocks * block_size, Hkv, D].
+        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key.to(key_cache.dtype))
+        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value.to(value_cache.dtype))
+        return
+    block_size = key_cache.shape[1]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
-    key_cache[blocks, offsets] = key[keep].to(key_cache.dtype)
-    value_cache[blocks, offsets] = value[keep].to(value_cache.dtype)
+    key_cache[blocks, offsets] = key.to(key_cache.dtype)
+    value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
 
 def paged_attention(
@@ -86,23 +93,58 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, H, D], query's dtype
 ) -> torch.Tensor:  # [T, H, D]
     """Varlen causal attention of packed queries over a paged KV cache (see module docstring)."""
-    num_tokens, num_heads, head_dim = query.shape
     if scale is None:
-        scale = head_dim**-0.5
+        scale = query.shape[2] ** -0.5
     if out is None:
         out = torch.zeros_like(query)
-    compute_dtype = _compute_dtype(query)
+    attend_decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, out=out)
+    attend_extend_rows(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, out=out)
+    return out
 
+
+def attend_decode_rows(
+    query: torch.Tensor,  # [T, H, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    *,
+    scale: float,
+    out: torch.Tensor,  # [T, H, D], written in place for the decode sequences only
+) -> None:
+    """The part of :func:`paged_attention` for sequences with one query row (decodes)."""
+    compute_dtype = _compute_dtype(query)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
-    if decodes:
-        for chunk in _decode_chunks(decodes, lens, key_cache.shape[1], key_cache.shape[2] * head_dim):
-            rows = torch.tensor([cu[b] for b in chunk], device=query.device)
-            out[rows] = _attend_decodes(
-                query[rows], key_cache, value_cache, block_tables[chunk], seq_lens[chunk],
-                scale, compute_dtype,
-            ).to(out.dtype)
+    if not decodes:
+        return
+    head_dim = query.shape[2]
+    for chunk in _decode_chunks(decodes, lens, key_cache.shape[1], key_cache.shape[2] * head_dim):
+        rows = torch.tensor([cu[b] for b in chunk], device=query.device)
+        out[rows] = _attend_decodes(
+            query[rows], key_cache, value_cache, block_tables[chunk], seq_lens[chunk],
+            scale, compute_dtype,
+        ).to(out.dtype)
+
+
+def attend_extend_rows(
+    query: torch.Tensor,  # [T, H, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    *,
+    scale: float,
+    out: torch.Tensor,  # [T, H, D], written in place for the extend sequences only
+) -> None:
+    """The part of :func:`paged_attention` for sequences with several query rows (prefill
+    chunks, extends), one sequence at a time."""
+    compute_dtype = _compute_dtype(query)
+    cu = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
     for b in range(len(lens)):
         q_len = cu[b + 1] - cu[b]
         if q_len > 1:
@@ -110,7 +152,6 @@ def paged_attention(
                 query[cu[b] : cu[b + 1]], key_cache, value_cache, block_tables[b], lens[b],
                 scale, compute_dtype,
             ).to(out.dtype)
-    return out
 
 
 def _compute_dtype(query: torch.Tensor) -> torch.dtype:

@@ -1,0 +1,65 @@
+"""The CPU attention backend: decodes in Rust, straight from the paged cache; prefill/extend
+chunks through the torch path.
+
+Decode attention on a CPU is bound by memory bandwidth. The torch path gathers each decode
+sequence's K/V into a padded copy before SDPA, so the KV bytes cross memory three times; the
+Rust kernel (``pagedkv._core.paged_decode_attention_cpu``, rust/cpu_attention.rs) reads each
+K and V row once through the block table, on ``torch.get_num_threads()`` threads with the GIL
+released: ~2.4x faster per layer for 64 sequences x 496 tokens (SmolLM2's 9/3 heads, D=64).
+Sequences with several query rows are few per step and are large matrix products, which
+SDPA already does well: they stay on :func:`reference.attend_extend_rows`.
+
+The Rust kernel takes float32 C-contiguous arrays (numpy views of the tensors: no copy of the
+caches); anything else (other dtypes, strided caches) goes entirely through the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedkv._core import paged_decode_attention_cpu
+from pagedkv.kernels import reference
+
+__all__ = ["paged_attention", "supports"]
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether the Rust decode kernel can read these tensors as they are."""
+    return (
+        query.device.type == "cpu"
+        and query.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+    )
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, H, D] float32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    *,
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, H, D]
+) -> torch.Tensor:  # [T, H, D]
+    """Same contract as :func:`reference.paged_attention` (validated by the dispatcher)."""
+    if not supports(query, key_cache, value_cache):
+        return reference.paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, out=out
+        )
+    result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else torch.zeros_like(query)
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    cu = cu_seqlens_q.to(torch.int32).contiguous()
+    decoded = paged_decode_attention_cpu(
+        query.contiguous().numpy(), key_cache.numpy(), value_cache.numpy(), tables.numpy(), lens.numpy(),
+        cu.numpy(), result.numpy(), float(scale), torch.get_num_threads(),
+    )
+    if decoded < lens.shape[0]:
+        reference.attend_extend_rows(query, key_cache, value_cache, tables, lens, cu, scale=scale, out=result)
+    if out is not None and result is not out:
+        out.copy_(result)
+        return out
+    return result
