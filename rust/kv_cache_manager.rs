@@ -15,8 +15,9 @@
 //!   keeps this true when a sequence writes into a partial block it shares (after `fork`): it
 //!   gets a private copy, and a copy op `(src, dst)` is recorded for the runner to execute
 //!   before the forward pass;
-//! - only full blocks are registered in the prefix cache (when the step that fills them is
-//!   scheduled), and no block is written again once full.
+//! - only full blocks are registered in the prefix cache (prompt blocks when the step that
+//!   fills them is scheduled; blocks filled by decoding when the sequence is freed), and no
+//!   block is written again once full.
 
 use crate::block_hash::{BlockHash, BlockHasher, ExtraKey, HashMode};
 use crate::block_pool::BlockPool;
@@ -36,6 +37,12 @@ pub struct Sequence {
     hashes: Vec<BlockHash>,
     /// Blocks `0 .. num_registered` were offered to the prefix cache (or came from it).
     num_registered: usize,
+    /// Tokens known when the sequence was created (its prompt). Blocks within them are
+    /// registered in the prefix cache as soon as their step is scheduled, so that concurrent
+    /// requests sharing the prompt hit them; blocks filled later by decoding are registered
+    /// when the sequence is freed (the first moment another request could usually use them),
+    /// which keeps hashing off the per-step decode path.
+    prompt_len: usize,
     extra: ExtraKey,
 }
 
@@ -206,6 +213,7 @@ impl KvCacheManager {
         self.prefix.queries += tokens.len() as u64;
         self.prefix.hits += hit_tokens as u64;
         let num_registered = m.blocks.len();
+        let prompt_len = tokens.len();
         let seq = Sequence {
             tokens,
             table: BlockTable::from_blocks(m.blocks),
@@ -213,6 +221,7 @@ impl KvCacheManager {
             write_start: hit_tokens,
             hashes: m.hashes,
             num_registered,
+            prompt_len,
             extra,
         };
         (self.insert(seq), hit_tokens)
@@ -234,20 +243,8 @@ impl KvCacheManager {
         if n == 0 {
             return 0;
         }
-        let bs = self.block_size();
-        let fresh = blocks_for(seq.num_computed + n, bs) - seq.table.len();
-        fresh + usize::from(self.needs_cow(seq).is_some())
-    }
-
-    /// The logical index of the shared partial block the next write would go into, if any.
-    #[inline]
-    fn needs_cow(&self, seq: &Sequence) -> Option<usize> {
-        let bs = self.block_size();
-        if seq.num_computed % bs == 0 {
-            return None; // the next write starts a fresh block
-        }
-        let i = seq.num_computed / bs;
-        (self.pool.ref_count_unchecked(seq.table.blocks()[i]) > 1).then_some(i)
+        let fresh = blocks_for(seq.num_computed + n, self.block_size()) - seq.table.len();
+        fresh + usize::from(cow_index(&self.pool, seq).is_some())
     }
 
     /// Gives slots to the next `n` pending tokens of `id` (positions `num_computed ..
@@ -255,7 +252,8 @@ impl KvCacheManager {
     /// become full in the prefix cache. All-or-nothing: `Ok(false)` and no change when the pool
     /// has too few free blocks.
     pub fn allocate_slots(&mut self, id: SeqId, n: usize) -> Result<bool> {
-        let seq = self.seq(id)?;
+        let KvCacheManager { pool, hasher, seqs, copy_ops, .. } = self;
+        let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         if n > seq.num_pending() {
             return Err(CoreError::InvalidArgument(format!(
                 "cannot allocate slots for {n} tokens: sequence {id} has only {} tokens without a slot \
@@ -263,16 +261,27 @@ impl KvCacheManager {
                 seq.num_pending()
             )));
         }
+        Ok(Self::allocate_slots_in(pool, hasher, copy_ops, seq, n))
+    }
+
+    /// [`Self::allocate_slots`] on a sequence already looked up (`n <= seq.num_pending()`).
+    fn allocate_slots_in(
+        pool: &mut BlockPool,
+        hasher: &mut BlockHasher,
+        copy_ops: &mut Vec<(BlockId, BlockId)>,
+        seq: &mut Sequence,
+        n: usize,
+    ) -> bool {
         if n == 0 {
-            return Ok(true);
+            return true;
         }
-        if self.blocks_needed_for(seq, n) > self.pool.num_free() {
-            return Ok(false);
+        let bs = pool.block_size();
+        let target = seq.num_computed + n;
+        let fresh = blocks_for(target, bs) - seq.table.len();
+        let cow = cow_index(pool, seq);
+        if fresh + usize::from(cow.is_some()) > pool.num_free() {
+            return false;
         }
-        let cow = self.needs_cow(seq);
-        let bs = self.block_size();
-        let KvCacheManager { pool, hasher, seqs, copy_ops, .. } = self;
-        let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         if let Some(i) = cow {
             // Checked above: enough free blocks for the copy and the fresh blocks.
             if let Some(private) = pool.allocate_one() {
@@ -281,22 +290,22 @@ impl KvCacheManager {
                 copy_ops.push((shared, private));
             }
         }
-        let target = seq.num_computed + n;
-        let fresh = blocks_for(target, bs) - seq.table.len();
         pool.allocate_into(fresh, seq.table.blocks_mut());
         seq.write_start = seq.num_computed;
         seq.num_computed = target;
-        Self::register_full_blocks(pool, hasher, seq);
-        Ok(true)
+        let upto = seq.num_computed.min(seq.prompt_len);
+        Self::register_full_blocks(pool, hasher, seq, upto);
+        true
     }
 
-    /// Offers the sequence's newly full blocks to the prefix cache.
-    fn register_full_blocks(pool: &mut BlockPool, hasher: &mut BlockHasher, seq: &mut Sequence) {
+    /// Offers the sequence's full blocks within its first `upto` computed tokens, not offered
+    /// yet, to the prefix cache.
+    fn register_full_blocks(pool: &mut BlockPool, hasher: &mut BlockHasher, seq: &mut Sequence, upto: usize) {
         if !pool.prefix_caching() {
             return;
         }
         let bs = pool.block_size();
-        let full = seq.num_computed / bs;
+        let full = upto.min(seq.num_computed) / bs;
         if full <= seq.num_registered {
             return;
         }
@@ -318,10 +327,14 @@ impl KvCacheManager {
     /// Decode step for one sequence: appends `token` and gives it a slot. All-or-nothing:
     /// `Ok(false)` and no change when no block is free.
     pub fn append_token_with_slot(&mut self, id: SeqId, token: u32) -> Result<bool> {
-        self.seq_mut(id)?.tokens.push(token);
-        let ok = self.allocate_slots(id, 1)?;
+        let KvCacheManager { pool, hasher, seqs, copy_ops, .. } = self;
+        let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
+        seq.tokens.push(token);
+        // One slot for the new token, plus any earlier pending ones (all of them, in order).
+        let n = seq.num_pending();
+        let ok = Self::allocate_slots_in(pool, hasher, copy_ops, seq, n);
         if !ok {
-            self.seq_mut(id)?.tokens.pop();
+            seq.tokens.pop();
         }
         Ok(ok)
     }
@@ -370,6 +383,9 @@ impl KvCacheManager {
     /// request keeps them to be recomputed later).
     pub fn free_take_tokens(&mut self, id: SeqId) -> Result<Vec<u32>> {
         let mut seq = self.seqs.remove(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
+        // Blocks filled by decoding become findable now (see `Sequence::prompt_len`).
+        let upto = seq.num_computed;
+        Self::register_full_blocks(&mut self.pool, &mut self.hasher, &mut seq, upto);
         for b in seq.table.take().into_iter().rev() {
             self.pool.release_ref_unchecked(b);
         }
@@ -467,6 +483,18 @@ impl KvCacheManager {
         }
         Ok(())
     }
+}
+
+/// The logical index of the shared partial block the sequence's next write would go into
+/// (copy-on-write needed), if any.
+#[inline]
+fn cow_index(pool: &BlockPool, seq: &Sequence) -> Option<usize> {
+    let bs = pool.block_size();
+    if seq.num_computed % bs == 0 {
+        return None; // the next write starts a fresh block
+    }
+    let i = seq.num_computed / bs;
+    (pool.ref_count_unchecked(seq.table.blocks()[i]) > 1).then_some(i)
 }
 
 #[cfg(test)]

@@ -99,8 +99,9 @@ def _explanations(requests: Sequence[TraceRequest], rows: dict[str, dict[str, An
         f"  It preempted {paged['preemptions']:,} times (recompute) and computed {computed:,} tokens against "
         f"{needed:,} needed (+{100 * (computed / needed - 1):.0f}%). That wastes compute, not memory (a resumed "
         "sequence re-fills its blocks in one step), and the step model charges a recompute step like any other, "
-        "so `steps` understates its cost; a watermark (`pagedkv simulate --watermark`: blocks admission keeps "
-        "free) trades it for concurrency."
+        f"so `steps` understates its cost. The watermark (here {config.watermark:.0%} of the pool, the scheduler's "
+        "default; `pagedkv simulate --watermark`: blocks admission keeps free for running decodes) trades "
+        "preemptions for concurrency."
     )
     if "max_length" in rows:
         out.append(
