@@ -69,7 +69,7 @@ bench-python: build
 
 lint: build
 	cargo clippy --all-targets --features python -- -D warnings
-	$(PY) -m mypy.stubtest pagedkv._core --allowlist tests/stubtest_allowlist.txt
+	cd /tmp && $(abspath $(PY)) -m mypy.stubtest pagedkv._core
 
 clean:
 	rm -rf target $(VENV) python/pagedkv/*.so

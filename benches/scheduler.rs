@@ -78,7 +78,7 @@ fn mixed_step(c: &mut Criterion) {
             next += 1;
         }
     };
-    let mut step = |s: &mut Scheduler| {
+    let step = |s: &mut Scheduler| {
         let out = s.schedule().unwrap();
         let sampled = vec![0u32; out.num_sampled()];
         black_box(s.update(out.step_id, &sampled).unwrap());

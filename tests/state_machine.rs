@@ -9,6 +9,8 @@
 //! live sequence reads back exactly its own tokens through its block table — the property
 //! attention depends on. At the end every sequence is freed and the pool must be whole.
 
+#![allow(clippy::needless_range_loop)] // positions index both the tokens and the block table
+
 use pagedkv::block_hash::{ExtraKey, HashMode};
 use pagedkv::block_pool::BlockPool;
 use pagedkv::ids::{BlockId, SeqId};

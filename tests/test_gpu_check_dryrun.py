@@ -40,3 +40,7 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path):
     assert all(row["paged_TFLOP/s"] > 0 for row in prefill)
     # Tiny shapes read far less than 0.5 GB: no performance target applies.
     assert report["targets"] == []
+
+    engine = report["engine"]
+    assert engine["requests"] == 4 and engine["speedup"] > 0
+    assert [row["output_tokens"] for row in engine["table"]] == [4 + 5 + 6 + 7] * 2  # both engines, all tokens

@@ -18,6 +18,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "paged_decode_attention_cpu",
 ]
 
 MAX_NUM_BLOCKS: int
@@ -284,3 +285,16 @@ class Scheduler:
     def stats(self) -> SchedulerStats: ...
     def check_invariants(self) -> None: ...
     def memory_map(self) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_], npt.NDArray[np.int64]]: ...
+
+def paged_decode_attention_cpu(
+    query: npt.NDArray[np.float32],  # [T, H, D]
+    key_cache: npt.NDArray[np.float32],  # [num_blocks, block_size, Hkv, D]
+    value_cache: npt.NDArray[np.float32],  # [num_blocks, block_size, Hkv, D]
+    block_tables: npt.NDArray[np.int32],  # [B, W]
+    seq_lens: npt.NDArray[np.int32],  # [B]
+    cu_seqlens_q: npt.NDArray[np.int32],  # [B + 1]
+    out: npt.NDArray[np.float32],  # [T, H, D], written for the decode rows
+    scale: float,
+    num_threads: int,
+) -> int:
+    """Decode attention straight from the paged caches (pagedkv.kernels.cpu uses it)."""

@@ -19,17 +19,41 @@ pub(crate) fn hash_mode_arg(hash_bits: &Bound<'_, PyAny>) -> PyResult<HashMode> 
     }
 }
 
-/// Pool size arguments, validated (counts, then the pool's own limits).
-pub(crate) fn pool_size_args(num_blocks: &Bound<'_, PyAny>, block_size: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
-    let n = int_arg(num_blocks, "num_blocks")?;
-    let bs = int_arg(block_size, "block_size")?;
-    if n <= 0 {
-        return Err(CoreError::Config(format!("num_blocks must be >= 1, got {n}")).into());
+/// The validated constructor arguments of a pool.
+pub(crate) struct PoolArgs {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub enable_prefix_caching: bool,
+    pub hash_mode: HashMode,
+}
+
+impl PoolArgs {
+    /// `(num_blocks, block_size, enable_prefix_caching=True, *, hash_bits=None)` as Python gives
+    /// them: counts first (the pool checks its own limits after).
+    pub(crate) fn parse(
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        enable_prefix_caching: Option<&Bound<'_, PyAny>>,
+        hash_bits: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let n = int_arg(num_blocks, "num_blocks")?;
+        let bs = int_arg(block_size, "block_size")?;
+        if n <= 0 {
+            return Err(CoreError::Config(format!("num_blocks must be >= 1, got {n}")).into());
+        }
+        if bs <= 0 {
+            return Err(CoreError::Config(format!("block_size must be >= 1, got {bs}")).into());
+        }
+        Ok(PoolArgs {
+            num_blocks: n as usize,
+            block_size: bs as usize,
+            enable_prefix_caching: enable_prefix_caching
+                .map(|o| bool_arg(o, "enable_prefix_caching"))
+                .transpose()?
+                .unwrap_or(true),
+            hash_mode: hash_bits.map(hash_mode_arg).transpose()?.unwrap_or_default(),
+        })
     }
-    if bs <= 0 {
-        return Err(CoreError::Config(format!("block_size must be >= 1, got {bs}")).into());
-    }
-    Ok((n as usize, bs as usize))
 }
 
 /// A fixed pool of KV blocks with ref counts, copy-on-write sharing and a prefix cache.
@@ -55,11 +79,8 @@ impl PyBlockAllocator {
         enable_prefix_caching: Option<&Bound<'_, PyAny>>,
         hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let (n, bs) = pool_size_args(num_blocks, block_size)?;
-        let enable_prefix_caching =
-            enable_prefix_caching.map(|o| bool_arg(o, "enable_prefix_caching")).transpose()?.unwrap_or(true);
-        let mode = hash_bits.map(hash_mode_arg).transpose()?.unwrap_or_default();
-        Ok(PyBlockAllocator { pool: BlockPool::new(n, bs, enable_prefix_caching, mode)? })
+        let a = PoolArgs::parse(num_blocks, block_size, enable_prefix_caching, hash_bits)?;
+        Ok(PyBlockAllocator { pool: BlockPool::new(a.num_blocks, a.block_size, a.enable_prefix_caching, a.hash_mode)? })
     }
 
     /// Allocates `n` blocks (ref count 1 each), or returns None and changes nothing when fewer

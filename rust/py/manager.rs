@@ -4,8 +4,8 @@
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 
-use super::allocator::{hash_mode_arg, pool_size_args};
-use super::args::{bool_arg, count_arg, int_arg, int_list_arg, salt_arg, token_ids_arg};
+use super::allocator::PoolArgs;
+use super::args::{count_arg, int_arg, int_list_arg, salt_arg, token_ids_arg};
 use crate::block_hash::ExtraKey;
 use crate::error::CoreError;
 use crate::ids::SeqId;
@@ -47,11 +47,9 @@ impl PyKvCacheManager {
         enable_prefix_caching: Option<&Bound<'_, PyAny>>,
         hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let (n, bs) = pool_size_args(num_blocks, block_size)?;
-        let enable_prefix_caching =
-            enable_prefix_caching.map(|o| bool_arg(o, "enable_prefix_caching")).transpose()?.unwrap_or(true);
-        let mode = hash_bits.map(hash_mode_arg).transpose()?.unwrap_or_default();
-        Ok(PyKvCacheManager { inner: KvCacheManager::new(n, bs, enable_prefix_caching, mode)?, ok_scratch: Vec::new() })
+        let a = PoolArgs::parse(num_blocks, block_size, enable_prefix_caching, hash_bits)?;
+        let inner = KvCacheManager::new(a.num_blocks, a.block_size, a.enable_prefix_caching, a.hash_mode)?;
+        Ok(PyKvCacheManager { inner, ok_scratch: Vec::new() })
     }
 
     /// Creates a sequence over `token_ids`, reusing its longest verified cached prefix.
