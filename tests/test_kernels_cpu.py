@@ -69,3 +69,16 @@ def test_rust_kernel_rejects_bad_tables() -> None:
                                    np.array([3, 3], np.int32), np.array([0, 1, 1], np.int32), out, 1.0, 1)
     with pytest.raises(InvalidArgumentError):
         kernels.resolve_backend(torch.device("cuda"), "cpu")
+
+
+def test_torch_path_works_inside_and_then_outside_inference_mode() -> None:
+    """The torch path reuses scratch buffers; one first made under inference mode (the engine's
+    forward) must still be writable by a later call outside it."""
+    from pagedkv.kernels import reference
+
+    batch = make_paged_batch([1, 3], [20, 20], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, poison=False)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q)
+    with torch.inference_mode():
+        inside = reference.paged_attention(*args)
+    outside = reference.paged_attention(*args)
+    torch.testing.assert_close(inside, outside)

@@ -206,7 +206,10 @@ class _Scratch(threading.local):
         key = (name, device, dtype)
         buffer = self.buffers.get(key)
         if buffer is None or buffer.numel() < numel:
-            buffer = torch.empty(numel, dtype=dtype, device=device)
+            # A normal tensor even when first asked for under inference mode (the engine's
+            # forward): an inference tensor could not be written by a later call outside it.
+            with torch.inference_mode(False):
+                buffer = torch.empty(numel, dtype=dtype, device=device)
             self.buffers[key] = buffer
         return buffer[:numel].view(shape)
 
