@@ -30,6 +30,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.outputs: dict[tuple[str, int], list[int]] = {}
         self.finished: set[str] = set()
         self.aborted: set[str] = set()
+        self.stopped: set[str] = set()
         self.next_id = 0
 
     @rule(base=st.integers(0, len(BASES) - 1), extra=st.lists(st.integers(0, 50), max_size=8),
@@ -62,7 +63,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         except pagedkv.UnknownRequestError:
             # Only requests that ended (aborted, or finished: reported, or ended in the last
             # update and reported with the next step) may be unknown.
-            assert rid in self.aborted or rid in self.finished or any(
+            assert rid in self.aborted or rid in self.finished or rid in self.stopped or any(
                 (rid, k) in self.outputs for k in range(3)
             ), "a live request was reported unknown"
 
@@ -71,7 +72,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def finish_sample(self, i: int, index: int) -> None:
         rid = sorted(self.prompts)[i % len(self.prompts)]
         try:
-            self.s.finish_sample(rid, index)
+            if self.s.finish_sample(rid, index):
+                self.stopped.add(rid)  # its last sample may have ended: the request may be gone
         except pagedkv.UnknownRequestError:
             pass
 
