@@ -397,11 +397,6 @@ impl KvCacheManager {
         std::mem::take(&mut self.copy_ops)
     }
 
-    /// Number of copy ops waiting to be taken.
-    pub fn num_pending_copy_ops(&self) -> usize {
-        self.copy_ops.len()
-    }
-
     /// Drops the cached identity of every free cached block; returns how many.
     pub fn reset_prefix_cache(&mut self) -> usize {
         self.pool.reset_prefix_cache()
@@ -410,14 +405,6 @@ impl KvCacheManager {
     /// Ids of all live sequences (slab order).
     pub fn sequence_ids(&self) -> Vec<SeqId> {
         self.seqs.iter().map(|(k, _)| SeqId::from_key(k)).collect()
-    }
-
-    /// Total tokens holding slots over all live sequences, and the slots of the blocks in use
-    /// (the two sides of memory utilization; shared blocks count once on the slot side and
-    /// once per holder on the token side, so sharing can push utilization above 1).
-    pub fn tokens_and_slots(&self) -> (usize, usize) {
-        let tokens = self.seqs.iter().map(|(_, s)| s.num_computed).sum();
-        (tokens, self.pool.num_used() * self.block_size())
     }
 
     /// Checks the pool's and the tables' invariants (module docs).

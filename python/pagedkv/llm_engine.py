@@ -214,7 +214,12 @@ class LLMEngine:
 
     def _apply_updates(self, out: SchedulerOutput, updates: list, sampled: SamplerOutput) -> list[RequestOutput]:
         now = time.time()
-        rows = {key: row for row, key in enumerate(zip(out.sampled_req_ids, out.sample_indices.tolist()))}
+        # Logits row of each (request, sample), needed only to read logprobs.
+        rows = (
+            {key: row for row, key in enumerate(zip(out.sampled_req_ids, out.sample_indices.tolist()))}
+            if sampled.logprobs is not None
+            else {}
+        )
         touched: dict[str, RequestState] = {}
         for u in updates:
             state = self.requests.get(u.request_id)

@@ -115,11 +115,6 @@ impl Scheduler {
         self.requests.get(key).map(|r| &r.id)
     }
 
-    /// The key of a live request.
-    pub fn request_key(&self, id: &str) -> Option<RequestKey> {
-        self.by_id.get(id).copied()
-    }
-
     /// Queues a request. Fails, changing nothing, on a duplicate id, invalid parameters, or a
     /// prompt that can never be served (longer than max_model_len or than the whole pool).
     pub fn add_request(&mut self, r: NewRequest) -> Result<RequestKey> {

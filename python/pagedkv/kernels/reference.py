@@ -97,8 +97,10 @@ def paged_attention(
         scale = query.shape[2] ** -0.5
     if out is None:
         out = torch.zeros_like(query)
-    attend_decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, out=out)
-    attend_extend_rows(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, out=out)
+    # Host copies of the small index arrays, read once for both parts (a sync on a GPU).
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, scale, out)
+    _extend_rows(query, key_cache, value_cache, block_tables, cu, lens, scale, out)
     return out
 
 
@@ -114,9 +116,22 @@ def attend_decode_rows(
     out: torch.Tensor,  # [T, H, D], written in place for the decode sequences only
 ) -> None:
     """The part of :func:`paged_attention` for sequences with one query row (decodes)."""
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, scale, out)
+
+
+def _decode_rows(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu: list[int],  # cu_seqlens_q on the host
+    lens: list[int],  # seq_lens on the host
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     compute_dtype = _compute_dtype(query)
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
     decodes = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
     if not decodes:
         return
@@ -142,9 +157,21 @@ def attend_extend_rows(
 ) -> None:
     """The part of :func:`paged_attention` for sequences with several query rows (prefill
     chunks, extends), one sequence at a time."""
+    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    _extend_rows(query, key_cache, value_cache, block_tables, cu, lens, scale, out)
+
+
+def _extend_rows(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu: list[int],  # cu_seqlens_q on the host
+    lens: list[int],  # seq_lens on the host
+    scale: float,
+    out: torch.Tensor,
+) -> None:
     compute_dtype = _compute_dtype(query)
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
     for b in range(len(lens)):
         q_len = cu[b + 1] - cu[b]
         if q_len > 1:
