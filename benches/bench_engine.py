@@ -31,7 +31,7 @@ Requests = list[tuple[list[int], int]]  # (prompt token ids, output length)
 
 def load_requests(n: int, max_prompt: int, max_output: int, max_model_len: int = 2048) -> Requests:
     """The first `n` ShareGPT first turns that pass vLLM's length filters."""
-    from pagedkv.workloads import sharegpt_first_turn_requests
+    from pagedkv.sim.workloads import sharegpt_first_turn_requests
 
     reqs = sharegpt_first_turn_requests(n * 3, max_prompt_len=max_prompt, max_model_len=max_model_len)
     return [(r.prompt_token_ids.tolist(), min(r.output_len, max_output)) for r in reqs][:n]
@@ -70,7 +70,7 @@ def run_pagedkv(requests: Requests, *, model: str | None = None, tokenizer: str 
 def load_hf(model_path: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from pagedkv.model_files import default_model_dir
+    from pagedkv.worker.model_files import default_model_dir
 
     model = AutoModelForCausalLM.from_pretrained(model_path or default_model_dir(), dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()

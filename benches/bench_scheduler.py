@@ -5,7 +5,7 @@
    arriving requests + decodes under a 2048-token budget).
 2. Memory utilization on ShareGPT first turns (SmolLM2 tokenizer, recorded output lengths) at
    block size 16: tokens held / slots allocated (target >= 0.96), next to the "reserve the
-   maximum" contiguous allocator (pagedkv.baselines) in the same memory, with the number of
+   maximum" contiguous allocator (pagedkv.sim.baselines) in the same memory, with the number of
    concurrent requests each admits.
 
     python benches/bench_scheduler.py [--quick]
@@ -83,9 +83,9 @@ def mixed_steps(steps: int) -> dict[str, float]:
 
 
 def utilization(num_requests: int) -> tuple[str, list[list[object]]]:
-    from pagedkv.baselines import ReservationConfig, replay_reservation
-    from pagedkv.simulate import PagedConfig, replay_paged
-    from pagedkv.workloads import sharegpt_first_turn_requests
+    from pagedkv.sim.baselines import ReservationConfig, replay_reservation
+    from pagedkv.sim.replay import PagedConfig, replay_paged
+    from pagedkv.sim.workloads import sharegpt_first_turn_requests
 
     reqs = sharegpt_first_turn_requests(num_requests)
     num_blocks, bs, max_len = 2048, 16, 2048

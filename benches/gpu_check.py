@@ -66,6 +66,7 @@ def _prepare_environment(dry_run: bool) -> None:
     kernel is decorated), so this runs before any pagedkv import.
     """
     sys.path.insert(0, str(REPO_ROOT / "python"))
+    sys.path.insert(0, str(REPO_ROOT / "tests"))  # paged_batches: the kernel tests' batch builder
     if dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -168,7 +169,7 @@ def _oracle_sweep(ctx: Context) -> list[dict]:
 
     import pagedkv.kernels as kernels
     from pagedkv.kernels import reference
-    from pagedkv.kernels.testing import PagedBatch, make_paged_batch
+    from paged_batches import PagedBatch, make_paged_batch
 
     # (name, dtype, cache dtype or None, num_heads, num_kv_heads, head_dim, q_lens, seq_lens)
     cases: list[tuple[str, torch.dtype, torch.dtype | None, int, int, int, list[int], list[int]]]
@@ -435,7 +436,7 @@ def section_engine(ctx: Context) -> dict:
     sys.path.insert(0, str(REPO_ROOT / "benches"))
     from bench_engine import load_hf, load_requests, run_hf_continuous, run_pagedkv
 
-    from pagedkv.model_files import default_model_dir
+    from pagedkv.worker.model_files import default_model_dir
 
     if ctx.dry_run:
         model, tokenizer, dtype = _tiny_model_dir(), str(default_model_dir()), torch.float32

@@ -7,14 +7,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv.baselines import (
+from pagedkv.sim.baselines import (
     BREAKDOWN_CATEGORIES,
     ContiguousArena,
     ReservationConfig,
     replay_reservation,
 )
 from pagedkv.errors import ConfigError, InvalidArgumentError, PromptTooLongError
-from pagedkv.workloads import TraceRequest
+from pagedkv.sim.workloads import TraceRequest
 
 
 def request(

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from pagedkv.detokenizer import IncrementalDetokenizer
-from pagedkv.model_files import default_model_dir
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.engine.detokenizer import IncrementalDetokenizer
+from pagedkv.worker.model_files import default_model_dir
+from pagedkv.sample.sampling_params import SamplingParams
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It's 42 degrees!",

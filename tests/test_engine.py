@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 import pagedkv
 from pagedkv import LLM, AsyncLLM, SamplingParams
-from pagedkv.model_files import default_model_dir
+from pagedkv.worker.model_files import default_model_dir
 
 ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "max_model_len": 512, "kv_cache_memory": 64 << 20}
 

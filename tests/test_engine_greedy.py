@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.model_files import default_model_dir
+from pagedkv.worker.model_files import default_model_dir
 
 MAX_NEW = 12
 SYSTEM = (

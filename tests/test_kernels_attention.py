@@ -1,6 +1,6 @@
 """Triton paged attention (the interpreter on CPU, compiled on a GPU) against the float64 oracle.
 
-Every batch comes from :func:`pagedkv.kernels.testing.make_paged_batch`: shuffled block tables,
+Every batch comes from :func:`paged_batches.make_paged_batch`: shuffled block tables,
 -1 past each sequence's blocks, NaN in every cache slot that holds no token. ``out`` and the
 split-KV workspace start as NaN too, so an unwritten row or a read of a stale entry shows up.
 Shapes are small and tiles large: the interpreter pays per program and per loop iteration.
@@ -15,7 +15,7 @@ import torch
 
 import pagedkv.kernels as kernels
 from pagedkv.kernels import reference, triton_attention
-from pagedkv.kernels.testing import PagedBatch, make_paged_batch
+from paged_batches import PagedBatch, make_paged_batch
 from pagedkv.kernels.triton_attention import DecodeWorkspace, choose_num_splits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,7 +10,7 @@ import torch
 import pagedkv.kernels as kernels
 from pagedkv._core import paged_decode_attention_cpu
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.kernels.testing import causal_reference, make_paged_batch
+from paged_batches import causal_reference, make_paged_batch
 
 
 @pytest.mark.parametrize(

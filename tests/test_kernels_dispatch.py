@@ -13,7 +13,7 @@ import torch
 
 import pagedkv.kernels as kernels
 from pagedkv.errors import ConfigError, InvalidArgumentError
-from pagedkv.kernels.testing import make_paged_batch
+from paged_batches import make_paged_batch
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
 # Tests run the triton backend on CUDA tensors when there is a GPU, else on CPU tensors under the
@@ -24,7 +24,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 def _run_python(code: str, **env_overrides: str) -> subprocess.CompletedProcess[str]:
     env = os.environ.copy()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PYTHON_DIR), env.get("PYTHONPATH", "")) if p)
+    tests_dir = str(Path(__file__).resolve().parent)  # paged_batches
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PYTHON_DIR), tests_dir, env.get("PYTHONPATH", "")) if p)
     env.update(env_overrides)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
                           text=True, timeout=120)
@@ -86,7 +87,7 @@ def test_torch_path_never_imports_triton():
         import torch
         import pagedkv.kernels as kernels
         from pagedkv.errors import ConfigError
-        from pagedkv.kernels.testing import make_paged_batch
+        from paged_batches import make_paged_batch
         b = make_paged_batch([1, 2], [5, 9], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8)
         out = kernels.paged_attention(*b.attention_args())
         kernels.store_kv(b.keys[0], b.values[0], b.key_cache, b.value_cache, torch.arange(5))
@@ -108,7 +109,7 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error():
         """
         import pagedkv.kernels as kernels
         from pagedkv.errors import InvalidArgumentError
-        from pagedkv.kernels.testing import make_paged_batch
+        from paged_batches import make_paged_batch
         b = make_paged_batch([1], [5], num_heads=2, num_kv_heads=1, head_dim=64, block_size=8)
         try:
             kernels.paged_attention(*b.attention_args(), backend="triton")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedkv.kernels import reference
-from pagedkv.kernels.testing import causal_reference, make_paged_batch
+from paged_batches import causal_reference, make_paged_batch
 
 def _args(batch):
     return batch.attention_args()

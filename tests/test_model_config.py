@@ -7,7 +7,7 @@ import json
 import pytest
 
 from pagedkv.errors import ConfigError
-from pagedkv.model_config import (
+from pagedkv.sim.kv_budget import (
     KVGeometry,
     kv_geometry,
     load_kv_geometry,

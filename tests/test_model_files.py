@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedkv import model_files
+from pagedkv.worker import model_files
 from pagedkv.errors import ModelLoadError
-from pagedkv.model_files import default_gguf_path, default_model_dir, resolve_model
+from pagedkv.worker.model_files import default_gguf_path, default_model_dir, resolve_model
 
 
 @pytest.fixture(scope="module")

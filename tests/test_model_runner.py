@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from pagedkv.attention_backend import AttentionCall
+from pagedkv.worker.attention_backend import AttentionCall
 from pagedkv.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
-from pagedkv.model_runner import ModelRunner
-from pagedkv.model_support import check_config, check_probe
+from pagedkv.worker.model_runner import ModelRunner
+from pagedkv.worker.model_support import check_config, check_probe
 
 BLOCK_SIZE = 16
 

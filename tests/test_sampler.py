@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, make_generator
-from pagedkv.sampling_params import SamplingParams
+from pagedkv.sample.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, make_generator
+from pagedkv.sample.sampling_params import SamplingParams
 
 VOCAB = 1000
 METHODS = pytest.mark.parametrize("method", ["exponential", "inverse_cdf"])
@@ -291,7 +291,7 @@ def test_bad_inputs_raise() -> None:
 def test_top_p_candidate_path_equals_full_sort() -> None:
     """The CPU shortcut (top-256 candidates) and the full sort keep the same tokens, also for
     rows whose nucleus extends past the candidates (flat rows) and with top-k first."""
-    from pagedkv import sampler as sampler_module
+    from pagedkv.sample import sampler as sampler_module
 
     vocab = 5000
     generator = torch.Generator().manual_seed(12)

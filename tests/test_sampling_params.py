@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from pagedkv.errors import ConfigError
-from pagedkv.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedkv.sampling_params import SamplingParams, SamplingType
+from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.sample.sampling_params import SamplingParams, SamplingType
 
 
 def test_defaults_match_vllm() -> None:

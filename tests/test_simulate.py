@@ -14,9 +14,9 @@ import pytest
 
 from pagedkv.cli import main
 from pagedkv.errors import ConfigError
-from pagedkv.simulate import PagedConfig, allocator_metrics, compare_allocators, replay_paged
-from pagedkv.studies.parallel_sampling import independent_copies, predicted_block_steps, with_samples
-from pagedkv.workloads import TraceRequest
+from pagedkv.sim.replay import PagedConfig, allocator_metrics, compare_allocators, replay_paged
+from studies.parallel_sampling import independent_copies, predicted_block_steps, with_samples
+from pagedkv.sim.workloads import TraceRequest
 
 REPO = Path(__file__).resolve().parent.parent
 

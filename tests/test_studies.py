@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from pagedkv.simulate import PagedConfig  # noqa: E402
-from pagedkv.studies import (  # noqa: E402
+from pagedkv.sim.replay import PagedConfig  # noqa: E402
+from studies import (  # noqa: E402
     block_size_study,
     breakdown_study,
     memory_map_study,
@@ -20,13 +20,13 @@ from pagedkv.studies import (  # noqa: E402
     prefix_cache_study,
     speed_study,
 )
-from pagedkv.studies.memory_map import record_memory_maps, render  # noqa: E402
-from pagedkv.studies.prefix_cache import (  # noqa: E402
+from studies.memory_map import record_memory_maps, render  # noqa: E402
+from studies.prefix_cache import (  # noqa: E402
     declared_prefix_hits,
     default_pool_sizes,
     unbounded_pool_blocks,
 )
-from pagedkv.workloads import ArrivalProcess, TraceRequest, shared_prefix_requests  # noqa: E402
+from pagedkv.sim.workloads import ArrivalProcess, TraceRequest, shared_prefix_requests  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_MODEL_LEN = 256

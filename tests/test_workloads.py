@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pagedkv.errors import ConfigError, InvalidArgumentError, TraceFormatError
-from pagedkv.workloads import (
+from pagedkv.sim.workloads import (
     ArrivalProcess,
     Conversation,
     TraceRequest,

@@ -26,24 +26,24 @@ from pagedkv.errors import *  # noqa: F401,F403  (the exception tree is part of 
 from pagedkv.errors import __all__ as _errors_all
 
 if TYPE_CHECKING:
-    from pagedkv.async_llm import AsyncLLM
-    from pagedkv.engine_args import EngineArgs
-    from pagedkv.llm import LLM
-    from pagedkv.llm_engine import LLMEngine
-    from pagedkv.outputs import CompletionOutput, RequestOutput
-    from pagedkv.sampling_params import SamplingParams
+    from pagedkv.engine.async_llm import AsyncLLM
+    from pagedkv.engine.args import EngineArgs
+    from pagedkv.engine.llm import LLM
+    from pagedkv.engine.llm_engine import LLMEngine
+    from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+    from pagedkv.sample.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 # Public name -> module that defines it, imported on first access (PEP 562).
 _LAZY = {
-    "LLM": "pagedkv.llm",
-    "LLMEngine": "pagedkv.llm_engine",
-    "AsyncLLM": "pagedkv.async_llm",
-    "EngineArgs": "pagedkv.engine_args",
-    "SamplingParams": "pagedkv.sampling_params",
-    "RequestOutput": "pagedkv.outputs",
-    "CompletionOutput": "pagedkv.outputs",
+    "LLM": "pagedkv.engine.llm",
+    "LLMEngine": "pagedkv.engine.llm_engine",
+    "AsyncLLM": "pagedkv.engine.async_llm",
+    "EngineArgs": "pagedkv.engine.args",
+    "SamplingParams": "pagedkv.sample.sampling_params",
+    "RequestOutput": "pagedkv.engine.outputs",
+    "CompletionOutput": "pagedkv.engine.outputs",
 }
 
 

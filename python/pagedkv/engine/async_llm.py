@@ -1,0 +1,231 @@
+"""``AsyncLLM``: streaming generation for asyncio servers, from one background step loop.
+
+    engine = pagedkv.AsyncLLM()          # or AsyncLLM(model=..., **engine_args)
+    async for out in engine.generate("Hello", pagedkv.SamplingParams(max_tokens=32), "req-1"):
+        print(out.outputs[0].text)       # cumulative text so far
+
+One thread owns the :class:`LLMEngine` and runs its step loop; nothing else touches the engine.
+Callers talk to it through a command queue (add, abort, stats), so the event loop never blocks
+on a forward pass. Every command is answered through a future: a bad request raises its typed
+:mod:`pagedkv.errors` exception in the caller, and the loop keeps serving everyone else. Each
+stream's outputs are handed to its own event loop with ``call_soon_threadsafe``.
+
+Leaving the ``async for`` early — ``break``, an exception, or the task being cancelled (a
+client disconnecting) — aborts the request, which frees its KV blocks at once. ``abort()``
+ends a stream from outside with a last output whose ``finish_reason`` is ``"abort"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from pagedkv.engine.args import EngineArgs
+from pagedkv.errors import PagedKVError, UnknownRequestError
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.prompts import PromptType
+from pagedkv.sample.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLM", "EngineDeadError"]
+
+
+class EngineDeadError(PagedKVError, RuntimeError):
+    """The engine was shut down, or its step loop failed; the stream cannot continue."""
+
+
+class _Stream:
+    """Where one request's outputs go: a queue on the caller's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            return True
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            return False
+
+
+# A command for the loop thread: a function, and the future that gets its result (None for
+# fire-and-forget commands). `None` as a whole asks the loop to stop.
+_Command = tuple[Callable[[], Any], "Future[Any] | None"] | None
+
+
+class AsyncLLM:
+    """An :class:`LLMEngine` behind a background step loop, for concurrent async callers."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self._start(LLMEngine(EngineArgs.from_kwargs(model, **engine_args)))
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLM:
+        self = cls.__new__(cls)
+        self._start(LLMEngine(engine_args))
+        return self
+
+    def _start(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[_Command] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._ids = itertools.count()
+        self._dead: EngineDeadError | None = None
+        self._thread = threading.Thread(target=self._run_loop, name="pagedkv-step-loop", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream the request's cumulative :class:`RequestOutput` after every step that
+        advances it; the last one has ``finished=True``."""
+        if request_id is None:
+            request_id = f"async-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop())
+
+        def add() -> None:
+            self.engine.add_request(request_id, prompt, sampling_params, priority=priority)
+            self._streams[request_id] = stream
+
+        await self._call(add)
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already dropped the request
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._post(lambda: self._abort_quietly(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a live request: its blocks are freed and its stream ends with a last output
+        whose ``finish_reason`` is ``"abort"``. Raises UnknownRequestError otherwise."""
+
+        def abort() -> None:
+            outputs = self.engine.abort_request(request_id)
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(outputs[0])
+
+        await self._call(abort)
+
+    async def get_stats(self) -> dict[str, Any]:
+        """The engine's statistics (see ``LLMEngine.get_stats``), read between steps."""
+        return await self._call(self.engine.get_stats)
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    def shutdown(self) -> None:
+        """Stop the step loop; open streams and pending calls end with EngineDeadError."""
+        if self._thread.is_alive():
+            self._commands.put(None)
+            self._thread.join()
+
+    def __enter__(self) -> AsyncLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ the loop thread
+
+    def _post(self, fn: Callable[[], Any]) -> None:
+        if self._thread.is_alive():
+            self._commands.put((fn, None))
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the loop thread between steps; return its result or raise its error."""
+        if self._dead is not None or not self._thread.is_alive():
+            raise self._dead or EngineDeadError("the engine has been shut down")
+        done: Future[Any] = Future()
+        self._commands.put((fn, done))
+        return await asyncio.wrap_future(done)
+
+    def _abort_quietly(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        try:
+            self.engine.abort_request(request_id)
+        except UnknownRequestError:
+            pass  # it finished in the meantime
+
+    def _run_loop(self) -> None:
+        try:
+            while True:
+                # Wait for work only when nothing runs; otherwise take what is queued and step.
+                commands = []
+                if not self.engine.has_unfinished_requests():
+                    commands.append(self._commands.get())
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                for command in commands:
+                    if command is None:
+                        self._fail_all(EngineDeadError("the engine has been shut down"))
+                        return
+                    fn, done = command
+                    if done is None:
+                        fn()
+                    elif done.set_running_or_notify_cancel():
+                        try:
+                            done.set_result(fn())
+                        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                            done.set_exception(exc)
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+        except BaseException as exc:  # noqa: BLE001 - report to every caller, do not vanish
+            error = EngineDeadError(f"the step loop failed: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            self._fail_all(error)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            if not stream.put(out) and not out.finished:
+                self._abort_quietly(out.request_id)
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        self._dead = error
+        for rid, stream in list(self._streams.items()):
+            stream.put(error)
+            try:
+                self.engine.abort_request(rid)
+            except PagedKVError:
+                pass
+        self._streams.clear()
+        while True:  # calls queued behind the failure get the error instead of hanging
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not None and command[1] is not None and command[1].set_running_or_notify_cancel():
+                command[1].set_exception(error)

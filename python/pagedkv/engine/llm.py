@@ -1,0 +1,137 @@
+"""``LLM``: offline batched generation with vLLM's interface.
+
+    llm = pagedkv.LLM()                       # the embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello", "The capital of France is"],
+                        pagedkv.SamplingParams(max_tokens=32, temperature=0))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pagedkv.engine.args import EngineArgs
+from pagedkv.errors import InvalidArgumentError, InvalidTypeError
+from pagedkv.engine.llm_engine import LLMEngine
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.prompts import PromptType, chat_prompt, is_single_prompt
+from pagedkv.sample.sampling_params import SamplingParams
+
+__all__ = ["LLM"]
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """A model on a paged KV cache for offline batched generation.
+
+    ``LLM(model=None, **engine_args)``; ``model=None`` serves the embedded SmolLM2. Engine
+    arguments: see :class:`pagedkv.EngineArgs` (``dtype``, ``device``, ``block_size``,
+    ``kv_cache_memory``, ``num_blocks``, ``max_model_len``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``enable_prefix_caching``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.llm_engine = LLMEngine(EngineArgs.from_kwargs(model, **engine_args))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate completions for every prompt; outputs come back in input order.
+
+        ``prompts``: a string, a list of token ids, a dict (``{"prompt": ...}`` or
+        ``{"prompt_token_ids": ...}``), or a list of those. ``sampling_params``: one for all
+        prompts or one per prompt (default: ``SamplingParams()``).
+        """
+        prompt_list: list[PromptType] = [prompts] if is_single_prompt(prompts) else list(prompts)  # type: ignore[list-item,arg-type]
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise InvalidArgumentError(
+                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
+                )
+        if priority is not None and len(priority) != len(prompt_list):
+            raise InvalidArgumentError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, params, priority=0 if priority is None else priority[i])
+                ids.append(rid)
+        except BaseException:
+            # Leave the engine as it was: nothing of this call stays queued.
+            engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(ids)) if use_tqdm else None
+        start = time.perf_counter()
+        prompt_tokens = generated = 0
+        try:
+            while len(done) < len(ids) and engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        prompt_tokens += len(out.prompt_token_ids)
+                        generated += sum(len(c.token_ids) for c in out.outputs)
+                        if bar is not None:
+                            elapsed = time.perf_counter() - start
+                            bar.update(1)
+                            bar.set_postfix_str(
+                                f"input {prompt_tokens / elapsed:.0f} tok/s, output {generated / elapsed:.0f} tok/s"
+                            )
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in done and i in engine.requests])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[i] for i in ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
+        to a list of conversations, rendered with the tokenizer's chat template."""
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise InvalidTypeError("messages must be a conversation or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts: list[PromptType] = [
+            chat_prompt(tokenizer, conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt)
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -1,0 +1,97 @@
+"""What the engine keeps per request between steps: one completion per parallel sample, with
+its incremental detokenizer, private random generator and log-probabilities, and the
+request's timestamps. It turns that state into the public :class:`RequestOutput`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pagedkv.engine.detokenizer import IncrementalDetokenizer
+from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from pagedkv.sample.sampler import make_generator
+from pagedkv.sample.sampling_params import SamplingParams
+
+__all__ = ["RequestState", "SampleState"]
+
+
+@dataclass
+class SampleState:
+    """One completion (parallel sample) of a request."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer
+    # The sample's own generator when the request is seeded (seed + index, as vLLM does).
+    generator: torch.Generator | None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.output_text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+class RequestState:
+    """A live request as the engine sees it."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Any,
+        device: torch.device,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
+        wants_logprobs = params.logprobs is not None
+        self.samples = [
+            SampleState(
+                index=i,
+                detokenizer=IncrementalDetokenizer.from_params(tokenizer, params, prompt_token_ids),
+                generator=None if params.seed is None else make_generator(params.seed + i, device),
+                logprobs=[] if wants_logprobs else None,
+                cumulative_logprob=0.0 if wants_logprobs else None,
+            )
+            for i in range(params.n)
+        ]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    def add_logprobs(self, index: int, entries: dict[int, Logprob], chosen: int) -> None:
+        sample = self.samples[index]
+        if sample.logprobs is None:
+            return
+        sample.logprobs.append(entries)
+        sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + entries[chosen].logprob
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.output() for s in self.samples],
+            finished=self.finished,
+            metrics=self.metrics,
+            num_cached_tokens=self.metrics.num_cached_tokens,
+        )

@@ -1,0 +1,270 @@
+"""KV-cache bytes per token from a model's ``config.json``, and KV budgets in bytes or blocks.
+
+One token's KV state takes ``2 (K and V) x num_layers x num_kv_heads x head_dim x dtype bytes``
+in every layer's cache (the layout of :mod:`pagedkv.worker.model_runner`:
+``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer, K and V apart). A pool of
+``B`` bytes therefore holds ``floor(B / (bytes_per_token x block_size))`` blocks.
+
+Fields are read the way Hugging Face configs spell them, with the common aliases of older
+architectures (GPT-2's ``n_layer`` / ``n_head`` / ``n_embd``, Falcon's ``n_head_kv`` /
+``multi_query``); a multimodal config's ``text_config`` is used for the language model.
+``num_key_value_heads`` defaults to ``num_attention_heads`` (multi-head attention) and
+``head_dim`` to ``hidden_size / num_attention_heads``, as transformers does.
+
+Nothing here imports torch: ``pagedkv simulate`` plans capacity without loading a model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedkv.errors import ConfigError
+
+__all__ = [
+    "KV_DTYPE_BYTES",
+    "KVGeometry",
+    "kv_geometry",
+    "load_kv_geometry",
+    "load_model_config",
+    "num_blocks_for_budget",
+    "parse_bytes",
+]
+
+# Element size of each KV-cache dtype name (torch spellings and the usual short forms).
+KV_DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+}
+
+_LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads")
+_KV_HEAD_KEYS = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
+_HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
+_DTYPE_KEYS = ("dtype", "torch_dtype")
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What one token's KV costs: ``bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    dtype_bytes: int
+    source: str = "config"  # where the numbers came from, for reports
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return self.bytes_per_token * block_size
+
+    def describe(self) -> str:
+        return (
+            f"{self.bytes_per_token:,} B/token = 2 x {self.num_layers} layers x {self.num_kv_heads} KV heads "
+            f"x {self.head_dim} head_dim x {self.dtype_bytes} B ({self.dtype})"
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(config: Mapping[str, Any], keys: tuple[str, ...], source: str) -> tuple[str, int] | None:
+    """(key, value) of the first of ``keys`` present with a non-null value; None if none is."""
+    for key in keys:
+        value = config.get(key)
+        if value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            raise ConfigError(f"model config {source}: field {key!r} must be an integer >= 1, got {value!r}")
+        return key, value
+    return None
+
+
+def _require(config: Mapping[str, Any], keys: tuple[str, ...], source: str) -> int:
+    found = _positive_int(config, keys, source)
+    if found is None:
+        also = f" (or {', '.join(repr(k) for k in keys[1:])})" if len(keys) > 1 else ""
+        raise ConfigError(f"model config {source}: field {keys[0]!r}{also} is missing")
+    return found[1]
+
+
+def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's part: a multimodal config nests it under ``text_config``."""
+    nested = config.get("text_config")
+    if isinstance(nested, Mapping) and not any(key in config for key in _LAYER_KEYS):
+        return {**{k: v for k, v in config.items() if k in _DTYPE_KEYS}, **nested}
+    return config
+
+
+def resolve_kv_dtype(kv_dtype: str, config: Mapping[str, Any], source: str) -> tuple[str, int]:
+    """(dtype name, bytes per element); ``"auto"`` takes the config's ``dtype`` / ``torch_dtype``."""
+    if not isinstance(kv_dtype, str):
+        raise ConfigError(f"kv_dtype must be a string, got {kv_dtype!r}")
+    name = kv_dtype.strip().lower().removeprefix("torch.")
+    if name == "auto":
+        for key in _DTYPE_KEYS:
+            declared = config.get(key)
+            if declared is None:
+                continue
+            declared_name = str(declared).lower().removeprefix("torch.")
+            if declared_name not in KV_DTYPE_BYTES:
+                raise ConfigError(
+                    f"model config {source}: field {key!r} is {declared!r}, not a KV dtype "
+                    f"({', '.join(sorted(KV_DTYPE_BYTES))}); pass kv_dtype explicitly"
+                )
+            return declared_name, KV_DTYPE_BYTES[declared_name]
+        raise ConfigError(
+            f"model config {source}: field 'torch_dtype' (or 'dtype') is missing, so kv_dtype 'auto' "
+            "cannot be resolved; pass kv_dtype explicitly (e.g. bfloat16)"
+        )
+    if name not in KV_DTYPE_BYTES:
+        raise ConfigError(
+            f"kv_dtype {kv_dtype!r} is not known; use 'auto' or one of {', '.join(sorted(KV_DTYPE_BYTES))}"
+        )
+    return name, KV_DTYPE_BYTES[name]
+
+
+def kv_geometry(config: Mapping[str, Any], *, kv_dtype: str = "auto", source: str = "<config>") -> KVGeometry:
+    """The KV geometry of a parsed ``config.json``; ConfigError names a missing or bad field."""
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"model config {source}: expected a JSON object, got {type(config).__name__}")
+    text = _text_config(config)
+    if text.get("kv_lora_rank") is not None:
+        raise ConfigError(
+            f"model config {source}: field 'kv_lora_rank' is set: multi-head latent attention caches a "
+            "compressed latent, which this per-head formula does not model"
+        )
+    num_layers = _require(text, _LAYER_KEYS, source)
+    num_heads = _positive_int(text, _HEAD_KEYS, source)
+    kv_heads = _positive_int(text, _KV_HEAD_KEYS, source)
+    if kv_heads is not None:
+        num_kv_heads = kv_heads[1]
+    elif text.get("multi_query") is True:
+        num_kv_heads = 1
+    elif num_heads is not None:
+        num_kv_heads = num_heads[1]
+    else:
+        raise ConfigError(f"model config {source}: field 'num_key_value_heads' (or 'num_attention_heads') is missing")
+    head_dim_entry = _positive_int(text, ("head_dim",), source)
+    if head_dim_entry is not None:
+        head_dim = head_dim_entry[1]
+    else:
+        hidden = _positive_int(text, _HIDDEN_KEYS, source)
+        if hidden is None or num_heads is None:
+            missing = "hidden_size" if hidden is None else "num_attention_heads"
+            raise ConfigError(
+                f"model config {source}: field 'head_dim' is missing and cannot be derived "
+                f"(field {missing!r} is missing too)"
+            )
+        if hidden[1] % num_heads[1]:
+            raise ConfigError(
+                f"model config {source}: field 'head_dim' is missing and {hidden[0]} = {hidden[1]} is not "
+                f"divisible by {num_heads[0]} = {num_heads[1]}"
+            )
+        head_dim = hidden[1] // num_heads[1]
+    dtype, dtype_bytes = resolve_kv_dtype(kv_dtype, text, source)
+    return KVGeometry(num_layers, num_kv_heads, head_dim, dtype, dtype_bytes, source)
+
+
+def load_model_config(path: str | os.PathLike[str] | None = None) -> tuple[dict[str, Any], str]:
+    """(parsed config, its path) from a ``config.json`` file or a folder holding one.
+
+    ``None`` means the embedded default model (SmolLM2-135M-Instruct): its converted folder
+    from :func:`pagedkv.worker.model_files.default_model_dir` (converted once on first use).
+    """
+    if path is None:
+        from pagedkv.worker.model_files import default_model_dir
+
+        file = default_model_dir() / "config.json"
+    else:
+        file = Path(path).expanduser()
+        if file.is_dir():
+            file = file / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"model config {os.fspath(file)!r} does not exist (give a config.json or a folder with one)")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"model config {os.fspath(file)!r} cannot be read: {error}") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            f"model config {os.fspath(file)!r} is not valid JSON: {error.msg} (line {error.lineno})"
+        ) from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"model config {os.fspath(file)!r}: expected a JSON object, got {type(config).__name__}")
+    return config, os.fspath(file)
+
+
+def load_kv_geometry(path: str | os.PathLike[str] | None = None, *, kv_dtype: str = "auto") -> KVGeometry:
+    """:func:`kv_geometry` of :func:`load_model_config` (default: the embedded SmolLM2)."""
+    config, source = load_model_config(path)
+    return kv_geometry(config, kv_dtype=kv_dtype, source=source)
+
+
+def num_blocks_for_budget(budget_bytes: int, geometry: KVGeometry, block_size: int, *, name: str = "kv_memory") -> int:
+    """Whole blocks of ``block_size`` tokens that fit in ``budget_bytes``; ConfigError below one block."""
+    if not _is_int(budget_bytes) or budget_bytes < 1:
+        raise ConfigError(f"{name} must be a positive number of bytes, got {budget_bytes!r}")
+    if not _is_int(block_size) or block_size < 1:
+        raise ConfigError(f"block_size must be an integer >= 1, got {block_size!r}")
+    per_block = geometry.bytes_per_block(block_size)
+    blocks = budget_bytes // per_block
+    if blocks < 1:
+        raise ConfigError(
+            f"{name} = {budget_bytes:,} bytes is smaller than one block ({per_block:,} bytes = "
+            f"{block_size} tokens x {geometry.bytes_per_token:,} B/token)"
+        )
+    return blocks
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str, *, name: str = "kv_memory") -> int:
+    """Bytes in ``"8GiB"``, ``"512 MB"``, ``"1.5e9"`` or ``"4096"`` (KB/MB/GB are powers of 10, KiB/MiB/GiB of 2)."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ConfigError(f"{name} {text!r} is not a size (examples: 8GiB, 512MB, 1.5e9, 4096)")
+    value = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value < 1:
+        raise ConfigError(f"{name} {text!r} must be at least 1 byte")
+    return int(value)

@@ -1,0 +1,333 @@
+"""Replay a workload through the real Rust scheduler, with no model.
+
+The scheduler, block pool and prefix cache are the production ones; only the model is
+replaced by synthetic sampled tokens (every request runs ``ignore_eos`` until its recorded
+``output_len``, cut at ``max_model_len``). This answers capacity questions on real traffic:
+how many requests run at once, how full the KV blocks are, how often the pool preempts, how
+much the prefix cache saves.
+
+The step model is the one of :mod:`pagedkv.sim.baselines`, so the two are compared like for
+like: the clock advances ``step_duration_s`` per step; a request enters the scheduler once its
+``arrival_time`` has passed; when nothing is running the clock jumps to the next arrival
+(idle steps are not counted); each step one token budget is shared by decodes and prefill
+chunks, running requests first, then FCFS admission with head-of-line blocking; the step that
+completes a prefill samples the first token.
+
+Memory breakdown of a paged step (same categories as the baselines): ``token_states`` = slots
+of blocks in use that hold a computed token (a shared block counts once);
+``internal_fragmentation`` = the rest of the slots of the blocks in use (the unfilled tail of
+each sequence's last block); ``free`` = slots of free blocks (cached ones included: they are
+reusable at once). Paging reserves nothing ahead and any free block fits any request, so
+``reserved_unused`` and ``external_fragmentation`` are 0 by construction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pagedkv._core import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
+from pagedkv.sim.baselines import (
+    BREAKDOWN_CATEGORIES,
+    MemoryBreakdown,
+    ReservationConfig,
+    ReservationReplayResult,
+    first_step_at_or_after,
+    replay_reservation,
+)
+from pagedkv.errors import ConfigError, PromptTooLongError
+from pagedkv.sim.workloads.request import TraceRequest
+
+__all__ = [
+    "AllocatorComparison",
+    "PagedConfig",
+    "PagedReplayResult",
+    "allocator_metrics",
+    "compare_allocators",
+    "replay_paged",
+]
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """Pool and budgets of a paged replay."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
+    step_duration_s: float = 0.02  # simulated time per step; maps arrival times onto steps
+
+    def __post_init__(self) -> None:
+        if not self.step_duration_s > 0:
+            raise ConfigError(f"step_duration_s must be > 0, got {self.step_duration_s}")
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+            watermark=self.watermark,
+        )
+
+
+@dataclass(frozen=True)
+class PagedReplayResult:
+    """Aggregates of a paged replay (fields shared with ``ReservationReplayResult`` first)."""
+
+    policy: str
+    num_slots: int
+    total_steps: int
+    num_finished: int
+    num_truncated: int
+    generated_tokens: int
+    makespan_s: float
+    peak_running: int
+    mean_running: float
+    mean_fraction: dict[str, float]  # category -> time-averaged fraction of the pool
+    peak_slots: dict[str, int]
+    # Paging only:
+    block_size: int
+    kv_utilization: float  # sum over steps of token states / sum of slots of blocks in use
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    resumed_prefix_hits: int
+    tokens_computed: int  # all tokens run through the "model" (prompts, recomputes, decodes)
+    peak_blocks_in_use: int  # most blocks held by running sequences in one step (shared once)
+    block_steps: int  # sum over counted steps of blocks in use: the time integral of KV held
+    wall_time_s: float
+    steps: tuple[MemoryBreakdown, ...] | None = field(default=None, repr=False)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def mean_blocks_in_use(self) -> float:
+        return self.block_steps / self.total_steps if self.total_steps else 0.0
+
+    def to_dict(self, *, include_steps: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        d["mean_blocks_in_use"] = self.mean_blocks_in_use
+        if not include_steps:
+            d.pop("steps")
+        return d
+
+
+def _breakdown(step: int, stats: SchedulerStats, num_slots: int, num_waiting: int) -> MemoryBreakdown:
+    held = stats.tokens_held
+    allocated = stats.slots_allocated
+    return MemoryBreakdown(
+        step=step,
+        token_states=held,
+        reserved_unused=0,
+        internal_fragmentation=allocated - held,
+        external_fragmentation=0,
+        free=num_slots - allocated,
+        num_running=stats.num_running,
+        num_waiting=num_waiting,
+    )
+
+
+def replay_paged(
+    requests: Sequence[TraceRequest],
+    config: PagedConfig,
+    *,
+    seed: int = 0,
+    record_steps: bool = False,
+    on_step: Callable[[int, Scheduler, SchedulerOutput], None] | None = None,
+) -> PagedReplayResult:
+    """Replay ``requests`` (taken in arrival order, stable) through the real scheduler.
+
+    ``on_step(step, scheduler, output)`` is called after each step is scheduled, before its
+    update (e.g. to draw the pool's memory map). Requests whose prompt leaves no room for one
+    output token under ``max_model_len`` are refused up front with PromptTooLongError.
+    """
+    started = time.perf_counter()
+    ordered = sorted(requests, key=lambda r: r.arrival_time)
+    for r in ordered:
+        if r.prompt_len >= config.max_model_len:
+            raise PromptTooLongError(
+                f"request {r.request_id!r}: prompt of {r.prompt_len} tokens leaves no room for an output "
+                f"token under max_model_len = {config.max_model_len}"
+            )
+    sched = Scheduler(config.scheduler_config())
+    rng = np.random.default_rng(seed)
+    waiting = deque(ordered)
+    num_slots = config.num_slots
+    step_index = counted = 0
+    sum_slots = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
+    peak_slots = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
+    sum_running = peak_running = 0
+    sum_held = sum_allocated = peak_allocated = 0
+    finished = generated = tokens_computed = 0
+    history: list[MemoryBreakdown] = []
+    while waiting or sched.has_unfinished_requests():
+        if not sched.has_unfinished_requests() and waiting[0].arrival_time > step_index * config.step_duration_s:
+            step_index = max(step_index, first_step_at_or_after(waiting[0].arrival_time, config.step_duration_s))
+        now = step_index * config.step_duration_s
+        while waiting and waiting[0].arrival_time <= now:
+            r = waiting.popleft()
+            sched.add_request(
+                r.request_id, r.prompt_token_ids, max_tokens=r.output_len, ignore_eos=True, n=r.n
+            )
+        out = sched.schedule()
+        stats = sched.stats()
+        if on_step is not None:
+            on_step(counted, sched, out)
+        if out.num_tokens:
+            b = _breakdown(counted, stats, num_slots, sched.num_waiting + len(waiting))
+            for c in BREAKDOWN_CATEGORIES:
+                v = getattr(b, c)
+                sum_slots[c] += v
+                peak_slots[c] = max(peak_slots[c], v)
+            sum_held += stats.tokens_held
+            sum_allocated += stats.slots_allocated
+            peak_allocated = max(peak_allocated, stats.slots_allocated)
+            sum_running += stats.num_running
+            peak_running = max(peak_running, stats.num_running)
+            tokens_computed += out.num_tokens
+            if record_steps:
+                history.append(b)
+            counted += 1
+        sampled = rng.integers(0, 32_000, size=len(out.logits_indices), dtype=np.int64)
+        generated += len(sched.update(out, sampled))
+        finished += len(out.finished_req_ids)
+        step_index += 1
+    # The last update's finishes are reported by one more (empty) step.
+    out = sched.schedule()
+    finished += len(out.finished_req_ids)
+    sched.update(out, np.zeros(0, dtype=np.int64))
+    # Output is cut at max_model_len (finish reason "length"), as in the baselines.
+    truncated = sum(r.prompt_len + r.output_len > config.max_model_len for r in ordered)
+    final = sched.stats()
+    steps = max(counted, 1)
+    return PagedReplayResult(
+        policy="paged",
+        num_slots=num_slots,
+        total_steps=counted,
+        num_finished=finished,
+        num_truncated=truncated,
+        generated_tokens=generated,
+        makespan_s=step_index * config.step_duration_s,
+        peak_running=peak_running,
+        mean_running=sum_running / steps,
+        mean_fraction={c: sum_slots[c] / (steps * num_slots) for c in BREAKDOWN_CATEGORIES},
+        peak_slots=peak_slots,
+        block_size=config.block_size,
+        kv_utilization=sum_held / sum_allocated if sum_allocated else 1.0,
+        num_preemptions=final.num_preemptions,
+        prefix_cache_queries=final.prefix_cache_queries,
+        prefix_cache_hits=final.prefix_cache_hits,
+        resumed_prefix_hits=final.resumed_prefix_hits,
+        tokens_computed=tokens_computed,
+        peak_blocks_in_use=peak_allocated // config.block_size,
+        block_steps=sum_allocated // config.block_size,
+        wall_time_s=time.perf_counter() - started,
+        steps=tuple(history) if record_steps else None,
+    )
+
+
+BASELINE_POLICIES = ("max_length", "exact")
+
+
+@dataclass(frozen=True)
+class AllocatorComparison:
+    """One workload replayed through the paged scheduler and the reservation baselines.
+
+    All allocators get the same memory (``num_slots`` token slots) and the same batching
+    limits. ``skipped`` maps a baseline that cannot run at all (e.g. ``n`` max-length regions
+    larger than the arena) to the reason.
+    """
+
+    paged: PagedReplayResult
+    baselines: dict[str, ReservationReplayResult]
+    skipped: dict[str, str]
+
+    def metrics(self) -> dict[str, dict[str, Any]]:
+        """:func:`allocator_metrics` of each allocator that ran: ``"paged"`` first, then baselines."""
+        rows = {"paged": allocator_metrics(self.paged)}
+        rows.update({policy: allocator_metrics(result) for policy, result in self.baselines.items()})
+        return rows
+
+
+def allocator_metrics(result: PagedReplayResult | ReservationReplayResult) -> dict[str, Any]:
+    """The capacity figures ``pagedkv simulate`` reports, alike for paged and reservation replays.
+
+    ``kv_utilization`` is token states / slots held (allocated blocks, or reserved regions) over
+    the whole replay; ``kv_usage`` the time-averaged fraction of the pool held; concurrency
+    counts sequences (a request with ``n`` samples counts ``n`` once forked). Paging-only
+    figures (preemptions, prefix cache) are None for the baselines, which never preempt and
+    have no cache.
+    """
+    f = result.mean_fraction
+    held = f["token_states"] + f["reserved_unused"] + f["internal_fragmentation"]
+    paged = result if isinstance(result, PagedReplayResult) else None
+    return {
+        "policy": result.policy,
+        "peak_concurrent": result.peak_running,
+        "mean_concurrent": result.mean_running,
+        "kv_utilization": paged.kv_utilization if paged else (f["token_states"] / held if held else 1.0),
+        "kv_usage": held,
+        "preemptions": paged.num_preemptions if paged else None,
+        "prefix_cache_hit_rate": paged.prefix_cache_hit_rate if paged else None,
+        "prefill_tokens_saved": paged.prefix_cache_hits if paged else None,
+        "steps": result.total_steps,
+        "makespan_s": result.makespan_s,
+        "num_finished": result.num_finished,
+        "generated_tokens": result.generated_tokens,
+        "breakdown": dict(f),
+    }
+
+
+def compare_allocators(
+    requests: Sequence[TraceRequest],
+    config: PagedConfig,
+    *,
+    baselines: Sequence[str] = BASELINE_POLICIES,
+    seed: int = 0,
+    record_steps: bool = False,
+) -> AllocatorComparison:
+    """Replay ``requests`` through the paged scheduler and each reservation baseline.
+
+    The baselines get ``config.num_slots`` slots (the paged pool's), ``max_model_len``,
+    ``max_num_seqs``, ``max_num_batched_tokens`` and ``step_duration_s`` of ``config``.
+    Errors of the workload itself (a prompt too long for ``max_model_len``) propagate from the
+    paged replay; a baseline that cannot hold some request is listed in ``skipped``.
+    """
+    for policy in baselines:
+        if policy not in BASELINE_POLICIES:
+            raise ConfigError(f"unknown baseline {policy!r}; use one of {', '.join(BASELINE_POLICIES)}")
+    paged = replay_paged(requests, config, seed=seed, record_steps=record_steps)
+    reservation = ReservationConfig(
+        num_slots=config.num_slots,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        step_duration_s=config.step_duration_s,
+    )
+    results: dict[str, ReservationReplayResult] = {}
+    skipped: dict[str, str] = {}
+    for policy in baselines:
+        try:
+            results[policy] = replay_reservation(requests, reservation, policy, record_steps=record_steps)
+        except (ConfigError, PromptTooLongError) as error:
+            skipped[policy] = str(error)
+    return AllocatorComparison(paged=paged, baselines=results, skipped=skipped)

@@ -1,0 +1,222 @@
+"""pagedkv's attention inside transformers models: registration, step context, probing.
+
+transformers (>= 4.56, checked on 5.x) looks the attention function up by name in
+``AttentionInterface`` on every layer call, passing the layer module (with ``layer_idx``),
+query/key/value as ``[batch, heads, tokens, head_dim]`` after RoPE, the attention mask, the
+``scaling`` factor, and every extra keyword argument given to the model's ``forward``.
+pagedkv registers one function under the name ``"pagedkv"`` and passes the whole step's
+metadata as one keyword argument, ``pagedkv_context`` (a :class:`PagedAttentionContext`): the
+model code forwards it untouched to every layer, so nothing is stored in globals and several
+runners can coexist in one process.
+
+The batch is packed into one sequence (``batch = 1``, ``T`` tokens, ``position_ids`` carrying
+each token's real position for RoPE); the attention function
+
+1. writes the new K/V into layer ``module.layer_idx``'s paged cache (``store_kv``), then
+2. attends over the cache (``paged_attention``: varlen, bottom-right causal per sequence),
+
+and returns ``[1, T, H, D]`` (the layout transformers reshapes into the output projection).
+
+The mask function registered under the same name returns ``None``: masking is done by
+``paged_attention`` from ``cu_seqlens_q`` / ``seq_lens``, so transformers must not build a
+``[T, T]`` mask (it would also be wrong: it cannot see the cached prefix).
+
+A *probe* context instead runs plain causal attention over the given tokens and records every
+call (layer index, shapes, extra arguments such as ``sliding_window``); the runner uses it at
+load time to check that a model really routes all its attention through this function.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv.errors import ConfigError
+
+__all__ = [
+    "ATTENTION_NAME",
+    "CONTEXT_KWARG",
+    "AttentionCall",
+    "KernelFns",
+    "PagedAttentionContext",
+    "ProbeContext",
+    "ProfileContext",
+    "pagedkv_attention_forward",
+    "register_pagedkv_attention",
+    "resolve_kernels",
+]
+
+ATTENTION_NAME = "pagedkv"
+CONTEXT_KWARG = "pagedkv_context"
+
+
+@dataclass
+class KernelFns:
+    """The two kernels the attention function calls (signatures of DESIGN.md, Kernels)."""
+
+    store_kv: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+    name: str
+
+
+@dataclass
+class PagedAttentionContext:
+    """One step's attention metadata, shared by all layers (tensors on the model's device)."""
+
+    kernels: KernelFns
+    # Per layer (index = module.layer_idx): (key_cache, value_cache), each
+    # [num_blocks, block_size, num_kv_heads, head_dim].
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    slot_mapping: torch.Tensor  # [T] int64, -1 = do not store
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32, KV tokens per sequence including the new ones
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    # Host-side hints for the Triton launch (longest query chunk / context); None = unknown.
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
+
+
+@dataclass
+class AttentionCall:
+    """What one attention call of a probe forward looked like."""
+
+    layer_idx: int | None
+    query_shape: tuple[int, ...]
+    key_shape: tuple[int, ...]
+    value_shape: tuple[int, ...]
+    scaling: float | None
+    has_mask: bool
+    # Extra keyword arguments that change the attention math (sliding_window, softcap, ...).
+    extras: dict[str, Any]
+
+
+@dataclass
+class ProbeContext:
+    """Runs plain causal attention over one unpadded sequence and records every call."""
+
+    calls: list[AttentionCall] = field(default_factory=list)
+
+
+@dataclass
+class ProfileContext:
+    """Skips attention entirely (returns uninitialized output): for memory profiling only."""
+
+
+# Keyword arguments some models pass to the attention function that pagedkv's kernels do not
+# implement; a probe records them, and the runner refuses the model if one is active.
+_MATH_CHANGING_KWARGS = ("sliding_window", "softcap", "s_aux", "sinks", "is_causal", "attention_chunk_size")
+
+
+def pagedkv_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # ([1, T, H, D], no weights)
+    """The function registered as ``"pagedkv"`` in transformers' ``AttentionInterface``."""
+    context = kwargs.get(CONTEXT_KWARG)
+    if isinstance(context, PagedAttentionContext):
+        q = query[0].transpose(0, 1)  # [T, H, D] (a view; the kernels take strides)
+        k = key[0].transpose(0, 1)  # [T, Hkv, D]
+        v = value[0].transpose(0, 1)
+        key_cache, value_cache = context.kv_caches[module.layer_idx]  # type: ignore[index]
+        context.kernels.store_kv(k, v, key_cache, value_cache, context.slot_mapping)
+        out = context.kernels.paged_attention(
+            q, key_cache, value_cache, context.block_tables, context.seq_lens,
+            context.cu_seqlens_q, scale=scaling,
+            max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
+        )
+        return out.unsqueeze(0), None
+    if isinstance(context, ProbeContext):
+        return _probe_attention(context, module, query, key, value, attention_mask, scaling, kwargs)
+    if isinstance(context, ProfileContext):
+        return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[3]), None
+    raise RuntimeError(
+        f"the '{ATTENTION_NAME}' attention implementation needs the step metadata: run the model "
+        f"through pagedkv.worker.model_runner.ModelRunner (keyword argument {CONTEXT_KWARG!r} missing)"
+    )
+
+
+def _probe_attention(
+    context: ProbeContext,
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, Tk, D]
+    value: torch.Tensor,  # [1, Hkv, Tk, Dv]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    extras = {name: kwargs[name] for name in _MATH_CHANGING_KWARGS if kwargs.get(name) is not None}
+    for attribute in ("sinks", "sliding_window"):
+        if getattr(module, attribute, None) is not None and attribute not in extras:
+            extras[attribute] = getattr(module, attribute)
+    if getattr(module, "is_causal", True) is False and "is_causal" not in extras:
+        extras["is_causal"] = False
+    context.calls.append(
+        AttentionCall(
+            layer_idx=getattr(module, "layer_idx", None),
+            query_shape=tuple(query.shape),
+            key_shape=tuple(key.shape),
+            value_shape=tuple(value.shape),
+            scaling=scaling,
+            has_mask=attention_mask is not None,
+            extras=extras,
+        )
+    )
+    # Any well-shaped output lets the forward go on; plain causal attention keeps the
+    # activations realistic for the layers after this one.
+    groups = query.shape[1] // max(key.shape[1], 1)
+    if groups * key.shape[1] == query.shape[1] and key.shape[2] == query.shape[2] and key.shape[3] == query.shape[3]:
+        k = key.repeat_interleave(groups, dim=1)
+        v = value.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling)
+    else:
+        out = query.new_zeros(query.shape[0], query.shape[1], query.shape[2], value.shape[3])
+    return out.transpose(1, 2), None
+
+
+def _pagedkv_mask(*args: Any, **kwargs: Any) -> None:
+    """No mask: ``paged_attention`` masks from the step metadata."""
+    return None
+
+
+@functools.cache
+def register_pagedkv_attention() -> str:
+    """Register the attention and mask functions with transformers (idempotent); return the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, pagedkv_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, _pagedkv_mask)
+    return ATTENTION_NAME
+
+
+def resolve_kernels(backend: str | None, device: torch.device) -> KernelFns:
+    """``store_kv`` / ``paged_attention`` of :mod:`pagedkv.kernels` for ``backend``.
+
+    ``None`` leaves the choice to the kernels' dispatcher (``PAGEDKV_ATTENTION_BACKEND``, else
+    Triton on CUDA and the cpu backend on the CPU); ``"torch"`` / ``"triton"`` / ``"cpu"``
+    force one.
+    """
+    if backend not in (None, "auto", "torch", "triton", "cpu"):
+        raise ConfigError(f"attention_backend must be None, 'auto', 'torch', 'triton' or 'cpu', got {backend!r}")
+    import pagedkv.kernels as kernels
+
+    if backend is None:
+        return KernelFns(kernels.store_kv, kernels.paged_attention, name=kernels.resolve_backend(device))
+    name = kernels.resolve_backend(device, backend)
+    return KernelFns(
+        functools.partial(kernels.store_kv, backend=name),
+        functools.partial(kernels.paged_attention, backend=name),
+        name=name,
+    )

@@ -1,0 +1,433 @@
+"""``ModelRunner``: a transformers causal LM running on pagedkv's paged KV cache.
+
+One step = one packed forward. The scheduler's ``SchedulerOutput`` (DESIGN.md, Step output)
+already holds the batch as flat arrays; the runner
+
+1. copies whole blocks for the step's copy-on-write ops (all layers, K and V, in one indexed
+   copy: the per-layer caches are views of one tensor ``[L, 2, num_blocks, block_size, Hkv, D]``),
+2. runs the model once over all ``T`` scheduled tokens as a single sequence (``input_ids`` and
+   ``position_ids`` of shape ``[1, T]``, no transformers cache), handing the step metadata to
+   pagedkv's attention function as the keyword argument ``pagedkv_context``
+   (:mod:`pagedkv.worker.attention_backend`), and
+3. computes the LM head only on the rows in ``logits_indices`` (the model's own
+   ``logits_to_keep`` argument, given as an index tensor: no ``[T, V]`` logits for a long
+   prefill, and the model's own logit post-processing such as soft-capping still applies).
+
+It returns float32 logits ``[S, V]``, one row per sampled sequence, in ``logits_indices`` order.
+
+KV cache size: on CUDA, what ``gpu_memory_utilization`` of the device leaves after the weights
+and the activation peak of a profiling forward over ``max_num_batched_tokens`` tokens; on the
+CPU, ``kv_cache_memory`` bytes (default 1 GiB) or an explicit ``num_blocks``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedkv.worker.attention_backend import (
+    ATTENTION_NAME,
+    CONTEXT_KWARG,
+    KernelFns,
+    PagedAttentionContext,
+    ProbeContext,
+    ProfileContext,
+    register_pagedkv_attention,
+    resolve_kernels,
+)
+from pagedkv.errors import ConfigError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
+from pagedkv.worker.model_files import resolve_model
+from pagedkv.worker.model_support import AttentionGeometry, check_config, check_probe, context_length_of
+
+__all__ = ["ModelRunner", "DEFAULT_CPU_KV_CACHE_MEMORY"]
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
+_PROBE_TOKENS = 5
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class ModelRunner:
+    """Loads a causal LM, owns its paged KV cache, and runs one packed forward per step.
+
+    Public attributes after construction: ``model``, ``model_path`` (what ``from_pretrained``
+    got; load the tokenizer from it), ``device``, ``dtype``, ``block_size``, ``num_blocks``,
+    ``bytes_per_block`` (K and V of all layers), ``kv_cache_bytes``, ``num_layers``,
+    ``num_heads``, ``num_kv_heads``, ``head_dim``, ``vocab_size``, ``max_model_len``,
+    ``attention_backend``, ``kv_caches`` (per layer ``(key_cache, value_cache)``, each
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``), ``eos_token_ids``.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "auto",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        attention_backend: str | None = None,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        trust_remote_code: bool = False,
+    ) -> None:
+        if not isinstance(block_size, int) or block_size < 8 or block_size & (block_size - 1):
+            raise ConfigError(f"block_size must be a power of two >= 8, got {block_size!r}")
+        if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
+            raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        if kv_cache_memory is not None and (not isinstance(kv_cache_memory, int) or kv_cache_memory < 1):
+            raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
+        if not 0.0 < gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+        for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+
+        self.device = _resolve_device(device)
+        self.block_size = block_size
+        self.model_path = resolve_model(model)
+        register_pagedkv_attention()
+        self.kernels: KernelFns = resolve_kernels(attention_backend, self.device)
+        self.attention_backend = self.kernels.name
+
+        config = _load_config(self.model_path, trust_remote_code)
+        text_config = config.get_text_config()
+        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
+            raise ConfigError(f"max_model_len must be a positive int, got {max_model_len!r}")
+        declared_len = context_length_of(text_config)
+        # Unsupported features first: they matter more than a missing context length.
+        check_config(text_config, max_model_len or declared_len or sys.maxsize)
+        if max_model_len is None:
+            if declared_len is None:
+                raise ConfigError(
+                    f"the config of {self.model_path!r} declares no context length; pass max_model_len"
+                )
+            max_model_len = declared_len
+        self.max_model_len = max_model_len
+
+        self.dtype = _resolve_dtype(dtype, config, self.device)
+        self.model = _load_model(self.model_path, self.dtype, self.device, trust_remote_code)
+        head = self.model.get_output_embeddings()
+        self.vocab_size = int(head.weight.shape[0]) if head is not None else int(text_config.vocab_size)
+        self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+        geometry = self._probe()
+        self.num_layers = geometry.num_layers
+        self.num_heads = geometry.num_heads
+        self.num_kv_heads = geometry.num_kv_heads
+        self.head_dim = geometry.head_dim
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        self.bytes_per_block = (
+            2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_size
+        )
+
+        if num_blocks is None:
+            num_blocks = self._blocks_that_fit(
+                kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs
+            )
+        self.num_blocks = num_blocks
+        self.kv_cache_bytes = num_blocks * self.bytes_per_block
+        # One tensor for every layer's K and V: copy-on-write is one indexed copy per step.
+        # Zeros, not empty: padding keys are masked, but NaN garbage times a zero weight is NaN.
+        with torch.inference_mode():
+            self.kv_cache = torch.zeros(
+                self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim,
+                dtype=self.dtype, device=self.device,
+            )
+        self.kv_caches = [(self.kv_cache[layer, 0], self.kv_cache[layer, 1]) for layer in range(self.num_layers)]
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The model's end-of-sequence ids (generation config, else model config); may be empty."""
+        for source in (getattr(self.model, "generation_config", None), self.model.config):
+            eos = getattr(source, "eos_token_id", None)
+            if eos is not None:
+                return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+        return []
+
+    # ------------------------------------------------------------------ per step
+
+    @torch.inference_mode()
+    def execute(self, step: Any) -> torch.Tensor:
+        """Run one scheduler step; return float32 logits ``[S, V]`` for ``step.logits_indices``.
+
+        ``step`` has the ``SchedulerOutput`` fields (numpy arrays or tensors): ``input_ids``
+        int64[T], ``positions`` int64[T], ``cu_seqlens_q`` int32[B+1], ``seq_lens`` int32[B],
+        ``block_tables`` int32[B, max_blocks], ``slot_mapping`` int64[T], ``logits_indices``
+        int64[S] and optionally ``copy_ops`` int32[K, 2] (src, dst), run before the forward.
+        """
+        input_ids = self._to_device(step.input_ids, torch.int64, "input_ids")
+        positions = self._to_device(step.positions, torch.int64, "positions")
+        slot_mapping = self._to_device(step.slot_mapping, torch.int64, "slot_mapping")
+        cu_seqlens_q = self._to_device(step.cu_seqlens_q, torch.int32, "cu_seqlens_q")
+        seq_lens = self._to_device(step.seq_lens, torch.int32, "seq_lens")
+        block_tables = self._to_device(step.block_tables, torch.int32, "block_tables")
+        logits_indices = self._to_device(step.logits_indices, torch.int64, "logits_indices")
+        _check_step_shapes(input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, block_tables, logits_indices)
+        # Copy-on-write before the forward: this step's K/V writes go into the copies.
+        copy_ops = getattr(step, "copy_ops", None)
+        if copy_ops is not None and len(copy_ops) > 0:
+            self.copy_blocks(copy_ops)
+
+        num_tokens = input_ids.shape[0]
+        if num_tokens == 0:  # nothing scheduled (copy ops only)
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        max_seqlen_q, max_seqlen_k = _host_max_lens(step.cu_seqlens_q, step.seq_lens)
+        context = PagedAttentionContext(
+            kernels=self.kernels,
+            kv_caches=self.kv_caches,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+        )
+        return self._forward(input_ids, positions, logits_indices, context)
+
+    @torch.inference_mode()
+    def copy_blocks(self, copy_ops: Any) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer's K and V. ``copy_ops``: int[K, 2]."""
+        ops = _as_tensor(copy_ops, "copy_ops")
+        if ops.dim() != 2 or ops.shape[1] != 2:
+            raise InvalidArgumentError(f"copy_ops must be [K, 2] (src, dst), got shape {tuple(ops.shape)}")
+        if ops.numel() == 0:
+            return
+        if ops.device.type == "cpu":  # value checks are free on the host
+            low, high = int(ops.min()), int(ops.max())
+            if low < 0 or high >= self.num_blocks:
+                bad = low if low < 0 else high
+                raise InvalidArgumentError(f"copy_ops holds block id {bad}, not in [0, {self.num_blocks})")
+            if len(set(ops[:, 1].tolist())) != ops.shape[0]:
+                raise InvalidArgumentError("copy_ops writes the same destination block twice")
+        ops = ops.to(self.device, torch.int64, non_blocking=True)
+        src, dst = ops[:, 0], ops[:, 1]
+        # index_select copies first, so a block that is both a source and a destination in the
+        # same step still reads its old content.
+        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+
+    # ------------------------------------------------------------------ internals
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        logits_indices: torch.Tensor,  # [S] int64
+        context: object,
+    ) -> torch.Tensor:  # [S, V] float32
+        kwargs = {
+            "input_ids": input_ids.unsqueeze(0),
+            "position_ids": positions.unsqueeze(0),
+            "use_cache": False,
+            CONTEXT_KWARG: context,
+        }
+        if self._accepts_logits_to_keep:
+            logits = self.model(**kwargs, logits_to_keep=logits_indices).logits[0]
+        else:
+            logits = self.model(**kwargs).logits[0].index_select(0, logits_indices)
+        return logits.float()
+
+    @torch.inference_mode()
+    def _probe(self) -> AttentionGeometry:
+        """Forward a few tokens through the recording attention; check the calls."""
+        probe = ProbeContext()
+        num_tokens = min(_PROBE_TOKENS, self.max_model_len)
+        input_ids = torch.arange(1, num_tokens + 1, device=self.device) % self.vocab_size
+        positions = torch.arange(num_tokens, device=self.device)
+        last = torch.tensor([num_tokens - 1], device=self.device)
+        try:
+            self._forward(input_ids, positions, last, probe)
+        except UnsupportedModelError:
+            raise
+        except Exception as exc:  # the model's own code failed on a packed forward
+            raise UnsupportedModelError(
+                f"a probe forward of {type(self.model).__name__} through pagedkv's attention "
+                f"failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        return check_probe(probe.calls, self.model.config.get_text_config(), num_tokens, self.max_model_len)
+
+    def _blocks_that_fit(
+        self,
+        kv_cache_memory: int | None,
+        gpu_memory_utilization: float,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+    ) -> int:
+        if self.device.type == "cuda" and kv_cache_memory is None:
+            budget = self._profile_cuda_budget(gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
+            source = f"gpu_memory_utilization={gpu_memory_utilization}"
+        else:
+            budget = kv_cache_memory if kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_MEMORY
+            source = f"kv_cache_memory={budget}"
+        num_blocks = budget // self.bytes_per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"{source} leaves {max(budget, 0)} bytes for the KV cache, less than one block "
+                f"({self.bytes_per_block} bytes)"
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_cuda_budget(
+        self, gpu_memory_utilization: float, max_num_batched_tokens: int, max_num_seqs: int
+    ) -> int:
+        """Bytes left for the KV cache after weights, other users and the activation peak."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        allocated_before = torch.cuda.memory_allocated(self.device)
+        num_tokens = min(max_num_batched_tokens, self.max_model_len)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        rows = torch.arange(num_tokens - min(max_num_seqs, num_tokens), num_tokens, device=self.device)
+        logits = self._forward(input_ids, positions, rows, ProfileContext())
+        # The sampler works on a few [S, V] float32 copies of the logits.
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - allocated_before
+        activation_peak += 3 * logits.numel() * 4
+        del logits
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        in_use = total - free  # weights, CUDA context, other processes
+        return int(total * gpu_memory_utilization) - in_use - activation_peak
+
+    def _to_device(self, array: Any, dtype: torch.dtype, name: str) -> torch.Tensor:
+        tensor = _as_tensor(array, name)
+        if tensor.dtype != dtype:
+            if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
+                raise InvalidArgumentError(f"{name} must hold integers, got {tensor.dtype}")
+            tensor = tensor.to(dtype)
+        return tensor.to(self.device, non_blocking=True)
+
+
+def _as_tensor(array: Any, name: str) -> torch.Tensor:
+    if isinstance(array, torch.Tensor):
+        return array
+    if isinstance(array, np.ndarray):
+        if not array.flags.writeable or not array.flags.c_contiguous:
+            array = np.array(array)  # torch.from_numpy wants a writable array
+        return torch.from_numpy(array)
+    try:
+        return torch.as_tensor(array)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidArgumentError(f"{name} must be an array, got {type(array).__name__}") from exc
+
+
+def _host_max_lens(cu_seqlens_q: Any, seq_lens: Any) -> tuple[int | None, int | None]:
+    """Longest query chunk and context, when the arrays are on the host (free to read)."""
+    if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.device.type != "cpu":
+        return None, None
+    cu = np.asarray(cu_seqlens_q)
+    lens = np.asarray(seq_lens)
+    if lens.size == 0:
+        return None, None
+    return int(np.diff(cu).max()), int(lens.max())
+
+
+def _check_step_shapes(
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    logits_indices: torch.Tensor,
+) -> None:
+    """Shape consistency of one step (metadata only: no device sync)."""
+    for name, tensor in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slot_mapping),
+                         ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens), ("logits_indices", logits_indices)):
+        if tensor.dim() != 1:
+            raise InvalidArgumentError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
+    num_tokens = input_ids.shape[0]
+    if positions.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
+        raise InvalidArgumentError(
+            f"input_ids, positions and slot_mapping must have one entry per token, got "
+            f"{num_tokens}, {positions.shape[0]}, {slot_mapping.shape[0]}"
+        )
+    num_seqs = seq_lens.shape[0]
+    if cu_seqlens_q.shape[0] != num_seqs + 1:
+        raise InvalidArgumentError(
+            f"cu_seqlens_q must have B + 1 = {num_seqs + 1} entries, got {cu_seqlens_q.shape[0]}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise InvalidArgumentError(
+            f"block_tables must be [B={num_seqs}, max_blocks], got shape {tuple(block_tables.shape)}"
+        )
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} requested but CUDA is not available")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be a CPU or CUDA device, got {device!r}")
+    return resolved
+
+
+def _resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(declared, str):
+            declared = _DTYPES.get(declared)
+        return declared if declared in (torch.float16, torch.float32) else torch.float16
+    elif isinstance(dtype, str) and dtype in _DTYPES:
+        resolved = _DTYPES[dtype]
+    else:
+        raise ConfigError(f"dtype must be 'auto', 'float32', 'float16', 'bfloat16' or a torch.dtype, got {dtype!r}")
+    if resolved not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {resolved}")
+    return resolved
+
+
+def _load_config(model_path: str, trust_remote_code: bool) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load the config of model {model_path!r}: {exc}") from exc
+
+
+def _load_model(model_path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path,
+            dtype=dtype,
+            attn_implementation=ATTENTION_NAME,
+            trust_remote_code=trust_remote_code,
+        )
+    except ValueError as exc:
+        # "Unrecognized configuration class ... for AutoModelForCausalLM", or an attention
+        # implementation the model class refuses.
+        raise UnsupportedModelError(f"cannot load {model_path!r} as a pagedkv causal LM: {exc}") from exc
+    except OSError as exc:
+        raise ModelLoadError(f"cannot load the weights of model {model_path!r}: {exc}") from exc
+    model.eval()
+    # transformers decorates `to`; mypy mis-reads its signature.
+    return model.to(device)  # type: ignore[arg-type]
