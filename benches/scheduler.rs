@@ -1,15 +1,17 @@
 //! Scheduler step cost in pure Rust (criterion): `cargo bench --bench scheduler`.
 //!
 //! One step = `schedule()` (flat output arrays included) + `update()` with one sampled token
-//! per row. Scenarios: 256 decodes at 2k-token contexts; a mixed step of decodes and prefill
-//! chunks of arriving 1024-token prompts under a 2048-token budget. The Python figures (with
-//! the numpy conversion) come from benches/bench_scheduler.py.
+//! per row. Scenarios: 256 decodes at 2k-token contexts, with a fresh output per step
+//! (`schedule`) and with two outputs reused in turn (`schedule_into`, as the Python bindings
+//! reuse their arrays: only block-table rows that changed are written); a mixed step of
+//! decodes and prefill chunks of arriving 1024-token prompts under a 2048-token budget. The
+//! Python figures (with the numpy conversion) come from benches/bench_scheduler.py.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use pagedkv::scheduler::{NewRequest, Scheduler, SchedulerConfig};
+use pagedkv::scheduler::{NewRequest, Scheduler, SchedulerConfig, StepOutput};
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
     (0..len as u32).map(|i| (i.wrapping_mul(2654435761) ^ seed.wrapping_mul(40503)) % 50_000).collect()
@@ -63,6 +65,32 @@ fn decode_step(c: &mut Criterion) {
     });
 }
 
+fn decode_step_reused(c: &mut Criterion) {
+    let (num_seqs, ctx, steps_per_setup) = (256, 2048, 1000);
+    let sampled = vec![0u32; num_seqs];
+    c.bench_function("schedule_into+update: 256 decodes, 2k contexts, 2 outputs reused", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut s = decode_scheduler(num_seqs, ctx, steps_per_setup);
+            let mut outs = [StepOutput::default(), StepOutput::default()];
+            let mut n = 0;
+            for _ in 0..iters {
+                if n == steps_per_setup {
+                    s = decode_scheduler(num_seqs, ctx, steps_per_setup);
+                    n = 0;
+                }
+                let out = &mut outs[n % 2];
+                let t = Instant::now();
+                s.schedule_into(out).unwrap();
+                black_box(s.update(out.step_id, &sampled).unwrap());
+                total += t.elapsed();
+                n += 1;
+            }
+            total
+        })
+    });
+}
+
 fn mixed_step(c: &mut Criterion) {
     let mut cfg = SchedulerConfig::new(16, 40_000);
     cfg.max_model_len = 4096;
@@ -101,5 +129,5 @@ fn mixed_step(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, decode_step, mixed_step);
+criterion_group!(benches, decode_step, decode_step_reused, mixed_step);
 criterion_main!(benches);

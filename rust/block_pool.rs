@@ -355,6 +355,23 @@ impl BlockPool {
         }
     }
 
+    /// Ends the cached identity of `block`, in use or not (no-op if it has none): its KV is
+    /// not what the identity says (the step writing it failed). A free block moves to the
+    /// reuse-first end of the queue, like any uncached block.
+    pub(crate) fn uncache(&mut self, block: BlockId) {
+        if !self.is_cached(block) {
+            return;
+        }
+        let queued = self.ref_counts[block.index()] == 0 && self.free.contains(block);
+        if queued {
+            self.free.remove(block);
+        }
+        self.evict(block);
+        if queued {
+            self.free.push_front(block);
+        }
+    }
+
     /// Ends the cached identity of `block` (no-op if it has none).
     #[inline]
     fn evict(&mut self, block: BlockId) {

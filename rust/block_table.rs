@@ -14,12 +14,22 @@ pub fn blocks_for(num_tokens: usize, block_size: usize) -> usize {
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BlockTable {
     blocks: Vec<BlockId>,
+    /// Bumped whenever an entry changes other than by appending (copy-on-write, take), so a
+    /// copy of the first `k` entries made at the same version is still a prefix of the table.
+    version: u32,
 }
 
 impl BlockTable {
     /// A table over the given blocks, in logical order.
     pub fn from_blocks(blocks: Vec<BlockId>) -> Self {
-        BlockTable { blocks }
+        BlockTable { blocks, version: 0 }
+    }
+
+    /// Changes whenever an entry is replaced or removed (appends keep it): the first `k`
+    /// blocks seen at version `v` are still the first `k` blocks while the version is `v`.
+    #[inline]
+    pub fn version(&self) -> u32 {
+        self.version
     }
 
     /// The physical blocks in logical order.
@@ -49,10 +59,12 @@ impl BlockTable {
     /// Replaces the physical block at logical index `i` (copy-on-write), returning the old one.
     #[inline]
     pub fn replace(&mut self, i: usize, block: BlockId) -> BlockId {
+        self.version = self.version.wrapping_add(1);
         std::mem::replace(&mut self.blocks[i], block)
     }
 
-    /// Mutable access for appending allocations in place.
+    /// Mutable access for appending allocations in place (callers only push: the version
+    /// does not change).
     #[inline]
     pub(crate) fn blocks_mut(&mut self) -> &mut Vec<BlockId> {
         &mut self.blocks
@@ -60,6 +72,7 @@ impl BlockTable {
 
     /// Takes the blocks out, leaving the table empty.
     pub fn take(&mut self) -> Vec<BlockId> {
+        self.version = self.version.wrapping_add(1);
         std::mem::take(&mut self.blocks)
     }
 
@@ -73,6 +86,11 @@ impl BlockTable {
 
     /// Appends the slots of positions `start .. end` to `out`.
     pub fn extend_slots(&self, start: usize, end: usize, block_size: usize, out: &mut Vec<i64>) {
+        if end == start + 1 {
+            // A decode: one slot.
+            out.push(self.slot(start, block_size));
+            return;
+        }
         out.reserve(end.saturating_sub(start));
         let mut pos = start;
         while pos < end {
@@ -109,5 +127,8 @@ mod tests {
         let mut out = Vec::new();
         t.extend_slots(2, 7, 4, &mut out);
         assert_eq!(out, vec![22, 23, 8, 9, 10]);
+        t.extend_slots(5, 6, 4, &mut out);
+        t.extend_slots(3, 3, 4, &mut out);
+        assert_eq!(out, vec![22, 23, 8, 9, 10, 9]);
     }
 }

@@ -324,6 +324,14 @@ impl KvCacheManager {
         Ok(())
     }
 
+    /// Appends one known token id (e.g. a sampled one) without giving it a slot; returns the
+    /// sequence's new token count.
+    pub fn append_token(&mut self, id: SeqId, token: u32) -> Result<usize> {
+        let seq = self.seq_mut(id)?;
+        seq.tokens.push(token);
+        Ok(seq.tokens.len())
+    }
+
     /// Decode step for one sequence: appends `token` and gives it a slot. All-or-nothing:
     /// `Ok(false)` and no change when no block is free.
     pub fn append_token_with_slot(&mut self, id: SeqId, token: u32) -> Result<bool> {
@@ -390,6 +398,21 @@ impl KvCacheManager {
             self.pool.release_ref_unchecked(b);
         }
         Ok(seq.tokens)
+    }
+
+    /// Ends sequence `id` like [`Self::free_take_tokens`] after the step that was writing its
+    /// window (`write_start .. num_computed`) failed: those positions count as not computed,
+    /// and blocks holding any of them lose their prefix-cache identity (the step may have
+    /// registered them before writing them), so nothing unwritten is ever served as a hit.
+    pub fn free_discarding_window(&mut self, id: SeqId) -> Result<Vec<u32>> {
+        let seq = self.seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
+        let first_unsure = seq.write_start / self.pool.block_size();
+        for k in first_unsure..seq.num_registered.min(seq.table.len()) {
+            self.pool.uncache(seq.table.blocks()[k]);
+        }
+        seq.num_registered = seq.num_registered.min(first_unsure);
+        seq.num_computed = seq.write_start;
+        self.free_take_tokens(id)
     }
 
     /// Takes the copy-on-write ops recorded since the last call, in order.

@@ -9,7 +9,10 @@
 //!
 //! Thousands of requests with random prompt/output lengths, arrivals, priorities, shared
 //! prefixes, parallel sampling, eos/stop ids and aborts run under a pool small enough to
-//! force preemption. After every step the invariants hold; at the end every request ended with
+//! force preemption. Some configurations also make the model fail mid-step (it runs part of
+//! the copy ops and writes garbage into part of the step's slots) and roll the step back, with
+//! aborts landing between schedule and rollback: any unwritten KV served later as a prefix hit
+//! would change the tokens. After every step the invariants hold; at the end every request ended with
 //! the right tokens and reason, and every block is free with ref count 0.
 
 use std::collections::HashMap;
@@ -48,6 +51,23 @@ impl FakeModel {
     fn read(&self, table: &[i32], pos: usize) -> u64 {
         let slot = table[pos / self.bs] as usize * self.bs + pos % self.bs;
         self.kv[slot].expect("attention read a slot that was never written")
+    }
+
+    /// A forward that fails part-way: some copy ops run, some of the step's slots get garbage.
+    fn execute_failing(&mut self, out: &StepOutput, rng: &mut StdRng) {
+        for op in out.copy_ops.chunks(2) {
+            if rng.random_bool(0.5) {
+                let (src, dst) = (op[0] as usize, op[1] as usize);
+                for off in 0..self.bs {
+                    self.kv[dst * self.bs + off] = self.kv[src * self.bs + off];
+                }
+            }
+        }
+        for &slot in &out.slot_mapping {
+            if rng.random_bool(0.5) {
+                self.kv[slot as usize] = Some(rng.random());
+            }
+        }
     }
 
     fn execute(&mut self, out: &StepOutput) -> Vec<u32> {
@@ -124,6 +144,8 @@ struct SimSpec {
     caching: bool,
     hash_mode: HashMode,
     abort_prob: f64,
+    /// Probability that a step's forward fails (and is rolled back).
+    fail_prob: f64,
 }
 
 fn run_sim(spec: &SimSpec) -> (u64, u64) {
@@ -170,13 +192,31 @@ fn run_sim(spec: &SimSpec) -> (u64, u64) {
             expect.insert(id, e);
         }
         let out = sched.schedule().unwrap();
+        if spec.fail_prob > 0.0 && rng.random_bool(spec.fail_prob) {
+            model.execute_failing(&out, &mut rng);
+            // An abort can land while the failed step is in flight.
+            if rng.random_bool(0.3) {
+                if let Some(row) = out.row_requests.first() {
+                    let id = sched.request_id(*row).unwrap().to_string();
+                    sched.abort_request(&id).unwrap();
+                    expect.get_mut(&id).unwrap().aborted = true;
+                }
+            }
+            let ids = sched.rollback_step(out.step_id).unwrap();
+            assert!(ids.len() <= out.num_rows());
+            assert!(sched.update(out.step_id, &[]).is_err(), "a rolled-back step cannot be updated");
+            sched.check_invariants().unwrap();
+            step += 1;
+            continue;
+        }
         reported_finished += out.finished.len();
         let sampled = model.execute(&out);
         let updates = sched.update(out.step_id, &sampled).unwrap();
         for u in &updates {
-            let e = expect.get_mut(&*u.request_id).unwrap();
+            let id = sched.request_id(u.request).expect("an updated request is named until the next schedule");
+            let e = expect.get_mut(&**id).unwrap();
             let i = u.index as usize;
-            assert!(e.reasons[i].is_none(), "token after finish for {} #{i}", u.request_id);
+            assert!(e.reasons[i].is_none(), "token after finish for {id} #{i}");
             e.outputs[i].push(u.token);
             e.reasons[i] = u.finish_reason;
         }
@@ -233,6 +273,7 @@ fn thousands_of_requests_under_preemption_match_contiguous_reference() {
             caching,
             hash_mode: HashMode::Xxh3,
             abort_prob: 0.02,
+            fail_prob: 0.0,
         });
         assert!(preemptions > 100, "the pool must be small enough to force preemption (got {preemptions})");
         if caching {
@@ -255,7 +296,32 @@ fn hash_collisions_do_not_change_tokens() {
         caching: true,
         hash_mode: HashMode::Truncated(2),
         abort_prob: 0.05,
+        fail_prob: 0.0,
     });
+}
+
+#[test]
+fn failed_steps_rolled_back_never_serve_unwritten_kv() {
+    for (seed, policy, caching, bs) in [(11, Policy::Fcfs, true, 16), (12, Policy::Priority, true, 4), (13, Policy::Fcfs, false, 8)] {
+        let (preemptions, hits) = run_sim(&SimSpec {
+            seed,
+            num_requests: 600,
+            num_blocks: 512usize.div_ceil(bs) + 40,
+            block_size: bs,
+            max_model_len: 512,
+            budget: 128,
+            max_num_seqs: 32,
+            policy,
+            caching,
+            hash_mode: HashMode::Xxh3,
+            abort_prob: 0.02,
+            fail_prob: 0.15,
+        });
+        assert!(preemptions > 0);
+        if caching {
+            assert!(hits > 0);
+        }
+    }
 }
 
 proptest! {
@@ -271,6 +337,7 @@ proptest! {
         priority in any::<bool>(),
         caching in any::<bool>(),
         abort_prob in 0.0f64..0.2,
+        fail_prob in prop::sample::select(vec![0.0f64, 0.0, 0.2]),
     ) {
         let max_model_len: usize = 64;
         run_sim(&SimSpec {
@@ -285,6 +352,7 @@ proptest! {
             caching,
             hash_mode: HashMode::Xxh3,
             abort_prob,
+            fail_prob,
         });
     }
 }

@@ -1,7 +1,7 @@
 # Type stubs for the Rust extension module pagedkv._core (rust/py/). Checked against the
 # compiled module with `python -m mypy.stubtest pagedkv._core` (make lint, and a test).
-from collections.abc import Iterable, Sequence
-from typing import SupportsIndex, final
+from collections.abc import Iterable, Iterator, Sequence
+from typing import SupportsIndex, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -10,10 +10,12 @@ _Ints = Sequence[SupportsIndex] | Iterable[SupportsIndex] | npt.NDArray[np.int32
 
 __all__ = [
     "BlockAllocator",
+    "ERROR_CLASS_NAMES",
     "KVCacheManager",
     "MAX_BLOCK_SIZE",
     "MAX_NUM_BLOCKS",
     "RequestUpdate",
+    "RequestUpdates",
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
@@ -23,6 +25,8 @@ __all__ = [
 
 MAX_NUM_BLOCKS: int
 MAX_BLOCK_SIZE: int
+# The pagedkv.errors classes the bindings can raise (tests/test_errors_mapping.py).
+ERROR_CLASS_NAMES: tuple[str, ...]
 
 @final
 class BlockAllocator:
@@ -205,6 +209,29 @@ class RequestUpdate:
     def num_cached_tokens(self) -> int: ...
 
 @final
+class RequestUpdates(Sequence[RequestUpdate]):
+    """What ``Scheduler.update`` returns: one update per sampled row of a live request, in
+    logits-row order. A read-only sequence of RequestUpdate (items are built when accessed), with
+    the same data as columns for bulk reads."""
+
+    def __len__(self) -> int: ...
+    @overload
+    def __getitem__(self, key: SupportsIndex, /) -> RequestUpdate: ...
+    @overload
+    def __getitem__(self, key: slice, /) -> list[RequestUpdate]: ...
+    def __iter__(self) -> Iterator[RequestUpdate]: ...
+    @property
+    def request_ids(self) -> list[str]: ...
+    @property
+    def indices(self) -> list[int]: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def finish_reasons(self) -> list[str | None]: ...
+    @property
+    def num_cached_tokens(self) -> list[int]: ...
+
+@final
 class SchedulerStats:
     """A snapshot of the scheduler's state and counters."""
 
@@ -274,9 +301,10 @@ class Scheduler:
         n: SupportsIndex | None = None,
     ) -> None: ...
     def schedule(self) -> SchedulerOutput: ...
-    def update(self, output: SchedulerOutput, sampled_token_ids: _Ints) -> list[RequestUpdate]: ...
+    def update(self, output: SchedulerOutput, sampled_token_ids: _Ints) -> RequestUpdates: ...
     def abort_request(self, request_id: str) -> None: ...
     def finish_sample(self, request_id: str, index: SupportsIndex | None = None) -> bool: ...
+    def rollback_step(self, output: SchedulerOutput) -> list[str]: ...
     def has_unfinished_requests(self) -> bool: ...
     @property
     def num_waiting(self) -> int: ...

@@ -3,21 +3,11 @@
 
 use pyo3::prelude::*;
 
-use super::args::{bool_arg, count_arg, int_arg, int_list_arg, salt_arg, token_ids_arg};
+use super::args::{bool_arg, count_arg, hash_mode_arg, int_arg, int_list_arg, positive_arg, salt_arg, token_ids_arg};
 use crate::block_hash::{ExtraKey, HashMode};
 use crate::block_pool::BlockPool;
 use crate::error::CoreError;
 use crate::ids::BlockId;
-
-/// `hash_bits` keyword → hash mode (128: full xxh3; fewer: test hook forcing collisions).
-pub(crate) fn hash_mode_arg(hash_bits: &Bound<'_, PyAny>) -> PyResult<HashMode> {
-    let bits = int_arg(hash_bits, "hash_bits")?;
-    match bits {
-        128 => Ok(HashMode::Xxh3),
-        0..=127 => Ok(HashMode::Truncated(bits as u8)),
-        _ => Err(CoreError::Config(format!("hash_bits must be in 0..=128, got {bits}")).into()),
-    }
-}
 
 /// The validated constructor arguments of a pool.
 pub(crate) struct PoolArgs {
@@ -36,17 +26,9 @@ impl PoolArgs {
         enable_prefix_caching: Option<&Bound<'_, PyAny>>,
         hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let n = int_arg(num_blocks, "num_blocks")?;
-        let bs = int_arg(block_size, "block_size")?;
-        if n <= 0 {
-            return Err(CoreError::Config(format!("num_blocks must be >= 1, got {n}")).into());
-        }
-        if bs <= 0 {
-            return Err(CoreError::Config(format!("block_size must be >= 1, got {bs}")).into());
-        }
         Ok(PoolArgs {
-            num_blocks: n as usize,
-            block_size: bs as usize,
+            num_blocks: positive_arg(num_blocks, "num_blocks")?,
+            block_size: positive_arg(block_size, "block_size")?,
             enable_prefix_caching: enable_prefix_caching
                 .map(|o| bool_arg(o, "enable_prefix_caching"))
                 .transpose()?

@@ -1,17 +1,23 @@
 //! Argument conversion at the Python boundary.
 //!
 //! Every value that crosses in is checked here, with the argument's name in the message:
-//! integers (no floats, no bools, no overflow), id lists given as Python sequences or as 1-D
-//! C-contiguous int32/int64 numpy arrays (other dtypes and strided views are refused rather
-//! than silently copied), and token ids in `0 ..= i32::MAX`.
+//! integers (no floats, no bools, no overflow), counts, positive sizes, floats, strings, id
+//! lists given as Python sequences or as 1-D C-contiguous int32/int64 numpy arrays (other
+//! dtypes and strided views are refused rather than silently copied), token ids in
+//! `0 ..= i32::MAX`, sequence and block ids, hash modes, and the pagedkv objects a method
+//! takes (a `SchedulerConfig`, a `SchedulerOutput`). The binding modules call these helpers
+//! and check nothing inline.
 
 use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
+use pyo3::type_object::PyTypeCheck;
 use pyo3::types::{PyBool, PyBytes, PyString};
 
 use super::errors::{invalid_argument, invalid_type};
+use crate::block_hash::HashMode;
 use crate::error::CoreError;
+use crate::ids::SeqId;
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
@@ -41,6 +47,80 @@ pub fn bool_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<bool> {
 pub fn count_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
     let v = int_arg(obj, name)?;
     usize::try_from(v).map_err(|_| invalid_argument(format!("{name} must be >= 0, got {v}")))
+}
+
+/// A size of a configuration (`num_blocks`, `block_size`, `max_num_seqs`, ...): an integer
+/// >= 1, else ConfigError.
+pub fn positive_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
+    let v = int_arg(obj, name)?;
+    if v <= 0 {
+        return Err(CoreError::Config(format!("{name} must be >= 1, got {v}")).into());
+    }
+    usize::try_from(v).map_err(|_| invalid_argument(format!("{name} is out of range: {v}")))
+}
+
+/// A sample index (`0 ..= u32::MAX`).
+pub fn index_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u32> {
+    let v = count_arg(obj, name)?;
+    u32::try_from(v).map_err(|_| CoreError::InvalidArgument(format!("{name} {v} is out of range")).into())
+}
+
+/// A float (a Python float or int, or a numpy scalar that converts).
+pub fn float_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
+    obj.extract::<f64>()
+        .map_err(|_| invalid_type(format!("{name} must be a float, got {}", type_name(obj))))
+}
+
+/// A `str`, kept as the Python object (interned ids are reused as they are).
+pub fn str_obj_arg<'a, 'py>(obj: &'a Bound<'py, PyAny>, name: &str) -> PyResult<&'a Bound<'py, PyString>> {
+    obj.cast::<PyString>()
+        .map_err(|_| invalid_type(format!("{name} must be a str, got {}", type_name(obj))))
+}
+
+/// A `str`, copied.
+pub fn str_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
+    Ok(str_obj_arg(obj, name)?.to_str()?.to_string())
+}
+
+/// An instance of the pagedkv class `T`; `what` says what was expected (e.g.
+/// "update() needs the SchedulerOutput returned by schedule()").
+pub fn object_arg<'a, 'py, T: PyTypeCheck>(obj: &'a Bound<'py, PyAny>, what: &str) -> PyResult<&'a Bound<'py, T>> {
+    obj.cast::<T>().map_err(|_| invalid_type(format!("{what}, got {}", type_name(obj))))
+}
+
+/// `hash_bits` → hash mode (128: full xxh3; fewer: test hook forcing collisions).
+pub fn hash_mode_arg(hash_bits: &Bound<'_, PyAny>) -> PyResult<HashMode> {
+    let bits = int_arg(hash_bits, "hash_bits")?;
+    match bits {
+        128 => Ok(HashMode::Xxh3),
+        0..=127 => Ok(HashMode::Truncated(bits as u8)),
+        _ => Err(CoreError::Config(format!("hash_bits must be in 0..=128, got {bits}")).into()),
+    }
+}
+
+/// A sequence id: a non-negative integer (a negative one names no sequence:
+/// UnknownSequenceError, like a stale one).
+pub fn seq_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<SeqId> {
+    let v = int_arg(obj, "seq_id")?;
+    u64::try_from(v).map(SeqId).map_err(|_| CoreError::UnknownSequence(v as u64).into())
+}
+
+/// Sequence ids: a 1-D integer sequence (see [`int_list_arg`] and [`seq_id_arg`]).
+pub fn seq_ids_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<SeqId>> {
+    int_list_arg(obj, name)?
+        .into_iter()
+        .map(|v| u64::try_from(v).map(SeqId).map_err(|_| CoreError::UnknownSequence(v as u64).into()))
+        .collect()
+}
+
+/// The data of a numpy array that must be C-contiguous.
+pub fn contiguous_arg<'a, T>(s: Result<&'a [T], numpy::AsSliceError>, name: &str) -> PyResult<&'a [T]> {
+    s.map_err(|_| invalid_argument(format!("{name} must be C-contiguous")))
+}
+
+/// The data of a numpy array written in place, which must be C-contiguous.
+pub fn contiguous_mut_arg<'a, T>(s: Result<&'a mut [T], numpy::AsSliceError>, name: &str) -> PyResult<&'a mut [T]> {
+    s.map_err(|_| invalid_argument(format!("{name} must be C-contiguous")))
 }
 
 /// A 1-D sequence of integers: a list/tuple/iterable of ints, or a 1-D C-contiguous int32 or
@@ -86,24 +166,33 @@ fn not_contiguous(name: &str) -> PyErr {
     invalid_argument(format!("{name} must be C-contiguous (pass numpy.ascontiguousarray(...))"))
 }
 
-/// Token ids: a 1-D integer sequence with every id in `0 ..= i32::MAX`.
+/// Token ids: a 1-D integer sequence with every id in `0 ..= i32::MAX`. A C-contiguous
+/// int64/int32 numpy array is converted in one pass.
 pub fn token_ids_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
+    if let Ok(a) = obj.cast::<PyArray1<i64>>() {
+        let ro = a.readonly();
+        return Ok(check_token_ids(ro.as_slice().map_err(|_| not_contiguous(name))?)?);
+    }
+    if let Ok(a) = obj.cast::<PyArray1<i32>>() {
+        let ro = a.readonly();
+        let s = ro.as_slice().map_err(|_| not_contiguous(name))?;
+        return Ok(check_token_ids(s)?);
+    }
     let raw = int_list_arg(obj, name)?;
     check_token_ids(&raw).map_err(PyErr::from)
 }
 
 /// Token ids validated and narrowed to `u32`.
-pub fn check_token_ids(raw: &[i64]) -> Result<Vec<u32>, CoreError> {
-    raw.iter()
-        .enumerate()
-        .map(|(index, &t)| {
-            if (0..=i32::MAX as i64).contains(&t) {
-                Ok(t as u32)
-            } else {
-                Err(CoreError::InvalidToken { token: t, index })
-            }
-        })
-        .collect()
+pub fn check_token_ids<T: Copy + Into<i64>>(raw: &[T]) -> Result<Vec<u32>, CoreError> {
+    let mut out = Vec::with_capacity(raw.len());
+    for (index, &t) in raw.iter().enumerate() {
+        let t: i64 = t.into();
+        if !(0..=i32::MAX as i64).contains(&t) {
+            return Err(CoreError::InvalidToken { token: t, index });
+        }
+        out.push(t as u32);
+    }
+    Ok(out)
 }
 
 /// An optional cache salt: `None` or a string.

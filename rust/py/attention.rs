@@ -4,12 +4,9 @@
 use numpy::{PyUntypedArrayMethods, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3, PyReadonlyArray4, PyReadwriteArray3};
 use pyo3::prelude::*;
 
+use super::args::{contiguous_arg as contiguous, contiguous_mut_arg as contiguous_mut};
 use super::errors::invalid_argument;
 use crate::cpu_attention::{paged_decode_attention, AttentionDims, DecodeRow};
-
-fn contiguous<'a, T>(s: Result<&'a [T], numpy::AsSliceError>, name: &str) -> PyResult<&'a [T]> {
-    s.map_err(|_| invalid_argument(format!("{name} must be C-contiguous")))
-}
 
 /// Attention of every sequence with one query row (a decode) over the paged caches, written
 /// into `out`; rows of longer sequences are left untouched. `query`, `out`: float32 `[T, H, D]`;
@@ -63,7 +60,7 @@ pub fn paged_decode_attention_cpu(
     let q = contiguous(query.as_slice(), "query")?;
     let kc = contiguous(key_cache.as_slice(), "key_cache")?;
     let vc = contiguous(value_cache.as_slice(), "value_cache")?;
-    let o = out.as_slice_mut().map_err(|_| invalid_argument("out must be C-contiguous"))?;
+    let o = contiguous_mut(out.as_slice_mut(), "out")?;
     let n = rows.len();
     py.detach(|| paged_decode_attention(q, kc, vc, dims, &rows, scale, o, num_threads))?;
     Ok(n)

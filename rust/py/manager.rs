@@ -5,16 +5,11 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 
 use super::allocator::PoolArgs;
-use super::args::{count_arg, int_arg, int_list_arg, salt_arg, token_ids_arg};
+use super::args::{count_arg, int_arg, salt_arg, seq_id_arg, seq_ids_arg, token_ids_arg};
 use crate::block_hash::ExtraKey;
 use crate::error::CoreError;
 use crate::ids::SeqId;
 use crate::kv_cache_manager::KvCacheManager;
-
-fn seq_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<SeqId> {
-    let v = int_arg(obj, "seq_id")?;
-    u64::try_from(v).map(SeqId).map_err(|_| CoreError::UnknownSequence(v as u64).into())
-}
 
 /// `rows` × `cols` int32 array from a row-major vector.
 pub(crate) fn array2_i32<'py>(py: Python<'py>, data: Vec<i32>, rows: usize, cols: usize) -> PyResult<Bound<'py, PyArray2<i32>>> {
@@ -30,10 +25,7 @@ pub struct PyKvCacheManager {
 
 impl PyKvCacheManager {
     fn seq_ids(&self, obj: &Bound<'_, PyAny>) -> PyResult<Vec<SeqId>> {
-        int_list_arg(obj, "seq_ids")?
-            .into_iter()
-            .map(|v| u64::try_from(v).map(SeqId).map_err(|_| CoreError::UnknownSequence(v as u64).into()))
-            .collect()
+        seq_ids_arg(obj, "seq_ids")
     }
 }
 

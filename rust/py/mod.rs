@@ -8,6 +8,7 @@ mod attention;
 mod args;
 mod errors;
 mod manager;
+mod reuse;
 mod scheduler;
 
 use pyo3::prelude::*;
@@ -21,9 +22,14 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<scheduler::PySchedulerOutput>()?;
     m.add_class::<scheduler::PyRequestUpdate>()?;
-    m.add_class::<scheduler::PySchedulerStats>()?;
+    m.add_class::<scheduler::PyRequestUpdates>()?;
+    m.add_class::<crate::scheduler::SchedulerStats>()?;
     m.add_function(wrap_pyfunction!(attention::paged_decode_attention_cpu, m)?)?;
     m.add("MAX_NUM_BLOCKS", crate::block_pool::MAX_NUM_BLOCKS)?;
     m.add("MAX_BLOCK_SIZE", crate::block_pool::MAX_BLOCK_SIZE)?;
+    m.add("ERROR_CLASS_NAMES", pyo3::types::PyTuple::new(m.py(), errors::ERROR_CLASS_NAMES)?)?;
+    // `RequestUpdates` is a read-only sequence: make isinstance(x, Sequence) say so.
+    let sequence = m.py().import("collections.abc")?.getattr("Sequence")?;
+    sequence.call_method1("register", (m.getattr("RequestUpdates")?,))?;
     Ok(())
 }

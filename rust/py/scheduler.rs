@@ -1,19 +1,24 @@
 //! `pagedkv.SchedulerConfig`, `pagedkv.Scheduler`, and the objects a step produces:
-//! `SchedulerOutput` (numpy arrays built in Rust, adopted by torch without a copy),
-//! `RequestUpdate` and `SchedulerStats`.
+//! `SchedulerOutput` (numpy arrays written in Rust, adopted by torch without a copy),
+//! `RequestUpdates` (a sequence of `RequestUpdate`) and `SchedulerStats`.
+//!
+//! A step's arrays and id lists are reused by later steps once nothing references them
+//! (see `reuse`), so a decode step allocates almost nothing and rewrites only the block-table
+//! rows that changed.
 
+use numpy::ndarray::{Ix1, Ix2};
 use numpy::{PyArray1, PyArray2};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PyString};
+use pyo3::types::{PyDict, PyList, PySlice, PyString};
 
-use super::allocator::hash_mode_arg;
-use super::args::{bool_arg, check_token_ids, count_arg, int_arg, int_list_arg, salt_arg, token_ids_arg};
-use super::errors::invalid_type;
-use super::manager::array2_i32;
-use crate::error::CoreError;
+use super::args::{
+    bool_arg, count_arg, float_arg, hash_mode_arg, index_arg, int_arg, object_arg, positive_arg, salt_arg, str_arg,
+    str_obj_arg, token_ids_arg,
+};
+use super::reuse::{ArrayRing, EmptyLists, ListRing, TableRing};
 use crate::scheduler::{
     FinishReason, NewRequest, Policy, RequestKey, RequestUpdate, Scheduler, SchedulerConfig, SchedulerStats,
-    StepOutput,
+    StatValue, StepOutput,
 };
 
 /// Scheduler configuration, validated on construction.
@@ -42,33 +47,25 @@ impl PySchedulerConfig {
         watermark: Option<&Bound<'_, PyAny>>,
         hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let positive = |o: &Bound<'_, PyAny>, name: &str| -> PyResult<usize> {
-            let v = int_arg(o, name)?;
-            if v <= 0 {
-                return Err(CoreError::Config(format!("{name} must be >= 1, got {v}")).into());
-            }
-            Ok(v as usize)
-        };
-        let bs = block_size.map(|o| positive(o, "block_size")).transpose()?.unwrap_or(16);
-        let mut c = SchedulerConfig::new(bs, positive(num_blocks, "num_blocks")?);
+        let bs = block_size.map(|o| positive_arg(o, "block_size")).transpose()?.unwrap_or(16);
+        let mut c = SchedulerConfig::new(bs, positive_arg(num_blocks, "num_blocks")?);
         if let Some(o) = max_num_seqs {
-            c.max_num_seqs = positive(o, "max_num_seqs")?;
+            c.max_num_seqs = positive_arg(o, "max_num_seqs")?;
         }
         if let Some(o) = max_num_batched_tokens {
-            c.max_num_batched_tokens = positive(o, "max_num_batched_tokens")?;
+            c.max_num_batched_tokens = positive_arg(o, "max_num_batched_tokens")?;
         }
         if let Some(o) = max_model_len.filter(|o| !o.is_none()) {
-            c.max_model_len = positive(o, "max_model_len")?;
+            c.max_model_len = positive_arg(o, "max_model_len")?;
         }
         if let Some(o) = enable_prefix_caching {
             c.enable_prefix_caching = bool_arg(o, "enable_prefix_caching")?;
         }
         if let Some(o) = policy {
-            let s: String = o.extract().map_err(|_| invalid_type("policy must be a str"))?;
-            c.policy = Policy::parse(&s)?;
+            c.policy = Policy::parse(&str_arg(o, "policy")?)?;
         }
         if let Some(o) = watermark {
-            c.watermark = o.extract::<f64>().map_err(|_| invalid_type("watermark must be a float"))?;
+            c.watermark = float_arg(o, "watermark")?;
         }
         if let Some(o) = hash_bits {
             c.hash_mode = hash_mode_arg(o)?;
@@ -135,7 +132,9 @@ impl PySchedulerConfig {
     }
 }
 
-/// One step to execute: flat numpy arrays in batch order (see DESIGN.md, "Step output").
+/// One step to execute: flat numpy arrays in batch order (see docs/architecture.md, "Step
+/// output"). The arrays are read-only by contract: once nothing references them any more,
+/// a later step may reuse them.
 #[pyclass(module = "pagedkv._core", name = "SchedulerOutput", frozen)]
 pub struct PySchedulerOutput {
     step_id: u64,
@@ -257,96 +256,144 @@ impl PyRequestUpdate {
     }
 }
 
-/// A snapshot of the scheduler's state and counters.
-#[pyclass(module = "pagedkv._core", name = "SchedulerStats", frozen, get_all)]
-pub struct PySchedulerStats {
-    num_blocks: usize,
-    num_free_blocks: usize,
-    num_used_blocks: usize,
-    num_cached_blocks: usize,
-    kv_usage: f64,
-    kv_utilization: f64,
-    tokens_held: usize,
-    slots_allocated: usize,
-    num_running: usize,
-    num_waiting: usize,
-    num_preemptions: u64,
-    prefix_cache_queries: u64,
-    prefix_cache_hits: u64,
-    resumed_prefix_queries: u64,
-    resumed_prefix_hits: u64,
-    num_steps: u64,
-    num_finished_stop: u64,
-    num_finished_length: u64,
-    num_aborted: u64,
-    num_evictions: u64,
+/// What `Scheduler.update` returns: one update per sampled row of a live request, in logits-row
+/// order. A read-only sequence of `RequestUpdate` (`len`, indexing, slicing, iteration; each
+/// item is built when accessed), with the same data as columns (`request_ids`, `indices`,
+/// `token_ids`, `finish_reasons`, `num_cached_tokens`) for callers that read it in bulk.
+#[pyclass(module = "pagedkv._core", name = "RequestUpdates", frozen, sequence)]
+pub struct PyRequestUpdates {
+    /// Request id of each update (never handed out: the getter copies it; the list is reused
+    /// by later steps once this object is gone).
+    request_ids: Py<PyList>,
+    rows: Vec<RequestUpdate>,
 }
 
-impl From<SchedulerStats> for PySchedulerStats {
-    fn from(s: SchedulerStats) -> Self {
-        PySchedulerStats {
-            num_blocks: s.num_blocks,
-            num_free_blocks: s.num_free_blocks,
-            num_used_blocks: s.num_used_blocks,
-            num_cached_blocks: s.num_cached_blocks,
-            kv_usage: s.kv_usage,
-            kv_utilization: s.kv_utilization,
-            tokens_held: s.tokens_held,
-            slots_allocated: s.slots_allocated,
-            num_running: s.num_running,
-            num_waiting: s.num_waiting,
-            num_preemptions: s.num_preemptions,
-            prefix_cache_queries: s.prefix_cache_queries,
-            prefix_cache_hits: s.prefix_cache_hits,
-            resumed_prefix_queries: s.resumed_prefix_queries,
-            resumed_prefix_hits: s.resumed_prefix_hits,
-            num_steps: s.num_steps,
-            num_finished_stop: s.num_finished_stop,
-            num_finished_length: s.num_finished_length,
-            num_aborted: s.num_aborted,
-            num_evictions: s.num_evictions,
-        }
+impl PyRequestUpdates {
+    fn item(&self, py: Python<'_>, i: usize) -> PyResult<Py<PyRequestUpdate>> {
+        let u = &self.rows[i];
+        let id = self.request_ids.bind(py).get_item(i)?.cast_into::<PyString>()?.unbind();
+        Py::new(
+            py,
+            PyRequestUpdate { request_id: id, index: u.index, token: u.token, finish: u.finish_reason, num_cached_tokens: u.num_cached_tokens },
+        )
     }
 }
 
 #[pymethods]
-impl PySchedulerStats {
-    /// Prefix-cache hits / queries (first admissions only), 0 when nothing was queried.
-    #[getter]
-    fn prefix_cache_hit_rate(&self) -> f64 {
-        if self.prefix_cache_queries == 0 {
-            0.0
-        } else {
-            self.prefix_cache_hits as f64 / self.prefix_cache_queries as f64
-        }
+impl PyRequestUpdates {
+    fn __len__(&self) -> usize {
+        self.rows.len()
     }
 
-    /// All fields as a dict.
-    fn as_dict<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyDict>> {
-        let py = slf.py();
-        let s = slf.get();
+    fn __getitem__(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        if let Ok(slice) = key.cast::<PySlice>() {
+            let ix = slice.indices(self.rows.len() as isize)?;
+            let mut items = Vec::with_capacity(ix.slicelength);
+            let mut i = ix.start;
+            for _ in 0..ix.slicelength {
+                items.push(self.item(py, i as usize)?);
+                i += ix.step;
+            }
+            return Ok(PyList::new(py, items)?.into_any().unbind());
+        }
+        let n = self.rows.len() as i64;
+        let i = int_arg(key, "index")?;
+        let j = if i < 0 { i + n } else { i };
+        if !(0..n).contains(&j) {
+            return Err(pyo3::exceptions::PyIndexError::new_err(format!("update index {i} out of range for {n} updates")));
+        }
+        Ok(self.item(py, j as usize)?.into_any())
+    }
+
+    fn __iter__(slf: Bound<'_, Self>) -> PyRequestUpdatesIter {
+        PyRequestUpdatesIter { updates: slf.unbind(), next: std::sync::atomic::AtomicUsize::new(0) }
+    }
+
+    /// Request id of each update (a new list each time).
+    #[getter]
+    fn request_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyList> {
+        let ids = self.request_ids.bind(py);
+        ids.get_slice(0, ids.len())
+    }
+
+    /// Sample index (0 .. n) of each update.
+    #[getter]
+    fn indices(&self) -> Vec<u32> {
+        self.rows.iter().map(|u| u.index).collect()
+    }
+
+    /// The token appended by each update.
+    #[getter]
+    fn token_ids(&self) -> Vec<u32> {
+        self.rows.iter().map(|u| u.token).collect()
+    }
+
+    /// "stop", "length" or "abort" where the branch ended with the update's token, else None.
+    #[getter]
+    fn finish_reasons(&self) -> Vec<Option<&'static str>> {
+        self.rows.iter().map(|u| u.finish_reason.map(FinishReason::as_str)).collect()
+    }
+
+    /// Prompt tokens served from the prefix cache at each update's request's first admission.
+    #[getter]
+    fn num_cached_tokens(&self) -> Vec<usize> {
+        self.rows.iter().map(|u| u.num_cached_tokens).collect()
+    }
+
+    fn __repr__(&self) -> String {
+        let ended = self.rows.iter().filter(|u| u.finish_reason.is_some()).count();
+        format!("RequestUpdates(len={}, finished={ended})", self.rows.len())
+    }
+}
+
+/// Iterator over a `RequestUpdates`.
+#[pyclass(module = "pagedkv._core", name = "RequestUpdatesIterator", frozen)]
+pub struct PyRequestUpdatesIter {
+    updates: Py<PyRequestUpdates>,
+    next: std::sync::atomic::AtomicUsize,
+}
+
+#[pymethods]
+impl PyRequestUpdatesIter {
+    fn __iter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Option<Py<PyRequestUpdate>>> {
+        let ups = self.updates.get();
+        let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if i >= ups.rows.len() {
+            self.next.store(ups.rows.len(), std::sync::atomic::Ordering::Relaxed);
+            return Ok(None);
+        }
+        ups.item(py, i).map(Some)
+    }
+}
+
+/// `pagedkv.SchedulerStats` is the Rust struct itself (its fields are declared once, in
+/// rust/scheduler/stats.rs); here only what is derived from them.
+#[pymethods]
+impl SchedulerStats {
+    /// Prefix-cache hits / queries (first admissions only), 0 when nothing was queried.
+    #[getter(prefix_cache_hit_rate)]
+    fn py_prefix_cache_hit_rate(&self) -> f64 {
+        self.prefix_cache_hit_rate()
+    }
+
+    /// All fields as a dict (and `prefix_cache_hit_rate`).
+    fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        d.set_item("num_blocks", s.num_blocks)?;
-        d.set_item("num_free_blocks", s.num_free_blocks)?;
-        d.set_item("num_used_blocks", s.num_used_blocks)?;
-        d.set_item("num_cached_blocks", s.num_cached_blocks)?;
-        d.set_item("kv_usage", s.kv_usage)?;
-        d.set_item("kv_utilization", s.kv_utilization)?;
-        d.set_item("tokens_held", s.tokens_held)?;
-        d.set_item("slots_allocated", s.slots_allocated)?;
-        d.set_item("num_running", s.num_running)?;
-        d.set_item("num_waiting", s.num_waiting)?;
-        d.set_item("num_preemptions", s.num_preemptions)?;
-        d.set_item("prefix_cache_queries", s.prefix_cache_queries)?;
-        d.set_item("prefix_cache_hits", s.prefix_cache_hits)?;
-        d.set_item("prefix_cache_hit_rate", s.prefix_cache_hit_rate())?;
-        d.set_item("resumed_prefix_queries", s.resumed_prefix_queries)?;
-        d.set_item("resumed_prefix_hits", s.resumed_prefix_hits)?;
-        d.set_item("num_steps", s.num_steps)?;
-        d.set_item("num_finished_stop", s.num_finished_stop)?;
-        d.set_item("num_finished_length", s.num_finished_length)?;
-        d.set_item("num_aborted", s.num_aborted)?;
-        d.set_item("num_evictions", s.num_evictions)?;
+        let mut result = Ok(());
+        self.for_each_field(|name, v| {
+            if result.is_ok() {
+                result = match v {
+                    StatValue::Count(c) => d.set_item(name, c),
+                    StatValue::Fraction(f) => d.set_item(name, f),
+                };
+            }
+        });
+        result?;
+        d.set_item("prefix_cache_hit_rate", self.prefix_cache_hit_rate())?;
         Ok(d)
     }
 
@@ -383,13 +430,51 @@ impl IdStrings {
         self.slots[i] = Some((key.generation, s));
     }
 
-    /// The string for `key`, or a new one from `fallback` (the id itself) when not cached.
-    fn get<'py>(&self, py: Python<'py>, key: RequestKey, fallback: Option<&str>) -> Bound<'py, PyString> {
+    /// The string of `key`, if cached.
+    #[inline]
+    fn get(&self, key: RequestKey) -> Option<&Py<PyString>> {
         match self.slots.get(key.slot as usize) {
-            Some(Some((g, s))) if *g == key.generation => s.bind(py).clone(),
-            _ => PyString::new(py, fallback.unwrap_or("")),
+            Some(Some((g, s))) if *g == key.generation => Some(s),
+            _ => None,
         }
     }
+
+    /// Caches the strings of `keys` not cached yet, from the scheduler's ids (every request
+    /// is cached by `add_request`, so this is a fallback only).
+    fn ensure(&mut self, py: Python<'_>, sched: &Scheduler, keys: impl IntoIterator<Item = RequestKey>) {
+        for k in keys {
+            if self.get(k).is_none() {
+                let id = sched.request_id(k).map(|s| &**s).unwrap_or("");
+                self.set(k, PyString::new(py, id).unbind());
+            }
+        }
+    }
+
+    /// The string of `key`, or `or` if not cached.
+    #[inline]
+    fn get_or<'a>(&'a self, key: RequestKey, or: &'a Py<PyString>) -> &'a Py<PyString> {
+        self.get(key).unwrap_or(or)
+    }
+}
+
+/// The Python objects reused from step to step (see `reuse`).
+#[derive(Default)]
+struct StepObjects {
+    num_scheduled_tokens: ArrayRing<i32, Ix1>,
+    input_ids: ArrayRing<i64, Ix1>,
+    positions: ArrayRing<i64, Ix1>,
+    cu_seqlens_q: ArrayRing<i32, Ix1>,
+    seq_lens: ArrayRing<i32, Ix1>,
+    block_tables: TableRing,
+    slot_mapping: ArrayRing<i64, Ix1>,
+    logits_indices: ArrayRing<i64, Ix1>,
+    sample_indices: ArrayRing<i32, Ix1>,
+    copy_ops: ArrayRing<i32, Ix2>,
+    req_ids: ListRing,
+    sampled_req_ids: ListRing,
+    update_ids: ListRing,
+    /// Empty lists (preempted and finished ids and reasons are mostly empty).
+    empty: EmptyLists,
 }
 
 /// Continuous-batching scheduler over a paged KV cache. Drive it once per step:
@@ -399,21 +484,28 @@ pub struct PyScheduler {
     inner: Scheduler,
     config: Py<PySchedulerConfig>,
     names: IdStrings,
-}
-
-fn str_list<'py>(py: Python<'py>, ids: impl IntoIterator<Item = Bound<'py, PyString>>) -> PyResult<Bound<'py, PyList>> {
-    PyList::new(py, ids)
+    /// The step arrays, refilled in place every step (never handed to Python: copied into the
+    /// reused numpy arrays of `objects`, except the block tables, written row by row).
+    step: StepOutput,
+    objects: StepObjects,
+    /// Stands for an id that is not cached (never in practice; see `IdStrings::ensure`).
+    no_name: Py<PyString>,
 }
 
 #[pymethods]
 impl PyScheduler {
     #[new]
-    fn new(config: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let cfg = config
-            .cast::<PySchedulerConfig>()
-            .map_err(|_| invalid_type("Scheduler(config) needs a pagedkv.SchedulerConfig"))?;
+    fn new(py: Python<'_>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let cfg = object_arg::<PySchedulerConfig>(config, "Scheduler(config) needs a pagedkv.SchedulerConfig")?;
         let inner = Scheduler::new(cfg.get().inner.clone())?;
-        Ok(PyScheduler { inner, config: cfg.clone().unbind(), names: IdStrings::default() })
+        Ok(PyScheduler {
+            inner,
+            config: cfg.clone().unbind(),
+            names: IdStrings::default(),
+            step: StepOutput::default(),
+            objects: StepObjects::default(),
+            no_name: PyString::intern(py, "").unbind(),
+        })
     }
 
     /// The configuration.
@@ -442,10 +534,7 @@ impl PyScheduler {
         cache_salt: Option<&Bound<'_, PyAny>>,
         n: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let id_str = request_id
-            .cast::<PyString>()
-            .map_err(|_| invalid_type("request_id must be a str"))?
-            .clone();
+        let id_str = str_obj_arg(request_id, "request_id")?.clone();
         let opt_ids = |o: Option<&Bound<'_, PyAny>>, name: &str| -> PyResult<Vec<u32>> {
             match o {
                 Some(o) if !o.is_none() => token_ids_arg(o, name),
@@ -471,39 +560,42 @@ impl PyScheduler {
 
     /// Builds the next step.
     fn schedule(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
-        let inner = &mut self.inner;
-        let out = py.detach(|| inner.schedule())?;
-        self.to_python(py, out)
+        let (inner, step) = (&mut self.inner, &mut self.step);
+        py.detach(|| inner.schedule_rows(step))?;
+        self.step_objects(py)
     }
 
     /// Applies one sampled token per logits row of `output` (int32/int64 array or list).
-    /// Returns one RequestUpdate per sampled row of a live request. Raises, changing nothing,
-    /// if `output` is not the step in flight or the tokens are malformed.
-    fn update<'py>(
-        &mut self,
-        py: Python<'py>,
-        output: &Bound<'py, PyAny>,
-        sampled_token_ids: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyList>> {
-        let out = output
-            .cast::<PySchedulerOutput>()
-            .map_err(|_| invalid_type("update() needs the SchedulerOutput returned by schedule()"))?;
+    /// Returns the updates (a sequence of RequestUpdate, one per sampled row of a live
+    /// request). Raises, changing nothing, if `output` is not the step in flight or the tokens
+    /// are malformed.
+    fn update(&mut self, py: Python<'_>, output: &Bound<'_, PyAny>, sampled_token_ids: &Bound<'_, PyAny>) -> PyResult<PyRequestUpdates> {
+        let out = object_arg::<PySchedulerOutput>(output, "update() needs the SchedulerOutput returned by schedule()")?;
         let step_id = out.get().step_id;
-        let tokens = check_token_ids(&int_list_arg(sampled_token_ids, "sampled_token_ids")?)?;
+        let tokens = token_ids_arg(sampled_token_ids, "sampled_token_ids")?;
         let inner = &mut self.inner;
-        let updates = py.detach(|| inner.update(step_id, &tokens))?;
-        let items = updates
-            .into_iter()
-            .map(|u| self.update_object(py, u))
-            .collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, items)
+        let rows = py.detach(|| inner.update(step_id, &tokens))?;
+        self.names.ensure(py, &self.inner, rows.iter().map(|u| u.request));
+        let (names, no_name) = (&self.names, &self.no_name);
+        let request_ids = self.objects.update_ids.fill(py, rows.iter().map(|u| names.get_or(u.request, no_name)))?;
+        Ok(PyRequestUpdates { request_ids, rows })
+    }
+
+    /// Undoes the step in flight (`output`) after its forward pass or sampling failed: its
+    /// branches go back to the front of the waiting queue with only what was computed before
+    /// the step, and the blocks the step registered leave the prefix cache. Returns the ids of
+    /// the requests that had rows in the step. Raises StaleOutputError, changing nothing, if
+    /// `output` is not the step in flight.
+    fn rollback_step(&mut self, py: Python<'_>, output: &Bound<'_, PyAny>) -> PyResult<Vec<Py<PyString>>> {
+        let out = object_arg::<PySchedulerOutput>(output, "rollback_step() needs the SchedulerOutput returned by schedule()")?;
+        let ids = self.inner.rollback_step(out.get().step_id)?;
+        Ok(ids.iter().map(|id| PyString::new(py, id).unbind()).collect())
     }
 
     /// Ends a request now, freeing its blocks; it is reported with reason "abort" in the
     /// next output's finished ids.
     fn abort_request(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
-        let id: String = request_id.extract().map_err(|_| invalid_type("request_id must be a str"))?;
-        Ok(self.inner.abort_request(&id)?)
+        Ok(self.inner.abort_request(str_obj_arg(request_id, "request_id")?.to_str()?)?)
     }
 
     /// Ends one sample of a request with reason "stop" (e.g. a stop string matched), freeing
@@ -511,10 +603,8 @@ impl PyScheduler {
     /// already ended.
     #[pyo3(signature = (request_id, index = None))]
     fn finish_sample(&mut self, request_id: &Bound<'_, PyAny>, index: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
-        let id: String = request_id.extract().map_err(|_| invalid_type("request_id must be a str"))?;
-        let index = index.map(|o| count_arg(o, "index")).transpose()?.unwrap_or(0);
-        let index = u32::try_from(index).map_err(|_| CoreError::InvalidArgument(format!("index {index} is out of range")))?;
-        Ok(self.inner.finish_sample(&id, index)?)
+        let index = index.map(|o| index_arg(o, "index")).transpose()?.unwrap_or(0);
+        Ok(self.inner.finish_sample(str_obj_arg(request_id, "request_id")?.to_str()?, index)?)
     }
 
     /// True while any request is waiting or running.
@@ -535,8 +625,8 @@ impl PyScheduler {
     }
 
     /// A snapshot of the scheduler's counters and KV-cache state.
-    fn stats(&self) -> PySchedulerStats {
-        self.inner.stats().into()
+    fn stats(&self) -> SchedulerStats {
+        self.inner.stats()
     }
 
     /// Raises InvariantViolationError if any bookkeeping is inconsistent.
@@ -567,46 +657,47 @@ impl PyScheduler {
 }
 
 impl PyScheduler {
-    fn update_object(&self, py: Python<'_>, u: RequestUpdate) -> PyResult<Py<PyRequestUpdate>> {
-        Py::new(
-            py,
-            PyRequestUpdate {
-                request_id: self.names.get(py, u.request, Some(&u.request_id)).unbind(),
-                index: u.index,
-                token: u.token,
-                finish: u.finish_reason,
-                num_cached_tokens: u.num_cached_tokens,
-            },
-        )
-    }
-
-    fn to_python(&self, py: Python<'_>, out: StepOutput) -> PyResult<PySchedulerOutput> {
-        let rows = out.num_rows();
-        let k = out.copy_ops.len() / 2;
-        let name = |key: RequestKey| self.names.get(py, key, self.inner.request_id(key).map(|s| &**s));
-        let req_ids = str_list(py, out.row_requests.iter().map(|&key| name(key)))?;
-        let sampled = str_list(py, out.sampled_requests.iter().map(|&key| name(key)))?;
-        let preempted = str_list(py, out.preempted_req_ids.iter().map(|id| PyString::new(py, id)))?;
-        let finished = str_list(py, out.finished.iter().map(|(id, _)| PyString::new(py, id)))?;
-        let reasons = PyList::new(py, out.finished.iter().map(|(_, r)| r.as_str()))?;
+    /// The Python output of the step just scheduled into `self.step` (arrays and lists reused
+    /// where possible, block tables written row by row).
+    fn step_objects(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
+        let out = &self.step;
+        let o = &mut self.objects;
+        let (rows, t, s, k) = (out.num_rows(), out.num_tokens(), out.num_sampled(), out.copy_ops.len() / 2);
+        self.names.ensure(py, &self.inner, out.row_requests.iter().chain(&out.sampled_requests).copied());
+        let (names, no_name) = (&self.names, &self.no_name);
+        let req_ids = o.req_ids.fill(py, out.row_requests.iter().map(|&k| names.get_or(k, no_name)))?;
+        let sampled = o.sampled_req_ids.fill(py, out.sampled_requests.iter().map(|&k| names.get_or(k, no_name)))?;
+        let preempted = if out.preempted_req_ids.is_empty() {
+            o.empty.get(py)?
+        } else {
+            PyList::new(py, out.preempted_req_ids.iter().map(|id| PyString::new(py, id)))?.unbind()
+        };
+        let (finished, reasons) = if out.finished.is_empty() {
+            (o.empty.get(py)?, o.empty.get(py)?)
+        } else {
+            (
+                PyList::new(py, out.finished.iter().map(|(id, _)| PyString::new(py, id)))?.unbind(),
+                PyList::new(py, out.finished.iter().map(|(_, r)| r.as_str()))?.unbind(),
+            )
+        };
         Ok(PySchedulerOutput {
             step_id: out.step_id,
-            num_tokens: out.input_ids.len(),
-            req_ids: req_ids.unbind(),
-            num_scheduled_tokens: PyArray1::from_vec(py, out.num_scheduled_tokens).unbind(),
-            input_ids: PyArray1::from_vec(py, out.input_ids).unbind(),
-            positions: PyArray1::from_vec(py, out.positions).unbind(),
-            cu_seqlens_q: PyArray1::from_vec(py, out.cu_seqlens_q).unbind(),
-            seq_lens: PyArray1::from_vec(py, out.seq_lens).unbind(),
-            block_tables: array2_i32(py, out.block_tables, rows, out.block_table_width)?.unbind(),
-            slot_mapping: PyArray1::from_vec(py, out.slot_mapping).unbind(),
-            logits_indices: PyArray1::from_vec(py, out.logits_indices).unbind(),
-            sampled_req_ids: sampled.unbind(),
-            sample_indices: PyArray1::from_vec(py, out.sample_indices).unbind(),
-            copy_ops: array2_i32(py, out.copy_ops, k, 2)?.unbind(),
-            preempted_req_ids: preempted.unbind(),
-            finished_req_ids: finished.unbind(),
-            finish_reasons: reasons.unbind(),
+            num_tokens: t,
+            req_ids,
+            num_scheduled_tokens: o.num_scheduled_tokens.fill(py, Ix1(rows), &out.num_scheduled_tokens)?,
+            input_ids: o.input_ids.fill(py, Ix1(t), &out.input_ids)?,
+            positions: o.positions.fill(py, Ix1(t), &out.positions)?,
+            cu_seqlens_q: o.cu_seqlens_q.fill(py, Ix1(rows + 1), &out.cu_seqlens_q)?,
+            seq_lens: o.seq_lens.fill(py, Ix1(rows), &out.seq_lens)?,
+            block_tables: o.block_tables.fill(py, &self.inner, out)?,
+            slot_mapping: o.slot_mapping.fill(py, Ix1(t), &out.slot_mapping)?,
+            logits_indices: o.logits_indices.fill(py, Ix1(s), &out.logits_indices)?,
+            sampled_req_ids: sampled,
+            sample_indices: o.sample_indices.fill(py, Ix1(s), &out.sample_indices)?,
+            copy_ops: o.copy_ops.fill(py, Ix2(k, 2), &out.copy_ops)?,
+            preempted_req_ids: preempted,
+            finished_req_ids: finished,
+            finish_reasons: reasons,
         })
     }
 }

@@ -22,14 +22,17 @@ mod config;
 mod output;
 mod request;
 mod stats;
+#[cfg(test)]
+mod tests;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 pub use config::{Policy, SchedulerConfig};
+pub(crate) use output::BlockTableRows;
 pub use output::{RequestUpdate, StepOutput};
 pub use request::{BranchKey, FinishReason, NewRequest, RequestKey};
-pub use stats::SchedulerStats;
+pub use stats::{SchedulerStats, StatValue};
 
 use crate::block_hash::ExtraKey;
 use crate::error::{CoreError, Result};
@@ -56,6 +59,9 @@ pub struct Scheduler {
     next_step: u64,
     in_flight: Option<StepPlan>,
     finished: Vec<(Arc<str>, FinishReason)>,
+    /// Requests that ended since the last `schedule` (by key), so that `request_id` still
+    /// names them: updates carry keys, not ids.
+    ended: Vec<(RequestKey, Arc<str>)>,
     counters: Counters,
 }
 
@@ -76,6 +82,7 @@ impl Scheduler {
             next_step: 0,
             in_flight: None,
             finished: Vec::new(),
+            ended: Vec::new(),
             counters: Counters::default(),
         })
     }
@@ -110,9 +117,13 @@ impl Scheduler {
         self.requests.len()
     }
 
-    /// The id of a live request.
+    /// The id of a live request, or of one that ended since the last `schedule` (e.g. in the
+    /// `update` whose [`RequestUpdate`]s name it by key).
     pub fn request_id(&self, key: RequestKey) -> Option<&Arc<str>> {
-        self.requests.get(key).map(|r| &r.id)
+        match self.requests.get(key) {
+            Some(r) => Some(&r.id),
+            None => self.ended.iter().find(|(k, _)| *k == key).map(|(_, id)| id),
+        }
     }
 
     /// Queues a request. Fails, changing nothing, on a duplicate id, invalid parameters, or a
@@ -190,6 +201,7 @@ impl Scheduler {
         }
         if let Some(req) = self.requests.remove(key) {
             self.by_id.remove(&req.id);
+            self.ended.push((key, req.id.clone()));
             self.finished.push((req.id, FinishReason::Abort));
             self.counters.aborted += 1;
         }
@@ -218,8 +230,11 @@ impl Scheduler {
     fn drop_branch(&mut self, b: BranchKey) {
         if let Some(branch) = self.branches.remove(b) {
             if let Some(seq) = branch.seq {
-                // The branch's sequence is live by construction; nothing to report otherwise.
-                let _ = self.kv.free(seq);
+                // A branch with rows in the step in flight (aborted mid-step) may never get its
+                // window written, if that step fails: its window is not offered to the prefix
+                // cache. The sequence is live by construction; nothing to report otherwise.
+                let in_flight = self.in_flight.as_ref().is_some_and(|p| p.scheduled.contains(&b));
+                let _ = if in_flight { self.kv.free_discarding_window(seq).map(drop) } else { self.kv.free(seq) };
             }
         }
     }
@@ -271,6 +286,41 @@ impl Scheduler {
 
     /// Builds the next step. Fails only if the previous step's `update` is still owed.
     pub fn schedule(&mut self) -> Result<StepOutput> {
+        let mut out = StepOutput::default();
+        self.schedule_into(&mut out)?;
+        Ok(out)
+    }
+
+    /// Builds the next step into `out` (the output of an earlier step, or a default one),
+    /// reusing its buffers: a block-table row that already holds a prefix of its sequence's
+    /// table is only extended, so a decode step writes one entry per row that got a new block.
+    /// The result is the same as [`Self::schedule`]'s. Fails only if the previous step's
+    /// `update` is still owed (`out` is left empty then).
+    pub fn schedule_into(&mut self, out: &mut StepOutput) -> Result<()> {
+        if let Err(e) = self.schedule_rows(out) {
+            out.block_tables.clear();
+            out.table_rows.clear();
+            return Err(e);
+        }
+        let rows = out.num_rows();
+        let width = out.block_table_width;
+        out.block_tables.resize(rows * width, 0);
+        let StepOutput { row_seqs, table_rows, block_tables, .. } = out;
+        table_rows.write(&self.kv, row_seqs, width, block_tables)
+    }
+
+    /// Writes the block tables of `out`, the step just scheduled, into `dst`
+    /// (`out.num_rows() * out.block_table_width` entries, row-major), which holds what `rows`
+    /// says (see [`BlockTableRows`]).
+    #[cfg_attr(not(feature = "python"), allow(dead_code))]
+    pub(crate) fn write_block_tables(&self, out: &StepOutput, dst: &mut [i32], rows: &mut BlockTableRows) -> Result<()> {
+        rows.write(&self.kv, &out.row_seqs, out.block_table_width, dst)
+    }
+
+    /// [`Self::schedule_into`] without the block tables: everything but their content is in
+    /// `out` (their width and each row's sequence included), for [`Self::write_block_tables`].
+    pub(crate) fn schedule_rows(&mut self, out: &mut StepOutput) -> Result<()> {
+        out.clear(self.next_step);
         if let Some(plan) = &self.in_flight {
             return Err(CoreError::StaleOutput(format!(
                 "step {} was scheduled but update() was not called for it",
@@ -279,11 +329,11 @@ impl Scheduler {
         }
         let step_id = self.next_step;
         self.next_step += 1;
-        let mut out = StepOutput { step_id, ..StepOutput::default() };
+        self.ended.clear();
         out.cu_seqlens_q.push(0);
-        let mut plan = StepPlan { step_id, sampled: Vec::new() };
+        let mut plan = StepPlan { step_id, ..StepPlan::default() };
         let mut budget = self.config.max_num_batched_tokens;
-        let mut scheduled: Vec<(BranchKey, SeqId)> = Vec::new();
+        let mut scheduled: Vec<(BranchKey, SeqId)> = Vec::with_capacity(self.running.len() + 1);
 
         // 1. Running branches.
         let mut i = 0;
@@ -306,7 +356,7 @@ impl Scheduler {
                 // The back of `running` is the lowest priority / latest arrival, and is not
                 // scheduled yet (scheduled ones are in front of index i).
                 let victim = self.running.pop().unwrap_or(b);
-                self.preempt(victim, &mut out);
+                self.preempt(victim, out);
                 if victim == b {
                     preempted_self = true;
                     break;
@@ -326,15 +376,17 @@ impl Scheduler {
         }
 
         // 3. Arrays.
-        self.build_rows(&scheduled, &mut out, &mut plan)?;
+        self.build_rows(&scheduled, out, &mut plan)?;
+        plan.scheduled = scheduled.iter().map(|&(b, _)| b).collect();
         for (src, dst) in self.kv.take_copy_ops() {
             out.copy_ops.push(src.0 as i32);
             out.copy_ops.push(dst.0 as i32);
         }
         out.finished = std::mem::take(&mut self.finished);
+        plan.reported.clone_from(&out.finished);
         self.counters.steps += 1;
         self.in_flight = Some(plan);
-        Ok(out)
+        Ok(())
     }
 
     fn admit_waiting(&mut self, budget: &mut usize, scheduled: &mut Vec<(BranchKey, SeqId)>) {
@@ -418,15 +470,25 @@ impl Scheduler {
             let req = self.requests.get(branch.req).ok_or_else(vanished)?;
             width = width.max(seq.table().len());
             total += seq.num_computed() - seq.write_start();
-            rows.push((b, seq, branch, req));
+            rows.push((b, seq_id, seq, branch, req));
         }
         out.block_table_width = width;
-        out.block_tables = vec![0; rows.len() * width];
+        let n = rows.len();
+        out.row_seqs.reserve(n);
+        out.row_requests.reserve(n);
+        out.num_scheduled_tokens.reserve(n);
+        out.cu_seqlens_q.reserve(n);
+        out.seq_lens.reserve(n);
+        out.logits_indices.reserve(n);
+        out.sampled_requests.reserve(n);
+        out.sample_indices.reserve(n);
+        plan.sampled.reserve(n);
         out.input_ids.reserve(total);
         out.positions.reserve(total);
         out.slot_mapping.reserve(total);
-        for (row, (b, seq, branch, req)) in rows.into_iter().enumerate() {
+        for (b, seq_id, seq, branch, req) in rows {
             let (start, end) = (seq.write_start(), seq.num_computed());
+            out.row_seqs.push(seq_id);
             out.row_requests.push(branch.req);
             out.num_scheduled_tokens.push((end - start) as i32);
             out.input_ids.extend(seq.tokens()[start..end].iter().map(|&t| t as i64));
@@ -434,10 +496,6 @@ impl Scheduler {
             seq.table().extend_slots(start, end, bs, &mut out.slot_mapping);
             out.cu_seqlens_q.push(out.input_ids.len() as i32);
             out.seq_lens.push(end as i32);
-            let dst = &mut out.block_tables[row * width..row * width + seq.table().len()];
-            for (d, blk) in dst.iter_mut().zip(seq.table().blocks()) {
-                *d = blk.0 as i32;
-            }
             if end == seq.num_tokens() {
                 // Every known token is computed: this row's last logits give the next token,
                 // one sample per branch the request will have after this step.
@@ -454,23 +512,58 @@ impl Scheduler {
         Ok(())
     }
 
+    /// The plan of the step in flight if it is step `step_id`; `what` names the caller.
+    fn plan_in_flight(&self, step_id: u64, what: &str) -> Result<&StepPlan> {
+        match &self.in_flight {
+            Some(p) if p.step_id == step_id => Ok(p),
+            Some(p) => Err(CoreError::StaleOutput(format!(
+                "{what} got the output of step {step_id}, but step {} is in flight",
+                p.step_id
+            ))),
+            None => Err(CoreError::StaleOutput(format!(
+                "{what} got the output of step {step_id}, but no step is in flight (already updated?)"
+            ))),
+        }
+    }
+
+    /// Undoes the step in flight when its forward pass (or its sampling) failed, so none of
+    /// its KV writes can be trusted. Every branch with rows in the step is preempted as if the
+    /// step had not been scheduled: only the tokens computed before it count as computed, and
+    /// every block the step registered in the prefix cache loses its cached identity, so no
+    /// request can ever hit KV that was not written. The branches keep their tokens and go to
+    /// the front of the waiting queue (recomputed from their cached prefix when re-admitted);
+    /// request ends that the step reported are reported again by the next step. Returns the
+    /// ids of the requests that had rows in the step, each once, in row order. Fails, changing
+    /// nothing, if `step_id` is not the step in flight.
+    pub fn rollback_step(&mut self, step_id: u64) -> Result<Vec<Arc<str>>> {
+        self.plan_in_flight(step_id, "rollback_step()")?;
+        let plan = self.in_flight.take().unwrap_or_default();
+        let mut ids: Vec<Arc<str>> = Vec::new();
+        // Reverse row order: each branch goes to the front, so the first row ends up first.
+        for &b in plan.scheduled.iter().rev() {
+            let Some(branch) = self.branches.get_mut(b) else { continue }; // aborted since
+            let Some(seq) = branch.seq.take() else { continue };
+            branch.tokens = self.kv.free_discarding_window(seq)?;
+            branch.resumed = true;
+            if let Some(req) = self.requests.get(branch.req) {
+                if !ids.contains(&req.id) {
+                    ids.push(req.id.clone());
+                }
+            }
+            self.running.retain(|&k| k != b);
+            self.enqueue_waiting(b, true);
+        }
+        ids.reverse();
+        let mut reported = plan.reported;
+        reported.append(&mut self.finished);
+        self.finished = reported;
+        Ok(ids)
+    }
+
     /// Applies the sampled tokens of the step in flight (one per logits row of `step`).
     /// Fails, changing nothing, if `step` is not the step in flight or the tokens do not fit.
     pub fn update(&mut self, step_id: u64, sampled: &[u32]) -> Result<Vec<RequestUpdate>> {
-        let plan = match &self.in_flight {
-            Some(p) if p.step_id == step_id => p,
-            Some(p) => {
-                return Err(CoreError::StaleOutput(format!(
-                    "update() got the output of step {step_id}, but step {} is in flight",
-                    p.step_id
-                )))
-            }
-            None => {
-                return Err(CoreError::StaleOutput(format!(
-                    "update() got the output of step {step_id}, but no step is in flight (already updated?)"
-                )))
-            }
-        };
+        let plan = self.plan_in_flight(step_id, "update()")?;
         if sampled.len() != plan.sampled.len() {
             return Err(CoreError::InvalidArgument(format!(
                 "sampled_token_ids has {} entries, but step {step_id} has {} logits rows",
@@ -551,9 +644,8 @@ impl Scheduler {
         let Some(branch) = self.branches.get_mut(b) else { return Ok(()) };
         let Some(req) = self.requests.get(branch.req) else { return Ok(()) };
         let Some(seq) = branch.seq else { return Ok(()) };
-        self.kv.append_tokens(seq, &[token])?;
+        let num_tokens = self.kv.append_token(seq, token)?;
         branch.num_output += 1;
-        let num_tokens = self.kv.seq(seq)?.num_tokens();
         let past_min = branch.num_output >= req.min_tokens;
         let finish = if past_min && (req.eos_token_ids.contains(&token) || req.stop_token_ids.contains(&token)) {
             Some(FinishReason::Stop)
@@ -564,7 +656,6 @@ impl Scheduler {
         };
         updates.push(RequestUpdate {
             request: branch.req,
-            request_id: req.id.clone(),
             index: branch.index,
             token,
             finish_reason: finish,
@@ -596,6 +687,7 @@ impl Scheduler {
         if done {
             if let Some(req) = self.requests.remove(req_key) {
                 self.by_id.remove(&req.id);
+                self.ended.push((req_key, req.id.clone()));
                 // Requests ending in update are reported too, so a runner can drop their state.
                 self.finished.push((req.id, reason));
             }
@@ -629,7 +721,7 @@ impl Scheduler {
             num_used_blocks: pool.num_used(),
             num_cached_blocks: pool.num_cached_blocks(),
             kv_usage: pool.usage(),
-            kv_utilization: if slots == 0 { 1.0 } else { tokens_held as f64 / slots as f64 },
+            kv_utilization: if slots == 0 { 0.0 } else { tokens_held as f64 / slots as f64 },
             tokens_held,
             slots_allocated: slots,
             num_running: self.running.len(),

@@ -3,9 +3,14 @@
 use std::sync::Arc;
 
 use super::request::{BranchKey, FinishReason, RequestKey};
+use crate::ids::SeqId;
+use crate::kv_cache_manager::KvCacheManager;
 
-/// One scheduled step (DESIGN.md, "Step output"). Rows are branches in batch order: running
-/// ones first (decodes and continuing prefills), then newly admitted ones.
+/// One scheduled step (docs/architecture.md, "Step output"). Rows are branches in batch
+/// order: running ones first (decodes and continuing prefills), then newly admitted ones.
+///
+/// [`super::Scheduler::schedule_into`] refills an existing output in place, reusing its
+/// buffers: a block-table row that already holds the right sequence is only extended.
 #[derive(Debug, Clone, Default)]
 pub struct StepOutput {
     /// Step number; `update` must be given this step's output.
@@ -25,8 +30,12 @@ pub struct StepOutput {
     pub seq_lens: Vec<i32>,
     /// Block tables, row-major int32[B, block_table_width], padded with 0.
     pub block_tables: Vec<i32>,
-    /// Width of `block_tables`.
+    /// Width of `block_tables`: the most blocks any row's sequence holds.
     pub block_table_width: usize,
+    /// Sequence of each row (the block tables are written from them).
+    pub(crate) row_seqs: Vec<SeqId>,
+    /// What each row of `block_tables` holds, for [`super::Scheduler::schedule_into`].
+    pub(crate) table_rows: BlockTableRows,
     /// KV slot of each token: int64[T].
     pub slot_mapping: Vec<i64>,
     /// Token rows whose logits are sampled: int64[S].
@@ -44,6 +53,27 @@ pub struct StepOutput {
 }
 
 impl StepOutput {
+    /// Empties every array for the next step, keeping the buffers (and what the block-table
+    /// rows hold, so that they can be reused).
+    pub(crate) fn clear(&mut self, step_id: u64) {
+        self.step_id = step_id;
+        self.row_requests.clear();
+        self.num_scheduled_tokens.clear();
+        self.input_ids.clear();
+        self.positions.clear();
+        self.cu_seqlens_q.clear();
+        self.seq_lens.clear();
+        self.block_table_width = 0;
+        self.row_seqs.clear();
+        self.slot_mapping.clear();
+        self.logits_indices.clear();
+        self.sampled_requests.clear();
+        self.sample_indices.clear();
+        self.copy_ops.clear();
+        self.preempted_req_ids.clear();
+        self.finished.clear();
+    }
+
     /// Rows in the batch.
     pub fn num_rows(&self) -> usize {
         self.num_scheduled_tokens.len()
@@ -60,21 +90,92 @@ impl StepOutput {
     }
 }
 
+/// What each row of a reused `[rows, width]` block-table buffer holds, so that the next step
+/// rewrites only the rows that changed: in a decode step, a row whose sequence got a new block
+/// gets one entry written, the others none. A buffer whose content is unknown (new, or
+/// written by someone else) goes with an empty (default) value.
+#[derive(Debug, Clone, Default)]
+pub struct BlockTableRows {
+    width: usize,
+    rows: Vec<RowTag>,
+}
+
+/// Row `r` holds the first `len` blocks of `seq`'s table as it was at `version`, then zeros.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct RowTag {
+    seq: SeqId,
+    version: u32,
+    len: u32,
+}
+
+impl BlockTableRows {
+    /// Forgets what the buffer holds (every row is rewritten next time).
+    pub fn clear(&mut self) {
+        self.rows.clear();
+    }
+
+    /// Writes the block tables of `seqs` (one row each, `width` entries, zero padded) into
+    /// `dst` (`seqs.len() * width` entries, row-major), which holds what `self` says; rows that
+    /// already hold a prefix of the right table are only extended. Fails on an unknown
+    /// sequence or a table wider than `width` (leaving `self` consistent with `dst`).
+    pub(crate) fn write(&mut self, kv: &KvCacheManager, seqs: &[SeqId], width: usize, dst: &mut [i32]) -> crate::error::Result<()> {
+        debug_assert_eq!(dst.len(), seqs.len() * width);
+        if width != self.width {
+            // Another row stride: nothing in the buffer is where a row would read it.
+            self.rows.clear();
+            self.width = width;
+        }
+        self.rows.truncate(seqs.len());
+        for (r, &seq) in seqs.iter().enumerate() {
+            let table = kv.seq(seq)?.table();
+            let blocks = table.blocks();
+            if blocks.len() > width {
+                self.rows.truncate(r);
+                return Err(crate::error::CoreError::InvariantViolation(format!(
+                    "block table of sequence {seq} has {} blocks, wider than the step's {width}",
+                    blocks.len()
+                )));
+            }
+            let row = &mut dst[r * width..(r + 1) * width];
+            let tag = RowTag { seq, version: table.version(), len: blocks.len() as u32 };
+            let from = match self.rows.get(r) {
+                Some(old) if old.seq == seq && old.version == tag.version && old.len <= tag.len => old.len as usize,
+                _ => {
+                    row[blocks.len()..].fill(0);
+                    0
+                }
+            };
+            for (d, b) in row[from..blocks.len()].iter_mut().zip(&blocks[from..]) {
+                *d = b.0 as i32;
+            }
+            if r < self.rows.len() {
+                self.rows[r] = tag;
+            } else {
+                self.rows.push(tag);
+            }
+        }
+        Ok(())
+    }
+}
+
 /// What the scheduler remembers of a step until its `update`.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct StepPlan {
     pub step_id: u64,
     /// Branch and sample index of each sampled row.
     pub sampled: Vec<(BranchKey, u32)>,
+    /// Every branch with rows in the step, in row order (what `rollback_step` undoes).
+    pub scheduled: Vec<BranchKey>,
+    /// The request ends the step reported (given back to the next step on rollback).
+    pub reported: Vec<(Arc<str>, FinishReason)>,
 }
 
 /// One sampled token's effect, from `update`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestUpdate {
-    /// The request.
+    /// The request; its id is `Scheduler::request_id(request)` (also when it ended in this
+    /// update, until the next `schedule`).
     pub request: RequestKey,
-    /// Its id.
-    pub request_id: Arc<str>,
     /// Sample index within the request.
     pub index: u32,
     /// The token appended.
