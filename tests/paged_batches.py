@@ -11,7 +11,8 @@ kernel can fall into made explicit:
 * block-table entries past a sequence's last block are ``-1``, and the table has a spare
   column, so that reading past the end shows up as a bad address or a NaN.
 
-Query rows are packed in batch order; ``cu_seqlens_q`` and ``seq_lens`` follow DESIGN.md.
+Query rows are packed in batch order; ``cu_seqlens_q`` and ``seq_lens`` follow the kernel contract
+(docs/architecture.md, Kernels: ``seq_lens`` counts every KV token, the new ones included).
 """
 
 from __future__ import annotations

@@ -228,3 +228,105 @@ def test_store_errors(batch, backend):
 def test_errors_are_value_errors_for_vllm_style_callers(batch):
     with pytest.raises(ValueError):
         kernels.paged_attention(*_replace(batch.attention_args(), 3, batch.block_tables.long()))
+
+
+# --- the serving path: backend resolved once, metadata prepared once per step ---------------------
+
+
+def _prepared_backends() -> list[str]:
+    return ["torch", "cpu"] + (["triton"] if INTERPRETED or DEVICE == "cuda" else [])
+
+
+def _host_batch(**kwargs):
+    """A mixed batch (decodes, an extend, a prefill) with host index tensors, caches on DEVICE."""
+    b = make_paged_batch([1, 4, 1, 7], [33, 20, 1, 7], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                         poison=False, **kwargs)
+    return b
+
+
+@pytest.mark.parametrize("backend", _prepared_backends())
+def test_prepared_backend_matches_the_public_functions(backend, monkeypatch):
+    device = "cpu" if backend == "cpu" else DEVICE
+    b = _host_batch(device=device)
+    host = {name: getattr(b, name).cpu() for name in ("block_tables", "seq_lens", "cu_seqlens_q")}
+    num_tokens = b.query.shape[0]
+    # New K/V for the query rows, with a skipped token (-1) in the middle.
+    generator = torch.Generator().manual_seed(3)
+    key = torch.randn(num_tokens, 2, 64, generator=generator).to(device)
+    value = torch.randn(num_tokens, 2, 64, generator=generator).to(device)
+    free_slots = torch.arange(b.key_cache.shape[0] * 16 - num_tokens, b.key_cache.shape[0] * 16)
+    slots = free_slots.clone()
+    slots[5] = -1
+
+    want_k, want_v = b.key_cache.clone(), b.value_cache.clone()
+    kernels.store_kv(key, value, want_k, want_v, slots.to(device), backend=backend)
+    want = kernels.paged_attention(b.query, want_k, want_v, b.block_tables, b.seq_lens, b.cu_seqlens_q,
+                                   backend=backend, scale=0.3)
+
+    attention = kernels.get_backend(torch.device(device), backend, dtype=torch.float32, head_dim=64)
+    assert attention.name == backend
+    monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "not-a-backend")  # never read again
+    meta = attention.prepare(slots, host["block_tables"], host["seq_lens"], host["cu_seqlens_q"],
+                             num_tokens=num_tokens, key_cache=b.key_cache, value_cache=b.value_cache,
+                             dtype=torch.float32)
+    assert (meta.max_seqlen_q, meta.max_seqlen_k, meta.num_decodes, meta.num_extends) == (7, 33, 2, 2)
+    assert meta.block_tables.device == b.key_cache.device and meta.block_tables.is_contiguous()
+    assert (meta.cpu_views is not None) == (backend == "cpu")
+    got_k, got_v = b.key_cache.clone(), b.value_cache.clone()
+    attention.store_kv(key, value, got_k, got_v, meta)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    got = attention.paged_attention(b.query, got_k, got_v, meta, scale=0.3)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    out = torch.full_like(b.query, 7.0)
+    assert attention.paged_attention(b.query, got_k, got_v, meta, scale=0.3, out=out) is out
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prepare_validates_the_step_once_and_layers_only_by_shape():
+    b = _host_batch()
+    attention = kernels.get_backend(torch.device("cpu"), "cpu")
+    slots = torch.arange(b.query.shape[0], dtype=torch.int64)
+    base = dict(num_tokens=b.query.shape[0], key_cache=b.key_cache, value_cache=b.value_cache, dtype=torch.float32)
+    args = (slots, b.block_tables, b.seq_lens, b.cu_seqlens_q)
+    bad_block = b.block_tables.clone()
+    bad_block[1, 0] = b.key_cache.shape[0]
+    cases = [
+        (_replace(args, 0, slots[:3]), "slot_mapping has 3 entries but the step has 13 tokens"),
+        (_replace(args, 0, slots + b.key_cache.shape[0] * 16), "slot_mapping holds slot"),
+        (_replace(args, 1, bad_block), "block id"),
+        (_replace(args, 1, b.block_tables.long()), "block_tables must be torch.int32"),
+        (_replace(args, 3, torch.tensor([0, 4, 1, 2, 13], dtype=torch.int32)), "non-decreasing"),
+        (_replace(args, 2, b.seq_lens[:2]), "seq_lens needs 4 entries"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(InvalidArgumentError, match=message):
+            attention.prepare(*bad, **base)
+    with pytest.raises(InvalidArgumentError, match="query dtype torch.float16 is not supported|cache dtype"):
+        attention.prepare(*args, **{**base, "dtype": torch.float16})
+
+    meta = attention.prepare(*args, **base)
+    kc, vc = b.key_cache, b.value_cache
+    key = torch.zeros(b.query.shape[0], 2, 64)
+    with pytest.raises(InvalidArgumentError, match=r"key must be a torch.float32 \(13, 2, 64\)"):
+        attention.store_kv(key[:5], key[:5], kc, vc, meta)
+    with pytest.raises(InvalidArgumentError, match="value must be"):
+        attention.store_kv(key, key.double(), kc, vc, meta)
+    with pytest.raises(InvalidArgumentError, match="key_cache must be"):
+        attention.store_kv(key, key, kc[:-1], vc, meta)
+    with pytest.raises(InvalidArgumentError, match="query must be"):
+        attention.paged_attention(b.query[:, :3], kc, vc, meta)
+    with pytest.raises(InvalidArgumentError, match="query must be"):
+        attention.paged_attention(b.query[:-1], kc, vc, meta)
+    with pytest.raises(InvalidArgumentError, match="scale must be a finite number"):
+        attention.paged_attention(b.query, kc, vc, meta, scale=float("inf"))
+    with pytest.raises(InvalidArgumentError, match="out must match query"):
+        attention.paged_attention(b.query, kc, vc, meta, out=torch.empty(1))
+
+
+def test_get_backend_refuses_what_the_backend_cannot_run(monkeypatch):
+    monkeypatch.delenv(kernels.BACKEND_ENV_VAR, raising=False)
+    with pytest.raises(InvalidArgumentError, match="head_dim 48 is not supported by the triton backend"):
+        kernels.get_backend(torch.device("cuda"), "triton", dtype=torch.float16, head_dim=48)
+    with pytest.raises(InvalidArgumentError, match="cpu backend got tensors on cuda"):
+        kernels.get_backend(torch.device("cuda"), "cpu")
+    assert kernels.get_backend(torch.device("cuda"), None, dtype=torch.float16, head_dim=48).name in ("torch",)

@@ -113,7 +113,7 @@ def test_default_model_is_smollm2() -> None:
 
 
 def test_blocks_for_budget() -> None:
-    g = KVGeometry(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32", dtype_bytes=4)
+    g = KVGeometry(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32", dtype_bytes=4, num_heads=9)
     per_block = 46_080 * 16
     assert num_blocks_for_budget(per_block, g, 16) == 1
     assert num_blocks_for_budget(10 * per_block + per_block - 1, g, 16) == 10
@@ -139,3 +139,84 @@ def test_parse_bytes(text: str, expected: int) -> None:
 def test_parse_bytes_rejects(text: str) -> None:
     with pytest.raises(ConfigError, match="kv_memory"):
         parse_bytes(text)
+
+
+# ---------------------------------------------------------------- pagedkv.config: the validated configs
+
+
+def test_one_geometry_type_for_the_simulator_and_the_runner() -> None:
+    import pagedkv.config
+    import pagedkv.sim.kv_budget
+    import pagedkv.worker.model_support as model_support
+
+    assert pagedkv.sim.kv_budget.KVGeometry is pagedkv.config.KVGeometry
+    assert not hasattr(model_support, "AttentionGeometry")
+    g = kv_geometry(SMOLLM2)
+    assert (g.num_heads, g.bytes_per_token) == (9, 46_080)
+    assert kv_geometry({"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 8, "dtype": "float16"}).num_heads is None
+
+
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [
+        (lambda c: c.CacheConfig(block_size=12), "block_size must be a power of two in 8 .. 4096, got 12"),
+        (lambda c: c.CacheConfig(block_size=4), "block_size .* got 4"),
+        (lambda c: c.CacheConfig(block_size=16.0), r"block_size .* got 16\.0"),
+        (lambda c: c.CacheConfig(num_blocks=0), "num_blocks must be a positive int, got 0"),
+        (lambda c: c.CacheConfig(num_blocks=2**24 + 1), "num_blocks must be at most 16777216"),
+        (lambda c: c.CacheConfig(kv_cache_memory=-5), "kv_cache_memory must be a positive number of bytes, got -5"),
+        (lambda c: c.CacheConfig(num_blocks=8, kv_cache_memory=1 << 20), "num_blocks or kv_cache_memory, not both"),
+        (lambda c: c.CacheConfig(gpu_memory_utilization=0.0), r"gpu_memory_utilization must be a number in \(0, 1\], got 0.0"),
+        (lambda c: c.CacheConfig(gpu_memory_utilization=1.5), "gpu_memory_utilization .* got 1.5"),
+        (lambda c: c.CacheConfig(gpu_memory_utilization=True), "gpu_memory_utilization .* got True"),
+        (lambda c: c.CacheConfig(enable_prefix_caching=1), "enable_prefix_caching must be a bool, got 1"),
+        (lambda c: c.ModelConfig(dtype="int8"), "dtype must be one of .* got 'int8'"),
+        (lambda c: c.ModelConfig(device="tpu"), "device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'tpu'"),
+        (lambda c: c.ModelConfig(max_model_len=0), "max_model_len must be a positive int, got 0"),
+        (lambda c: c.ModelConfig(max_model_len=True), "max_model_len must be a positive int, got True"),
+        (lambda c: c.ModelConfig(attention_backend="flash"), "attention_backend must be .* got 'flash'"),
+        (lambda c: c.ModelConfig(attention_backend="cpu", device="cuda"), "attention_backend 'cpu' runs on the CPU"),
+        (lambda c: c.ModelConfig(seed="1"), "seed must be an int, got '1'"),
+        (lambda c: c.ModelConfig(model=3), "model must be a model id or folder"),
+        (lambda c: c.SchedulingConfig(max_num_seqs=0), "max_num_seqs must be a positive int, got 0"),
+        (lambda c: c.SchedulingConfig(max_num_batched_tokens=None), "max_num_batched_tokens must be a positive int, got None"),
+        (lambda c: c.SchedulingConfig(policy="lifo"), "scheduling_policy must be 'fcfs' or 'priority', got 'lifo'"),
+        (lambda c: c.EngineConfig(c.ModelConfig(max_model_len=512), c.CacheConfig(num_blocks=8)),
+         r"holds 128 tokens \(8 blocks of 16\), fewer than one request of max_model_len = 512"),
+    ],
+)
+def test_bad_config_values_name_the_field_and_value(make, fragment: str) -> None:
+    import pagedkv.config
+
+    with pytest.raises(ConfigError, match=fragment):
+        make(pagedkv.config)
+
+
+def test_configs_normalise_torch_names_and_paths(tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    from pagedkv.config import ModelConfig
+
+    config = ModelConfig(model=tmp_path, dtype=torch.bfloat16, device=torch.device("cuda", 1))
+    assert (config.model, config.dtype, config.device) == (str(tmp_path), "bfloat16", "cuda:1")
+
+
+def test_engine_args_validate_everything_when_built() -> None:
+    from pagedkv.config import EngineConfig
+    from pagedkv.engine.args import EngineArgs
+
+    config = EngineArgs(block_size=32, num_blocks=64, max_model_len=1024, scheduling_policy="priority",
+                        max_num_seqs=8).create_engine_config()
+    assert isinstance(config, EngineConfig)
+    assert (config.cache.block_size, config.cache.num_blocks, config.model.max_model_len) == (32, 64, 1024)
+    assert (config.scheduling.policy, config.scheduling.max_num_seqs) == ("priority", 8)
+    for kwargs, fragment in [
+        ({"block_size": 5000}, "block_size"),
+        ({"num_blocks": 10**12}, "num_blocks must be at most"),
+        ({"kv_cache_memory": 0}, "kv_cache_memory"),
+        ({"gpu_memory_utilization": 2}, "gpu_memory_utilization"),
+        ({"max_num_seqs": -1}, "max_num_seqs"),
+        ({"max_model_len": 512, "num_blocks": 8}, "fewer than one request"),
+        ({"dtype": "float64"}, "dtype"),
+    ]:
+        with pytest.raises(ConfigError, match=fragment):
+            EngineArgs(**kwargs)

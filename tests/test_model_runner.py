@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from pagedkv.config import CacheConfig, KVGeometry, ModelConfig
+from pagedkv.errors import ConfigError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from pagedkv.worker.attention_backend import AttentionCall
-from pagedkv.errors import InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from pagedkv.worker.model_runner import ModelRunner
 from pagedkv.worker.model_support import check_config, check_probe
 
@@ -112,7 +113,7 @@ def assert_greedy_matches(model, prompt: list[int], generated: list[int]) -> Non
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    return ModelRunner(None, dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=128)
+    return ModelRunner(ModelConfig(None, dtype="float32", device="cpu"), CacheConfig(block_size=BLOCK_SIZE, num_blocks=128))
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +229,7 @@ def test_bad_steps_raise(runner, prompts) -> None:
 
 def test_missing_model_folder_raises(tmp_path) -> None:
     with pytest.raises(ModelLoadError, match="does not exist"):
-        ModelRunner(str(tmp_path / "nope"), device="cpu")
+        ModelRunner(ModelConfig(str(tmp_path / "nope"), device="cpu"))
 
 
 # ---------------------------------------------------------------- tiny random models
@@ -257,7 +258,7 @@ def test_tiny_models_match_transformers(tmp_path_factory, model_type: str) -> No
     extra = {"sliding_window": None} if model_type == "mistral" else {}
     config = AutoConfig.for_model(model_type, **_TINY, **extra)
     path = _save_tiny(tmp_path_factory, model_type, config)
-    runner = ModelRunner(path, dtype="float32", device="cpu", block_size=8, num_blocks=32)
+    runner = ModelRunner(ModelConfig(path, dtype="float32", device="cpu"), CacheConfig(block_size=8, num_blocks=32))
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
     pool = BlockCounter()
@@ -283,9 +284,9 @@ def test_sliding_window_in_use_is_refused(tmp_path_factory) -> None:
     config = AutoConfig.for_model("mistral", **_TINY, sliding_window=32)
     path = _save_tiny(tmp_path_factory, "mistral_swa", config)
     with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        ModelRunner(path, dtype="float32", device="cpu", num_blocks=8)
+        ModelRunner(ModelConfig(path, dtype="float32", device="cpu"), CacheConfig(num_blocks=8))
     # When the served context fits in the window, the window never slides: full attention.
-    runner = ModelRunner(path, dtype="float32", device="cpu", num_blocks=8, max_model_len=32)
+    runner = ModelRunner(ModelConfig(path, dtype="float32", device="cpu", max_model_len=32), CacheConfig(num_blocks=8))
     assert runner.max_model_len == 32
 
 
@@ -305,7 +306,7 @@ def test_unsupported_architectures_are_refused(tmp_path_factory, model_type, ove
     folder = tmp_path_factory.mktemp(model_type)
     config.save_pretrained(folder)  # the check runs on the config, before any weights load
     with pytest.raises(UnsupportedModelError, match=fragment):
-        ModelRunner(str(folder), dtype="float32", device="cpu", num_blocks=8)
+        ModelRunner(ModelConfig(str(folder), dtype="float32", device="cpu"), CacheConfig(num_blocks=8))
 
 
 # ---------------------------------------------------------------- the checks, on their own
@@ -370,3 +371,134 @@ def test_check_config_accepts_unused_or_wide_windows() -> None:
     check_config(SimpleNamespace(model_type="toy", sliding_window=8, use_sliding_window=False), 64)
     check_config(SimpleNamespace(model_type="toy", sliding_window=8, layer_types=["full_attention"]), 64)
     check_config(SimpleNamespace(model_type="toy", sliding_window=64), 64)
+
+
+# ---------------------------------------------------------------- the step metadata, once per step
+
+
+def _decode_batch(runner: ModelRunner, prompts) -> tuple[BlockCounter, list[Seq]]:
+    pool = BlockCounter()
+    seqs = [Seq(list(p)) for p in prompts]
+    logits = runner.execute(make_step(pool, [(s, len(s.tokens)) for s in seqs]))
+    for seq, token in zip(seqs, logits.argmax(dim=-1).tolist()):
+        seq.tokens.append(token)
+    return pool, seqs
+
+
+def test_step_metadata_is_validated_once_per_step_not_per_layer(runner, prompts, monkeypatch) -> None:
+    from pagedkv.kernels import validation
+
+    pool, seqs = _decode_batch(runner, prompts)
+    calls = {"step": 0, "values": 0, "layer": 0, "per_call": 0}
+
+    def counting(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(validation, "check_step_metadata", counting("step", validation.check_step_metadata))
+    monkeypatch.setattr(validation, "_check_batch_values", counting("values", validation._check_batch_values))
+    monkeypatch.setattr(validation, "check_layer_attention", counting("layer", validation.check_layer_attention))
+    for name in ("check_paged_attention_args", "check_store_kv_args"):
+        monkeypatch.setattr(validation, name, counting("per_call", getattr(validation, name)))
+    # A mixed step: two decodes and a chunk of a new prompt.
+    fresh = Seq(list(prompts[0]))
+    runner.execute(make_step(pool, [(seqs[0], 1), (seqs[1], 1), (fresh, 9)]))
+    assert calls == {"step": 1, "values": 1, "layer": runner.num_layers, "per_call": 0}
+
+
+def test_bad_step_metadata_raises_before_anything_runs(runner, prompts) -> None:
+    pool, seqs = _decode_batch(runner, prompts)
+    spare = pool.take()
+
+    def step_with(**changes):
+        step = make_step(BlockCounter(), [(Seq(list(s.tokens), list(s.blocks), s.num_computed), 1) for s in seqs],
+                         copy_ops=[(seqs[0].blocks[0], spare)])
+        for name, value in changes.items():
+            setattr(step, name, value)
+        return step
+
+    good = step_with()
+    bad_tables = good.block_tables.copy()
+    bad_tables[1, 0] = runner.num_blocks
+    decreasing = good.cu_seqlens_q.copy()
+    decreasing[1], decreasing[2] = 2, 1
+    cases = [
+        (dict(block_tables=bad_tables), f"block id {runner.num_blocks}"),
+        (dict(slot_mapping=good.slot_mapping + runner.num_blocks * BLOCK_SIZE), "slot_mapping holds slot"),
+        (dict(cu_seqlens_q=decreasing), "non-decreasing"),
+        (dict(seq_lens=good.seq_lens + 10 * BLOCK_SIZE), r"seq_lens\[\d\] = \d+ is outside"),
+        (dict(seq_lens=good.seq_lens.astype(np.float32)), "seq_lens must hold integers"),
+        (dict(input_ids=good.input_ids + runner.vocab_size), "input_ids holds token id"),
+        (dict(logits_indices=good.logits_indices + 5), "logits_indices holds row"),
+    ]
+    with torch.inference_mode():
+        before = runner.kv_cache[:, :, spare].clone()
+        runner.kv_cache[:, :, seqs[0].blocks[0]].add_(1.0)  # so that a copy would show
+    for changes, message in cases:
+        with pytest.raises(InvalidArgumentError, match=message):
+            runner.execute(step_with(**changes))
+        # Checked before the copy-on-write ops and the forward: nothing was written.
+        assert torch.equal(runner.kv_cache[:, :, spare], before)
+
+
+# ---------------------------------------------------------------- configuration and limits
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory) -> str:
+    from transformers import AutoConfig
+
+    return _save_tiny(tmp_path_factory, "qwen2_limits", AutoConfig.for_model("qwen2", **_TINY))
+
+
+def test_runner_takes_the_validated_configs(tiny_qwen2) -> None:
+    runner = ModelRunner(ModelConfig(tiny_qwen2, dtype="float32", device="cpu", attention_backend="torch"),
+                         CacheConfig(block_size=8, kv_cache_memory=64 * 4096 + 100))
+    assert isinstance(runner.geometry, KVGeometry)
+    assert (runner.geometry.num_layers, runner.geometry.num_heads, runner.geometry.num_kv_heads,
+            runner.geometry.head_dim, runner.geometry.dtype) == (2, 4, 2, 16, "float32")
+    assert runner.bytes_per_block == runner.geometry.bytes_per_block(8) == 2 * 2 * 8 * 2 * 16 * 4 == 4096
+    assert runner.num_blocks == 64 and runner.attention_backend == runner.backend.name == "torch"
+    with pytest.raises(ConfigError, match="cache_config must be a pagedkv.config.CacheConfig"):
+        ModelRunner(ModelConfig(tiny_qwen2, device="cpu"), {"num_blocks": 8})  # type: ignore[arg-type]
+
+
+def test_a_pool_beyond_the_core_limits_is_refused_before_loading() -> None:
+    from pagedkv._core import MAX_BLOCK_SIZE, MAX_NUM_BLOCKS
+
+    with pytest.raises(ConfigError, match=f"num_blocks must be at most {MAX_NUM_BLOCKS}.*got 1000000000000"):
+        CacheConfig(num_blocks=10**12)
+    with pytest.raises(ConfigError, match=f"block_size must be a power of two in 8 .. {MAX_BLOCK_SIZE}, got 8192"):
+        CacheConfig(block_size=2 * MAX_BLOCK_SIZE)
+
+
+def test_a_pool_larger_than_memory_is_refused_before_allocation(tiny_qwen2, monkeypatch) -> None:
+    import pagedkv.worker.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "_available_memory", lambda device: 1 << 30)
+    model = ModelConfig(tiny_qwen2, dtype="float32", device="cpu")
+    with pytest.raises(ConfigError, match=r"would take 4,294,967,296 bytes \(1048576 blocks x 4,096 bytes\), "
+                                          r"more than the 1,073,741,824 bytes available"):
+        ModelRunner(model, CacheConfig(block_size=8, num_blocks=1 << 20))
+    # A byte budget past MAX_NUM_BLOCKS blocks: clamped (with a warning), then still too big here.
+    with pytest.warns(UserWarning, match="clamped to 16777216 blocks"), pytest.raises(ConfigError, match="available"):
+        ModelRunner(model, CacheConfig(block_size=8, kv_cache_memory=10**15))
+
+
+def test_a_budget_past_max_num_blocks_is_clamped_with_a_warning(tiny_qwen2, monkeypatch) -> None:
+    import pagedkv.worker.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "MAX_NUM_BLOCKS", 64)  # a small stand-in for 2^24
+    with pytest.warns(UserWarning, match=r"kv_cache_memory=1048576 makes room for 256 blocks .* clamped to 64"):
+        runner = ModelRunner(ModelConfig(tiny_qwen2, dtype="float32", device="cpu"),
+                             CacheConfig(block_size=8, kv_cache_memory=1 << 20))
+    assert runner.num_blocks == 64 and runner.kv_cache.shape[2] == 64
+
+
+def test_max_model_len_above_the_declared_context_warns(tiny_qwen2) -> None:
+    with pytest.warns(UserWarning, match=r"max_model_len = 512 is above the context length the model declares \(256\)"):
+        runner = ModelRunner(ModelConfig(tiny_qwen2, dtype="float32", device="cpu", max_model_len=512),
+                             CacheConfig(block_size=8, num_blocks=64))
+    assert runner.max_model_len == 512

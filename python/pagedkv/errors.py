@@ -27,6 +27,8 @@ __all__ = [
     "ModelLoadError",
     "UnsupportedModelError",
     "TraceFormatError",
+    "RequestFailedError",
+    "EngineDeadError",
 ]
 
 
@@ -88,3 +90,14 @@ class UnsupportedModelError(PagedKVError, ValueError):
 
 class TraceFormatError(PagedKVError, ValueError):
     """A workload trace line is malformed; the message names the line number and field."""
+
+
+class RequestFailedError(PagedKVError, RuntimeError):
+    """The engine gave up on one request (its output has ``finish_reason="error"``): a step that
+    raised while it was in the batch, too many times, or a failure in its own output
+    processing. The original exception is the ``__cause__`` where it is known. Other requests
+    are not affected."""
+
+
+class EngineDeadError(PagedKVError, RuntimeError):
+    """``AsyncLLM`` was shut down, or its step loop thread died; no stream can continue."""

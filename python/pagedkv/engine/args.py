@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pagedkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulingConfig
 from pagedkv.errors import ConfigError
 
 __all__ = ["EngineArgs"]
@@ -18,17 +20,25 @@ class EngineArgs:
     - ``tokenizer``: tokenizer id or folder (default: the model's).
     - ``dtype``: ``"auto"`` (bf16 on CUDA when supported, float32 on the CPU), ``"float32"``,
       ``"float16"``, ``"bfloat16"``.
-    - ``device``: ``"auto"`` (CUDA if available), ``"cuda"``, ``"cpu"``.
-    - ``block_size``: tokens per KV block (power of two >= 8).
+    - ``device``: ``"auto"`` (CUDA if available), ``"cuda"``, ``"cuda:N"``, ``"cpu"``.
+    - ``block_size``: tokens per KV block (power of two, 8 .. 4096).
     - ``num_blocks`` / ``kv_cache_memory`` (bytes) / ``gpu_memory_utilization``: KV pool size
-      (explicit blocks, a byte budget, or on CUDA a fraction of the device after profiling).
-    - ``max_model_len``: longest sequence (prompt + output); default: the model's context length.
+      (explicit blocks up to 2^24, a byte budget, or on CUDA a fraction of the device after
+      profiling; not both ``num_blocks`` and ``kv_cache_memory``). A budget is a ceiling: past
+      2^24 blocks the pool is clamped with a warning; a pool larger than the device's memory
+      is refused before it is allocated.
+    - ``max_model_len``: longest sequence (prompt + output); default: the model's context length
+      (a larger value warns).
     - ``max_num_seqs``, ``max_num_batched_tokens``: per-step caps of the scheduler.
     - ``enable_prefix_caching``: reuse the KV of shared prompt prefixes.
     - ``scheduling_policy``: ``"fcfs"`` or ``"priority"``.
     - ``attention_backend``: ``"triton"``, ``"cpu"``, ``"torch"`` or ``None`` (Triton on CUDA,
       the Rust decode kernel + torch on the CPU).
     - ``seed``: seed of the global generator used by unseeded random sampling.
+
+    Every value is checked when the arguments are built (:meth:`create_engine_config`, called
+    by ``__post_init__``): a bad one raises :class:`~pagedkv.errors.ConfigError` naming the
+    field and the value, before any model loads.
     """
 
     model: str | None = None
@@ -58,15 +68,34 @@ class EngineArgs:
         return cls(model=model, **kwargs)
 
     def __post_init__(self) -> None:
-        if self.model is not None and not isinstance(self.model, str):
-            self.model = str(self.model)  # os.PathLike
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.max_num_batched_tokens is not None and (
-            not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1
-        ):
-            raise ConfigError(f"max_num_batched_tokens must be a positive int, got {self.max_num_batched_tokens!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ConfigError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        if not isinstance(self.seed, int):
-            raise ConfigError(f"seed must be an int, got {self.seed!r}")
+        for name in ("model", "tokenizer"):
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        self.create_engine_config()
+
+    def create_engine_config(self) -> EngineConfig:
+        """The validated configuration (:mod:`pagedkv.config`) these arguments describe."""
+        return EngineConfig(
+            model=ModelConfig(
+                model=self.model,
+                tokenizer=self.tokenizer,
+                dtype=self.dtype,
+                device=self.device,
+                max_model_len=self.max_model_len,
+                attention_backend=self.attention_backend,
+                seed=self.seed,
+                trust_remote_code=self.trust_remote_code,
+            ),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_blocks=self.num_blocks,
+                kv_cache_memory=self.kv_cache_memory,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduling=SchedulingConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                policy=self.scheduling_policy,
+            ),
+        )

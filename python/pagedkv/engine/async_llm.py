@@ -13,12 +13,19 @@ stream's outputs are handed to its own event loop with ``call_soon_threadsafe``.
 Leaving the ``async for`` early — ``break``, an exception, or the task being cancelled (a
 client disconnecting) — aborts the request, which frees its KV blocks at once. ``abort()``
 ends a stream from outside with a last output whose ``finish_reason`` is ``"abort"``.
+
+A step that raises is rolled back by the engine and retried; the loop keeps serving. A request
+the engine gives up on (``max_step_failures`` failed steps, or a failure in its own output
+processing) ends its stream with :class:`pagedkv.errors.RequestFailedError`; every other
+stream continues. Only the loop thread itself dying (or ``shutdown()``) ends all streams, with
+:class:`EngineDeadError`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -26,7 +33,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from pagedkv.engine.args import EngineArgs
-from pagedkv.errors import PagedKVError, UnknownRequestError
+from pagedkv.errors import EngineDeadError, PagedKVError, RequestFailedError, UnknownRequestError
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.prompts import PromptType
@@ -34,9 +41,7 @@ from pagedkv.sample.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError"]
 
-
-class EngineDeadError(PagedKVError, RuntimeError):
-    """The engine was shut down, or its step loop failed; the stream cannot continue."""
+logger = logging.getLogger(__name__)
 
 
 class _Stream:
@@ -107,7 +112,7 @@ class AsyncLLM:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine already dropped the request
-                    raise item
+                    raise item  # RequestFailedError (this request) or EngineDeadError (all)
                 finished = item.finished
                 yield item
                 if finished:
@@ -197,7 +202,14 @@ class AsyncLLM:
                         except BaseException as exc:  # noqa: BLE001 - handed to the caller
                             done.set_exception(exc)
                 if self.engine.has_unfinished_requests():
-                    self._deliver(self.engine.step())
+                    try:
+                        outputs = self.engine.step()
+                    except Exception:
+                        # Rolled back by the engine; retried next iteration. Requests that
+                        # keep failing come out of a later step with an error.
+                        logger.warning("a step failed; it was rolled back and will be retried", exc_info=True)
+                        continue
+                    self._deliver(outputs)
         except BaseException as exc:  # noqa: BLE001 - report to every caller, do not vanish
             error = EngineDeadError(f"the step loop failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
@@ -210,6 +222,9 @@ class AsyncLLM:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
+            if out.error is not None:
+                stream.put(RequestFailedError(f"request {out.request_id!r} failed: {out.error}"))
+                continue
             if not stream.put(out) and not out.finished:
                 self._abort_quietly(out.request_id)
 

@@ -18,9 +18,11 @@ decoded in context, as vLLM does.
 
 Stop strings are searched only in the tail that can contain a new match (the new characters
 plus ``len(stop) - 1`` before them). A match truncates the text before the stop string, or after
-it with ``include_stop_str_in_output``. While the completion runs, :meth:`get_delta` holds back
-the last ``len(longest stop) - 1`` characters so that a stream never shows the beginning of a
-stop string that the next token completes (and that would then be cut).
+it with ``include_stop_str_in_output``. While the completion runs, :meth:`visible_text` (the
+cumulative text a stream shows) and :meth:`get_delta` hold back the last
+``len(longest stop) - 1`` characters, so that a stream never shows the beginning of a stop
+string that the next token completes (and that would then be cut): the visible text only ever
+grows, and every earlier visible text is a prefix of the final one.
 """
 
 from __future__ import annotations
@@ -102,6 +104,9 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []  # every generated token, including unprinted ones
         self.output_text = ""
         self.stop_reason: str | None = None
+        # Characters of output_text shown so far (visible_text); never decreases, and never
+        # passes a stop string's start (a match ends in new text, after the held-back tail).
+        self._shown = 0
         self._emitted = 0  # characters of output_text already returned by get_delta
 
     @classmethod
@@ -145,13 +150,20 @@ class IncrementalDetokenizer:
             return None
         return self._check_stop_strings(len(self.output_text) - text_before)
 
+    def visible_text(self, finished: bool = False) -> str:
+        """The cumulative text to show now: all of it once ``finished`` (or after a stop string
+        matched); while running, without a tail that may be the start of a stop string."""
+        if finished or self.stop_reason is not None:
+            self._shown = len(self.output_text)
+        else:
+            self._shown = max(self._shown, len(self.output_text) - self._stop_buffer)
+        return self.output_text[: self._shown]
+
     def get_delta(self, finished: bool = False) -> str:
-        """Text not returned yet. While running, keeps back a possible stop-string prefix."""
-        end = len(self.output_text)
-        if not finished and self.stop_reason is None:
-            end = max(self._emitted, end - self._stop_buffer)
-        delta = self.output_text[self._emitted : end]
-        self._emitted = end
+        """Text not returned yet (the growth of :meth:`visible_text` since the last call)."""
+        text = self.visible_text(finished)
+        delta = text[self._emitted :]
+        self._emitted = len(text)
         return delta
 
     def _decode_new_text(self) -> str:
@@ -183,6 +195,5 @@ class IncrementalDetokenizer:
             return None
         cut = best_index + len(best_stop) if self.include_stop_str_in_output else best_index
         self.output_text = self.output_text[:cut]
-        self._emitted = min(self._emitted, cut)
         self.stop_reason = best_stop
         return best_stop

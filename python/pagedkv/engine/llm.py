@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,8 @@ from pagedkv.engine.prompts import PromptType, chat_prompt, is_single_prompt
 from pagedkv.sample.sampling_params import SamplingParams
 
 __all__ = ["LLM"]
+
+logger = logging.getLogger(__name__)
 
 Conversation = list[dict[str, Any]]
 
@@ -55,17 +58,29 @@ class LLM:
         ``{"prompt_token_ids": ...}``), or a list of those. ``sampling_params``: one for all
         prompts or one per prompt (default: ``SamplingParams()``).
         """
-        prompt_list: list[PromptType] = [prompts] if is_single_prompt(prompts) else list(prompts)  # type: ignore[list-item,arg-type]
+        if is_single_prompt(prompts):
+            prompt_list: list[PromptType] = [prompts]  # type: ignore[list-item]
+        elif isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
+            prompt_list = list(prompts)
+        else:
+            raise InvalidTypeError(
+                "prompts must be a str, a list of token ids, a dict, or a list of those; "
+                f"got {type(prompts).__name__}"
+            )
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
-        else:
+        elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
                 raise InvalidArgumentError(
                     f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
                 )
+        else:
+            raise InvalidTypeError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
+            )
         if priority is not None and len(priority) != len(prompt_list):
             raise InvalidArgumentError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
         engine = self.llm_engine
@@ -77,7 +92,8 @@ class LLM:
                 ids.append(rid)
         except BaseException:
             # Leave the engine as it was: nothing of this call stays queued.
-            engine.abort_request(ids)
+            if ids:
+                engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
 
@@ -90,7 +106,14 @@ class LLM:
         prompt_tokens = generated = 0
         try:
             while len(done) < len(ids) and engine.has_unfinished_requests():
-                for out in engine.step():
+                try:
+                    outputs = engine.step()
+                except Exception:
+                    # The engine rolled the step back and retries it; a request that keeps
+                    # failing comes back with finish_reason "error" (LLMEngine.step).
+                    logger.warning("a step failed; retrying it", exc_info=True)
+                    continue
+                for out in outputs:
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
                         prompt_tokens += len(out.prompt_token_ids)
@@ -102,7 +125,11 @@ class LLM:
                                 f"input {prompt_tokens / elapsed:.0f} tok/s, output {generated / elapsed:.0f} tok/s"
                             )
         except BaseException:
-            engine.abort_request([i for i in ids if i not in done and i in engine.requests])
+            # Ctrl-C (or any other interrupt): this call's requests leave the engine, which
+            # stays usable for the next call.
+            left = [i for i in ids if i not in done and i in engine.requests]
+            if left:
+                engine.abort_request(left)
             raise
         finally:
             if bar is not None:
@@ -120,9 +147,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` messages) or
         to a list of conversations, rendered with the tokenizer's chat template."""
-        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)) or not messages:
             raise InvalidTypeError("messages must be a conversation or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        if not all(isinstance(conv, Sequence) and not isinstance(conv, (str, bytes)) for conv in conversations):
+            raise InvalidTypeError("messages must be a conversation (list of dicts) or a list of conversations")
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = [
             chat_prompt(tokenizer, conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt)

@@ -16,10 +16,23 @@ One ``step()``:
 Bad input (unknown ids, invalid parameters, empty or too long prompts, token ids outside the
 vocabulary) raises a typed :mod:`pagedkv.errors` exception in ``add_request`` /
 ``abort_request`` before anything changes, so the engine keeps serving its other requests.
+
+Failures inside a step cannot wedge the engine: an exception between ``schedule()`` and
+``update()`` (an interrupt, out of memory, a bug) rolls the step back in the scheduler and
+propagates; the next ``step()`` retries it. Requests are charged one failure per failed step
+they were in (a step that goes through clears the count) and are failed alone
+(``finish_reason="error"``) after ``max_step_failures`` in a row, so a request that breaks
+every forward cannot block the others forever, and transient failures never add up.
+
+Threading: one lock serializes the public methods. ``add_request`` and ``abort_request`` may
+be called from any thread (a server's request handlers) while another thread steps; they wait
+for the step in flight to end. ``AsyncLLM`` drives the engine from one thread instead.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -43,6 +56,8 @@ from pagedkv.sample.sampling_params import SamplingParams
 
 __all__ = ["LLMEngine"]
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine:
     """A model on a paged KV cache, driven one step at a time.
@@ -56,47 +71,53 @@ class LLMEngine:
             engine_args = EngineArgs.from_kwargs(**kwargs)
         elif kwargs:
             raise ConfigError("pass either an EngineArgs or keyword arguments, not both")
+        from pagedkv.config import check_pool_holds_one_request
+
         self.args = args = engine_args
-        torch.manual_seed(args.seed)
-        self.runner = ModelRunner(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            attention_backend=args.attention_backend,
-            max_model_len=args.max_model_len,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            trust_remote_code=args.trust_remote_code,
+        # Validated once (pagedkv.config); the runner and the scheduler take its parts.
+        self.config = config = args.create_engine_config()
+        torch.manual_seed(config.model.seed)
+        self.runner = ModelRunner(config.model, config.cache, config.scheduling)
+        self.tokenizer = _load_tokenizer(
+            config.model.tokenizer or self.runner.model_path, config.model.trust_remote_code
         )
-        self.tokenizer = _load_tokenizer(args.tokenizer or self.runner.model_path, args.trust_remote_code)
         self.max_model_len = self.runner.max_model_len
-        capacity = self.runner.num_blocks * self.runner.block_size
-        if capacity < self.max_model_len:
-            raise ConfigError(
-                f"the KV cache holds {capacity} tokens ({self.runner.num_blocks} blocks of "
-                f"{self.runner.block_size}, {self.runner.kv_cache_bytes} bytes), fewer than one "
-                f"request of max_model_len = {self.max_model_len} tokens: raise kv_cache_memory / "
-                f"num_blocks / gpu_memory_utilization, or lower max_model_len"
-            )
+        check_pool_holds_one_request(
+            self.runner.num_blocks, self.runner.block_size, self.max_model_len,
+            f", {self.runner.kv_cache_bytes} bytes",
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_blocks=self.runner.num_blocks,
                 block_size=self.runner.block_size,
                 max_model_len=self.max_model_len,
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.enable_prefix_caching,
-                policy=args.scheduling_policy,
+                max_num_seqs=config.scheduling.max_num_seqs,
+                max_num_batched_tokens=config.scheduling.max_num_batched_tokens,
+                enable_prefix_caching=config.cache.enable_prefix_caching,
+                policy=config.scheduling.policy,
             )
         )
         self.sampler = Sampler()
         self.eos_token_ids = self.runner.eos_token_ids
         self.requests: dict[str, RequestState] = {}
-        self._counters = {"steps": 0, "tokens_computed": 0, "generation_tokens": 0, "model_time_s": 0.0}
+        self._counters = {
+            "steps": 0,
+            "tokens_computed": 0,
+            "generation_tokens": 0,
+            "model_time_s": 0.0,
+            "failed_steps": 0,
+            "failed_requests": 0,
+        }
+        # Threading contract: every public method takes this lock, so add_request and
+        # abort_request may be called from any thread; they wait for a step in flight (one
+        # forward) to end. Tokenization in add_request happens before taking it.
+        self._lock = threading.RLock()
+        # A request in this many consecutive failed steps is failed on its own
+        # (finish_reason "error"); _num_charged counts requests with failures to clear.
+        self.max_step_failures = 3
+        self._num_charged = 0
+        # Outputs of requests failed by a step that raised; returned by the next step().
+        self._failed_outputs: list[RequestOutput] = []
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -117,53 +138,79 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Queue a request. Raises (changing nothing) on a duplicate id, invalid parameters, an
-        empty prompt, a prompt longer than ``max_model_len`` or token ids outside the vocabulary."""
+        empty prompt, a prompt longer than ``max_model_len`` or token ids outside the vocabulary.
+
+        Everything the request needs later (token ids, the checks that depend on the model,
+        its generators and detokenizers) is built before the scheduler sees it, so a request
+        that is accepted can always be stepped."""
         if not isinstance(request_id, str):
             raise InvalidTypeError(f"request_id must be a str, got {type(request_id).__name__}")
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
             raise InvalidTypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if arrival_time is not None and not isinstance(arrival_time, (int, float)):
+            raise InvalidTypeError(f"arrival_time must be a number or None, got {type(arrival_time).__name__}")
+        self._check_params_for_model(params)
         text, prompt_ids = to_token_ids(prompt, self.tokenizer, self.runner.vocab_size)
+        state = RequestState(request_id, text, prompt_ids, params, self.tokenizer, self.runner.device, arrival_time)
         max_tokens = params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(prompt_ids))
-        self.scheduler.add_request(
-            request_id,
-            prompt_ids,
-            max_tokens=max_tokens,
-            min_tokens=params.min_tokens,
-            eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
-            stop_token_ids=params.stop_token_ids or [],
-            ignore_eos=params.ignore_eos,
-            priority=priority,
-            n=params.n,
-        )
-        self.requests[request_id] = RequestState(
-            request_id, text, prompt_ids, params, self.tokenizer, self.runner.device, arrival_time
-        )
+        with self._lock:
+            self.scheduler.add_request(
+                request_id,
+                prompt_ids,
+                max_tokens=max_tokens,
+                min_tokens=params.min_tokens,
+                eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
+                stop_token_ids=params.stop_token_ids or [],
+                ignore_eos=params.ignore_eos,
+                priority=priority,
+                n=params.n,
+            )
+            self.requests[request_id] = state
+
+    def _check_params_for_model(self, params: SamplingParams) -> None:
+        """The checks of ``params`` that need the model (its vocabulary)."""
+        vocab = self.runner.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ConfigError(f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")
+        for token_id in params.stop_token_ids or []:
+            if token_id >= vocab:
+                raise ConfigError(f"stop_token_ids holds {token_id}, outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
         """End requests now; their blocks are freed at once. Returns their final outputs
-        (unfinished samples get ``finish_reason="abort"``). Unknown ids raise
-        UnknownRequestError (the known ones in the same call are still aborted)."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        (unfinished samples get ``finish_reason="abort"``), one per distinct id. Unknown ids
+        raise UnknownRequestError (the known ones in the same call are still aborted).
+
+        Safe to call from another thread: it waits for a step in flight to end."""
+        if isinstance(request_id, str):
+            ids = [request_id]
+        elif isinstance(request_id, Iterable) and not isinstance(request_id, (bytes, dict)):
+            ids = list(dict.fromkeys(request_id))  # each id once, in order
+        else:
+            raise InvalidTypeError(f"request_id must be a str or an iterable of str, got {type(request_id).__name__}")
+        bad = [rid for rid in ids if not isinstance(rid, str)]
+        if bad:
+            raise InvalidTypeError(f"request ids must be str, got {bad[0]!r} ({type(bad[0]).__name__})")
         unknown, outputs = [], []
-        for rid in ids:
-            state = self.requests.pop(rid, None)
-            if state is None:
-                unknown.append(rid)
-                continue
-            self.scheduler.abort_request(rid)
-            for sample in state.samples:
-                if sample.finish_reason is None:
-                    sample.finish_reason = "abort"
-            state.metrics.finished_time = time.time()
-            outputs.append(state.output())
+        with self._lock:
+            for rid in ids:
+                state = self.requests.pop(rid, None)
+                if state is None:
+                    unknown.append(rid)
+                    continue
+                if state.num_failed_steps:
+                    self._num_charged -= 1
+                self.scheduler.abort_request(rid)
+                state.end("abort")
+                outputs.append(state.output())
         if unknown:
             raise UnknownRequestError(f"unknown request id(s) {unknown}: never added, finished, or aborted")
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or bool(self._failed_outputs)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
@@ -171,36 +218,102 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return the outputs of the requests that progressed."""
-        out = self.scheduler.schedule()
-        now = time.time()
+        """Run one scheduler step; return the outputs of the requests that progressed.
+
+        If the forward pass or sampling raises (an interrupt, out of memory, a bug), the step
+        is rolled back (``Scheduler.rollback_step``: its requests go back to the waiting queue
+        with what they had computed before it, nothing is lost but the step's compute) and the
+        exception propagates; the next ``step()`` retries. A request that was in
+        ``max_step_failures`` consecutive failed steps is failed on its own: its output, with
+        ``finish_reason="error"`` and ``error`` set, is returned by the next ``step()``. A
+        failure in one request's output processing (detokenization, logprobs) fails only that
+        request, in this step's outputs."""
+        with self._lock:
+            outputs, self._failed_outputs = self._failed_outputs, []
+            out = self.scheduler.schedule()
+            now = time.time()
+            for rid in dict.fromkeys(out.req_ids):
+                state = self.requests.get(rid)
+                if state is not None and state.metrics.first_scheduled_time is None:
+                    state.metrics.first_scheduled_time = now
+            if out.num_tokens == 0 and len(out.copy_ops) == 0:
+                self.scheduler.update(out, [])
+                return outputs
+            t0 = time.perf_counter()
+            try:
+                logits = self.runner.execute(out)
+                sampled = self._sample(out, logits)
+                tokens = sampled.sampled_token_ids.cpu().numpy()
+                updates = self.scheduler.update(out, tokens)
+            except BaseException as exc:
+                self._roll_back(out, exc)
+                raise
+            if self._num_charged:
+                self._clear_failures(out)
+            self._counters["model_time_s"] += time.perf_counter() - t0
+            self._counters["steps"] += 1
+            self._counters["tokens_computed"] += out.num_tokens
+            self._counters["generation_tokens"] += len(updates)
+            return outputs + self._apply_updates(out, updates, sampled)
+
+    def _roll_back(self, out: SchedulerOutput, exc: BaseException) -> None:
+        """Undo the step in flight after ``exc``; charge its requests one failure each."""
+        self.scheduler.rollback_step(out)
+        self._counters["failed_steps"] += 1
+        if not isinstance(exc, Exception):
+            return  # KeyboardInterrupt, SystemExit: not the requests' fault
         for rid in dict.fromkeys(out.req_ids):
             state = self.requests.get(rid)
-            if state is not None and state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
-        if out.num_tokens == 0 and len(out.copy_ops) == 0:
-            self.scheduler.update(out, [])
-            return []
-        t0 = time.perf_counter()
-        logits = self.runner.execute(out)
-        sampled = self._sample(out, logits)
-        self._counters["model_time_s"] += time.perf_counter() - t0
-        updates = self.scheduler.update(out, sampled.sampled_token_ids.cpu().numpy())
-        self._counters["steps"] += 1
-        self._counters["tokens_computed"] += out.num_tokens
-        self._counters["generation_tokens"] += len(updates)
-        return self._apply_updates(out, updates, sampled)
+            if state is None:
+                continue
+            if state.num_failed_steps == 0:
+                self._num_charged += 1
+            state.num_failed_steps += 1
+            if state.num_failed_steps >= self.max_step_failures:
+                self._failed_outputs.append(self._fail_request(state, exc))
+
+    def _clear_failures(self, out: SchedulerOutput) -> None:
+        """A step went through: its requests' failure counts start over (only consecutive
+        failures fail a request, so transient ones never add up)."""
+        for rid in dict.fromkeys(out.req_ids):
+            state = self.requests.get(rid)
+            if state is not None and state.num_failed_steps:
+                state.num_failed_steps = 0
+                self._num_charged -= 1
+
+    def _fail_request(self, state: RequestState, exc: BaseException) -> RequestOutput:
+        """Take ``state`` out of the engine (its blocks are freed) with ``finish_reason="error"``."""
+        self.requests.pop(state.request_id, None)
+        if state.num_failed_steps:
+            self._num_charged -= 1
+            state.num_failed_steps = 0
+        try:
+            self.scheduler.abort_request(state.request_id)
+        except UnknownRequestError:
+            pass  # it had just finished in the scheduler
+        state.error = exc
+        state.end("error")
+        self._counters["failed_requests"] += 1
+        logger.warning("request %r failed: %s: %s", state.request_id, type(exc).__name__, exc)
+        return state.output()
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput:
         params, generators, banned = [], [], {}
         for row, (rid, index) in enumerate(zip(out.sampled_req_ids, out.sample_indices.tolist())):
-            state = self.requests[rid]
+            state = self.requests.get(rid)
+            if state is None:
+                # Cannot happen under the lock (aborts wait for the step); a row of a request
+                # that is gone is sampled greedily and dropped by Scheduler.update.
+                params.append(_GREEDY)
+                generators.append(None)
+                continue
             p = state.params
             params.append(p)
             sample = state.samples[index]
             generators.append(sample.generator)
             if len(sample.token_ids) < p.min_tokens:
-                ban = (p.stop_token_ids or []) + ([] if p.ignore_eos else self.eos_token_ids)
+                # As in vLLM, min_tokens also holds back the model's eos when ignore_eos is set.
+                ban = (p.stop_token_ids or []) + self.eos_token_ids
                 if ban:
                     banned[row] = ban
         metadata = SamplingMetadata.build(
@@ -221,27 +334,17 @@ class LLMEngine:
             else {}
         )
         touched: dict[str, RequestState] = {}
+        failed: list[RequestOutput] = []
         for u in updates:
             state = self.requests.get(u.request_id)
             if state is None:
                 continue
-            sample = state.samples[u.index]
-            token = u.new_token_ids[0]
-            sample.token_ids.append(token)
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-                state.metrics.num_cached_tokens = u.num_cached_tokens
-            if sampled.logprobs is not None and state.params.logprobs is not None:
-                self._record_logprobs(state, u.index, rows[(u.request_id, u.index)], sampled, token)
-            reason = u.finish_reason
-            stop_str = sample.detokenizer.update([token], stop_terminated=reason == "stop")
-            if reason is not None:
-                sample.finish_reason = reason
-                if reason == "stop" and token in (state.params.stop_token_ids or []):
-                    sample.stop_reason = token
-            elif stop_str is not None:
-                sample.finish_reason, sample.stop_reason = "stop", stop_str
-                self.scheduler.finish_sample(u.request_id, u.index)
+            try:
+                self._apply_update(state, u, rows, sampled, now)
+            except Exception as exc:  # this request's own processing: fail it alone
+                touched.pop(u.request_id, None)
+                failed.append(self._fail_request(state, exc))
+                continue
             touched[u.request_id] = state
         outputs = []
         for rid, state in touched.items():
@@ -249,7 +352,28 @@ class LLMEngine:
                 state.metrics.finished_time = now
                 del self.requests[rid]
             outputs.append(state.output())
-        return outputs
+        return outputs + failed
+
+    def _apply_update(
+        self, state: RequestState, u: Any, rows: dict[tuple[str, int], int], sampled: SamplerOutput, now: float
+    ) -> None:
+        sample = state.samples[u.index]
+        token = u.new_token_ids[0]
+        sample.token_ids.append(token)
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+            state.metrics.num_cached_tokens = u.num_cached_tokens
+        if sampled.logprobs is not None and state.params.logprobs is not None:
+            self._record_logprobs(state, u.index, rows[(u.request_id, u.index)], sampled, token)
+        reason = u.finish_reason
+        stop_str = sample.detokenizer.update([token], stop_terminated=reason == "stop")
+        if reason is not None:
+            sample.finish_reason = reason
+            if reason == "stop" and token in (state.params.stop_token_ids or []):
+                sample.stop_reason = token
+        elif stop_str is not None:
+            sample.finish_reason, sample.stop_reason = "stop", stop_str
+            self.scheduler.finish_sample(u.request_id, u.index)
 
     def _record_logprobs(self, state: RequestState, index: int, row: int, sampled: SamplerOutput, token: int) -> None:
         lp = sampled.logprobs
@@ -266,12 +390,18 @@ class LLMEngine:
 
     def get_stats(self) -> dict[str, Any]:
         """Scheduler statistics (KV usage and utilization, prefix cache, preemptions, queue
-        lengths) and engine counters (steps, tokens computed, tokens generated, model time)."""
-        stats = self.scheduler.stats().as_dict()
-        stats.update(self._counters)
-        stats["num_unfinished_requests"] = len(self.requests)
+        lengths) and engine counters (steps, tokens computed, tokens generated, model time,
+        failed steps and requests)."""
+        with self._lock:
+            stats = self.scheduler.stats().as_dict()
+            stats.update(self._counters)
+            stats["num_unfinished_requests"] = len(self.requests)
         stats["kv_cache_bytes"] = self.runner.kv_cache_bytes
         return stats
+
+
+# Parameters for a logits row whose request is gone (its token is discarded).
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 def _load_tokenizer(name: str, trust_remote_code: bool) -> Any:

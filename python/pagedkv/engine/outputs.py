@@ -39,7 +39,10 @@ class CompletionOutput:
     """One generated completion of a request.
 
     ``finish_reason`` is ``None`` while it runs, then ``"stop"`` (eos, a stop token id or a stop
-    string), ``"length"`` (``max_tokens`` or the context length) or ``"abort"``.
+    string), ``"length"`` (``max_tokens`` or the context length), ``"abort"``, or ``"error"``
+    (the engine gave up on the request; ``RequestOutput.error`` says why).
+    ``text`` only grows from one output to the next: while a stop string may still match, its
+    possible beginning is held back.
     ``stop_reason`` is the stop string or stop token id that ended it (``None`` for eos, length
     or abort).
     """
@@ -97,7 +100,12 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one request: its prompt and its ``n`` completions so far."""
+    """The state of one request: its prompt and its ``n`` completions so far.
+
+    ``error`` is set (``"ExceptionType: message"``) when the engine failed the request — a step
+    that raised while it was in the batch, too often, or a failure in its own output
+    processing; its unfinished completions then have ``finish_reason="error"``.
+    """
 
     request_id: str
     prompt: str | None
@@ -106,13 +114,15 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = field(default=0)
+    error: str | None = None
 
     def __repr__(self) -> str:
         return (
             f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
             f"prompt_token_ids={_short_ids(self.prompt_token_ids)}, "
             f"outputs={self.outputs!r}, finished={self.finished}, "
-            f"num_cached_tokens={self.num_cached_tokens}, metrics={self.metrics!r})"
+            f"num_cached_tokens={self.num_cached_tokens}, metrics={self.metrics!r}"
+            + (f", error={self.error!r})" if self.error is not None else ")")
         )
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgumentError, InvalidTokenError, InvalidTypeError
 
-__all__ = ["PromptType", "chat_prompt", "is_single_prompt", "to_token_ids"]
+__all__ = ["PromptType", "chat_prompt", "check_text", "is_single_prompt", "to_token_ids"]
 
 # A text prompt, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]} (with an
 # optional "prompt" text kept for the output).
@@ -32,14 +32,16 @@ def to_token_ids(prompt: PromptType, tokenizer: Any, vocab_size: int) -> tuple[s
     text: str | None
     if isinstance(prompt, str):
         text = prompt
-        ids = list(tokenizer(prompt).input_ids)
+        ids = _tokenize(tokenizer, prompt)
     elif isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             text = prompt.get("prompt")
+            if text is not None and not isinstance(text, str):
+                raise InvalidTypeError(f"a dict prompt's 'prompt' must be a str, got {type(text).__name__}")
             ids = _check_ids(prompt["prompt_token_ids"], vocab_size)
         elif "prompt" in prompt and isinstance(prompt["prompt"], str):
             text = prompt["prompt"]
-            ids = list(tokenizer(text).input_ids)
+            ids = _tokenize(tokenizer, text)
         else:
             raise InvalidArgumentError("a dict prompt needs 'prompt' (str) or 'prompt_token_ids' (list of ints)")
     elif isinstance(prompt, (Sequence, np.ndarray)) and not isinstance(prompt, bytes):
@@ -54,7 +56,27 @@ def to_token_ids(prompt: PromptType, tokenizer: Any, vocab_size: int) -> tuple[s
     return text, ids
 
 
+def check_text(text: str, what: str = "the prompt") -> str:
+    """``text`` if it is valid Unicode that UTF-8 can encode; else InvalidArgumentError.
+
+    JSON allows lone surrogates (``"\\ud800"``) that Python keeps in a ``str`` but no tokenizer
+    (nor any UTF-8 encoder) accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(
+            f"{what} is not valid Unicode: {exc.reason} at character {exc.start} ({text[exc.start:exc.end]!r})"
+        ) from None
+    return text
+
+
+def _tokenize(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    return list(tokenizer(check_text(text), add_special_tokens=add_special_tokens).input_ids)
+
+
 def _check_ids(ids: Any, vocab_size: int) -> list[int]:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+        raise InvalidTypeError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
     out = []
     for i, t in enumerate(list(ids)):
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
@@ -75,12 +97,39 @@ def chat_prompt(
     """One conversation rendered with the chat template, as ``{"prompt", "prompt_token_ids"}``.
 
     The rendered text already holds the template's special tokens, so it is tokenized without
-    adding any (no second BOS)."""
-    if not messages or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+    adding any (no second BOS). A message's ``content`` is a str or, as in OpenAI's API, a list
+    of ``{"type": "text", "text": ...}`` parts (joined with newlines)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidArgumentError("a conversation is a non-empty list of dicts with 'role' and 'content'")
+    normalized = [_normalize_message(i, m) for i, m in enumerate(messages)]
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidArgumentError("the tokenizer has no chat template; pass chat_template=...")
-    text = tokenizer.apply_chat_template(
-        list(messages), chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
-    )
-    return {"prompt": text, "prompt_token_ids": list(tokenizer(text, add_special_tokens=False).input_ids)}
+    try:
+        text = tokenizer.apply_chat_template(
+            normalized, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    except Exception as exc:  # the template's own checks (role order, ...) or a Jinja error
+        raise InvalidArgumentError(f"the chat template cannot render this conversation: {exc}") from exc
+    return {"prompt": text, "prompt_token_ids": _tokenize(tokenizer, text, add_special_tokens=False)}
+
+
+def _normalize_message(index: int, message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict) or "role" not in message or "content" not in message:
+        raise InvalidArgumentError(f"message {index} must be a dict with 'role' and 'content', got {message!r}")
+    role, content = message["role"], message["content"]
+    if not isinstance(role, str):
+        raise InvalidTypeError(f"message {index}: 'role' must be a str, got {type(role).__name__}")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise InvalidArgumentError(
+                    f"message {index}: content parts must be {{'type': 'text', 'text': str}}, got {part!r}"
+                )
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif not isinstance(content, str):
+        raise InvalidTypeError(
+            f"message {index}: 'content' must be a str or a list of text parts, got {type(content).__name__}"
+        )
+    return {**message, "content": check_text(content, f"message {index}'s content")}

@@ -35,7 +35,9 @@ class SampleState:
     def output(self) -> CompletionOutput:
         return CompletionOutput(
             index=self.index,
-            text=self.detokenizer.output_text,
+            # While the sample runs, a tail that may become a stop string is held back, so the
+            # text of successive outputs only grows.
+            text=self.detokenizer.visible_text(finished=self.finish_reason is not None),
             token_ids=list(self.token_ids),
             cumulative_logprob=self.cumulative_logprob,
             logprobs=None if self.logprobs is None else list(self.logprobs),
@@ -62,6 +64,10 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
+        # Steps that failed (and were rolled back) while this request was in them.
+        self.num_failed_steps = 0
+        # Why the engine gave up on this request (finish_reason "error"), if it did.
+        self.error: BaseException | None = None
         wants_logprobs = params.logprobs is not None
         self.samples = [
             SampleState(
@@ -77,6 +83,13 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
+
+    def end(self, reason: str) -> None:
+        """Ends every sample still running with ``reason`` ("abort" or "error")."""
+        for sample in self.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = reason
+        self.metrics.finished_time = time.time()
 
     def add_logprobs(self, index: int, entries: dict[int, Logprob], chosen: int) -> None:
         sample = self.samples[index]
@@ -94,4 +107,5 @@ class RequestState:
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.metrics.num_cached_tokens,
+            error=None if self.error is None else f"{type(self.error).__name__}: {self.error}",
         )

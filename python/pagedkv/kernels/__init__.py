@@ -30,26 +30,48 @@ Every call validates its arguments (:mod:`.validation`) and raises
 longest query chunk and the longest context of the batch); without them the launch assumes
 that ``T == B`` means all decodes and bounds the context by the block-table width. They never
 change results, only which kernels run and how the work is split.
+
+A serving loop calls the kernels once per layer with the same step metadata; it uses an
+:class:`AttentionBackend` instead (``get_backend``: the backend resolved once)::
+
+    backend = get_backend(device, name, dtype=..., head_dim=...)
+    meta = backend.prepare(slot_mapping, block_tables, seq_lens, cu_seqlens_q,
+                           num_tokens=T, key_cache=..., value_cache=..., dtype=...)  # once per step
+    backend.store_kv(key, value, key_cache, value_cache, meta)                     # per layer
+    backend.paged_attention(query, key_cache, value_cache, meta, scale=..., out=None)
+
+``prepare`` validates the step's index tensors once (shapes and dtypes; values too when they
+are given on the host, as the runner does before the upload), moves them to the caches' device
+(contiguous) and records the host facts every layer would otherwise recompute
+(:class:`AttentionMetadata`); the per-layer methods check only shapes and dtypes of the layer's
+own tensors.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
+import numpy as np
 import torch
 
 from pagedkv.errors import ConfigError, InvalidArgumentError
-from pagedkv.kernels import reference
-from pagedkv.kernels.validation import (
-    TRITON_DTYPES,
-    TRITON_HEAD_DIMS,
-    check_paged_attention_args,
-    check_store_kv_args,
-)
+from pagedkv.kernels import reference, validation
+from pagedkv.kernels.validation import TRITON_DTYPES, TRITON_HEAD_DIMS
 
-__all__ = ["BACKEND_ENV_VAR", "BACKENDS", "resolve_backend", "store_kv", "paged_attention"]
+__all__ = [
+    "BACKEND_ENV_VAR",
+    "BACKENDS",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "get_backend",
+    "resolve_backend",
+    "store_kv",
+    "paged_attention",
+]
 
 BACKEND_ENV_VAR = "PAGEDKV_ATTENTION_BACKEND"
 BACKENDS = ("auto", "triton", "cpu", "torch")
@@ -114,7 +136,7 @@ def store_kv(
 ) -> None:
     """Write token ``t``'s K and V into cache slot ``slot_mapping[t]`` (in place)."""
     chosen = resolve_backend(_device_of("key", key), backend, dtype=key.dtype, head_dim=key.shape[-1])
-    check_store_kv_args(key, value, key_cache, value_cache, slot_mapping, chosen)
+    validation.check_store_kv_args(key, value, key_cache, value_cache, slot_mapping, chosen)
     if chosen == "triton":
         _triton_module("triton_store").store_kv(key, value, key_cache, value_cache, slot_mapping)
     else:
@@ -141,7 +163,7 @@ def paged_attention(
     a freshly allocated ``out`` has zeros there.
     """
     chosen = resolve_backend(_device_of("query", query), backend, dtype=query.dtype, head_dim=query.shape[-1])
-    check_paged_attention_args(
+    validation.check_paged_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, chosen
     )
     if scale is None:
@@ -164,6 +186,178 @@ def paged_attention(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
         scale=float(scale), out=out, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
     )
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionMetadata:
+    """One step's attention metadata, shared by every layer: converted and checked once.
+
+    Built by :meth:`AttentionBackend.prepare`. The tensors are on the caches' device, contiguous,
+    in the kernels' dtypes. The host facts are None when the index tensors were handed over
+    already on a GPU (reading them there would sync).
+    """
+
+    backend: str
+    slot_mapping: torch.Tensor  # [T] int64, -1 = do not store the token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32, KV tokens per sequence including the new ones
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    num_tokens: int  # T, query rows of the step
+    cache_shape: torch.Size  # [num_blocks, block_size, num_kv_heads, head_dim] of every layer's cache
+    cache_dtype: torch.dtype
+    dtype: torch.dtype  # the layers' query / key / value dtype
+    device: torch.device
+    # Host facts: longest query chunk and context (Triton launch hints), sequences with one
+    # query row (decodes) and with several (prefill chunks / extends), the index arrays as lists.
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
+    num_decodes: int | None = None
+    num_extends: int | None = None
+    host_cu_seqlens_q: list[int] | None = None
+    host_seq_lens: list[int] | None = None
+    # torch path of store_kv when some slot is -1: the rows to store and their slots (int64).
+    store_rows: torch.Tensor | None = None
+    store_slots: torch.Tensor | None = None
+    # cpu backend: numpy views of block_tables, seq_lens, cu_seqlens_q for the Rust kernel.
+    cpu_views: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+class AttentionBackend:
+    """``store_kv`` / ``paged_attention`` of one backend, resolved once, for a serving loop.
+
+    :meth:`prepare` builds and validates a step's :class:`AttentionMetadata` once; the
+    per-layer :meth:`store_kv` / :meth:`paged_attention` check only the shapes and dtypes of
+    the layer's own tensors against it (no value reductions, no environment lookups).
+    """
+
+    def __init__(self, name: str) -> None:
+        if name not in ("triton", "cpu", "torch"):
+            raise InvalidArgumentError(f"backend must be 'triton', 'cpu' or 'torch', got {name!r}")
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"AttentionBackend({self.name!r})"
+
+    def prepare(
+        self,
+        slot_mapping: torch.Tensor,  # [T] int64
+        block_tables: torch.Tensor,  # [B, max_blocks] int32
+        seq_lens: torch.Tensor,  # [B] int32
+        cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+        *,
+        num_tokens: int,
+        key_cache: torch.Tensor,  # one layer's cache; every layer's has this geometry
+        value_cache: torch.Tensor,
+        dtype: torch.dtype,  # the layers' query / key / value dtype
+    ) -> AttentionMetadata:
+        """Validate one step's index tensors (values too when on the host: pass them before the
+        upload), move them to the caches' device and record the host facts."""
+        validation.check_step_metadata(
+            slot_mapping, block_tables, seq_lens, cu_seqlens_q, num_tokens, key_cache, value_cache, dtype, self.name
+        )
+        device = key_cache.device
+        facts: dict[str, Any] = {}
+        if cu_seqlens_q.device.type == "cpu":
+            cu_host, lens_host = cu_seqlens_q.tolist(), seq_lens.tolist()
+            q_lens = [cu_host[b + 1] - cu_host[b] for b in range(len(lens_host))]
+            facts.update(
+                max_seqlen_q=max(q_lens, default=0),
+                max_seqlen_k=max(lens_host, default=0),
+                num_decodes=q_lens.count(1),
+                num_extends=sum(q > 1 for q in q_lens),
+                host_cu_seqlens_q=cu_host,
+                host_seq_lens=lens_host,
+            )
+            if self.name != "triton" and slot_mapping.numel() and int(slot_mapping.min()) < 0:
+                rows = (slot_mapping >= 0).nonzero().flatten()
+                facts.update(store_rows=rows.to(device), store_slots=slot_mapping[rows].to(device))
+        tables, lens, cu = (t.to(device, non_blocking=True).contiguous() for t in (block_tables, seq_lens, cu_seqlens_q))
+        if self.name == "cpu" and device.type == "cpu" and "host_seq_lens" in facts:
+            facts["cpu_views"] = (tables.numpy(), lens.numpy(), cu.numpy())
+        return AttentionMetadata(
+            backend=self.name,
+            slot_mapping=slot_mapping.to(device, non_blocking=True),
+            block_tables=tables,
+            seq_lens=lens,
+            cu_seqlens_q=cu,
+            num_tokens=num_tokens,
+            cache_shape=key_cache.shape,
+            cache_dtype=key_cache.dtype,
+            dtype=dtype,
+            device=device,
+            **facts,
+        )
+
+    def store_kv(
+        self,
+        key: torch.Tensor,  # [T, Hkv, D], any strides
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
+        """:func:`store_kv` for one layer of the step ``meta`` describes."""
+        validation.check_layer_store(key, value, key_cache, value_cache, meta)
+        if self.name == "triton":
+            _triton_module("triton_store").store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        elif meta.store_rows is not None:
+            assert meta.store_slots is not None
+            reference.write_slots(key[meta.store_rows], value[meta.store_rows], key_cache, value_cache,
+                                  meta.store_slots)
+        elif meta.host_seq_lens is not None:  # host facts known: no slot is -1
+            reference.write_slots(key, value, key_cache, value_cache, meta.slot_mapping)
+        else:
+            reference.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [T, H, D]
+        """:func:`paged_attention` for one layer of the step ``meta`` describes."""
+        validation.check_layer_attention(query, key_cache, value_cache, meta, scale, out)
+        if scale is None:
+            scale = query.shape[2] ** -0.5
+        if self.name == "cpu" and meta.cpu_views is not None:
+            from pagedkv.kernels import cpu
+
+            return cpu.paged_attention_prepared(query, key_cache, value_cache, meta, scale=float(scale), out=out)
+        if self.name in ("cpu", "torch"):
+            if meta.host_cu_seqlens_q is None or meta.host_seq_lens is None:
+                return reference.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                                 meta.cu_seqlens_q, scale=scale, out=out)
+            if out is None:
+                out = torch.zeros_like(query)
+            reference.attend_host(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
+                                  meta.host_cu_seqlens_q, meta.host_seq_lens, scale=scale, out=out)
+            return out
+        if out is None:
+            out = torch.zeros_like(query)
+        return _triton_module("triton_attention").paged_attention(
+            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+            scale=float(scale), out=out, max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+        )
+
+
+def get_backend(
+    device: torch.device,
+    backend: str | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+) -> AttentionBackend:
+    """The :class:`AttentionBackend` for tensors on ``device`` (:func:`resolve_backend`, read
+    once: ``PAGEDKV_ATTENTION_BACKEND`` is not looked at again). With ``dtype`` and
+    ``head_dim`` given, a backend that cannot run them raises InvalidArgumentError now."""
+    name = resolve_backend(device, backend, dtype=dtype, head_dim=head_dim)
+    if dtype is not None and head_dim is not None:
+        validation.check_backend_supports(name, dtype, head_dim)
+    return AttentionBackend(name)
 
 
 def _device_of(name: str, tensor: object) -> torch.device:

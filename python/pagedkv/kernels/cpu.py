@@ -11,16 +11,26 @@ SDPA already does well: they stay on :func:`reference.attend_extend_rows`.
 
 The Rust kernel takes float32 C-contiguous arrays (numpy views of the tensors: no copy of the
 caches); anything else (other dtypes, strided caches) goes entirely through the torch path.
+
+Two entry points: :func:`paged_attention` (one call, converts the index tensors itself) and
+:func:`paged_attention_prepared` (a serving step: the index tensors' numpy views and host
+copies come from the step's :class:`pagedkv.kernels.AttentionMetadata`, made once for all
+layers).
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedkv._core import paged_decode_attention_cpu
 from pagedkv.kernels import reference
 
-__all__ = ["paged_attention", "supports"]
+if TYPE_CHECKING:
+    from pagedkv.kernels import AttentionMetadata
+
+__all__ = ["paged_attention", "paged_attention_prepared", "supports"]
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -59,6 +69,36 @@ def paged_attention(
     )
     if decoded < lens.shape[0]:
         reference.attend_extend_rows(query, key_cache, value_cache, tables, lens, cu, scale=scale, out=result)
+    if out is not None and result is not out:
+        out.copy_(result)
+        return out
+    return result
+
+
+def paged_attention_prepared(
+    query: torch.Tensor,  # [T, H, D]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,  # built by the cpu backend: cpu_views and host lists set
+    *,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    """:func:`paged_attention` for one layer of a step whose metadata was prepared once."""
+    assert meta.cpu_views is not None and meta.host_cu_seqlens_q is not None and meta.host_seq_lens is not None
+    result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else torch.zeros_like(query)
+    fast = supports(query, key_cache, value_cache)
+    if fast and meta.num_decodes:
+        tables, lens, cu = meta.cpu_views
+        paged_decode_attention_cpu(
+            query.contiguous().numpy(), key_cache.numpy(), value_cache.numpy(), tables, lens, cu,
+            result.numpy(), float(scale), torch.get_num_threads(),
+        )
+    if not fast or meta.num_extends:
+        reference.attend_host(
+            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.host_cu_seqlens_q,
+            meta.host_seq_lens, scale=scale, out=result, decodes=not fast,
+        )
     if out is not None and result is not out:
         out.copy_(result)
         return out

@@ -9,7 +9,7 @@ Two jobs, one implementation:
   every step, so the common case (a batch of decodes) is vectorised, never a Python loop per
   sequence.
 
-Layout (see DESIGN.md, section Kernels)::
+Layout (docs/architecture.md, Kernels)::
 
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot s of the pool  ==  key_cache[s // block_size, s % block_size]
@@ -47,7 +47,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attend_decode_rows", "attend_extend_rows", "paged_attention", "store_kv"]
+__all__ = ["attend_decode_rows", "attend_extend_rows", "attend_host", "paged_attention", "store_kv", "write_slots"]
 
 # Upper bound on the elements of one gathered K (and one V) chunk of decode sequences:
 # 2^23 float32 elements = 32 MiB. Keeps the CPU path's peak memory bounded for big batches
@@ -69,6 +69,17 @@ def store_kv(
     slots = slot_mapping.long()
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
+    write_slots(key, value, key_cache, value_cache, slots)
+
+
+def write_slots(
+    key: torch.Tensor,  # [N, Hkv, D], any strides
+    value: torch.Tensor,  # [N, Hkv, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,  # [N] int64, every one >= 0
+) -> None:
+    """:func:`store_kv` once the skipped tokens (slot -1) are gone."""
     if key_cache.is_contiguous() and value_cache.is_contiguous():
         # Slot s is row s of the cache seen as [num_blocks * block_size, Hkv, D].
         key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key.to(key_cache.dtype))
@@ -98,10 +109,31 @@ def paged_attention(
     if out is None:
         out = torch.zeros_like(query)
     # Host copies of the small index arrays, read once for both parts (a sync on a GPU).
-    cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, scale, out)
-    _extend_rows(query, key_cache, value_cache, block_tables, cu, lens, scale, out)
+    attend_host(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q.tolist(), seq_lens.tolist(),
+                scale=scale, out=out)
     return out
+
+
+def attend_host(
+    query: torch.Tensor,  # [T, H, D]
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    cu: list[int],  # cu_seqlens_q on the host
+    lens: list[int],  # seq_lens on the host
+    *,
+    scale: float,
+    out: torch.Tensor,  # [T, H, D], written for the rows of every sequence
+    decodes: bool = True,
+    extends: bool = True,
+) -> None:
+    """:func:`paged_attention` with the index arrays already on the host (read once per step
+    by the caller, not once per layer); ``decodes`` / ``extends`` select the parts."""
+    if decodes:
+        _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, scale, out)
+    if extends:
+        _extend_rows(query, key_cache, value_cache, block_tables, cu, lens, scale, out)
 
 
 def attend_decode_rows(

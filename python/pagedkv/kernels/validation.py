@@ -5,16 +5,30 @@ argument and value. Shape, dtype and device checks are free (metadata only) and 
 Checks that read tensor *values* (``cu_seqlens_q`` monotone, block ids in range, slots in
 range, ...) run only for CPU tensors: on a GPU they would force a device-to-host sync on every
 call, which a serving loop cannot afford.
+
+Two ways in:
+
+* per call, for direct users of :func:`pagedkv.kernels.store_kv` / ``paged_attention``:
+  :func:`check_store_kv_args`, :func:`check_paged_attention_args` (everything, every call);
+* per step, for a serving loop (:class:`pagedkv.kernels.AttentionBackend`):
+  :func:`check_step_metadata` checks the step's index tensors and the cache geometry once
+  (values included, on the host), and :func:`check_layer_store` /
+  :func:`check_layer_attention` check only the shapes and dtypes of each layer's own tensors
+  against those facts (no reductions).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedkv.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from pagedkv.kernels import AttentionMetadata
 
 __all__ = [
     "TRITON_HEAD_DIMS",
@@ -22,6 +36,10 @@ __all__ = [
     "FP8_CACHE_DTYPES",
     "check_store_kv_args",
     "check_paged_attention_args",
+    "check_step_metadata",
+    "check_layer_store",
+    "check_layer_attention",
+    "check_backend_supports",
 ]
 
 # head_dim values the Triton kernels are built and tested for (non powers of two are padded).
@@ -123,19 +141,28 @@ def check_store_kv_args(
         raise InvalidArgumentError(
             f"key has (num_kv_heads, head_dim) = {tuple(key.shape[1:])} but the cache has {tuple(key_cache.shape[2:])}"
         )
-    _require_dim("slot_mapping", slot_mapping, 1, "[num_tokens]")
-    _require_dtype("slot_mapping", slot_mapping, torch.int64)
-    if slot_mapping.shape[0] != key.shape[0]:
-        raise InvalidArgumentError(
-            f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens"
-        )
+    _check_slot_mapping(slot_mapping, key.shape[0], "key has")
     _check_compute_dtypes("key", key.dtype, key_cache.dtype, backend)
     _check_head_dim(key.shape[2], backend)
     _require_same_device({"key": key, "value": value, "key_cache": key_cache,
                           "value_cache": value_cache, "slot_mapping": slot_mapping})
     _check_fp8_support(key_cache.dtype, key_cache.device, backend)
-    if slot_mapping.device.type == "cpu" and slot_mapping.numel() > 0:
-        num_slots = key_cache.shape[0] * key_cache.shape[1]
+    if slot_mapping.device.type == "cpu":
+        _check_slot_values(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
+
+
+def _check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, owner: str) -> None:
+    _require_dim("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    _require_dtype("slot_mapping", slot_mapping, torch.int64)
+    if slot_mapping.shape[0] != num_tokens:
+        raise InvalidArgumentError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries but {owner} {num_tokens} tokens"
+        )
+
+
+def _check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Slots in range (CPU tensors only; -1 = do not store)."""
+    if slot_mapping.numel() > 0:
         largest = int(slot_mapping.max())
         if largest >= num_slots:
             raise InvalidArgumentError(f"slot_mapping holds slot {largest}, but the cache has only {num_slots} slots")
@@ -168,20 +195,8 @@ def check_paged_attention_args(
     _check_compute_dtypes("query", query.dtype, key_cache.dtype, backend)
     _check_head_dim(head_dim, backend)
 
-    _require_dim("block_tables", block_tables, 2, "[num_seqs, max_blocks]")
-    _require_dtype("block_tables", block_tables, torch.int32)
-    _require_dim("seq_lens", seq_lens, 1, "[num_seqs]")
-    _require_dtype("seq_lens", seq_lens, torch.int32)
-    _require_dim("cu_seqlens_q", cu_seqlens_q, 1, "[num_seqs + 1]")
-    _require_dtype("cu_seqlens_q", cu_seqlens_q, torch.int32)
-    num_seqs = block_tables.shape[0]
-    if seq_lens.shape[0] != num_seqs or cu_seqlens_q.shape[0] != num_seqs + 1:
-        raise InvalidArgumentError(
-            f"block_tables has {num_seqs} rows, so seq_lens needs {num_seqs} entries (has {seq_lens.shape[0]}) "
-            f"and cu_seqlens_q {num_seqs + 1} (has {cu_seqlens_q.shape[0]})"
-        )
-    if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale)):
-        raise InvalidArgumentError(f"scale must be a finite number or None, got {scale!r}")
+    _check_batch_shapes(block_tables, seq_lens, cu_seqlens_q)
+    _check_scale(scale)
     tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache,
                "block_tables": block_tables, "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q}
     if out is not None:
@@ -196,6 +211,26 @@ def check_paged_attention_args(
     _check_fp8_support(key_cache.dtype, key_cache.device, backend)
     if query.device.type == "cpu":
         _check_batch_values(block_tables, seq_lens, cu_seqlens_q, num_tokens, key_cache.shape[0], key_cache.shape[1])
+
+
+def _check_batch_shapes(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor) -> None:
+    _require_dim("block_tables", block_tables, 2, "[num_seqs, max_blocks]")
+    _require_dtype("block_tables", block_tables, torch.int32)
+    _require_dim("seq_lens", seq_lens, 1, "[num_seqs]")
+    _require_dtype("seq_lens", seq_lens, torch.int32)
+    _require_dim("cu_seqlens_q", cu_seqlens_q, 1, "[num_seqs + 1]")
+    _require_dtype("cu_seqlens_q", cu_seqlens_q, torch.int32)
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape[0] != num_seqs or cu_seqlens_q.shape[0] != num_seqs + 1:
+        raise InvalidArgumentError(
+            f"block_tables has {num_seqs} rows, so seq_lens needs {num_seqs} entries (has {seq_lens.shape[0]}) "
+            f"and cu_seqlens_q {num_seqs + 1} (has {cu_seqlens_q.shape[0]})"
+        )
+
+
+def _check_scale(scale: float | None) -> None:
+    if scale is not None and not (isinstance(scale, numbers.Real) and math.isfinite(scale)):
+        raise InvalidArgumentError(f"scale must be a finite number or None, got {scale!r}")
 
 
 def _check_batch_values(
@@ -232,3 +267,116 @@ def _check_batch_values(
     if used_ids.numel() and (int(used_ids.min()) < 0 or int(used_ids.max()) >= num_blocks):
         bad = int(used_ids.min()) if int(used_ids.min()) < 0 else int(used_ids.max())
         raise InvalidArgumentError(f"block_tables holds block id {bad} for a used block; the cache has {num_blocks} blocks")
+
+
+# ---------------------------------------------------------------- per step / per layer
+
+
+def check_backend_supports(backend: str, dtype: torch.dtype, head_dim: int) -> None:
+    """Can ``backend`` run a model of this compute dtype and head_dim (a cache of the same dtype)?"""
+    _check_compute_dtypes("query", dtype, dtype, backend)
+    _check_head_dim(head_dim, backend)
+
+
+def check_step_metadata(
+    slot_mapping: torch.Tensor,  # [T] int64
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    num_tokens: int,  # T
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], one layer's (all layers alike)
+    value_cache: torch.Tensor,
+    dtype: torch.dtype,  # the query / key / value dtype of the layers
+    backend: str,
+) -> None:
+    """Everything about one step that every layer shares, checked once: the cache geometry and
+    dtypes for ``backend``, and the index tensors' shapes, dtypes and (on the host) values."""
+    for name, arg in (("slot_mapping", slot_mapping), ("block_tables", block_tables), ("seq_lens", seq_lens),
+                      ("cu_seqlens_q", cu_seqlens_q), ("key_cache", key_cache), ("value_cache", value_cache)):
+        _require_tensor(name, arg)
+    _check_cache_pair(key_cache, value_cache)
+    _check_compute_dtypes("query", dtype, key_cache.dtype, backend)
+    _check_head_dim(key_cache.shape[3], backend)
+    _require_same_device({"key_cache": key_cache, "value_cache": value_cache})
+    _check_fp8_support(key_cache.dtype, key_cache.device, backend)
+    _check_slot_mapping(slot_mapping, num_tokens, "the step has")
+    _check_batch_shapes(block_tables, seq_lens, cu_seqlens_q)
+    _require_same_device({"slot_mapping": slot_mapping, "block_tables": block_tables, "seq_lens": seq_lens,
+                          "cu_seqlens_q": cu_seqlens_q})
+    if slot_mapping.device.type == "cpu":
+        num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
+        _check_slot_values(slot_mapping, num_blocks * block_size)
+        _check_batch_values(block_tables, seq_lens, cu_seqlens_q, num_tokens, num_blocks, block_size)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)} on {value.device}"
+    return type(value).__name__
+
+
+def _check_layer_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if (
+            not isinstance(cache, torch.Tensor)
+            or cache.shape != meta.cache_shape
+            or cache.dtype != meta.cache_dtype
+            or cache.device != meta.device
+        ):
+            raise InvalidArgumentError(
+                f"{name} must be a {meta.cache_dtype} {tuple(meta.cache_shape)} tensor on {meta.device} (the cache "
+                f"geometry the step metadata was built for), got {_describe(cache)}"
+            )
+
+
+def check_layer_store(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
+) -> None:
+    """One layer's ``store_kv`` arguments against the step metadata: shapes and dtypes only."""
+    _check_layer_caches(key_cache, value_cache, meta)
+    expected = (meta.num_tokens, *meta.cache_shape[2:])
+    for name, tensor in (("key", key), ("value", value)):
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tensor.shape != expected
+            or tensor.dtype != meta.dtype
+            or tensor.device != meta.device
+        ):
+            raise InvalidArgumentError(
+                f"{name} must be a {meta.dtype} {expected} tensor on {meta.device} ([num_tokens, num_kv_heads, "
+                f"head_dim] of the step), got {_describe(tensor)}"
+            )
+
+
+def check_layer_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float | None,
+    out: torch.Tensor | None,
+) -> None:
+    """One layer's ``paged_attention`` arguments against the step metadata: shapes and dtypes only."""
+    _check_layer_caches(key_cache, value_cache, meta)
+    num_kv_heads, head_dim = meta.cache_shape[2], meta.cache_shape[3]
+    if (
+        not isinstance(query, torch.Tensor)
+        or query.dim() != 3
+        or query.shape[0] != meta.num_tokens
+        or query.shape[2] != head_dim
+        or query.shape[1] % num_kv_heads
+        or query.dtype != meta.dtype
+        or query.device != meta.device
+    ):
+        raise InvalidArgumentError(
+            f"query must be a {meta.dtype} [{meta.num_tokens}, k * {num_kv_heads}, {head_dim}] tensor on "
+            f"{meta.device} ([num_tokens, num_heads, head_dim] of the step), got {_describe(query)}"
+        )
+    _check_scale(scale)
+    if out is not None and (
+        not isinstance(out, torch.Tensor) or out.shape != query.shape or out.dtype != query.dtype
+        or out.device != query.device
+    ):
+        raise InvalidArgumentError(
+            f"out must match query ({tuple(query.shape)}, {query.dtype}), got {_describe(out)}"
+        )

@@ -48,6 +48,7 @@ class SamplingParams:
     - ``top_k``: keep the k most likely tokens; 0 or -1 means all (vLLM accepts both).
     - ``min_p``: drop tokens whose probability is below ``min_p`` times the top token's.
     - ``seed``: per-request random seed; the draw is then reproducible whatever else is batched.
+      Sample ``i`` of ``n`` uses ``seed + i``.
     - ``stop``: strings that end the completion; the text is cut before the stop string unless
       ``include_stop_str_in_output``.
     - ``stop_token_ids``: token ids that end the completion (besides eos).
@@ -96,8 +97,11 @@ class SamplingParams:
             raise ConfigError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             self.seed = _check_int("seed", self.seed, minimum=_SEED_MIN)
-            if self.seed > _SEED_MAX:
-                raise ConfigError(f"seed must fit in 64 bits, got {self.seed}")
+            # Sample i of the request draws from its own generator seeded with seed + i.
+            if self.seed + self.n - 1 > _SEED_MAX:
+                raise ConfigError(
+                    f"seed + n - 1 must fit in 64 bits (sample i uses seed + i), got seed={self.seed}, n={self.n}"
+                )
         self._stop_strings = _normalize_stop(self.stop)
         if self.stop is not None:
             self.stop = list(self._stop_strings)
@@ -154,7 +158,11 @@ def _check_int(name: str, value: Any, *, minimum: int) -> int:
 
 
 def _check_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # Strings are refused rather than parsed: "0.5" from a form field or a JSON body with the
+    # wrong type is a client bug that a server should report, not guess around.
+    if isinstance(value, (str, bytes, bool)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if not isinstance(value, (int, float)):
         try:
             value = float(value)  # numpy scalars, 0-d tensors
         except (TypeError, ValueError):

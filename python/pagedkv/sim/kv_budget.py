@@ -11,7 +11,9 @@ architectures (GPT-2's ``n_layer`` / ``n_head`` / ``n_embd``, Falcon's ``n_head_
 ``num_key_value_heads`` defaults to ``num_attention_heads`` (multi-head attention) and
 ``head_dim`` to ``hidden_size / num_attention_heads``, as transformers does.
 
-Nothing here imports torch: ``pagedkv simulate`` plans capacity without loading a model.
+The geometry type, :class:`pagedkv.config.KVGeometry`, is the one the model runner builds from
+its probe forward. Nothing here imports torch: ``pagedkv simulate`` plans capacity without
+loading a model.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagedkv.config import KV_DTYPE_BYTES, KVGeometry
 from pagedkv.errors import ConfigError
 
 __all__ = [
@@ -37,53 +39,11 @@ __all__ = [
     "parse_bytes",
 ]
 
-# Element size of each KV-cache dtype name (torch spellings and the usual short forms).
-KV_DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "fp32": 4,
-    "float": 4,
-    "float16": 2,
-    "fp16": 2,
-    "half": 2,
-    "bfloat16": 2,
-    "bf16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-}
-
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads")
 _KV_HEAD_KEYS = ("num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num")
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
 _DTYPE_KEYS = ("dtype", "torch_dtype")
-
-
-@dataclass(frozen=True)
-class KVGeometry:
-    """What one token's KV costs: ``bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes``."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    dtype_bytes: int
-    source: str = "config"  # where the numbers came from, for reports
-
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
-
-    def bytes_per_block(self, block_size: int) -> int:
-        return self.bytes_per_token * block_size
-
-    def describe(self) -> str:
-        return (
-            f"{self.bytes_per_token:,} B/token = 2 x {self.num_layers} layers x {self.num_kv_heads} KV heads "
-            f"x {self.head_dim} head_dim x {self.dtype_bytes} B ({self.dtype})"
-        )
 
 
 def _is_int(value: Any) -> bool:
@@ -185,7 +145,10 @@ def kv_geometry(config: Mapping[str, Any], *, kv_dtype: str = "auto", source: st
             )
         head_dim = hidden[1] // num_heads[1]
     dtype, dtype_bytes = resolve_kv_dtype(kv_dtype, text, source)
-    return KVGeometry(num_layers, num_kv_heads, head_dim, dtype, dtype_bytes, source)
+    return KVGeometry(
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, dtype_bytes=dtype_bytes,
+        num_heads=num_heads[1] if num_heads is not None else None, source=source,
+    )
 
 
 def load_model_config(path: str | os.PathLike[str] | None = None) -> tuple[dict[str, Any], str]:

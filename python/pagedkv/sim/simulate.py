@@ -15,8 +15,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pagedkv.config import KVGeometry
 from pagedkv.errors import ConfigError
-from pagedkv.sim.kv_budget import KVGeometry, load_kv_geometry, num_blocks_for_budget, parse_bytes
+from pagedkv.sim.kv_budget import load_kv_geometry, num_blocks_for_budget, parse_bytes
 from pagedkv.sim.workloads.arrivals import ArrivalProcess, assign_arrivals
 from pagedkv.sim.workloads.request import TraceRequest
 

@@ -9,11 +9,15 @@ metadata as one keyword argument, ``pagedkv_context`` (a :class:`PagedAttentionC
 model code forwards it untouched to every layer, so nothing is stored in globals and several
 runners can coexist in one process.
 
-The batch is packed into one sequence (``batch = 1``, ``T`` tokens, ``position_ids`` carrying
-each token's real position for RoPE); the attention function
+The context holds the runner's :class:`pagedkv.kernels.AttentionBackend` (resolved once, when
+the runner is built) and the step's :class:`pagedkv.kernels.AttentionMetadata` (index tensors
+converted, validated and summarised once per step, by the runner). The batch is packed into one
+sequence (``batch = 1``, ``T`` tokens, ``position_ids`` carrying each token's real position for
+RoPE); per layer the attention function
 
-1. writes the new K/V into layer ``module.layer_idx``'s paged cache (``store_kv``), then
-2. attends over the cache (``paged_attention``: varlen, bottom-right causal per sequence),
+1. writes the new K/V into layer ``module.layer_idx``'s paged cache (``backend.store_kv``), then
+2. attends over the cache (``backend.paged_attention``: varlen, bottom-right causal per
+   sequence; docs/architecture.md, Kernels),
 
 and returns ``[1, T, H, D]`` (the layout transformers reshapes into the output projection).
 
@@ -29,26 +33,23 @@ load time to check that a model really routes all its attention through this fun
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from pagedkv.errors import ConfigError
+from pagedkv.kernels import AttentionBackend, AttentionMetadata
 
 __all__ = [
     "ATTENTION_NAME",
     "CONTEXT_KWARG",
     "AttentionCall",
-    "KernelFns",
     "PagedAttentionContext",
     "ProbeContext",
     "ProfileContext",
     "pagedkv_attention_forward",
     "register_pagedkv_attention",
-    "resolve_kernels",
 ]
 
 ATTENTION_NAME = "pagedkv"
@@ -56,29 +57,14 @@ CONTEXT_KWARG = "pagedkv_context"
 
 
 @dataclass
-class KernelFns:
-    """The two kernels the attention function calls (signatures of DESIGN.md, Kernels)."""
-
-    store_kv: Callable[..., None]
-    paged_attention: Callable[..., torch.Tensor]
-    name: str
-
-
-@dataclass
 class PagedAttentionContext:
-    """One step's attention metadata, shared by all layers (tensors on the model's device)."""
+    """One step's attention state, shared by all layers."""
 
-    kernels: KernelFns
+    backend: AttentionBackend
     # Per layer (index = module.layer_idx): (key_cache, value_cache), each
     # [num_blocks, block_size, num_kv_heads, head_dim].
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    slot_mapping: torch.Tensor  # [T] int64, -1 = do not store
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    seq_lens: torch.Tensor  # [B] int32, KV tokens per sequence including the new ones
-    cu_seqlens_q: torch.Tensor  # [B + 1] int32
-    # Host-side hints for the Triton launch (longest query chunk / context); None = unknown.
-    max_seqlen_q: int | None = None
-    max_seqlen_k: int | None = None
+    metadata: AttentionMetadata
 
 
 @dataclass
@@ -129,12 +115,8 @@ def pagedkv_attention_forward(
         k = key[0].transpose(0, 1)  # [T, Hkv, D]
         v = value[0].transpose(0, 1)
         key_cache, value_cache = context.kv_caches[module.layer_idx]  # type: ignore[index]
-        context.kernels.store_kv(k, v, key_cache, value_cache, context.slot_mapping)
-        out = context.kernels.paged_attention(
-            q, key_cache, value_cache, context.block_tables, context.seq_lens,
-            context.cu_seqlens_q, scale=scaling,
-            max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
-        )
+        context.backend.store_kv(k, v, key_cache, value_cache, context.metadata)
+        out = context.backend.paged_attention(q, key_cache, value_cache, context.metadata, scale=scaling)
         return out.unsqueeze(0), None
     if isinstance(context, ProbeContext):
         return _probe_attention(context, module, query, key, value, attention_mask, scaling, kwargs)
@@ -199,24 +181,3 @@ def register_pagedkv_attention() -> str:
     AttentionInterface.register(ATTENTION_NAME, pagedkv_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, _pagedkv_mask)
     return ATTENTION_NAME
-
-
-def resolve_kernels(backend: str | None, device: torch.device) -> KernelFns:
-    """``store_kv`` / ``paged_attention`` of :mod:`pagedkv.kernels` for ``backend``.
-
-    ``None`` leaves the choice to the kernels' dispatcher (``PAGEDKV_ATTENTION_BACKEND``, else
-    Triton on CUDA and the cpu backend on the CPU); ``"torch"`` / ``"triton"`` / ``"cpu"``
-    force one.
-    """
-    if backend not in (None, "auto", "torch", "triton", "cpu"):
-        raise ConfigError(f"attention_backend must be None, 'auto', 'torch', 'triton' or 'cpu', got {backend!r}")
-    import pagedkv.kernels as kernels
-
-    if backend is None:
-        return KernelFns(kernels.store_kv, kernels.paged_attention, name=kernels.resolve_backend(device))
-    name = kernels.resolve_backend(device, backend)
-    return KernelFns(
-        functools.partial(kernels.store_kv, backend=name),
-        functools.partial(kernels.paged_attention, backend=name),
-        name=name,
-    )

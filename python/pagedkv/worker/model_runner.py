@@ -1,8 +1,11 @@
 """``ModelRunner``: a transformers causal LM running on pagedkv's paged KV cache.
 
-One step = one packed forward. The scheduler's ``SchedulerOutput`` (DESIGN.md, Step output)
-already holds the batch as flat arrays; the runner
+One step = one packed forward. The scheduler's ``SchedulerOutput`` (docs/architecture.md,
+Step output) already holds the batch as flat arrays; the runner
 
+0. builds the step's attention metadata once (:meth:`pagedkv.kernels.AttentionBackend.prepare`:
+   index tensors converted, validated on the host, moved to the device, host facts such as the
+   longest query chunk recorded) — every layer reuses it,
 1. copies whole blocks for the step's copy-on-write ops (all layers, K and V, in one indexed
    copy: the per-layer caches are views of one tensor ``[L, 2, num_blocks, block_size, Hkv, D]``),
 2. runs the model once over all ``T`` scheduled tokens as a single sequence (``input_ids`` and
@@ -15,9 +18,14 @@ already holds the batch as flat arrays; the runner
 
 It returns float32 logits ``[S, V]``, one row per sampled sequence, in ``logits_indices`` order.
 
-KV cache size: on CUDA, what ``gpu_memory_utilization`` of the device leaves after the weights
-and the activation peak of a profiling forward over ``max_num_batched_tokens`` tokens; on the
-CPU, ``kv_cache_memory`` bytes (default 1 GiB) or an explicit ``num_blocks``.
+Configuration: ``ModelRunner(ModelConfig(...), CacheConfig(...), SchedulingConfig(...))``
+(:mod:`pagedkv.config`, validated when built; :class:`pagedkv.EngineArgs` makes them).
+
+KV cache size: an explicit ``num_blocks``; else on CUDA what ``gpu_memory_utilization`` of the
+device leaves after the weights and the activation peak of a profiling forward over
+``max_num_batched_tokens`` tokens; else ``kv_cache_memory`` bytes (CPU default 1 GiB). A budget
+worth more than ``MAX_NUM_BLOCKS`` blocks is clamped to it (``UserWarning``); a pool larger
+than the device's free memory is refused (``ConfigError``) before it is allocated.
 """
 
 from __future__ import annotations
@@ -25,24 +33,25 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
+import pagedkv.kernels as kernels
+from pagedkv.config import MAX_NUM_BLOCKS, CacheConfig, KVGeometry, ModelConfig, SchedulingConfig
+from pagedkv.errors import ConfigError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from pagedkv.worker.attention_backend import (
     ATTENTION_NAME,
     CONTEXT_KWARG,
-    KernelFns,
     PagedAttentionContext,
     ProbeContext,
     ProfileContext,
     register_pagedkv_attention,
-    resolve_kernels,
 )
-from pagedkv.errors import ConfigError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from pagedkv.worker.model_files import resolve_model
-from pagedkv.worker.model_support import AttentionGeometry, check_config, check_probe, context_length_of
+from pagedkv.worker.model_support import check_config, check_probe, context_length_of
 
 __all__ = ["ModelRunner", "DEFAULT_CPU_KV_CACHE_MEMORY"]
 
@@ -60,53 +69,44 @@ _DTYPES = {
 class ModelRunner:
     """Loads a causal LM, owns its paged KV cache, and runs one packed forward per step.
 
+    ``ModelRunner(model_config, cache_config=None, scheduling_config=None)``: the validated
+    configuration of :mod:`pagedkv.config` (defaults: ``CacheConfig()``, ``SchedulingConfig()``;
+    the scheduling caps size the CUDA memory profile).
+
     Public attributes after construction: ``model``, ``model_path`` (what ``from_pretrained``
     got; load the tokenizer from it), ``device``, ``dtype``, ``block_size``, ``num_blocks``,
-    ``bytes_per_block`` (K and V of all layers), ``kv_cache_bytes``, ``num_layers``,
-    ``num_heads``, ``num_kv_heads``, ``head_dim``, ``vocab_size``, ``max_model_len``,
-    ``attention_backend``, ``kv_caches`` (per layer ``(key_cache, value_cache)``, each
-    ``[num_blocks, block_size, num_kv_heads, head_dim]``), ``eos_token_ids``.
+    ``geometry`` (:class:`pagedkv.config.KVGeometry`), ``bytes_per_block`` (K and V of all
+    layers), ``kv_cache_bytes``, ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
+    ``vocab_size``, ``max_model_len``, ``backend`` (the :class:`pagedkv.kernels.AttentionBackend`,
+    resolved once) and its name ``attention_backend``, ``kv_caches`` (per layer
+    ``(key_cache, value_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``),
+    ``eos_token_ids``.
     """
 
     def __init__(
         self,
-        model: str | os.PathLike[str] | None = None,
-        *,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device = "auto",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        attention_backend: str | None = None,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        trust_remote_code: bool = False,
+        model_config: ModelConfig | None = None,
+        cache_config: CacheConfig | None = None,
+        scheduling_config: SchedulingConfig | None = None,
     ) -> None:
-        if not isinstance(block_size, int) or block_size < 8 or block_size & (block_size - 1):
-            raise ConfigError(f"block_size must be a power of two >= 8, got {block_size!r}")
-        if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
-            raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if kv_cache_memory is not None and (not isinstance(kv_cache_memory, int) or kv_cache_memory < 1):
-            raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {kv_cache_memory!r}")
-        if not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-        for name, value in (("max_num_batched_tokens", max_num_batched_tokens), ("max_num_seqs", max_num_seqs)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        model_config = ModelConfig() if model_config is None else model_config
+        cache_config = CacheConfig() if cache_config is None else cache_config
+        scheduling_config = SchedulingConfig() if scheduling_config is None else scheduling_config
+        for name, value, cls in (("model_config", model_config, ModelConfig), ("cache_config", cache_config, CacheConfig),
+                                 ("scheduling_config", scheduling_config, SchedulingConfig)):
+            if not isinstance(value, cls):
+                raise ConfigError(f"{name} must be a pagedkv.config.{cls.__name__}, got {type(value).__name__}")
+        self.model_config, self.cache_config, self.scheduling_config = model_config, cache_config, scheduling_config
 
-        self.device = _resolve_device(device)
-        self.block_size = block_size
-        self.model_path = resolve_model(model)
+        self.device = _resolve_device(model_config.device)
+        self.block_size = block_size = cache_config.block_size
+        self.model_path = resolve_model(model_config.model)
         register_pagedkv_attention()
-        self.kernels: KernelFns = resolve_kernels(attention_backend, self.device)
-        self.attention_backend = self.kernels.name
+        _resolve_backend(self.device, model_config.attention_backend)  # fail fast, before the weights load
 
-        config = _load_config(self.model_path, trust_remote_code)
+        config = _load_config(self.model_path, model_config.trust_remote_code)
         text_config = config.get_text_config()
-        if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len < 1):
-            raise ConfigError(f"max_model_len must be a positive int, got {max_model_len!r}")
+        max_model_len = model_config.max_model_len
         declared_len = context_length_of(text_config)
         # Unsupported features first: they matter more than a missing context length.
         check_config(text_config, max_model_len or declared_len or sys.maxsize)
@@ -116,37 +116,52 @@ class ModelRunner:
                     f"the config of {self.model_path!r} declares no context length; pass max_model_len"
                 )
             max_model_len = declared_len
+        elif declared_len is not None and max_model_len > declared_len:
+            warnings.warn(
+                f"max_model_len = {max_model_len} is above the context length the model declares "
+                f"({declared_len}); positions past {declared_len} are outside what it was trained for",
+                UserWarning,
+                stacklevel=2,
+            )
         self.max_model_len = max_model_len
 
-        self.dtype = _resolve_dtype(dtype, config, self.device)
-        self.model = _load_model(self.model_path, self.dtype, self.device, trust_remote_code)
+        self.dtype = _resolve_dtype(model_config.dtype, config, self.device)
+        self.model = _load_model(self.model_path, self.dtype, self.device, model_config.trust_remote_code)
         head = self.model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(text_config.vocab_size)
         self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
-        geometry = self._probe()
+        self.geometry = geometry = self._probe()
         self.num_layers = geometry.num_layers
         self.num_heads = geometry.num_heads
         self.num_kv_heads = geometry.num_kv_heads
         self.head_dim = geometry.head_dim
-        element_size = torch.empty((), dtype=self.dtype).element_size()
-        self.bytes_per_block = (
-            2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * element_size
+        self.bytes_per_block = geometry.bytes_per_block(block_size)
+        # Resolved once (PAGEDKV_ATTENTION_BACKEND is read here, not per layer call).
+        self.backend = _resolve_backend(
+            self.device, model_config.attention_backend, dtype=self.dtype, head_dim=self.head_dim
         )
+        self.attention_backend = self.backend.name
 
+        num_blocks = cache_config.num_blocks
         if num_blocks is None:
-            num_blocks = self._blocks_that_fit(
-                kv_cache_memory, gpu_memory_utilization, max_num_batched_tokens, max_num_seqs
-            )
+            num_blocks = self._blocks_that_fit(cache_config, scheduling_config)
         self.num_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * self.bytes_per_block
+        self._check_fits_in_memory()
         # One tensor for every layer's K and V: copy-on-write is one indexed copy per step.
         # Zeros, not empty: padding keys are masked, but NaN garbage times a zero weight is NaN.
-        with torch.inference_mode():
-            self.kv_cache = torch.zeros(
-                self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim,
-                dtype=self.dtype, device=self.device,
-            )
+        try:
+            with torch.inference_mode():
+                self.kv_cache = torch.zeros(
+                    self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim,
+                    dtype=self.dtype, device=self.device,
+                )
+        except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            raise ConfigError(
+                f"cannot allocate the KV cache ({self.kv_cache_bytes:,} bytes = {num_blocks} blocks x "
+                f"{self.bytes_per_block:,} bytes) on {self.device}: {exc}"
+            ) from exc
         self.kv_caches = [(self.kv_cache[layer, 0], self.kv_cache[layer, 1]) for layer in range(self.num_layers)]
 
     @property
@@ -169,34 +184,38 @@ class ModelRunner:
         ``block_tables`` int32[B, max_blocks], ``slot_mapping`` int64[T], ``logits_indices``
         int64[S] and optionally ``copy_ops`` int32[K, 2] (src, dst), run before the forward.
         """
-        input_ids = self._to_device(step.input_ids, torch.int64, "input_ids")
-        positions = self._to_device(step.positions, torch.int64, "positions")
-        slot_mapping = self._to_device(step.slot_mapping, torch.int64, "slot_mapping")
-        cu_seqlens_q = self._to_device(step.cu_seqlens_q, torch.int32, "cu_seqlens_q")
-        seq_lens = self._to_device(step.seq_lens, torch.int32, "seq_lens")
-        block_tables = self._to_device(step.block_tables, torch.int32, "block_tables")
-        logits_indices = self._to_device(step.logits_indices, torch.int64, "logits_indices")
+        # Host tensors first (from_numpy: no copy): the step is checked before anything runs.
+        input_ids = _index_tensor(step.input_ids, torch.int64, "input_ids")
+        positions = _index_tensor(step.positions, torch.int64, "positions")
+        slot_mapping = _index_tensor(step.slot_mapping, torch.int64, "slot_mapping")
+        cu_seqlens_q = _index_tensor(step.cu_seqlens_q, torch.int32, "cu_seqlens_q")
+        seq_lens = _index_tensor(step.seq_lens, torch.int32, "seq_lens")
+        block_tables = _index_tensor(step.block_tables, torch.int32, "block_tables")
+        logits_indices = _index_tensor(step.logits_indices, torch.int64, "logits_indices")
         _check_step_shapes(input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, block_tables, logits_indices)
+        num_tokens = input_ids.shape[0]
+        metadata = None
+        if num_tokens > 0:
+            _check_token_values(input_ids, logits_indices, self.vocab_size)
+            # Once per step, for all layers: convert, validate (values too, on the host), move.
+            key_cache, value_cache = self.kv_caches[0]
+            metadata = self.backend.prepare(
+                slot_mapping, block_tables, seq_lens, cu_seqlens_q,
+                num_tokens=num_tokens, key_cache=key_cache, value_cache=value_cache, dtype=self.dtype,
+            )
         # Copy-on-write before the forward: this step's K/V writes go into the copies.
         copy_ops = getattr(step, "copy_ops", None)
         if copy_ops is not None and len(copy_ops) > 0:
             self.copy_blocks(copy_ops)
-
-        num_tokens = input_ids.shape[0]
-        if num_tokens == 0:  # nothing scheduled (copy ops only)
+        if metadata is None:  # nothing scheduled (copy ops only)
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        max_seqlen_q, max_seqlen_k = _host_max_lens(step.cu_seqlens_q, step.seq_lens)
-        context = PagedAttentionContext(
-            kernels=self.kernels,
-            kv_caches=self.kv_caches,
-            slot_mapping=slot_mapping,
-            block_tables=block_tables,
-            seq_lens=seq_lens,
-            cu_seqlens_q=cu_seqlens_q,
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
+        context = PagedAttentionContext(backend=self.backend, kv_caches=self.kv_caches, metadata=metadata)
+        return self._forward(
+            input_ids.to(self.device, non_blocking=True),
+            positions.to(self.device, non_blocking=True),
+            logits_indices.to(self.device, non_blocking=True),
+            context,
         )
-        return self._forward(input_ids, positions, logits_indices, context)
 
     @torch.inference_mode()
     def copy_blocks(self, copy_ops: Any) -> None:
@@ -241,7 +260,7 @@ class ModelRunner:
         return logits.float()
 
     @torch.inference_mode()
-    def _probe(self) -> AttentionGeometry:
+    def _probe(self) -> KVGeometry:
         """Forward a few tokens through the recording attention; check the calls."""
         probe = ProbeContext()
         num_tokens = min(_PROBE_TOKENS, self.max_model_len)
@@ -257,20 +276,19 @@ class ModelRunner:
                 f"a probe forward of {type(self.model).__name__} through pagedkv's attention "
                 f"failed: {type(exc).__name__}: {exc}"
             ) from exc
-        return check_probe(probe.calls, self.model.config.get_text_config(), num_tokens, self.max_model_len)
+        return check_probe(
+            probe.calls, self.model.config.get_text_config(), num_tokens, self.max_model_len,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
 
-    def _blocks_that_fit(
-        self,
-        kv_cache_memory: int | None,
-        gpu_memory_utilization: float,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-    ) -> int:
-        if self.device.type == "cuda" and kv_cache_memory is None:
-            budget = self._profile_cuda_budget(gpu_memory_utilization, max_num_batched_tokens, max_num_seqs)
-            source = f"gpu_memory_utilization={gpu_memory_utilization}"
+    def _blocks_that_fit(self, cache: CacheConfig, scheduling: SchedulingConfig) -> int:
+        if self.device.type == "cuda" and cache.kv_cache_memory is None:
+            budget = self._profile_cuda_budget(
+                cache.gpu_memory_utilization, scheduling.max_num_batched_tokens, scheduling.max_num_seqs
+            )
+            source = f"gpu_memory_utilization={cache.gpu_memory_utilization}"
         else:
-            budget = kv_cache_memory if kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_MEMORY
+            budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_MEMORY
             source = f"kv_cache_memory={budget}"
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
@@ -278,7 +296,27 @@ class ModelRunner:
                 f"{source} leaves {max(budget, 0)} bytes for the KV cache, less than one block "
                 f"({self.bytes_per_block} bytes)"
             )
+        if num_blocks > MAX_NUM_BLOCKS:
+            # A budget is a ceiling: a smaller pool honours it.
+            warnings.warn(
+                f"{source} makes room for {num_blocks} blocks of {self.bytes_per_block} bytes, more than the "
+                f"core's limit MAX_NUM_BLOCKS = {MAX_NUM_BLOCKS}: the KV pool is clamped to {MAX_NUM_BLOCKS} blocks",
+                UserWarning,
+                stacklevel=3,
+            )
+            num_blocks = MAX_NUM_BLOCKS
         return num_blocks
+
+    def _check_fits_in_memory(self) -> None:
+        """Refuse, before allocating, a pool the device cannot hold (instead of an allocator
+        error, or on the CPU the OOM killer once zeros are written)."""
+        available = _available_memory(self.device)
+        if available is not None and self.kv_cache_bytes > available:
+            raise ConfigError(
+                f"the KV cache would take {self.kv_cache_bytes:,} bytes ({self.num_blocks} blocks x "
+                f"{self.bytes_per_block:,} bytes), more than the {available:,} bytes available on {self.device}: "
+                f"lower num_blocks / kv_cache_memory / gpu_memory_utilization, or block_size"
+            )
 
     @torch.inference_mode()
     def _profile_cuda_budget(
@@ -304,13 +342,15 @@ class ModelRunner:
         in_use = total - free  # weights, CUDA context, other processes
         return int(total * gpu_memory_utilization) - in_use - activation_peak
 
-    def _to_device(self, array: Any, dtype: torch.dtype, name: str) -> torch.Tensor:
-        tensor = _as_tensor(array, name)
-        if tensor.dtype != dtype:
-            if tensor.dtype.is_floating_point or tensor.dtype == torch.bool:
-                raise InvalidArgumentError(f"{name} must hold integers, got {tensor.dtype}")
-            tensor = tensor.to(dtype)
-        return tensor.to(self.device, non_blocking=True)
+
+def _index_tensor(array: Any, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """``array`` as a tensor of integer ``dtype`` (converted from another integer dtype)."""
+    tensor = _as_tensor(array, name)
+    if tensor.dtype != dtype:
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+            raise InvalidArgumentError(f"{name} must hold integers, got {tensor.dtype}")
+        tensor = tensor.to(dtype)
+    return tensor
 
 
 def _as_tensor(array: Any, name: str) -> torch.Tensor:
@@ -324,17 +364,6 @@ def _as_tensor(array: Any, name: str) -> torch.Tensor:
         return torch.as_tensor(array)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise InvalidArgumentError(f"{name} must be an array, got {type(array).__name__}") from exc
-
-
-def _host_max_lens(cu_seqlens_q: Any, seq_lens: Any) -> tuple[int | None, int | None]:
-    """Longest query chunk and context, when the arrays are on the host (free to read)."""
-    if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.device.type != "cpu":
-        return None, None
-    cu = np.asarray(cu_seqlens_q)
-    lens = np.asarray(seq_lens)
-    if lens.size == 0:
-        return None, None
-    return int(np.diff(cu).max()), int(lens.max())
 
 
 def _check_step_shapes(
@@ -366,6 +395,51 @@ def _check_step_shapes(
         raise InvalidArgumentError(
             f"block_tables must be [B={num_seqs}, max_blocks], got shape {tuple(block_tables.shape)}"
         )
+
+
+def _check_token_values(input_ids: torch.Tensor, logits_indices: torch.Tensor, vocab_size: int) -> None:
+    """Token ids inside the vocabulary and logits rows inside the step (host tensors only: on
+    a GPU an out-of-range index is a device-side assert that kills the process)."""
+    if input_ids.device.type != "cpu":
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise InvalidArgumentError(f"input_ids holds token id {low if low < 0 else high}, not in [0, {vocab_size})")
+    if logits_indices.device.type == "cpu" and logits_indices.numel():
+        num_tokens = input_ids.shape[0]
+        low, high = int(logits_indices.min()), int(logits_indices.max())
+        if low < 0 or high >= num_tokens:
+            raise InvalidArgumentError(
+                f"logits_indices holds row {low if low < 0 else high}, not in [0, {num_tokens}) (the step's tokens)"
+            )
+
+
+def _resolve_backend(
+    device: torch.device, name: str | None, *, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> kernels.AttentionBackend:
+    """The attention backend, once; a backend that cannot serve this model is a ConfigError."""
+    try:
+        return kernels.get_backend(device, name, dtype=dtype, head_dim=head_dim)
+    except InvalidArgumentError as exc:
+        raise ConfigError(f"attention_backend={name!r}: {exc}") from exc
+
+
+def _available_memory(device: torch.device) -> int | None:
+    """Bytes a new tensor can take on ``device`` now (None: unknown)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:  # Linux: what can be allocated without swapping or the OOM killer
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _resolve_device(device: str | torch.device) -> torch.device:

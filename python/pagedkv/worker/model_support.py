@@ -19,23 +19,13 @@ that. Two complementary checks:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from pagedkv.worker.attention_backend import AttentionCall
+from pagedkv.config import KV_DTYPE_BYTES, KVGeometry
 from pagedkv.errors import UnsupportedModelError
+from pagedkv.worker.attention_backend import AttentionCall
 
-__all__ = ["AttentionGeometry", "check_config", "check_probe", "context_length_of"]
-
-
-@dataclass(frozen=True)
-class AttentionGeometry:
-    """What the KV cache must hold per layer, as observed in the probe forward."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+__all__ = ["check_config", "check_probe", "context_length_of"]
 
 
 def context_length_of(config: Any) -> int | None:
@@ -97,9 +87,10 @@ def check_config(config: Any, max_model_len: int) -> None:
 
 
 def check_probe(
-    calls: list[AttentionCall], config: Any, num_probe_tokens: int, max_model_len: int
-) -> AttentionGeometry:
-    """Check the recorded attention calls of a probe forward; return the cache geometry."""
+    calls: list[AttentionCall], config: Any, num_probe_tokens: int, max_model_len: int, *, dtype: str = "float32"
+) -> KVGeometry:
+    """Check the recorded attention calls of a probe forward; return the cache geometry
+    (``dtype``: the KV cache's dtype name, e.g. ``"bfloat16"``)."""
     name = getattr(config, "model_type", type(config).__name__)
 
     def refuse(reason: str) -> UnsupportedModelError:
@@ -154,7 +145,10 @@ def check_probe(
     if len(geometries) != 1:
         raise refuse(f"its layers have different attention shapes {sorted(geometries)}")
     num_heads, num_kv_heads, head_dim = geometries.pop()
-    return AttentionGeometry(len(calls), num_heads, num_kv_heads, head_dim)
+    return KVGeometry(
+        num_layers=len(calls), num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+        dtype_bytes=KV_DTYPE_BYTES[dtype], num_heads=num_heads, source="probe forward",
+    )
 
 
 def _get(obj: Any, key: str, default: Any) -> Any:

@@ -1,0 +1,279 @@
+"""Validated configuration, and the KV geometry of a model. No torch.
+
+The engine's one configuration path: :class:`pagedkv.EngineArgs` (the user-facing flat
+arguments) builds an :class:`EngineConfig` of three small frozen parts, each validating its own
+fields when constructed (type, range and combination; a bad value raises
+:class:`~pagedkv.errors.ConfigError` naming the field and the value):
+
+- :class:`ModelConfig`: what to load and how to run it (model, tokenizer, dtype, device,
+  max_model_len, attention backend, seed, trust_remote_code);
+- :class:`CacheConfig`: the KV pool (block size, its size as ``num_blocks`` or a byte budget,
+  prefix caching);
+- :class:`SchedulingConfig`: the per-step caps and the queue policy.
+
+:class:`pagedkv.worker.model_runner.ModelRunner` takes a ModelConfig, a CacheConfig and
+(for the CUDA memory profile) a SchedulingConfig; the engine hands the scheduling part and the
+runner's pool size to the Rust ``SchedulerConfig``.
+
+Limits of the Rust core are checked here, before any model loads or tensor is allocated:
+``block_size`` <= ``MAX_BLOCK_SIZE`` (4096) and ``num_blocks`` <= ``MAX_NUM_BLOCKS`` (2^24).
+A byte budget (``kv_cache_memory``, or on CUDA ``gpu_memory_utilization``) that would give more
+blocks is a ceiling, not a request: the runner clamps the pool to ``MAX_NUM_BLOCKS`` with a
+``UserWarning``; a pool larger than the device's memory is refused (``ConfigError``) before it
+is allocated.
+
+:class:`KVGeometry` is what one token's KV costs in a model: the runner builds it from its
+probe forward, ``pagedkv simulate`` (:mod:`pagedkv.sim.kv_budget`) from a ``config.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedkv._core import MAX_BLOCK_SIZE, MAX_NUM_BLOCKS
+from pagedkv.errors import ConfigError
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "DTYPES",
+    "KV_DTYPE_BYTES",
+    "MAX_BLOCK_SIZE",
+    "MAX_NUM_BLOCKS",
+    "CacheConfig",
+    "EngineConfig",
+    "KVGeometry",
+    "ModelConfig",
+    "SchedulingConfig",
+    "check_pool_holds_one_request",
+]
+
+# Element size of each KV-cache dtype name (torch spellings and the usual short forms).
+KV_DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "fp32": 4,
+    "float": 4,
+    "float16": 2,
+    "fp16": 2,
+    "half": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+}
+
+# Model dtypes the runner serves ("auto": bf16 on CUDA when supported, float32 on the CPU).
+DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
+ATTENTION_BACKENDS = (None, "auto", "triton", "cpu", "torch")
+POLICIES = ("fcfs", "priority")
+_DEVICE = re.compile(r"^(auto|cpu|cuda)(:\d+)?$")
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What a model's KV cache holds per token, and what that costs.
+
+    ``bytes_per_token = 2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes``.
+    ``num_heads`` (query heads) is None when it is not known (a config that names only the
+    KV heads); the KV cost never depends on it.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float32", "bfloat16", ... (torch names without "torch.")
+    dtype_bytes: int
+    num_heads: int | None = None
+    source: str = "config"  # where the numbers came from, for reports
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def bytes_per_block(self, block_size: int) -> int:
+        return self.bytes_per_token * block_size
+
+    def describe(self) -> str:
+        return (
+            f"{self.bytes_per_token:,} B/token = 2 x {self.num_layers} layers x {self.num_kv_heads} KV heads "
+            f"x {self.head_dim} head_dim x {self.dtype_bytes} B ({self.dtype})"
+        )
+
+
+# ---------------------------------------------------------------- field checks
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(name: str, value: Any, *, optional: bool = False, maximum: int | None = None) -> None:
+    if value is None and optional:
+        return
+    if not _is_int(value) or value < 1:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{name} must be at most {maximum} (the core's limit), got {value!r}")
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be a bool, got {value!r}")
+
+
+def _torch_name(value: Any) -> Any:
+    """``torch.float16`` / ``torch.device("cuda:0")`` as their string names (no torch import)."""
+    if isinstance(value, str) or value is None:
+        return value
+    text = str(value)
+    if type(value).__module__ == "torch" or text.startswith("torch."):
+        return text.removeprefix("torch.")
+    return value
+
+
+def check_pool_holds_one_request(num_blocks: int, block_size: int, max_model_len: int, detail: str = "") -> None:
+    """A pool that cannot hold one ``max_model_len`` request is refused: a lone request must
+    always be able to run (and preemption must terminate)."""
+    capacity = num_blocks * block_size
+    if capacity < max_model_len:
+        raise ConfigError(
+            f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}{detail}), fewer than one "
+            f"request of max_model_len = {max_model_len} tokens: raise kv_cache_memory / num_blocks / "
+            f"gpu_memory_utilization, or lower max_model_len"
+        )
+
+
+# ---------------------------------------------------------------- the configs
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to load and how to run it.
+
+    - ``model``: Hugging Face model id or folder; ``None`` = the embedded SmolLM2-135M-Instruct.
+    - ``tokenizer``: tokenizer id or folder (default: the model's).
+    - ``dtype``: ``"auto"`` (bf16 on CUDA when supported, float32 on the CPU), ``"float32"``,
+      ``"float16"``, ``"bfloat16"`` (or ``"float"`` / ``"half"``, or a ``torch.dtype``).
+    - ``device``: ``"auto"`` (CUDA if available), ``"cpu"``, ``"cuda"``, ``"cuda:N"`` (or a
+      ``torch.device``).
+    - ``max_model_len``: longest sequence (prompt + output); ``None`` = the model's declared
+      context length. Above it the runner warns (``UserWarning``) and serves it anyway.
+    - ``attention_backend``: ``"triton"``, ``"cpu"``, ``"torch"``, ``"auto"`` or ``None``
+      (``PAGEDKV_ATTENTION_BACKEND`` if set, else Triton on CUDA and the Rust decode kernel +
+      torch on the CPU); resolved once, when the runner is built.
+    - ``seed``: seed of the global generator used by unseeded random sampling.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    attention_backend: str | None = None
+    seed: int = 0
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("model", "tokenizer"):
+            value = getattr(self, name)
+            if isinstance(value, os.PathLike):
+                object.__setattr__(self, name, os.fspath(value))
+            elif value is not None and not isinstance(value, str):
+                raise ConfigError(f"{name} must be a model id or folder (str), got {value!r}")
+        dtype = _torch_name(self.dtype)
+        if not isinstance(dtype, str) or dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES} or a torch.dtype of them, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
+        device = _torch_name(self.device)
+        if not isinstance(device, str) or not _DEVICE.match(device) or device.startswith("auto:"):
+            raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        object.__setattr__(self, "device", device)
+        _positive_int("max_model_len", self.max_model_len, optional=True)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(
+                f"attention_backend must be None, 'auto', 'triton', 'cpu' or 'torch', got {self.attention_backend!r}"
+            )
+        if self.attention_backend == "cpu" and device.startswith("cuda"):
+            raise ConfigError(f"attention_backend 'cpu' runs on the CPU, but device is {device!r}")
+        if not _is_int(self.seed):
+            raise ConfigError(f"seed must be an int, got {self.seed!r}")
+        _bool("trust_remote_code", self.trust_remote_code)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV pool: block size and size.
+
+    - ``block_size``: tokens per KV block, a power of two in 8 .. ``MAX_BLOCK_SIZE`` (4096).
+    - The pool size, at most one of ``num_blocks`` (explicit, 1 .. ``MAX_NUM_BLOCKS`` = 2^24)
+      and ``kv_cache_memory`` (a byte budget); with neither, on CUDA the
+      ``gpu_memory_utilization`` fraction of the device left after weights and the activation
+      peak of a profiling forward, on the CPU 1 GiB. A budget is a ceiling: when it would
+      give more than ``MAX_NUM_BLOCKS`` blocks, the pool is clamped to ``MAX_NUM_BLOCKS``
+      (``UserWarning``). A pool larger than the device's memory is refused (``ConfigError``)
+      before it is allocated.
+    - ``enable_prefix_caching``: reuse the KV of shared prompt prefixes.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        if not _is_int(bs) or bs < 8 or bs & (bs - 1) or bs > MAX_BLOCK_SIZE:
+            raise ConfigError(f"block_size must be a power of two in 8 .. {MAX_BLOCK_SIZE}, got {bs!r}")
+        _positive_int("num_blocks", self.num_blocks, optional=True, maximum=MAX_NUM_BLOCKS)
+        if self.kv_cache_memory is not None and (not _is_int(self.kv_cache_memory) or self.kv_cache_memory < 1):
+            raise ConfigError(f"kv_cache_memory must be a positive number of bytes, got {self.kv_cache_memory!r}")
+        if self.num_blocks is not None and self.kv_cache_memory is not None:
+            raise ConfigError(
+                f"give the KV pool size as num_blocks or kv_cache_memory, not both "
+                f"(got num_blocks={self.num_blocks!r}, kv_cache_memory={self.kv_cache_memory!r})"
+            )
+        gmu = self.gpu_memory_utilization
+        if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
+        _bool("enable_prefix_caching", self.enable_prefix_caching)
+
+
+@dataclass(frozen=True)
+class SchedulingConfig:
+    """Per-step caps and queue policy: ``max_num_seqs`` sequences and ``max_num_batched_tokens``
+    tokens per step (the runner's CUDA memory profile runs one such step), ``policy``
+    ``"fcfs"`` or ``"priority"``."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.policy not in POLICIES:
+            raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The three parts together, with the checks that span them."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+
+    def __post_init__(self) -> None:
+        for name, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduling", SchedulingConfig)):
+            if not isinstance(getattr(self, name), cls):
+                raise ConfigError(f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
+        # Known before anything loads when both are explicit; otherwise checked once the
+        # runner has sized the pool.
+        if self.cache.num_blocks is not None and self.model.max_model_len is not None:
+            check_pool_holds_one_request(self.cache.num_blocks, self.cache.block_size, self.model.max_model_len)
