@@ -34,7 +34,7 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(RUST_SOURCES) pyproject.toml
 
 build: $(BUILD_STAMP)
 
-test: test-rust test-python test-packaging
+test: lint test-rust test-python test-packaging
 
 test-rust:
 	cargo test --release -q
@@ -67,9 +67,15 @@ bench-python: build
 	$(PY) benches/bench_bindings.py
 	$(PY) benches/bench_scheduler.py
 
+# Python: ruff (format and lint) over python/ tests/ benches/, mypy on the package (run from
+# python/ so that the repository's `kernels` link is not taken for a second package), the stub
+# against the built extension; Rust: clippy with warnings as errors.
 lint: build
-	cargo clippy --all-targets --features python -- -D warnings
+	$(VENV)/bin/ruff format --check python tests benches
+	$(VENV)/bin/ruff check python tests benches
+	cd python && $(abspath $(PY)) -m mypy --config-file ../pyproject.toml -p pagedkv
 	cd /tmp && $(abspath $(PY)) -m mypy.stubtest pagedkv._core
+	cargo clippy --all-targets --features python -- -D warnings
 
 clean:
 	rm -rf target $(VENV) python/pagedkv/*.so

@@ -55,8 +55,10 @@ def main() -> None:
     s, _ = m.add_sequence(prompt)
     m.allocate_slots(s, 2048)
     rows.append(
-        ["KVCacheManager.add_sequence (2k prompt, 127 cached blocks hit) + free",
-         time_calls(lambda: m.free(m.add_sequence(prompt)[0]), repeat=max(rep // 10, 100))]
+        [
+            "KVCacheManager.add_sequence (2k prompt, 127 cached blocks hit) + free",
+            time_calls(lambda: m.free(m.add_sequence(prompt)[0]), repeat=max(rep // 10, 100)),
+        ]
     )
 
     # 256 sequences at 2k context; one batched decode append per call.
@@ -65,7 +67,7 @@ def main() -> None:
     mgr = pagedkv.KVCacheManager(num_seqs * ((ctx + steps) // bs + 1), bs)
     ids = []
     for i in range(num_seqs):
-        seq, _ = mgr.add_sequence((np.arange(ctx, dtype=np.int64) ^ (i << 16)))
+        seq, _ = mgr.add_sequence(np.arange(ctx, dtype=np.int64) ^ (i << 16))
         mgr.allocate_slots(seq, ctx)
         ids.append(seq)
     seq_ids = np.array(ids, dtype=np.int64)
@@ -73,8 +75,10 @@ def main() -> None:
     r = time_calls(lambda: mgr.append_decode_tokens(seq_ids, tokens), repeat=min(rep, steps - 8), warmup=3)
     rows.append(["KVCacheManager.append_decode_tokens, 256 seqs x 2k ctx (one call)", r])
     rows.append(
-        ["KVCacheManager.block_tables, 256 seqs (int32[256, 193])",
-         time_calls(lambda: mgr.block_tables(seq_ids), repeat=max(rep // 10, 100))]
+        [
+            "KVCacheManager.block_tables, 256 seqs (int32[256, 193])",
+            time_calls(lambda: mgr.block_tables(seq_ids), repeat=max(rep // 10, 100)),
+        ]
     )
 
     table = md_table(

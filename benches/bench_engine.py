@@ -37,14 +37,31 @@ def load_requests(n: int, max_prompt: int, max_output: int, max_model_len: int =
     return [(r.prompt_token_ids.tolist(), min(r.output_len, max_output)) for r in reqs][:n]
 
 
-def run_pagedkv(requests: Requests, *, model: str | None = None, tokenizer: str | None = None, device: str = "cpu",
-                dtype: str = "float32", max_num_seqs: int = 64, budget: int = 2048, max_model_len: int = 2048,
-                **kv_args: Any) -> dict:
+def run_pagedkv(
+    requests: Requests,
+    *,
+    model: str | None = None,
+    tokenizer: str | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    max_num_seqs: int = 64,
+    budget: int = 2048,
+    max_model_len: int = 2048,
+    **kv_args: Any,
+) -> dict:
     """pagedkv on `requests`; `kv_args`: kv_cache_memory / num_blocks / gpu_memory_utilization."""
     from pagedkv import LLM, SamplingParams
 
-    llm = LLM(model, tokenizer=tokenizer, dtype=dtype, device=device, max_model_len=max_model_len,
-              max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, **kv_args)
+    llm = LLM(
+        model,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        device=device,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        **kv_args,
+    )
     engine = llm.llm_engine
     for i, (ids, n) in enumerate(requests):
         engine.add_request(str(i), ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
@@ -60,11 +77,16 @@ def run_pagedkv(requests: Requests, *, model: str | None = None, tokenizer: str 
     elapsed = time.perf_counter() - start
     stats = engine.get_stats()
     runner = engine.runner
-    return {"name": f"pagedkv LLM ({runner.attention_backend} attention)", "tokens": produced, "seconds": elapsed,
-            "peak_kv_bytes": peak_blocks * runner.bytes_per_block, "num_blocks": runner.num_blocks,
-            "bytes_per_block": runner.bytes_per_block,
-            "note": f"{runner.num_blocks} blocks x {runner.block_size}, max_num_seqs {max_num_seqs}, budget {budget}, "
-                    f"{stats['num_preemptions']} preemptions"}
+    return {
+        "name": f"pagedkv LLM ({runner.attention_backend} attention)",
+        "tokens": produced,
+        "seconds": elapsed,
+        "peak_kv_bytes": peak_blocks * runner.bytes_per_block,
+        "num_blocks": runner.num_blocks,
+        "bytes_per_block": runner.bytes_per_block,
+        "note": f"{runner.num_blocks} blocks x {runner.block_size}, max_num_seqs {max_num_seqs}, budget {budget}, "
+        f"{stats['num_preemptions']} preemptions",
+    }
 
 
 def load_hf(model_path: str | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32) -> Any:
@@ -72,7 +94,9 @@ def load_hf(model_path: str | None = None, device: str = "cpu", dtype: torch.dty
 
     from pagedkv.worker.model_files import default_model_dir
 
-    model = AutoModelForCausalLM.from_pretrained(model_path or default_model_dir(), dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path or default_model_dir(), dtype=dtype, attn_implementation="sdpa"
+    )
     return model.to(device).eval()
 
 
@@ -95,18 +119,29 @@ def run_hf_static(model: Any, requests: Requests, batch_size: int) -> dict:
             input_ids = torch.zeros(len(batch), width, dtype=torch.long)
             mask = torch.zeros_like(input_ids)
             for i, (ids, _) in enumerate(batch):
-                input_ids[i, width - len(ids):] = torch.tensor(ids)
-                mask[i, width - len(ids):] = 1
-            model.generate(input_ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest,
-                           min_new_tokens=longest, do_sample=False, eos_token_id=None, pad_token_id=0)
+                input_ids[i, width - len(ids) :] = torch.tensor(ids)
+                mask[i, width - len(ids) :] = 1
+            model.generate(
+                input_ids.to(device),
+                attention_mask=mask.to(device),
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             # Only each request's own output counts; the rest of the batch's steps is padding.
             produced += sum(n for _, n in batch)
             peak = max(peak, len(batch) * (width + longest) * bytes_per_token(model))
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return {"name": f"transformers generate, static batches of {batch_size}", "tokens": produced,
-            "seconds": time.perf_counter() - start, "peak_kv_bytes": peak,
-            "note": "padded to the batch's longest prompt and output"}
+    return {
+        "name": f"transformers generate, static batches of {batch_size}",
+        "tokens": produced,
+        "seconds": time.perf_counter() - start,
+        "peak_kv_bytes": peak,
+        "note": "padded to the batch's longest prompt and output",
+    }
 
 
 def run_hf_continuous(model: Any, requests: Requests, *, kv_bytes: int, budget: int, page: int = 16) -> dict:
@@ -115,7 +150,9 @@ def run_hf_continuous(model: Any, requests: Requests, *, kv_bytes: int, budget: 
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     num_blocks = max(1, kv_bytes // (page * bytes_per_token(model)))
-    gc = GenerationConfig(max_new_tokens=max(n for _, n in requests), do_sample=False, eos_token_id=None, pad_token_id=0)
+    gc = GenerationConfig(
+        max_new_tokens=max(n for _, n in requests), do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     cbc = ContinuousBatchingConfig(num_blocks=num_blocks, max_batch_tokens=budget, page_size=page)
     start = time.perf_counter()
     mgr = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
@@ -127,9 +164,13 @@ def run_hf_continuous(model: Any, requests: Requests, *, kv_bytes: int, budget: 
         r = mgr.get_result(timeout=3600)
         produced += len(r.generated_tokens)
     mgr.stop(block=True)
-    return {"name": "transformers continuous batching (generate_batch manager)", "tokens": produced,
-            "seconds": time.perf_counter() - start, "peak_kv_bytes": num_blocks * page * bytes_per_token(model),
-            "note": f"{num_blocks} blocks x {page} preallocated, max_batch_tokens {budget}"}
+    return {
+        "name": "transformers continuous batching (generate_batch manager)",
+        "tokens": produced,
+        "seconds": time.perf_counter() - start,
+        "peak_kv_bytes": num_blocks * page * bytes_per_token(model),
+        "note": f"{num_blocks} blocks x {page} preallocated, max_batch_tokens {budget}",
+    }
 
 
 def main() -> None:
@@ -157,21 +198,29 @@ def main() -> None:
     for r in results:
         tps = r["tokens"] / r["seconds"]
         rows.append([r["name"], r["tokens"], r["seconds"], tps, base / tps, r["peak_kv_bytes"] / 2**20, r["note"]])
-    table = md_table(["engine", "output tokens", "seconds", "output tok/s", "pagedkv speedup", "peak KV MiB", "notes"], rows)
+    table = md_table(
+        ["engine", "output tokens", "seconds", "output tok/s", "pagedkv speedup", "peak KV MiB", "notes"], rows
+    )
     cap = "uncapped" if args.max_output >= 2048 else f"capped at {args.max_output}"
-    desc = (f"{len(requests)} ShareGPT first turns (prompt <= {args.max_prompt} tokens, prompt + output <= 2048, recorded "
-            f"output lengths {cap}; {sum(len(i) for i, _ in requests)} prompt / {sum(n for _, n in requests)} output "
-            f"tokens), greedy, eos ignored; SmolLM2-135M-Instruct float32, CPU; torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads.")
+    desc = (
+        f"{len(requests)} ShareGPT first turns (prompt <= {args.max_prompt} tokens, prompt + output <= 2048, recorded "
+        f"output lengths {cap}; {sum(len(i) for i, _ in requests)} prompt / {sum(n for _, n in requests)} output "
+        f"tokens), greedy, eos ignored; SmolLM2-135M-Instruct float32, CPU; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads."
+    )
     print(desc)
     print(table)
     sa, sb = rows[1][4], rows[2][4]
-    verdict = (f"\npagedkv vs static batching: {sa:.2f}x (target >= 2x: {'met' if sa >= 2 else 'NOT met'}); "
-               f"vs transformers continuous batching: {sb:.2f}x (target >= 1.5x: {'met' if sb >= 1.5 else 'NOT met'}).")
+    verdict = (
+        f"\npagedkv vs static batching: {sa:.2f}x (target >= 2x: {'met' if sa >= 2 else 'NOT met'}); "
+        f"vs transformers continuous batching: {sb:.2f}x (target >= 1.5x: {'met' if sb >= 1.5 else 'NOT met'})."
+    )
     print(verdict)
     if not args.no_write:
         cmd = "python benches/bench_engine.py " + " ".join(sys.argv[1:])
-        write_section("Engine: CPU throughput vs transformers (issue 5)", cmd.strip(), desc + "\n\n" + table + "\n" + verdict)
+        write_section(
+            "Engine: CPU throughput vs transformers (issue 5)", cmd.strip(), desc + "\n\n" + table + "\n" + verdict
+        )
 
 
 if __name__ == "__main__":

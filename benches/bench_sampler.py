@@ -44,6 +44,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _results import md_table, write_section
+
 from pagedkv.sample import sampler as new_sampler
 from pagedkv.sample.sampling_params import SamplingParams
 
@@ -80,7 +81,10 @@ def load_old_sampler() -> ModuleType | None:
     try:
         source = subprocess.run(
             ["git", "show", f"{OLD_COMMIT}:python/pagedkv/sample/sampler.py"],
-            cwd=HERE, capture_output=True, text=True, check=True,
+            cwd=HERE,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -112,8 +116,11 @@ def _median_ms(samples: list[float]) -> float:
 
 
 def bench_sampler_alone(
-    rows_list: list[int], vocabs: list[int], settings: list[tuple[str, dict[str, Any], str]],
-    repeats: int, old: ModuleType | None,
+    rows_list: list[int],
+    vocabs: list[int],
+    settings: list[tuple[str, dict[str, Any], str]],
+    repeats: int,
+    old: ModuleType | None,
 ) -> tuple[list[list[object]], list[list[object]]]:
     """Returns (result rows, metadata-build rows)."""
     table: list[list[object]] = []
@@ -162,7 +169,9 @@ def bench_sampler_alone(
     return table, build_rows
 
 
-def _time_once(module: ModuleType, sampler: Any, params: list[SamplingParams], vocab: int, logits: torch.Tensor) -> float:
+def _time_once(
+    module: ModuleType, sampler: Any, params: list[SamplingParams], vocab: int, logits: torch.Tensor
+) -> float:
     start = time.perf_counter()
     sampler(logits, module.SamplingMetadata.build(params, vocab_size=vocab))
     return time.perf_counter() - start
@@ -174,8 +183,9 @@ def _time_once(module: ModuleType, sampler: Any, params: list[SamplingParams], v
 def build_model(folder: Path, quick: bool) -> dict[str, int]:
     """SmolLM2-135M's config with one layer and random weights (+ its tokenizer) in `folder`.
     `quick`: a tiny hidden size and a 1024-token vocab."""
-    from pagedkv.worker.model_files import default_model_dir
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pagedkv.worker.model_files import default_model_dir
 
     source = Path(default_model_dir())
     config = AutoConfig.from_pretrained(source)
@@ -192,8 +202,13 @@ def build_model(folder: Path, quick: bool) -> dict[str, int]:
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
     for path in source.iterdir():
-        if path.is_file() and path.name != "config.json" and not path.name.endswith(".safetensors") \
-                and path.name != "pagedkv_conversion.json" and not (folder / path.name).exists():
+        if (
+            path.is_file()
+            and path.name != "config.json"
+            and not path.name.endswith(".safetensors")
+            and path.name != "pagedkv_conversion.json"
+            and not (folder / path.name).exists()
+        ):
             shutil.copy(path, folder / path.name)
     return {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size}
 
@@ -235,8 +250,12 @@ def bench_engine(
         total_steps = (rounds + 1) * len(ENGINE_SETTINGS) * steps_per_round * (2 if old is not None else 1)
         max_model_len = ((prompt_len + total_steps + 64) // 16 + 1) * 16
         engine = pagedkv.LLMEngine(
-            model=str(folder), dtype="float32", device="cpu", max_model_len=max_model_len,
-            num_blocks=num_seqs * (max_model_len // 16 + 1), max_num_seqs=num_seqs,
+            model=str(folder),
+            dtype="float32",
+            device="cpu",
+            max_model_len=max_model_len,
+            num_blocks=num_seqs * (max_model_len // 16 + 1),
+            max_num_seqs=num_seqs,
             max_num_batched_tokens=max(2048, num_seqs * prompt_len),
         )
         generator = torch.Generator().manual_seed(1)
@@ -287,12 +306,14 @@ def bench_engine(
                 ratio = statistics.median(t / g for t, g in zip(per_round, greedy_rounds))
                 row += [statistics.median(per_round) * 1e3, statistics.median(sampling[(label, name)]) * 1e3, ratio]
             table.append(row)
-        desc = (f"1-layer random-weight model with SmolLM2-135M's config (vocab {info['vocab_size']}, hidden "
-                f"{info['hidden_size']}), float32 on the CPU, {num_seqs} running requests (8-token prompts, all "
-                f"decoding), {rounds} rounds x {steps_per_round} timed steps per setting, settings interleaved "
-                f"(after a warm-up round); step ms: median over rounds; sampling ms: the engine's `_sample` "
-                f"(SamplingMetadata.build + Sampler) inside those steps; x greedy: median over rounds of "
-                f"(setting / greedy in the same round).")
+        desc = (
+            f"1-layer random-weight model with SmolLM2-135M's config (vocab {info['vocab_size']}, hidden "
+            f"{info['hidden_size']}), float32 on the CPU, {num_seqs} running requests (8-token prompts, all "
+            f"decoding), {rounds} rounds x {steps_per_round} timed steps per setting, settings interleaved "
+            f"(after a warm-up round); step ms: median over rounds; sampling ms: the engine's `_sample` "
+            f"(SamplingMetadata.build + Sampler) inside those steps; x greedy: median over rounds of "
+            f"(setting / greedy in the same round)."
+        )
         return table, desc
     finally:
         shutil.rmtree(folder, ignore_errors=True)
@@ -342,19 +363,25 @@ def main() -> None:
         print(engine_table)
         worst_engine = max(rows, key=lambda r: r[3])
         met = "met" if worst_engine[3] <= 2.0 else "NOT met"
-        verdict = (f"\nEngine step: worst setting {worst_engine[0]} at {worst_engine[3]:.2f}x greedy "
-                   f"(target <= 2x: {met}); sampling {worst_engine[2]:.1f} ms of its step.")
+        verdict = (
+            f"\nEngine step: worst setting {worst_engine[0]} at {worst_engine[3]:.2f}x greedy "
+            f"(target <= 2x: {met}); sampling {worst_engine[2]:.1f} ms of its step."
+        )
         if old is not None:
             old_worst = max(rows, key=lambda r: r[6])
-            verdict += (f" Old sampler: worst {old_worst[0]} at {old_worst[6]:.2f}x greedy, "
-                        f"sampling {old_worst[5]:.0f} ms.")
+            verdict += (
+                f" Old sampler: worst {old_worst[0]} at {old_worst[6]:.2f}x greedy, sampling {old_worst[5]:.0f} ms."
+            )
         print(verdict)
 
     if not args.no_write and not args.quick:
         body = (
             "Sampler alone (median ms per call, SamplingMetadata.build included; ratio to greedy in the same "
             "interleaved loop; peaked rows: 8 tokens 14-18 above a normal bulk, flat rows: normal, scale 0.5):\n\n"
-            + alone_table + "\n\n" + build_table + "\n"
+            + alone_table
+            + "\n\n"
+            + build_table
+            + "\n"
         )
         if engine_table:
             body += "\n" + engine_desc + "\n\n" + engine_table + "\n" + verdict + "\n"

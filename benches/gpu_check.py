@@ -51,9 +51,9 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "benches" / "results" / "gpu_check.json"
@@ -142,9 +142,17 @@ def _run_kernel_tests() -> dict:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # compiled for the GPU
     start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *group],
-                              cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for group in groups]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *group],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for group in groups
+    ]
     runs = []
     for group, proc in zip(groups, procs):
         remaining = max(1.0, _PYTEST_TIMEOUT_S - (time.perf_counter() - start))
@@ -157,52 +165,113 @@ def _run_kernel_tests() -> dict:
             output += f"\n[gpu_check: killed after {_PYTEST_TIMEOUT_S} s]"
             returncode = -9
         summary = next((line for line in reversed(output.splitlines()) if " in " in line), "").strip("= ")
-        runs.append({"tests": " ".join(group), "returncode": returncode, "summary": summary,
-                     "tail": output[-3000:] if returncode else ""})
+        runs.append(
+            {
+                "tests": " ".join(group),
+                "returncode": returncode,
+                "summary": summary,
+                "tail": output[-3000:] if returncode else "",
+            }
+        )
     failed = [run for run in runs if run["returncode"] != 0]
-    return {"returncode": 1 if failed else 0, "seconds": round(time.perf_counter() - start, 1),
-            "summary": "; ".join(f"{run['tests']}: {run['summary']}" for run in runs), "runs": runs}
+    return {
+        "returncode": 1 if failed else 0,
+        "seconds": round(time.perf_counter() - start, 1),
+        "summary": "; ".join(f"{run['tests']}: {run['summary']}" for run in runs),
+        "runs": runs,
+    }
 
 
 def _oracle_sweep(ctx: Context) -> list[dict]:
     import torch
+    from paged_batches import PagedBatch, make_paged_batch
 
     import pagedkv.kernels as kernels
     from pagedkv.kernels import reference
-    from paged_batches import PagedBatch, make_paged_batch
 
     # (name, dtype, cache dtype or None, num_heads, num_kv_heads, head_dim, q_lens, seq_lens)
     cases: list[tuple[str, torch.dtype, torch.dtype | None, int, int, int, list[int], list[int]]]
     if ctx.dry_run:
         # The interpreter computes bf16 and fp8 wrongly: fp32/fp16 only, tiny shapes.
-        cases = [("fp32 mixed", torch.float32, None, 4, 1, 64, [1, 1, 9], [40, 3, 30]),
-                 ("fp16 mixed", torch.float16, None, 2, 2, 64, [1, 5], [17, 21])]
+        cases = [
+            ("fp32 mixed", torch.float32, None, 4, 1, 64, [1, 1, 9], [40, 3, 30]),
+            ("fp16 mixed", torch.float16, None, 2, 2, 64, [1, 5], [17, 21]),
+        ]
     else:
         decodes = [int(x) for x in torch.randint(1, 6000, (48,), generator=torch.Generator().manual_seed(0))]
         cases = []
-        for dtype, cache_dtype in [(torch.bfloat16, None), (torch.float16, None),
-                                   (torch.bfloat16, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e5m2)]:
+        for dtype, cache_dtype in [
+            (torch.bfloat16, None),
+            (torch.float16, None),
+            (torch.bfloat16, torch.float8_e4m3fn),
+            (torch.bfloat16, torch.float8_e5m2),
+        ]:
             name = f"{str(dtype)[6:]}" + (f" cache {str(cache_dtype)[6:]}" if cache_dtype else "")
-            cases.append((f"{name} G4 D128 decodes+extends", dtype, cache_dtype, 32, 8, 128,
-                          [1] * 48 + [700, 1, 129], decodes + [700 + 1500, 33, 129 + 16 * 9 + 5]))
+            cases.append(
+                (
+                    f"{name} G4 D128 decodes+extends",
+                    dtype,
+                    cache_dtype,
+                    32,
+                    8,
+                    128,
+                    [1] * 48 + [700, 1, 129],
+                    decodes + [700 + 1500, 33, 129 + 16 * 9 + 5],
+                )
+            )
         for head_dim in (64, 80, 96, 256):
-            cases.append((f"bf16 G8 D{head_dim}", torch.bfloat16, None, 8, 1, head_dim,
-                          [1] * 8 + [300], decodes[:8] + [300 + 77]))
+            cases.append(
+                (
+                    f"bf16 G8 D{head_dim}",
+                    torch.bfloat16,
+                    None,
+                    8,
+                    1,
+                    head_dim,
+                    [1] * 8 + [300],
+                    decodes[:8] + [300 + 77],
+                )
+            )
     rows = []
     for name, dtype, cache_dtype, num_heads, num_kv_heads, head_dim, q_lens, seq_lens in cases:
-        batch = make_paged_batch(q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                 block_size=16, dtype=dtype, device=ctx.device, seed=head_dim)
+        batch = make_paged_batch(
+            q_lens,
+            seq_lens,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=16,
+            dtype=dtype,
+            device=ctx.device,
+            seed=head_dim,
+        )
         if cache_dtype is not None:
-            batch = PagedBatch(batch.query, batch.key_cache.to(cache_dtype), batch.value_cache.to(cache_dtype),
-                               batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, batch.keys, batch.values,
-                               batch.q_lens)
+            batch = PagedBatch(
+                batch.query,
+                batch.key_cache.to(cache_dtype),
+                batch.value_cache.to(cache_dtype),
+                batch.block_tables,
+                batch.seq_lens,
+                batch.cu_seqlens_q,
+                batch.keys,
+                batch.values,
+                batch.q_lens,
+            )
         oracle_args = [t.double() if t.is_floating_point() else t for t in batch.attention_args()]
         expected = reference.paged_attention(*oracle_args)
         got = kernels.paged_attention(*batch.attention_args(), backend="triton")
         error = float((got.double() - expected).abs().max()) if torch.isfinite(got).all() else math.inf
         atol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
-        rows.append({"case": name, "tokens": int(batch.query.shape[0]), "max_kv_len": max(seq_lens),
-                     "max_error": error, "atol": atol, "passed": error <= atol})
+        rows.append(
+            {
+                "case": name,
+                "tokens": int(batch.query.shape[0]),
+                "max_kv_len": max(seq_lens),
+                "max_error": error,
+                "atol": atol,
+                "passed": error <= atol,
+            }
+        )
     return rows
 
 
@@ -218,15 +287,20 @@ def section_copy_bandwidth(ctx: Context) -> dict:
     seconds = ctx.bench(lambda: target.copy_(source))
     bandwidth = 2 * num_bytes / seconds  # every byte is read once and written once
     del source, target
-    return {"bytes": num_bytes, "seconds": seconds, "bandwidth_gbps": bandwidth / 1e9,
-            "table": [{"copy_bytes": num_bytes, "ms": seconds * 1e3, "GB/s (read+write)": bandwidth / 1e9}]}
+    return {
+        "bytes": num_bytes,
+        "seconds": seconds,
+        "bandwidth_gbps": bandwidth / 1e9,
+        "table": [{"copy_bytes": num_bytes, "ms": seconds * 1e3, "GB/s (read+write)": bandwidth / 1e9}],
+    }
 
 
 # --- 3. decode -------------------------------------------------------------------------------
 
 
-def _random_paged_cache(num_seqs: int, context: int, num_kv_heads: int, head_dim: int, block_size: int,
-                        dtype, device: str, generator):  # noqa: ANN001, ANN202
+def _random_paged_cache(
+    num_seqs: int, context: int, num_kv_heads: int, head_dim: int, block_size: int, dtype, device: str, generator
+):  # noqa: ANN001, ANN202
     """Caches holding exactly the batch's blocks, and a shuffled block table over them."""
     import torch
 
@@ -259,27 +333,43 @@ def section_decode(ctx: Context) -> dict:
         for num_seqs in batches:
             for context in contexts:
                 kv_bytes = 2 * num_seqs * context * num_kv_heads * head_dim * element_size
-                row: dict[str, object] = {"group": num_heads // num_kv_heads, "batch": num_seqs,
-                                          "context": context, "kv_GB": kv_bytes / 1e9}
+                row: dict[str, object] = {
+                    "group": num_heads // num_kv_heads,
+                    "batch": num_seqs,
+                    "context": context,
+                    "kv_GB": kv_bytes / 1e9,
+                }
                 if 2.5 * kv_bytes > ctx.free_bytes():  # paged + contiguous copies, with headroom
                     rows.append({**row, "skipped": "does not fit in free GPU memory"})
                     continue
                 key_cache, value_cache, block_tables = _random_paged_cache(
-                    num_seqs, context, num_kv_heads, head_dim, block_size, dtype, ctx.device, generator)
+                    num_seqs, context, num_kv_heads, head_dim, block_size, dtype, ctx.device, generator
+                )
                 query = torch.randn(num_seqs, num_heads, head_dim, dtype=dtype, device=ctx.device)
                 seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=ctx.device)
                 cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=ctx.device)
                 out = torch.empty_like(query)
 
                 def paged() -> None:
-                    kernels.paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
-                                            out=out, backend="triton", max_seqlen_q=1, max_seqlen_k=context)
+                    kernels.paged_attention(
+                        query,
+                        key_cache,
+                        value_cache,
+                        block_tables,
+                        seq_lens,
+                        cu_seqlens_q,
+                        out=out,
+                        backend="triton",
+                        max_seqlen_q=1,
+                        max_seqlen_k=context,
+                    )
 
                 paged_s = ctx.bench(paged)
                 alternatives: dict[str, object] = {}
                 if kv_bytes >= 0.5e9 or ctx.dry_run:
-                    alternatives = _best_decode_config(ctx, query, key_cache, value_cache, block_tables, seq_lens,
-                                                       cu_seqlens_q, out, context, kv_bytes)
+                    alternatives = _best_decode_config(
+                        ctx, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out, context, kv_bytes
+                    )
                 del key_cache, value_cache
                 # No-paging baseline: the same K/V contiguous per sequence, [B, Hkv, L, D].
                 keys = torch.randn(num_seqs, num_kv_heads, context, head_dim, dtype=dtype, device=ctx.device)
@@ -288,8 +378,15 @@ def section_decode(ctx: Context) -> dict:
                 sdpa_s = ctx.bench(lambda: F.scaled_dot_product_attention(q4, keys, values, enable_gqa=True))
                 del keys, values
                 bandwidth = kv_bytes / paged_s / 1e9
-                row.update({"paged_us": paged_s * 1e6, "sdpa_us": sdpa_s * 1e6, "paged_GB/s": bandwidth,
-                            "sdpa_GB/s": kv_bytes / sdpa_s / 1e9, "paged/sdpa": paged_s / sdpa_s})
+                row.update(
+                    {
+                        "paged_us": paged_s * 1e6,
+                        "sdpa_us": sdpa_s * 1e6,
+                        "paged_GB/s": bandwidth,
+                        "sdpa_GB/s": kv_bytes / sdpa_s / 1e9,
+                        "paged/sdpa": paged_s / sdpa_s,
+                    }
+                )
                 if copy_gbps:
                     row["pct_of_copy"] = 100 * bandwidth / copy_gbps
                 row.update(alternatives)
@@ -298,8 +395,9 @@ def section_decode(ctx: Context) -> dict:
                     name = f"decode G{num_heads // num_kv_heads} B{num_seqs} ctx{context}"
                     pct_of_copy, paged_over_sdpa = 100 * bandwidth / copy_gbps, paged_s / sdpa_s
                     ctx.target(f"{name} bandwidth", pct_of_copy, ">= 75 % of copy bandwidth", pct_of_copy >= 75)
-                    ctx.target(f"{name} vs SDPA", paged_over_sdpa, "paged time <= 1.10 x SDPA time",
-                               paged_over_sdpa <= 1.10)
+                    ctx.target(
+                        f"{name} vs SDPA", paged_over_sdpa, "paged time <= 1.10 x SDPA time", paged_over_sdpa <= 1.10
+                    )
     if ctx.device == "cuda":
         torch.cuda.empty_cache()
     return {"dtype": str(dtype), "head_dim": head_dim, "block_size": block_size, "table": rows}
@@ -310,13 +408,27 @@ def _decode_alternatives(ctx: Context) -> list:
 
     if ctx.dry_run:
         return [DecodeConfig(block_n=32, num_warps=4, num_stages=1)]
-    return [DecodeConfig(block_n=64, num_warps=4, num_stages=2), DecodeConfig(block_n=64, num_warps=4, num_stages=5),
-            DecodeConfig(block_n=128, num_warps=4, num_stages=3), DecodeConfig(block_n=128, num_warps=8, num_stages=3),
-            DecodeConfig(block_n=32, num_warps=4, num_stages=4)]
+    return [
+        DecodeConfig(block_n=64, num_warps=4, num_stages=2),
+        DecodeConfig(block_n=64, num_warps=4, num_stages=5),
+        DecodeConfig(block_n=128, num_warps=4, num_stages=3),
+        DecodeConfig(block_n=128, num_warps=8, num_stages=3),
+        DecodeConfig(block_n=32, num_warps=4, num_stages=4),
+    ]
 
 
-def _best_decode_config(ctx: Context, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,  # noqa: ANN001
-                        out, context: int, kv_bytes: int) -> dict:
+def _best_decode_config(
+    ctx: Context,
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,  # noqa: ANN001
+    out,
+    context: int,
+    kv_bytes: int,
+) -> dict:
     """Time the decode kernel with other tiles, pipeline depths and split counts (tuning data)."""
     from pagedkv.kernels import triton_attention
 
@@ -324,12 +436,27 @@ def _best_decode_config(ctx: Context, query, key_cache, value_cache, block_table
     num_sms = torch_device_sms(ctx)
     default_splits = triton_attention.choose_num_splits(num_seqs, num_kv_heads, context, num_sms)
     trials = [(config, default_splits) for config in _decode_alternatives(ctx)]
-    trials += [(None, splits) for splits in {max(1, default_splits // 2), min(64, default_splits * 2)} - {default_splits}]
+    trials += [
+        (None, splits) for splits in {max(1, default_splits // 2), min(64, default_splits * 2)} - {default_splits}
+    ]
     best: tuple[float, str] | None = None
     for config, splits in trials:
-        seconds = ctx.bench(lambda: triton_attention.paged_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=query.shape[-1] ** -0.5,
-            out=out, max_seqlen_q=1, max_seqlen_k=context, decode_config=config, num_splits=splits))
+        seconds = ctx.bench(
+            lambda: triton_attention.paged_attention(
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                cu_seqlens_q,
+                scale=query.shape[-1] ** -0.5,
+                out=out,
+                max_seqlen_q=1,
+                max_seqlen_k=context,
+                decode_config=config,
+                num_splits=splits,
+            )
+        )
         label = "default" if config is None else f"n{config.block_n}w{config.num_warps}s{config.num_stages}"
         label += f" splits{splits}"
         if best is None or seconds < best[0]:
@@ -354,10 +481,12 @@ def _prefill_alternatives(ctx: Context) -> list:
 
     if ctx.dry_run:
         return [PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)]
-    return [PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
-            PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
-            PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
-            PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=4)]
+    return [
+        PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
+        PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
+        PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+        PrefillConfig(block_m=128, block_n=32, num_warps=8, num_stages=4),
+    ]
 
 
 def section_prefill(ctx: Context) -> dict:
@@ -380,20 +509,43 @@ def section_prefill(ctx: Context) -> dict:
         num_seqs, length = len(q_lens), q_lens[0]
         num_tokens = sum(q_lens)
         key_cache, value_cache, block_tables = _random_paged_cache(
-            num_seqs, length, num_kv_heads, head_dim, block_size, dtype, ctx.device, generator)
+            num_seqs, length, num_kv_heads, head_dim, block_size, dtype, ctx.device, generator
+        )
         query = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=ctx.device)
         seq_lens = torch.full((num_seqs,), length, dtype=torch.int32, device=ctx.device)
         cu_seqlens_q = torch.arange(0, num_tokens + 1, length, dtype=torch.int32, device=ctx.device)
         out = torch.empty_like(query)
-        paged_s = ctx.bench(lambda: kernels.paged_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out=out, backend="triton",
-            max_seqlen_q=length, max_seqlen_k=length))
+        paged_s = ctx.bench(
+            lambda: kernels.paged_attention(
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                cu_seqlens_q,
+                out=out,
+                backend="triton",
+                max_seqlen_q=length,
+                max_seqlen_k=length,
+            )
+        )
         alternatives = {}
         for config in _prefill_alternatives(ctx):
             alternatives[f"m{config.block_m}n{config.block_n}w{config.num_warps}s{config.num_stages}"] = ctx.bench(
                 lambda: triton_attention.paged_attention(
-                    query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=head_dim**-0.5,
-                    out=out, max_seqlen_q=length, max_seqlen_k=length, prefill_config=config))
+                    query,
+                    key_cache,
+                    value_cache,
+                    block_tables,
+                    seq_lens,
+                    cu_seqlens_q,
+                    scale=head_dim**-0.5,
+                    out=out,
+                    max_seqlen_q=length,
+                    max_seqlen_k=length,
+                    prefill_config=config,
+                )
+            )
         best_label = min(alternatives, key=lambda label: alternatives[label])
         # Baseline: SDPA on contiguous [B, H, L, D] (q_len == kv_len, so is_causal is right).
         q = torch.randn(num_seqs, num_heads, length, head_dim, dtype=dtype, device=ctx.device)
@@ -402,12 +554,26 @@ def section_prefill(ctx: Context) -> dict:
         sdpa_s = ctx.bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
         # Causal attention: QK^T and PV over half of the L x L score matrix.
         flops = 4 * num_seqs * num_heads * head_dim * length * length / 2
-        rows.append({"layout": f"{num_seqs}x{length}", "tokens": num_tokens, "paged_ms": paged_s * 1e3,
-                     "sdpa_ms": sdpa_s * 1e3, "paged_TFLOP/s": flops / paged_s / 1e12,
-                     "sdpa_TFLOP/s": flops / sdpa_s / 1e12, "paged/sdpa": paged_s / sdpa_s,
-                     "best_alt_config": best_label, "best_alt_TFLOP/s": flops / alternatives[best_label] / 1e12})
-    return {"dtype": str(dtype), "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
-            "table": rows}
+        rows.append(
+            {
+                "layout": f"{num_seqs}x{length}",
+                "tokens": num_tokens,
+                "paged_ms": paged_s * 1e3,
+                "sdpa_ms": sdpa_s * 1e3,
+                "paged_TFLOP/s": flops / paged_s / 1e12,
+                "sdpa_TFLOP/s": flops / sdpa_s / 1e12,
+                "paged/sdpa": paged_s / sdpa_s,
+                "best_alt_config": best_label,
+                "best_alt_TFLOP/s": flops / alternatives[best_label] / 1e12,
+            }
+        )
+    return {
+        "dtype": str(dtype),
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "table": rows,
+    }
 
 
 # --- 5. end to end --------------------------------------------------------------------------
@@ -422,8 +588,15 @@ def _tiny_model_dir() -> str:
 
     folder = tempfile.mkdtemp(prefix="pagedkv-gpu-check-")
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)
+    cfg = Qwen2Config(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+    )
     AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     return folder
 
@@ -447,15 +620,31 @@ def section_engine(ctx: Context) -> dict:
         requests = load_requests(1000, max_prompt=1024, max_output=512)
         # The same KV budget for both engines, leaving room for transformers' own cache.
         kv_bytes, max_len, budget, seqs = 16 << 30, 2048, 8192, 512
-    paged = run_pagedkv(requests, model=model, tokenizer=tokenizer, device=ctx.device, dtype=str(dtype).split(".")[-1],
-                        max_num_seqs=seqs, budget=budget, max_model_len=max_len, kv_cache_memory=kv_bytes)
+    paged = run_pagedkv(
+        requests,
+        model=model,
+        tokenizer=tokenizer,
+        device=ctx.device,
+        dtype=str(dtype).split(".")[-1],
+        max_num_seqs=seqs,
+        budget=budget,
+        max_model_len=max_len,
+        kv_cache_memory=kv_bytes,
+    )
     if ctx.device == "cuda":
         torch.cuda.empty_cache()
     hf = run_hf_continuous(load_hf(model, ctx.device, dtype), requests, kv_bytes=kv_bytes, budget=budget)
     table = []
     for r in (paged, hf):
-        table.append({"engine": r["name"], "output_tokens": r["tokens"], "seconds": r["seconds"],
-                      "tok/s": r["tokens"] / r["seconds"], "peak_KV_GiB": r["peak_kv_bytes"] / 2**30})
+        table.append(
+            {
+                "engine": r["name"],
+                "output_tokens": r["tokens"],
+                "seconds": r["seconds"],
+                "tok/s": r["tokens"] / r["seconds"],
+                "peak_KV_GiB": r["peak_kv_bytes"] / 2**30,
+            }
+        )
     speedup = table[0]["tok/s"] / table[1]["tok/s"]
     if not ctx.dry_run:
         ctx.target("engine throughput vs transformers continuous batching", speedup, ">= 1.0x", speedup >= 1.0)
@@ -495,14 +684,25 @@ def _meta(ctx: Context, argv: list[str]) -> dict:
     import torch
     import triton
 
-    meta = {"command": " ".join([Path(sys.executable).name, *argv]), "dry_run": ctx.dry_run,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-            "device": ctx.device}
+    meta = {
+        "command": " ".join([Path(sys.executable).name, *argv]),
+        "dry_run": ctx.dry_run,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "device": ctx.device,
+    }
     if ctx.device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        meta.update({"gpu": props.name, "sm_count": props.multi_processor_count,
-                     "memory_GiB": round(props.total_memory / 2**30, 1), "cuda": torch.version.cuda})
+        meta.update(
+            {
+                "gpu": props.name,
+                "sm_count": props.multi_processor_count,
+                "memory_GiB": round(props.total_memory / 2**30, 1),
+                "cuda": torch.version.cuda,
+            }
+        )
     return meta
 
 
@@ -511,8 +711,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="pagedkv GPU check (see the module docstring)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET")
-    parser.add_argument("--sections", nargs="+", choices=[name for name, _ in SECTIONS],
-                        help="run only these sections (default: all)")
+    parser.add_argument(
+        "--sections", nargs="+", choices=[name for name, _ in SECTIONS], help="run only these sections (default: all)"
+    )
     args = parser.parse_args(argv)
 
     _prepare_environment(args.dry_run)

@@ -34,7 +34,9 @@ def main() -> None:
     benches = args.bench or ["allocator", "scheduler"]
     root = Path(__file__).resolve().parent.parent
     for bench in benches:
-        proc = subprocess.run(["cargo", "bench", "--bench", bench], cwd=root, capture_output=True, text=True, check=True)
+        proc = subprocess.run(
+            ["cargo", "bench", "--bench", bench], cwd=root, capture_output=True, text=True, check=True
+        )
         rows = []
         for m in _RESULT.finditer(proc.stdout):
             name = m.group(1).strip()
@@ -49,12 +51,18 @@ def main() -> None:
         if bench == "allocator":
             single = next(r[1] for r in rows if "1 block" in r[0])
             append = next(r[1] for r in rows if "256 sequences" in r[0])
-            notes = (f"\nSingle-block allocate+free: {single:.1f} ns (target <= 20 ns: {'met' if single <= 20 else 'NOT met'}). "
-                     f"One token appended to each of 256 sequences: {append / 1000:.2f} us "
-                     f"(target <= 5 us: {'met' if append <= 5000 else 'NOT met'}), block allocation included at its "
-                     f"steady-state rate (every 16th step). Blocks filled by decoding are hashed into the prefix cache "
-                     f"when their sequence is freed (prompt blocks: when scheduled), so that cost is in `free`, not here.")
-        write_section(f"cargo bench --bench {bench}", f"python benches/record_cargo_bench.py --bench {bench}", table + "\n" + notes)
+            notes = (
+                f"\nSingle-block allocate+free: {single:.1f} ns (target <= 20 ns: {'met' if single <= 20 else 'NOT met'}). "
+                f"One token appended to each of 256 sequences: {append / 1000:.2f} us "
+                f"(target <= 5 us: {'met' if append <= 5000 else 'NOT met'}), block allocation included at its "
+                f"steady-state rate (every 16th step). Blocks filled by decoding are hashed into the prefix cache "
+                f"when their sequence is freed (prompt blocks: when scheduled), so that cost is in `free`, not here."
+            )
+        write_section(
+            f"cargo bench --bench {bench}",
+            f"python benches/record_cargo_bench.py --bench {bench}",
+            table + "\n" + notes,
+        )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_section  # noqa: E402
-
 from studies import (  # noqa: E402
     StudyResult,
     block_size_study,
@@ -43,6 +42,7 @@ from studies import (  # noqa: E402
     speed_study,
 )
 from studies.prefix_cache import default_pool_sizes  # noqa: E402
+
 from pagedkv.sim.workloads import (  # noqa: E402
     ArrivalProcess,
     TraceRequest,
@@ -103,15 +103,20 @@ class Workloads:
         return self._timed(  # type: ignore[return-value]
             "tokenize first turns",
             lambda: sharegpt_first_turn_requests(
-                self.size("speed_requests"), max_prompt_len=None, max_model_len=SPEED_MAX_MODEL_LEN,
-                shuffle_seed=SEED, conversations=conversations,
+                self.size("speed_requests"),
+                max_prompt_len=None,
+                max_model_len=SPEED_MAX_MODEL_LEN,
+                shuffle_seed=SEED,
+                conversations=conversations,
             ),
         )
 
     @cache  # noqa: B019
     def first_turns(self) -> list[TraceRequest]:
         """The vLLM benchmark filter at MAX_MODEL_LEN: prompt <= 1024, prompt + output <= MAX_MODEL_LEN."""
-        return [r for r in self.all_first_turns() if r.prompt_len <= 1024 and r.prompt_len + r.output_len <= MAX_MODEL_LEN]
+        return [
+            r for r in self.all_first_turns() if r.prompt_len <= 1024 and r.prompt_len + r.output_len <= MAX_MODEL_LEN
+        ]
 
     @cache  # noqa: B019
     def multi_turn(self) -> list[TraceRequest]:
@@ -120,8 +125,13 @@ class Workloads:
         return self._timed(  # type: ignore[return-value]
             "tokenize multi-turn",
             lambda: sharegpt_multi_turn_requests(
-                self.size("conversations"), max_model_len=MAX_MODEL_LEN, arrivals=ArrivalProcess(rate=2.0),
-                turn_interval_s=30.0, arrival_seed=SEED, shuffle_seed=SEED, conversations=conversations,
+                self.size("conversations"),
+                max_model_len=MAX_MODEL_LEN,
+                arrivals=ArrivalProcess(rate=2.0),
+                turn_interval_s=30.0,
+                arrival_seed=SEED,
+                shuffle_seed=SEED,
+                conversations=conversations,
             ),
         )
 
@@ -130,30 +140,48 @@ class Workloads:
         """32 system prompts of 256..1536 tokens with Zipf(1) popularity, 8 requests/s (Poisson)."""
         prefix_lens = [int(x) for x in np.random.default_rng(SEED).integers(256, 1537, size=32)]
         return shared_prefix_requests(
-            self.size("system_prompt_requests"), num_prefixes=32, prefix_len=prefix_lens, user_len=(16, 256),
-            output_len=(16, 512), zipf_s=1.0, seed=SEED, arrivals=ArrivalProcess(rate=8.0),
+            self.size("system_prompt_requests"),
+            num_prefixes=32,
+            prefix_len=prefix_lens,
+            user_len=(16, 256),
+            output_len=(16, 512),
+            zipf_s=1.0,
+            seed=SEED,
+            arrivals=ArrivalProcess(rate=8.0),
         )
 
 
 SYSTEM_PROMPTS_DESCRIPTION = "32 system prompts of 256-1536 tokens, Zipf(1) popularity, 16-256 private prompt tokens, 16-512 output tokens, 8 requests/s"
-MULTI_TURN_DESCRIPTION = "conversations start at 2/s (Poisson), turns 30 s apart, each prompt = the whole conversation so far"
+MULTI_TURN_DESCRIPTION = (
+    "conversations start at 2/s (Poisson), turns 30 s apart, each prompt = the whole conversation so far"
+)
 
 
 def run_breakdown(w: Workloads, out: Path) -> StudyResult:
     return breakdown_study(
-        w.first_turns()[: w.size("first_turns")], out, num_slots=NUM_SLOTS, block_size=BLOCK_SIZE,
-        max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        w.first_turns()[: w.size("first_turns")],
+        out,
+        num_slots=NUM_SLOTS,
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         workload_label="ShareGPT first turns",
     )
 
 
 def run_block_size(w: Workloads, out: Path) -> StudyResult:
     return block_size_study(
-        {"ShareGPT first turns (all at t=0)": w.first_turns()[: w.size("first_turns")],
-         "ShareGPT multi-turn": w.multi_turn()},
+        {
+            "ShareGPT first turns (all at t=0)": w.first_turns()[: w.size("first_turns")],
+            "ShareGPT multi-turn": w.multi_turn(),
+        },
         # Multi-turn gets a pool large enough to keep conversations cached between turns, so
         # the block size's effect on hits shows (see the prefix_cache study for smaller pools).
-        out, num_slots={"ShareGPT first turns (all at t=0)": NUM_SLOTS, "ShareGPT multi-turn": MULTI_TURN_SLOTS}, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+        out,
+        num_slots={"ShareGPT first turns (all at t=0)": NUM_SLOTS, "ShareGPT multi-turn": MULTI_TURN_SLOTS},
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
     )
 
@@ -162,7 +190,11 @@ def run_parallel_sampling(w: Workloads, out: Path) -> StudyResult:
     count = w.size("parallel_requests")
     return parallel_sampling_study(
         {"ShareGPT first turns": w.first_turns()[:count], "ShareGPT multi-turn": w.multi_turn()[:count]},
-        out, sample_counts=(2, 4, 6), block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+        out,
+        sample_counts=(2, 4, 6),
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
     )
 
@@ -170,10 +202,16 @@ def run_parallel_sampling(w: Workloads, out: Path) -> StudyResult:
 def run_prefix_cache(w: Workloads, out: Path) -> StudyResult:
     return prefix_cache_study(
         {"ShareGPT multi-turn": w.multi_turn(), "shared system prompts": w.system_prompts()},
-        out, pool_sizes=default_pool_sizes(MAX_MODEL_LEN, BLOCK_SIZE, 32_768 if not w.quick else 1024),
-        block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+        out,
+        pool_sizes=default_pool_sizes(MAX_MODEL_LEN, BLOCK_SIZE, 32_768 if not w.quick else 1024),
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-        descriptions={"ShareGPT multi-turn": MULTI_TURN_DESCRIPTION, "shared system prompts": SYSTEM_PROMPTS_DESCRIPTION},
+        descriptions={
+            "ShareGPT multi-turn": MULTI_TURN_DESCRIPTION,
+            "shared system prompts": SYSTEM_PROMPTS_DESCRIPTION,
+        },
     )
 
 
@@ -181,12 +219,20 @@ def run_memory_map(w: Workloads, out: Path) -> StudyResult:
     # Short requests so a few dozen of them churn through a small pool; every fourth asks for
     # two parallel samples (their shared prompt blocks show up black until copy-on-write).
     short = [r for r in w.first_turns() if r.prompt_len + r.output_len <= 1024][: w.size("map_requests")]
-    short = [r if i % 4 else TraceRequest(r.request_id, 0.0, r.prompt_token_ids, r.output_len, n=2)
-             for i, r in enumerate(short)]
+    short = [
+        r if i % 4 else TraceRequest(r.request_id, 0.0, r.prompt_token_ids, r.output_len, n=2)
+        for i, r in enumerate(short)
+    ]
     requests = assign_arrivals(short, ArrivalProcess(rate=3.0), seed=SEED)
     return memory_map_study(
-        requests, out, num_blocks=160, block_size=BLOCK_SIZE, max_model_len=1024, max_num_seqs=MAX_NUM_SEQS,
-        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, workload_label="ShareGPT first turns, 3 requests/s",
+        requests,
+        out,
+        num_blocks=160,
+        block_size=BLOCK_SIZE,
+        max_model_len=1024,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        workload_label="ShareGPT first turns, 3 requests/s",
     )
 
 
@@ -194,8 +240,14 @@ def run_speed(w: Workloads, out: Path) -> StudyResult:
     requests = w.all_first_turns()
     tokenization = w.timings.get("tokenize first turns")
     result = speed_study(
-        requests, out, num_blocks=4096, block_size=BLOCK_SIZE, max_model_len=SPEED_MAX_MODEL_LEN,
-        max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, tokenization_s=tokenization,
+        requests,
+        out,
+        num_blocks=4096,
+        block_size=BLOCK_SIZE,
+        max_model_len=SPEED_MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        tokenization_s=tokenization,
         workload_label="ShareGPT first turns (shuffled, prompt + output <= 4096)",
     )
     setup = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in w.timings.items())

@@ -44,9 +44,15 @@ class PagedBatch:
     def as_dtype(self, dtype: torch.dtype) -> PagedBatch:
         """The same batch in another dtype (e.g. float64 for the oracle); metadata shared."""
         return PagedBatch(
-            self.query.to(dtype), self.key_cache.to(dtype), self.value_cache.to(dtype),
-            self.block_tables, self.seq_lens, self.cu_seqlens_q,
-            [k.to(dtype) for k in self.keys], [v.to(dtype) for v in self.values], self.q_lens,
+            self.query.to(dtype),
+            self.key_cache.to(dtype),
+            self.value_cache.to(dtype),
+            self.block_tables,
+            self.seq_lens,
+            self.cu_seqlens_q,
+            [k.to(dtype) for k in self.keys],
+            [v.to(dtype) for v in self.values],
+            self.q_lens,
         )
 
 
@@ -92,7 +98,10 @@ def make_paged_batch(
     values = [randn(s, num_kv_heads, head_dim) for s in seq_lens]
     if slots:
         reference.store_kv(
-            torch.cat(keys), torch.cat(values), key_cache, value_cache,
+            torch.cat(keys),
+            torch.cat(values),
+            key_cache,
+            value_cache,
             torch.tensor(slots, dtype=torch.int64, device=device),
         )
     cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)

@@ -7,19 +7,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedkv.errors import ConfigError, InvalidArgumentError, PromptTooLongError
 from pagedkv.sim.baselines import (
     BREAKDOWN_CATEGORIES,
     ContiguousArena,
     ReservationConfig,
     replay_reservation,
 )
-from pagedkv.errors import ConfigError, InvalidArgumentError, PromptTooLongError
 from pagedkv.sim.workloads import TraceRequest
 
 
-def request(
-    name: str, prompt_len: int, output_len: int, arrival: float = 0.0, n: int = 1
-) -> TraceRequest:
+def request(name: str, prompt_len: int, output_len: int, arrival: float = 0.0, n: int = 1) -> TraceRequest:
     return TraceRequest(name, arrival, np.arange(prompt_len, dtype=np.int32), output_len, n=n)
 
 
@@ -145,9 +143,7 @@ def test_exact_breakdown_by_hand_with_coalescing() -> None:
         request("D", 30, 5),
         request("E", 20, 5),
     ]
-    result = replay_reservation(
-        trace, ReservationConfig(num_slots=100, max_model_len=40), "exact", record_steps=True
-    )
+    result = replay_reservation(trace, ReservationConfig(num_slots=100, max_model_len=40), "exact", record_steps=True)
     assert result.layouts[0] == ((0, 30, "A"), (30, 30, "B"), (60, 20, "C"))
     assert breakdown(result, 0) == (16 + 26 + 11, 14 + 4 + 9, 0, 20, 0)
     assert breakdown(result, 4) == (20 + 30 + 15, 10 + 0 + 5, 0, 20, 0)  # B's last step
@@ -165,9 +161,7 @@ def test_exact_breakdown_by_hand_with_coalescing() -> None:
 def test_head_of_line_blocking() -> None:
     # C (10 slots) would fit next to A, but B (50 slots) is ahead of it and does not.
     trace = [request("A", 30, 30), request("B", 40, 10), request("C", 5, 5)]
-    result = replay_reservation(
-        trace, ReservationConfig(num_slots=100, max_model_len=60), "exact", record_steps=True
-    )
+    result = replay_reservation(trace, ReservationConfig(num_slots=100, max_model_len=60), "exact", record_steps=True)
     assert result.layouts[0] == ((0, 60, "A"),)
     assert breakdown(result, 0) == (31, 29, 0, 40, 0)
     assert result.steps[0].num_waiting == 2
@@ -182,9 +176,7 @@ def test_token_budget_with_and_without_chunked_prefill() -> None:
     # step 0: A prefills 6 (+1 sampled), B gets the 2 tokens of budget left.
     assert [breakdown(result, s)[0] for s in range(4)] == [7 + 2, 8 + 7, 9 + 8, 9]
     assert result.total_steps == 4
-    whole = ReservationConfig(
-        num_slots=100, max_model_len=20, max_num_batched_tokens=8, enable_chunked_prefill=False
-    )
+    whole = ReservationConfig(num_slots=100, max_model_len=20, max_num_batched_tokens=8, enable_chunked_prefill=False)
     result = replay_reservation(trace, whole, "exact", record_steps=True)
     # B's whole prompt does not fit the 2 tokens left at step 0: it starts at step 1.
     assert [breakdown(result, s)[0] for s in range(4)] == [7, 8 + 7, 9 + 8, 9]
@@ -208,9 +200,7 @@ def test_max_num_seqs_limits_admission() -> None:
         record_steps=True,
     )
     assert result.peak_running == 2
-    assert [tuple(r for _, _, r in layout) for layout in result.layouts] == [("A", "B")] * 3 + [
-        ("C",)
-    ] * 3
+    assert [tuple(r for _, _, r in layout) for layout in result.layouts] == [("A", "B")] * 3 + [("C",)] * 3
 
 
 def test_arrivals_map_to_steps_and_idle_time_is_skipped() -> None:
@@ -225,9 +215,7 @@ def test_arrivals_map_to_steps_and_idle_time_is_skipped() -> None:
 
 
 @pytest.mark.parametrize(("arrival", "first_step"), [(0.3, 3), (0.7, 7), (0.70001, 8), (2.0, 20)])
-def test_idle_jump_lands_on_the_first_step_at_or_after_arrival(
-    arrival: float, first_step: int
-) -> None:
+def test_idle_jump_lands_on_the_first_step_at_or_after_arrival(arrival: float, first_step: int) -> None:
     config = ReservationConfig(num_slots=10, max_model_len=5, step_duration_s=0.1)
     result = replay_reservation([request("A", 2, 1, arrival)], config, "exact")
     assert result.total_steps == 1
@@ -247,9 +235,7 @@ def test_output_is_cut_at_max_model_len() -> None:
 
 def test_parallel_samples_reserve_one_region_each_all_or_nothing() -> None:
     config = ReservationConfig(num_slots=50, max_model_len=20)
-    result = replay_reservation(
-        [request("A", 5, 5), request("B", 5, 3, n=2)], config, "max_length", record_steps=True
-    )
+    result = replay_reservation([request("A", 5, 5), request("B", 5, 3, n=2)], config, "max_length", record_steps=True)
     # B needs two 20-slot regions; only one fits next to A, so it reserves none until A ends.
     assert result.layouts[0] == ((0, 20, "A"),)
     assert result.layouts[5] == ((0, 20, "B"), (20, 20, "B"))
@@ -375,10 +361,7 @@ def test_replay_accounting_is_consistent(shapes, policy, budget, chunked) -> Non
         slots = step.slots()
         assert sum(slots.values()) == 120
         reserved = sum(size for _, size, _ in layout)
-        assert (
-            slots["token_states"] + slots["reserved_unused"] + slots["internal_fragmentation"]
-            == reserved
-        )
+        assert slots["token_states"] + slots["reserved_unused"] + slots["internal_fragmentation"] == reserved
         assert step.num_running == len(layout) <= 6
         ends = [start + size for start, size, _ in layout]
         assert all(end <= next_start for end, (next_start, _, _) in zip(ends, layout[1:])) and (
@@ -390,6 +373,4 @@ def test_replay_accounting_is_consistent(shapes, policy, budget, chunked) -> Non
         if policy == "exact":
             assert slots["internal_fragmentation"] == 0
     # FCFS: requests are admitted in arrival order.
-    assert sorted(first_seen, key=lambda name: (first_seen[name], int(name[1:]))) == [
-        r.request_id for r in trace
-    ]
+    assert sorted(first_seen, key=lambda name: (first_seen[name], int(name[1:]))) == [r.request_id for r in trace]

@@ -24,7 +24,12 @@ def test_bench_sampler_quick_runs(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benches" / "bench_sampler.py"), "--quick"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout

@@ -13,12 +13,51 @@ import pagedkv
 from pagedkv import BlockAllocator, KVCacheManager, Scheduler, SchedulerConfig
 
 GARBAGE: list[object] = [
-    None, True, False, 0, 1, 3, -1, -(2**31), 2**31, 2**63, -(2**63) - 1, 2**70, 0.5, float("nan"),
-    float("inf"), "", "abc", b"\x00", [], [0], [1, 2, 3], [-1], [2**40], [0.5], ["a"], [[1]], (1, 2),
-    {1: 2}, {1, 2}, object(), np.int64(2), np.int32(-7), np.float32(1.0), np.bool_(True),
-    np.array([], dtype=np.int64), np.array([1, 2], dtype=np.int32), np.array([1, 2], dtype=np.uint8),
-    np.array([0.1]), np.array([[1, 2]]), np.arange(10)[::3], np.array(5), np.array(["x"]),
-    range(5), iter([1, 2]), np.array([2**40], dtype=np.int64),
+    None,
+    True,
+    False,
+    0,
+    1,
+    3,
+    -1,
+    -(2**31),
+    2**31,
+    2**63,
+    -(2**63) - 1,
+    2**70,
+    0.5,
+    float("nan"),
+    float("inf"),
+    "",
+    "abc",
+    b"\x00",
+    [],
+    [0],
+    [1, 2, 3],
+    [-1],
+    [2**40],
+    [0.5],
+    ["a"],
+    [[1]],
+    (1, 2),
+    {1: 2},
+    {1, 2},
+    object(),
+    np.int64(2),
+    np.int32(-7),
+    np.float32(1.0),
+    np.bool_(True),
+    np.array([], dtype=np.int64),
+    np.array([1, 2], dtype=np.int32),
+    np.array([1, 2], dtype=np.uint8),
+    np.array([0.1]),
+    np.array([[1, 2]]),
+    np.arange(10)[::3],
+    np.array(5),
+    np.array(["x"]),
+    range(5),
+    iter([1, 2]),
+    np.array([2**40], dtype=np.int64),
 ]
 
 
@@ -31,7 +70,11 @@ def public_methods(obj: object) -> list[tuple[str, int]]:
         if callable(attr):
             try:
                 params = inspect.signature(attr).parameters.values()
-                arity = sum(1 for p in params if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+                arity = sum(
+                    1
+                    for p in params
+                    if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                )
             except (TypeError, ValueError):
                 arity = 1
             out.append((name, arity))
@@ -77,8 +120,17 @@ def test_garbage_never_panics(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_scheduler_garbage_never_panics(seed: int) -> None:
     rng = random.Random(seed)
-    keys = ["num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-            "enable_prefix_caching", "policy", "watermark", "hash_bits"]
+    keys = [
+        "num_blocks",
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "max_model_len",
+        "enable_prefix_caching",
+        "policy",
+        "watermark",
+        "hash_bits",
+    ]
     for _ in range(60):
         kwargs = {k: rng.choice(GARBAGE + [4, 16, "fcfs", 0.1]) for k in rng.sample(keys, rng.randint(1, 4))}
         kwargs.setdefault("num_blocks", rng.choice(GARBAGE + [64]))
@@ -92,7 +144,9 @@ def test_scheduler_garbage_never_panics(seed: int) -> None:
     for i in range(300):
         kwargs = {k: rng.choice(GARBAGE) for k in rng.sample(add_keys, rng.randint(0, 3))}
         try:
-            s.add_request(rng.choice(GARBAGE + [f"g{i}"]), rng.choice(GARBAGE), max_tokens=rng.choice(GARBAGE + [3]), **kwargs)
+            s.add_request(
+                rng.choice(GARBAGE + [f"g{i}"]), rng.choice(GARBAGE), max_tokens=rng.choice(GARBAGE + [3]), **kwargs
+            )
         except pagedkv.PagedKVError:
             pass
         if i % 10 == 0:

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
-from pagedkv.worker.model_files import default_model_dir
 from pagedkv.sample.sampling_params import SamplingParams
+from pagedkv.worker.model_files import default_model_dir
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. It's 42 degrees!",

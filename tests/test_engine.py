@@ -101,7 +101,9 @@ def test_stop_token_ids_and_min_tokens(llm: LLM) -> None:
     out = llm.generate("Count: one, two,", greedy(10, stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == base[: base.index(stop_id) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
-    late = llm.generate("Count: one, two,", greedy(10, stop_token_ids=[stop_id], min_tokens=base.index(stop_id) + 1), use_tqdm=False)
+    late = llm.generate(
+        "Count: one, two,", greedy(10, stop_token_ids=[stop_id], min_tokens=base.index(stop_id) + 1), use_tqdm=False
+    )
     assert len(late[0].outputs[0].token_ids) > base.index(stop_id) + 1
 
 
@@ -168,12 +170,27 @@ def test_bad_models_and_budgets(tmp_path: Path) -> None:
     # A sliding-window model whose window is in use cannot be served correctly: refused at load.
     from transformers import MistralConfig
 
-    cfg = MistralConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, sliding_window=64, max_position_embeddings=512)
+    cfg = MistralConfig(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=64,
+        max_position_embeddings=512,
+    )
     folder = tmp_path / "mistral-sw"
     AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     with pytest.raises(pagedkv.UnsupportedModelError, match="sliding"):
-        LLM(str(folder), tokenizer=str(default_model_dir()), dtype="float32", device="cpu", max_model_len=512, kv_cache_memory=8 << 20)
+        LLM(
+            str(folder),
+            tokenizer=str(default_model_dir()),
+            dtype="float32",
+            device="cpu",
+            max_model_len=512,
+            kv_cache_memory=8 << 20,
+        )
 
 
 # ---------------------------------------------------------------- another architecture, Triton
@@ -182,9 +199,16 @@ def test_bad_models_and_budgets(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                      tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
     folder = tmp_path_factory.mktemp("tiny-qwen2")
     model = AutoModelForCausalLM.from_config(cfg)
     with torch.no_grad():  # sharper logits than the default init: no near-ties in greedy argmax
@@ -201,24 +225,45 @@ def test_second_architecture_matches_transformers(tiny_qwen2: Path) -> None:
     with torch.inference_mode():
         for p in prompts:
             ids = tok(p, return_tensors="pt").input_ids
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, eos_token_id=None)
-            want.append(g[0, ids.shape[1]:].tolist())
-    llm = LLM(str(tiny_qwen2), tokenizer=str(default_model_dir()), dtype="float32", device="cpu",
-              max_model_len=256, kv_cache_memory=4 << 20, block_size=16)
+            g = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False, eos_token_id=None
+            )
+            want.append(g[0, ids.shape[1] :].tolist())
+    llm = LLM(
+        str(tiny_qwen2),
+        tokenizer=str(default_model_dir()),
+        dtype="float32",
+        device="cpu",
+        max_model_len=256,
+        kv_cache_memory=4 << 20,
+        block_size=16,
+    )
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(8, ignore_eos=True), use_tqdm=False)]
     assert got == want
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
-                    reason="the Triton kernels need a GPU or TRITON_INTERPRET=1")
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="the Triton kernels need a GPU or TRITON_INTERPRET=1",
+)
 def test_triton_kernels_end_to_end_equal_torch_path(tiny_qwen2: Path) -> None:
     prompts = ["Hello world, this is a test of", "A B C"]
     runs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(str(tiny_qwen2), tokenizer=str(default_model_dir()), dtype="float32", device="cpu",
-                  max_model_len=64, num_blocks=16, block_size=16, attention_backend=backend)
+        llm = LLM(
+            str(tiny_qwen2),
+            tokenizer=str(default_model_dir()),
+            dtype="float32",
+            device="cpu",
+            max_model_len=64,
+            num_blocks=16,
+            block_size=16,
+            attention_backend=backend,
+        )
         assert llm.llm_engine.runner.attention_backend == backend
-        runs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(4, ignore_eos=True), use_tqdm=False)]
+        runs[backend] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts, greedy(4, ignore_eos=True), use_tqdm=False)
+        ]
     assert runs["triton"] == runs["torch"]
 
 
@@ -246,6 +291,7 @@ def test_async_llm_streams_concurrently_and_abort_frees_blocks() -> None:
             async def run() -> None:
                 async for _ in engine.generate("Once upon a time", greedy(200), "cancelled"):
                     pass
+
             task = asyncio.ensure_future(run())
             await asyncio.sleep(0.3)
             task.cancel()
@@ -270,7 +316,10 @@ def test_async_llm_streams_concurrently_and_abort_frees_blocks() -> None:
         assert len(tokens) == 6 + i
         assert len(texts) >= 2 and all(texts[k + 1].startswith(texts[k]) for k in range(len(texts) - 1))
     llm = LLM(**ENGINE_ARGS)
-    offline = [o.outputs[0].token_ids for o in llm.generate(prompts, [greedy(6 + i, ignore_eos=True) for i in range(4)], use_tqdm=False)]
+    offline = [
+        o.outputs[0].token_ids
+        for o in llm.generate(prompts, [greedy(6 + i, ignore_eos=True) for i in range(4)], use_tqdm=False)
+    ]
     assert [t for _, t in streamed] == offline
 
 
@@ -279,14 +328,38 @@ def test_async_llm_streams_concurrently_and_abort_frees_blocks() -> None:
 
 def test_cli_generate_json() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedkv", "generate", "--prompt", "The capital of France is", "--max-tokens", "5",
-         "--temperature", "0", "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
-         "--kv-cache-memory", str(16 << 20), "--json"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pagedkv",
+            "generate",
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory",
+            str(16 << 20),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert len(data[0]["completions"][0]["token_ids"]) == 5
-    bad = subprocess.run([sys.executable, "-m", "pagedkv", "generate", "--prompt", "x", "--temperature", "-1"],
-                         capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "pagedkv", "generate", "--prompt", "x", "--temperature", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and "ConfigError" in bad.stderr

@@ -52,7 +52,7 @@ def reference() -> list[list[int]]:
         for text in TEXTS:
             ids = tok(text, return_tensors="pt").input_ids
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
-            out.append(gen[0, ids.shape[1]:].tolist())
+            out.append(gen[0, ids.shape[1] :].tolist())
     return out
 
 

@@ -304,7 +304,9 @@ def test_threads_add_and_abort_while_the_engine_steps(llm: LLM) -> None:
         try:
             for j in range(6):
                 rid = f"c{k}-{j}"
-                engine.add_request(rid, PROMPTS[rng.randrange(len(PROMPTS))], greedy(rng.randint(2, 10), ignore_eos=True))
+                engine.add_request(
+                    rid, PROMPTS[rng.randrange(len(PROMPTS))], greedy(rng.randint(2, 10), ignore_eos=True)
+                )
                 added.append(rid)
                 time.sleep(rng.random() * 0.05)
                 if rng.random() < 0.4:
@@ -387,7 +389,9 @@ def test_async_llm_one_bad_client_among_many() -> None:
 
         async def main() -> tuple[list[list[int]], list[str], str]:
             results = await asyncio.gather(
-                *(good(i) for i in range(4)), *(bad(k) for k in ("logprobs", "stop_ids", "surrogate", "type")), failing()
+                *(good(i) for i in range(4)),
+                *(bad(k) for k in ("logprobs", "stop_ids", "surrogate", "type")),
+                failing(),
             )
             await asyncio.sleep(0.2)
             stats = await engine.get_stats()
@@ -399,7 +403,9 @@ def test_async_llm_one_bad_client_among_many() -> None:
         del runner.execute
     assert bad_errors == ["ConfigError", "ConfigError", "InvalidArgumentError", "InvalidTypeError"]
     assert "fails" in failure and "RuntimeError" in failure
-    offline = LLM(**ENGINE_ARGS).generate(PROMPTS[:4], [greedy(6 + i, ignore_eos=True) for i in range(4)], use_tqdm=False)
+    offline = LLM(**ENGINE_ARGS).generate(
+        PROMPTS[:4], [greedy(6 + i, ignore_eos=True) for i in range(4)], use_tqdm=False
+    )
     assert streamed == [o.outputs[0].token_ids for o in offline]
 
 
@@ -465,7 +471,10 @@ def test_typed_errors_at_the_boundaries(llm: LLM) -> None:
         (lambda: llm.generate({"prompt": surrogate}, use_tqdm=False), pagedkv.InvalidArgumentError),
         (lambda: llm.chat([{"role": "user", "content": None}], use_tqdm=False), pagedkv.InvalidTypeError),
         (lambda: llm.chat([{"role": "user", "content": surrogate}], use_tqdm=False), pagedkv.InvalidArgumentError),
-        (lambda: llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], use_tqdm=False), pagedkv.InvalidArgumentError),
+        (
+            lambda: llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], use_tqdm=False),
+            pagedkv.InvalidArgumentError,
+        ),
         (lambda: llm.chat([{"role": 1, "content": "x"}], use_tqdm=False), pagedkv.InvalidTypeError),
         (lambda: llm.chat("hello", use_tqdm=False), pagedkv.InvalidTypeError),  # type: ignore[arg-type]
         (lambda: engine.abort_request(123), pagedkv.InvalidTypeError),  # type: ignore[arg-type]

@@ -16,8 +16,14 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path):
     out = tmp_path / "nested" / "gpu_check.json"
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the script must set it itself for --dry-run
-    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benches" / "gpu_check.py"), "--dry-run", "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benches" / "gpu_check.py"), "--dry-run", "--out", str(out)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"wrote {out}" in proc.stdout
 

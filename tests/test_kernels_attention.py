@@ -12,10 +12,10 @@ import random
 
 import pytest
 import torch
+from paged_batches import PagedBatch, make_paged_batch
 
 import pagedkv.kernels as kernels
 from pagedkv.kernels import reference, triton_attention
-from paged_batches import PagedBatch, make_paged_batch
 from pagedkv.kernels.triton_attention import DecodeWorkspace, choose_num_splits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -24,8 +24,15 @@ ATOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 def _batch(q_lens, seq_lens, *, group, num_kv_heads, head_dim, block_size, dtype, seed=0) -> PagedBatch:
     return make_paged_batch(
-        q_lens, seq_lens, num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=block_size, dtype=dtype, device=DEVICE, seed=seed,
+        q_lens,
+        seq_lens,
+        num_heads=group * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        device=DEVICE,
+        seed=seed,
     )
 
 
@@ -42,8 +49,12 @@ def _run_triton(batch: PagedBatch, *, num_splits: int | None = None, use_decode_
             len(batch.q_lens), query.shape[1], num_splits, query.shape[2], query.device, fill=float("nan")
         )
     triton_attention.paged_attention(
-        *batch.attention_args(), scale=query.shape[2] ** -0.5, out=out,
-        max_seqlen_q=max(batch.q_lens), num_splits=num_splits, workspace=workspace,
+        *batch.attention_args(),
+        scale=query.shape[2] ** -0.5,
+        out=out,
+        max_seqlen_q=max(batch.q_lens),
+        num_splits=num_splits,
+        workspace=workspace,
         use_decode_kernel=use_decode_kernel,
     )
     return out
@@ -73,8 +84,16 @@ def _boundary_contexts(block_size: int, seed: int) -> list[int]:
 )
 def test_decode_matches_oracle(group, num_kv_heads, head_dim, block_size, dtype, num_splits):
     contexts = _boundary_contexts(block_size, seed=head_dim + group)
-    batch = _batch([1] * len(contexts), contexts, group=group, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                   block_size=block_size, dtype=dtype, seed=group)
+    batch = _batch(
+        [1] * len(contexts),
+        contexts,
+        group=group,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=group,
+    )
     _assert_matches(_run_triton(batch, num_splits=num_splits), _oracle(batch), dtype)
 
 
@@ -91,30 +110,48 @@ def test_mixed_batch_matches_oracle(group, head_dim, block_size, dtype):
     # decode | prefill from scratch | decode | extend, prefix ends mid-block | extend, prefix on a block edge
     q_lens = [1, 13, 1, 40, 7]
     seq_lens = [37, 13, block_size, 40 + block_size + 5, 7 + 2 * block_size]
-    batch = _batch(q_lens, seq_lens, group=group, num_kv_heads=2, head_dim=head_dim, block_size=block_size,
-                   dtype=dtype, seed=block_size + group)
+    batch = _batch(
+        q_lens,
+        seq_lens,
+        group=group,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        seed=block_size + group,
+    )
     _assert_matches(_run_triton(batch, num_splits=2), _oracle(batch), dtype)
 
 
 def test_long_extend_crosses_many_tiles():
     """Several query tiles of one sequence, each meeting the causal diagonal at a different key tile."""
-    batch = _batch([150, 1], [150 + 37, 70], group=2, num_kv_heads=1, head_dim=64, block_size=16,
-                   dtype=torch.float32, seed=11)
+    batch = _batch(
+        [150, 1], [150 + 37, 70], group=2, num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.float32, seed=11
+    )
     _assert_matches(_run_triton(batch), _oracle(batch), torch.float32)
 
 
 def test_cache_blocks_larger_than_the_key_tile():
     """block_size 128 > BLOCK_N: a key tile covers part of one cache block."""
-    batch = _batch([1, 1, 20], [129, 60, 20 + 130], group=2, num_kv_heads=1, head_dim=64, block_size=128,
-                   dtype=torch.float32, seed=13)
+    batch = _batch(
+        [1, 1, 20],
+        [129, 60, 20 + 130],
+        group=2,
+        num_kv_heads=1,
+        head_dim=64,
+        block_size=128,
+        dtype=torch.float32,
+        seed=13,
+    )
     _assert_matches(_run_triton(batch, num_splits=2), _oracle(batch), torch.float32)
 
 
 def test_prefix_ending_next_to_a_key_tile_edge():
     """Prefixes 62, 63, 64: the first query row's last visible key sits just before, on and after
     the edge of a 32/64-key tile, where the unmasked loop must stop exactly."""
-    batch = _batch([5, 5, 5], [67, 68, 69], group=1, num_kv_heads=2, head_dim=64, block_size=16,
-                   dtype=torch.float32, seed=12)
+    batch = _batch(
+        [5, 5, 5], [67, 68, 69], group=1, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, seed=12
+    )
     _assert_matches(_run_triton(batch), _oracle(batch), torch.float32)
 
 
@@ -132,8 +169,9 @@ def test_q_len_one_through_extend_path_equals_decode_path(dtype):
 def test_rows_that_see_no_key_are_zero_not_nan():
     # sequence 0: 6 query rows over 4 keys, so rows 0 and 1 see nothing;
     # sequence 1: a decode with an empty context; sequence 2: a normal decode.
-    batch = _batch([6, 1, 1], [4, 0, 9], group=2, num_kv_heads=2, head_dim=64, block_size=8,
-                   dtype=torch.float32, seed=4)
+    batch = _batch(
+        [6, 1, 1], [4, 0, 9], group=2, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.float32, seed=4
+    )
     for use_decode_kernel in (True, False):
         got = _run_triton(batch, num_splits=2, use_decode_kernel=use_decode_kernel)
         _assert_matches(got, _oracle(batch), torch.float32)
@@ -141,8 +179,9 @@ def test_rows_that_see_no_key_are_zero_not_nan():
 
 
 def test_dispatcher_triton_equals_torch_with_padding_rows_and_strided_query():
-    batch = _batch([1, 5, 1, 12], [20, 30, 1, 12], group=3, num_kv_heads=2, head_dim=64, block_size=16,
-                   dtype=torch.float32, seed=8)
+    batch = _batch(
+        [1, 5, 1, 12], [20, 30, 1, 12], group=3, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, seed=8
+    )
     num_tokens, num_heads, head_dim = batch.query.shape
     # query as a view of a fused QKV output with two padding rows at the end (CUDA-graph style)
     fused = torch.randn(num_tokens + 2, (num_heads + 4) * head_dim, device=DEVICE)
@@ -158,14 +197,17 @@ def test_dispatcher_triton_equals_torch_with_padding_rows_and_strided_query():
     torch.testing.assert_close(out[:num_tokens], expected[:num_tokens], rtol=0, atol=atol)
     torch.testing.assert_close(
         kernels.paged_attention(*args, backend="triton", scale=0.05)[:num_tokens],
-        kernels.paged_attention(*args, backend="torch", scale=0.05)[:num_tokens], rtol=0, atol=atol,
+        kernels.paged_attention(*args, backend="torch", scale=0.05)[:num_tokens],
+        rtol=0,
+        atol=atol,
     )
 
 
 def test_decode_only_launch_without_hints():
     """T == B and no hints: the launch takes the batch as all decodes and picks splits itself."""
-    batch = _batch([1, 1, 1], [300, 5, 64], group=2, num_kv_heads=2, head_dim=64, block_size=32,
-                   dtype=torch.float16, seed=9)
+    batch = _batch(
+        [1, 1, 1], [300, 5, 64], group=2, num_kv_heads=2, head_dim=64, block_size=32, dtype=torch.float16, seed=9
+    )
     out = torch.full_like(batch.query, float("nan"))
     triton_attention.paged_attention(*batch.attention_args(), scale=0.125, out=out)
     _assert_matches(out, _oracle(batch), torch.float16)
@@ -194,8 +236,16 @@ def test_choose_num_splits_fills_the_gpu_with_long_splits():
 def test_gpu_bf16_mixed_batch(group, head_dim):
     q_lens = [1, 1, 300, 1, 37]
     seq_lens = [1000, 17, 300, 4097, 37 + 130]
-    batch = _batch(q_lens, seq_lens, group=group, num_kv_heads=2, head_dim=head_dim, block_size=16,
-                   dtype=torch.bfloat16, seed=head_dim)
+    batch = _batch(
+        q_lens,
+        seq_lens,
+        group=group,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=torch.bfloat16,
+        seed=head_dim,
+    )
     expected = _oracle(batch)
     for num_splits in (1, 5):
         _assert_matches(_run_triton(batch, num_splits=num_splits), expected, torch.bfloat16)
@@ -207,19 +257,48 @@ def test_gpu_bf16_mixed_batch(group, head_dim):
 @pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
 def test_gpu_fp8_cache(cache_dtype):
     dtype = getattr(torch, cache_dtype)
-    batch = _batch([1, 1, 50], [700, 33, 120], group=4, num_kv_heads=2, head_dim=128, block_size=16,
-                   dtype=torch.bfloat16, seed=1, )
-    fp8 = PagedBatch(batch.query, batch.key_cache.to(dtype), batch.value_cache.to(dtype), batch.block_tables,
-                     batch.seq_lens, batch.cu_seqlens_q, batch.keys, batch.values, batch.q_lens)
+    batch = _batch(
+        [1, 1, 50],
+        [700, 33, 120],
+        group=4,
+        num_kv_heads=2,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        seed=1,
+    )
+    fp8 = PagedBatch(
+        batch.query,
+        batch.key_cache.to(dtype),
+        batch.value_cache.to(dtype),
+        batch.block_tables,
+        batch.seq_lens,
+        batch.cu_seqlens_q,
+        batch.keys,
+        batch.values,
+        batch.q_lens,
+    )
     # Oracle on the dequantised cache: the kernel must upcast exactly what is stored.
-    dequantised = PagedBatch(batch.query, fp8.key_cache.to(torch.bfloat16), fp8.value_cache.to(torch.bfloat16),
-                             batch.block_tables, batch.seq_lens, batch.cu_seqlens_q, batch.keys, batch.values,
-                             batch.q_lens)
+    dequantised = PagedBatch(
+        batch.query,
+        fp8.key_cache.to(torch.bfloat16),
+        fp8.value_cache.to(torch.bfloat16),
+        batch.block_tables,
+        batch.seq_lens,
+        batch.cu_seqlens_q,
+        batch.keys,
+        batch.values,
+        batch.q_lens,
+    )
     expected = _oracle(dequantised)
     got = kernels.paged_attention(*fp8.attention_args(), backend="triton")
     _assert_matches(got, expected, torch.bfloat16)
-    torch.testing.assert_close(kernels.paged_attention(*fp8.attention_args(), backend="torch").double(), expected,
-                               rtol=0, atol=ATOL[torch.bfloat16])
+    torch.testing.assert_close(
+        kernels.paged_attention(*fp8.attention_args(), backend="torch").double(),
+        expected,
+        rtol=0,
+        atol=ATOL[torch.bfloat16],
+    )
 
 
 @pytest.mark.gpu
@@ -230,14 +309,32 @@ def test_gpu_cache_larger_than_2_31_elements():
     key_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float16, device="cuda")
     value_cache = torch.zeros_like(key_cache)
     # Two sequences living in the last blocks of the pool (addresses past 2^31 elements).
-    small = _batch([1, 9], [40, 9 + 20], group=4, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                   block_size=block_size, dtype=torch.float16, seed=3)
+    small = _batch(
+        [1, 9],
+        [40, 9 + 20],
+        group=4,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=torch.float16,
+        seed=3,
+    )
     used = small.block_tables.clamp(min=0)
-    shifted = torch.where(small.block_tables >= 0, small.block_tables + (num_blocks - small.key_cache.shape[0]),
-                          small.block_tables)
+    shifted = torch.where(
+        small.block_tables >= 0, small.block_tables + (num_blocks - small.key_cache.shape[0]), small.block_tables
+    )
     key_cache[shifted.clamp(min=0).flatten().long()] = small.key_cache[used.flatten().long()]
     value_cache[shifted.clamp(min=0).flatten().long()] = small.value_cache[used.flatten().long()]
-    big = PagedBatch(small.query, key_cache, value_cache, shifted, small.seq_lens, small.cu_seqlens_q,
-                     small.keys, small.values, small.q_lens)
+    big = PagedBatch(
+        small.query,
+        key_cache,
+        value_cache,
+        shifted,
+        small.seq_lens,
+        small.cu_seqlens_q,
+        small.keys,
+        small.values,
+        small.q_lens,
+    )
     got = kernels.paged_attention(*big.attention_args(), backend="triton")
     _assert_matches(got, _oracle(small), torch.float16)

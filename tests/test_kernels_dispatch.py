@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from paged_batches import make_paged_batch
 
 import pagedkv.kernels as kernels
 from pagedkv.errors import ConfigError, InvalidArgumentError
-from paged_batches import make_paged_batch
 
 PYTHON_DIR = Path(__file__).resolve().parent.parent / "python"
 # Tests run the triton backend on CUDA tensors when there is a GPU, else on CPU tensors under the
@@ -27,14 +27,16 @@ def _run_python(code: str, **env_overrides: str) -> subprocess.CompletedProcess[
     tests_dir = str(Path(__file__).resolve().parent)  # paged_batches
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PYTHON_DIR), tests_dir, env.get("PYTHONPATH", "")) if p)
     env.update(env_overrides)
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture
 def batch():
-    return make_paged_batch([1, 3], [10, 20], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                            poison=False, device=DEVICE)
+    return make_paged_batch(
+        [1, 3], [10, 20], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, poison=False, device=DEVICE
+    )
 
 
 # --- backend selection -------------------------------------------------------------------------
@@ -168,8 +170,9 @@ def test_block_size_must_be_a_power_of_two_of_at_least_8(block_size):
 
 
 def test_head_dim_support_differs_by_backend():
-    b = make_paged_batch([1, 2], [5, 9], num_heads=2, num_kv_heads=1, head_dim=48, block_size=8, poison=False,
-                         device=DEVICE)
+    b = make_paged_batch(
+        [1, 2], [5, 9], num_heads=2, num_kv_heads=1, head_dim=48, block_size=8, poison=False, device=DEVICE
+    )
     assert torch.isfinite(kernels.paged_attention(*b.attention_args(), backend="torch")).all()
     with pytest.raises(InvalidArgumentError, match=r"head_dim 48 is not supported by the triton backend"):
         kernels.paged_attention(*b.attention_args(), backend="triton")
@@ -179,8 +182,11 @@ def test_head_dim_support_differs_by_backend():
 def test_batch_value_errors_on_cpu(batch, backend):
     if backend == "triton" and not INTERPRETED:
         pytest.skip("value checks run on CPU tensors only; the triton backend takes CPU tensors under the interpreter")
-    batch = batch if DEVICE == "cpu" else make_paged_batch([1, 3], [10, 20], num_heads=4, num_kv_heads=2,
-                                                           head_dim=64, block_size=16, poison=False)
+    batch = (
+        batch
+        if DEVICE == "cpu"
+        else make_paged_batch([1, 3], [10, 20], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, poison=False)
+    )
     args = batch.attention_args()
     q, kc, vc, bt, sl, cu = args
     decreasing = torch.tensor([0, 3, 1], dtype=torch.int32)  # CPU tensors: value checks apply
@@ -199,8 +205,12 @@ def test_batch_value_errors_on_cpu(batch, backend):
     for bad_args, message in cases:
         with pytest.raises(InvalidArgumentError, match=message):
             kernels.paged_attention(*bad_args, backend=backend)
-    torch.testing.assert_close(kernels.paged_attention(*_replace(args, 3, unused_padding), backend=backend),
-                               kernels.paged_attention(*args, backend="torch"), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        kernels.paged_attention(*_replace(args, 3, unused_padding), backend=backend),
+        kernels.paged_attention(*args, backend="torch"),
+        rtol=0,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -239,8 +249,9 @@ def _prepared_backends() -> list[str]:
 
 def _host_batch(**kwargs):
     """A mixed batch (decodes, an extend, a prefill) with host index tensors, caches on DEVICE."""
-    b = make_paged_batch([1, 4, 1, 7], [33, 20, 1, 7], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                         poison=False, **kwargs)
+    b = make_paged_batch(
+        [1, 4, 1, 7], [33, 20, 1, 7], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, poison=False, **kwargs
+    )
     return b
 
 
@@ -260,15 +271,23 @@ def test_prepared_backend_matches_the_public_functions(backend, monkeypatch):
 
     want_k, want_v = b.key_cache.clone(), b.value_cache.clone()
     kernels.store_kv(key, value, want_k, want_v, slots.to(device), backend=backend)
-    want = kernels.paged_attention(b.query, want_k, want_v, b.block_tables, b.seq_lens, b.cu_seqlens_q,
-                                   backend=backend, scale=0.3)
+    want = kernels.paged_attention(
+        b.query, want_k, want_v, b.block_tables, b.seq_lens, b.cu_seqlens_q, backend=backend, scale=0.3
+    )
 
     attention = kernels.get_backend(torch.device(device), backend, dtype=torch.float32, head_dim=64)
     assert attention.name == backend
     monkeypatch.setenv(kernels.BACKEND_ENV_VAR, "not-a-backend")  # never read again
-    meta = attention.prepare(slots, host["block_tables"], host["seq_lens"], host["cu_seqlens_q"],
-                             num_tokens=num_tokens, key_cache=b.key_cache, value_cache=b.value_cache,
-                             dtype=torch.float32)
+    meta = attention.prepare(
+        slots,
+        host["block_tables"],
+        host["seq_lens"],
+        host["cu_seqlens_q"],
+        num_tokens=num_tokens,
+        key_cache=b.key_cache,
+        value_cache=b.value_cache,
+        dtype=torch.float32,
+    )
     assert (meta.max_seqlen_q, meta.max_seqlen_k, meta.num_decodes, meta.num_extends) == (7, 33, 2, 2)
     assert meta.block_tables.device == b.key_cache.device and meta.block_tables.is_contiguous()
     assert (meta.cpu_views is not None) == (backend == "cpu")

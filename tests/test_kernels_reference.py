@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_batches import causal_reference, make_paged_batch
 
 from pagedkv.kernels import reference
-from paged_batches import causal_reference, make_paged_batch
+
 
 def _args(batch):
     return batch.attention_args()
@@ -27,8 +28,14 @@ def _args(batch):
 )
 def test_reference_matches_sdpa_float64(q_lens, seq_lens, num_heads, num_kv_heads, block_size):
     batch = make_paged_batch(
-        q_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32,
-        block_size=block_size, dtype=torch.float64, seed=len(q_lens),
+        q_lens,
+        seq_lens,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=32,
+        block_size=block_size,
+        dtype=torch.float64,
+        seed=len(q_lens),
     )
     expected = causal_reference(batch)
     got = reference.paged_attention(*_args(batch))
@@ -37,8 +44,9 @@ def test_reference_matches_sdpa_float64(q_lens, seq_lens, num_heads, num_kv_head
 
 
 def test_rows_that_see_no_key_are_zero():
-    batch = make_paged_batch([5, 1], [3, 0], num_heads=2, num_kv_heads=1, head_dim=16, block_size=8,
-                             dtype=torch.float64)
+    batch = make_paged_batch(
+        [5, 1], [3, 0], num_heads=2, num_kv_heads=1, head_dim=16, block_size=8, dtype=torch.float64
+    )
     got = reference.paged_attention(*_args(batch))
     # sequence 0: prefix = 3 - 5 = -2, rows 0 and 1 see nothing; sequence 1 has no key at all
     assert (got[[0, 1, 5]] == 0).all()
@@ -46,8 +54,16 @@ def test_rows_that_see_no_key_are_zero():
 
 
 def test_decode_chunking_matches_one_chunk(monkeypatch):
-    batch = make_paged_batch([1] * 9, [5, 40, 3, 17, 33, 1, 64, 2, 20], num_heads=6, num_kv_heads=2,
-                             head_dim=16, block_size=8, dtype=torch.float64, seed=3)
+    batch = make_paged_batch(
+        [1] * 9,
+        [5, 40, 3, 17, 33, 1, 64, 2, 20],
+        num_heads=6,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=8,
+        dtype=torch.float64,
+        seed=3,
+    )
     whole = reference.paged_attention(*_args(batch))
     # A budget of 40 tokens x Hkv x D elements: several chunks of length-sorted sequences.
     monkeypatch.setattr(reference, "_GATHER_BUDGET_ELEMENTS", 40 * 2 * 16)
@@ -59,8 +75,9 @@ def test_decode_chunking_matches_one_chunk(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_low_precision_is_computed_in_float32(dtype):
-    batch = make_paged_batch([1, 7, 1], [30, 20, 9], num_heads=4, num_kv_heads=2, head_dim=64,
-                             block_size=16, dtype=dtype, seed=5)
+    batch = make_paged_batch(
+        [1, 7, 1], [30, 20, 9], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype, seed=5
+    )
     expected = causal_reference(batch.as_dtype(torch.float64))
     got = reference.paged_attention(*_args(batch))
     assert got.dtype == dtype
@@ -69,8 +86,9 @@ def test_low_precision_is_computed_in_float32(dtype):
 
 
 def test_out_and_scale_and_trailing_rows():
-    batch = make_paged_batch([1, 4], [10, 12], num_heads=2, num_kv_heads=2, head_dim=16, block_size=8,
-                             dtype=torch.float64, seed=7)
+    batch = make_paged_batch(
+        [1, 4], [10, 12], num_heads=2, num_kv_heads=2, head_dim=16, block_size=8, dtype=torch.float64, seed=7
+    )
     # Two padding rows after the last sequence must be left alone.
     query = torch.cat([batch.query, torch.randn(2, 2, 16, dtype=torch.float64)])
     out = torch.full_like(query, 7.0)

@@ -13,8 +13,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _poisoned_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype):
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return (torch.full(shape, float("nan"), dtype=dtype, device=DEVICE),
-            torch.full(shape, float("nan"), dtype=dtype, device=DEVICE))
+    return (
+        torch.full(shape, float("nan"), dtype=dtype, device=DEVICE),
+        torch.full(shape, float("nan"), dtype=dtype, device=DEVICE),
+    )
 
 
 def _random_slots(generator, num_tokens, num_slots, skip_every):
@@ -87,8 +89,9 @@ def test_store_nothing_to_do():
     key_cache, value_cache = _poisoned_caches(2, 8, 1, 64, torch.float32)
     key = torch.randn(3, 1, 64, device=DEVICE)
     kernels.store_kv(key, key, key_cache, value_cache, torch.full((3,), -1, device=DEVICE), backend="triton")
-    kernels.store_kv(key[:0], key[:0], key_cache, value_cache, torch.empty(0, dtype=torch.int64, device=DEVICE),
-                     backend="triton")
+    kernels.store_kv(
+        key[:0], key[:0], key_cache, value_cache, torch.empty(0, dtype=torch.int64, device=DEVICE), backend="triton"
+    )
     assert key_cache.isnan().all() and value_cache.isnan().all()
 
 

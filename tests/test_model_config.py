@@ -50,8 +50,10 @@ def test_aliases_multi_query_and_text_config() -> None:
     assert kv_geometry(gpt2).bytes_per_token == 2 * 12 * 12 * 64 * 4
     falcon = {"num_hidden_layers": 32, "num_attention_heads": 71, "hidden_size": 4544, "multi_query": True}
     assert kv_geometry(falcon, kv_dtype="bfloat16").num_kv_heads == 1
-    nested = {"torch_dtype": "bfloat16", "text_config": {"num_hidden_layers": 26, "num_attention_heads": 8,
-                                                          "num_key_value_heads": 4, "head_dim": 256}}
+    nested = {
+        "torch_dtype": "bfloat16",
+        "text_config": {"num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256},
+    }
     g = kv_geometry(nested)
     assert (g.num_layers, g.num_kv_heads, g.head_dim, g.dtype) == (26, 4, 256, "bfloat16")
     # A null head_dim (some configs write it) falls back to hidden_size / heads.
@@ -128,8 +130,15 @@ def test_blocks_for_budget() -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("4096", 4096), ("1GiB", 2**30), ("1.5 GiB", 3 * 2**29), ("512MB", 512 * 10**6), ("2e9", 2 * 10**9),
-     ("8kib", 8192), ("3g", 3 * 10**9)],
+    [
+        ("4096", 4096),
+        ("1GiB", 2**30),
+        ("1.5 GiB", 3 * 2**29),
+        ("512MB", 512 * 10**6),
+        ("2e9", 2 * 10**9),
+        ("8kib", 8192),
+        ("3g", 3 * 10**9),
+    ],
 )
 def test_parse_bytes(text: str, expected: int) -> None:
     assert parse_bytes(text) == expected
@@ -153,7 +162,10 @@ def test_one_geometry_type_for_the_simulator_and_the_runner() -> None:
     assert not hasattr(model_support, "AttentionGeometry")
     g = kv_geometry(SMOLLM2)
     assert (g.num_heads, g.bytes_per_token) == (9, 46_080)
-    assert kv_geometry({"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 8, "dtype": "float16"}).num_heads is None
+    assert (
+        kv_geometry({"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 8, "dtype": "float16"}).num_heads
+        is None
+    )
 
 
 @pytest.mark.parametrize(
@@ -166,7 +178,10 @@ def test_one_geometry_type_for_the_simulator_and_the_runner() -> None:
         (lambda c: c.CacheConfig(num_blocks=2**24 + 1), "num_blocks must be at most 16777216"),
         (lambda c: c.CacheConfig(kv_cache_memory=-5), "kv_cache_memory must be a positive number of bytes, got -5"),
         (lambda c: c.CacheConfig(num_blocks=8, kv_cache_memory=1 << 20), "num_blocks or kv_cache_memory, not both"),
-        (lambda c: c.CacheConfig(gpu_memory_utilization=0.0), r"gpu_memory_utilization must be a number in \(0, 1\], got 0.0"),
+        (
+            lambda c: c.CacheConfig(gpu_memory_utilization=0.0),
+            r"gpu_memory_utilization must be a number in \(0, 1\], got 0.0",
+        ),
         (lambda c: c.CacheConfig(gpu_memory_utilization=1.5), "gpu_memory_utilization .* got 1.5"),
         (lambda c: c.CacheConfig(gpu_memory_utilization=True), "gpu_memory_utilization .* got True"),
         (lambda c: c.CacheConfig(enable_prefix_caching=1), "enable_prefix_caching must be a bool, got 1"),
@@ -179,10 +194,15 @@ def test_one_geometry_type_for_the_simulator_and_the_runner() -> None:
         (lambda c: c.ModelConfig(seed="1"), "seed must be an int, got '1'"),
         (lambda c: c.ModelConfig(model=3), "model must be a model id or folder"),
         (lambda c: c.SchedulingConfig(max_num_seqs=0), "max_num_seqs must be a positive int, got 0"),
-        (lambda c: c.SchedulingConfig(max_num_batched_tokens=None), "max_num_batched_tokens must be a positive int, got None"),
+        (
+            lambda c: c.SchedulingConfig(max_num_batched_tokens=None),
+            "max_num_batched_tokens must be a positive int, got None",
+        ),
         (lambda c: c.SchedulingConfig(policy="lifo"), "scheduling_policy must be 'fcfs' or 'priority', got 'lifo'"),
-        (lambda c: c.EngineConfig(c.ModelConfig(max_model_len=512), c.CacheConfig(num_blocks=8)),
-         r"holds 128 tokens \(8 blocks of 16\), fewer than one request of max_model_len = 512"),
+        (
+            lambda c: c.EngineConfig(c.ModelConfig(max_model_len=512), c.CacheConfig(num_blocks=8)),
+            r"holds 128 tokens \(8 blocks of 16\), fewer than one request of max_model_len = 512",
+        ),
     ],
 )
 def test_bad_config_values_name_the_field_and_value(make, fragment: str) -> None:
@@ -204,8 +224,9 @@ def test_engine_args_validate_everything_when_built() -> None:
     from pagedkv.config import EngineConfig
     from pagedkv.engine.args import EngineArgs
 
-    config = EngineArgs(block_size=32, num_blocks=64, max_model_len=1024, scheduling_policy="priority",
-                        max_num_seqs=8).create_engine_config()
+    config = EngineArgs(
+        block_size=32, num_blocks=64, max_model_len=1024, scheduling_policy="priority", max_num_seqs=8
+    ).create_engine_config()
     assert isinstance(config, EngineConfig)
     assert (config.cache.block_size, config.cache.num_blocks, config.model.max_model_len) == (32, 64, 1024)
     assert (config.scheduling.policy, config.scheduling.max_num_seqs) == ("priority", 8)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedkv.worker import model_files
 from pagedkv.errors import ModelLoadError
+from pagedkv.worker import model_files
 from pagedkv.worker.model_files import default_gguf_path, default_model_dir, resolve_model
 
 

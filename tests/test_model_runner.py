@@ -100,9 +100,7 @@ def hf_last_logits(model, tokens: list[int]) -> torch.Tensor:
 def assert_greedy_matches(model, prompt: list[int], generated: list[int]) -> None:
     """``generated`` starts with transformers' own greedy continuation (which may stop at eos)."""
     with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=len(generated), do_sample=False, pad_token_id=0
-        )
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=len(generated), do_sample=False, pad_token_id=0)
     expected = out[0, len(prompt) :].tolist()
     assert len(expected) >= 2
     assert generated[: len(expected)] == expected
@@ -113,7 +111,9 @@ def assert_greedy_matches(model, prompt: list[int], generated: list[int]) -> Non
 
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
-    return ModelRunner(ModelConfig(None, dtype="float32", device="cpu"), CacheConfig(block_size=BLOCK_SIZE, num_blocks=128))
+    return ModelRunner(
+        ModelConfig(None, dtype="float32", device="cpu"), CacheConfig(block_size=BLOCK_SIZE, num_blocks=128)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -209,9 +209,7 @@ def test_copy_on_write_fork(runner, hf_model, prompts) -> None:
     child.blocks[-1] = private
     parent.tokens.append(11)
     child.tokens.append(22)
-    logits = runner.execute(
-        make_step(pool, [(parent, 1), (child, 1)], copy_ops=[(parent.blocks[-1], private)])
-    )
+    logits = runner.execute(make_step(pool, [(parent, 1), (child, 1)], copy_ops=[(parent.blocks[-1], private)]))
     torch.testing.assert_close(logits[0], hf_last_logits(hf_model, parent.tokens), rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(logits[1], hf_last_logits(hf_model, child.tokens), rtol=1e-4, atol=1e-3)
 
@@ -246,8 +244,13 @@ def _save_tiny(tmp_path_factory, name: str, config) -> str:
 
 
 _TINY = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
 )
 
 
@@ -314,8 +317,13 @@ def test_unsupported_architectures_are_refused(tmp_path_factory, model_type, ove
 
 def _call(layer_idx, q=(1, 4, 5, 16), k=(1, 2, 5, 16), v=None, mask=False, **extras) -> AttentionCall:
     return AttentionCall(
-        layer_idx=layer_idx, query_shape=q, key_shape=k, value_shape=v or k,
-        scaling=0.25, has_mask=mask, extras=extras,
+        layer_idx=layer_idx,
+        query_shape=q,
+        key_shape=k,
+        value_shape=v or k,
+        scaling=0.25,
+        has_mask=mask,
+        extras=extras,
     )
 
 
@@ -395,6 +403,7 @@ def test_step_metadata_is_validated_once_per_step_not_per_layer(runner, prompts,
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return function(*args, **kwargs)
+
         return wrapper
 
     monkeypatch.setattr(validation, "check_step_metadata", counting("step", validation.check_step_metadata))
@@ -413,8 +422,11 @@ def test_bad_step_metadata_raises_before_anything_runs(runner, prompts) -> None:
     spare = pool.take()
 
     def step_with(**changes):
-        step = make_step(BlockCounter(), [(Seq(list(s.tokens), list(s.blocks), s.num_computed), 1) for s in seqs],
-                         copy_ops=[(seqs[0].blocks[0], spare)])
+        step = make_step(
+            BlockCounter(),
+            [(Seq(list(s.tokens), list(s.blocks), s.num_computed), 1) for s in seqs],
+            copy_ops=[(seqs[0].blocks[0], spare)],
+        )
         for name, value in changes.items():
             setattr(step, name, value)
         return step
@@ -454,11 +466,18 @@ def tiny_qwen2(tmp_path_factory) -> str:
 
 
 def test_runner_takes_the_validated_configs(tiny_qwen2) -> None:
-    runner = ModelRunner(ModelConfig(tiny_qwen2, dtype="float32", device="cpu", attention_backend="torch"),
-                         CacheConfig(block_size=8, kv_cache_memory=64 * 4096 + 100))
+    runner = ModelRunner(
+        ModelConfig(tiny_qwen2, dtype="float32", device="cpu", attention_backend="torch"),
+        CacheConfig(block_size=8, kv_cache_memory=64 * 4096 + 100),
+    )
     assert isinstance(runner.geometry, KVGeometry)
-    assert (runner.geometry.num_layers, runner.geometry.num_heads, runner.geometry.num_kv_heads,
-            runner.geometry.head_dim, runner.geometry.dtype) == (2, 4, 2, 16, "float32")
+    assert (
+        runner.geometry.num_layers,
+        runner.geometry.num_heads,
+        runner.geometry.num_kv_heads,
+        runner.geometry.head_dim,
+        runner.geometry.dtype,
+    ) == (2, 4, 2, 16, "float32")
     assert runner.bytes_per_block == runner.geometry.bytes_per_block(8) == 2 * 2 * 8 * 2 * 16 * 4 == 4096
     assert runner.num_blocks == 64 and runner.attention_backend == runner.backend.name == "torch"
     with pytest.raises(ConfigError, match="cache_config must be a pagedkv.config.CacheConfig"):
@@ -479,8 +498,11 @@ def test_a_pool_larger_than_memory_is_refused_before_allocation(tiny_qwen2, monk
 
     monkeypatch.setattr(model_runner, "_available_memory", lambda device: 1 << 30)
     model = ModelConfig(tiny_qwen2, dtype="float32", device="cpu")
-    with pytest.raises(ConfigError, match=r"would take 4,294,967,296 bytes \(1048576 blocks x 4,096 bytes\), "
-                                          r"more than the 1,073,741,824 bytes available"):
+    with pytest.raises(
+        ConfigError,
+        match=r"would take 4,294,967,296 bytes \(1048576 blocks x 4,096 bytes\), "
+        r"more than the 1,073,741,824 bytes available",
+    ):
         ModelRunner(model, CacheConfig(block_size=8, num_blocks=1 << 20))
     # A byte budget past MAX_NUM_BLOCKS blocks: clamped (with a warning), then still too big here.
     with pytest.warns(UserWarning, match="clamped to 16777216 blocks"), pytest.raises(ConfigError, match="available"):
@@ -492,13 +514,16 @@ def test_a_budget_past_max_num_blocks_is_clamped_with_a_warning(tiny_qwen2, monk
 
     monkeypatch.setattr(model_runner, "MAX_NUM_BLOCKS", 64)  # a small stand-in for 2^24
     with pytest.warns(UserWarning, match=r"kv_cache_memory=1048576 makes room for 256 blocks .* clamped to 64"):
-        runner = ModelRunner(ModelConfig(tiny_qwen2, dtype="float32", device="cpu"),
-                             CacheConfig(block_size=8, kv_cache_memory=1 << 20))
+        runner = ModelRunner(
+            ModelConfig(tiny_qwen2, dtype="float32", device="cpu"), CacheConfig(block_size=8, kv_cache_memory=1 << 20)
+        )
     assert runner.num_blocks == 64 and runner.kv_cache.shape[2] == 64
 
 
 def test_max_model_len_above_the_declared_context_warns(tiny_qwen2) -> None:
     with pytest.warns(UserWarning, match=r"max_model_len = 512 is above the context length the model declares \(256\)"):
-        runner = ModelRunner(ModelConfig(tiny_qwen2, dtype="float32", device="cpu", max_model_len=512),
-                             CacheConfig(block_size=8, num_blocks=64))
+        runner = ModelRunner(
+            ModelConfig(tiny_qwen2, dtype="float32", device="cpu", max_model_len=512),
+            CacheConfig(block_size=8, num_blocks=64),
+        )
     assert runner.max_model_len == 512

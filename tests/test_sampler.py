@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.sample.sampler import (
     Sampler,
@@ -105,9 +106,7 @@ def test_top_p_keeps_smallest_nucleus() -> None:
 def test_top_k_then_top_p_renormalizes_over_top_k() -> None:
     # Within the top 2 (0.5, 0.3) the renormalized probs are 0.625 / 0.375: p=0.6 keeps 1 token.
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    kept = torch.isfinite(
-        apply_top_k_top_p(logits.clone(), torch.tensor([2]), torch.tensor([0.6]))
-    )
+    kept = torch.isfinite(apply_top_k_top_p(logits.clone(), torch.tensor([2]), torch.tensor([0.6])))
     assert kept.tolist() == [[True, False, False, False]]
 
 
@@ -178,9 +177,7 @@ def test_seeded_row_is_independent_of_batch_composition(method: str) -> None:
     # And at the end of a different batch, after other rows consumed the global RNG.
     batch_logits = torch.cat([logits[4:], target_logits])
     torch.manual_seed(6)
-    at_end = _seeded_draws(
-        batch_logits, 2, [others[0], others[4], target], [None, None, 1234], 5, method=method
-    )
+    at_end = _seeded_draws(batch_logits, 2, [others[0], others[4], target], [None, None, 1234], 5, method=method)
     assert at_end == alone
     # The draws really are random (not all the same token).
     assert len(set(alone)) > 1
@@ -256,9 +253,7 @@ def test_logprobs_are_raw_log_softmax() -> None:
     # Column 0: the sampled token's raw (temperature-free) logprob.
     assert out.logprobs.token_ids.shape == (5, 4)
     assert torch.equal(out.logprobs.token_ids[:, 0], sampled)
-    torch.testing.assert_close(
-        out.logprobs.logprobs[:, 0].double(), reference.gather(1, sampled[:, None])[:, 0]
-    )
+    torch.testing.assert_close(out.logprobs.logprobs[:, 0].double(), reference.gather(1, sampled[:, None])[:, 0])
     # Columns 1..3: the top-3 tokens and their logprobs, descending.
     top = reference.topk(3, dim=-1)
     assert torch.equal(out.logprobs.token_ids[:, 1:], top.indices)
@@ -451,7 +446,11 @@ def test_draws_follow_the_exact_filtered_distribution(settings: dict, shape: str
 
 @pytest.mark.parametrize(
     "settings",
-    [{"temperature": 1.0, "top_p": 0.3}, {"temperature": 1.0, "top_p": 0.1}, {"temperature": 2.0, "min_p": 0.3, "top_p": 0.2}],
+    [
+        {"temperature": 1.0, "top_p": 0.3},
+        {"temperature": 1.0, "top_p": 0.1},
+        {"temperature": 2.0, "min_p": 0.3, "top_p": 0.2},
+    ],
     ids=["p=0.3", "p=0.1", "min_p+p=0.2"],
 )
 def test_rejection_fallback_is_exact(settings: dict, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -470,7 +469,11 @@ def test_rejection_fallback_is_exact(settings: dict, monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize(
     "settings",
-    [{"temperature": 1.0, "top_k": 300}, {"temperature": 1.0, "top_k": 290, "top_p": 0.8}, {"temperature": 0.5, "top_k": 257, "min_p": 0.01}],
+    [
+        {"temperature": 1.0, "top_k": 300},
+        {"temperature": 1.0, "top_k": 290, "top_p": 0.8},
+        {"temperature": 0.5, "top_k": 257, "min_p": 0.01},
+    ],
     ids=["k=300", "k=290+p", "k=257+min_p"],
 )
 @METHODS
@@ -546,9 +549,7 @@ def test_seeded_row_ignores_the_batch_for_every_path(target: SamplingParams, met
     def draws(logits: torch.Tensor, params: list[SamplingParams], row: int, global_seed: int) -> list[int]:
         generators = [None if p.seed is None else make_generator(p.seed) for p in params]
         torch.manual_seed(global_seed)
-        return [
-            int(_sample(logits, params, generators, method=method).sampled_token_ids[row]) for _ in range(6)
-        ]
+        return [int(_sample(logits, params, generators, method=method).sampled_token_ids[row]) for _ in range(6)]
 
     alone = draws(target_row, [target], 0, 50)
     batch = torch.cat([others[:2], target_row, others[2:]])
@@ -597,7 +598,9 @@ def test_workspace_is_not_shared_between_threads() -> None:
     sampler = Sampler("inverse_cdf")
     logits = _logits(16, vocab=3000, seed=44)
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i) for i in range(16)]
-    expected = sampler(logits, SamplingMetadata.build(params, vocab_size=3000, generators=[make_generator(i) for i in range(16)]))
+    expected = sampler(
+        logits, SamplingMetadata.build(params, vocab_size=3000, generators=[make_generator(i) for i in range(16)])
+    )
     results: list[torch.Tensor] = []
 
     def work() -> None:
@@ -628,7 +631,11 @@ def test_radix_threshold_equals_sorted_boundary(by_mass: bool, monkeypatch: pyte
     logits[1, ::3] = float("-inf")  # zeros
     logits[2, :5] = -103.0  # denormal weights
     weights = (logits - logits.amax(dim=-1, keepdim=True)).exp()
-    values = torch.rand(rows, generator=generator) * 0.98 + 0.01 if by_mass else torch.randint(1, vocab, (rows,), generator=generator).float()
+    values = (
+        torch.rand(rows, generator=generator) * 0.98 + 0.01
+        if by_mass
+        else torch.randint(1, vocab, (rows,), generator=generator).float()
+    )
     values[3] = 1.0 if by_mass else float(vocab)
     workspace = ops.Workspace()
     index = torch.tensor([9, 0, 1, 2, 3, 4, 5, 6, 7, 8])
@@ -650,7 +657,9 @@ def test_chunked_topk_equals_torch_topk(vocab: int, k: int) -> None:
     short last chunk and rows where the top values crowd into one chunk."""
     from pagedkv.sample import ops
 
-    logits = torch.cat([_grid_logits(6, vocab, seed=46), torch.randn(2, vocab, generator=torch.Generator().manual_seed(47))])
+    logits = torch.cat(
+        [_grid_logits(6, vocab, seed=46), torch.randn(2, vocab, generator=torch.Generator().manual_seed(47))]
+    )
     logits[6, 64:200] = 100.0 + torch.arange(136, dtype=torch.float32)  # the top values in few chunks
     logits[7, -3:] = 50.0  # ... and in the tail
     values, indices = ops.topk(logits, k)

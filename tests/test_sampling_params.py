@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedkv.errors import ConfigError
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedkv.errors import ConfigError
 from pagedkv.sample.sampling_params import SamplingParams, SamplingType
 
 
@@ -86,9 +86,7 @@ def test_max_tokens_none_means_unbounded() -> None:
 
 
 def test_output_reprs_are_readable() -> None:
-    completion = CompletionOutput(
-        index=0, text="Paris.", token_ids=list(range(40)), finish_reason="stop"
-    )
+    completion = CompletionOutput(index=0, text="Paris.", token_ids=list(range(40)), finish_reason="stop")
     text = repr(completion)
     assert "text='Paris.'" in text and "(len=40)" in text and "finish_reason=stop" in text
     assert completion.finished()

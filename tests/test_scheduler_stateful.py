@@ -22,7 +22,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         super().__init__()
         self.s = Scheduler(
             SchedulerConfig(
-                num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_LEN, max_num_batched_tokens=10, max_num_seqs=6
+                num_blocks=NUM_BLOCKS,
+                block_size=BLOCK_SIZE,
+                max_model_len=MAX_LEN,
+                max_num_batched_tokens=10,
+                max_num_seqs=6,
             )
         )
         self.model = FakeModel(NUM_BLOCKS, BLOCK_SIZE)
@@ -33,14 +37,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.stopped: set[str] = set()
         self.next_id = 0
 
-    @rule(base=st.integers(0, len(BASES) - 1), extra=st.lists(st.integers(0, 50), max_size=8),
-          max_tokens=st.integers(1, 12), n=st.integers(1, 3), salted=st.booleans())
+    @rule(
+        base=st.integers(0, len(BASES) - 1),
+        extra=st.lists(st.integers(0, 50), max_size=8),
+        max_tokens=st.integers(1, 12),
+        n=st.integers(1, 3),
+        salted=st.booleans(),
+    )
     def add(self, base: int, extra: list[int], max_tokens: int, n: int, salted: bool) -> None:
         rid = f"r{self.next_id}"
         self.next_id += 1
         prompt = BASES[base] + extra
-        self.s.add_request(rid, np.array(prompt, dtype=np.int64), max_tokens=max_tokens, n=n,
-                           cache_salt="s" if salted else None)
+        self.s.add_request(
+            rid, np.array(prompt, dtype=np.int64), max_tokens=max_tokens, n=n, cache_salt="s" if salted else None
+        )
         self.prompts[rid] = prompt
 
     @rule()
@@ -63,8 +73,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         except pagedkv.UnknownRequestError:
             # Only requests that ended (aborted, or finished: reported, or ended in the last
             # update and reported with the next step) may be unknown.
-            assert rid in self.aborted or rid in self.finished or rid in self.stopped or any(
-                (rid, k) in self.outputs for k in range(3)
+            assert (
+                rid in self.aborted
+                or rid in self.finished
+                or rid in self.stopped
+                or any((rid, k) in self.outputs for k in range(3))
             ), "a live request was reported unknown"
 
     @precondition(lambda self: self.prompts)
@@ -82,8 +95,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = self.s.schedule()
         before = self.s.stats().as_dict()
         bogus = data.draw(st.sampled_from(["long", "neg", "float"]))
-        tokens = {"long": [0] * (len(out.logits_indices) + 1), "neg": [-1] * max(1, len(out.logits_indices)),
-                  "float": np.zeros(len(out.logits_indices), dtype=np.float64)}[bogus]
+        tokens = {
+            "long": [0] * (len(out.logits_indices) + 1),
+            "neg": [-1] * max(1, len(out.logits_indices)),
+            "float": np.zeros(len(out.logits_indices), dtype=np.float64),
+        }[bogus]
         try:
             self.s.update(out, tokens)
         except pagedkv.PagedKVError:

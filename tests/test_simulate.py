@@ -11,11 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from studies.parallel_sampling import independent_copies, predicted_block_steps, with_samples
 
 from pagedkv.cli import main
 from pagedkv.errors import ConfigError
 from pagedkv.sim.replay import PagedConfig, allocator_metrics, compare_allocators, replay_paged
-from studies.parallel_sampling import independent_copies, predicted_block_steps, with_samples
 from pagedkv.sim.workloads import TraceRequest
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,12 +116,22 @@ def test_parallel_sampling_many_requests_match_block_arithmetic() -> None:
     # block-steps equal the arithmetic for any lengths and n.
     rng = np.random.default_rng(3)
     requests = [
-        TraceRequest(f"q{i}", float(i) * 0.1, rng.integers(0, 5000, size=int(rng.integers(1, 60))),
-                     output_len=int(rng.integers(1, 80)))
+        TraceRequest(
+            f"q{i}",
+            float(i) * 0.1,
+            rng.integers(0, 5000, size=int(rng.integers(1, 60))),
+            output_len=int(rng.integers(1, 80)),
+        )
         for i in range(25)
     ]
-    config = PagedConfig(num_blocks=25 * 6 * 9, block_size=16, max_model_len=140, max_num_seqs=256,
-                         max_num_batched_tokens=8192, enable_prefix_caching=False)
+    config = PagedConfig(
+        num_blocks=25 * 6 * 9,
+        block_size=16,
+        max_model_len=140,
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        enable_prefix_caching=False,
+    )
     for n in (2, 3):
         shared = replay_paged(with_samples(requests, n), config)
         separate = replay_paged(independent_copies(requests, n), config)
@@ -149,22 +159,39 @@ def _write_trace(path: Path, lines: list[dict]) -> Path:
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "python"), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "pagedkv", "simulate", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pagedkv", "simulate", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_cli_end_to_end_json(tmp_path: Path) -> None:
     trace = _write_trace(tmp_path / "trace.jsonl", TRACE_LINES)
-    proc = _run_cli(f"--workload=trace:{trace}", "--num-blocks", "40", "--block-size", "4",
-                    "--max-model-len", "64", "--breakdown", "--json")
+    proc = _run_cli(
+        f"--workload=trace:{trace}",
+        "--num-blocks",
+        "40",
+        "--block-size",
+        "4",
+        "--max-model-len",
+        "64",
+        "--breakdown",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["workload"]["num_requests"] == 4 and report["workload"]["num_sequences"] == 5
     assert report["kv"] == {"num_blocks": 40, "block_size": 4, "num_slots": 160}
     assert list(report["allocators"]) == ["paged", "max_length", "exact"]
     paged = report["allocators"]["paged"]
-    for key in ("peak_concurrent", "mean_concurrent", "kv_utilization", "preemptions", "prefix_cache_hit_rate",
-                "steps", "breakdown"):
+    for key in (
+        "peak_concurrent",
+        "mean_concurrent",
+        "kv_utilization",
+        "preemptions",
+        "prefix_cache_hit_rate",
+        "steps",
+        "breakdown",
+    ):
         assert key in paged
     assert paged["num_finished"] == 4
     assert paged["generated_tokens"] == 6 + 4 + 5 + 2 * 9
@@ -178,13 +205,29 @@ def test_cli_end_to_end_json(tmp_path: Path) -> None:
 
 def test_cli_kv_memory_with_model_config_and_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = _write_trace(tmp_path / "trace.jsonl", TRACE_LINES)
-    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-              "torch_dtype": "bfloat16"}
+    config = {
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "torch_dtype": "bfloat16",
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     per_token = 2 * 2 * 2 * 8 * 2  # 128 bytes
     budget = 37 * 4 * per_token + 100  # 37 blocks of 4 tokens and change
-    args = ["simulate", f"--workload=trace:{trace}", "--kv-memory", str(budget), "--model-config", str(tmp_path),
-            "--block-size", "4", "--max-model-len", "64", "--no-prefix-caching"]
+    args = [
+        "simulate",
+        f"--workload=trace:{trace}",
+        "--kv-memory",
+        str(budget),
+        "--model-config",
+        str(tmp_path),
+        "--block-size",
+        "4",
+        "--max-model-len",
+        "64",
+        "--no-prefix-caching",
+    ]
     assert main([*args, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["kv"]["bytes_per_token"] == per_token
@@ -221,19 +264,33 @@ def test_cli_bad_trace_line_exits_2_naming_the_line(tmp_path: Path) -> None:
         (["--num-blocks", "40", "--watermark", "1.5"], "watermark must be in"),
     ],
 )
-def test_cli_config_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str],
-                                  message: str) -> None:
+def test_cli_config_errors_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
     trace = _write_trace(tmp_path / "trace.jsonl", TRACE_LINES)
     config = {"num_hidden_layers": 2, "num_key_value_heads": 2, "head_dim": 8, "torch_dtype": "float16"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    code = main(["simulate", f"--workload=trace:{trace}", "--model-config", str(tmp_path), "--block-size", "4",
-                 "--max-model-len", "64", *extra])
+    code = main(
+        [
+            "simulate",
+            f"--workload=trace:{trace}",
+            "--model-config",
+            str(tmp_path),
+            "--block-size",
+            "4",
+            "--max-model-len",
+            "64",
+            *extra,
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("pagedkv simulate: error:") and message in err
 
 
-def test_cli_model_config_missing_field_and_unknown_workload(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_model_config_missing_field_and_unknown_workload(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     trace = _write_trace(tmp_path / "trace.jsonl", TRACE_LINES)
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "head_dim": 8}))
     assert main(["simulate", f"--workload=trace:{trace}", "--model-config", str(tmp_path)]) == 2
@@ -246,9 +303,34 @@ def test_cli_model_config_missing_field_and_unknown_workload(tmp_path: Path, cap
 
 def test_cli_shared_prefix_workload_with_arrivals(capsys: pytest.CaptureFixture[str]) -> None:
     # Synthetic tokens: no tokenizer needed. --n forks every request.
-    code = main(["simulate", "--workload", "shared-prefix", "--num-requests", "30", "--num-prefixes", "2",
-                 "--prefix-len", "32", "--user-len", "4:16", "--output-len", "8", "--rate", "50", "--n", "2",
-                 "--num-blocks", "64", "--block-size", "8", "--max-model-len", "128", "--json"])
+    code = main(
+        [
+            "simulate",
+            "--workload",
+            "shared-prefix",
+            "--num-requests",
+            "30",
+            "--num-prefixes",
+            "2",
+            "--prefix-len",
+            "32",
+            "--user-len",
+            "4:16",
+            "--output-len",
+            "8",
+            "--rate",
+            "50",
+            "--n",
+            "2",
+            "--num-blocks",
+            "64",
+            "--block-size",
+            "8",
+            "--max-model-len",
+            "128",
+            "--json",
+        ]
+    )
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["workload"]["num_sequences"] == 60 and report["workload"]["last_arrival_s"] > 0

@@ -17,8 +17,18 @@ from sim_model import FakeModel
 import pagedkv
 from pagedkv import Scheduler, SchedulerConfig
 
-FIELDS = ("num_scheduled_tokens", "input_ids", "positions", "cu_seqlens_q", "seq_lens", "block_tables",
-          "slot_mapping", "logits_indices", "sample_indices", "copy_ops")
+FIELDS = (
+    "num_scheduled_tokens",
+    "input_ids",
+    "positions",
+    "cu_seqlens_q",
+    "seq_lens",
+    "block_tables",
+    "slot_mapping",
+    "logits_indices",
+    "sample_indices",
+    "copy_ops",
+)
 LISTS = ("req_ids", "sampled_req_ids", "preempted_req_ids", "finished_req_ids", "finish_reasons")
 
 
@@ -42,18 +52,28 @@ def workload(keep: bool, seed: int, hold_views: bool = False) -> tuple[list[dict
     (copied) and the updates. `keep`: every output stays referenced (no reuse possible)."""
     rng = np.random.default_rng(seed)
     bs, num_blocks = 4, 44
-    s = Scheduler(SchedulerConfig(num_blocks=num_blocks, block_size=bs, max_num_seqs=10,
-                                  max_num_batched_tokens=40, max_model_len=120))
+    s = Scheduler(
+        SchedulerConfig(
+            num_blocks=num_blocks, block_size=bs, max_num_seqs=10, max_num_batched_tokens=40, max_model_len=120
+        )
+    )
     model = FakeModel(num_blocks, bs)
     system = rng.integers(0, 997, size=13).tolist()
     kept: list[object] = []
     steps, updates = [], []
     added = 0
-    for step in range(400):
+    for _ in range(400):
         while s.num_waiting < 6 and added < 60:
-            prompt = (system if rng.random() < 0.5 else []) + rng.integers(0, 997, size=int(rng.integers(1, 30))).tolist()
-            s.add_request(f"q{added}", prompt, max_tokens=int(rng.integers(1, 40)), n=int(rng.choice([1, 1, 2, 3])),
-                          eos_token_ids=[5])
+            prompt = (system if rng.random() < 0.5 else []) + rng.integers(
+                0, 997, size=int(rng.integers(1, 30))
+            ).tolist()
+            s.add_request(
+                f"q{added}",
+                prompt,
+                max_tokens=int(rng.integers(1, 40)),
+                n=int(rng.choice([1, 1, 2, 3])),
+                eos_token_ids=[5],
+            )
             added += 1
         out = s.schedule()
         steps.append(snapshot(out))
@@ -150,7 +170,10 @@ def test_request_updates_is_a_sequence_with_columns() -> None:
     assert len(ups) == 3 and bool(ups)
     items = list(ups)
     assert [(u.request_id, u.index, u.new_token_ids, u.finish_reason, u.finished) for u in items] == [
-        ("a", 0, [7], "length", True), ("b", 0, [8], None, False), ("b", 1, [9], None, False)]
+        ("a", 0, [7], "length", True),
+        ("b", 0, [8], None, False),
+        ("b", 1, [9], None, False),
+    ]
     assert ups.request_ids == ["a", "b", "b"]
     assert ups.indices == [0, 0, 1]
     assert ups.token_ids == [7, 8, 9]

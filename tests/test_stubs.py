@@ -10,8 +10,13 @@ import pytest
 
 def test_stubtest_passes(tmp_path) -> None:
     pytest.importorskip("mypy")
-    proc = subprocess.run([sys.executable, "-m", "mypy.stubtest", "pagedkv._core"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mypy.stubtest", "pagedkv._core"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 
@@ -25,7 +30,8 @@ def _stub_properties(class_name: str) -> set[str]:
             return {
                 f.name
                 for f in node.body
-                if isinstance(f, ast.FunctionDef) and any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)
+                if isinstance(f, ast.FunctionDef)
+                and any(isinstance(d, ast.Name) and d.id == "property" for d in f.decorator_list)
             }
     raise AssertionError(f"class {class_name} not in the stub")
 

@@ -11,7 +11,6 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from pagedkv.sim.replay import PagedConfig  # noqa: E402
 from studies import (  # noqa: E402
     block_size_study,
     breakdown_study,
@@ -26,6 +25,8 @@ from studies.prefix_cache import (  # noqa: E402
     default_pool_sizes,
     unbounded_pool_blocks,
 )
+
+from pagedkv.sim.replay import PagedConfig  # noqa: E402
 from pagedkv.sim.workloads import ArrivalProcess, TraceRequest, shared_prefix_requests  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -34,7 +35,12 @@ MAX_MODEL_LEN = 256
 
 def _workload(num_requests: int = 40, seed: int = 0) -> list[TraceRequest]:
     return shared_prefix_requests(
-        num_requests, num_prefixes=3, prefix_len=48, user_len=(4, 40), output_len=(4, 60), seed=seed,
+        num_requests,
+        num_prefixes=3,
+        prefix_len=48,
+        user_len=(4, 40),
+        output_len=(4, 60),
+        seed=seed,
         arrivals=ArrivalProcess(rate=25.0),
     )
 
@@ -72,8 +78,7 @@ def test_breakdown_study(tmp_path: Path) -> None:
 
 def test_block_size_study(tmp_path: Path) -> None:
     workloads = {"a": _workload(), "b": _workload(seed=1)}
-    result = block_size_study(workloads, tmp_path, num_slots=1024, block_sizes=(8, 16, 32),
-                              max_model_len=MAX_MODEL_LEN)
+    result = block_size_study(workloads, tmp_path, num_slots=1024, block_sizes=(8, 16, 32), max_model_len=MAX_MODEL_LEN)
     data = _check_outputs(result, tmp_path, ["block_size.png"])
     rows = data["workloads"]["a"]["rows"]
     assert [r["block_size"] for r in rows] == [8, 16, 32]
@@ -85,8 +90,9 @@ def test_block_size_study(tmp_path: Path) -> None:
 def test_parallel_sampling_study_matches_prediction(tmp_path: Path) -> None:
     # Arrivals far apart: every prompt is prefilled in one step, so the arithmetic is exact.
     requests = [dataclasses.replace(r, arrival_time=float(i)) for i, r in enumerate(_workload(12))]
-    result = parallel_sampling_study({"tiny": requests}, tmp_path, sample_counts=(2, 4), max_model_len=MAX_MODEL_LEN,
-                                     max_num_seqs=16)
+    result = parallel_sampling_study(
+        {"tiny": requests}, tmp_path, sample_counts=(2, 4), max_model_len=MAX_MODEL_LEN, max_num_seqs=16
+    )
     data = _check_outputs(result, tmp_path, ["parallel_sampling.png"])
     workload = data["workloads"]["tiny"]
     for row in workload["rows"]:

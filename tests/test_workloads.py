@@ -167,9 +167,7 @@ def test_loader_rejects_decreasing_arrival_and_duplicate_ids() -> None:
     # Equal times are fine (non-decreasing).
     assert len(parse_trace_lines([later, later])) == 2
     first = '{"arrival_time": 0, "prompt_len": 3, "output_len": 2, "request_id": "x"}'
-    with pytest.raises(
-        TraceFormatError, match=r"^<trace>:3: field 'request_id': 'x' was already used on line 1"
-    ):
+    with pytest.raises(TraceFormatError, match=r"^<trace>:3: field 'request_id': 'x' was already used on line 1"):
         parse_trace_lines([first, GOOD, first])
     # An integer id means its decimal string: it clashes with the default id of position 0.
     with pytest.raises(TraceFormatError, match=r"^<trace>:2: field 'request_id'"):
@@ -227,9 +225,7 @@ def test_length_only_lines_synthesize_deterministic_shared_prefixes(tmp_path: Pa
     assert parse_trace_lines(lines, vocab_size=1000, seed=3) == [a, b, c, d, e]
     assert parse_trace_lines(lines, vocab_size=1000, seed=4)[0] != a
     # The loader and the synthesis functions agree, so traces and generators can mix.
-    assert np.array_equal(
-        a.prompt_token_ids[:2500], prefix_tokens("sys", 2500, vocab_size=1000, seed=3)
-    )
+    assert np.array_equal(a.prompt_token_ids[:2500], prefix_tokens("sys", 2500, vocab_size=1000, seed=3))
     assert np.array_equal(e.prompt_token_ids, unique_tokens("4", 80, vocab_size=1000, seed=3))
     # Tokens of a saved synthesized trace read back equal.
     path = tmp_path / "synth.jsonl"
@@ -273,9 +269,7 @@ def test_zipf_weights_exact() -> None:
 
 
 def test_shared_prefix_workload_is_deterministic_and_zipf_ranked() -> None:
-    kwargs = dict(
-        num_prefixes=4, prefix_len=[64, 32, 16, 8], user_len=(5, 9), output_len=(1, 20), zipf_s=1.2
-    )
+    kwargs = dict(num_prefixes=4, prefix_len=[64, 32, 16, 8], user_len=(5, 9), output_len=(1, 20), zipf_s=1.2)
     first = shared_prefix_requests(2000, seed=11, **kwargs)
     assert first == shared_prefix_requests(2000, seed=11, **kwargs)
     assert first != shared_prefix_requests(2000, seed=12, **kwargs)
@@ -334,12 +328,8 @@ def test_assign_arrivals_keeps_requests_and_order() -> None:
     requests = [TraceRequest(str(i), 0.0, [i + 1], i + 1) for i in range(6)]
     timed = assign_arrivals(requests, ArrivalProcess.poisson(10.0), seed=2)
     assert [r.request_id for r in timed] == [r.request_id for r in requests]
-    assert [r.arrival_time for r in timed] == ArrivalProcess.poisson(10.0).sample(
-        6, np.random.default_rng(2)
-    ).tolist()
-    assert all(
-        np.array_equal(a.prompt_token_ids, b.prompt_token_ids) for a, b in zip(timed, requests)
-    )
+    assert [r.arrival_time for r in timed] == ArrivalProcess.poisson(10.0).sample(6, np.random.default_rng(2)).tolist()
+    assert all(np.array_equal(a.prompt_token_ids, b.prompt_token_ids) for a, b in zip(timed, requests))
 
 
 # --------------------------------------------------------------------------- ShareGPT parsing
@@ -385,10 +375,7 @@ def test_iter_json_array_reads_bytes_and_handles_edge_shapes() -> None:
     assert list(iter_json_array(stream, chunk_chars=3)) == records  # splits multi-byte chars
     assert not stream.closed
     # A tail cut inside a multi-byte character ends the iteration like any other damage.
-    assert (
-        list(iter_json_array(io.BytesIO(payload[: payload.rindex("✓".encode()) + 1])))
-        == records[:2]
-    )
+    assert list(iter_json_array(io.BytesIO(payload[: payload.rindex("✓".encode()) + 1]))) == records[:2]
     # A number cut by a chunk boundary is read whole (numbers, unlike objects, end silently).
     assert list(iter_json_array(io.StringIO("[12345, 678]"), chunk_chars=2)) == [12345, 678]
     assert list(iter_json_array(io.StringIO("  [ ] trailing"))) == []
@@ -472,12 +459,7 @@ def test_first_turn_requests_follow_vllm_filtering(tokenizer, first_conversation
             continue
         prompt = tokenizer(turns[0].text, add_special_tokens=False)["input_ids"]
         output = tokenizer(turns[1].text, add_special_tokens=False)["input_ids"]
-        if (
-            len(prompt) < 4
-            or len(output) < 4
-            or len(prompt) > 300
-            or len(prompt) + len(output) > 600
-        ):
+        if len(prompt) < 4 or len(output) < 4 or len(prompt) > 300 or len(prompt) + len(output) > 600:
             continue
         expected.append((f"sharegpt-{index}", prompt, len(output)))
     assert 20 < len(expected) < 200  # the filters both keep and drop pairs here
@@ -490,32 +472,23 @@ def test_first_turn_requests_follow_vllm_filtering(tokenizer, first_conversation
         max_prompt_len=300,
     )
     assert limited == requests[:7]
-    shuffled = sharegpt_first_turn_requests(
-        7, tokenizer=tokenizer, conversations=first_conversations, shuffle_seed=1
-    )
+    shuffled = sharegpt_first_turn_requests(7, tokenizer=tokenizer, conversations=first_conversations, shuffle_seed=1)
     assert shuffled == sharegpt_first_turn_requests(
         7, tokenizer=tokenizer, conversations=first_conversations, shuffle_seed=1
     )
     assert [r.request_id for r in shuffled] != [
-        r.request_id
-        for r in sharegpt_first_turn_requests(
-            7, tokenizer=tokenizer, conversations=first_conversations
-        )
+        r.request_id for r in sharegpt_first_turn_requests(7, tokenizer=tokenizer, conversations=first_conversations)
     ]
 
 
 def test_first_turn_chat_template_wraps_the_prompt(tokenizer, first_conversations) -> None:
-    (plain,) = sharegpt_first_turn_requests(
-        1, tokenizer=tokenizer, conversations=first_conversations
-    )
+    (plain,) = sharegpt_first_turn_requests(1, tokenizer=tokenizer, conversations=first_conversations)
     (chat,) = sharegpt_first_turn_requests(
         1, tokenizer=tokenizer, conversations=first_conversations, chat_template=True
     )
     assert chat.request_id == plain.request_id and chat.output_len == plain.output_len
     text = tokenizer.decode(chat.prompt_token_ids.tolist())
-    assert text.startswith("<|im_start|>system\n") and text.endswith(
-        "<|im_end|>\n<|im_start|>assistant\n"
-    )
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_end|>\n<|im_start|>assistant\n")
     assert first_conversations[0].turns[0].text in text
 
 
@@ -532,9 +505,7 @@ def test_multi_turn_prompts_extend_the_previous_turn(tokenizer) -> None:
                 Turn("gpt", ""),
             ),
         ),
-        Conversation(
-            "b", (Turn("gpt", "orphan reply"), Turn("human", "q"))
-        ),  # starts with gpt: skipped
+        Conversation("b", (Turn("gpt", "orphan reply"), Turn("human", "q"))),  # starts with gpt: skipped
         Conversation(
             "c",
             (
@@ -571,25 +542,14 @@ def test_multi_turn_prompts_extend_the_previous_turn(tokenizer) -> None:
         add_generation_prompt=True,
         tokenize=False,
     )
-    assert turn0.output_len == len(
-        tokenizer("Hello! How can I help?", add_special_tokens=False)["input_ids"]
-    )
-    assert tokenizer.decode(other.prompt_token_ids.tolist()).startswith(
-        "<|im_start|>system\nBe brief.<|im_end|>"
-    )
+    assert turn0.output_len == len(tokenizer("Hello! How can I help?", add_special_tokens=False)["input_ids"])
+    assert tokenizer.decode(other.prompt_token_ids.tolist()).startswith("<|im_start|>system\nBe brief.<|im_end|>")
     starts = ArrivalProcess.poisson(1.0).sample(2, np.random.default_rng(3))
     assert [r.arrival_time for r in requests] == [starts[0], starts[1], starts[0] + 100.0]
 
-    plain = sharegpt_multi_turn_requests(
-        tokenizer=tokenizer, conversations=conversations[:1], chat_template=False
-    )
-    assert (
-        tokenizer.decode(plain[1].prompt_token_ids.tolist())
-        == "Hi there\nHello! How can I help?\nTell me a joke\n"
-    )
-    assert np.array_equal(
-        plain[1].prompt_token_ids[: plain[0].prompt_len], plain[0].prompt_token_ids
-    )
+    plain = sharegpt_multi_turn_requests(tokenizer=tokenizer, conversations=conversations[:1], chat_template=False)
+    assert tokenizer.decode(plain[1].prompt_token_ids.tolist()) == "Hi there\nHello! How can I help?\nTell me a joke\n"
+    assert np.array_equal(plain[1].prompt_token_ids[: plain[0].prompt_len], plain[0].prompt_token_ids)
 
 
 def test_multi_turn_on_sharegpt_respects_limits(tokenizer, first_conversations) -> None:
@@ -605,7 +565,5 @@ def test_multi_turn_on_sharegpt_respects_limits(tokenizer, first_conversations) 
         assert turn < 3
         if turn:
             previous = by_id[request.request_id.rsplit("-turn", 1)[0] + f"-turn{turn - 1}"]
-            assert np.array_equal(
-                request.prompt_token_ids[: previous.prompt_len], previous.prompt_token_ids
-            )
+            assert np.array_equal(request.prompt_token_ids[: previous.prompt_len], previous.prompt_token_ids)
             assert request.shared_prefix_len == previous.prompt_len

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.sim.replay import PagedConfig, replay_paged
+from pagedkv.sim.workloads.request import TraceRequest
 from studies.plotting import new_figure, save_png
 from studies.report import StudyResult, image, md_table, pct
-from pagedkv.sim.workloads.request import TraceRequest
 
 __all__ = ["block_size_study", "DEFAULT_BLOCK_SIZES", "TABLE_ENTRY_BYTES"]
 
@@ -76,38 +76,71 @@ def block_size_study(
         rows = []
         for block_size in block_sizes:
             config = PagedConfig(
-                num_blocks=slots[label] // block_size, block_size=block_size, max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                num_blocks=slots[label] // block_size,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
             )
             result = replay_paged(requests, config)
-            rows.append({
-                "block_size": block_size,
-                "num_blocks": config.num_blocks,
-                "kv_utilization": result.kv_utilization,
-                "prefix_cache_hit_rate": result.prefix_cache_hit_rate,
-                "table_bytes_per_token": TABLE_ENTRY_BYTES / block_size,
-                "steps": result.total_steps,
-                "num_preemptions": result.num_preemptions,
-                "mean_concurrent": result.mean_running,
-                "tokens_computed": result.tokens_computed,
-                "wall_time_s": result.wall_time_s,
-            })
+            rows.append(
+                {
+                    "block_size": block_size,
+                    "num_blocks": config.num_blocks,
+                    "kv_utilization": result.kv_utilization,
+                    "prefix_cache_hit_rate": result.prefix_cache_hit_rate,
+                    "table_bytes_per_token": TABLE_ENTRY_BYTES / block_size,
+                    "steps": result.total_steps,
+                    "num_preemptions": result.num_preemptions,
+                    "mean_concurrent": result.mean_running,
+                    "tokens_computed": result.tokens_computed,
+                    "wall_time_s": result.wall_time_s,
+                }
+            )
         data[label] = rows
     memory = ", ".join(f"{n:,}" for n in dict.fromkeys(slots.values()))
     subtitle = f"{memory} token slots, max_model_len {max_model_len}, max_num_seqs {max_num_seqs}"
     png = _plot(data, out_dir / "block_size.png", subtitle)
 
-    sections = [f"Same memory at every block size (token slots per workload below); {max_num_batched_tokens} tokens "
-                f"per step, at most {max_num_seqs} sequences. Block-table bytes per token = 4 / block size (int32 "
-                "entries).", ""]
+    sections = [
+        f"Same memory at every block size (token slots per workload below); {max_num_batched_tokens} tokens "
+        f"per step, at most {max_num_seqs} sequences. Block-table bytes per token = 4 / block size (int32 "
+        "entries).",
+        "",
+    ]
     for label, rows in data.items():
-        sections += [f"**{label}** ({len(workloads[label]):,} requests, {slots[label]:,} token slots)", "", md_table(
-            ["block size", "blocks", "KV utilization", "prefix hit rate", "table bytes / token", "steps",
-             "preemptions", "mean concurrent", "tokens computed"],
-            [[r["block_size"], r["num_blocks"], pct(r["kv_utilization"]), pct(r["prefix_cache_hit_rate"]),
-              f"{r['table_bytes_per_token']:.3g}", r["steps"], r["num_preemptions"], f"{r['mean_concurrent']:.1f}",
-              r["tokens_computed"]] for r in rows],
-        ), ""]
+        sections += [
+            f"**{label}** ({len(workloads[label]):,} requests, {slots[label]:,} token slots)",
+            "",
+            md_table(
+                [
+                    "block size",
+                    "blocks",
+                    "KV utilization",
+                    "prefix hit rate",
+                    "table bytes / token",
+                    "steps",
+                    "preemptions",
+                    "mean concurrent",
+                    "tokens computed",
+                ],
+                [
+                    [
+                        r["block_size"],
+                        r["num_blocks"],
+                        pct(r["kv_utilization"]),
+                        pct(r["prefix_cache_hit_rate"]),
+                        f"{r['table_bytes_per_token']:.3g}",
+                        r["steps"],
+                        r["num_preemptions"],
+                        f"{r['mean_concurrent']:.1f}",
+                        r["tokens_computed"],
+                    ]
+                    for r in rows
+                ],
+            ),
+            "",
+        ]
     sections.append(image("block size study", "block_size.png"))
     result_data = {
         "num_slots": slots,

@@ -17,9 +17,9 @@ from typing import Any
 
 from pagedkv.sim.baselines import BREAKDOWN_CATEGORIES
 from pagedkv.sim.replay import PagedConfig, compare_allocators
+from pagedkv.sim.workloads.request import TraceRequest
 from studies.plotting import ALLOCATOR_LABELS, CATEGORY_COLORS, CATEGORY_LABELS, new_figure, save_png
 from studies.report import StudyResult, image, md_table, pct
-from pagedkv.sim.workloads.request import TraceRequest
 
 __all__ = ["breakdown_study", "PAPER_TOKEN_STATE_FRACTIONS"]
 
@@ -50,18 +50,32 @@ def _plot(rows: dict[str, dict[str, Any]], path: Path, subtitle: str) -> Path:
     positions = range(len(names))
     for ax, key, title, categories in (
         (axes[0], "fraction_of_pool", "(a) share of the whole KV pool (time average)", BREAKDOWN_CATEGORIES),
-        (axes[1], "fraction_of_held", "(b) share of the memory not free (cf. paper Fig. 2)",
-         [c for c in BREAKDOWN_CATEGORIES if c != "free"]),
+        (
+            axes[1],
+            "fraction_of_held",
+            "(b) share of the memory not free (cf. paper Fig. 2)",
+            [c for c in BREAKDOWN_CATEGORIES if c != "free"],
+        ),
     ):
         bottoms = [0.0] * len(names)
         for category in categories:
             values = [100 * rows[n][key][category] for n in names]
-            ax.bar(positions, values, bottom=bottoms, color=CATEGORY_COLORS[category],
-                   label=CATEGORY_LABELS[category], edgecolor="white", linewidth=0.5, width=0.6)
+            ax.bar(
+                positions,
+                values,
+                bottom=bottoms,
+                color=CATEGORY_COLORS[category],
+                label=CATEGORY_LABELS[category],
+                edgecolor="white",
+                linewidth=0.5,
+                width=0.6,
+            )
             bottoms = [b + v for b, v in zip(bottoms, values)]
         for x, n in zip(positions, names):
             token = 100 * rows[n][key]["token_states"]
-            ax.text(x, token / 2, f"{token:.1f}%", ha="center", va="center", color="white", fontsize=9, fontweight="bold")
+            ax.text(
+                x, token / 2, f"{token:.1f}%", ha="center", va="center", color="white", fontsize=9, fontweight="bold"
+            )
         ax.set_xticks(list(positions), [ALLOCATOR_LABELS.get(n, n) for n in names])
         ax.set_ylim(0, 100)
         ax.set_ylabel("% of KV memory")
@@ -91,9 +105,7 @@ def _explanations(requests: Sequence[TraceRequest], rows: dict[str, dict[str, An
         "request is preempted and recomputed later.",
     ]
     # Every token computed once: prompts, then each sample's generated tokens but the last.
-    needed = sum(
-        r.prompt_len + r.n * (min(r.output_len, config.max_model_len - r.prompt_len) - 1) for r in requests
-    )
+    needed = sum(r.prompt_len + r.n * (min(r.output_len, config.max_model_len - r.prompt_len) - 1) for r in requests)
     computed = paged["tokens_computed"]
     out.append(
         f"  It preempted {paged['preemptions']:,} times (recompute) and computed {computed:,} tokens against "
@@ -133,8 +145,11 @@ def breakdown_study(
 ) -> StudyResult:
     """Replay ``requests`` with ``num_slots`` token slots under every allocator; plot and tabulate."""
     config = PagedConfig(
-        num_blocks=num_slots // block_size, block_size=block_size, max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        num_blocks=num_slots // block_size,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
     )
     comparison = compare_allocators(requests, config)
     metrics = comparison.metrics()
@@ -150,22 +165,40 @@ def breakdown_study(
             "preemptions": m["preemptions"],
         }
     rows["paged"]["tokens_computed"] = comparison.paged.tokens_computed
-    subtitle = (f"{workload_label}: {len(requests):,} requests, {config.num_slots:,} token slots "
-                f"(block size {block_size}), max_model_len {max_model_len}")
+    subtitle = (
+        f"{workload_label}: {len(requests):,} requests, {config.num_slots:,} token slots "
+        f"(block size {block_size}), max_model_len {max_model_len}"
+    )
     png = _plot(rows, out_dir / "memory_breakdown.png", subtitle)
 
     table_rows = []
     for name, r in rows.items():
         pool, held = r["fraction_of_pool"], r["fraction_of_held"]
-        table_rows.append([
-            ALLOCATOR_LABELS.get(name, name).replace("\n", " "),
-            pct(held["token_states"]), pct(held["reserved_unused"]), pct(held["internal_fragmentation"]),
-            pct(held["external_fragmentation"]), pct(pool["free"]), f"{r['mean_concurrent']:.1f}",
-            r["peak_concurrent"], r["steps"],
-        ])
+        table_rows.append(
+            [
+                ALLOCATOR_LABELS.get(name, name).replace("\n", " "),
+                pct(held["token_states"]),
+                pct(held["reserved_unused"]),
+                pct(held["internal_fragmentation"]),
+                pct(held["external_fragmentation"]),
+                pct(pool["free"]),
+                f"{r['mean_concurrent']:.1f}",
+                r["peak_concurrent"],
+                r["steps"],
+            ]
+        )
     table = md_table(
-        ["allocator", "token states", "reserved, unused", "internal frag.", "external frag.",
-         "free (of pool)", "mean concurrent", "peak concurrent", "steps"],
+        [
+            "allocator",
+            "token states",
+            "reserved, unused",
+            "internal frag.",
+            "external frag.",
+            "free (of pool)",
+            "mean concurrent",
+            "peak concurrent",
+            "steps",
+        ],
         table_rows,
     )
     paged_share = rows["paged"]["fraction_of_held"]["token_states"]
@@ -180,7 +213,9 @@ def breakdown_study(
         image("KV memory breakdown", "memory_breakdown.png"),
         "",
         f"Token states fill **{pct(paged_share)}** of the memory pagedkv holds (paper: 96.3% for vLLM); "
-        + ", ".join(f"{pct(v)} under {ALLOCATOR_LABELS.get(n, n).replace(chr(10), ' ')}" for n, v in baseline_shares.items())
+        + ", ".join(
+            f"{pct(v)} under {ALLOCATOR_LABELS.get(n, n).replace(chr(10), ' ')}" for n, v in baseline_shares.items()
+        )
         + " (paper: 20.4% for Orca (Max), 38.2% for Orca (Oracle)).",
         "",
         *_explanations(requests, rows, config),
@@ -197,5 +232,6 @@ def breakdown_study(
         "skipped": comparison.skipped,
         "paper_token_state_fractions": PAPER_TOKEN_STATE_FRACTIONS,
     }
-    return StudyResult("memory_breakdown", "KV memory breakdown: paging vs reservation", comparison_data,
-                       "\n".join(lines), [png])
+    return StudyResult(
+        "memory_breakdown", "KV memory breakdown: paging vs reservation", comparison_data, "\n".join(lines), [png]
+    )

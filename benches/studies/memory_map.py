@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from pagedkv.sim.replay import PagedConfig, replay_paged
+from pagedkv.sim.workloads.request import TraceRequest
 from studies.plotting import new_figure, save_png
 from studies.report import StudyResult, image
-from pagedkv.sim.workloads.request import TraceRequest
 
 __all__ = ["memory_map_study", "record_memory_maps", "MemoryMapRecording"]
 
@@ -132,8 +132,13 @@ def _plot(recording: MemoryMapRecording, highlight_id: str, path: Path, subtitle
     grid = fig.add_gridspec(1, 2, width_ratios=[4, 1])
     ax_map = fig.add_subplot(grid[0])
     ax_table = fig.add_subplot(grid[1])
-    ax_map.imshow(picture, aspect="auto", interpolation="nearest", origin="lower",
-                  extent=(-0.5, steps - 0.5, -0.5, num_blocks - 0.5))
+    ax_map.imshow(
+        picture,
+        aspect="auto",
+        interpolation="nearest",
+        origin="lower",
+        extent=(-0.5, steps - 0.5, -0.5, num_blocks - 0.5),
+    )
     ax_map.set_xlabel("step")
     ax_map.set_ylabel("physical block id")
     ax_map.set_title("KV pool over time (colour = request holding the block)", fontsize=10)
@@ -144,7 +149,11 @@ def _plot(recording: MemoryMapRecording, highlight_id: str, path: Path, subtitle
             Patch(facecolor=CACHED_FREE_RGB, edgecolor="0.6", label="free, prefix still cached"),
             Patch(facecolor=FREE_RGB, edgecolor="0.6", label="free"),
         ],
-        loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4, fontsize=8, frameon=False,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.12),
+        ncol=4,
+        fontsize=8,
+        frameon=False,
     )
     table = recording.tables[highlight_id]
     ax_table.step(np.arange(len(table)), table, where="mid", color="0.75", linewidth=0.8)
@@ -172,7 +181,10 @@ def memory_map_study(
 ) -> StudyResult:
     """Draw the pool's memory map over a (short) replay of ``requests``."""
     config = PagedConfig(
-        num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
     )
     recording, result = record_memory_maps(requests, config)
@@ -181,8 +193,10 @@ def memory_map_study(
     # How scattered: physical neighbours among consecutive logical blocks, and the spread of ids.
     contiguous_pairs = int(np.sum(np.diff(table) == 1)) if len(table) > 1 else 0
     refs = recording.ref_counts
-    subtitle = (f"{workload_label}: {len(requests)} requests ({sum(r.n > 1 for r in requests)} with parallel samples), "
-                f"{num_blocks} blocks x {block_size} tokens, {result.total_steps} steps")
+    subtitle = (
+        f"{workload_label}: {len(requests)} requests ({sum(r.n > 1 for r in requests)} with parallel samples), "
+        f"{num_blocks} blocks x {block_size} tokens, {result.total_steps} steps"
+    )
     png = _plot(recording, highlight_id, out_dir / "memory_map.png", subtitle)
     data = {
         "workload": workload_label,
@@ -198,18 +212,20 @@ def memory_map_study(
         "mean_shared_blocks": float((refs > 1).sum(axis=1).mean()),
         "mean_cached_free_blocks": float(((refs == 0) & recording.cached).sum(axis=1).mean()),
     }
-    body = "\n".join([
-        f"{subtitle}; {result.num_preemptions} preemptions. x = step, y = physical block, colour = the request "
-        "holding the block; black = shared by several sequences (ref count > 1), light grey = free but still "
-        "in the prefix cache, white = free.",
-        "",
-        image("paged KV memory map", "memory_map.png"),
-        "",
-        f"Request `{highlight_id}` (red) grew to {len(table)} blocks; of its {max(len(table) - 1, 0)} pairs of "
-        f"consecutive logical blocks, {contiguous_pairs or 'none'} are physical neighbours, and its blocks span ids "
-        f"{int(table.min())}..{int(table.max())} of {num_blocks}. Its block table (right) is all the kernel needs "
-        "to find them. On average per step: "
-        f"{data['mean_blocks_in_use']:.0f} blocks in use, {data['mean_shared_blocks']:.1f} shared, "
-        f"{data['mean_cached_free_blocks']:.0f} free but cached.",
-    ])
+    body = "\n".join(
+        [
+            f"{subtitle}; {result.num_preemptions} preemptions. x = step, y = physical block, colour = the request "
+            "holding the block; black = shared by several sequences (ref count > 1), light grey = free but still "
+            "in the prefix cache, white = free.",
+            "",
+            image("paged KV memory map", "memory_map.png"),
+            "",
+            f"Request `{highlight_id}` (red) grew to {len(table)} blocks; of its {max(len(table) - 1, 0)} pairs of "
+            f"consecutive logical blocks, {contiguous_pairs or 'none'} are physical neighbours, and its blocks span ids "
+            f"{int(table.min())}..{int(table.max())} of {num_blocks}. Its block table (right) is all the kernel needs "
+            "to find them. On average per step: "
+            f"{data['mean_blocks_in_use']:.0f} blocks in use, {data['mean_shared_blocks']:.1f} shared, "
+            f"{data['mean_cached_free_blocks']:.0f} free but cached.",
+        ]
+    )
     return StudyResult("memory_map", "Paged KV memory map", data, body, [png])

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from pagedkv.sim.replay import PagedConfig, replay_paged
+from pagedkv.sim.workloads.request import TraceRequest
 from studies.plotting import new_figure, save_png
 from studies.report import StudyResult, image, md_table, pct
-from pagedkv.sim.workloads.request import TraceRequest
 
 __all__ = [
     "parallel_sampling_study",
@@ -53,11 +53,7 @@ def with_samples(requests: Sequence[TraceRequest], n: int) -> list[TraceRequest]
 
 def independent_copies(requests: Sequence[TraceRequest], n: int) -> list[TraceRequest]:
     """Each request as ``n`` separate one-sample requests with the same prompt and arrival."""
-    return [
-        dataclasses.replace(r, request_id=f"{r.request_id}/sample{k}", n=1)
-        for r in requests
-        for k in range(n)
-    ]
+    return [dataclasses.replace(r, request_id=f"{r.request_id}/sample{k}", n=1) for r in requests for k in range(n)]
 
 
 def _request_terms(request: TraceRequest, block_size: int, max_model_len: int) -> tuple[int, int, int]:
@@ -108,19 +104,26 @@ def _plot(data: dict[str, dict[str, Any]], path: Path, subtitle: str) -> Path:
         color = colors[index % len(colors)]
         bars = ax.bar(xs, measured, width=width * 0.9, color=color, label=f"{label}: measured")
         ax.bar_label(bars, fmt="%.1f%%", fontsize=8)
-        ax.scatter(xs, [100 * r["predicted_saving"] for r in rows], marker="_", s=400, color="black", zorder=3,
-                   label="block arithmetic" if index == 0 else None)
+        ax.scatter(
+            xs,
+            [100 * r["predicted_saving"] for r in rows],
+            marker="_",
+            s=400,
+            color="black",
+            zorder=3,
+            label="block arithmetic" if index == 0 else None,
+        )
         bound = 100 * data[label]["bound"]
-        ax.axhline(bound, color=color, linestyle="--", linewidth=1,
-                   label=f"{label}: limit as n grows ({bound:.0f}%)")
+        ax.axhline(bound, color=color, linestyle="--", linewidth=1, label=f"{label}: limit as n grows ({bound:.0f}%)")
     first = data[labels[0]]["rows"]
     ax.set_xticks(np.arange(len(first)), [f"n = {r['n']}" for r in first])
     ax.set_ylabel("KV block-steps saved by sharing (%)")
     ax.legend(fontsize=8, loc="upper left")
     ax.set_ylim(0, max(100 * d["bound"] for d in data.values()) * 1.25 + 1)
     ax.grid(axis="y", alpha=0.3)
-    ax.set_title(f"Parallel sampling: forked samples (copy-on-write) vs n independent requests\n{subtitle}",
-                 fontsize=10)
+    ax.set_title(
+        f"Parallel sampling: forked samples (copy-on-write) vs n independent requests\n{subtitle}", fontsize=10
+    )
     fig.tight_layout()
     return save_png(fig, path)
 
@@ -145,31 +148,36 @@ def parallel_sampling_study(
             runs = {}
             for kind, reqs in (("forked", with_samples(requests, n)), ("independent", independent_copies(requests, n))):
                 config = PagedConfig(
-                    num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
-                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                    num_blocks=num_blocks,
+                    block_size=block_size,
+                    max_model_len=max_model_len,
+                    max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max_num_batched_tokens,
                     enable_prefix_caching=False,
                 )
                 runs[kind] = replay_paged(reqs, config)
             forked, independent = runs["forked"], runs["independent"]
             predicted_forked = predicted_block_steps(requests, n, block_size, max_model_len, shared=True)
             predicted_independent = predicted_block_steps(requests, n, block_size, max_model_len, shared=False)
-            rows.append({
-                "n": n,
-                "forked_block_steps": forked.block_steps,
-                "independent_block_steps": independent.block_steps,
-                "saving_block_steps": 1 - forked.block_steps / independent.block_steps,
-                "forked_mean_blocks": forked.mean_blocks_in_use,
-                "independent_mean_blocks": independent.mean_blocks_in_use,
-                "forked_peak_blocks": forked.peak_blocks_in_use,
-                "independent_peak_blocks": independent.peak_blocks_in_use,
-                "saving_peak": 1 - forked.peak_blocks_in_use / independent.peak_blocks_in_use,
-                "predicted_forked_block_steps": predicted_forked,
-                "predicted_independent_block_steps": predicted_independent,
-                "predicted_saving": 1 - predicted_forked / predicted_independent,
-                "forked_steps": forked.total_steps,
-                "independent_steps": independent.total_steps,
-                "preemptions": forked.num_preemptions + independent.num_preemptions,
-            })
+            rows.append(
+                {
+                    "n": n,
+                    "forked_block_steps": forked.block_steps,
+                    "independent_block_steps": independent.block_steps,
+                    "saving_block_steps": 1 - forked.block_steps / independent.block_steps,
+                    "forked_mean_blocks": forked.mean_blocks_in_use,
+                    "independent_mean_blocks": independent.mean_blocks_in_use,
+                    "forked_peak_blocks": forked.peak_blocks_in_use,
+                    "independent_peak_blocks": independent.peak_blocks_in_use,
+                    "saving_peak": 1 - forked.peak_blocks_in_use / independent.peak_blocks_in_use,
+                    "predicted_forked_block_steps": predicted_forked,
+                    "predicted_independent_block_steps": predicted_independent,
+                    "predicted_saving": 1 - predicted_forked / predicted_independent,
+                    "forked_steps": forked.total_steps,
+                    "independent_steps": independent.total_steps,
+                    "preemptions": forked.num_preemptions + independent.num_preemptions,
+                }
+            )
         prompts = np.array([r.prompt_len for r in requests], dtype=np.float64)
         outputs = np.array([min(r.output_len, max_model_len - r.prompt_len) for r in requests], dtype=np.float64)
         data[label] = {
@@ -196,11 +204,29 @@ def parallel_sampling_study(
             f"{pct(d['bound'])}",
             "",
             md_table(
-                ["n", "saving (block-steps)", "predicted", "saving (peak)", "mean blocks forked",
-                 "mean blocks independent", "steps forked / independent", "preemptions"],
-                [[r["n"], pct(r["saving_block_steps"]), pct(r["predicted_saving"]), pct(r["saving_peak"]),
-                  f"{r['forked_mean_blocks']:,.0f}", f"{r['independent_mean_blocks']:,.0f}",
-                  f"{r['forked_steps']:,} / {r['independent_steps']:,}", r["preemptions"]] for r in d["rows"]],
+                [
+                    "n",
+                    "saving (block-steps)",
+                    "predicted",
+                    "saving (peak)",
+                    "mean blocks forked",
+                    "mean blocks independent",
+                    "steps forked / independent",
+                    "preemptions",
+                ],
+                [
+                    [
+                        r["n"],
+                        pct(r["saving_block_steps"]),
+                        pct(r["predicted_saving"]),
+                        pct(r["saving_peak"]),
+                        f"{r['forked_mean_blocks']:,.0f}",
+                        f"{r['independent_mean_blocks']:,.0f}",
+                        f"{r['forked_steps']:,} / {r['independent_steps']:,}",
+                        r["preemptions"],
+                    ]
+                    for r in d["rows"]
+                ],
             ),
             "",
         ]
@@ -221,5 +247,6 @@ def parallel_sampling_study(
         "num_blocks": num_blocks,
         "workloads": data,
     }
-    return StudyResult("parallel_sampling", "Parallel sampling: blocks saved by sharing", result_data,
-                       "\n".join(lines), [png])
+    return StudyResult(
+        "parallel_sampling", "Parallel sampling: blocks saved by sharing", result_data, "\n".join(lines), [png]
+    )

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.sim.replay import PagedConfig, replay_paged
+from pagedkv.sim.workloads.request import TraceRequest
 from studies.plotting import new_figure, save_png
 from studies.report import StudyResult, image, md_table, pct
-from pagedkv.sim.workloads.request import TraceRequest
 
 __all__ = ["prefix_cache_study", "declared_prefix_hits", "default_pool_sizes", "unbounded_pool_blocks"]
 
@@ -72,10 +72,12 @@ def _plot(data: dict[str, dict[str, Any]], path: Path, subtitle: str, block_size
         color = colors[index % len(colors)]
         xs = [r["num_blocks"] for r in d["rows"]]
         ax_rate.plot(xs, [100 * r["hit_rate"] for r in d["rows"]], marker="o", color=color, label=label)
-        ax_rate.axhline(100 * d["unbounded"]["hit_rate"], color=color, linestyle="--", linewidth=1,
-                        label=f"{label}: unbounded pool")
-        ax_rate.axhline(100 * d["declared_hit_rate"], color=color, linestyle=":", linewidth=1,
-                        label=f"{label}: declared sharing")
+        ax_rate.axhline(
+            100 * d["unbounded"]["hit_rate"], color=color, linestyle="--", linewidth=1, label=f"{label}: unbounded pool"
+        )
+        ax_rate.axhline(
+            100 * d["declared_hit_rate"], color=color, linestyle=":", linewidth=1, label=f"{label}: declared sharing"
+        )
         ax_saved.plot(xs, [r["prefill_tokens_saved"] for r in d["rows"]], marker="o", color=color, label=label)
     sizes = sorted({r["num_blocks"] for d in data.values() for r in d["rows"]})
     for ax in (ax_rate, ax_saved):
@@ -115,22 +117,27 @@ def prefix_cache_study(
         unbounded_blocks = unbounded_pool_blocks(requests, block_size, max_model_len)
         for num_blocks in [*pool_sizes, unbounded_blocks]:
             config = PagedConfig(
-                num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len,
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
             )
             result = replay_paged(requests, config)
-            rows.append({
-                "num_blocks": num_blocks,
-                "num_slots": config.num_slots,
-                "hit_rate": result.prefix_cache_hit_rate,
-                "prefill_tokens_saved": result.prefix_cache_hits,
-                "prefix_cache_queries": result.prefix_cache_queries,
-                "tokens_computed": result.tokens_computed,
-                "num_preemptions": result.num_preemptions,
-                "resumed_prefix_hits": result.resumed_prefix_hits,
-                "steps": result.total_steps,
-                "mean_concurrent": result.mean_running,
-            })
+            rows.append(
+                {
+                    "num_blocks": num_blocks,
+                    "num_slots": config.num_slots,
+                    "hit_rate": result.prefix_cache_hit_rate,
+                    "prefill_tokens_saved": result.prefix_cache_hits,
+                    "prefix_cache_queries": result.prefix_cache_queries,
+                    "tokens_computed": result.tokens_computed,
+                    "num_preemptions": result.num_preemptions,
+                    "resumed_prefix_hits": result.resumed_prefix_hits,
+                    "steps": result.total_steps,
+                    "mean_concurrent": result.mean_running,
+                }
+            )
         unbounded = rows.pop()
         data[label] = {
             "num_requests": len(requests),
@@ -164,11 +171,30 @@ def prefix_cache_study(
             + (f"{near:,} blocks." if near else "more than the largest pool."),
             "",
             md_table(
-                ["pool (blocks)", "hit rate", "prefill tokens saved", "tokens computed", "preemptions",
-                 "mean concurrent", "steps"],
-                [[r["num_blocks"], pct(r["hit_rate"]), r["prefill_tokens_saved"], r["tokens_computed"],
-                  r["num_preemptions"], f"{r['mean_concurrent']:.1f}", r["steps"]]
-                 for r in [*d["rows"], {**d["unbounded"], "num_blocks": f"{d['unbounded']['num_blocks']:,} (unbounded)"}]],
+                [
+                    "pool (blocks)",
+                    "hit rate",
+                    "prefill tokens saved",
+                    "tokens computed",
+                    "preemptions",
+                    "mean concurrent",
+                    "steps",
+                ],
+                [
+                    [
+                        r["num_blocks"],
+                        pct(r["hit_rate"]),
+                        r["prefill_tokens_saved"],
+                        r["tokens_computed"],
+                        r["num_preemptions"],
+                        f"{r['mean_concurrent']:.1f}",
+                        r["steps"],
+                    ]
+                    for r in [
+                        *d["rows"],
+                        {**d["unbounded"], "num_blocks": f"{d['unbounded']['num_blocks']:,} (unbounded)"},
+                    ]
+                ],
             ),
             "",
         ]

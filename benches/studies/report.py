@@ -32,7 +32,7 @@ def fmt(value: Any, digits: int = 3) -> str:
     if isinstance(value, float):
         if not math.isfinite(value):
             return str(value)
-        return f"{value:,.0f}" if abs(value) >= 10 ** digits else f"{value:.{digits}g}"
+        return f"{value:,.0f}" if abs(value) >= 10**digits else f"{value:.{digits}g}"
     return str(value)
 
 
@@ -42,6 +42,7 @@ def pct(value: float | None, decimals: int = 1) -> str:
 
 def md_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub Markdown table; cells that are not strings go through :func:`fmt`."""
+
     def cell(value: Any) -> str:
         return value if isinstance(value, str) else fmt(value)
 

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedkv.sim.replay import PagedConfig, replay_paged
-from studies.report import StudyResult, md_table
 from pagedkv.sim.workloads.request import TraceRequest
+from studies.report import StudyResult, md_table
 
 __all__ = ["speed_study", "profile_split"]
 
@@ -63,7 +63,10 @@ def speed_study(
 ) -> StudyResult:
     """Best of ``repeats`` replays of ``requests``, and the profiled split of one more."""
     config = PagedConfig(
-        num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
     )
     results = [replay_paged(requests, config) for _ in range(max(repeats, 1))]
@@ -90,23 +93,40 @@ def speed_study(
         "machine": platform.processor() or platform.machine(),
     }
     table = md_table(
-        ["requests", "replay wall (best of %d)" % len(results), "steps", "us / step", "tokens computed",
-         "preemptions", "tokenization (apart)"],
-        [[len(requests), f"{best.wall_time_s:.2f} s", best.total_steps, f"{data['us_per_step']:.0f}",
-          best.tokens_computed, best.num_preemptions,
-          "-" if tokenization_s is None else f"{tokenization_s:.1f} s"]],
+        [
+            "requests",
+            f"replay wall (best of {len(results)})",
+            "steps",
+            "us / step",
+            "tokens computed",
+            "preemptions",
+            "tokenization (apart)",
+        ],
+        [
+            [
+                len(requests),
+                f"{best.wall_time_s:.2f} s",
+                best.total_steps,
+                f"{data['us_per_step']:.0f}",
+                best.tokens_computed,
+                best.num_preemptions,
+                "-" if tokenization_s is None else f"{tokenization_s:.1f} s",
+            ]
+        ],
     )
     split_table = md_table(
         ["where the replay's time goes (cProfile)", "share"],
         [[name, f"{100 * share:.0f}%"] for name, share in sorted(split.items(), key=lambda kv: -kv[1])],
     )
-    body = "\n".join([
-        f"{workload_label}: {len(requests):,} requests through `replay_paged` ({num_blocks:,} blocks x {block_size}, "
-        f"max_model_len {max_model_len}, max_num_seqs {max_num_seqs}) on {os.cpu_count()} cores. Target: 10,000 "
-        f"ShareGPT requests in under 10 s on a 2-core machine: **{best.wall_time_s:.2f} s**.",
-        "",
-        table,
-        "",
-        split_table,
-    ])
+    body = "\n".join(
+        [
+            f"{workload_label}: {len(requests):,} requests through `replay_paged` ({num_blocks:,} blocks x {block_size}, "
+            f"max_model_len {max_model_len}, max_num_seqs {max_num_seqs}) on {os.cpu_count()} cores. Target: 10,000 "
+            f"ShareGPT requests in under 10 s on a 2-core machine: **{best.wall_time_s:.2f} s**.",
+            "",
+            table,
+            "",
+            split_table,
+        ]
+    )
     return StudyResult("simulation_speed", "Simulation speed", data, body, [])

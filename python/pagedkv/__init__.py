@@ -26,8 +26,8 @@ from pagedkv.errors import *  # noqa: F401,F403  (the exception tree is part of 
 from pagedkv.errors import __all__ as _errors_all
 
 if TYPE_CHECKING:
-    from pagedkv.engine.async_llm import AsyncLLM
     from pagedkv.engine.args import EngineArgs
+    from pagedkv.engine.async_llm import AsyncLLM
     from pagedkv.engine.llm import LLM
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.engine.outputs import CompletionOutput, RequestOutput

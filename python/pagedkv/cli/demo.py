@@ -62,22 +62,33 @@ def run(args: argparse.Namespace) -> int:
     t_load = time.perf_counter()
     try:
         engine = LLMEngine(
-            model=args.model, device=args.device, kv_cache_memory=args.kv_cache_memory << 20,
-            block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=2048, seed=args.seed,
+            model=args.model,
+            device=args.device,
+            kv_cache_memory=args.kv_cache_memory << 20,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=2048,
+            seed=args.seed,
         )
     except PagedKVError as exc:
         print(f"pagedkv demo: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     runner = engine.runner
-    print(f"model {runner.model_path} ({runner.dtype}, {runner.device}, attention: {runner.attention_backend}), "
-          f"loaded in {time.perf_counter() - t_load:.1f} s")
-    print(f"KV cache: {runner.num_blocks} blocks x {runner.block_size} tokens = {runner.num_blocks * runner.block_size} "
-          f"token slots, {runner.kv_cache_bytes / 2**20:.0f} MiB ({runner.bytes_per_block // runner.block_size} bytes/token)")
+    print(
+        f"model {runner.model_path} ({runner.dtype}, {runner.device}, attention: {runner.attention_backend}), "
+        f"loaded in {time.perf_counter() - t_load:.1f} s"
+    )
+    print(
+        f"KV cache: {runner.num_blocks} blocks x {runner.block_size} tokens = {runner.num_blocks * runner.block_size} "
+        f"token slots, {runner.kv_cache_bytes / 2**20:.0f} MiB ({runner.bytes_per_block // runner.block_size} bytes/token)"
+    )
     prompts = _sharegpt_prompts(engine.tokenizer, args.num_prompts, args.max_prompt_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     for i, (_, ids) in enumerate(prompts):
         engine.add_request(f"sharegpt-{i}", ids, params)
-    print(f"{len(prompts)} ShareGPT prompts ({sum(len(ids) for _, ids in prompts)} tokens), max_tokens={args.max_tokens}")
+    print(
+        f"{len(prompts)} ShareGPT prompts ({sum(len(ids) for _, ids in prompts)} tokens), max_tokens={args.max_tokens}"
+    )
 
     finished = {}
     peak_usage = 0.0
@@ -107,10 +118,16 @@ def run(args: argparse.Namespace) -> int:
     gen = stats["generation_tokens"]
     print("\n=== pagedkv demo ===")
     print(f"requests           {len(finished)} in {elapsed:.1f} s ({stats['steps']} steps)")
-    print(f"throughput         {gen / elapsed:.1f} output tokens/s, {stats['tokens_computed'] / elapsed:.1f} tokens computed/s")
+    print(
+        f"throughput         {gen / elapsed:.1f} output tokens/s, {stats['tokens_computed'] / elapsed:.1f} tokens computed/s"
+    )
     print(f"KV usage           peak {peak_usage:.0%} of {stats['num_blocks']} blocks")
     print(f"KV utilization     {held / max(slots, 1):.1%} of allocated slots hold a token (time-averaged)")
-    print(f"prefix cache       {stats['prefix_cache_hit_rate']:.1%} of prompt tokens hit "
-          f"({stats['prefix_cache_hits']} / {stats['prefix_cache_queries']})")
-    print(f"preemptions        {stats['num_preemptions']} (recompute; {stats['resumed_prefix_hits']} tokens re-read from the cache on resume)")
+    print(
+        f"prefix cache       {stats['prefix_cache_hit_rate']:.1%} of prompt tokens hit "
+        f"({stats['prefix_cache_hits']} / {stats['prefix_cache_queries']})"
+    )
+    print(
+        f"preemptions        {stats['num_preemptions']} (recompute; {stats['resumed_prefix_hits']} tokens re-read from the cache on resume)"
+    )
     return 0

@@ -1,7 +1,7 @@
 """`pagedkv generate`: generate text for one or more prompts from the command line.
 
-    pagedkv generate --prompt "The capital of France is" --max-tokens 32 --temperature 0
-    pagedkv generate --model Qwen/Qwen2.5-0.5B-Instruct --chat --prompt "Tell me a joke"
+pagedkv generate --prompt "The capital of France is" --max-tokens 32 --temperature 0
+pagedkv generate --model Qwen/Qwen2.5-0.5B-Instruct --chat --prompt "Tell me a joke"
 """
 
 from __future__ import annotations
@@ -14,9 +14,13 @@ from pagedkv.errors import PagedKVError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face model id or folder (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="Hugging Face model id or folder (default: embedded SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template (each prompt is a user message)")
+    p.add_argument(
+        "--chat", action="store_true", help="apply the model's chat template (each prompt is a user message)"
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--min-tokens", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.7)
@@ -41,8 +45,15 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         params = SamplingParams(
-            n=args.n, max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+            n=args.n,
+            max_tokens=args.max_tokens,
+            min_tokens=args.min_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            seed=args.seed,
+            stop=args.stop,
             ignore_eos=args.ignore_eos,
         )
         engine_args = {"dtype": args.dtype, "device": args.device, "block_size": args.block_size}
@@ -59,10 +70,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedkv generate: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps([
-            {"prompt": p, "completions": [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason} for c in o.outputs]}
-            for p, o in zip(args.prompt, outs)
-        ], indent=2))
+        print(
+            json.dumps(
+                [
+                    {
+                        "prompt": p,
+                        "completions": [
+                            {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                            for c in o.outputs
+                        ],
+                    }
+                    for p, o in zip(args.prompt, outs)
+                ],
+                indent=2,
+            )
+        )
     else:
         for p, o in zip(args.prompt, outs):
             for c in o.outputs:

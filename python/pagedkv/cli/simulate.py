@@ -50,56 +50,113 @@ def _length_spec(text: str) -> int | tuple[int, int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     workload = parser.add_argument_group("workload")
     workload.add_argument(
-        "--workload", default="sharegpt", metavar="NAME",
+        "--workload",
+        default="sharegpt",
+        metavar="NAME",
         help="sharegpt (first turns), sharegpt-multiturn, shared-prefix, or trace:PATH (JSONL trace) "
         "[default: sharegpt]",
     )
-    workload.add_argument("--num-requests", type=int, default=None,
-                          help="requests to replay [default: 1000; a trace: all of its lines]")
-    workload.add_argument("--rate", type=float, default=None,
-                          help="arrival rate in requests/s (multi-turn: conversations/s); default: all at t=0 "
-                          "(a trace keeps its own times unless --rate is given)")
-    workload.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of inter-arrival gaps [default: 1, Poisson]")
+    workload.add_argument(
+        "--num-requests", type=int, default=None, help="requests to replay [default: 1000; a trace: all of its lines]"
+    )
+    workload.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="arrival rate in requests/s (multi-turn: conversations/s); default: all at t=0 "
+        "(a trace keeps its own times unless --rate is given)",
+    )
+    workload.add_argument(
+        "--cv", type=float, default=1.0, help="coefficient of variation of inter-arrival gaps [default: 1, Poisson]"
+    )
     workload.add_argument("--n", type=int, default=None, help="parallel samples per request (overrides the workload's)")
-    workload.add_argument("--seed", type=int, default=0, help="seed of arrivals, shuffling and synthetic tokens [default: 0]")
-    workload.add_argument("--shuffle", action="store_true", help="sharegpt*: visit conversations in a seeded random order")
-    workload.add_argument("--turn-interval", type=float, default=30.0,
-                          help="sharegpt-multiturn: seconds between turns of a conversation [default: 30]")
-    workload.add_argument("--max-turns", type=int, default=None, help="sharegpt-multiturn: turns per conversation at most")
+    workload.add_argument(
+        "--seed", type=int, default=0, help="seed of arrivals, shuffling and synthetic tokens [default: 0]"
+    )
+    workload.add_argument(
+        "--shuffle", action="store_true", help="sharegpt*: visit conversations in a seeded random order"
+    )
+    workload.add_argument(
+        "--turn-interval",
+        type=float,
+        default=30.0,
+        help="sharegpt-multiturn: seconds between turns of a conversation [default: 30]",
+    )
+    workload.add_argument(
+        "--max-turns", type=int, default=None, help="sharegpt-multiturn: turns per conversation at most"
+    )
     workload.add_argument("--num-prefixes", type=int, default=8, help="shared-prefix: system prompts [default: 8]")
-    workload.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: tokens per system prompt [default: 512]")
-    workload.add_argument("--user-len", type=_length_spec, default=(16, 256),
-                          help="shared-prefix: private prompt tokens, N or LOW:HIGH [default: 16:256]")
-    workload.add_argument("--output-len", type=_length_spec, default=(16, 512),
-                          help="shared-prefix: output tokens, N or LOW:HIGH [default: 16:512]")
+    workload.add_argument(
+        "--prefix-len", type=int, default=512, help="shared-prefix: tokens per system prompt [default: 512]"
+    )
+    workload.add_argument(
+        "--user-len",
+        type=_length_spec,
+        default=(16, 256),
+        help="shared-prefix: private prompt tokens, N or LOW:HIGH [default: 16:256]",
+    )
+    workload.add_argument(
+        "--output-len",
+        type=_length_spec,
+        default=(16, 512),
+        help="shared-prefix: output tokens, N or LOW:HIGH [default: 16:512]",
+    )
     workload.add_argument("--zipf", type=float, default=1.0, help="shared-prefix: popularity exponent [default: 1]")
 
     memory = parser.add_argument_group("KV memory (one of --kv-memory / --num-blocks)")
     budget = memory.add_mutually_exclusive_group()
-    budget.add_argument("--kv-memory", "--kv-bytes", dest="kv_memory", default=None, metavar="SIZE",
-                        help=f"KV-cache budget in bytes, e.g. 8GiB, 512MB, 1e9 [default: {DEFAULT_KV_MEMORY}]")
+    budget.add_argument(
+        "--kv-memory",
+        "--kv-bytes",
+        dest="kv_memory",
+        default=None,
+        metavar="SIZE",
+        help=f"KV-cache budget in bytes, e.g. 8GiB, 512MB, 1e9 [default: {DEFAULT_KV_MEMORY}]",
+    )
     budget.add_argument("--num-blocks", type=int, default=None, help="KV-cache budget in blocks")
-    memory.add_argument("--model-config", default=None, metavar="PATH",
-                        help="config.json (or a folder with one) giving layers / KV heads / head_dim / dtype "
-                        "[default: the embedded SmolLM2-135M-Instruct]")
-    memory.add_argument("--kv-dtype", default="auto",
-                        help="KV-cache dtype: auto (the config's), float32, bfloat16, float16, fp8 [default: auto]")
+    memory.add_argument(
+        "--model-config",
+        default=None,
+        metavar="PATH",
+        help="config.json (or a folder with one) giving layers / KV heads / head_dim / dtype "
+        "[default: the embedded SmolLM2-135M-Instruct]",
+    )
+    memory.add_argument(
+        "--kv-dtype",
+        default="auto",
+        help="KV-cache dtype: auto (the config's), float32, bfloat16, float16, fp8 [default: auto]",
+    )
 
     sched = parser.add_argument_group("scheduler")
     sched.add_argument("--block-size", type=int, default=16, help="tokens per block [default: 16]")
-    sched.add_argument("--max-model-len", type=int, default=2048, help="longest sequence, prompt + output [default: 2048]")
+    sched.add_argument(
+        "--max-model-len", type=int, default=2048, help="longest sequence, prompt + output [default: 2048]"
+    )
     sched.add_argument("--max-num-seqs", type=int, default=256, help="running sequences at most [default: 256]")
-    sched.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step at most [default: 8192]")
+    sched.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192, help="tokens per step at most [default: 8192]"
+    )
     sched.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    sched.add_argument("--watermark", type=float, default=0.01,
-                       help="fraction of blocks admission keeps free for running decodes [default: 0.01, the scheduler's]")
-    sched.add_argument("--step-duration", type=float, default=0.02,
-                       help="simulated seconds per step; maps arrival times onto steps [default: 0.02]")
+    sched.add_argument(
+        "--watermark",
+        type=float,
+        default=0.01,
+        help="fraction of blocks admission keeps free for running decodes [default: 0.01, the scheduler's]",
+    )
+    sched.add_argument(
+        "--step-duration",
+        type=float,
+        default=0.02,
+        help="simulated seconds per step; maps arrival times onto steps [default: 0.02]",
+    )
     sched.add_argument("--no-baselines", action="store_true", help="replay only the paged scheduler")
 
     report = parser.add_argument_group("report")
-    report.add_argument("--breakdown", action="store_true",
-                        help="add the memory breakdown (token states, reserved, internal / external fragmentation)")
+    report.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="add the memory breakdown (token states, reserved, internal / external fragmentation)",
+    )
     report.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -162,11 +219,17 @@ def format_report(report: dict[str, Any], *, breakdown: bool = False) -> str:
     rows = [[label, *(_fmt(allocators[n][key], kind) for n in names)] for label, key, kind in _ROWS]
     if breakdown:
         rows.append(["memory breakdown (time avg of pool)", *([""] * len(names))])
-        rows += [[label, *(_fmt(allocators[n]["breakdown"][key], "pct") for n in names)] for label, key in _BREAKDOWN_ROWS]
+        rows += [
+            [label, *(_fmt(allocators[n]["breakdown"][key], "pct") for n in names)] for label, key in _BREAKDOWN_ROWS
+        ]
     widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
     lines.append("")
     for index, row in enumerate([headers, *rows]):
-        lines.append("  ".join(str(cell).ljust(widths[0]) if i == 0 else str(cell).rjust(widths[i]) for i, cell in enumerate(row)))
+        lines.append(
+            "  ".join(
+                str(cell).ljust(widths[0]) if i == 0 else str(cell).rjust(widths[i]) for i, cell in enumerate(row)
+            )
+        )
         if index == 0:
             lines.append("  ".join("-" * width for width in widths))
     for policy, reason in report["skipped"].items():

@@ -33,10 +33,10 @@ from concurrent.futures import Future
 from typing import Any
 
 from pagedkv.engine.args import EngineArgs
-from pagedkv.errors import EngineDeadError, PagedKVError, RequestFailedError, UnknownRequestError
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.prompts import PromptType
+from pagedkv.errors import EngineDeadError, PagedKVError, RequestFailedError, UnknownRequestError
 from pagedkv.sample.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError"]

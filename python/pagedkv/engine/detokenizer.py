@@ -50,8 +50,10 @@ def make_decode_fn(tokenizer: Any) -> DecodeFn:
     for tokenizers that enable that cleanup.
     """
     backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is not None and hasattr(backend, "decode") and not getattr(
-        tokenizer, "clean_up_tokenization_spaces", False
+    if (
+        backend is not None
+        and hasattr(backend, "decode")
+        and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
     ):
 
         def decode_backend(ids: Sequence[int], skip_special_tokens: bool) -> str:
@@ -89,11 +91,7 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         self.min_tokens = min_tokens
         # Longest stop string minus one: the most characters a partial match can occupy.
-        self._stop_buffer = (
-            max(len(s) for s in self.stop) - 1
-            if self.stop and not include_stop_str_in_output
-            else 0
-        )
+        self._stop_buffer = max(len(s) for s in self.stop) - 1 if self.stop and not include_stop_str_in_output else 0
 
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:]) if prompt_token_ids else []
         # Context tokens then the decoded generated tokens; offsets index into this list.
@@ -167,9 +165,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode_new_text(self) -> str:
-        prefix_text = self._decode(
-            self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens
-        )
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset], self.skip_special_tokens)
         full_text = self._decode(self._ids[self._prefix_offset :], self.skip_special_tokens)
         if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
             # Incomplete character (or a skipped special token): wait for more tokens.

@@ -1,9 +1,9 @@
 """``LLM``: offline batched generation with vLLM's interface.
 
-    llm = pagedkv.LLM()                       # the embedded SmolLM2-135M-Instruct
-    outs = llm.generate(["Hello", "The capital of France is"],
-                        pagedkv.SamplingParams(max_tokens=32, temperature=0))
-    print(outs[0].outputs[0].text)
+llm = pagedkv.LLM()                       # the embedded SmolLM2-135M-Instruct
+outs = llm.generate(["Hello", "The capital of France is"],
+                    pagedkv.SamplingParams(max_tokens=32, temperature=0))
+print(outs[0].outputs[0].text)
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from pagedkv.engine.args import EngineArgs
-from pagedkv.errors import InvalidArgumentError, InvalidTypeError
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.prompts import PromptType, chat_prompt, is_single_prompt
+from pagedkv.errors import InvalidArgumentError, InvalidTypeError
 from pagedkv.sample.sampling_params import SamplingParams
 
 __all__ = ["LLM"]
@@ -61,11 +61,10 @@ class LLM:
         if is_single_prompt(prompts):
             prompt_list: list[PromptType] = [prompts]  # type: ignore[list-item]
         elif isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
-            prompt_list = list(prompts)
+            prompt_list = list(cast("Sequence[PromptType]", prompts))
         else:
             raise InvalidTypeError(
-                "prompts must be a str, a list of token ids, a dict, or a list of those; "
-                f"got {type(prompts).__name__}"
+                f"prompts must be a str, a list of token ids, a dict, or a list of those; got {type(prompts).__name__}"
             )
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
@@ -74,9 +73,7 @@ class LLM:
         elif isinstance(sampling_params, Sequence) and not isinstance(sampling_params, (str, bytes)):
             params_list = list(sampling_params)
             if len(params_list) != len(prompt_list):
-                raise InvalidArgumentError(
-                    f"got {len(params_list)} sampling params for {len(prompt_list)} prompts"
-                )
+                raise InvalidArgumentError(f"got {len(params_list)} sampling params for {len(prompt_list)} prompts")
         else:
             raise InvalidTypeError(
                 f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
@@ -154,7 +151,12 @@ class LLM:
             raise InvalidTypeError("messages must be a conversation (list of dicts) or a list of conversations")
         tokenizer = self.get_tokenizer()
         prompts: list[PromptType] = [
-            chat_prompt(tokenizer, conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt)
+            chat_prompt(
+                tokenizer,
+                cast("Conversation", conv),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+            )
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -34,25 +34,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from pagedkv._core import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedkv._core import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.outputs import Logprob, RequestOutput
+from pagedkv.engine.prompts import PromptType, to_token_ids
+from pagedkv.engine.request_state import RequestState
 from pagedkv.errors import (
     ConfigError,
     InvalidTypeError,
     ModelLoadError,
     UnknownRequestError,
 )
-from pagedkv.worker.model_runner import ModelRunner
-from pagedkv.engine.outputs import Logprob, RequestOutput
-from pagedkv.engine.prompts import PromptType, to_token_ids
-from pagedkv.engine.request_state import RequestState
 from pagedkv.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedkv.sample.sampling_params import SamplingParams
+from pagedkv.worker.model_runner import ModelRunner
 
 __all__ = ["LLMEngine"]
 
@@ -83,7 +83,9 @@ class LLMEngine:
         )
         self.max_model_len = self.runner.max_model_len
         check_pool_holds_one_request(
-            self.runner.num_blocks, self.runner.block_size, self.max_model_len,
+            self.runner.num_blocks,
+            self.runner.block_size,
+            self.max_model_len,
             f", {self.runner.kv_cache_bytes} bytes",
         )
         self.scheduler = Scheduler(
@@ -154,7 +156,9 @@ class LLMEngine:
         self._check_params_for_model(params)
         text, prompt_ids = to_token_ids(prompt, self.tokenizer, self.runner.vocab_size)
         state = RequestState(request_id, text, prompt_ids, params, self.tokenizer, self.runner.device, arrival_time)
-        max_tokens = params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(prompt_ids))
+        max_tokens = (
+            params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(prompt_ids))
+        )
         with self._lock:
             self.scheduler.add_request(
                 request_id,
@@ -298,7 +302,9 @@ class LLMEngine:
         return state.output()
 
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput:
-        params, generators, banned = [], [], {}
+        params: list[SamplingParams] = []
+        generators: list[torch.Generator | None] = []
+        banned: dict[int, list[int]] = {}
         for row, (rid, index) in enumerate(zip(out.sampled_req_ids, out.sample_indices.tolist())):
             state = self.requests.get(rid)
             if state is None:
@@ -325,7 +331,9 @@ class LLMEngine:
         )
         return self.sampler(logits, metadata)
 
-    def _apply_updates(self, out: SchedulerOutput, updates: list, sampled: SamplerOutput) -> list[RequestOutput]:
+    def _apply_updates(
+        self, out: SchedulerOutput, updates: Sequence[RequestUpdate], sampled: SamplerOutput
+    ) -> list[RequestOutput]:
         now = time.time()
         # Logits row of each (request, sample), needed only to read logprobs.
         rows = (
@@ -355,7 +363,12 @@ class LLMEngine:
         return outputs + failed
 
     def _apply_update(
-        self, state: RequestState, u: Any, rows: dict[tuple[str, int], int], sampled: SamplerOutput, now: float
+        self,
+        state: RequestState,
+        u: RequestUpdate,
+        rows: dict[tuple[str, int], int],
+        sampled: SamplerOutput,
+        now: float,
     ) -> None:
         sample = state.samples[u.index]
         token = u.new_token_ids[0]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -13,7 +13,7 @@ __all__ = ["PromptType", "chat_prompt", "check_text", "is_single_prompt", "to_to
 
 # A text prompt, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]} (with an
 # optional "prompt" text kept for the output).
-PromptType = Union[str, Sequence[int], dict]
+PromptType = str | Sequence[int] | dict
 
 
 def is_single_prompt(prompts: Any) -> bool:
@@ -48,9 +48,7 @@ def to_token_ids(prompt: PromptType, tokenizer: Any, vocab_size: int) -> tuple[s
         text = None
         ids = _check_ids(prompt, vocab_size)
     else:
-        raise InvalidTypeError(
-            f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}"
-        )
+        raise InvalidTypeError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
     if not ids:
         raise InvalidArgumentError("the prompt is empty (no tokens)")
     return text, ids
@@ -65,7 +63,7 @@ def check_text(text: str, what: str = "the prompt") -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise InvalidArgumentError(
-            f"{what} is not valid Unicode: {exc.reason} at character {exc.start} ({text[exc.start:exc.end]!r})"
+            f"{what} is not valid Unicode: {exc.reason} at character {exc.start} ({text[exc.start : exc.end]!r})"
         ) from None
     return text
 
@@ -82,7 +80,9 @@ def _check_ids(ids: Any, vocab_size: int) -> list[int]:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
             raise InvalidTypeError(f"prompt token {i} is {type(t).__name__}, not an int")
         if not 0 <= int(t) < vocab_size:
-            raise InvalidTokenError(f"prompt token id {int(t)} at index {i} is outside the vocabulary [0, {vocab_size})")
+            raise InvalidTokenError(
+                f"prompt token id {int(t)} at index {i} is outside the vocabulary [0, {vocab_size})"
+            )
         out.append(int(t))
     return out
 

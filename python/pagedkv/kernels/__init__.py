@@ -183,8 +183,16 @@ def paged_attention(
     if max_seqlen_q is None and query.device.type == "cpu" and cu_seqlens_q.numel() > 1:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # free on the CPU
     return _triton_module("triton_attention").paged_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
-        scale=float(scale), out=out, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        scale=float(scale),
+        out=out,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k,
     )
 
 
@@ -271,7 +279,9 @@ class AttentionBackend:
             if self.name != "triton" and slot_mapping.numel() and int(slot_mapping.min()) < 0:
                 rows = (slot_mapping >= 0).nonzero().flatten()
                 facts.update(store_rows=rows.to(device), store_slots=slot_mapping[rows].to(device))
-        tables, lens, cu = (t.to(device, non_blocking=True).contiguous() for t in (block_tables, seq_lens, cu_seqlens_q))
+        tables, lens, cu = (
+            t.to(device, non_blocking=True).contiguous() for t in (block_tables, seq_lens, cu_seqlens_q)
+        )
         if self.name == "cpu" and device.type == "cpu" and "host_seq_lens" in facts:
             facts["cpu_views"] = (tables.numpy(), lens.numpy(), cu.numpy())
         return AttentionMetadata(
@@ -302,8 +312,9 @@ class AttentionBackend:
             _triton_module("triton_store").store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         elif meta.store_rows is not None:
             assert meta.store_slots is not None
-            reference.write_slots(key[meta.store_rows], value[meta.store_rows], key_cache, value_cache,
-                                  meta.store_slots)
+            reference.write_slots(
+                key[meta.store_rows], value[meta.store_rows], key_cache, value_cache, meta.store_slots
+            )
         elif meta.host_seq_lens is not None:  # host facts known: no slot is -1
             reference.write_slots(key, value, key_cache, value_cache, meta.slot_mapping)
         else:
@@ -329,18 +340,43 @@ class AttentionBackend:
             return cpu.paged_attention_prepared(query, key_cache, value_cache, meta, scale=float(scale), out=out)
         if self.name in ("cpu", "torch"):
             if meta.host_cu_seqlens_q is None or meta.host_seq_lens is None:
-                return reference.paged_attention(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                                 meta.cu_seqlens_q, scale=scale, out=out)
+                return reference.paged_attention(
+                    query,
+                    key_cache,
+                    value_cache,
+                    meta.block_tables,
+                    meta.seq_lens,
+                    meta.cu_seqlens_q,
+                    scale=scale,
+                    out=out,
+                )
             if out is None:
                 out = torch.zeros_like(query)
-            reference.attend_host(query, key_cache, value_cache, meta.block_tables, meta.seq_lens,
-                                  meta.host_cu_seqlens_q, meta.host_seq_lens, scale=scale, out=out)
+            reference.attend_host(
+                query,
+                key_cache,
+                value_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                meta.host_cu_seqlens_q,
+                meta.host_seq_lens,
+                scale=scale,
+                out=out,
+            )
             return out
         if out is None:
             out = torch.zeros_like(query)
         return _triton_module("triton_attention").paged_attention(
-            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-            scale=float(scale), out=out, max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+            query,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.cu_seqlens_q,
+            scale=float(scale),
+            out=out,
+            max_seqlen_q=meta.max_seqlen_q,
+            max_seqlen_k=meta.max_seqlen_k,
         )
 
 

@@ -73,8 +73,9 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as handle:
         handle.write(cubin)
         handle.flush()
-        listing = subprocess.run([str(cuobjdump), "--dump-resource-usage", handle.name],
-                                 capture_output=True, text=True, check=True).stdout
+        listing = subprocess.run(
+            [str(cuobjdump), "--dump-resource-usage", handle.name], capture_output=True, text=True, check=True
+        ).stdout
     for line in listing.splitlines():
         fields = dict(f.split(":", 1) for f in line.split() if ":" in f and f.split(":", 1)[1].isdigit())
         if "REG" in fields:
@@ -104,8 +105,12 @@ def _attention_cases(arch: int, quick: bool) -> list[tuple[str, dict]]:
     cases = []
     for index, (dtype, cache_dtype, head_dim) in enumerate(variants):
         for num_splits in (1, 4) if index == 0 or not quick else (4,):
-            cases.append((f"{dtype}/{cache_dtype}/D{head_dim}/splits{num_splits}",
-                          dict(dtype=dtype, cache_dtype=cache_dtype, head_dim=head_dim, num_splits=num_splits)))
+            cases.append(
+                (
+                    f"{dtype}/{cache_dtype}/D{head_dim}/splits{num_splits}",
+                    dict(dtype=dtype, cache_dtype=cache_dtype, head_dim=head_dim, num_splits=num_splits),
+                )
+            )
     return cases
 
 
@@ -126,10 +131,15 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[CompiledVariant]:
             result = JITFunction.run(kernel, *args, grid=grid, warmup=True, **kwargs)
             compiled.append((current_case[0], result))
             return result
+
         return run
 
-    kernels = [triton_decode.decode_split_kernel, triton_decode.merge_splits_kernel,
-               triton_prefill.prefill_kernel, triton_store._store_kv_kernel]
+    kernels = [
+        triton_decode.decode_split_kernel,
+        triton_decode.merge_splits_kernel,
+        triton_prefill.prefill_kernel,
+        triton_store._store_kv_kernel,
+    ]
     for kernel in kernels:
         kernel.run = compile_only(kernel)
     try:
@@ -139,10 +149,16 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[CompiledVariant]:
             query = torch.empty(num_seqs + 100, num_heads, case["head_dim"], dtype=case["dtype"])
             cache = torch.empty(64, block_size, num_kv_heads, case["head_dim"], dtype=case["cache_dtype"])
             triton_attention.paged_attention(
-                query, cache, cache,
-                torch.zeros(num_seqs, 40, dtype=torch.int32), torch.zeros(num_seqs, dtype=torch.int32),
+                query,
+                cache,
+                cache,
+                torch.zeros(num_seqs, 40, dtype=torch.int32),
+                torch.zeros(num_seqs, dtype=torch.int32),
                 torch.zeros(num_seqs + 1, dtype=torch.int32),
-                scale=0.1, out=torch.empty_like(query), max_seqlen_q=100, num_splits=case["num_splits"],
+                scale=0.1,
+                out=torch.empty_like(query),
+                max_seqlen_q=100,
+                num_splits=case["num_splits"],
             )
         store_dtypes = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float8_e5m2)]
         if arch >= 89 and not quick:
@@ -165,11 +181,17 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[CompiledVariant]:
         seen.add(identity)
         registers, spilled = _resource_usage(result.asm["cubin"])
         ttgir = result.asm["ttgir"]
-        variants.append(CompiledVariant(
-            kernel=result.name.lstrip("_"), case=case_name, registers=registers, spilled_bytes=spilled,
-            shared_bytes=result.metadata.shared, async_copies=ttgir.count("async_copy_global_to_local"),
-            wgmma=ttgir.count("warp_group_dot "),
-        ))
+        variants.append(
+            CompiledVariant(
+                kernel=result.name.lstrip("_"),
+                case=case_name,
+                registers=registers,
+                spilled_bytes=spilled,
+                shared_bytes=result.metadata.shared,
+                async_copies=ttgir.count("async_copy_global_to_local"),
+                wgmma=ttgir.count("warp_group_dot "),
+            )
+        )
     return variants
 
 
@@ -185,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{'kernel':22s} {'case':44s} {'regs':>5s} {'spill':>6s} {'smem':>7s} {'cp.async':>8s} {'wgmma':>6s}")
     for v in variants:
-        print(f"{v.kernel:22s} {v.case:44s} {v.registers:5d} {v.spilled_bytes:6d} {v.shared_bytes:7d} "
-              f"{v.async_copies:8d} {v.wgmma:6d}")
+        print(
+            f"{v.kernel:22s} {v.case:44s} {v.registers:5d} {v.spilled_bytes:6d} {v.shared_bytes:7d} "
+            f"{v.async_copies:8d} {v.wgmma:6d}"
+        )
     return 0
 
 

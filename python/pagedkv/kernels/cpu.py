@@ -64,8 +64,15 @@ def paged_attention(
     lens = seq_lens.to(torch.int32).contiguous()
     cu = cu_seqlens_q.to(torch.int32).contiguous()
     decoded = paged_decode_attention_cpu(
-        query.contiguous().numpy(), key_cache.numpy(), value_cache.numpy(), tables.numpy(), lens.numpy(),
-        cu.numpy(), result.numpy(), float(scale), torch.get_num_threads(),
+        query.contiguous().numpy(),
+        key_cache.numpy(),
+        value_cache.numpy(),
+        tables.numpy(),
+        lens.numpy(),
+        cu.numpy(),
+        result.numpy(),
+        float(scale),
+        torch.get_num_threads(),
     )
     if decoded < lens.shape[0]:
         reference.attend_extend_rows(query, key_cache, value_cache, tables, lens, cu, scale=scale, out=result)
@@ -91,13 +98,28 @@ def paged_attention_prepared(
     if fast and meta.num_decodes:
         tables, lens, cu = meta.cpu_views
         paged_decode_attention_cpu(
-            query.contiguous().numpy(), key_cache.numpy(), value_cache.numpy(), tables, lens, cu,
-            result.numpy(), float(scale), torch.get_num_threads(),
+            query.contiguous().numpy(),
+            key_cache.numpy(),
+            value_cache.numpy(),
+            tables,
+            lens,
+            cu,
+            result.numpy(),
+            float(scale),
+            torch.get_num_threads(),
         )
     if not fast or meta.num_extends:
         reference.attend_host(
-            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.host_cu_seqlens_q,
-            meta.host_seq_lens, scale=scale, out=result, decodes=not fast,
+            query,
+            key_cache,
+            value_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.host_cu_seqlens_q,
+            meta.host_seq_lens,
+            scale=scale,
+            out=result,
+            decodes=not fast,
         )
     if out is not None and result is not out:
         out.copy_(result)

@@ -109,8 +109,17 @@ def paged_attention(
     if out is None:
         out = torch.zeros_like(query)
     # Host copies of the small index arrays, read once for both parts (a sync on a GPU).
-    attend_host(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q.tolist(), seq_lens.tolist(),
-                scale=scale, out=out)
+    attend_host(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q.tolist(),
+        seq_lens.tolist(),
+        scale=scale,
+        out=out,
+    )
     return out
 
 
@@ -171,8 +180,13 @@ def _decode_rows(
     for chunk in _decode_chunks(decodes, lens, key_cache.shape[1], key_cache.shape[2] * head_dim):
         rows = torch.tensor([cu[b] for b in chunk], device=query.device)
         out[rows] = _attend_decodes(
-            query[rows], key_cache, value_cache, block_tables[chunk], seq_lens[chunk],
-            scale, compute_dtype,
+            query[rows],
+            key_cache,
+            value_cache,
+            block_tables[chunk],
+            seq_lens[chunk],
+            scale,
+            compute_dtype,
         ).to(out.dtype)
 
 
@@ -208,8 +222,13 @@ def _extend_rows(
         q_len = cu[b + 1] - cu[b]
         if q_len > 1:
             out[cu[b] : cu[b + 1]] = _attend_one_sequence(
-                query[cu[b] : cu[b + 1]], key_cache, value_cache, block_tables[b], lens[b],
-                scale, compute_dtype,
+                query[cu[b] : cu[b + 1]],
+                key_cache,
+                value_cache,
+                block_tables[b],
+                lens[b],
+                scale,
+                compute_dtype,
             ).to(out.dtype)
 
 
@@ -221,9 +240,7 @@ def _compute_dtype(query: torch.Tensor) -> torch.dtype:
     return query.dtype
 
 
-def _decode_chunks(
-    decodes: list[int], lens: list[int], block_size: int, elements_per_token: int
-) -> list[list[int]]:
+def _decode_chunks(decodes: list[int], lens: list[int], block_size: int, elements_per_token: int) -> list[list[int]]:
     """Cut the decode sequences, sorted by length, into chunks within the gather budget.
 
     Sorting keeps the padding of each chunk small (a chunk pads to its longest sequence,

@@ -76,7 +76,12 @@ class DecodeWorkspace:
 
     @classmethod
     def allocate(
-        cls, num_seqs: int, num_heads: int, num_splits: int, head_dim: int, device: torch.device,
+        cls,
+        num_seqs: int,
+        num_heads: int,
+        num_splits: int,
+        head_dim: int,
+        device: torch.device,
         fill: float | None = None,
     ) -> DecodeWorkspace:
         def make(*shape: int) -> torch.Tensor:
@@ -204,20 +209,40 @@ def paged_attention(
         if num_splits is None:
             num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, _num_sms(query.device))
         _launch_decode(
-            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out,
-            scale_log2e=scale_log2e, num_splits=num_splits, workspace=workspace, group=group,
-            head_dim_padded=head_dim_padded, dot_precision=dot_precision,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            cu_seqlens_q,
+            out,
+            scale_log2e=scale_log2e,
+            num_splits=num_splits,
+            workspace=workspace,
+            group=group,
+            head_dim_padded=head_dim_padded,
+            dot_precision=dot_precision,
             config=decode_config or default_decode_config(head_dim_padded, query.dtype),
         )
     if has_prefill:
         config = prefill_config or default_prefill_config(head_dim_padded, query.dtype)
         grid = (num_tokens // config.block_m + num_seqs, num_heads)
         prefill_kernel[grid](
-            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            cu_seqlens_q,
+            out,
             scale_log2e,
-            *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(),
+            *query.stride(),
+            *key_cache.stride(),
+            *value_cache.stride(),
+            *block_tables.stride(),
             *out.stride(),
-            num_seqs, head_dim,
+            num_seqs,
+            head_dim,
             GROUP=group,
             BLOCK_SIZE=block_size,
             BLOCK_M=config.block_m,
@@ -266,11 +291,23 @@ def _launch_decode(
         partials = (workspace.partial_out, workspace.partial_max, workspace.partial_sum)
 
     decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out, *partials,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        out,
+        *partials,
         scale_log2e,
-        *query.stride(), *key_cache.stride(), *value_cache.stride(), *block_tables.stride(),
+        *query.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *block_tables.stride(),
         *out.stride(),
-        num_heads, num_splits, head_dim,
+        num_heads,
+        num_splits,
+        head_dim,
         GROUP=group,
         GROUP_PADDED=max(16, triton.next_power_of_2(group)),
         BLOCK_SIZE=key_cache.shape[1],
@@ -283,9 +320,15 @@ def _launch_decode(
     )
     if workspace is not None:
         merge_splits_kernel[(num_seqs, num_heads)](
-            workspace.partial_out, workspace.partial_max, workspace.partial_sum, cu_seqlens_q, out,
+            workspace.partial_out,
+            workspace.partial_max,
+            workspace.partial_sum,
+            cu_seqlens_q,
+            out,
             *out.stride(),
-            num_heads, num_splits, head_dim,
+            num_heads,
+            num_splits,
+            head_dim,
             SPLITS_PADDED=triton.next_power_of_2(num_splits),
             HEAD_DIM_PADDED=head_dim_padded,
             num_warps=4,

@@ -41,20 +41,35 @@ __all__ = ["decode_split_kernel", "merge_splits_kernel"]
 @triton.jit
 def _decode_split_kernel(
     query_ptr,  # [T, H, D]
-    key_cache_ptr, value_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    key_cache_ptr,
+    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     cu_seqlens_q_ptr,  # [B + 1] int32
     out_ptr,  # [T, H, D], written when WRITE_OUTPUT
     partial_out_ptr,  # [B, H, num_splits, D] fp32, written unless WRITE_OUTPUT
-    partial_max_ptr, partial_sum_ptr,  # [B, H, num_splits] fp32
+    partial_max_ptr,
+    partial_sum_ptr,  # [B, H, num_splits] fp32
     scale_log2e,  # softmax scale * log2(e)
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_bt_b, stride_bt_n,
-    stride_ot, stride_oh, stride_od,
-    num_heads, num_splits, head_dim,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_bt_b,
+    stride_bt_n,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    num_heads,
+    num_splits,
+    head_dim,
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PADDED: tl.constexpr,  # >= 16, power of two
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
@@ -100,8 +115,13 @@ def _decode_split_kernel(
         row_in_block = tokens % BLOCK_SIZE
         kv_mask = token_mask[:, None] & dim_mask[None, :]
 
-        k_ptrs = (key_cache_ptr + physical_block[:, None] * stride_kb + row_in_block[:, None] * stride_ks
-                  + kv_head_offset_k + dims[None, :] * stride_kd)
+        k_ptrs = (
+            key_cache_ptr
+            + physical_block[:, None] * stride_kb
+            + row_in_block[:, None] * stride_ks
+            + kv_head_offset_k
+            + dims[None, :] * stride_kd
+        )
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, D]
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [GROUP_PADDED, BLOCK_N]
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
@@ -111,8 +131,13 @@ def _decode_split_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
-        v_ptrs = (value_cache_ptr + physical_block[:, None] * stride_vb + row_in_block[:, None] * stride_vs
-                  + kv_head_offset_v + dims[None, :] * stride_vd)
+        v_ptrs = (
+            value_cache_ptr
+            + physical_block[:, None] * stride_vb
+            + row_in_block[:, None] * stride_vs
+            + kv_head_offset_v
+            + dims[None, :] * stride_vd
+        )
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -134,11 +159,16 @@ def _decode_split_kernel(
 @triton.jit
 def _merge_splits_kernel(
     partial_out_ptr,  # [B, H, num_splits, D] fp32
-    partial_max_ptr, partial_sum_ptr,  # [B, H, num_splits] fp32
+    partial_max_ptr,
+    partial_sum_ptr,  # [B, H, num_splits] fp32
     cu_seqlens_q_ptr,  # [B + 1] int32
     out_ptr,  # [T, H, D]
-    stride_ot, stride_oh, stride_od,
-    num_heads, num_splits, head_dim,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    num_heads,
+    num_splits,
+    head_dim,
     SPLITS_PADDED: tl.constexpr,  # power of two >= num_splits
     HEAD_DIM_PADDED: tl.constexpr,
 ):
@@ -156,14 +186,17 @@ def _merge_splits_kernel(
     entry = (seq.to(tl.int64) * num_heads + head) * num_splits + splits  # [SPLITS_PADDED]
 
     m = tl.load(partial_max_ptr + entry, mask=split_mask, other=float("-inf"))
-    l = tl.load(partial_sum_ptr + entry, mask=split_mask, other=0.0)
+    split_sum = tl.load(partial_sum_ptr + entry, mask=split_mask, other=0.0)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # no key anywhere: all weights 0
     weight = tl.exp2(m - m_max)  # 0 for empty and padded splits
-    total = tl.sum(weight * l, axis=0)
+    total = tl.sum(weight * split_sum, axis=0)
 
-    acc = tl.load(partial_out_ptr + entry[:, None] * head_dim + dims[None, :],
-                  mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    acc = tl.load(
+        partial_out_ptr + entry[:, None] * head_dim + dims[None, :],
+        mask=split_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
     result = tl.sum(weight[:, None] * acc, axis=0) / tl.where(total > 0.0, total, 1.0)
     o_ptrs = out_ptr + q_row.to(tl.int64) * stride_ot + head * stride_oh + dims * stride_od
     tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=dim_mask)

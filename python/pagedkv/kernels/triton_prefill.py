@@ -53,13 +53,32 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q,  # running state [BLOCK_M, D], [BLOCK_M], [BLOCK_M]; q [BLOCK_M, D]
-    key_cache_ptr, value_cache_ptr, block_table_row,
-    kv_head_offset_k, kv_head_offset_v,
-    stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_bt_n,
-    start, kv_end, last_visible,  # keys start .. start+BLOCK_N-1; valid below kv_end; row r sees <= last_visible[r]
-    dims, dim_mask, scale_log2e,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,  # running state [BLOCK_M, D], [BLOCK_M], [BLOCK_M]; q [BLOCK_M, D]
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_row,
+    kv_head_offset_k,
+    kv_head_offset_v,
+    stride_kb,
+    stride_ks,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vd,
+    stride_bt_n,
+    start,
+    kv_end,
+    last_visible,  # keys start .. start+BLOCK_N-1; valid below kv_end; row r sees <= last_visible[r]
+    dims,
+    dim_mask,
+    scale_log2e,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     tokens = start + tl.arange(0, BLOCK_N)
     row_in_block = tokens % BLOCK_SIZE
@@ -72,8 +91,13 @@ def _attend_tile(
         kv_mask = dim_mask[None, :]
     physical_block = physical_block.to(tl.int64)
 
-    k_ptrs = (key_cache_ptr + physical_block[:, None] * stride_kb + row_in_block[:, None] * stride_ks
-              + kv_head_offset_k + dims[None, :] * stride_kd)
+    k_ptrs = (
+        key_cache_ptr
+        + physical_block[:, None] * stride_kb
+        + row_in_block[:, None] * stride_ks
+        + kv_head_offset_k
+        + dims[None, :] * stride_kd
+    )
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
     if MASKED:
@@ -89,8 +113,13 @@ def _attend_tile(
     p = tl.exp2(scores - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
 
-    v_ptrs = (value_cache_ptr + physical_block[:, None] * stride_vb + row_in_block[:, None] * stride_vs
-              + kv_head_offset_v + dims[None, :] * stride_vd)
+    v_ptrs = (
+        value_cache_ptr
+        + physical_block[:, None] * stride_vb
+        + row_in_block[:, None] * stride_vs
+        + kv_head_offset_v
+        + dims[None, :] * stride_vd
+    )
     v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -99,18 +128,31 @@ def _attend_tile(
 @triton.jit
 def _prefill_kernel(
     query_ptr,  # [T, H, D]
-    key_cache_ptr, value_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    key_cache_ptr,
+    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     cu_seqlens_q_ptr,  # [B + 1] int32
     out_ptr,  # [T, H, D]
     scale_log2e,
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_bt_b, stride_bt_n,
-    stride_ot, stride_oh, stride_od,
-    num_seqs, head_dim,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_bt_b,
+    stride_bt_n,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    num_seqs,
+    head_dim,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per program
@@ -140,8 +182,9 @@ def _prefill_kernel(
     row_mask = rows < q_len
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_mask = dims < head_dim
-    q_ptrs = (query_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh
-              + dims[None, :] * stride_qd)
+    q_ptrs = (
+        query_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh + dims[None, :] * stride_qd
+    )
     q = tl.load(q_ptrs, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
 
     last_visible = prefix + rows  # row r sees keys 0 .. last_visible[r]
@@ -160,25 +203,66 @@ def _prefill_kernel(
 
     for start in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table_row,
-            kv_head_offset_k, kv_head_offset_v,
-            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_bt_n,
-            start, kv_end, last_visible, dims, dim_mask, scale_log2e,
-            BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table_row,
+            kv_head_offset_k,
+            kv_head_offset_v,
+            stride_kb,
+            stride_ks,
+            stride_kd,
+            stride_vb,
+            stride_vs,
+            stride_vd,
+            stride_bt_n,
+            start,
+            kv_end,
+            last_visible,
+            dims,
+            dim_mask,
+            scale_log2e,
+            BLOCK_SIZE,
+            BLOCK_N,
+            False,
+            DOT_PRECISION,
         )
     for start in range(unmasked_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, key_cache_ptr, value_cache_ptr, block_table_row,
-            kv_head_offset_k, kv_head_offset_v,
-            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_bt_n,
-            start, kv_end, last_visible, dims, dim_mask, scale_log2e,
-            BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+            acc,
+            m_i,
+            l_i,
+            q,
+            key_cache_ptr,
+            value_cache_ptr,
+            block_table_row,
+            kv_head_offset_k,
+            kv_head_offset_v,
+            stride_kb,
+            stride_ks,
+            stride_kd,
+            stride_vb,
+            stride_vs,
+            stride_vd,
+            stride_bt_n,
+            start,
+            kv_end,
+            last_visible,
+            dims,
+            dim_mask,
+            scale_log2e,
+            BLOCK_SIZE,
+            BLOCK_N,
+            True,
+            DOT_PRECISION,
         )
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     result = acc / l_safe[:, None]
-    o_ptrs = (out_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh
-              + dims[None, :] * stride_od)
+    o_ptrs = out_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_od
     tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 

@@ -26,14 +26,27 @@ __all__ = ["store_kv"]
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr,  # [T, Hkv, D]
-    key_cache_ptr, value_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    key_ptr,
+    value_ptr,  # [T, Hkv, D]
+    key_cache_ptr,
+    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
     slot_mapping_ptr,  # [T] int64
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_kcb, stride_kcs, stride_kch, stride_kcd,
-    stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    num_kv_heads, head_dim,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    num_kv_heads,
+    head_dim,
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block (power of two)
     HEADS_PER_PROGRAM: tl.constexpr,  # power of two
     HEAD_DIM_PADDED: tl.constexpr,  # power of two >= head_dim
@@ -52,10 +65,20 @@ def _store_kv_kernel(
     k = tl.load(key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :] * stride_kd, mask=mask)
     v = tl.load(value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :] * stride_vd, mask=mask)
 
-    k_dst = (key_cache_ptr + block * stride_kcb + offset_in_block * stride_kcs
-             + heads[:, None] * stride_kch + dims[None, :] * stride_kcd)
-    v_dst = (value_cache_ptr + block * stride_vcb + offset_in_block * stride_vcs
-             + heads[:, None] * stride_vch + dims[None, :] * stride_vcd)
+    k_dst = (
+        key_cache_ptr
+        + block * stride_kcb
+        + offset_in_block * stride_kcs
+        + heads[:, None] * stride_kch
+        + dims[None, :] * stride_kcd
+    )
+    v_dst = (
+        value_cache_ptr
+        + block * stride_vcb
+        + offset_in_block * stride_vcs
+        + heads[:, None] * stride_vch
+        + dims[None, :] * stride_vcd
+    )
     tl.store(k_dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -77,14 +100,20 @@ def store_kv(
     if num_tokens == 0:
         return
     head_dim_padded = triton.next_power_of_2(head_dim)
-    heads_per_program = min(
-        triton.next_power_of_2(num_kv_heads), max(1, _MAX_ELEMENTS_PER_PROGRAM // head_dim_padded)
-    )
+    heads_per_program = min(triton.next_power_of_2(num_kv_heads), max(1, _MAX_ELEMENTS_PER_PROGRAM // head_dim_padded))
     grid = (num_tokens, triton.cdiv(num_kv_heads, heads_per_program))
     _store_kv_kernel[grid](
-        key, value, key_cache, value_cache, slot_mapping,
-        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
-        num_kv_heads, head_dim,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        num_kv_heads,
+        head_dim,
         BLOCK_SIZE=key_cache.shape[1],
         HEADS_PER_PROGRAM=heads_per_program,
         HEAD_DIM_PADDED=head_dim_padded,

@@ -47,9 +47,7 @@ TRITON_HEAD_DIMS = (64, 80, 96, 128, 256)
 # Query / K / V dtypes of the Triton kernels; the torch path also takes float64.
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # A cache may also be stored in float8 (unit scale); it is upcast to the query's dtype on load.
-FP8_CACHE_DTYPES = tuple(
-    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)
-)
+FP8_CACHE_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
 _TORCH_DTYPES = (*TRITON_DTYPES, torch.float64)
 
 
@@ -83,7 +81,9 @@ def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> Non
             f"value_cache shape {tuple(value_cache.shape)} differs from key_cache shape {tuple(key_cache.shape)}"
         )
     if value_cache.dtype != key_cache.dtype:
-        raise InvalidArgumentError(f"value_cache dtype {value_cache.dtype} differs from key_cache dtype {key_cache.dtype}")
+        raise InvalidArgumentError(
+            f"value_cache dtype {value_cache.dtype} differs from key_cache dtype {key_cache.dtype}"
+        )
     block_size = key_cache.shape[1]
     if block_size < 8 or block_size & (block_size - 1):
         raise InvalidArgumentError(f"block_size (key_cache.shape[1]) must be a power of two >= 8, got {block_size}")
@@ -96,9 +96,7 @@ def _check_compute_dtypes(name: str, dtype: torch.dtype, cache_dtype: torch.dtyp
             f"{name} dtype {dtype} is not supported by the {backend} backend (supported: {', '.join(map(str, allowed))})"
         )
     if cache_dtype != dtype and cache_dtype not in FP8_CACHE_DTYPES:
-        raise InvalidArgumentError(
-            f"cache dtype {cache_dtype} must equal {name} dtype {dtype} (or be a float8 type)"
-        )
+        raise InvalidArgumentError(f"cache dtype {cache_dtype} must equal {name} dtype {dtype} (or be a float8 type)")
 
 
 def _check_fp8_support(cache_dtype: torch.dtype, device: torch.device, backend: str) -> None:
@@ -128,8 +126,13 @@ def check_store_kv_args(
     slot_mapping: torch.Tensor,
     backend: str,
 ) -> None:
-    for name, arg in (("key", key), ("value", value), ("key_cache", key_cache),
-                      ("value_cache", value_cache), ("slot_mapping", slot_mapping)):
+    for name, arg in (
+        ("key", key),
+        ("value", value),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("slot_mapping", slot_mapping),
+    ):
         _require_tensor(name, arg)
     _require_dim("key", key, 3, "[num_tokens, num_kv_heads, head_dim]")
     if value.shape != key.shape:
@@ -144,8 +147,9 @@ def check_store_kv_args(
     _check_slot_mapping(slot_mapping, key.shape[0], "key has")
     _check_compute_dtypes("key", key.dtype, key_cache.dtype, backend)
     _check_head_dim(key.shape[2], backend)
-    _require_same_device({"key": key, "value": value, "key_cache": key_cache,
-                          "value_cache": value_cache, "slot_mapping": slot_mapping})
+    _require_same_device(
+        {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache, "slot_mapping": slot_mapping}
+    )
     _check_fp8_support(key_cache.dtype, key_cache.device, backend)
     if slot_mapping.device.type == "cpu":
         _check_slot_values(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
@@ -155,9 +159,7 @@ def _check_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, owner: str)
     _require_dim("slot_mapping", slot_mapping, 1, "[num_tokens]")
     _require_dtype("slot_mapping", slot_mapping, torch.int64)
     if slot_mapping.shape[0] != num_tokens:
-        raise InvalidArgumentError(
-            f"slot_mapping has {slot_mapping.shape[0]} entries but {owner} {num_tokens} tokens"
-        )
+        raise InvalidArgumentError(f"slot_mapping has {slot_mapping.shape[0]} entries but {owner} {num_tokens} tokens")
 
 
 def _check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
@@ -179,8 +181,14 @@ def check_paged_attention_args(
     out: torch.Tensor | None,
     backend: str,
 ) -> None:
-    for name, arg in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
-                      ("block_tables", block_tables), ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
+    for name, arg in (
+        ("query", query),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("cu_seqlens_q", cu_seqlens_q),
+    ):
         _require_tensor(name, arg)
     _require_dim("query", query, 3, "[num_tokens, num_heads, head_dim]")
     _check_cache_pair(key_cache, value_cache)
@@ -189,22 +197,25 @@ def check_paged_attention_args(
     if key_cache.shape[3] != head_dim:
         raise InvalidArgumentError(f"query head_dim {head_dim} differs from the cache's head_dim {key_cache.shape[3]}")
     if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise InvalidArgumentError(
-            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
+        raise InvalidArgumentError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     _check_compute_dtypes("query", query.dtype, key_cache.dtype, backend)
     _check_head_dim(head_dim, backend)
 
     _check_batch_shapes(block_tables, seq_lens, cu_seqlens_q)
     _check_scale(scale)
-    tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache,
-               "block_tables": block_tables, "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q}
+    tensors = {
+        "query": query,
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "block_tables": block_tables,
+        "seq_lens": seq_lens,
+        "cu_seqlens_q": cu_seqlens_q,
+    }
     if out is not None:
         _require_tensor("out", out)
         if out.shape != query.shape or out.dtype != query.dtype:
             raise InvalidArgumentError(
-                f"out must match query ({tuple(query.shape)}, {query.dtype}), "
-                f"got ({tuple(out.shape)}, {out.dtype})"
+                f"out must match query ({tuple(query.shape)}, {query.dtype}), got ({tuple(out.shape)}, {out.dtype})"
             )
         tensors["out"] = out
     _require_same_device(tensors)
@@ -266,7 +277,9 @@ def _check_batch_values(
     used_ids = block_tables[in_use]
     if used_ids.numel() and (int(used_ids.min()) < 0 or int(used_ids.max()) >= num_blocks):
         bad = int(used_ids.min()) if int(used_ids.min()) < 0 else int(used_ids.max())
-        raise InvalidArgumentError(f"block_tables holds block id {bad} for a used block; the cache has {num_blocks} blocks")
+        raise InvalidArgumentError(
+            f"block_tables holds block id {bad} for a used block; the cache has {num_blocks} blocks"
+        )
 
 
 # ---------------------------------------------------------------- per step / per layer
@@ -291,8 +304,14 @@ def check_step_metadata(
 ) -> None:
     """Everything about one step that every layer shares, checked once: the cache geometry and
     dtypes for ``backend``, and the index tensors' shapes, dtypes and (on the host) values."""
-    for name, arg in (("slot_mapping", slot_mapping), ("block_tables", block_tables), ("seq_lens", seq_lens),
-                      ("cu_seqlens_q", cu_seqlens_q), ("key_cache", key_cache), ("value_cache", value_cache)):
+    for name, arg in (
+        ("slot_mapping", slot_mapping),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+    ):
         _require_tensor(name, arg)
     _check_cache_pair(key_cache, value_cache)
     _check_compute_dtypes("query", dtype, key_cache.dtype, backend)
@@ -301,8 +320,9 @@ def check_step_metadata(
     _check_fp8_support(key_cache.dtype, key_cache.device, backend)
     _check_slot_mapping(slot_mapping, num_tokens, "the step has")
     _check_batch_shapes(block_tables, seq_lens, cu_seqlens_q)
-    _require_same_device({"slot_mapping": slot_mapping, "block_tables": block_tables, "seq_lens": seq_lens,
-                          "cu_seqlens_q": cu_seqlens_q})
+    _require_same_device(
+        {"slot_mapping": slot_mapping, "block_tables": block_tables, "seq_lens": seq_lens, "cu_seqlens_q": cu_seqlens_q}
+    )
     if slot_mapping.device.type == "cpu":
         num_blocks, block_size = key_cache.shape[0], key_cache.shape[1]
         _check_slot_values(slot_mapping, num_blocks * block_size)
@@ -374,9 +394,9 @@ def check_layer_attention(
         )
     _check_scale(scale)
     if out is not None and (
-        not isinstance(out, torch.Tensor) or out.shape != query.shape or out.dtype != query.dtype
+        not isinstance(out, torch.Tensor)
+        or out.shape != query.shape
+        or out.dtype != query.dtype
         or out.device != query.device
     ):
-        raise InvalidArgumentError(
-            f"out must match query ({tuple(query.shape)}, {query.dtype}), got {_describe(out)}"
-        )
+        raise InvalidArgumentError(f"out must match query ({tuple(query.shape)}, {query.dtype}), got {_describe(out)}")

@@ -208,9 +208,7 @@ class SamplingMetadata:
         """
         num_rows = len(params)
         if generators is not None and len(generators) != num_rows:
-            raise InvalidArgumentError(
-                f"generators has {len(generators)} entries for {num_rows} rows"
-            )
+            raise InvalidArgumentError(f"generators has {len(generators)} entries for {num_rows} rows")
         temperatures = [p.temperature for p in params]
         greedy_rows = [i for i, t in enumerate(temperatures) if t == 0.0]
         all_greedy = len(greedy_rows) == num_rows
@@ -339,9 +337,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """``logits``: [S, V] (float32 preferred; other float dtypes are upcast). Not modified."""
         if logits.dim() != 2 or logits.shape[0] != metadata.num_rows:
-            raise InvalidArgumentError(
-                f"logits must be [S={metadata.num_rows}, V], got shape {tuple(logits.shape)}"
-            )
+            raise InvalidArgumentError(f"logits must be [S={metadata.num_rows}, V], got shape {tuple(logits.shape)}")
         logits = logits.float()
         method = self.method or ("exponential" if logits.device.type == "cuda" else "inverse_cdf")
         workspace = self._workspace.acquire()
@@ -536,9 +532,7 @@ class _Step:
         mass_limit = torch.tensor(top_ps, dtype=torch.float32, device=device) * total
         mass_limit.masked_fill_(torch.tensor([not u for u in uses_p], device=device), _INF)
         by_count = set(k_by_rejection)
-        count_limit = torch.tensor(
-            [float(top_ks[j]) if j in by_count else _INF for j in range(num)], device=device
-        )
+        count_limit = torch.tensor([float(top_ks[j]) if j in by_count else _INF for j in range(num)], device=device)
         # Decisions that need no pass (exact, with a margin so that near-boundary cases do get
         # the pass): the most likely token (weight 1) is always kept; a token holding more
         # than 1 - p of the mass is in the nucleus (mass above it <= total - its own weight);

@@ -82,8 +82,7 @@ class SamplingParams:
         self.min_tokens = _check_int("min_tokens", self.min_tokens, minimum=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ConfigError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > "
-                f"max_tokens={self.max_tokens}"
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} > max_tokens={self.max_tokens}"
             )
         self.temperature = _check_float("temperature", self.temperature)
         if self.temperature < 0.0:
@@ -110,9 +109,7 @@ class SamplingParams:
         self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, minimum=0)
-        self.include_stop_str_in_output = _check_bool(
-            "include_stop_str_in_output", self.include_stop_str_in_output
-        )
+        self.include_stop_str_in_output = _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
         if self.temperature < SAMPLING_EPS:
             # Greedy ignores the filters; normalizing them lets the sampler skip their work.

@@ -164,10 +164,7 @@ class ContiguousArena:
         return sum(hole for hole in self._hole_sizes.values() if hole < size)
 
     def check_invariants(self) -> None:
-        pieces = sorted(
-            [(s, n, "hole") for s, n in self.holes()]
-            + [(s, n, "region") for s, n in self.regions()]
-        )
+        pieces = sorted([(s, n, "hole") for s, n in self.holes()] + [(s, n, "region") for s, n in self.regions()])
         cursor, previous_kind = 0, None
         for start, size, kind in pieces:
             if start != cursor or size < 1:
@@ -176,9 +173,7 @@ class ContiguousArena:
                 raise InvariantViolationError(f"adjacent holes were not coalesced: {pieces}")
             cursor, previous_kind = start + size, kind
         if cursor != self.num_slots or self.num_free != sum(self._hole_sizes.values()):
-            raise InvariantViolationError(
-                f"arena pieces do not cover {self.num_slots} slots: {pieces}"
-            )
+            raise InvariantViolationError(f"arena pieces do not cover {self.num_slots} slots: {pieces}")
         if self._hole_starts != sorted(self._hole_sizes):
             raise InvariantViolationError("hole index is out of order")
 
@@ -205,9 +200,7 @@ class ReservationConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_model_len < 2:
-            raise ConfigError(
-                f"max_model_len must be >= 2 (prompt + output token), got {self.max_model_len}"
-            )
+            raise ConfigError(f"max_model_len must be >= 2 (prompt + output token), got {self.max_model_len}")
         if not (math.isfinite(self.step_duration_s) and self.step_duration_s > 0):
             raise ConfigError(f"step_duration_s must be finite and > 0, got {self.step_duration_s}")
 
@@ -289,9 +282,7 @@ def _region_size(request: TraceRequest, policy: ReservationPolicy, max_model_len
     return _final_len(request, max_model_len)
 
 
-def _validate(
-    requests: Sequence[TraceRequest], config: ReservationConfig, policy: ReservationPolicy
-) -> None:
+def _validate(requests: Sequence[TraceRequest], config: ReservationConfig, policy: ReservationPolicy) -> None:
     if policy is ReservationPolicy.MAX_LENGTH and config.max_model_len > config.num_slots:
         raise ConfigError(
             f"max_model_len {config.max_model_len} exceeds the arena's {config.num_slots} slots: "
@@ -307,15 +298,13 @@ def _validate(
         need = request.n * _region_size(request, policy, config.max_model_len)
         if need > config.num_slots:
             raise PromptTooLongError(
-                f"{where}: needs {need} slots ({request.n} x {need // request.n}) but the arena "
-                f"has {config.num_slots}"
+                f"{where}: needs {need} slots ({request.n} x {need // request.n}) but the arena has {config.num_slots}"
             )
         if request.n > config.max_num_seqs:
             raise ConfigError(f"{where}: n={request.n} exceeds max_num_seqs {config.max_num_seqs}")
         if request.n > config.max_num_batched_tokens:
             raise ConfigError(
-                f"{where}: n={request.n} decode tokens exceed max_num_batched_tokens "
-                f"{config.max_num_batched_tokens}"
+                f"{where}: n={request.n} decode tokens exceed max_num_batched_tokens {config.max_num_batched_tokens}"
             )
         if not config.enable_chunked_prefill and request.prompt_len > config.max_num_batched_tokens:
             raise ConfigError(
@@ -349,9 +338,7 @@ def replay_reservation(
     try:
         policy = ReservationPolicy(policy)
     except ValueError:
-        raise ConfigError(
-            f"unknown reservation policy {policy!r}; use 'max_length' or 'exact'"
-        ) from None
+        raise ConfigError(f"unknown reservation policy {policy!r}; use 'max_length' or 'exact'") from None
     ordered = sorted(requests, key=lambda request: request.arrival_time)
     _validate(ordered, config, policy)
 
@@ -439,9 +426,7 @@ def replay_reservation(
             reserved_unused += n * (live.final_len - live.current_len)
             internal += n * (live.region_size - live.final_len)
         external = (
-            arena.free_in_holes_smaller_than(_region_size(waiting[0], policy, config.max_model_len))
-            if waiting
-            else 0
+            arena.free_in_holes_smaller_than(_region_size(waiting[0], policy, config.max_model_len)) if waiting else 0
         )
         breakdown = MemoryBreakdown(
             step=counted_steps,
@@ -454,9 +439,7 @@ def replay_reservation(
             num_waiting=len(waiting),
         )
         if sum(breakdown.slots().values()) != config.num_slots:
-            raise InvariantViolationError(
-                f"breakdown does not add up to {config.num_slots}: {breakdown}"
-            )
+            raise InvariantViolationError(f"breakdown does not add up to {config.num_slots}: {breakdown}")
         for category, slots in breakdown.slots().items():
             sum_slots[category] += slots
             peak_slots[category] = max(peak_slots[category], slots)
@@ -470,9 +453,7 @@ def replay_reservation(
             layouts.append(
                 tuple(
                     sorted(
-                        (start, live.region_size, live.request.request_id)
-                        for live in running
-                        for start in live.starts
+                        (start, live.region_size, live.request.request_id) for live in running for start in live.starts
                     )
                 )
             )

@@ -146,8 +146,13 @@ def kv_geometry(config: Mapping[str, Any], *, kv_dtype: str = "auto", source: st
         head_dim = hidden[1] // num_heads[1]
     dtype, dtype_bytes = resolve_kv_dtype(kv_dtype, text, source)
     return KVGeometry(
-        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, dtype_bytes=dtype_bytes,
-        num_heads=num_heads[1] if num_heads is not None else None, source=source,
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        dtype_bytes=dtype_bytes,
+        num_heads=num_heads[1] if num_heads is not None else None,
+        source=source,
     )
 
 

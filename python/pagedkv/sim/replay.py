@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from pagedkv._core import Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
+from pagedkv.errors import ConfigError, PromptTooLongError
 from pagedkv.sim.baselines import (
     BREAKDOWN_CATEGORIES,
     MemoryBreakdown,
@@ -40,7 +41,6 @@ from pagedkv.sim.baselines import (
     first_step_at_or_after,
     replay_reservation,
 )
-from pagedkv.errors import ConfigError, PromptTooLongError
 from pagedkv.sim.workloads.request import TraceRequest
 
 __all__ = [
@@ -185,9 +185,7 @@ def replay_paged(
         now = step_index * config.step_duration_s
         while waiting and waiting[0].arrival_time <= now:
             r = waiting.popleft()
-            sched.add_request(
-                r.request_id, r.prompt_token_ids, max_tokens=r.output_len, ignore_eos=True, n=r.n
-            )
+            sched.add_request(r.request_id, r.prompt_token_ids, max_tokens=r.output_len, ignore_eos=True, n=r.n)
         out = sched.schedule()
         stats = sched.stats()
         if on_step is not None:

@@ -71,20 +71,31 @@ def build_workload(
         # Each conversation has >= 1 turn: this many conversations give >= num_requests turns
         # (when the data has them); the turns arriving last are cut.
         requests = sharegpt_multi_turn_requests(
-            num_requests, max_model_len=max_model_len, max_turns=max_turns, arrivals=arrivals,
-            turn_interval_s=turn_interval_s, arrival_seed=seed, shuffle_seed=shuffle_seed,
+            num_requests,
+            max_model_len=max_model_len,
+            max_turns=max_turns,
+            arrivals=arrivals,
+            turn_interval_s=turn_interval_s,
+            arrival_seed=seed,
+            shuffle_seed=shuffle_seed,
         )[:num_requests]
     elif workload == "shared-prefix":
         from pagedkv.sim.workloads.shared_prefix import shared_prefix_requests
 
         requests = shared_prefix_requests(
-            1000 if num_requests is None else num_requests, num_prefixes=num_prefixes, prefix_len=prefix_len,
-            user_len=user_len, output_len=output_len, zipf_s=zipf_s, seed=seed, arrivals=arrivals,
+            1000 if num_requests is None else num_requests,
+            num_prefixes=num_prefixes,
+            prefix_len=prefix_len,
+            user_len=user_len,
+            output_len=output_len,
+            zipf_s=zipf_s,
+            seed=seed,
+            arrivals=arrivals,
         )
     elif workload.startswith("trace:"):
         from pagedkv.sim.workloads.trace_io import load_trace
 
-        path = workload[len("trace:"):]
+        path = workload[len("trace:") :]
         if not path:
             raise ConfigError("workload 'trace:' needs a path, e.g. trace:requests.jsonl")
         try:
@@ -130,8 +141,13 @@ def simulate(
     """
     from pagedkv.sim.replay import PagedConfig, compare_allocators
 
-    for name, value in (("block_size", block_size), ("max_model_len", max_model_len), ("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens), ("num_blocks", num_blocks)):
+    for name, value in (
+        ("block_size", block_size),
+        ("max_model_len", max_model_len),
+        ("max_num_seqs", max_num_seqs),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+        ("num_blocks", num_blocks),
+    ):
         _check_positive(name, value)
     if kv_memory is not None and num_blocks is not None:
         raise ConfigError("give the KV budget as kv_memory or num_blocks, not both")
@@ -144,12 +160,19 @@ def simulate(
         budget = parse_bytes(memory, name="kv_memory") if isinstance(memory, str) else memory
         num_blocks = num_blocks_for_budget(budget, geometry, block_size, name="kv_memory")
     config = PagedConfig(
-        num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-        watermark=watermark, step_duration_s=step_duration_s,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=enable_prefix_caching,
+        watermark=watermark,
+        step_duration_s=step_duration_s,
     )
     started = time.perf_counter()
-    comparison = compare_allocators(requests, config, baselines=() if not baselines else ("max_length", "exact"), seed=seed)
+    comparison = compare_allocators(
+        requests, config, baselines=() if not baselines else ("max_length", "exact"), seed=seed
+    )
     wall = time.perf_counter() - started
     prompt_tokens = sum(r.prompt_len for r in requests)
     output_tokens = sum(r.output_len * r.n for r in requests)

@@ -117,7 +117,8 @@ def _looks_like_path(model: str) -> bool:
         model.startswith(("/", "./", "../", "~", "\\"))
         or os.path.isabs(model)
         or model.count("/") > 1
-        or os.sep != "/" and os.sep in model
+        or os.sep != "/"
+        and os.sep in model
     )
 
 
@@ -158,13 +159,10 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
         raise ModelLoadError(
-            f"converting the default model needs torch and transformers ({exc}); "
-            "install pagedkv[engine]"
+            f"converting the default model needs torch and transformers ({exc}); install pagedkv[engine]"
         ) from exc
     if importlib.util.find_spec("gguf") is None:
-        raise ModelLoadError(
-            "converting the default model needs the `gguf` package: `pip install gguf`"
-        )
+        raise ModelLoadError("converting the default model needs the `gguf` package: `pip install gguf`")
 
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:

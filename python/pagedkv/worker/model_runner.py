@@ -92,8 +92,11 @@ class ModelRunner:
         model_config = ModelConfig() if model_config is None else model_config
         cache_config = CacheConfig() if cache_config is None else cache_config
         scheduling_config = SchedulingConfig() if scheduling_config is None else scheduling_config
-        for name, value, cls in (("model_config", model_config, ModelConfig), ("cache_config", cache_config, CacheConfig),
-                                 ("scheduling_config", scheduling_config, SchedulingConfig)):
+        for name, value, cls in (
+            ("model_config", model_config, ModelConfig),
+            ("cache_config", cache_config, CacheConfig),
+            ("scheduling_config", scheduling_config, SchedulingConfig),
+        ):
             if not isinstance(value, cls):
                 raise ConfigError(f"{name} must be a pagedkv.config.{cls.__name__}, got {type(value).__name__}")
         self.model_config, self.cache_config, self.scheduling_config = model_config, cache_config, scheduling_config
@@ -112,9 +115,7 @@ class ModelRunner:
         check_config(text_config, max_model_len or declared_len or sys.maxsize)
         if max_model_len is None:
             if declared_len is None:
-                raise ConfigError(
-                    f"the config of {self.model_path!r} declares no context length; pass max_model_len"
-                )
+                raise ConfigError(f"the config of {self.model_path!r} declares no context length; pass max_model_len")
             max_model_len = declared_len
         elif declared_len is not None and max_model_len > declared_len:
             warnings.warn(
@@ -154,8 +155,14 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 self.kv_cache = torch.zeros(
-                    self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim,
-                    dtype=self.dtype, device=self.device,
+                    self.num_layers,
+                    2,
+                    num_blocks,
+                    block_size,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    dtype=self.dtype,
+                    device=self.device,
                 )
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             raise ConfigError(
@@ -200,8 +207,14 @@ class ModelRunner:
             # Once per step, for all layers: convert, validate (values too, on the host), move.
             key_cache, value_cache = self.kv_caches[0]
             metadata = self.backend.prepare(
-                slot_mapping, block_tables, seq_lens, cu_seqlens_q,
-                num_tokens=num_tokens, key_cache=key_cache, value_cache=value_cache, dtype=self.dtype,
+                slot_mapping,
+                block_tables,
+                seq_lens,
+                cu_seqlens_q,
+                num_tokens=num_tokens,
+                key_cache=key_cache,
+                value_cache=value_cache,
+                dtype=self.dtype,
             )
         # Copy-on-write before the forward: this step's K/V writes go into the copies.
         copy_ops = getattr(step, "copy_ops", None)
@@ -277,7 +290,10 @@ class ModelRunner:
                 f"failed: {type(exc).__name__}: {exc}"
             ) from exc
         return check_probe(
-            probe.calls, self.model.config.get_text_config(), num_tokens, self.max_model_len,
+            probe.calls,
+            self.model.config.get_text_config(),
+            num_tokens,
+            self.max_model_len,
             dtype=str(self.dtype).removeprefix("torch."),
         )
 
@@ -376,8 +392,14 @@ def _check_step_shapes(
     logits_indices: torch.Tensor,
 ) -> None:
     """Shape consistency of one step (metadata only: no device sync)."""
-    for name, tensor in (("input_ids", input_ids), ("positions", positions), ("slot_mapping", slot_mapping),
-                         ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens), ("logits_indices", logits_indices)):
+    for name, tensor in (
+        ("input_ids", input_ids),
+        ("positions", positions),
+        ("slot_mapping", slot_mapping),
+        ("cu_seqlens_q", cu_seqlens_q),
+        ("seq_lens", seq_lens),
+        ("logits_indices", logits_indices),
+    ):
         if tensor.dim() != 1:
             raise InvalidArgumentError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
     num_tokens = input_ids.shape[0]

@@ -138,16 +138,20 @@ def check_probe(
             if key == "is_causal" and value is True:
                 continue
             raise refuse(
-                f"layer {call.layer_idx} uses {key}={value!r}, which the paged-attention "
-                "kernels do not implement"
+                f"layer {call.layer_idx} uses {key}={value!r}, which the paged-attention kernels do not implement"
             )
         geometries.add((num_heads, num_kv_heads, q_dim))
     if len(geometries) != 1:
         raise refuse(f"its layers have different attention shapes {sorted(geometries)}")
     num_heads, num_kv_heads, head_dim = geometries.pop()
     return KVGeometry(
-        num_layers=len(calls), num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
-        dtype_bytes=KV_DTYPE_BYTES[dtype], num_heads=num_heads, source="probe forward",
+        num_layers=len(calls),
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        dtype_bytes=KV_DTYPE_BYTES[dtype],
+        num_heads=num_heads,
+        source="probe forward",
     )
 
 

@@ -58,12 +58,7 @@ class ArrivalProcess:
         return np.concatenate([[0.0], np.cumsum(gaps)])
 
 
-def assign_arrivals(
-    requests: Sequence[TraceRequest], process: ArrivalProcess, *, seed: int = 0
-) -> list[TraceRequest]:
+def assign_arrivals(requests: Sequence[TraceRequest], process: ArrivalProcess, *, seed: int = 0) -> list[TraceRequest]:
     """Copies of ``requests`` (kept in order) with arrival times drawn from ``process``."""
     times = process.sample(len(requests), np.random.default_rng(seed))
-    return [
-        dataclasses.replace(request, arrival_time=float(time))
-        for request, time in zip(requests, times)
-    ]
+    return [dataclasses.replace(request, arrival_time=float(time)) for request, time in zip(requests, times)]

@@ -79,9 +79,7 @@ def check_token_ids(value: Any) -> np.ndarray:
             raise FieldError("prompt_token_ids", f"must be a list of integers, got {value!r:.80}")
         for position, token in enumerate(value):
             if not is_json_int(token):
-                raise FieldError(
-                    f"prompt_token_ids[{position}]", f"must be an integer, got {token!r}"
-                )
+                raise FieldError(f"prompt_token_ids[{position}]", f"must be an integer, got {token!r}")
         ids = np.asarray(value, dtype=np.int64) if len(value) else np.zeros(0, np.int64)
     if ids.size == 0:
         raise FieldError("prompt_token_ids", "must hold at least one token")
@@ -96,9 +94,7 @@ def check_token_ids(value: Any) -> np.ndarray:
     else:
         bad = np.flatnonzero(ids < 0)
         if bad.size:
-            raise FieldError(
-                f"prompt_token_ids[{bad[0]}]", f"token id {int(ids[bad[0]])} is negative"
-            )
+            raise FieldError(f"prompt_token_ids[{bad[0]}]", f"token id {int(ids[bad[0]])} is negative")
         ids = ids.copy()
     ids.flags.writeable = False
     return ids
@@ -113,9 +109,7 @@ def check_shared_prefix(prefix_id: str | None, prefix_len: Any, prompt_len: int)
     if prefix_id is not None and prefix_len == 0:
         raise FieldError("shared_prefix_id", "is given without a 'shared_prefix_len' >= 1")
     if prefix_len > prompt_len:
-        raise FieldError(
-            "shared_prefix_len", f"{prefix_len} is longer than the prompt ({prompt_len} tokens)"
-        )
+        raise FieldError("shared_prefix_len", f"{prefix_len} is longer than the prompt ({prompt_len} tokens)")
     return int(prefix_len)
 
 
@@ -150,15 +144,9 @@ class TraceRequest:
             object.__setattr__(self, "request_id", check_id("request_id", self.request_id))
             object.__setattr__(self, "arrival_time", check_arrival_time(self.arrival_time))
             object.__setattr__(self, "prompt_token_ids", check_token_ids(self.prompt_token_ids))
-            object.__setattr__(
-                self, "output_len", check_positive_int("output_len", self.output_len)
-            )
+            object.__setattr__(self, "output_len", check_positive_int("output_len", self.output_len))
             object.__setattr__(self, "n", check_positive_int("n", self.n))
-            prefix_id = (
-                None
-                if self.shared_prefix_id is None
-                else check_id("shared_prefix_id", self.shared_prefix_id)
-            )
+            prefix_id = None if self.shared_prefix_id is None else check_id("shared_prefix_id", self.shared_prefix_id)
             object.__setattr__(self, "shared_prefix_id", prefix_id)
             prefix_len = check_shared_prefix(prefix_id, self.shared_prefix_len, self.prompt_len)
             object.__setattr__(self, "shared_prefix_len", prefix_len)

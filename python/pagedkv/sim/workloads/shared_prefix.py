@@ -85,26 +85,16 @@ def shared_prefix_requests(
     if num_requests < 0:
         raise ConfigError(f"num_requests must be >= 0, got {num_requests}")
     weights = zipf_weights(num_prefixes, zipf_s)
-    lengths = (
-        [prefix_len] * num_prefixes
-        if isinstance(prefix_len, (int, np.integer))
-        else list(prefix_len)
-    )
+    lengths = [prefix_len] * num_prefixes if isinstance(prefix_len, (int, np.integer)) else list(prefix_len)
     if len(lengths) != num_prefixes or any(
         not isinstance(length, (int, np.integer)) or length < 1 for length in lengths
     ):
-        raise ConfigError(
-            f"prefix_len must be an int >= 1 or {num_prefixes} such ints, got {prefix_len!r}"
-        )
-    choices = np.random.default_rng([seed, _CHOICE_STREAM]).choice(
-        num_prefixes, size=num_requests, p=weights
-    )
+        raise ConfigError(f"prefix_len must be an int >= 1 or {num_prefixes} such ints, got {prefix_len!r}")
+    choices = np.random.default_rng([seed, _CHOICE_STREAM]).choice(num_prefixes, size=num_requests, p=weights)
     length_rng = np.random.default_rng([seed, _LENGTH_STREAM])
     user_lens = _draw_lengths("user_len", user_len, num_requests, length_rng)
     output_lens = _draw_lengths("output_len", output_len, num_requests, length_rng)
-    times = (arrivals or ArrivalProcess()).sample(
-        num_requests, np.random.default_rng([seed, _ARRIVAL_STREAM])
-    )
+    times = (arrivals or ArrivalProcess()).sample(num_requests, np.random.default_rng([seed, _ARRIVAL_STREAM]))
 
     prefixes = [
         prefix_tokens(f"system-{rank}", int(length), vocab_size=vocab_size, seed=seed)

@@ -84,9 +84,7 @@ def _text_reader(stream: IO[str] | IO[bytes], chunk_chars: int) -> Callable[[], 
     return read_bytes
 
 
-def iter_json_array(
-    stream: IO[str] | IO[bytes], *, chunk_chars: int = _DEFAULT_CHUNK_CHARS
-) -> Iterator[Any]:
+def iter_json_array(stream: IO[str] | IO[bytes], *, chunk_chars: int = _DEFAULT_CHUNK_CHARS) -> Iterator[Any]:
     """Yield the elements of the JSON array in ``stream``, stopping at a truncated or bad tail.
 
     Elements are decoded one at a time; when one does not decode, more input is read and it is
@@ -171,9 +169,7 @@ def _conversation_from_record(record: Any) -> Conversation | None:
     return Conversation(str(record.get("id", "")), tuple(turns))
 
 
-def parse_sharegpt_records(
-    stream: IO[str] | IO[bytes], *, limit: int | None = None
-) -> Iterator[Conversation]:
+def parse_sharegpt_records(stream: IO[str] | IO[bytes], *, limit: int | None = None) -> Iterator[Conversation]:
     """Conversations from a ShareGPT-format JSON array (possibly truncated), at most ``limit``."""
     if limit is not None and limit < 0:
         raise InvalidArgumentError(f"limit must be >= 0 or None, got {limit}")

@@ -112,9 +112,7 @@ def sharegpt_first_turn_requests(
                 for prompt in prompts
             ]
         prompt_ids = encode_batch(tokenizer, prompts)
-        output_ids = encode_batch(
-            tokenizer, [conversations[index].turns[1].text for index in batch]
-        )
+        output_ids = encode_batch(tokenizer, [conversations[index].turns[1].text for index in batch])
         for index, prompt, output in zip(batch, prompt_ids, output_ids):
             prompt_len, output_len = len(prompt), len(output)
             if prompt_len < min_len or output_len < min_len:
@@ -158,14 +156,10 @@ def chat_turn_texts(
     """
     texts = []
     if use_template:
-        messages: list[dict[str, str]] = (
-            [] if system is None else [{"role": "system", "content": system}]
-        )
+        messages: list[dict[str, str]] = [] if system is None else [{"role": "system", "content": system}]
         for human, gpt in pairs:
             messages.append({"role": "user", "content": human})
-            texts.append(
-                tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            )
+            texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
             messages.append({"role": "assistant", "content": gpt})
         return texts
     history = "" if system is None else system + "\n"
@@ -264,14 +258,9 @@ def sharegpt_multi_turn_requests(
             break
         parsed = [(int(index), *_dialogue(conversations[index])) for index in batch]
         parsed = [(index, system, pairs[:max_turns]) for index, system, pairs in parsed if pairs]
-        texts = [
-            chat_turn_texts(tokenizer, system, pairs, use_template=chat_template)
-            for _, system, pairs in parsed
-        ]
+        texts = [chat_turn_texts(tokenizer, system, pairs, use_template=chat_template) for _, system, pairs in parsed]
         prompt_ids = _tokenize_turns(tokenizer, texts)
-        reply_ids = iter(
-            encode_batch(tokenizer, [gpt for _, _, pairs in parsed for _, gpt in pairs])
-        )
+        reply_ids = iter(encode_batch(tokenizer, [gpt for _, _, pairs in parsed for _, gpt in pairs]))
         for (index, _, pairs), prompts in zip(parsed, prompt_ids):
             replies = [len(next(reply_ids)) for _ in pairs]
             turns = []
@@ -282,9 +271,7 @@ def sharegpt_multi_turn_requests(
             if turns and (num_conversations is None or len(dialogues) < num_conversations):
                 dialogues.append((index, turns))
 
-    starts = (arrivals or ArrivalProcess()).sample(
-        len(dialogues), np.random.default_rng(arrival_seed)
-    )
+    starts = (arrivals or ArrivalProcess()).sample(len(dialogues), np.random.default_rng(arrival_seed))
     requests = []
     for (index, turns), start in zip(dialogues, starts):
         previous_prompt = np.zeros(0, dtype=np.int32)

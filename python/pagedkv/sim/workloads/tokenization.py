@@ -53,18 +53,14 @@ def default_tokenizer() -> Any:
     try:
         return AutoTokenizer.from_pretrained(folder, **kwargs)
     except (OSError, ValueError) as error:
-        raise ModelLoadError(
-            f"could not load the default tokenizer from {folder}: {error}"
-        ) from error
+        raise ModelLoadError(f"could not load the default tokenizer from {folder}: {error}") from error
 
 
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_batch(
-    tokenizer: Any, texts: Sequence[str], *, add_special_tokens: bool = False
-) -> list[np.ndarray]:
+def encode_batch(tokenizer: Any, texts: Sequence[str], *, add_special_tokens: bool = False) -> list[np.ndarray]:
     """Token ids of each text: a list of int32 [len_i] arrays, in the order of ``texts``.
 
     ``add_special_tokens=False`` by default: workload texts are either raw message bodies whose

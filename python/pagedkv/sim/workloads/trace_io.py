@@ -75,15 +75,11 @@ _KNOWN_KEYS = frozenset(
 )
 
 
-def _parse_object(
-    record: dict[str, Any], position: int, vocab_size: int, seed: int
-) -> TraceRequest:
+def _parse_object(record: dict[str, Any], position: int, vocab_size: int, seed: int) -> TraceRequest:
     """One decoded line to a request; raises FieldError naming the first bad field."""
     unknown = sorted(set(record) - _KNOWN_KEYS)
     if unknown:
-        raise FieldError(
-            unknown[0], "is not a known key (known: " + ", ".join(sorted(_KNOWN_KEYS)) + ")"
-        )
+        raise FieldError(unknown[0], "is not a known key (known: " + ", ".join(sorted(_KNOWN_KEYS)) + ")")
     for required in ("arrival_time", "output_len"):
         if required not in record:
             raise FieldError(required, "is missing")
@@ -107,9 +103,7 @@ def _parse_object(
                     "prompt_len",
                     f"is {declared} but 'prompt_token_ids' holds {len(token_ids)} tokens",
                 )
-        prefix_len = check_shared_prefix(
-            prefix_id, record.get("shared_prefix_len", 0), len(token_ids)
-        )
+        prefix_len = check_shared_prefix(prefix_id, record.get("shared_prefix_len", 0), len(token_ids))
     else:
         prompt_len = check_positive_int("prompt_len", record["prompt_len"])
         prefix_len = check_shared_prefix(prefix_id, record.get("shared_prefix_len", 0), prompt_len)
@@ -118,9 +112,7 @@ def _parse_object(
             if prefix_id is not None
             else np.zeros(0, dtype=np.int32)
         )
-        private = unique_tokens(
-            request_id, prompt_len - prefix_len, vocab_size=vocab_size, seed=seed
-        )
+        private = unique_tokens(request_id, prompt_len - prefix_len, vocab_size=vocab_size, seed=seed)
         token_ids = np.concatenate([shared, private])
 
     return TraceRequest(
@@ -157,9 +149,7 @@ def parse_trace_lines(
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise TraceFormatError(
-                f"{where}: malformed JSON: {error.msg} (column {error.colno})"
-            ) from None
+            raise TraceFormatError(f"{where}: malformed JSON: {error.msg} (column {error.colno})") from None
         if not isinstance(record, dict):
             raise TraceFormatError(f"{where}: expected a JSON object, got {type(record).__name__}")
         try:
@@ -224,9 +214,7 @@ def save_trace(path: str | os.PathLike[str], requests: Sequence[TraceRequest]) -
                 f"{request.arrival_time} is earlier than the previous request's {previous_arrival}"
             )
         if request.request_id in seen:
-            raise TraceFormatError(
-                f"request {position}: field 'request_id': {request.request_id!r} is used twice"
-            )
+            raise TraceFormatError(f"request {position}: field 'request_id': {request.request_id!r} is used twice")
         seen.add(request.request_id)
         previous_arrival = request.arrival_time
     with open(path, "w", encoding="utf-8") as stream:
