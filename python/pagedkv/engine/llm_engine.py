@@ -100,7 +100,8 @@ class LLMEngine:
             )
         )
         self.sampler = Sampler()
-        self.eos_token_ids = self.runner.eos_token_ids
+        # Ids outside the LM head's rows can never be sampled (nor banned: the sampler refuses them).
+        self.eos_token_ids = [t for t in self.runner.eos_token_ids if 0 <= t < self.runner.vocab_size]
         self.requests: dict[str, RequestState] = {}
         self._counters = {
             "steps": 0,
@@ -233,7 +234,6 @@ class LLMEngine:
         failure in one request's output processing (detokenization, logprobs) fails only that
         request, in this step's outputs."""
         with self._lock:
-            outputs, self._failed_outputs = self._failed_outputs, []
             out = self.scheduler.schedule()
             now = time.time()
             for rid in dict.fromkeys(out.req_ids):
@@ -242,7 +242,7 @@ class LLMEngine:
                     state.metrics.first_scheduled_time = now
             if out.num_tokens == 0 and len(out.copy_ops) == 0:
                 self.scheduler.update(out, [])
-                return outputs
+                return self._take_failed_outputs()
             t0 = time.perf_counter()
             try:
                 logits = self.runner.execute(out)
@@ -258,7 +258,12 @@ class LLMEngine:
             self._counters["steps"] += 1
             self._counters["tokens_computed"] += out.num_tokens
             self._counters["generation_tokens"] += len(updates)
-            return outputs + self._apply_updates(out, updates, sampled)
+            return self._take_failed_outputs() + self._apply_updates(out, updates, sampled)
+
+    def _take_failed_outputs(self) -> list[RequestOutput]:
+        """Outputs of requests failed by earlier steps that raised (kept until a step returns)."""
+        outputs, self._failed_outputs = self._failed_outputs, []
+        return outputs
 
     def _roll_back(self, out: SchedulerOutput, exc: BaseException) -> None:
         """Undo the step in flight after ``exc``; charge its requests one failure each."""
