@@ -116,9 +116,10 @@ class LLMEngine:
         # forward) to end. Tokenization in add_request happens before taking it.
         self._lock = threading.RLock()
         # A request in this many consecutive failed steps is failed on its own
-        # (finish_reason "error"); _num_charged counts requests with failures to clear.
+        # (finish_reason "error"). _charged: ids of requests with a failure count to clear
+        # (may hold ids that left the engine since; the counts live on the states).
         self.max_step_failures = 3
-        self._num_charged = 0
+        self._charged: set[str] = set()
         # Outputs of requests failed by a step that raised; returned by the next step().
         self._failed_outputs: list[RequestOutput] = []
 
@@ -205,8 +206,6 @@ class LLMEngine:
                 if state is None:
                     unknown.append(rid)
                     continue
-                if state.num_failed_steps:
-                    self._num_charged -= 1
                 self.scheduler.abort_request(rid)
                 state.end("abort")
                 outputs.append(state.output())
@@ -252,7 +251,7 @@ class LLMEngine:
             except BaseException as exc:
                 self._roll_back(out, exc)
                 raise
-            if self._num_charged:
+            if self._charged:
                 self._clear_failures(out)
             self._counters["model_time_s"] += time.perf_counter() - t0
             self._counters["steps"] += 1
@@ -275,8 +274,7 @@ class LLMEngine:
             state = self.requests.get(rid)
             if state is None:
                 continue
-            if state.num_failed_steps == 0:
-                self._num_charged += 1
+            self._charged.add(rid)
             state.num_failed_steps += 1
             if state.num_failed_steps >= self.max_step_failures:
                 self._failed_outputs.append(self._fail_request(state, exc))
@@ -284,18 +282,16 @@ class LLMEngine:
     def _clear_failures(self, out: SchedulerOutput) -> None:
         """A step went through: its requests' failure counts start over (only consecutive
         failures fail a request, so transient ones never add up)."""
-        for rid in dict.fromkeys(out.req_ids):
+        stepped = self._charged.intersection(out.req_ids)
+        for rid in stepped:
             state = self.requests.get(rid)
-            if state is not None and state.num_failed_steps:
+            if state is not None:
                 state.num_failed_steps = 0
-                self._num_charged -= 1
+        self._charged = {rid for rid in self._charged - stepped if rid in self.requests}
 
     def _fail_request(self, state: RequestState, exc: BaseException) -> RequestOutput:
         """Take ``state`` out of the engine (its blocks are freed) with ``finish_reason="error"``."""
         self.requests.pop(state.request_id, None)
-        if state.num_failed_steps:
-            self._num_charged -= 1
-            state.num_failed_steps = 0
         try:
             self.scheduler.abort_request(state.request_id)
         except UnknownRequestError:
