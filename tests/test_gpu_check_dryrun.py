@@ -30,10 +30,12 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path):
     report = json.loads(out.read_text())
     assert report["meta"]["dry_run"] is True and report["meta"]["device"] == "cpu"
     assert report["correctness_failures"] == []
-    assert set(report) >= {"meta", "correctness", "copy_bandwidth", "decode", "prefill", "targets"}
+    assert set(report) >= {"meta", "correctness", "copy_bandwidth", "decode", "prefill", "quantized", "targets"}
 
     sweep = report["correctness"]["table"]
     assert sweep and all(row["passed"] and row["max_error"] <= row["atol"] for row in sweep)
+    quantized_cases = [row for row in sweep if "cache" in row["case"]]  # int8, fp8 e5m2 and e4m3 caches with scales
+    assert len(quantized_cases) == 3 and all(row["store_exact"] for row in quantized_cases)
     assert report["copy_bandwidth"]["bandwidth_gbps"] > 0
 
     decode = report["decode"]["table"]
@@ -44,6 +46,13 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path):
     prefill = report["prefill"]["table"]
     assert [row["layout"] for row in prefill] == ["1x48", "2x16"]
     assert all(row["paged_TFLOP/s"] > 0 for row in prefill)
+    quantized = report["quantized"]
+    assert len(quantized["table"]) == 3 * 4  # formats x batches {1, 2} x contexts {32, 64}
+    for row in quantized["table"]:
+        for key in ("paged_us", "paged_GB/s", "pct_of_copy", "time_vs_16bit"):
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+    assert [row["format"] for row in quantized["prefill"]] == ["int8", "fp8_e5m2", "fp8_e4m3"]
+    assert [row["cache"] for row in quantized["store"]] == ["float32", "int8", "fp8_e5m2", "fp8_e4m3"]
     # Tiny shapes read far less than 0.5 GB: no performance target applies.
     assert report["targets"] == []
 

@@ -16,6 +16,7 @@ from paged_batches import PagedBatch, make_paged_batch
 
 import pagedkv.kernels as kernels
 from pagedkv.kernels import reference, triton_attention
+from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales
 from pagedkv.kernels.triton_attention import DecodeWorkspace, choose_num_splits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -227,7 +228,7 @@ def test_choose_num_splits_fills_the_gpu_with_long_splits():
 
 
 # ---------------------------------------------------------------------------------------------
-# GPU only: bf16 (the interpreter computes it wrongly), float8 caches, > 2^31-element caches.
+# GPU only: bf16 (the interpreter computes it wrongly), quantized caches, > 2^31-element caches.
 
 
 @pytest.mark.gpu
@@ -253,10 +254,38 @@ def test_gpu_bf16_mixed_batch(group, head_dim):
     _assert_matches(got, expected, torch.bfloat16)
 
 
+def _quantized_caches(batch: PagedBatch, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, KVScales]:
+    """The batch's K/V stored (torch path) in int8 / float8 caches with their scales."""
+    num_blocks, block_size, num_kv_heads, head_dim = batch.key_cache.shape
+    device = batch.key_cache.device
+    key_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=cache_dtype, device=device)
+    value_cache = torch.zeros_like(key_cache)
+    kv_scales = KVScales(*torch.zeros(2, num_blocks, block_size, num_kv_heads, dtype=SCALE_DTYPE, device=device))
+    tables = batch.block_tables.cpu()
+    slots = [
+        int(tables[b, j // block_size]) * block_size + j % block_size
+        for b, seq_len in enumerate(batch.seq_lens.tolist())
+        for j in range(seq_len)
+    ]
+    reference.store_kv(
+        torch.cat(batch.keys),
+        torch.cat(batch.values),
+        key_cache,
+        value_cache,
+        torch.tensor(slots, device=device),
+        kv_scales=kv_scales,
+    )
+    return key_cache, value_cache, kv_scales
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_gpu_fp8_cache(cache_dtype):
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8_e4m3fn", "float8_e5m2"])
+def test_gpu_quantized_cache(cache_dtype):
+    """bf16 queries over int8 / float8 caches with per-(token, head) scales, against the oracle
+    on the same quantized cache (tests/test_kv_quant_triton.py has the full matrix)."""
     dtype = getattr(torch, cache_dtype)
+    if dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 e4m3 needs compute capability >= 8.9 in Triton")
     batch = _batch(
         [1, 1, 50],
         [700, 33, 120],
@@ -267,34 +296,19 @@ def test_gpu_fp8_cache(cache_dtype):
         dtype=torch.bfloat16,
         seed=1,
     )
-    fp8 = PagedBatch(
-        batch.query,
-        batch.key_cache.to(dtype),
-        batch.value_cache.to(dtype),
-        batch.block_tables,
-        batch.seq_lens,
-        batch.cu_seqlens_q,
-        batch.keys,
-        batch.values,
-        batch.q_lens,
-    )
-    # Oracle on the dequantised cache: the kernel must upcast exactly what is stored.
-    dequantised = PagedBatch(
-        batch.query,
-        fp8.key_cache.to(torch.bfloat16),
-        fp8.value_cache.to(torch.bfloat16),
-        batch.block_tables,
-        batch.seq_lens,
-        batch.cu_seqlens_q,
-        batch.keys,
-        batch.values,
-        batch.q_lens,
-    )
-    expected = _oracle(dequantised)
-    got = kernels.paged_attention(*fp8.attention_args(), backend="triton")
-    _assert_matches(got, expected, torch.bfloat16)
+    key_cache, value_cache, kv_scales = _quantized_caches(batch, dtype)
+    args = (batch.query, key_cache, value_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q)
+    # Oracle on the same quantized cache: the kernel must dequantize exactly what is stored.
+    expected = reference.paged_attention(batch.query.double(), *args[1:], kv_scales=kv_scales)
+    for num_splits in (1, 5):
+        out = torch.full_like(batch.query, float("nan"))
+        triton_attention.paged_attention(
+            *args, scale=128**-0.5, out=out, max_seqlen_q=50, num_splits=num_splits, kv_scales=kv_scales
+        )
+        _assert_matches(out, expected, torch.bfloat16)
+    _assert_matches(kernels.paged_attention(*args, kv_scales=kv_scales, backend="triton"), expected, torch.bfloat16)
     torch.testing.assert_close(
-        kernels.paged_attention(*fp8.attention_args(), backend="torch").double(),
+        kernels.paged_attention(*args, kv_scales=kv_scales, backend="torch").double(),
         expected,
         rtol=0,
         atol=ATOL[torch.bfloat16],

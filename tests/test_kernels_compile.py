@@ -44,8 +44,13 @@ def test_every_kernel_variant_compiles(arch):
     variants = _compile(arch)
     kernels = {v["kernel"] for v in variants}
     assert kernels == {"decode_split_kernel", "merge_splits_kernel", "prefill_kernel", "store_kv_kernel"}
+    cases = {v["case"] for v in variants}
+    # Quantized caches (int8 everywhere, float8 e5m2 on Hopper) compile, attention and store.
+    assert any("torch.int8/" in case for case in cases) and "store torch.bfloat16->torch.int8" in cases
+    if arch >= 90:
+        assert any("float8_e5m2/" in case for case in cases)
     for v in variants:
-        half_precision = "float32/" not in v["case"] and "float8" not in v["case"]
+        half_precision = "float32/" not in v["case"]  # bf16 / fp16 queries, 16-bit or quantized caches
         if half_precision:
             assert v["spilled_bytes"] == 0, v  # 16-bit paths must not spill registers
         if v["kernel"] in ("decode_split_kernel", "prefill_kernel"):

@@ -7,6 +7,7 @@ import torch
 
 import pagedkv.kernels as kernels
 from pagedkv.kernels import reference
+from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, format_of
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -96,9 +97,13 @@ def test_store_nothing_to_do():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "int8", "float8_e4m3fn", "float8_e5m2"])
 def test_store_gpu_dtypes(cache_dtype):
+    """bf16 copies exactly; quantized caches store the same data and scales as the torch path,
+    bit for bit (see tests/test_kv_quant_triton.py for the edge cases)."""
     dtype = getattr(torch, cache_dtype)
+    if dtype == torch.float8_e4m3fn and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 e4m3 needs compute capability >= 8.9 in Triton")
     source_dtype = torch.bfloat16
     generator = torch.Generator().manual_seed(3)
     key = torch.randn(33, 8, 128, generator=generator).to("cuda", source_dtype)
@@ -107,13 +112,17 @@ def test_store_gpu_dtypes(cache_dtype):
     expected_k = torch.zeros(4, 16, 8, 128, dtype=dtype, device="cuda")
     expected_v = torch.zeros_like(expected_k)
     got_k, got_v = torch.zeros_like(expected_k), torch.zeros_like(expected_k)
-    reference.store_kv(key, value, expected_k, expected_v, slots)
-    kernels.store_kv(key, value, got_k, got_v, slots, backend="triton")
-    if dtype == torch.bfloat16:
-        assert torch.equal(got_k, expected_k) and torch.equal(got_v, expected_v)
-    else:  # float8 rounding may differ in the last place between torch and Triton
-        torch.testing.assert_close(got_k.float(), expected_k.float(), rtol=0.13, atol=1e-2)
-        torch.testing.assert_close(got_v.float(), expected_v.float(), rtol=0.13, atol=1e-2)
+    expected_scales = got_scales = None
+    if format_of(dtype) is not None:
+        expected_scales = KVScales(*torch.zeros(2, 4, 16, 8, dtype=SCALE_DTYPE, device="cuda"))
+        got_scales = KVScales(*torch.zeros(2, 4, 16, 8, dtype=SCALE_DTYPE, device="cuda"))
+    reference.store_kv(key, value, expected_k, expected_v, slots, kv_scales=expected_scales)
+    kernels.store_kv(key, value, got_k, got_v, slots, kv_scales=got_scales, backend="triton")
+    assert torch.equal(got_k.view(torch.uint8), expected_k.view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), expected_v.view(torch.uint8))
+    if got_scales is not None and expected_scales is not None:
+        assert torch.equal(got_scales.key, expected_scales.key) and torch.equal(got_scales.value, expected_scales.value)
+        assert (got_scales.key.flatten(0, 1)[slots[slots >= 0]] > 0).all()
 
 
 @pytest.mark.gpu

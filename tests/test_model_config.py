@@ -33,7 +33,8 @@ def test_smollm2_bytes_per_token_is_2_x_layers_x_kv_heads_x_head_dim_x_dtype() -
     assert g.bytes_per_token == 2 * 30 * 3 * 64 * 4 == 46_080
     assert g.bytes_per_block(16) == 16 * 46_080
     assert kv_geometry(SMOLLM2, kv_dtype="bfloat16").bytes_per_token == 23_040
-    assert kv_geometry(SMOLLM2, kv_dtype="fp8").bytes_per_token == 11_520
+    # fp8: 1 byte per value plus a 2-byte scale per (token, KV head) vector.
+    assert kv_geometry(SMOLLM2, kv_dtype="fp8").bytes_per_token == 2 * 30 * 3 * (64 + 2) == 11_880
     assert kv_geometry(SMOLLM2, kv_dtype="torch.float16").dtype == "float16"
 
 

@@ -1,7 +1,7 @@
 # Type stubs for the Rust extension module pagedkv._core (rust/py/). Checked against the
 # compiled module with `python -m mypy.stubtest pagedkv._core` (make lint, and a test).
 from collections.abc import Iterable, Iterator, Sequence
-from typing import SupportsIndex, final, overload
+from typing import Literal, SupportsIndex, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -314,15 +314,26 @@ class Scheduler:
     def check_invariants(self) -> None: ...
     def memory_map(self) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_], npt.NDArray[np.int64]]: ...
 
+# A paged cache as paged_decode_attention_cpu reads it: float32, int8, or the bytes of fp8.
+_KVCacheArray = npt.NDArray[np.float32] | npt.NDArray[np.int8] | npt.NDArray[np.uint8]
+
 def paged_decode_attention_cpu(
     query: npt.NDArray[np.float32],  # [T, H, D]
-    key_cache: npt.NDArray[np.float32],  # [num_blocks, block_size, Hkv, D]
-    value_cache: npt.NDArray[np.float32],  # [num_blocks, block_size, Hkv, D]
+    key_cache: _KVCacheArray,  # [num_blocks, block_size, Hkv, D]
+    value_cache: _KVCacheArray,  # key_cache's shape and dtype
     block_tables: npt.NDArray[np.int32],  # [B, W]
     seq_lens: npt.NDArray[np.int32],  # [B]
     cu_seqlens_q: npt.NDArray[np.int32],  # [B + 1]
     out: npt.NDArray[np.float32],  # [T, H, D], written for the decode rows
     scale: float,
     num_threads: int,
+    kv_format: Literal["float32", "int8", "fp8_e4m3", "fp8_e5m2"] = "float32",
+    key_scales: npt.NDArray[np.int16] | None = None,  # [num_blocks, block_size, Hkv] bfloat16 bits
+    value_scales: npt.NDArray[np.int16] | None = None,  # [num_blocks, block_size, Hkv] bfloat16 bits
 ) -> int:
-    """Decode attention straight from the paged caches (pagedkv.kernels.cpu uses it)."""
+    """Decode attention straight from the paged caches (pagedkv.kernels.cpu uses it).
+
+    Caches: float32 for ``kv_format="float32"``, int8 for ``"int8"``, uint8 (the fp8 bytes,
+    ``tensor.view(torch.uint8).numpy()``) for ``"fp8_e4m3"`` / ``"fp8_e5m2"``; the quantized
+    formats need ``key_scales`` / ``value_scales`` (``scales.view(torch.int16).numpy()``).
+    Returns the number of decode rows written."""

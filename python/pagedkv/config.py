@@ -39,7 +39,10 @@ from pagedkv.errors import ConfigError
 __all__ = [
     "ATTENTION_BACKENDS",
     "DTYPES",
+    "KV_CACHE_DTYPES",
+    "KV_CACHE_SCALES",
     "KV_DTYPE_BYTES",
+    "KV_SCALE_BYTES",
     "MAX_BLOCK_SIZE",
     "MAX_NUM_BLOCKS",
     "CacheConfig",
@@ -48,6 +51,7 @@ __all__ = [
     "ModelConfig",
     "SchedulingConfig",
     "check_pool_holds_one_request",
+    "kv_dtype_info",
 ]
 
 # Element size of each KV-cache dtype name (torch spellings and the usual short forms).
@@ -65,7 +69,35 @@ KV_DTYPE_BYTES: dict[str, int] = {
     "fp8": 1,
     "fp8_e4m3": 1,
     "fp8_e5m2": 1,
+    "int8": 1,
 }
+# ``kv_cache_dtype`` values: "auto" = the model's dtype; the others are quantized formats
+# (pagedkv.kernels.kv_quant) that store a bfloat16 scale per (token, KV head) next to the data.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+# Where the scales of a quantized cache come from: computed per vector when stored, or the
+# checkpoint's static k_scale / v_scale (per tensor or per KV head).
+KV_CACHE_SCALES = ("dynamic", "checkpoint")
+KV_SCALE_BYTES = 2  # one bfloat16 per (token, KV head) vector of K and of V
+# Canonical names of the quantized formats (torch spellings accepted too).
+_QUANTIZED_KV = {
+    "int8": "int8",
+    "fp8": "fp8_e4m3",
+    "fp8_e4m3": "fp8_e4m3",
+    "float8_e4m3fn": "fp8_e4m3",
+    "fp8_e5m2": "fp8_e5m2",
+    "float8_e5m2": "fp8_e5m2",
+}
+
+
+def kv_dtype_info(name: str) -> tuple[str, int, int]:
+    """(canonical name, bytes per element, scale bytes per (token, head) vector) of a KV dtype
+    name such as ``"bfloat16"`` or ``"int8"``; ConfigError for an unknown one."""
+    if name in _QUANTIZED_KV:
+        return _QUANTIZED_KV[name], 1, KV_SCALE_BYTES
+    if name not in KV_DTYPE_BYTES:
+        raise ConfigError(f"KV dtype {name!r} is not known; use one of {', '.join(sorted(KV_DTYPE_BYTES))}")
+    return name, KV_DTYPE_BYTES[name], 0
+
 
 # Model dtypes the runner serves ("auto": bf16 on CUDA when supported, float32 on the CPU).
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
@@ -78,7 +110,9 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda)(:\d+)?$")
 class KVGeometry:
     """What a model's KV cache holds per token, and what that costs.
 
-    ``bytes_per_token = 2 (K and V) * num_layers * num_kv_heads * head_dim * dtype_bytes``.
+    ``bytes_per_token = 2 (K and V) * num_layers * num_kv_heads * (head_dim * dtype_bytes +
+    scale_bytes)``: a quantized cache (int8, fp8) also stores one bfloat16 scale per (token,
+    KV head) vector (``scale_bytes`` = 2; 0 for a float cache).
     ``num_heads`` (query heads) is None when it is not known (a config that names only the
     KV heads); the KV cost never depends on it.
     """
@@ -90,18 +124,22 @@ class KVGeometry:
     dtype_bytes: int
     num_heads: int | None = None
     source: str = "config"  # where the numbers came from, for reports
+    scale_bytes: int = 0
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * self.dtype_bytes + self.scale_bytes)
 
     def bytes_per_block(self, block_size: int) -> int:
         return self.bytes_per_token * block_size
 
     def describe(self) -> str:
+        per_vector = f"{self.head_dim} head_dim x {self.dtype_bytes} B"
+        if self.scale_bytes:
+            per_vector = f"({per_vector} + {self.scale_bytes} B scale)"
         return (
             f"{self.bytes_per_token:,} B/token = 2 x {self.num_layers} layers x {self.num_kv_heads} KV heads "
-            f"x {self.head_dim} head_dim x {self.dtype_bytes} B ({self.dtype})"
+            f"x {per_vector} ({self.dtype})"
         )
 
 
@@ -218,6 +256,13 @@ class CacheConfig:
       (``UserWarning``). A pool larger than the device's memory is refused (``ConfigError``)
       before it is allocated.
     - ``enable_prefix_caching``: reuse the KV of shared prompt prefixes.
+    - ``kv_cache_dtype``: ``"auto"`` (the model's dtype), ``"int8"``, ``"fp8"`` (=
+      ``"fp8_e4m3"``), ``"fp8_e5m2"`` (or ``torch.int8`` / ``torch.float8_e4m3fn`` /
+      ``torch.float8_e5m2``): quantized blocks with a bfloat16 scale per (token, KV head)
+      computed when the token is stored (no calibration), ~4x (vs float32) or ~2x (vs 16-bit)
+      the tokens in the same memory.
+    - ``kv_cache_scales``: ``"dynamic"`` (those per-vector scales) or ``"checkpoint"`` (the
+      model's static ``k_scale`` / ``v_scale`` tensors; an error if it has none).
     """
 
     block_size: int = 16
@@ -225,8 +270,25 @@ class CacheConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    kv_cache_scales: str = "dynamic"
 
     def __post_init__(self) -> None:
+        kv_dtype = _torch_name(self.kv_cache_dtype)
+        kv_dtype = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}.get(kv_dtype, kv_dtype)
+        if not isinstance(kv_dtype, str) or kv_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or torch.int8 / torch.float8_e4m3fn / "
+                f"torch.float8_e5m2), got {self.kv_cache_dtype!r}"
+            )
+        object.__setattr__(self, "kv_cache_dtype", "fp8_e4m3" if kv_dtype == "fp8" else kv_dtype)
+        if self.kv_cache_scales not in KV_CACHE_SCALES:
+            raise ConfigError(f"kv_cache_scales must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scales!r}")
+        if self.kv_cache_scales == "checkpoint" and self.kv_cache_dtype == "auto":
+            raise ConfigError(
+                "kv_cache_scales='checkpoint' needs a quantized kv_cache_dtype ('int8', 'fp8_e4m3', 'fp8_e5m2'); "
+                "kv_cache_dtype is 'auto'"
+            )
         bs = self.block_size
         if not _is_int(bs) or bs < 8 or bs & (bs - 1) or bs > MAX_BLOCK_SIZE:
             raise ConfigError(f"block_size must be a power of two in 8 .. {MAX_BLOCK_SIZE}, got {bs!r}")

@@ -27,6 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer ShareGPT prompts")
     p.add_argument("--kv-cache-memory", type=int, default=256, help="KV cache MiB (CPU; default 256)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache dtype: auto (the model's), int8, fp8 (= fp8_e4m3), fp8_e5m2 (quantized, a scale per token and head)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.95)
@@ -66,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             kv_cache_memory=args.kv_cache_memory << 20,
             block_size=args.block_size,
+            kv_cache_dtype=args.kv_cache_dtype,
             max_num_seqs=args.max_num_seqs,
             max_model_len=2048,
             seed=args.seed,
@@ -80,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"KV cache: {runner.num_blocks} blocks x {runner.block_size} tokens = {runner.num_blocks * runner.block_size} "
-        f"token slots, {runner.kv_cache_bytes / 2**20:.0f} MiB ({runner.bytes_per_block // runner.block_size} bytes/token)"
+        f"token slots, {runner.kv_cache_bytes / 2**20:.0f} MiB, KV dtype {runner.geometry.dtype} "
+        f"({runner.geometry.bytes_per_token} bytes/token)"
     )
     prompts = _sharegpt_prompts(engine.tokenizer, args.num_prompts, args.max_prompt_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
@@ -120,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"requests           {len(finished)} in {elapsed:.1f} s ({stats['steps']} steps)")
     print(
         f"throughput         {gen / elapsed:.1f} output tokens/s, {stats['tokens_computed'] / elapsed:.1f} tokens computed/s"
+    )
+    print(
+        f"KV cache           {stats['kv_cache_dtype']}, {stats['kv_bytes_per_token']} bytes/token, "
+        f"{stats['num_blocks']} blocks in {stats['kv_cache_bytes'] / 2**20:.0f} MiB"
     )
     print(f"KV usage           peak {peak_usage:.0%} of {stats['num_blocks']} blocks")
     print(f"KV utilization     {held / max(slots, 1):.1%} of allocated slots hold a token (time-averaged)")

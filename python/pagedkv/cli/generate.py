@@ -36,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV cache dtype: auto (the model's), int8, fp8 (= fp8_e4m3), fp8_e5m2 (quantized, a scale per token and head)",
+    )
     p.add_argument("--json", action="store_true", help="print the outputs as JSON")
 
 
@@ -56,7 +61,12 @@ def run(args: argparse.Namespace) -> int:
             stop=args.stop,
             ignore_eos=args.ignore_eos,
         )
-        engine_args = {"dtype": args.dtype, "device": args.device, "block_size": args.block_size}
+        engine_args = {
+            "dtype": args.dtype,
+            "device": args.device,
+            "block_size": args.block_size,
+            "kv_cache_dtype": args.kv_cache_dtype,
+        }
         if args.max_model_len is not None:
             engine_args["max_model_len"] = args.max_model_len
         if args.kv_cache_memory is not None:

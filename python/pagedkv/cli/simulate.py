@@ -122,9 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "[default: the embedded SmolLM2-135M-Instruct]",
     )
     memory.add_argument(
+        "--kv-cache-dtype",
         "--kv-dtype",
+        dest="kv_dtype",
         default="auto",
-        help="KV-cache dtype: auto (the config's), float32, bfloat16, float16, fp8 [default: auto]",
+        help="KV-cache dtype: auto (the config's), float32, bfloat16, float16, or quantized int8, fp8 "
+        "(= fp8_e4m3), fp8_e5m2 (1 byte per value + a 2-byte scale per token and KV head) [default: auto]",
     )
 
     sched = parser.add_argument_group("scheduler")
@@ -204,7 +207,9 @@ def format_report(report: dict[str, Any], *, breakdown: bool = False) -> str:
     if "kv_bytes" in kv:
         pool += (
             f" = {kv['kv_bytes'] / 2**30:.2f} GiB ({kv['bytes_per_token']:,} B/token: {kv['num_layers']} layers x "
-            f"{kv['num_kv_heads']} KV heads x {kv['head_dim']} x {kv['kv_dtype']})"
+            f"{kv['num_kv_heads']} KV heads x {kv['head_dim']} x {kv['kv_dtype']}"
+            + (f" + {kv['kv_scale_bytes']} B scale per head" if kv.get("kv_scale_bytes") else "")
+            + ")"
         )
     lines.append(pool)
     c = report["config"]

@@ -31,6 +31,11 @@ class EngineArgs:
       (a larger value warns).
     - ``max_num_seqs``, ``max_num_batched_tokens``: per-step caps of the scheduler.
     - ``enable_prefix_caching``: reuse the KV of shared prompt prefixes.
+    - ``kv_cache_dtype``: ``"auto"`` (the model's dtype), ``"int8"``, ``"fp8"`` / ``"fp8_e4m3"``,
+      ``"fp8_e5m2"``: quantized KV blocks, a bfloat16 scale per (token, KV head) computed as
+      each token is stored (no calibration); the same memory holds ~3.9x the tokens of a
+      float32 cache (head_dim 64). ``kv_cache_scales="checkpoint"`` uses the checkpoint's
+      static ``k_scale`` / ``v_scale`` instead.
     - ``scheduling_policy``: ``"fcfs"`` or ``"priority"``.
     - ``attention_backend``: ``"triton"``, ``"cpu"``, ``"torch"`` or ``None`` (Triton on CUDA,
       the Rust decode kernel + torch on the CPU).
@@ -53,6 +58,8 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    kv_cache_scales: str = "dynamic"
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
     seed: int = 0
@@ -92,6 +99,8 @@ class EngineArgs:
                 kv_cache_memory=self.kv_cache_memory,
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_dtype=self.kv_cache_dtype,
+                kv_cache_scales=self.kv_cache_scales,
             ),
             scheduling=SchedulingConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -33,7 +33,7 @@ class LLM:
 
     ``LLM(model=None, **engine_args)``; ``model=None`` serves the embedded SmolLM2. Engine
     arguments: see :class:`pagedkv.EngineArgs` (``dtype``, ``device``, ``block_size``,
-    ``kv_cache_memory``, ``num_blocks``, ``max_model_len``, ``max_num_seqs``,
+    ``kv_cache_memory``, ``num_blocks``, ``kv_cache_dtype``, ``max_model_len``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``enable_prefix_caching``, ...).
     """
 

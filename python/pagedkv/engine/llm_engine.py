@@ -404,13 +404,15 @@ class LLMEngine:
 
     def get_stats(self) -> dict[str, Any]:
         """Scheduler statistics (KV usage and utilization, prefix cache, preemptions, queue
-        lengths) and engine counters (steps, tokens computed, tokens generated, model time,
-        failed steps and requests)."""
+        lengths), the KV cache's size, dtype and bytes per token, and engine counters (steps,
+        tokens computed, tokens generated, model time, failed steps and requests)."""
         with self._lock:
-            stats = self.scheduler.stats().as_dict()
+            stats: dict[str, Any] = self.scheduler.stats().as_dict()
             stats.update(self._counters)
             stats["num_unfinished_requests"] = len(self.requests)
         stats["kv_cache_bytes"] = self.runner.kv_cache_bytes
+        stats["kv_cache_dtype"] = self.runner.geometry.dtype
+        stats["kv_bytes_per_token"] = self.runner.geometry.bytes_per_token
         return stats
 
 

@@ -2,18 +2,25 @@
 
 Public API (same signatures for every backend)::
 
-    store_kv(key, value, key_cache, value_cache, slot_mapping, *, backend=None) -> None
+    store_kv(key, value, key_cache, value_cache, slot_mapping, *, kv_scales=None, backend=None) -> None
     paged_attention(query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
-                    *, scale=None, out=None, backend=None,
+                    *, scale=None, out=None, kv_scales=None, backend=None,
                     max_seqlen_q=None, max_seqlen_k=None) -> Tensor
+
+Quantized caches (:mod:`.kv_quant`): an ``int8`` / ``float8_e4m3fn`` / ``float8_e5m2`` cache
+comes with its :class:`KVScales` (a bfloat16 scale per (token, KV head), same slots as the
+data). ``store_kv`` quantizes the new vectors and writes data and scales; every backend's
+attention reads the quantized blocks and dequantizes on load. A quantized cache without
+``kv_scales`` (or scales for a float cache) is an InvalidArgumentError.
 
 Backends:
 
 * ``triton``: the Triton kernels (:mod:`.triton_store`, :mod:`.triton_attention`). Runs on
   CUDA tensors, and on CPU tensors when ``TRITON_INTERPRET=1`` was set before the kernels were
   imported (how the CPU tests run them).
-* ``cpu``: :mod:`.cpu`, decode rows in Rust straight from the paged cache (float32), prefill
-  and extend rows through the torch path: the CPU production path.
+* ``cpu``: :mod:`.cpu`, decode rows in Rust straight from the paged cache (float32 queries;
+  float32, int8 or float8 caches), prefill and extend rows through the torch path: the CPU
+  production path.
 * ``torch``: :mod:`.reference`, plain torch (the float64 oracle; any device and dtype).
 
 The backend is the ``backend=`` argument if given, else the environment variable
@@ -60,6 +67,7 @@ import torch
 
 from pagedkv.errors import ConfigError, InvalidArgumentError
 from pagedkv.kernels import reference, validation
+from pagedkv.kernels.kv_quant import KVScales
 from pagedkv.kernels.validation import TRITON_DTYPES, TRITON_HEAD_DIMS
 
 __all__ = [
@@ -67,6 +75,7 @@ __all__ = [
     "BACKENDS",
     "AttentionBackend",
     "AttentionMetadata",
+    "KVScales",
     "get_backend",
     "resolve_backend",
     "store_kv",
@@ -132,15 +141,17 @@ def store_kv(
     value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64; -1 = skip the token
     *,
+    kv_scales: KVScales | None = None,  # a quantized cache's scales
     backend: str | None = None,
 ) -> None:
-    """Write token ``t``'s K and V into cache slot ``slot_mapping[t]`` (in place)."""
+    """Write token ``t``'s K and V into cache slot ``slot_mapping[t]`` (in place); into a
+    quantized cache as data plus scale."""
     chosen = resolve_backend(_device_of("key", key), backend, dtype=key.dtype, head_dim=key.shape[-1])
-    validation.check_store_kv_args(key, value, key_cache, value_cache, slot_mapping, chosen)
+    validation.check_store_kv_args(key, value, key_cache, value_cache, slot_mapping, chosen, kv_scales)
     if chosen == "triton":
-        _triton_module("triton_store").store_kv(key, value, key_cache, value_cache, slot_mapping)
+        _triton_module("triton_store").store_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales=kv_scales)
     else:
-        reference.store_kv(key, value, key_cache, value_cache, slot_mapping)
+        reference.store_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales=kv_scales)
 
 
 def paged_attention(
@@ -153,6 +164,7 @@ def paged_attention(
     *,
     scale: float | None = None,  # default 1 / sqrt(D)
     out: torch.Tensor | None = None,  # [T, H, D], query's dtype
+    kv_scales: KVScales | None = None,  # a quantized cache's scales
     backend: str | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
@@ -164,19 +176,35 @@ def paged_attention(
     """
     chosen = resolve_backend(_device_of("query", query), backend, dtype=query.dtype, head_dim=query.shape[-1])
     validation.check_paged_attention_args(
-        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, chosen
+        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, chosen, kv_scales
     )
     if scale is None:
         scale = query.shape[2] ** -0.5
     if chosen == "torch":
         return reference.paged_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, out=out
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            cu_seqlens_q,
+            scale=scale,
+            out=out,
+            kv_scales=kv_scales,
         )
     if chosen == "cpu":
         from pagedkv.kernels import cpu
 
         return cpu.paged_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=float(scale), out=out
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            cu_seqlens_q,
+            scale=float(scale),
+            out=out,
+            kv_scales=kv_scales,
         )
     if out is None:
         out = torch.zeros_like(query)
@@ -193,6 +221,7 @@ def paged_attention(
         out=out,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
+        kv_scales=kv_scales,
     )
 
 
@@ -305,20 +334,28 @@ class AttentionBackend:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
+        kv_scales: KVScales | None = None,  # a quantized cache's scales
     ) -> None:
         """:func:`store_kv` for one layer of the step ``meta`` describes."""
-        validation.check_layer_store(key, value, key_cache, value_cache, meta)
+        validation.check_layer_store(key, value, key_cache, value_cache, meta, kv_scales)
         if self.name == "triton":
-            _triton_module("triton_store").store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+            _triton_module("triton_store").store_kv(
+                key, value, key_cache, value_cache, meta.slot_mapping, kv_scales=kv_scales
+            )
         elif meta.store_rows is not None:
             assert meta.store_slots is not None
             reference.write_slots(
-                key[meta.store_rows], value[meta.store_rows], key_cache, value_cache, meta.store_slots
+                key[meta.store_rows],
+                value[meta.store_rows],
+                key_cache,
+                value_cache,
+                meta.store_slots,
+                kv_scales=kv_scales,
             )
         elif meta.host_seq_lens is not None:  # host facts known: no slot is -1
-            reference.write_slots(key, value, key_cache, value_cache, meta.slot_mapping)
+            reference.write_slots(key, value, key_cache, value_cache, meta.slot_mapping, kv_scales=kv_scales)
         else:
-            reference.store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+            reference.store_kv(key, value, key_cache, value_cache, meta.slot_mapping, kv_scales=kv_scales)
 
     def paged_attention(
         self,
@@ -329,15 +366,18 @@ class AttentionBackend:
         *,
         scale: float | None = None,
         out: torch.Tensor | None = None,
+        kv_scales: KVScales | None = None,  # a quantized cache's scales
     ) -> torch.Tensor:  # [T, H, D]
         """:func:`paged_attention` for one layer of the step ``meta`` describes."""
-        validation.check_layer_attention(query, key_cache, value_cache, meta, scale, out)
+        validation.check_layer_attention(query, key_cache, value_cache, meta, scale, out, kv_scales)
         if scale is None:
             scale = query.shape[2] ** -0.5
         if self.name == "cpu" and meta.cpu_views is not None:
             from pagedkv.kernels import cpu
 
-            return cpu.paged_attention_prepared(query, key_cache, value_cache, meta, scale=float(scale), out=out)
+            return cpu.paged_attention_prepared(
+                query, key_cache, value_cache, meta, scale=float(scale), out=out, kv_scales=kv_scales
+            )
         if self.name in ("cpu", "torch"):
             if meta.host_cu_seqlens_q is None or meta.host_seq_lens is None:
                 return reference.paged_attention(
@@ -349,6 +389,7 @@ class AttentionBackend:
                     meta.cu_seqlens_q,
                     scale=scale,
                     out=out,
+                    kv_scales=kv_scales,
                 )
             if out is None:
                 out = torch.zeros_like(query)
@@ -362,6 +403,7 @@ class AttentionBackend:
                 meta.host_seq_lens,
                 scale=scale,
                 out=out,
+                kv_scales=kv_scales,
             )
             return out
         if out is None:
@@ -377,6 +419,7 @@ class AttentionBackend:
             out=out,
             max_seqlen_q=meta.max_seqlen_q,
             max_seqlen_k=meta.max_seqlen_k,
+            kv_scales=kv_scales,
         )
 
 
@@ -386,13 +429,15 @@ def get_backend(
     *,
     dtype: torch.dtype | None = None,
     head_dim: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The :class:`AttentionBackend` for tensors on ``device`` (:func:`resolve_backend`, read
     once: ``PAGEDKV_ATTENTION_BACKEND`` is not looked at again). With ``dtype`` and
-    ``head_dim`` given, a backend that cannot run them raises InvalidArgumentError now."""
+    ``head_dim`` given, a backend that cannot run them (over a cache of ``cache_dtype``, default
+    ``dtype``) raises InvalidArgumentError now."""
     name = resolve_backend(device, backend, dtype=dtype, head_dim=head_dim)
     if dtype is not None and head_dim is not None:
-        validation.check_backend_supports(name, dtype, head_dim)
+        validation.check_backend_supports(name, dtype, head_dim, cache_dtype, device)
     return AttentionBackend(name)
 
 

@@ -87,21 +87,24 @@ def _attention_cases(arch: int, quick: bool) -> list[tuple[str, dict]]:
     """(name, arguments) of launches that together reach every kernel variant the engine uses.
 
     ``quick`` keeps one case per distinct code path (padded head_dim, the head_dim-256 tiles,
-    fp32's exact dots, float8 upcasts; both decode epilogues once) for the CI test.
+    fp32's exact dots, quantized caches: int8 and float8 dequantized in registers with their
+    scales; both decode epilogues once) for the CI test.
     """
     variants = [
         (torch.bfloat16, torch.bfloat16, 128),
         (torch.bfloat16, torch.bfloat16, 256),
         (torch.float16, torch.float16, 96),
         (torch.float32, torch.float32, 128),
-        (torch.bfloat16, torch.float8_e5m2, 128),
+        (torch.bfloat16, torch.int8, 128),
+        (torch.float16, torch.float8_e5m2, 128),
     ]
     if not quick:
         variants.append((torch.bfloat16, torch.bfloat16, 64))
+        variants.append((torch.bfloat16, torch.float8_e5m2, 128))
     if arch >= 89:  # float8 e4m3 exists from Ada / Hopper on
         variants.append((torch.bfloat16, torch.float8_e4m3fn, 128))
     if quick and arch < 90:
-        variants = variants[:1] + variants[3:4]  # Ampere: the bf16 and fp32 paths
+        variants = variants[:1] + variants[3:5]  # Ampere: the bf16, fp32 and int8 paths
     cases = []
     for index, (dtype, cache_dtype, head_dim) in enumerate(variants):
         for num_splits in (1, 4) if index == 0 or not quick else (4,):
@@ -112,6 +115,20 @@ def _attention_cases(arch: int, quick: bool) -> list[tuple[str, dict]]:
                 )
             )
     return cases
+
+
+def _scales_for(cache: torch.Tensor, static: bool = False):  # noqa: ANN202 (KVScales | None)
+    """Scales for a quantized cache (None for a float one), as the engine allocates them."""
+    from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, format_of
+
+    if format_of(cache.dtype) is None:
+        return None
+    num_blocks, block_size, num_kv_heads = cache.shape[:3]
+    key, value = torch.empty(2, num_blocks, block_size, num_kv_heads, dtype=SCALE_DTYPE)
+    if not static:
+        return KVScales(key, value)
+    static_scale = torch.ones(num_kv_heads, dtype=torch.float32)
+    return KVScales(key, value, static_scale, static_scale)
 
 
 def compile_all(arch: int = 90, quick: bool = False) -> list[CompiledVariant]:
@@ -148,6 +165,7 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[CompiledVariant]:
             num_heads, num_kv_heads, block_size, num_seqs = 32, 8, 16, 4
             query = torch.empty(num_seqs + 100, num_heads, case["head_dim"], dtype=case["dtype"])
             cache = torch.empty(64, block_size, num_kv_heads, case["head_dim"], dtype=case["cache_dtype"])
+            kv_scales = _scales_for(cache)
             triton_attention.paged_attention(
                 query,
                 cache,
@@ -159,15 +177,25 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[CompiledVariant]:
                 out=torch.empty_like(query),
                 max_seqlen_q=100,
                 num_splits=case["num_splits"],
+                kv_scales=kv_scales,
             )
-        store_dtypes = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float8_e5m2)]
+        # (input dtype, cache dtype, static scales)
+        store_dtypes = [
+            (torch.bfloat16, torch.bfloat16, False),
+            (torch.bfloat16, torch.int8, False),
+            (torch.float16, torch.float8_e5m2, False),
+        ]
+        if not quick:
+            store_dtypes.append((torch.bfloat16, torch.int8, True))
         if arch >= 89 and not quick:
-            store_dtypes.append((torch.bfloat16, torch.float8_e4m3fn))
-        for dtype, cache_dtype in store_dtypes:
-            current_case[0] = f"store {dtype}->{cache_dtype}"
+            store_dtypes.append((torch.bfloat16, torch.float8_e4m3fn, False))
+        for dtype, cache_dtype, static in store_dtypes:
+            current_case[0] = f"store {dtype}->{cache_dtype}" + (" static" if static else "")
             new_kv = torch.empty(10, 8, 128, dtype=dtype)
             kv_cache = torch.empty(4, 16, 8, 128, dtype=cache_dtype)
-            triton_store.store_kv(new_kv, new_kv, kv_cache, kv_cache, torch.zeros(10, dtype=torch.int64))
+            triton_store.store_kv(
+                new_kv, new_kv, kv_cache, kv_cache, torch.zeros(10, dtype=torch.int64), _scales_for(kv_cache, static)
+            )
     finally:
         for kernel in kernels:
             del kernel.run

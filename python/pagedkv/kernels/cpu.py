@@ -9,8 +9,12 @@ released: ~2.4x faster per layer for 64 sequences x 496 tokens (SmolLM2's 9/3 he
 Sequences with several query rows are few per step and are large matrix products, which
 SDPA already does well: they stay on :func:`reference.attend_extend_rows`.
 
-The Rust kernel takes float32 C-contiguous arrays (numpy views of the tensors: no copy of the
-caches); anything else (other dtypes, strided caches) goes entirely through the torch path.
+The Rust kernel takes a float32 query and C-contiguous caches, as numpy views of the tensors
+(no copy of the caches): float32 caches, or quantized ones (:mod:`.kv_quant`: int8, fp8 e4m3,
+fp8 e5m2) with their C-contiguous bfloat16 scales, which it dequantizes on the fly (the fp8
+caches cross as their bytes, ``view(torch.uint8)``, the scales as their bits,
+``view(torch.int16)``). Anything else (other dtypes, strided caches or scales) goes entirely
+through the torch path, which dequantizes gathered blocks.
 
 Two entry points: :func:`paged_attention` (one call, converts the index tensors itself) and
 :func:`paged_attention_prepared` (a serving step: the index tensors' numpy views and host
@@ -20,12 +24,14 @@ layers).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from pagedkv._core import paged_decode_attention_cpu
 from pagedkv.kernels import reference
+from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, format_of
 
 if TYPE_CHECKING:
     from pagedkv.kernels import AttentionMetadata
@@ -33,49 +39,103 @@ if TYPE_CHECKING:
 __all__ = ["paged_attention", "paged_attention_prepared", "supports"]
 
 
-def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether the Rust decode kernel can read these tensors as they are."""
-    return (
+def supports(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    kv_scales: KVScales | None = None,
+) -> bool:
+    """Whether the Rust decode kernel can read these tensors as they are: a float32 CPU query;
+    C-contiguous caches, float32 (and no scales) or quantized (int8 / fp8) with C-contiguous
+    bfloat16 scales of shape ``[num_blocks, block_size, Hkv]``."""
+    if not (
         query.device.type == "cpu"
-        and query.dtype == key_cache.dtype == value_cache.dtype == torch.float32
+        and query.dtype == torch.float32
+        and key_cache.dtype == value_cache.dtype
+        and key_cache.device.type == value_cache.device.type == "cpu"
         and key_cache.is_contiguous()
         and value_cache.is_contiguous()
+    ):
+        return False
+    if key_cache.dtype == torch.float32:
+        return kv_scales is None
+    if format_of(key_cache.dtype) is None or kv_scales is None:
+        return False
+    shape = key_cache.shape[:3]
+    return all(
+        s.dtype == SCALE_DTYPE and s.device.type == "cpu" and s.shape == shape and s.is_contiguous()
+        for s in (kv_scales.key, kv_scales.value)
+    )
+
+
+def _kernel_caches(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, kv_scales: KVScales | None
+) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """The caches as the Rust kernel reads them (numpy views sharing memory) and its format
+    keyword arguments; the tensors passed :func:`supports`."""
+    fmt = format_of(key_cache.dtype)
+    if fmt is None:
+        return key_cache.numpy(), value_cache.numpy(), {}
+    assert kv_scales is not None  # supports() checked it
+    if fmt.is_float:  # numpy has no float8: the bytes
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    return (
+        key_cache.numpy(),
+        value_cache.numpy(),
+        {
+            "kv_format": fmt.name,
+            "key_scales": kv_scales.key.view(torch.int16).numpy(),
+            "value_scales": kv_scales.value.view(torch.int16).numpy(),
+        },
     )
 
 
 def paged_attention(
     query: torch.Tensor,  # [T, H, D] float32
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32
-    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32, int8 or float8
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], key_cache's dtype
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     cu_seqlens_q: torch.Tensor,  # [B + 1] int32
     *,
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D]
+    kv_scales: KVScales | None = None,  # a quantized cache's scales
 ) -> torch.Tensor:  # [T, H, D]
     """Same contract as :func:`reference.paged_attention` (validated by the dispatcher)."""
-    if not supports(query, key_cache, value_cache):
+    if not supports(query, key_cache, value_cache, kv_scales):
         return reference.paged_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale=scale, out=out
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            cu_seqlens_q,
+            scale=scale,
+            out=out,
+            kv_scales=kv_scales,
         )
     result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else torch.zeros_like(query)
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     cu = cu_seqlens_q.to(torch.int32).contiguous()
+    keys, values, quant = _kernel_caches(key_cache, value_cache, kv_scales)
     decoded = paged_decode_attention_cpu(
         query.contiguous().numpy(),
-        key_cache.numpy(),
-        value_cache.numpy(),
+        keys,
+        values,
         tables.numpy(),
         lens.numpy(),
         cu.numpy(),
         result.numpy(),
         float(scale),
         torch.get_num_threads(),
+        **quant,
     )
     if decoded < lens.shape[0]:
-        reference.attend_extend_rows(query, key_cache, value_cache, tables, lens, cu, scale=scale, out=result)
+        reference.attend_extend_rows(
+            query, key_cache, value_cache, tables, lens, cu, scale=scale, out=result, kv_scales=kv_scales
+        )
     if out is not None and result is not out:
         out.copy_(result)
         return out
@@ -90,23 +150,26 @@ def paged_attention_prepared(
     *,
     scale: float,
     out: torch.Tensor | None = None,
+    kv_scales: KVScales | None = None,  # a quantized cache's scales
 ) -> torch.Tensor:  # [T, H, D]
     """:func:`paged_attention` for one layer of a step whose metadata was prepared once."""
     assert meta.cpu_views is not None and meta.host_cu_seqlens_q is not None and meta.host_seq_lens is not None
     result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else torch.zeros_like(query)
-    fast = supports(query, key_cache, value_cache)
+    fast = supports(query, key_cache, value_cache, kv_scales)
     if fast and meta.num_decodes:
         tables, lens, cu = meta.cpu_views
+        keys, values, quant = _kernel_caches(key_cache, value_cache, kv_scales)
         paged_decode_attention_cpu(
             query.contiguous().numpy(),
-            key_cache.numpy(),
-            value_cache.numpy(),
+            keys,
+            values,
             tables,
             lens,
             cu,
             result.numpy(),
             float(scale),
             torch.get_num_threads(),
+            **quant,
         )
     if not fast or meta.num_extends:
         reference.attend_host(
@@ -120,6 +183,7 @@ def paged_attention_prepared(
             scale=scale,
             out=result,
             decodes=not fast,
+            kv_scales=kv_scales,
         )
     if out is not None and result is not out:
         out.copy_(result)

@@ -28,7 +28,10 @@ Semantics of ``paged_attention`` (identical in every backend):
 Precision: float64 inputs are computed in float64 (the oracle); on the CPU, float16/bfloat16
 inputs are computed in float32 (the CPU has no fast half-precision matmul and the GPU kernels
 accumulate in float32 too); on a GPU the input dtype is kept (SDPA accumulates in float32).
-float8 caches are upcast to the compute dtype after the gather.
+Quantized caches (int8, float8; :mod:`.kv_quant`) come with their :class:`~.kv_quant.KVScales`:
+``store_kv`` quantizes each new (token, head) vector with its own scale and stores both; the
+attention gathers a sequence's blocks and their scales and dequantizes the gather
+(``float(q) * scale``) in the compute dtype, float64 for the oracle.
 
 How the decode batch is vectorised: the sequences with ``q_len == 1`` are sorted by length and
 cut into chunks whose padded KV fits a gather budget (``_GATHER_BUDGET_ELEMENTS``); each chunk
@@ -47,6 +50,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from pagedkv.kernels.kv_quant import KVScales, format_of, quantize_kv
+
 __all__ = ["attend_decode_rows", "attend_extend_rows", "attend_host", "paged_attention", "store_kv", "write_slots"]
 
 # Upper bound on the elements of one gathered K (and one V) chunk of decode sequences:
@@ -63,13 +68,15 @@ def store_kv(
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64, -1 = do not store this token
+    *,
+    kv_scales: KVScales | None = None,  # required for a quantized cache
 ) -> None:
     """Write token ``t``'s K and V into slot ``slot_mapping[t]`` of the caches (in place)."""
     keep = slot_mapping >= 0
     slots = slot_mapping.long()
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
-    write_slots(key, value, key_cache, value_cache, slots)
+    write_slots(key, value, key_cache, value_cache, slots, kv_scales=kv_scales)
 
 
 def write_slots(
@@ -78,18 +85,39 @@ def write_slots(
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     value_cache: torch.Tensor,
     slots: torch.Tensor,  # [N] int64, every one >= 0
+    *,
+    kv_scales: KVScales | None = None,  # required for a quantized cache
 ) -> None:
     """:func:`store_kv` once the skipped tokens (slot -1) are gone."""
-    if key_cache.is_contiguous() and value_cache.is_contiguous():
-        # Slot s is row s of the cache seen as [num_blocks * block_size, Hkv, D].
-        key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, key.to(key_cache.dtype))
-        value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, value.to(value_cache.dtype))
+    fmt = format_of(key_cache.dtype)
+    if fmt is not None:
+        assert kv_scales is not None, "a quantized cache needs its scales (checked by the dispatcher)"
+        k_data, k_scale = quantize_kv(key, fmt, kv_scales.static_key)
+        v_data, v_scale = quantize_kv(value, fmt, kv_scales.static_value)
+        _write_rows(key_cache, slots, k_data)
+        _write_rows(value_cache, slots, v_data)
+        _write_rows(kv_scales.key, slots, k_scale)
+        _write_rows(kv_scales.value, slots, v_scale)
         return
-    block_size = key_cache.shape[1]
-    blocks = torch.div(slots, block_size, rounding_mode="floor")
-    offsets = slots % block_size
-    key_cache[blocks, offsets] = key.to(key_cache.dtype)
-    value_cache[blocks, offsets] = value.to(value_cache.dtype)
+    _write_rows(key_cache, slots, key.to(key_cache.dtype))
+    _write_rows(value_cache, slots, value.to(value_cache.dtype))
+
+
+def _write_rows(
+    cache: torch.Tensor,  # [num_blocks, block_size, *row]
+    slots: torch.Tensor,  # [N] int64, every one >= 0
+    rows: torch.Tensor,  # [N, *row], the cache's dtype
+) -> None:
+    """``cache[slot // block_size, slot % block_size] = row`` for every slot."""
+    if cache.is_contiguous():
+        # Slot s is row s of the cache seen as [num_blocks * block_size, *row]. Float8 has no
+        # CPU index_copy_: its bytes are copied as uint8 (same size, exact).
+        if cache.dtype.itemsize == 1 and cache.dtype != torch.int8:
+            cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
+        return
+    block_size = cache.shape[1]
+    cache[torch.div(slots, block_size, rounding_mode="floor"), slots % block_size] = rows
 
 
 def paged_attention(
@@ -102,6 +130,7 @@ def paged_attention(
     *,
     scale: float | None = None,
     out: torch.Tensor | None = None,  # [T, H, D], query's dtype
+    kv_scales: KVScales | None = None,  # required for a quantized cache
 ) -> torch.Tensor:  # [T, H, D]
     """Varlen causal attention of packed queries over a paged KV cache (see module docstring)."""
     if scale is None:
@@ -119,6 +148,7 @@ def paged_attention(
         seq_lens.tolist(),
         scale=scale,
         out=out,
+        kv_scales=kv_scales,
     )
     return out
 
@@ -136,13 +166,14 @@ def attend_host(
     out: torch.Tensor,  # [T, H, D], written for the rows of every sequence
     decodes: bool = True,
     extends: bool = True,
+    kv_scales: KVScales | None = None,
 ) -> None:
     """:func:`paged_attention` with the index arrays already on the host (read once per step
     by the caller, not once per layer); ``decodes`` / ``extends`` select the parts."""
     if decodes:
-        _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, scale, out)
+        _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, scale, out, kv_scales)
     if extends:
-        _extend_rows(query, key_cache, value_cache, block_tables, cu, lens, scale, out)
+        _extend_rows(query, key_cache, value_cache, block_tables, cu, lens, scale, out, kv_scales)
 
 
 def attend_decode_rows(
@@ -155,10 +186,11 @@ def attend_decode_rows(
     *,
     scale: float,
     out: torch.Tensor,  # [T, H, D], written in place for the decode sequences only
+    kv_scales: KVScales | None = None,
 ) -> None:
     """The part of :func:`paged_attention` for sequences with one query row (decodes)."""
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, scale, out)
+    _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, scale, out, kv_scales)
 
 
 def _decode_rows(
@@ -171,6 +203,7 @@ def _decode_rows(
     lens: list[int],  # seq_lens on the host
     scale: float,
     out: torch.Tensor,
+    kv_scales: KVScales | None,
 ) -> None:
     compute_dtype = _compute_dtype(query)
     decodes = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
@@ -187,6 +220,7 @@ def _decode_rows(
             seq_lens[chunk],
             scale,
             compute_dtype,
+            kv_scales,
         ).to(out.dtype)
 
 
@@ -200,11 +234,12 @@ def attend_extend_rows(
     *,
     scale: float,
     out: torch.Tensor,  # [T, H, D], written in place for the extend sequences only
+    kv_scales: KVScales | None = None,
 ) -> None:
     """The part of :func:`paged_attention` for sequences with several query rows (prefill
     chunks, extends), one sequence at a time."""
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    _extend_rows(query, key_cache, value_cache, block_tables, cu, lens, scale, out)
+    _extend_rows(query, key_cache, value_cache, block_tables, cu, lens, scale, out, kv_scales)
 
 
 def _extend_rows(
@@ -216,6 +251,7 @@ def _extend_rows(
     lens: list[int],  # seq_lens on the host
     scale: float,
     out: torch.Tensor,
+    kv_scales: KVScales | None,
 ) -> None:
     compute_dtype = _compute_dtype(query)
     for b in range(len(lens)):
@@ -229,6 +265,7 @@ def _extend_rows(
                 lens[b],
                 scale,
                 compute_dtype,
+                kv_scales,
             ).to(out.dtype)
 
 
@@ -300,6 +337,7 @@ def _gather_kv(
     num_blocks: int,  # leading block-table columns to read
     seq_lens: torch.Tensor,  # [N]
     compute_dtype: torch.dtype,
+    scales: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] bfloat16 of a quantized cache
 ) -> torch.Tensor:  # [N, Hkv, num_blocks * block_size, D]
     """The KV of N sequences, contiguous per sequence, padded to ``num_blocks`` blocks.
 
@@ -317,6 +355,8 @@ def _gather_kv(
     gathered = torch.index_select(cache, 0, table.reshape(-1), out=_scratch.get(name, shape, cache.dtype, cache.device))
     if cache.dtype != compute_dtype:
         gathered = _scratch.get(name + "_upcast", shape, compute_dtype, cache.device).copy_(gathered)
+    if scales is not None:  # dequantize: one scale per (token, head) vector
+        gathered.mul_(torch.index_select(scales, 0, table.reshape(-1)).to(compute_dtype)[..., None])
     gathered = gathered.view(n, num_blocks * block_size, num_kv_heads, head_dim)
     positions = torch.arange(num_blocks * block_size, device=table.device)
     past_end = positions[None, :] >= seq_lens.long()[:, None]  # [N, L]
@@ -354,12 +394,14 @@ def _attend_decodes(
     seq_lens: torch.Tensor,  # [N]
     scale: float,
     compute_dtype: torch.dtype,
+    kv_scales: KVScales | None,
 ) -> torch.Tensor:  # [N, H, D]
     block_size = key_cache.shape[1]
     max_len = int(seq_lens.max())
     num_blocks = max(1, -(-max_len // block_size))
-    k = _gather_kv("k", key_cache, block_tables, num_blocks, seq_lens, compute_dtype)
-    v = _gather_kv("v", value_cache, block_tables, num_blocks, seq_lens, compute_dtype)
+    k_scales, v_scales = (kv_scales.key, kv_scales.value) if kv_scales is not None else (None, None)
+    k = _gather_kv("k", key_cache, block_tables, num_blocks, seq_lens, compute_dtype, k_scales)
+    v = _gather_kv("v", value_cache, block_tables, num_blocks, seq_lens, compute_dtype, v_scales)
     # The single query of a decode is the last token: it sees every key of its sequence.
     positions = torch.arange(num_blocks * block_size, device=query.device)
     visible = positions[None, :] < seq_lens.to(query.device).long()[:, None]  # [N, Lk]
@@ -375,13 +417,15 @@ def _attend_one_sequence(
     seq_len: int,
     scale: float,
     compute_dtype: torch.dtype,
+    kv_scales: KVScales | None,
 ) -> torch.Tensor:  # [q_len, H, D]
     q_len = query.shape[0]
     block_size = key_cache.shape[1]
     num_blocks = max(1, -(-seq_len // block_size))
     lens = torch.tensor([seq_len], device=block_table.device)
-    k = _gather_kv("k", key_cache, block_table[None], num_blocks, lens, compute_dtype)
-    v = _gather_kv("v", value_cache, block_table[None], num_blocks, lens, compute_dtype)
+    k_scales, v_scales = (kv_scales.key, kv_scales.value) if kv_scales is not None else (None, None)
+    k = _gather_kv("k", key_cache, block_table[None], num_blocks, lens, compute_dtype, k_scales)
+    v = _gather_kv("v", value_cache, block_table[None], num_blocks, lens, compute_dtype, v_scales)
     # Bottom-right causal mask: query i sees keys 0 .. seq_len - q_len + i.
     key_pos = torch.arange(num_blocks * block_size, device=query.device)
     last_visible = seq_len - q_len + torch.arange(q_len, device=query.device)

@@ -25,6 +25,13 @@ reads an entry the kernel did not write).
 
 Longest context: ``max_seqlen_k`` when given, else ``block_tables.shape[1] * block_size``
 (the block tables are padded to the longest sequence of the batch).
+
+Quantized caches (int8, float8 e4m3 / e5m2; :mod:`.kv_quant`) come with their
+:class:`~.kv_quant.KVScales` (bfloat16 ``[num_blocks, block_size, Hkv]``, one scale per
+(token, KV head), any strides): both kernels read the raw tiles and the scales and fold the
+scales into the math in registers (``QUANTIZED``; see :mod:`.triton_decode`); nothing
+dequantized is ever written. Float8 e4m3 needs compute capability >= 8.9 (the dispatcher
+refuses it below); int8 and e5m2 run everywhere.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch
 import triton
 
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.kernels.kv_quant import KVScales, format_of
 from pagedkv.kernels.triton_decode import decode_split_kernel, merge_splits_kernel
 from pagedkv.kernels.triton_prefill import prefill_kernel
 
@@ -140,7 +148,10 @@ class DecodeConfig:
     num_stages: int
 
 
-def default_prefill_config(head_dim_padded: int, dtype: torch.dtype) -> PrefillConfig:
+def default_prefill_config(head_dim_padded: int, dtype: torch.dtype, quantized: bool = False) -> PrefillConfig:
+    """``quantized``: int8 / float8 K/V tiles, converted in registers (and stored back to shared
+    memory for the MMA), need half the key tile to stay within 255 registers without spilling
+    (see compile_check's report)."""
     if is_interpreted():
         # The interpreter pays per loop iteration, not per element: big tiles, few iterations.
         return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
@@ -148,9 +159,9 @@ def default_prefill_config(head_dim_padded: int, dtype: torch.dtype) -> PrefillC
         # fp32 runs exact (FMA, "ieee") dots: small tiles and 8 warps keep register spills small.
         return PrefillConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)
     if head_dim_padded >= 256:
-        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+        return PrefillConfig(block_m=64, block_n=16 if quantized else 32, num_warps=8, num_stages=2)
     # Hopper: 128 x 64 tiles on warp-group MMA, K/V loads pipelined over 3 stages.
-    return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=128, block_n=32 if quantized else 64, num_warps=8, num_stages=3)
 
 
 def default_decode_config(head_dim_padded: int, dtype: torch.dtype) -> DecodeConfig:
@@ -168,10 +179,23 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _scale_args(key_cache: torch.Tensor, kv_scales: KVScales | None) -> tuple[list, bool]:
+    """(scale pointers and their strides, QUANTIZED) for the kernels."""
+    fmt = format_of(key_cache.dtype)
+    if (fmt is None) != (kv_scales is None):
+        raise InvalidArgumentError(
+            f"a {key_cache.dtype} cache {'needs' if fmt is not None else 'takes no'} kv_scales (triton paged_attention)"
+        )
+    if kv_scales is None or fmt is None:
+        # Not read (QUANTIZED is False): any pointer, any strides.
+        return [key_cache, key_cache, 0, 0, 0, 0, 0, 0], False
+    return [kv_scales.key, kv_scales.value, *kv_scales.key.stride(), *kv_scales.value.stride()], True
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, H, D] fp16/bf16/fp32
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], query's dtype or float8
-    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], query's dtype, or int8 / float8 with kv_scales
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], key_cache's dtype
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
     cu_seqlens_q: torch.Tensor,  # [B + 1] int32
@@ -185,8 +209,10 @@ def paged_attention(
     use_decode_kernel: bool = True,  # False: the prefill kernel does the q_len == 1 rows too
     decode_config: DecodeConfig | None = None,  # None = default_decode_config
     prefill_config: PrefillConfig | None = None,  # None = default_prefill_config
+    kv_scales: KVScales | None = None,  # required for (and only for) an int8 / float8 cache
 ) -> torch.Tensor:
     """Launch decode and/or prefill kernels (inputs already validated by the dispatcher)."""
+    scale_args, quantized = _scale_args(key_cache, kv_scales)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -216,6 +242,8 @@ def paged_attention(
             seq_lens,
             cu_seqlens_q,
             out,
+            scale_args,
+            quantized=quantized,
             scale_log2e=scale_log2e,
             num_splits=num_splits,
             workspace=workspace,
@@ -225,12 +253,13 @@ def paged_attention(
             config=decode_config or default_decode_config(head_dim_padded, query.dtype),
         )
     if has_prefill:
-        config = prefill_config or default_prefill_config(head_dim_padded, query.dtype)
+        config = prefill_config or default_prefill_config(head_dim_padded, query.dtype, quantized)
         grid = (num_tokens // config.block_m + num_seqs, num_heads)
         prefill_kernel[grid](
             query,
             key_cache,
             value_cache,
+            *scale_args[:2],
             block_tables,
             seq_lens,
             cu_seqlens_q,
@@ -239,6 +268,7 @@ def paged_attention(
             *query.stride(),
             *key_cache.stride(),
             *value_cache.stride(),
+            *scale_args[2:],
             *block_tables.stride(),
             *out.stride(),
             num_seqs,
@@ -250,6 +280,8 @@ def paged_attention(
             HEAD_DIM_PADDED=head_dim_padded,
             SKIP_DECODES=use_decode_kernel,
             DOT_PRECISION=dot_precision,
+            QUANTIZED=quantized,
+            RESCALE_V=quantized and query.dtype == torch.float16,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -264,7 +296,9 @@ def _launch_decode(
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     out: torch.Tensor,
+    scale_args: list,  # from _scale_args
     *,
+    quantized: bool,
     scale_log2e: float,
     num_splits: int,
     workspace: DecodeWorkspace | None,
@@ -294,6 +328,7 @@ def _launch_decode(
         query,
         key_cache,
         value_cache,
+        *scale_args[:2],
         block_tables,
         seq_lens,
         cu_seqlens_q,
@@ -303,6 +338,7 @@ def _launch_decode(
         *query.stride(),
         *key_cache.stride(),
         *value_cache.stride(),
+        *scale_args[2:],
         *block_tables.stride(),
         *out.stride(),
         num_heads,
@@ -315,6 +351,8 @@ def _launch_decode(
         HEAD_DIM_PADDED=head_dim_padded,
         WRITE_OUTPUT=single_split,
         DOT_PRECISION=dot_precision,
+        QUANTIZED=quantized,
+        RESCALE_V=quantized and query.dtype == torch.float16,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -16,6 +16,17 @@ as possible:
   ``j % BLOCK_SIZE``, so a tile may span several pages or part of one.
 * **Online softmax** in fp32, base 2 (``scale * log2(e)`` is folded into the scores). Every
   loop iteration has at least one valid key, so the running max is finite after the first.
+* **Quantized caches** (``QUANTIZED``: int8 / float8 data, one bfloat16 scale per (token, KV
+  head) in ``key_scale`` / ``value_scale`` ``[num_blocks, BLOCK_SIZE, Hkv]``, read through the
+  same block ids and rows as the data): the raw tile is converted to the query's dtype (exact:
+  int8 and both float8 formats are subsets of fp16, bf16 and fp32) and the scales are folded
+  into the math, never into a dequantized copy: ``scores = (q . k_raw) * (k_scale * scale *
+  log2(e))`` per key, and the PV weights are ``p * v_scale`` per key (``l`` sums the plain
+  ``p``). In fp16 (``RESCALE_V``) those weights would underflow (e5m2's scales are ``absmax /
+  57344``), so ``acc`` is kept in units of ``s``, the largest V scale seen so far (a running
+  max, like ``m``): the weights are ``p * (v_scale / s) <= p``, ``acc`` is rescaled by ``s_old /
+  s_new <= 1`` along with ``alpha`` (the dot still accumulates in place) and multiplied by
+  ``s`` once at the end. bf16 and fp32 have float32's exponent range and need none of it.
 * **Partial results**: with ``num_splits > 1`` each program writes its un-normalised output
   ``sum_j 2^(s_j - m) v_j``, its max ``m`` and its sum ``l = sum_j 2^(s_j - m)`` to an fp32
   workspace; :func:`_merge_splits_kernel` combines the splits of one (sequence, head)::
@@ -42,7 +53,9 @@ __all__ = ["decode_split_kernel", "merge_splits_kernel"]
 def _decode_split_kernel(
     query_ptr,  # [T, H, D]
     key_cache_ptr,
-    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D], query's dtype, or int8 / float8 when QUANTIZED
+    key_scale_ptr,
+    value_scale_ptr,  # [num_blocks, BLOCK_SIZE, Hkv] bfloat16, read when QUANTIZED
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     cu_seqlens_q_ptr,  # [B + 1] int32
@@ -62,6 +75,12 @@ def _decode_split_kernel(
     stride_vs,
     stride_vh,
     stride_vd,
+    stride_ksb,
+    stride_kss,
+    stride_ksh,
+    stride_vsb,
+    stride_vss,
+    stride_vsh,
     stride_bt_b,
     stride_bt_n,
     stride_ot,
@@ -77,6 +96,8 @@ def _decode_split_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
     WRITE_OUTPUT: tl.constexpr,  # num_splits == 1: normalise and write `out` directly
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,  # int8 / float8 caches with per-(token, head) scales
+    RESCALE_V: tl.constexpr,  # QUANTIZED with fp16 queries: acc in units of the running max V scale
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -103,10 +124,13 @@ def _decode_split_kernel(
     m_i = tl.full([GROUP_PADDED], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PADDED], dtype=tl.float32)
     acc = tl.zeros([GROUP_PADDED, HEAD_DIM_PADDED], dtype=tl.float32)
+    v_scale_run = 0.0  # RESCALE_V: the largest V scale so far (acc's unit)
 
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
     kv_head_offset_k = kv_head.to(tl.int64) * stride_kh
     kv_head_offset_v = kv_head.to(tl.int64) * stride_vh
+    kv_head_offset_ks = kv_head.to(tl.int64) * stride_ksh
+    kv_head_offset_vs = kv_head.to(tl.int64) * stride_vsh
     for start in range(kv_start, kv_end, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
         token_mask = tokens < kv_end
@@ -122,8 +146,17 @@ def _decode_split_kernel(
             + kv_head_offset_k
             + dims[None, :] * stride_kd
         )
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, D]
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [GROUP_PADDED, BLOCK_N]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, D], exact
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [GROUP_PADDED, BLOCK_N]
+        if QUANTIZED:
+            k_scale = tl.load(
+                key_scale_ptr + physical_block * stride_ksb + row_in_block * stride_kss + kv_head_offset_ks,
+                mask=token_mask,
+                other=0.0,
+            ).to(tl.float32)  # [BLOCK_N]
+            scores = scores * (k_scale * scale_log2e)[None, :]
+        else:
+            scores = scores * scale_log2e
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: some token of the tile is valid
@@ -138,9 +171,30 @@ def _decode_split_kernel(
             + kv_head_offset_v
             + dims[None, :] * stride_vd
         )
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, D], exact
+        if QUANTIZED:
+            v_scale = tl.load(
+                value_scale_ptr + physical_block * stride_vsb + row_in_block * stride_vss + kv_head_offset_vs,
+                mask=token_mask,
+                other=0.0,
+            ).to(tl.float32)  # [BLOCK_N]
+            if RESCALE_V:
+                # acc is kept in units of the largest V scale so far: weights p * v_scale / s <= p.
+                s_new = tl.maximum(v_scale_run, tl.max(v_scale, axis=0))  # > 0: some key of the tile is valid
+                inv_s_new = 1.0 / s_new  # one division per tile
+                weights = p * (v_scale * inv_s_new)[None, :]
+                acc_alpha = alpha * (v_scale_run * inv_s_new)
+                v_scale_run = s_new
+            else:  # bf16 / fp32 weights: no underflow (fp32's exponent range)
+                weights = p * v_scale[None, :]
+                acc_alpha = alpha
+        else:
+            weights = p
+            acc_alpha = alpha
+        acc = acc * acc_alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if RESCALE_V:
+        acc = acc * v_scale_run  # 0 for a split without keys (acc is 0 too)
 
     store_mask = row_mask[:, None] & dim_mask[None, :]
     if WRITE_OUTPUT:

@@ -24,6 +24,13 @@ Programs take the tiles in reverse order: within a sequence the last tiles see t
 so the longest programs start first and the grid's tail is short.
 
 fp32 accumulation, online softmax in base 2 (``scale * log2(e)`` folded into the scores).
+Quantized caches (``QUANTIZED``: int8 / float8 data and a bfloat16 scale per (token, KV head),
+``[num_blocks, BLOCK_SIZE, Hkv]``, at the same block and row as the data) are dequantized in
+registers exactly as in the decode kernel (:mod:`.triton_decode`): raw tiles converted to the
+query's dtype (exact), ``scores = (q . k_raw) * (k_scale * scale * log2(e))``, PV weights
+``p * v_scale``; with fp16 queries (``RESCALE_V``) ``p * (v_scale / s) <= p`` instead, ``acc``
+kept in units of ``s``, the running max of the V scales (rescaled with ``alpha``, multiplied
+back once at the end), so that the fp16 weights do not underflow.
 With ``SKIP_DECODES`` the programs of ``q_len == 1`` sequences return at once (the split-KV
 decode kernel does those); without it this kernel handles any batch by itself.
 """
@@ -56,18 +63,27 @@ def _attend_tile(
     acc,
     m_i,
     l_i,
-    q,  # running state [BLOCK_M, D], [BLOCK_M], [BLOCK_M]; q [BLOCK_M, D]
+    v_scale_run,  # running state [BLOCK_M, D], [BLOCK_M], [BLOCK_M], scalar (RESCALE_V: acc's unit)
+    q,  # [BLOCK_M, D]
     key_cache_ptr,
     value_cache_ptr,
+    key_scale_ptr,
+    value_scale_ptr,
     block_table_row,
     kv_head_offset_k,
     kv_head_offset_v,
+    kv_head_offset_ks,
+    kv_head_offset_vs,
     stride_kb,
     stride_ks,
     stride_kd,
     stride_vb,
     stride_vs,
     stride_vd,
+    stride_ksb,
+    stride_kss,
+    stride_vsb,
+    stride_vss,
     stride_bt_n,
     start,
     kv_end,
@@ -79,6 +95,8 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+    RESCALE_V: tl.constexpr,
 ):
     tokens = start + tl.arange(0, BLOCK_N)
     row_in_block = tokens % BLOCK_SIZE
@@ -98,8 +116,17 @@ def _attend_tile(
         + kv_head_offset_k
         + dims[None, :] * stride_kd
     )
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # exact
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    if QUANTIZED:
+        k_scale_ptrs = key_scale_ptr + physical_block * stride_ksb + row_in_block * stride_kss + kv_head_offset_ks
+        if MASKED:
+            k_scale = tl.load(k_scale_ptrs, mask=token_mask, other=0.0)
+        else:
+            k_scale = tl.load(k_scale_ptrs)
+        scores = scores * (k_scale.to(tl.float32) * scale_log2e)[None, :]
+    else:
+        scores = scores * scale_log2e
     if MASKED:
         visible = token_mask[None, :] & (tokens[None, :] <= last_visible[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -120,16 +147,38 @@ def _attend_tile(
         + kv_head_offset_v
         + dims[None, :] * stride_vd
     )
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(q.dtype)  # exact
+    if QUANTIZED:
+        v_scale_ptrs = value_scale_ptr + physical_block * stride_vsb + row_in_block * stride_vss + kv_head_offset_vs
+        if MASKED:
+            v_scale = tl.load(v_scale_ptrs, mask=token_mask, other=0.0)
+        else:
+            v_scale = tl.load(v_scale_ptrs)
+        v_scale = v_scale.to(tl.float32)
+        if RESCALE_V:
+            # acc is kept in units of the largest V scale so far: weights p * v_scale / s <= p.
+            s_new = tl.maximum(v_scale_run, tl.max(v_scale, axis=0))  # > 0: some key of the tile is valid
+            inv_s_new = 1.0 / s_new  # one division per tile
+            weights = p * (v_scale * inv_s_new)[None, :]
+            acc_alpha = alpha * (v_scale_run * inv_s_new)
+            v_scale_run = s_new
+        else:  # bf16 / fp32 weights: no underflow (fp32's exponent range)
+            weights = p * v_scale[None, :]
+            acc_alpha = alpha
+    else:
+        weights = p
+        acc_alpha = alpha
+    acc = acc * acc_alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i, v_scale_run
 
 
 @triton.jit
 def _prefill_kernel(
     query_ptr,  # [T, H, D]
     key_cache_ptr,
-    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D]
+    value_cache_ptr,  # [num_blocks, BLOCK_SIZE, Hkv, D], query's dtype, or int8 / float8 when QUANTIZED
+    key_scale_ptr,
+    value_scale_ptr,  # [num_blocks, BLOCK_SIZE, Hkv] bfloat16, read when QUANTIZED
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     cu_seqlens_q_ptr,  # [B + 1] int32
@@ -146,6 +195,12 @@ def _prefill_kernel(
     stride_vs,
     stride_vh,
     stride_vd,
+    stride_ksb,
+    stride_kss,
+    stride_ksh,
+    stride_vsb,
+    stride_vss,
+    stride_vsh,
     stride_bt_b,
     stride_bt_n,
     stride_ot,
@@ -160,6 +215,8 @@ def _prefill_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
     SKIP_DECODES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    QUANTIZED: tl.constexpr,  # int8 / float8 caches with per-(token, head) scales
+    RESCALE_V: tl.constexpr,  # QUANTIZED with fp16 queries: acc in units of the running max V scale
 ):
     # Reversed: the last tiles of a sequence see the most keys; starting them first shortens the tail.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -197,27 +254,39 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    v_scale_run = 0.0  # RESCALE_V: the largest V scale so far (acc's unit)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
     kv_head_offset_k = kv_head.to(tl.int64) * stride_kh
     kv_head_offset_v = kv_head.to(tl.int64) * stride_vh
+    kv_head_offset_ks = kv_head.to(tl.int64) * stride_ksh
+    kv_head_offset_vs = kv_head.to(tl.int64) * stride_vsh
 
     for start in range(0, unmasked_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i, v_scale_run = _attend_tile(
             acc,
             m_i,
             l_i,
+            v_scale_run,
             q,
             key_cache_ptr,
             value_cache_ptr,
+            key_scale_ptr,
+            value_scale_ptr,
             block_table_row,
             kv_head_offset_k,
             kv_head_offset_v,
+            kv_head_offset_ks,
+            kv_head_offset_vs,
             stride_kb,
             stride_ks,
             stride_kd,
             stride_vb,
             stride_vs,
             stride_vd,
+            stride_ksb,
+            stride_kss,
+            stride_vsb,
+            stride_vss,
             stride_bt_n,
             start,
             kv_end,
@@ -229,24 +298,35 @@ def _prefill_kernel(
             BLOCK_N,
             False,
             DOT_PRECISION,
+            QUANTIZED,
+            RESCALE_V,
         )
     for start in range(unmasked_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
+        acc, m_i, l_i, v_scale_run = _attend_tile(
             acc,
             m_i,
             l_i,
+            v_scale_run,
             q,
             key_cache_ptr,
             value_cache_ptr,
+            key_scale_ptr,
+            value_scale_ptr,
             block_table_row,
             kv_head_offset_k,
             kv_head_offset_v,
+            kv_head_offset_ks,
+            kv_head_offset_vs,
             stride_kb,
             stride_ks,
             stride_kd,
             stride_vb,
             stride_vs,
             stride_vd,
+            stride_ksb,
+            stride_kss,
+            stride_vsb,
+            stride_vss,
             stride_bt_n,
             start,
             kv_end,
@@ -258,8 +338,12 @@ def _prefill_kernel(
             BLOCK_N,
             True,
             DOT_PRECISION,
+            QUANTIZED,
+            RESCALE_V,
         )
 
+    if RESCALE_V:
+        acc = acc * v_scale_run  # 0 when the tile saw no key (acc is 0 too)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     result = acc / l_safe[:, None]
     o_ptrs = out_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_od

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, format_of
 
 if TYPE_CHECKING:
     from pagedkv.kernels import AttentionMetadata
@@ -34,6 +35,8 @@ __all__ = [
     "TRITON_HEAD_DIMS",
     "TRITON_DTYPES",
     "FP8_CACHE_DTYPES",
+    "QUANTIZED_CACHE_DTYPES",
+    "check_kv_scales",
     "check_store_kv_args",
     "check_paged_attention_args",
     "check_step_metadata",
@@ -46,8 +49,10 @@ __all__ = [
 TRITON_HEAD_DIMS = (64, 80, 96, 128, 256)
 # Query / K / V dtypes of the Triton kernels; the torch path also takes float64.
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# A cache may also be stored in float8 (unit scale); it is upcast to the query's dtype on load.
-FP8_CACHE_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
+# A cache may also be quantized (kernels/kv_quant.py): int8 or float8 data with a bfloat16 scale per
+# (token, KV head), passed as ``kv_scales``; it is dequantized on load, in the query's precision.
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+QUANTIZED_CACHE_DTYPES = (torch.int8, *FP8_CACHE_DTYPES)
 _TORCH_DTYPES = (*TRITON_DTYPES, torch.float64)
 
 
@@ -95,8 +100,52 @@ def _check_compute_dtypes(name: str, dtype: torch.dtype, cache_dtype: torch.dtyp
         raise InvalidArgumentError(
             f"{name} dtype {dtype} is not supported by the {backend} backend (supported: {', '.join(map(str, allowed))})"
         )
-    if cache_dtype != dtype and cache_dtype not in FP8_CACHE_DTYPES:
-        raise InvalidArgumentError(f"cache dtype {cache_dtype} must equal {name} dtype {dtype} (or be a float8 type)")
+    if cache_dtype != dtype and cache_dtype not in QUANTIZED_CACHE_DTYPES:
+        raise InvalidArgumentError(
+            f"cache dtype {cache_dtype} must equal {name} dtype {dtype} (or be int8 / float8 with kv_scales)"
+        )
+
+
+def check_kv_scales(kv_scales: object, key_cache: torch.Tensor) -> None:
+    """``kv_scales`` is given exactly for a quantized cache, and fits it (metadata only)."""
+    if format_of(key_cache.dtype) is None:
+        if kv_scales is not None:
+            raise InvalidArgumentError(f"kv_scales were given for a {key_cache.dtype} cache, which is not quantized")
+        return
+    if not isinstance(kv_scales, KVScales):
+        raise InvalidArgumentError(
+            f"a {key_cache.dtype} cache needs its scales: pass kv_scales=KVScales(key=..., value=...) "
+            f"(pagedkv.kernels.KVScales), got {type(kv_scales).__name__}"
+        )
+    expected = tuple(key_cache.shape[:3])
+    for name, tensor in (("kv_scales.key", kv_scales.key), ("kv_scales.value", kv_scales.value)):
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tuple(tensor.shape) != expected
+            or tensor.dtype != SCALE_DTYPE
+            or tensor.device != key_cache.device
+        ):
+            raise InvalidArgumentError(
+                f"{name} must be a {SCALE_DTYPE} {expected} tensor ([num_blocks, block_size, num_kv_heads] of the "
+                f"cache) on {key_cache.device}, got {_describe(tensor)}"
+            )
+    num_kv_heads = key_cache.shape[2]
+    for name, static in (
+        ("kv_scales.static_key", kv_scales.static_key),
+        ("kv_scales.static_value", kv_scales.static_value),
+    ):
+        if static is None:
+            continue
+        if (
+            not isinstance(static, torch.Tensor)
+            or tuple(static.shape) != (num_kv_heads,)
+            or static.dtype != torch.float32
+            or static.device != key_cache.device
+        ):
+            raise InvalidArgumentError(
+                f"{name} must be a float32 ({num_kv_heads},) tensor on {key_cache.device} (one scale per KV head; "
+                f"kv_quant.check_static_scale makes one), got {_describe(static)}"
+            )
 
 
 def _check_fp8_support(cache_dtype: torch.dtype, device: torch.device, backend: str) -> None:
@@ -125,6 +174,7 @@ def check_store_kv_args(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     backend: str,
+    kv_scales: KVScales | None = None,
 ) -> None:
     for name, arg in (
         ("key", key),
@@ -151,6 +201,7 @@ def check_store_kv_args(
         {"key": key, "value": value, "key_cache": key_cache, "value_cache": value_cache, "slot_mapping": slot_mapping}
     )
     _check_fp8_support(key_cache.dtype, key_cache.device, backend)
+    check_kv_scales(kv_scales, key_cache)
     if slot_mapping.device.type == "cpu":
         _check_slot_values(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
 
@@ -180,6 +231,7 @@ def check_paged_attention_args(
     scale: float | None,
     out: torch.Tensor | None,
     backend: str,
+    kv_scales: KVScales | None = None,
 ) -> None:
     for name, arg in (
         ("query", query),
@@ -220,6 +272,7 @@ def check_paged_attention_args(
         tensors["out"] = out
     _require_same_device(tensors)
     _check_fp8_support(key_cache.dtype, key_cache.device, backend)
+    check_kv_scales(kv_scales, key_cache)
     if query.device.type == "cpu":
         _check_batch_values(block_tables, seq_lens, cu_seqlens_q, num_tokens, key_cache.shape[0], key_cache.shape[1])
 
@@ -285,10 +338,19 @@ def _check_batch_values(
 # ---------------------------------------------------------------- per step / per layer
 
 
-def check_backend_supports(backend: str, dtype: torch.dtype, head_dim: int) -> None:
-    """Can ``backend`` run a model of this compute dtype and head_dim (a cache of the same dtype)?"""
-    _check_compute_dtypes("query", dtype, dtype, backend)
+def check_backend_supports(
+    backend: str,
+    dtype: torch.dtype,
+    head_dim: int,
+    cache_dtype: torch.dtype | None = None,  # None = the compute dtype
+    device: torch.device | None = None,
+) -> None:
+    """Can ``backend`` run a model of this compute dtype and head_dim over a cache of
+    ``cache_dtype`` on ``device``?"""
+    _check_compute_dtypes("query", dtype, dtype if cache_dtype is None else cache_dtype, backend)
     _check_head_dim(head_dim, backend)
+    if cache_dtype is not None and device is not None:
+        _check_fp8_support(cache_dtype, device, backend)
 
 
 def check_step_metadata(
@@ -350,10 +412,16 @@ def _check_layer_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, meta
 
 
 def check_layer_store(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    kv_scales: KVScales | None = None,
 ) -> None:
     """One layer's ``store_kv`` arguments against the step metadata: shapes and dtypes only."""
     _check_layer_caches(key_cache, value_cache, meta)
+    check_kv_scales(kv_scales, key_cache)
     expected = (meta.num_tokens, *meta.cache_shape[2:])
     for name, tensor in (("key", key), ("value", value)):
         if (
@@ -375,9 +443,11 @@ def check_layer_attention(
     meta: AttentionMetadata,
     scale: float | None,
     out: torch.Tensor | None,
+    kv_scales: KVScales | None = None,
 ) -> None:
     """One layer's ``paged_attention`` arguments against the step metadata: shapes and dtypes only."""
     _check_layer_caches(key_cache, value_cache, meta)
+    check_kv_scales(kv_scales, key_cache)
     num_kv_heads, head_dim = meta.cache_shape[2], meta.cache_shape[3]
     if (
         not isinstance(query, torch.Tensor)

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pagedkv.config import KV_DTYPE_BYTES, KVGeometry
+from pagedkv.config import KV_CACHE_DTYPES, KV_DTYPE_BYTES, KVGeometry, kv_dtype_info
 from pagedkv.errors import ConfigError
 
 __all__ = [
@@ -78,8 +78,10 @@ def _text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return config
 
 
-def resolve_kv_dtype(kv_dtype: str, config: Mapping[str, Any], source: str) -> tuple[str, int]:
-    """(dtype name, bytes per element); ``"auto"`` takes the config's ``dtype`` / ``torch_dtype``."""
+def resolve_kv_dtype(kv_dtype: str, config: Mapping[str, Any], source: str) -> tuple[str, int, int]:
+    """(dtype name, bytes per element, scale bytes per (token, head) vector); ``"auto"`` takes
+    the config's ``dtype`` / ``torch_dtype``; the quantized formats (``int8``, ``fp8`` =
+    ``fp8_e4m3``, ``fp8_e5m2``) store one byte per value plus a 2-byte scale per vector."""
     if not isinstance(kv_dtype, str):
         raise ConfigError(f"kv_dtype must be a string, got {kv_dtype!r}")
     name = kv_dtype.strip().lower().removeprefix("torch.")
@@ -94,16 +96,15 @@ def resolve_kv_dtype(kv_dtype: str, config: Mapping[str, Any], source: str) -> t
                     f"model config {source}: field {key!r} is {declared!r}, not a KV dtype "
                     f"({', '.join(sorted(KV_DTYPE_BYTES))}); pass kv_dtype explicitly"
                 )
-            return declared_name, KV_DTYPE_BYTES[declared_name]
+            return kv_dtype_info(declared_name)
         raise ConfigError(
             f"model config {source}: field 'torch_dtype' (or 'dtype') is missing, so kv_dtype 'auto' "
             "cannot be resolved; pass kv_dtype explicitly (e.g. bfloat16)"
         )
     if name not in KV_DTYPE_BYTES:
-        raise ConfigError(
-            f"kv_dtype {kv_dtype!r} is not known; use 'auto' or one of {', '.join(sorted(KV_DTYPE_BYTES))}"
-        )
-    return name, KV_DTYPE_BYTES[name]
+        known = sorted({*KV_DTYPE_BYTES, *KV_CACHE_DTYPES[1:]})
+        raise ConfigError(f"kv_dtype {kv_dtype!r} is not known; use 'auto' or one of {', '.join(known)}")
+    return kv_dtype_info(name)
 
 
 def kv_geometry(config: Mapping[str, Any], *, kv_dtype: str = "auto", source: str = "<config>") -> KVGeometry:
@@ -144,13 +145,14 @@ def kv_geometry(config: Mapping[str, Any], *, kv_dtype: str = "auto", source: st
                 f"divisible by {num_heads[0]} = {num_heads[1]}"
             )
         head_dim = hidden[1] // num_heads[1]
-    dtype, dtype_bytes = resolve_kv_dtype(kv_dtype, text, source)
+    dtype, dtype_bytes, scale_bytes = resolve_kv_dtype(kv_dtype, text, source)
     return KVGeometry(
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         dtype=dtype,
         dtype_bytes=dtype_bytes,
+        scale_bytes=scale_bytes,
         num_heads=num_heads[1] if num_heads is not None else None,
         source=source,
     )

@@ -190,6 +190,7 @@ def simulate(
             num_kv_heads=geometry.num_kv_heads,
             head_dim=geometry.head_dim,
             kv_dtype=geometry.dtype,
+            kv_scale_bytes=geometry.scale_bytes,
         )
     return {
         "workload": {

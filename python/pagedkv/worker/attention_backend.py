@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedkv.kernels import AttentionBackend, AttentionMetadata
+from pagedkv.kernels import AttentionBackend, AttentionMetadata, KVScales
 
 __all__ = [
     "ATTENTION_NAME",
@@ -65,6 +65,8 @@ class PagedAttentionContext:
     # [num_blocks, block_size, num_kv_heads, head_dim].
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     metadata: AttentionMetadata
+    # Per layer: the scales of a quantized cache (int8 / float8 data); None for a float cache.
+    kv_scales: list[KVScales] | None = None
 
 
 @dataclass
@@ -114,9 +116,13 @@ def pagedkv_attention_forward(
         q = query[0].transpose(0, 1)  # [T, H, D] (a view; the kernels take strides)
         k = key[0].transpose(0, 1)  # [T, Hkv, D]
         v = value[0].transpose(0, 1)
-        key_cache, value_cache = context.kv_caches[module.layer_idx]  # type: ignore[index]
-        context.backend.store_kv(k, v, key_cache, value_cache, context.metadata)
-        out = context.backend.paged_attention(q, key_cache, value_cache, context.metadata, scale=scaling)
+        layer: int = module.layer_idx  # type: ignore[assignment]
+        key_cache, value_cache = context.kv_caches[layer]
+        scales = context.kv_scales[layer] if context.kv_scales is not None else None
+        context.backend.store_kv(k, v, key_cache, value_cache, context.metadata, scales)
+        out = context.backend.paged_attention(
+            q, key_cache, value_cache, context.metadata, scale=scaling, kv_scales=scales
+        )
         return out.unsqueeze(0), None
     if isinstance(context, ProbeContext):
         return _probe_attention(context, module, query, key, value, attention_mask, scaling, kwargs)

@@ -21,6 +21,12 @@ It returns float32 logits ``[S, V]``, one row per sampled sequence, in ``logits_
 Configuration: ``ModelRunner(ModelConfig(...), CacheConfig(...), SchedulingConfig(...))``
 (:mod:`pagedkv.config`, validated when built; :class:`pagedkv.EngineArgs` makes them).
 
+KV cache dtype (``CacheConfig.kv_cache_dtype``): ``"auto"`` stores K/V in the model's dtype; a
+quantized format (``"int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``) stores the data in one byte per
+value plus a bfloat16 scale per (token, KV head) (:mod:`pagedkv.kernels.kv_quant`), in a second
+tensor ``[L, 2, num_blocks, block_size, Hkv]`` addressed by the same block ids, so copy-on-write
+copies both. The pool size follows the bytes per block of the chosen dtype.
+
 KV cache size: an explicit ``num_blocks``; else on CUDA what ``gpu_memory_utilization`` of the
 device leaves after the weights and the activation peak of a profiling forward over
 ``max_num_batched_tokens`` tokens; else ``kv_cache_memory`` bytes (CPU default 1 GiB). A budget
@@ -42,6 +48,7 @@ import torch
 import pagedkv.kernels as kernels
 from pagedkv.config import MAX_NUM_BLOCKS, CacheConfig, KVGeometry, ModelConfig, SchedulingConfig
 from pagedkv.errors import ConfigError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
+from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, kv_format
 from pagedkv.worker.attention_backend import (
     ATTENTION_NAME,
     CONTEXT_KWARG,
@@ -50,6 +57,7 @@ from pagedkv.worker.attention_backend import (
     ProfileContext,
     register_pagedkv_attention,
 )
+from pagedkv.worker.checkpoint_scales import load_checkpoint_kv_scales
 from pagedkv.worker.model_files import resolve_model
 from pagedkv.worker.model_support import check_config, check_probe, context_length_of
 
@@ -80,6 +88,8 @@ class ModelRunner:
     ``vocab_size``, ``max_model_len``, ``backend`` (the :class:`pagedkv.kernels.AttentionBackend`,
     resolved once) and its name ``attention_backend``, ``kv_caches`` (per layer
     ``(key_cache, value_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``),
+    ``kv_cache_dtype`` (the cache's torch dtype), ``kv_format`` (its quantized format, or None),
+    ``kv_scales`` (per layer :class:`~pagedkv.kernels.KVScales` of a quantized cache, else None),
     ``eos_token_ids``.
     """
 
@@ -127,6 +137,16 @@ class ModelRunner:
         self.max_model_len = max_model_len
 
         self.dtype = _resolve_dtype(model_config.dtype, config, self.device)
+        self.kv_format = kv_format(cache_config.kv_cache_dtype)
+        self.kv_cache_dtype = self.dtype if self.kv_format is None else self.kv_format.storage_dtype
+        if self.kv_format is not None:  # fail fast: a backend that cannot read this cache
+            _resolve_backend(
+                self.device,
+                model_config.attention_backend,
+                dtype=self.dtype,
+                head_dim=_declared_head_dim(text_config),
+                cache_dtype=self.kv_cache_dtype,
+            )
         self.model = _load_model(self.model_path, self.dtype, self.device, model_config.trust_remote_code)
         head = self.model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(text_config.vocab_size)
@@ -140,9 +160,16 @@ class ModelRunner:
         self.bytes_per_block = geometry.bytes_per_block(block_size)
         # Resolved once (PAGEDKV_ATTENTION_BACKEND is read here, not per layer call).
         self.backend = _resolve_backend(
-            self.device, model_config.attention_backend, dtype=self.dtype, head_dim=self.head_dim
+            self.device,
+            model_config.attention_backend,
+            dtype=self.dtype,
+            head_dim=self.head_dim,
+            cache_dtype=self.kv_cache_dtype,
         )
         self.attention_backend = self.backend.name
+        static_scales = None
+        if cache_config.kv_cache_scales == "checkpoint":
+            static_scales = load_checkpoint_kv_scales(self.model_path, self.num_layers, self.num_kv_heads)
 
         num_blocks = cache_config.num_blocks
         if num_blocks is None:
@@ -161,8 +188,22 @@ class ModelRunner:
                     block_size,
                     self.num_kv_heads,
                     self.head_dim,
-                    dtype=self.dtype,
+                    dtype=self.kv_cache_dtype,
                     device=self.device,
+                )
+                # A quantized cache's scales, slot for slot (zeros: a never-written slot reads 0).
+                self.kv_scale_cache = (
+                    torch.zeros(
+                        self.num_layers,
+                        2,
+                        num_blocks,
+                        block_size,
+                        self.num_kv_heads,
+                        dtype=SCALE_DTYPE,
+                        device=self.device,
+                    )
+                    if self.kv_format is not None
+                    else None
                 )
         except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             raise ConfigError(
@@ -170,6 +211,18 @@ class ModelRunner:
                 f"{self.bytes_per_block:,} bytes) on {self.device}: {exc}"
             ) from exc
         self.kv_caches = [(self.kv_cache[layer, 0], self.kv_cache[layer, 1]) for layer in range(self.num_layers)]
+        self.kv_scales: list[KVScales] | None = None
+        if self.kv_scale_cache is not None:
+            k_static, v_static = static_scales if static_scales is not None else (None, None)
+            self.kv_scales = [
+                KVScales(
+                    key=self.kv_scale_cache[layer, 0],
+                    value=self.kv_scale_cache[layer, 1],
+                    static_key=None if k_static is None else k_static[layer].to(self.device),
+                    static_value=None if v_static is None else v_static[layer].to(self.device),
+                )
+                for layer in range(self.num_layers)
+            ]
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -222,7 +275,9 @@ class ModelRunner:
             self.copy_blocks(copy_ops)
         if metadata is None:  # nothing scheduled (copy ops only)
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
-        context = PagedAttentionContext(backend=self.backend, kv_caches=self.kv_caches, metadata=metadata)
+        context = PagedAttentionContext(
+            backend=self.backend, kv_caches=self.kv_caches, metadata=metadata, kv_scales=self.kv_scales
+        )
         return self._forward(
             input_ids.to(self.device, non_blocking=True),
             positions.to(self.device, non_blocking=True),
@@ -232,7 +287,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_blocks(self, copy_ops: Any) -> None:
-        """Copy whole blocks ``src -> dst`` in every layer's K and V. ``copy_ops``: int[K, 2]."""
+        """Copy whole blocks ``src -> dst`` in every layer's K and V (and their scales, for a
+        quantized cache). ``copy_ops``: int[K, 2]."""
         ops = _as_tensor(copy_ops, "copy_ops")
         if ops.dim() != 2 or ops.shape[1] != 2:
             raise InvalidArgumentError(f"copy_ops must be [K, 2] (src, dst), got shape {tuple(ops.shape)}")
@@ -247,9 +303,9 @@ class ModelRunner:
                 raise InvalidArgumentError("copy_ops writes the same destination block twice")
         ops = ops.to(self.device, torch.int64, non_blocking=True)
         src, dst = ops[:, 0], ops[:, 1]
-        # index_select copies first, so a block that is both a source and a destination in the
-        # same step still reads its old content.
-        self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+        _copy_blocks(self.kv_cache, src, dst)
+        if self.kv_scale_cache is not None:
+            _copy_blocks(self.kv_scale_cache, src, dst)
 
     # ------------------------------------------------------------------ internals
 
@@ -294,7 +350,7 @@ class ModelRunner:
             self.model.config.get_text_config(),
             num_tokens,
             self.max_model_len,
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=self.kv_format.name if self.kv_format is not None else str(self.dtype).removeprefix("torch."),
         )
 
     def _blocks_that_fit(self, cache: CacheConfig, scheduling: SchedulingConfig) -> int:
@@ -437,13 +493,44 @@ def _check_token_values(input_ids: torch.Tensor, logits_indices: torch.Tensor, v
 
 
 def _resolve_backend(
-    device: torch.device, name: str | None, *, dtype: torch.dtype | None = None, head_dim: int | None = None
+    device: torch.device,
+    name: str | None,
+    *,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> kernels.AttentionBackend:
-    """The attention backend, once; a backend that cannot serve this model is a ConfigError."""
+    """The attention backend, once; a backend that cannot serve this model (or read its KV
+    cache dtype) is a ConfigError."""
     try:
-        return kernels.get_backend(device, name, dtype=dtype, head_dim=head_dim)
+        return kernels.get_backend(device, name, dtype=dtype, head_dim=head_dim, cache_dtype=cache_dtype)
     except InvalidArgumentError as exc:
-        raise ConfigError(f"attention_backend={name!r}: {exc}") from exc
+        detail = f"attention_backend={name!r}"
+        if cache_dtype is not None and cache_dtype != dtype:
+            detail += f", KV cache {str(cache_dtype).removeprefix('torch.')}"
+        raise ConfigError(f"{detail}: {exc}") from exc
+
+
+def _declared_head_dim(text_config: Any) -> int | None:
+    """head_dim as the config declares it (or hidden_size / heads); None if it says neither."""
+    head_dim = getattr(text_config, "head_dim", None)
+    if isinstance(head_dim, int) and head_dim > 0:
+        return head_dim
+    hidden, heads = getattr(text_config, "hidden_size", None), getattr(text_config, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 and hidden % heads == 0:
+        return hidden // heads
+    return None
+
+
+def _copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``cache[:, :, dst] = cache[:, :, src]`` (dim 2 = block id) for ``[L, 2, num_blocks, ...]``.
+
+    index_select copies first, so a block that is both a source and a destination in the same
+    step still reads its old content. Float8 has no CPU index_copy_: its bytes move as uint8.
+    """
+    if cache.dtype.itemsize == 1 and cache.dtype != torch.int8:
+        cache = cache.view(torch.uint8)
+    cache.index_copy_(2, dst, cache.index_select(2, src))
 
 
 def _available_memory(device: torch.device) -> int | None:

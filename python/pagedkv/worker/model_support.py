@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedkv.config import KV_DTYPE_BYTES, KVGeometry
+from pagedkv.config import KVGeometry, kv_dtype_info
 from pagedkv.errors import UnsupportedModelError
 from pagedkv.worker.attention_backend import AttentionCall
 
@@ -90,7 +90,7 @@ def check_probe(
     calls: list[AttentionCall], config: Any, num_probe_tokens: int, max_model_len: int, *, dtype: str = "float32"
 ) -> KVGeometry:
     """Check the recorded attention calls of a probe forward; return the cache geometry
-    (``dtype``: the KV cache's dtype name, e.g. ``"bfloat16"``)."""
+    (``dtype``: the KV cache's dtype name, e.g. ``"bfloat16"`` or ``"int8"``)."""
     name = getattr(config, "model_type", type(config).__name__)
 
     def refuse(reason: str) -> UnsupportedModelError:
@@ -144,12 +144,14 @@ def check_probe(
     if len(geometries) != 1:
         raise refuse(f"its layers have different attention shapes {sorted(geometries)}")
     num_heads, num_kv_heads, head_dim = geometries.pop()
+    dtype, dtype_bytes, scale_bytes = kv_dtype_info(dtype)
     return KVGeometry(
         num_layers=len(calls),
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         dtype=dtype,
-        dtype_bytes=KV_DTYPE_BYTES[dtype],
+        dtype_bytes=dtype_bytes,
+        scale_bytes=scale_bytes,
         num_heads=num_heads,
         source="probe forward",
     )
