@@ -109,6 +109,56 @@ def test_quantized_attention_equals_attention_over_the_dequantized_cache(name: s
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_key_rotation_is_a_fixed_orthogonal_matrix(head_dim: int) -> None:
+    r = kv_quant.key_rotation(head_dim, torch.float64)
+    torch.testing.assert_close(r @ r.T, torch.eye(head_dim, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert torch.equal(r, kv_quant.key_rotation(head_dim, torch.float64))  # same in every process
+
+
+def test_key_rotation_leaves_attention_unchanged_and_cuts_the_error_of_outlier_channels() -> None:
+    """Rotated keys + rotated queries == the same attention (exactly, over the dequantized
+    cache); with an outlier channel in K the quantized result is much closer to float64."""
+    g = torch.Generator().manual_seed(5)
+    n, heads = 48, 2 * HKV
+    key, value = torch.randn(n, HKV, D, generator=g), torch.randn(n, HKV, D, generator=g)
+    key[:, :, 3] *= 40.0  # post-RoPE keys have a few huge channels
+    query = torch.randn(1, heads, D, generator=g, dtype=torch.float64)
+    tables = torch.tensor([[2, 0, 5]], dtype=torch.int32)
+    pos = torch.arange(n)
+    slots = tables[0, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    seq_lens, cu = torch.tensor([n], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    exact_k = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, HKV, D, dtype=torch.float64)
+    exact_v = torch.zeros_like(exact_k)
+    reference.store_kv(key.double(), value.double(), exact_k, exact_v, slots)
+    want = reference.paged_attention(query, exact_k, exact_v, tables, seq_lens, cu)
+    errors = {}
+    for rotated in (False, True):
+        rotation = kv_quant.key_rotation(D) if rotated else None
+        scales = KVScales(_scales().key, _scales().value, key_rotation=rotation)
+        kc = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, HKV, D, dtype=torch.int8)
+        vc = torch.zeros_like(kc)
+        kernels.store_kv(key, value, kc, vc, slots, kv_scales=scales, backend="torch")
+        got = kernels.paged_attention(query, kc, vc, tables, seq_lens, cu, kv_scales=scales, backend="torch")
+        # The same computation spelled out: float64 attention of the rotated query over the
+        # dequantized (rotated) keys.
+        kd = kv_quant.dequantize(kc, scales.key, torch.float64)
+        vd = kv_quant.dequantize(vc, scales.value, torch.float64)
+        q = query if rotation is None else query @ rotation.double()
+        torch.testing.assert_close(got, reference.paged_attention(q, kd, vd, tables, seq_lens, cu), rtol=0, atol=1e-12)
+        errors[rotated] = float((got - want).abs().max())
+    assert errors[True] < 0.5 * errors[False], errors
+
+
+def test_bad_key_rotation_is_a_typed_error() -> None:
+    kc = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, HKV, D, dtype=torch.int8)
+    bad = KVScales(_scales().key, _scales().value, key_rotation=torch.eye(D + 1))
+    with pytest.raises(InvalidArgumentError, match="key_rotation"):
+        kernels.store_kv(
+            torch.randn(1, HKV, D), torch.randn(1, HKV, D), kc, kc.clone(), torch.tensor([0]), kv_scales=bad
+        )
+
+
 def test_static_scales_saturate_and_are_stored() -> None:
     fmt = FORMATS["int8"]
     static = check_static_scale("k_scale", 0.01, HKV)

@@ -10,7 +10,9 @@ Public API (same signatures for every backend)::
 Quantized caches (:mod:`.kv_quant`): an ``int8`` / ``float8_e4m3fn`` / ``float8_e5m2`` cache
 comes with its :class:`KVScales` (a bfloat16 scale per (token, KV head), same slots as the
 data). ``store_kv`` quantizes the new vectors and writes data and scales; every backend's
-attention reads the quantized blocks and dequantizes on load. A quantized cache without
+attention reads the quantized blocks and dequantizes on load. With ``kv_scales.key_rotation``,
+keys are stored rotated and queries rotated to match, here, before any backend runs. A
+quantized cache without
 ``kv_scales`` (or scales for a float cache) is an InvalidArgumentError.
 
 Backends:
@@ -67,7 +69,7 @@ import torch
 
 from pagedkv.errors import ConfigError, InvalidArgumentError
 from pagedkv.kernels import reference, validation
-from pagedkv.kernels.kv_quant import KVScales
+from pagedkv.kernels.kv_quant import KVScales, rotate
 from pagedkv.kernels.validation import TRITON_DTYPES, TRITON_HEAD_DIMS
 
 __all__ = [
@@ -148,6 +150,8 @@ def store_kv(
     quantized cache as data plus scale."""
     chosen = resolve_backend(_device_of("key", key), backend, dtype=key.dtype, head_dim=key.shape[-1])
     validation.check_store_kv_args(key, value, key_cache, value_cache, slot_mapping, chosen, kv_scales)
+    if kv_scales is not None:
+        key = rotate(key, kv_scales.key_rotation)
     if chosen == "triton":
         _triton_module("triton_store").store_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales=kv_scales)
     else:
@@ -180,6 +184,8 @@ def paged_attention(
     )
     if scale is None:
         scale = query.shape[2] ** -0.5
+    if kv_scales is not None:
+        query = rotate(query, kv_scales.key_rotation)
     if chosen == "torch":
         return reference.paged_attention(
             query,
@@ -338,6 +344,8 @@ class AttentionBackend:
     ) -> None:
         """:func:`store_kv` for one layer of the step ``meta`` describes."""
         validation.check_layer_store(key, value, key_cache, value_cache, meta, kv_scales)
+        if kv_scales is not None:
+            key = rotate(key, kv_scales.key_rotation)
         if self.name == "triton":
             _triton_module("triton_store").store_kv(
                 key, value, key_cache, value_cache, meta.slot_mapping, kv_scales=kv_scales
@@ -372,6 +380,8 @@ class AttentionBackend:
         validation.check_layer_attention(query, key_cache, value_cache, meta, scale, out, kv_scales)
         if scale is None:
             scale = query.shape[2] ** -0.5
+        if kv_scales is not None:
+            query = rotate(query, kv_scales.key_rotation)
         if self.name == "cpu" and meta.cpu_views is not None:
             from pagedkv.kernels import cpu
 

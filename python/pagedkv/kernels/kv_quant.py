@@ -31,10 +31,23 @@ that scale (rounded up to bfloat16) into every slot and quantizes with saturatio
 
 Dequantization: ``x ~= float(q) * float(scale)``; kernels fold it into the math where they can
 (scores ``q . k`` times the K scale, softmax weights times the V scale).
+
+Key rotation (``KVScales.key_rotation``, set by the engine with dynamic scales): keys are
+stored rotated by a fixed orthogonal ``[D, D]`` matrix ``R`` (:func:`key_rotation`: a
+randomized Hadamard matrix), and queries are rotated by the same ``R`` before attention, so
+``(q R) . (k R) = q . k`` and nothing else changes (values are not rotated). Post-RoPE keys
+have a few outlier channels that set every vector's absmax, and so the step of all its other
+channels; the rotation spreads their energy over all ``D`` channels, so the absmax, and with it
+the quantization error of the scores, shrinks. Measured on SmolLM2 (benches/bench_kv_quality.py):
+int8 mean KL 6.8e-4 -> 1.9e-4 and top-1 agreement 98.8% -> 99.3%. Rotating V as well gained
+little (and would need the output rotated back), so V is stored as is. Checkpoint (static)
+scales were calibrated on unrotated keys, so the engine does not rotate with them.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,9 +66,11 @@ __all__ = [
     "compute_scales",
     "dequantize",
     "format_of",
+    "key_rotation",
     "kv_format",
     "quantize",
     "quantize_kv",
+    "rotate",
     "round_up_to_bf16",
 ]
 
@@ -122,12 +137,50 @@ class KVScales:
     each slot (written by ``store_kv``, read by the attention kernels). ``static_key`` /
     ``static_value``: ``[Hkv]`` float32 checkpoint scales (bfloat16-representable, positive) that
     ``store_kv`` uses instead of computing one per vector; None = dynamic (the default).
+    ``key_rotation``: an orthogonal ``[D, D]`` matrix (:func:`key_rotation`) by which
+    ``store_kv`` rotates keys before quantizing and ``paged_attention`` rotates queries; None =
+    keys stored as they are.
     """
 
     key: torch.Tensor
     value: torch.Tensor
     static_key: torch.Tensor | None = None
     static_value: torch.Tensor | None = None
+    key_rotation: torch.Tensor | None = None
+
+
+# Seed of the random signs of key_rotation: fixed, so every process (and every engine a cache
+# is transferred between) stores keys in the same basis.
+_ROTATION_SEED = 0x6B76
+
+
+@functools.lru_cache(maxsize=16)
+def _rotation_float64(head_dim: int) -> torch.Tensor:  # [D, D] float64, orthogonal
+    generator = torch.Generator().manual_seed(_ROTATION_SEED)
+    signs = torch.randint(0, 2, (head_dim,), generator=generator, dtype=torch.float64) * 2 - 1
+    if head_dim & (head_dim - 1) == 0:
+        # Sylvester's Hadamard matrix with random column signs, normalised: every entry is
+        # +-1/sqrt(D), so one outlier channel lands on all D channels with equal weight.
+        hadamard = torch.ones(1, 1, dtype=torch.float64)
+        while hadamard.shape[0] < head_dim:
+            hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0)
+        return hadamard * signs[None, :] / math.sqrt(head_dim)
+    # Other sizes (80, 96, ...): a seeded random orthogonal matrix (QR of a Gaussian).
+    q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))[None, :] * signs[None, :]
+
+
+def key_rotation(head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fixed orthogonal ``[head_dim, head_dim]`` key rotation of quantized caches (see the
+    module docstring), deterministic for a given ``head_dim``."""
+    return _rotation_float64(head_dim).to(device=device, dtype=dtype)
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:  # [..., D] -> [..., D]
+    """``x @ rotation`` in ``x``'s dtype (``x`` itself when there is no rotation)."""
+    if rotation is None:
+        return x
+    return torch.matmul(x, rotation if rotation.dtype == x.dtype else rotation.to(x.dtype))
 
 
 def round_up_to_bf16(x: torch.Tensor) -> torch.Tensor:  # float32, positive finite -> float32

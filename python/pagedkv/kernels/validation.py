@@ -129,6 +129,17 @@ def check_kv_scales(kv_scales: object, key_cache: torch.Tensor) -> None:
                 f"{name} must be a {SCALE_DTYPE} {expected} tensor ([num_blocks, block_size, num_kv_heads] of the "
                 f"cache) on {key_cache.device}, got {_describe(tensor)}"
             )
+    rotation, head_dim = kv_scales.key_rotation, key_cache.shape[3]
+    if rotation is not None and (
+        not isinstance(rotation, torch.Tensor)
+        or tuple(rotation.shape) != (head_dim, head_dim)
+        or not rotation.is_floating_point()
+        or rotation.device != key_cache.device
+    ):
+        raise InvalidArgumentError(
+            f"kv_scales.key_rotation must be a floating-point ({head_dim}, {head_dim}) tensor on {key_cache.device} "
+            f"(kv_quant.key_rotation makes one), got {_describe(rotation)}"
+        )
     num_kv_heads = key_cache.shape[2]
     for name, static in (
         ("kv_scales.static_key", kv_scales.static_key),

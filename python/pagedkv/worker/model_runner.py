@@ -48,7 +48,7 @@ import torch
 import pagedkv.kernels as kernels
 from pagedkv.config import MAX_NUM_BLOCKS, CacheConfig, KVGeometry, ModelConfig, SchedulingConfig
 from pagedkv.errors import ConfigError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
-from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, kv_format
+from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, key_rotation, kv_format
 from pagedkv.worker.attention_backend import (
     ATTENTION_NAME,
     CONTEXT_KWARG,
@@ -214,12 +214,16 @@ class ModelRunner:
         self.kv_scales: list[KVScales] | None = None
         if self.kv_scale_cache is not None:
             k_static, v_static = static_scales if static_scales is not None else (None, None)
+            # Dynamic scales: keys stored rotated (kv_quant, "Key rotation"); checkpoint scales
+            # were calibrated on unrotated keys.
+            rotation = key_rotation(self.head_dim, self.dtype, self.device) if static_scales is None else None
             self.kv_scales = [
                 KVScales(
                     key=self.kv_scale_cache[layer, 0],
                     value=self.kv_scale_cache[layer, 1],
                     static_key=None if k_static is None else k_static[layer].to(self.device),
                     static_value=None if v_static is None else v_static[layer].to(self.device),
+                    key_rotation=rotation,
                 )
                 for layer in range(self.num_layers)
             ]
