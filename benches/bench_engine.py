@@ -7,7 +7,17 @@ max_tokens set per request. SmolLM2-135M-Instruct, float32, on this machine's CP
 Targets: >= 2x (a) and >= 1.5x (b) in output tokens/s. Also reports the KV bytes each holds at
 peak. The runners take a device and dtype, so benches/gpu_check.py reuses them on a GPU.
 
-    python benches/bench_engine.py [--num-requests 64] [--max-output 2048] [--quick]
+    python benches/bench_engine.py [--num-requests 64] [--max-output 2048] [--kv-cache-dtype auto] [--quick]
+
+KV cache dtype (issue 10): ``--kv-cache-dtype`` sets pagedkv's ``kv_cache_dtype`` in the
+comparison above. ``--kv-dtypes auto,int8`` instead runs only pagedkv, once per KV dtype, on the
+same requests with the same ``kv_cache_memory`` (each ``--compare-kv-mib`` budget; default
+``--kv-mib``), one after the other in one process: output tok/s, the KV blocks each pool got,
+the peak KV blocks / bytes used, the peak running sequences, preemptions, and how many greedy
+outputs equal the first dtype's token for token (a quantized cache may move a greedy near-tie).
+It writes its own section of RESULTS.md.
+
+    python benches/bench_engine.py --kv-dtypes auto,int8 [--compare-kv-mib 512,128]
 """
 
 from __future__ import annotations
@@ -47,9 +57,12 @@ def run_pagedkv(
     max_num_seqs: int = 64,
     budget: int = 2048,
     max_model_len: int = 2048,
+    kv_cache_dtype: str = "auto",
     **kv_args: Any,
 ) -> dict:
-    """pagedkv on `requests`; `kv_args`: kv_cache_memory / num_blocks / gpu_memory_utilization."""
+    """pagedkv on `requests`; `kv_args`: kv_cache_memory / num_blocks / gpu_memory_utilization.
+    Besides the throughput keys, the result holds each request's output token ids (`outputs`),
+    the peak KV blocks used and running sequences, and the pool's dtype."""
     from pagedkv import LLM, SamplingParams
 
     llm = LLM(
@@ -60,30 +73,45 @@ def run_pagedkv(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
+        kv_cache_dtype=kv_cache_dtype,
         **kv_args,
     )
     engine = llm.llm_engine
     for i, (ids, n) in enumerate(requests):
         engine.add_request(str(i), ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    peak_blocks = produced = 0
+    peak_blocks = peak_running = produced = 0
+    outputs: dict[str, list[int]] = {}
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 produced += len(o.outputs[0].token_ids)
-        peak_blocks = max(peak_blocks, engine.scheduler.stats().num_used_blocks)
+                outputs[o.request_id] = list(o.outputs[0].token_ids)
+        sched = engine.scheduler.stats()
+        peak_blocks = max(peak_blocks, sched.num_used_blocks)
+        peak_running = max(peak_running, sched.num_running)
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     stats = engine.get_stats()
     runner = engine.runner
+    kv_note = "" if kv_cache_dtype == "auto" else f", {kv_cache_dtype} KV"
     return {
-        "name": f"pagedkv LLM ({runner.attention_backend} attention)",
+        "name": f"pagedkv LLM ({runner.attention_backend} attention{kv_note})",
         "tokens": produced,
         "seconds": elapsed,
         "peak_kv_bytes": peak_blocks * runner.bytes_per_block,
         "num_blocks": runner.num_blocks,
         "bytes_per_block": runner.bytes_per_block,
+        "block_size": runner.block_size,
+        "peak_blocks": peak_blocks,
+        "peak_running": peak_running,
+        "preemptions": stats["num_preemptions"],
+        "kv_cache_dtype": stats["kv_cache_dtype"],
+        "kv_bytes_per_token": stats["kv_bytes_per_token"],
+        "kv_cache_bytes": stats["kv_cache_bytes"],
+        "model_time_s": stats.get("model_time_s"),
+        "outputs": outputs,
         "note": f"{runner.num_blocks} blocks x {runner.block_size}, max_num_seqs {max_num_seqs}, budget {budget}, "
         f"{stats['num_preemptions']} preemptions",
     }
@@ -173,6 +201,99 @@ def run_hf_continuous(model: Any, requests: Requests, *, kv_bytes: int, budget: 
     }
 
 
+KV_SECTION = "Engine: int8 KV vs auto, same requests (issue 10)"
+
+
+def compare_kv_dtypes(args: argparse.Namespace, requests: Requests, dtypes: list[str], budgets_mib: list[int]) -> None:
+    """pagedkv once per (KV budget, KV dtype) on the same requests; one table, own section."""
+    rows: list[list[object]] = []
+    verdicts: list[str] = []
+    for mib in budgets_mib:
+        first: dict | None = None
+        for dtype in dtypes:
+            print(f"pagedkv, {mib} MiB KV, kv_cache_dtype={dtype} ...", flush=True)
+            r = run_pagedkv(
+                requests,
+                kv_cache_memory=mib << 20,
+                max_num_seqs=args.max_num_seqs,
+                budget=args.budget,
+                kv_cache_dtype=dtype,
+            )
+            tps = r["tokens"] / r["seconds"]
+            if first is None:
+                first = r
+            base_tps = first["tokens"] / first["seconds"]
+            same = sum(r["outputs"][k] == first["outputs"][k] for k in first["outputs"])
+            prefix = []
+            for k, ref in first["outputs"].items():
+                got = r["outputs"][k]
+                n = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+                prefix.append(n / max(1, len(ref)))
+            rows.append(
+                [
+                    mib,
+                    f"{dtype} ({r['kv_cache_dtype']})",
+                    r["kv_bytes_per_token"],
+                    f"{r['num_blocks']} x {r['block_size']}",
+                    r["num_blocks"] * r["block_size"],
+                    r["peak_blocks"],
+                    r["peak_blocks"] * r["bytes_per_block"] / 2**20,
+                    r["peak_running"],
+                    r["preemptions"],
+                    r["tokens"],
+                    r["seconds"],
+                    tps,
+                    f"{tps / base_tps:.2f}x",
+                    f"{same}/{len(first['outputs'])} ({100 * sum(prefix) / max(1, len(prefix)):.0f}%)",
+                ]
+            )
+            if r is not first:
+                verdicts.append(
+                    f"{mib} MiB: {dtype} {tps:.1f} vs {dtypes[0]} {base_tps:.1f} output tok/s ({tps / base_tps:.2f}x); "
+                    f"pool {r['num_blocks'] / first['num_blocks']:.2f}x the blocks; preemptions "
+                    f"{first['preemptions']} -> {r['preemptions']}; peak running {first['peak_running']} -> "
+                    f"{r['peak_running']}."
+                )
+    table = md_table(
+        [
+            "KV MiB",
+            "kv_cache_dtype",
+            "KV bytes/token",
+            "pool blocks",
+            "pool tokens",
+            "peak blocks used",
+            "peak KV MiB",
+            "peak running seqs",
+            "preemptions",
+            "output tokens",
+            "seconds",
+            "output tok/s",
+            f"vs {dtypes[0]}",
+            f"outputs equal to {dtypes[0]} (mean agreeing prefix)",
+        ],
+        rows,
+    )
+    cap = "uncapped" if args.max_output >= 2048 else f"capped at {args.max_output}"
+    desc = (
+        f"pagedkv LLM only, once per KV budget and kv_cache_dtype, one after the other in one process, on the same "
+        f"{len(requests)} ShareGPT first turns (prompt <= {args.max_prompt} tokens, prompt + output <= 2048, recorded "
+        f"output lengths {cap}; {sum(len(i) for i, _ in requests)} prompt / {sum(n for _, n in requests)} output "
+        f"tokens), greedy, eos ignored, max_num_seqs {args.max_num_seqs}, budget {args.budget} tokens per step; "
+        f"SmolLM2-135M-Instruct float32, CPU attention backend (Rust decode kernel; int8 reads the quantized blocks "
+        f"and their bfloat16 scales); torch {torch.__version__}, {torch.get_num_threads()} threads. The pool is "
+        f"kv_cache_memory / (bytes per token x 16); peak = the most blocks in use at any step. 'Outputs equal': "
+        f"requests whose greedy output is token for token the {dtypes[0]} one; the agreeing prefix is the share of "
+        f"each output before its first differing token, averaged."
+    )
+    print(desc)
+    print(table)
+    verdict = "\n".join(verdicts)
+    print(verdict)
+    if not args.no_write:
+        cmd = "python benches/bench_engine.py " + " ".join(sys.argv[1:])
+        write_section(KV_SECTION, cmd.strip(), desc + "\n\n" + table + "\n\n" + verdict)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--num-requests", type=int, default=64)
@@ -182,14 +303,34 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--budget", type=int, default=2048)
     ap.add_argument("--static-batch", type=int, default=32)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="pagedkv's kv_cache_dtype: auto, int8, fp8, fp8_e5m2")
+    ap.add_argument(
+        "--kv-dtypes",
+        default=None,
+        help="comma-separated kv_cache_dtypes, e.g. auto,int8: run only pagedkv, once per dtype, same requests",
+    )
+    ap.add_argument("--compare-kv-mib", default=None, help="with --kv-dtypes: comma-separated KV budgets (MiB)")
     ap.add_argument("--quick", action="store_true", help="8 short requests (smoke run)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.max_output, args.no_write = 8, 16, True
     requests = load_requests(args.num_requests, args.max_prompt, args.max_output)
+    if args.kv_dtypes:
+        dtypes = [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]
+        budgets = [int(m) for m in (args.compare_kv_mib or str(args.kv_mib)).split(",") if m.strip()]
+        compare_kv_dtypes(args, requests, dtypes, budgets)
+        return
     kv = args.kv_mib << 20
-    results = [run_pagedkv(requests, kv_cache_memory=kv, max_num_seqs=args.max_num_seqs, budget=args.budget)]
+    results = [
+        run_pagedkv(
+            requests,
+            kv_cache_memory=kv,
+            max_num_seqs=args.max_num_seqs,
+            budget=args.budget,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
+    ]
     model = load_hf()
     results.append(run_hf_static(model, requests, args.static_batch))
     results.append(run_hf_continuous(model, requests, kv_bytes=kv, budget=args.budget))
@@ -205,7 +346,8 @@ def main() -> None:
     desc = (
         f"{len(requests)} ShareGPT first turns (prompt <= {args.max_prompt} tokens, prompt + output <= 2048, recorded "
         f"output lengths {cap}; {sum(len(i) for i, _ in requests)} prompt / {sum(n for _, n in requests)} output "
-        f"tokens), greedy, eos ignored; SmolLM2-135M-Instruct float32, CPU; torch {torch.__version__}, "
+        f"tokens), greedy, eos ignored; SmolLM2-135M-Instruct float32, CPU; pagedkv kv_cache_dtype "
+        f"{args.kv_cache_dtype}; torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads."
     )
     print(desc)
@@ -218,9 +360,10 @@ def main() -> None:
     print(verdict)
     if not args.no_write:
         cmd = "python benches/bench_engine.py " + " ".join(sys.argv[1:])
-        write_section(
-            "Engine: CPU throughput vs transformers (issue 5)", cmd.strip(), desc + "\n\n" + table + "\n" + verdict
-        )
+        section = "Engine: CPU throughput vs transformers (issue 5)"
+        if args.kv_cache_dtype != "auto":
+            section += f", {args.kv_cache_dtype} KV"
+        write_section(section, cmd.strip(), desc + "\n\n" + table + "\n" + verdict)
 
 
 if __name__ == "__main__":
