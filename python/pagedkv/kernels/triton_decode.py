@@ -46,7 +46,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["decode_split_kernel", "merge_splits_kernel"]
+__all__ = ["decode_split_kernel", "merge_splits_kernel", "value_weights"]
+
+
+@triton.jit
+def value_weights(p, alpha, v_scale, v_scale_run, RESCALE_V: tl.constexpr):
+    """The softmax weights of a tile scaled by its V scales, ``acc``'s rescale factor, and the
+    new running V scale: ``(weights [M, N], acc_alpha [M], v_scale_run)``.
+
+    ``p`` [M, N] fp32 softmax numerators, ``alpha`` [M] the online-softmax rescale of ``acc``,
+    ``v_scale`` [N] fp32 per-key V scales (0 for masked keys), ``v_scale_run`` scalar. With
+    RESCALE_V (fp16 queries) ``acc`` is kept in units of the largest V scale so far, so the
+    weights ``p * v_scale / s <= p`` stay clear of fp16 subnormals; bf16 / fp32 weights have
+    fp32's exponent range and take ``p * v_scale`` directly.
+    """
+    if RESCALE_V:
+        s_new = tl.maximum(v_scale_run, tl.max(v_scale, axis=0))  # > 0: some key of the tile is valid
+        inv_s_new = 1.0 / s_new  # one division per tile
+        return p * (v_scale * inv_s_new)[None, :], alpha * (v_scale_run * inv_s_new), s_new
+    return p * v_scale[None, :], alpha, v_scale_run
 
 
 @triton.jit
@@ -178,16 +196,7 @@ def _decode_split_kernel(
                 mask=token_mask,
                 other=0.0,
             ).to(tl.float32)  # [BLOCK_N]
-            if RESCALE_V:
-                # acc is kept in units of the largest V scale so far: weights p * v_scale / s <= p.
-                s_new = tl.maximum(v_scale_run, tl.max(v_scale, axis=0))  # > 0: some key of the tile is valid
-                inv_s_new = 1.0 / s_new  # one division per tile
-                weights = p * (v_scale * inv_s_new)[None, :]
-                acc_alpha = alpha * (v_scale_run * inv_s_new)
-                v_scale_run = s_new
-            else:  # bf16 / fp32 weights: no underflow (fp32's exponent range)
-                weights = p * v_scale[None, :]
-                acc_alpha = alpha
+            weights, acc_alpha, v_scale_run = value_weights(p, alpha, v_scale, v_scale_run, RESCALE_V)
         else:
             weights = p
             acc_alpha = alpha

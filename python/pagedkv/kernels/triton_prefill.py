@@ -40,6 +40,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from pagedkv.kernels.triton_decode import value_weights
+
 __all__ = ["prefill_kernel"]
 
 
@@ -155,16 +157,7 @@ def _attend_tile(
         else:
             v_scale = tl.load(v_scale_ptrs)
         v_scale = v_scale.to(tl.float32)
-        if RESCALE_V:
-            # acc is kept in units of the largest V scale so far: weights p * v_scale / s <= p.
-            s_new = tl.maximum(v_scale_run, tl.max(v_scale, axis=0))  # > 0: some key of the tile is valid
-            inv_s_new = 1.0 / s_new  # one division per tile
-            weights = p * (v_scale * inv_s_new)[None, :]
-            acc_alpha = alpha * (v_scale_run * inv_s_new)
-            v_scale_run = s_new
-        else:  # bf16 / fp32 weights: no underflow (fp32's exponent range)
-            weights = p * v_scale[None, :]
-            acc_alpha = alpha
+        weights, acc_alpha, v_scale_run = value_weights(p, alpha, v_scale, v_scale_run, RESCALE_V)
     else:
         weights = p
         acc_alpha = alpha
