@@ -50,6 +50,7 @@ __all__ = [
     "KVGeometry",
     "ModelConfig",
     "SchedulingConfig",
+    "canonical_kv_cache_dtype",
     "check_pool_holds_one_request",
     "kv_dtype_info",
 ]
@@ -87,6 +88,21 @@ _QUANTIZED_KV = {
     "fp8_e5m2": "fp8_e5m2",
     "float8_e5m2": "fp8_e5m2",
 }
+
+
+def canonical_kv_cache_dtype(value: Any) -> str:
+    """``"auto"`` or the canonical name (``"int8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``) of a
+    ``kv_cache_dtype`` value (aliases such as ``"fp8"`` and the torch dtypes accepted);
+    ConfigError for anything else."""
+    name = _torch_name(value)
+    if name == "auto":
+        return "auto"
+    if isinstance(name, str) and name in _QUANTIZED_KV:
+        return _QUANTIZED_KV[name]
+    raise ConfigError(
+        f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or torch.int8 / torch.float8_e4m3fn / "
+        f"torch.float8_e5m2), got {value!r}"
+    )
 
 
 def kv_dtype_info(name: str) -> tuple[str, int, int]:
@@ -274,14 +290,7 @@ class CacheConfig:
     kv_cache_scales: str = "dynamic"
 
     def __post_init__(self) -> None:
-        kv_dtype = _torch_name(self.kv_cache_dtype)
-        kv_dtype = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}.get(kv_dtype, kv_dtype)
-        if not isinstance(kv_dtype, str) or kv_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(
-                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (or torch.int8 / torch.float8_e4m3fn / "
-                f"torch.float8_e5m2), got {self.kv_cache_dtype!r}"
-            )
-        object.__setattr__(self, "kv_cache_dtype", "fp8_e4m3" if kv_dtype == "fp8" else kv_dtype)
+        object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
         if self.kv_cache_scales not in KV_CACHE_SCALES:
             raise ConfigError(f"kv_cache_scales must be one of {KV_CACHE_SCALES}, got {self.kv_cache_scales!r}")
         if self.kv_cache_scales == "checkpoint" and self.kv_cache_dtype == "auto":

@@ -31,7 +31,7 @@ import torch
 
 from pagedkv._core import paged_decode_attention_cpu
 from pagedkv.kernels import reference
-from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, format_of
+from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, byte_view, format_of
 
 if TYPE_CHECKING:
     from pagedkv.kernels import AttentionMetadata
@@ -77,11 +77,9 @@ def _kernel_caches(
     if fmt is None:
         return key_cache.numpy(), value_cache.numpy(), {}
     assert kv_scales is not None  # supports() checked it
-    if fmt.is_float:  # numpy has no float8: the bytes
-        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
     return (
-        key_cache.numpy(),
-        value_cache.numpy(),
+        byte_view(key_cache).numpy(),  # numpy has no float8: the bytes
+        byte_view(value_cache).numpy(),
         {
             "kv_format": fmt.name,
             "key_scales": kv_scales.key.view(torch.int16).numpy(),

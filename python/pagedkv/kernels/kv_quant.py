@@ -52,8 +52,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedkv.config import KV_CACHE_DTYPES
-from pagedkv.errors import ConfigError, InvalidArgumentError
+from pagedkv.config import KV_CACHE_DTYPES, canonical_kv_cache_dtype
+from pagedkv.errors import InvalidArgumentError
 
 __all__ = [
     "FORMATS",
@@ -62,6 +62,7 @@ __all__ = [
     "SCALE_DTYPE",
     "KVFormat",
     "KVScales",
+    "byte_view",
     "check_static_scale",
     "compute_scales",
     "dequantize",
@@ -111,17 +112,21 @@ FORMATS: dict[str, KVFormat] = {
     "fp8_e4m3": KVFormat("fp8_e4m3", torch.float8_e4m3fn, 448.0, 3, -6),
     "fp8_e5m2": KVFormat("fp8_e5m2", torch.float8_e5m2, 57344.0, 2, -14),
 }
-_ALIASES = {"fp8": "fp8_e4m3"}
 _BY_STORAGE = {fmt.storage_dtype: fmt for fmt in FORMATS.values()}
+_FLOAT8 = tuple(fmt.storage_dtype for fmt in FORMATS.values() if fmt.is_float)
 
 
 def kv_format(name: str) -> KVFormat | None:
     """The format a ``kv_cache_dtype`` value names (None for ``"auto"``); ConfigError otherwise."""
-    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
-        raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {name!r}")
-    if name == "auto":
-        return None
-    return FORMATS[_ALIASES.get(name, name)]
+    canonical = canonical_kv_cache_dtype(name)
+    return None if canonical == "auto" else FORMATS[canonical]
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor as its bytes (a ``uint8`` view, same memory), any other tensor as is:
+    torch has no CPU ``index_copy_`` for float8 and numpy no float8 type, and copying or
+    handing over the bytes is exact."""
+    return tensor.view(torch.uint8) if tensor.dtype in _FLOAT8 else tensor
 
 
 def format_of(cache_dtype: torch.dtype) -> KVFormat | None:

@@ -50,7 +50,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from pagedkv.kernels.kv_quant import KVScales, format_of, quantize_kv
+from pagedkv.kernels.kv_quant import KVScales, byte_view, format_of, quantize_kv
 
 __all__ = ["attend_decode_rows", "attend_extend_rows", "attend_host", "paged_attention", "store_kv", "write_slots"]
 
@@ -110,10 +110,8 @@ def _write_rows(
 ) -> None:
     """``cache[slot // block_size, slot % block_size] = row`` for every slot."""
     if cache.is_contiguous():
-        # Slot s is row s of the cache seen as [num_blocks * block_size, *row]. Float8 has no
-        # CPU index_copy_: its bytes are copied as uint8 (same size, exact).
-        if cache.dtype.itemsize == 1 and cache.dtype != torch.int8:
-            cache, rows = cache.view(torch.uint8), rows.view(torch.uint8)
+        # Slot s is row s of the cache seen as [num_blocks * block_size, *row]; float8 moves as bytes.
+        cache, rows = byte_view(cache), byte_view(rows)
         cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)
         return
     block_size = cache.shape[1]

@@ -48,7 +48,7 @@ import torch
 import pagedkv.kernels as kernels
 from pagedkv.config import MAX_NUM_BLOCKS, CacheConfig, KVGeometry, ModelConfig, SchedulingConfig
 from pagedkv.errors import ConfigError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
-from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, key_rotation, kv_format
+from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, byte_view, key_rotation, kv_format
 from pagedkv.worker.attention_backend import (
     ATTENTION_NAME,
     CONTEXT_KWARG,
@@ -532,8 +532,7 @@ def _copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> N
     index_select copies first, so a block that is both a source and a destination in the same
     step still reads its old content. Float8 has no CPU index_copy_: its bytes move as uint8.
     """
-    if cache.dtype.itemsize == 1 and cache.dtype != torch.int8:
-        cache = cache.view(torch.uint8)
+    cache = byte_view(cache)
     cache.index_copy_(2, dst, cache.index_select(2, src))
 
 
