@@ -50,7 +50,7 @@ fn prefix_lookup(c: &mut Criterion) {
     g.bench_function("lookup 2k-token prompt (127 cached blocks, hash + verify)", |b| {
         b.iter(|| {
             let hit = m.match_prefix(black_box(&prompt), &key);
-            assert_eq!(hit.blocks.len(), 127);
+            assert_eq!(hit.num_blocks(), 127);
         })
     });
     g.finish();

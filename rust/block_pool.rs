@@ -3,21 +3,30 @@
 //! Invariants (checked by [`BlockPool::check_invariants`]):
 //! - a block is in the free queue if and only if its ref count is 0, so
 //!   `num_free + num_used == num_blocks`;
-//! - the free queue holds every block without a cached hash before every block with one
-//!   (uncached blocks are reused first; cached ones in LRU order, least recently freed first);
+//! - the free queue reuses every block without a cached hash before any block with one;
+//!   cached ones go lowest retention priority first, least recently freed first within a
+//!   priority ([`EvictionQueue`]);
 //! - the cache index maps a hash to a block if and only if that block's metadata carries that
 //!   hash; only full blocks are registered, and a registered block is never written again.
 //!
 //! Eviction is lazy: a freed cached block keeps its hash and stays findable until the pool
-//! hands it out again, at which point its cache identity ends (the index entry is removed and
-//! the block's generation is bumped, which invalidates parent links that name it).
+//! hands it out again, at which point its cache identity ends (the index entry is removed).
+//!
+//! Every registered block carries a *node id*: a number that names its content (its tokens
+//! after its parent's content, under its salt) and is never reused. A child records its
+//! parent's node, and a hit must match the parent node of the previous hit, so a chain of node
+//! ids is a chain of verified blocks. Node ids do not depend on where a block lives: a block
+//! copied to another tier (the host pool of a [`crate::kv_cache_manager::KvCacheManager`])
+//! keeps its node, and a chain may continue from one tier into another. Only the pool that
+//! computes KV (the device pool) creates nodes ([`BlockPool::register`]); copies reuse them
+//! ([`BlockPool::register_copy`]).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::block_hash::{BlockHash, BlockHasher, ExtraKey, HashMode};
 use crate::error::{CoreError, Result};
-use crate::free_queue::FreeBlockQueue;
+use crate::eviction_queue::{EvictionQueue, Retention};
 use crate::ids::BlockId;
 use crate::token_store::TokenStore;
 
@@ -27,15 +36,41 @@ pub const MAX_NUM_BLOCKS: usize = 1 << 24;
 /// Largest block size accepted, in tokens.
 pub const MAX_BLOCK_SIZE: usize = 1 << 12;
 
+/// What a registered block's KV is: enough to verify a hit and to register a copy of the
+/// block in another pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockIdentity {
+    /// The chained hash of the block (names its whole prefix, but only as a candidate).
+    pub hash: BlockHash,
+    /// The node id of this content (see the module docs); never reused.
+    pub node: u64,
+    /// The node id of the previous block of the prefix; `None` for a first block.
+    pub parent: Option<u64>,
+    /// The cache salt, checked at the first block.
+    pub extra: ExtraKey,
+    /// How long the block is kept once free (see [`EvictionQueue`]).
+    pub retention: Retention,
+}
+
+/// A cached block whose identity ended because the pool reused it, logged when
+/// [`BlockPool::set_log_evictions`] is on (the manager writes such blocks back to a lower tier
+/// before their KV is overwritten).
+#[derive(Debug, Clone)]
+pub struct Evicted {
+    /// The block, now handed out again: its KV is intact until the step that reused it runs.
+    pub block: BlockId,
+    /// Its identity before the eviction.
+    pub identity: BlockIdentity,
+    /// Its token ids.
+    pub tokens: Vec<u32>,
+}
+
 /// Metadata of a block registered in the prefix cache.
 #[derive(Debug, Clone)]
 struct CachedBlock {
     /// Its index key (see [`index_key`]).
     key: u64,
-    /// The block holding the previous block of the prefix and its generation when this block
-    /// was registered; `None` for a first block.
-    parent: Option<(BlockId, u32)>,
-    extra: ExtraKey,
+    identity: BlockIdentity,
 }
 
 /// Block hashes are already uniformly distributed: the index uses their low bits directly.
@@ -77,20 +112,40 @@ pub struct PoolCounters {
     pub duplicate_registrations: u64,
 }
 
+/// How a chain of registered blocks continues (see [`BlockPool::register_chain`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ChainLink {
+    /// At the start: the next block is a first block.
+    #[default]
+    Root,
+    /// After the content with this node id.
+    Node(u64),
+    /// A block could not be registered nor matched: nothing after it is reachable.
+    Broken,
+}
+
+/// The first node id a pool hands out; 0 is never a node.
+const FIRST_NODE: u64 = 1;
+
 /// A fixed pool of KV blocks (see the module docs).
 #[derive(Debug, Clone)]
 pub struct BlockPool {
     block_size: usize,
     ref_counts: Vec<u32>,
-    free: FreeBlockQueue,
+    free: EvictionQueue,
     caching: bool,
     index: HashIndex,
     cached: Vec<Option<CachedBlock>>,
     /// Token ids of each registered block, for verification.
     cached_tokens: TokenStore,
-    generation: Vec<u32>,
     counters: PoolCounters,
     hash_mode: HashMode,
+    next_node: u64,
+    /// The caller's clock (microseconds), for retention expiry.
+    now_us: u64,
+    /// When set, evicted identities are logged in `evicted` (see [`Evicted`]).
+    log_evictions: bool,
+    evicted: Vec<Evicted>,
 }
 
 impl BlockPool {
@@ -110,9 +165,6 @@ impl BlockPool {
         let mut ref_counts = Vec::new();
         ref_counts.try_reserve_exact(num_blocks).map_err(oom)?;
         ref_counts.resize(num_blocks, 0);
-        let mut generation = Vec::new();
-        generation.try_reserve_exact(num_blocks).map_err(oom)?;
-        generation.resize(num_blocks, 0);
         // The index never holds more entries than blocks: size it up front (up to a bound) so
         // registration never pays for a rehash of the whole index mid-step.
         let mut index = HashIndex::default();
@@ -132,14 +184,17 @@ impl BlockPool {
         Ok(BlockPool {
             block_size,
             ref_counts,
-            free: FreeBlockQueue::new_full(num_blocks)?,
+            free: EvictionQueue::new_full(num_blocks)?,
             caching: enable_prefix_caching,
             index,
             cached,
             cached_tokens,
-            generation,
             counters: PoolCounters::default(),
             hash_mode,
+            next_node: FIRST_NODE,
+            now_us: 0,
+            log_evictions: false,
+            evicted: Vec::new(),
         })
     }
 
@@ -235,10 +290,81 @@ impl BlockPool {
         self.caching && self.cached[block.index()].is_some()
     }
 
+    /// The identity of a registered block (`None` if it has none).
+    pub fn identity(&self, block: BlockId) -> Option<&BlockIdentity> {
+        if !self.caching {
+            return None;
+        }
+        self.cached.get(block.index())?.as_ref().map(|c| &c.identity)
+    }
+
+    /// The node id of a registered block.
+    #[inline]
+    pub fn node_of(&self, block: BlockId) -> Option<u64> {
+        self.identity(block).map(|i| i.node)
+    }
+
+    /// The token ids of a registered block (empty if it has none).
+    pub fn cached_tokens(&self, block: BlockId) -> &[u32] {
+        if self.is_cached(block) {
+            self.cached_tokens.get(block)
+        } else {
+            &[]
+        }
+    }
+
+    /// Sets the caller's clock (microseconds, monotonic): retention durations expire on it.
+    #[inline]
+    pub fn set_now(&mut self, now_us: u64) {
+        self.now_us = self.now_us.max(now_us);
+    }
+
+    /// The clock last set.
+    #[inline]
+    pub fn now_us(&self) -> u64 {
+        self.now_us
+    }
+
+    /// Sets how long a registered block is kept once free (no-op for an unregistered block).
+    /// Takes effect when the block is next freed.
+    pub fn set_retention(&mut self, block: BlockId, retention: Retention) {
+        if let Some(Some(c)) = self.cached.get_mut(block.index()) {
+            c.identity.retention = retention;
+        }
+    }
+
+    /// Turns the eviction log on or off (see [`Evicted`]).
+    pub fn set_log_evictions(&mut self, on: bool) {
+        self.log_evictions = on && self.caching;
+    }
+
+    /// Takes the evictions logged since the last call, in order.
+    pub fn take_evicted(&mut self) -> Vec<Evicted> {
+        std::mem::take(&mut self.evicted)
+    }
+
+    /// True when some evictions are logged and not yet taken.
+    #[inline]
+    pub fn has_evicted(&self) -> bool {
+        !self.evicted.is_empty()
+    }
+
+    /// Free blocks without a cache identity (reused before any cached block).
+    #[inline]
+    pub fn num_free_uncached(&self) -> usize {
+        self.free.num_uncached()
+    }
+
+    /// The retention priority of the cached block the next allocation would evict, once no
+    /// uncached free block is left (`None`: no cached block is free).
+    pub fn next_eviction_priority(&mut self) -> Option<u8> {
+        self.free.peek_evictable(self.now_us).map(|(_, p)| p)
+    }
+
     /// Takes one free block (ref count becomes 1), evicting its cached identity if it had one.
     #[inline]
     pub fn allocate_one(&mut self) -> Option<BlockId> {
-        let block = self.free.pop_front()?;
+        let block = self.free.pop_front(self.now_us)?;
         self.evict(block);
         self.ref_counts[block.index()] = 1;
         Some(block)
@@ -307,6 +433,14 @@ impl BlockPool {
         *rc += 1;
     }
 
+    /// Drops one reference from a block the caller holds, setting its retention first (see
+    /// [`Self::set_retention`]).
+    #[inline]
+    pub(crate) fn release_with_retention(&mut self, block: BlockId, retention: Retention) {
+        self.set_retention(block, retention);
+        self.release_ref_unchecked(block);
+    }
+
     /// Drops one reference from each block; blocks reaching 0 return to the free queue in the
     /// order given (cached ones at the LRU end, others at the reuse-first end).
     /// All-or-nothing: a double free (also within `blocks`) or a bad id changes nothing.
@@ -348,10 +482,12 @@ impl BlockPool {
 
     #[inline]
     fn release(&mut self, block: BlockId) {
-        if self.is_cached(block) {
-            self.free.push_back(block);
-        } else {
-            self.free.push_front(block);
+        match self.identity(block) {
+            Some(id) => {
+                let r = id.retention;
+                self.free.push_cached(block, r, self.now_us);
+            }
+            None => self.free.push_uncached(block),
         }
     }
 
@@ -366,44 +502,69 @@ impl BlockPool {
         if queued {
             self.free.remove(block);
         }
-        self.evict(block);
+        self.drop_identity(block);
         if queued {
-            self.free.push_front(block);
+            self.free.push_uncached(block);
         }
     }
 
-    /// Ends the cached identity of `block` (no-op if it has none).
+    /// Ends the cached identity of `block` because the pool reuses it (logged when the log is
+    /// on).
     #[inline]
     fn evict(&mut self, block: BlockId) {
-        if !self.caching {
+        if !self.caching || self.cached[block.index()].is_none() {
             return;
         }
-        if let Some(meta) = self.cached[block.index()].take() {
-            if self.index.get(&meta.key) == Some(&block) {
-                self.index.remove(&meta.key);
+        if self.log_evictions {
+            let tokens = self.cached_tokens.get(block).to_vec();
+            if let Some(identity) = self.drop_identity(block) {
+                self.evicted.push(Evicted { block, identity, tokens });
             }
-            self.generation[block.index()] = self.generation[block.index()].wrapping_add(1);
-            self.counters.evictions += 1;
+        } else {
+            self.drop_identity(block);
         }
+        self.counters.evictions += 1;
     }
 
-    /// Registers the full, computed, allocated `block` under `hash` with its verification data.
-    /// Returns false (no change) when caching is off, the block is registered already, or
-    /// another block holds the hash (same content computed twice, or a collision).
+    /// Removes the cached identity of `block` (if any) from the block and the index.
+    fn drop_identity(&mut self, block: BlockId) -> Option<BlockIdentity> {
+        let meta = self.cached.get_mut(block.index())?.take()?;
+        if self.index.get(&meta.key) == Some(&block) {
+            self.index.remove(&meta.key);
+        }
+        Some(meta.identity)
+    }
+
+    /// Registers the full, computed, allocated `block` under `hash`, after the block whose node
+    /// is `parent` (`None` for a first block), with a new node id, which it returns. `None` (no
+    /// change) when caching is off, the block is registered already, or another block holds
+    /// the hash (same content computed twice, or a collision).
     pub fn register(
         &mut self,
         block: BlockId,
         hash: BlockHash,
-        parent: Option<BlockId>,
+        parent: Option<u64>,
         tokens: &[u32],
         extra: &ExtraKey,
-    ) -> bool {
+    ) -> Option<u64> {
+        let node = self.next_node;
+        let identity = BlockIdentity { hash, node, parent, extra: extra.clone(), retention: Retention::DEFAULT };
+        self.register_copy(block, identity, tokens).then(|| {
+            self.next_node += 1;
+            node
+        })
+    }
+
+    /// Registers the allocated `block` as a copy of a block registered elsewhere (another
+    /// tier), keeping its node id. False (no change) when caching is off, the block is
+    /// registered already, or another block holds the hash.
+    pub fn register_copy(&mut self, block: BlockId, identity: BlockIdentity, tokens: &[u32]) -> bool {
         if !self.caching || self.cached[block.index()].is_some() {
             return false;
         }
         debug_assert_eq!(tokens.len(), self.block_size);
         debug_assert!(self.ref_counts[block.index()] > 0);
-        let key = index_key(hash);
+        let key = index_key(identity.hash);
         if self.index.contains_key(&key) {
             self.counters.duplicate_registrations += 1;
             return false;
@@ -412,34 +573,82 @@ impl BlockPool {
             return false; // no memory for the verification copy: leave the block uncached
         }
         self.index.insert(key, block);
-        self.cached[block.index()] = Some(CachedBlock {
-            key,
-            parent: parent.map(|p| (p, self.generation[p.index()])),
-            extra: extra.clone(),
-        });
+        self.cached[block.index()] = Some(CachedBlock { key, identity });
         true
     }
 
-    /// The cached block for `hash` if it really holds `tokens` after `parent` (the block
-    /// matched for the previous position, `None` at the start) under `extra`. Pure.
+    /// The cached block for `hash` if it really holds `tokens` after the content `parent` (the
+    /// node matched for the previous position, `None` at the start) under `extra`, with its
+    /// node id. Pure.
     pub fn lookup_verified(
         &self,
         hash: BlockHash,
-        parent: Option<BlockId>,
+        parent: Option<u64>,
         tokens: &[u32],
         extra: &ExtraKey,
-    ) -> Option<BlockId> {
+    ) -> Option<(BlockId, u64)> {
         if !self.caching {
             return None;
         }
         let &block = self.index.get(&index_key(hash))?;
-        let meta = self.cached[block.index()].as_ref()?;
-        let parent_ok = match (meta.parent, parent) {
-            (None, None) => meta.extra == *extra,
-            (Some((pb, pg)), Some(p)) => pb == p && pg == self.generation[p.index()],
+        let id = &self.cached[block.index()].as_ref()?.identity;
+        let parent_ok = match (id.parent, parent) {
+            (None, None) => id.extra == *extra,
+            (Some(p), Some(q)) => p == q,
             _ => false,
         };
-        (parent_ok && self.cached_tokens.get(block) == tokens).then_some(block)
+        (parent_ok && self.cached_tokens.get(block) == tokens).then_some((block, id.node))
+    }
+
+    /// Registers `blocks[k]` for `k` in `start..end` as blocks `k` of the chain of `tokens`
+    /// (`hashes[k]` their chained hashes), the block before `start` being `link`. A block
+    /// that cannot be registered (the same content is registered elsewhere, or a collision)
+    /// links through the verified block with its content if there is one; otherwise the
+    /// chain breaks and nothing after it is registered (it could never be reached). Returns
+    /// the number of blocks newly registered and the link after `end`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn register_chain(
+        &mut self,
+        blocks: &[BlockId],
+        hashes: &[BlockHash],
+        tokens: &[u32],
+        extra: &ExtraKey,
+        start: usize,
+        end: usize,
+        mut link: ChainLink,
+    ) -> (usize, ChainLink) {
+        let bs = self.block_size;
+        let mut count = 0;
+        for k in start..end {
+            let parent = match link {
+                ChainLink::Root => None,
+                ChainLink::Node(n) => Some(n),
+                ChainLink::Broken => break,
+            };
+            let t = &tokens[k * bs..(k + 1) * bs];
+            let node = match self.node_of(blocks[k]) {
+                Some(n) => Some(n), // already registered (a prefix hit, or a copy)
+                None => match self.register(blocks[k], hashes[k], parent, t, extra) {
+                    Some(n) => {
+                        count += 1;
+                        Some(n)
+                    }
+                    None => self.lookup_verified(hashes[k], parent, t, extra).map(|(_, n)| n),
+                },
+            };
+            link = node.map_or(ChainLink::Broken, ChainLink::Node);
+        }
+        (count, link)
+    }
+
+    /// The block holding exactly the content `node` (registered under `hash`), if this pool
+    /// has it.
+    pub fn find_node(&self, hash: BlockHash, node: u64) -> Option<BlockId> {
+        if !self.caching {
+            return None;
+        }
+        let &block = self.index.get(&index_key(hash))?;
+        (self.node_of(block) == Some(node)).then_some(block)
     }
 
     /// The longest verified cached prefix of `tokens`, in blocks, leaving at least one token to
@@ -463,9 +672,9 @@ impl BlockPool {
         let mut parent = None;
         for (k, &h) in hashes.iter().take(max_blocks).enumerate() {
             match self.lookup_verified(h, parent, &tokens[k * bs..(k + 1) * bs], extra) {
-                Some(b) => {
+                Some((b, node)) => {
                     hits.push(b);
-                    parent = Some(b);
+                    parent = Some(node);
                 }
                 None => break,
             }
@@ -482,8 +691,9 @@ impl BlockPool {
         let victims: Vec<BlockId> = self.free.iter().filter(|&b| self.is_cached(b)).collect();
         for &b in &victims {
             self.free.remove(b);
-            self.evict(b);
-            self.free.push_front(b);
+            self.drop_identity(b);
+            self.counters.evictions += 1;
+            self.free.push_uncached(b);
         }
         victims.len()
     }
@@ -523,6 +733,13 @@ impl BlockPool {
                 if seen_cached && !c {
                     return Err(CoreError::InvariantViolation(format!(
                         "uncached free block {b} sits behind a cached one in the free queue"
+                    )));
+                }
+                if c != self.free.priority_of(b).is_some() {
+                    return Err(CoreError::InvariantViolation(format!(
+                        "free block {b} is {}cached but queued as {}",
+                        if c { "" } else { "not " },
+                        if c { "uncached" } else { "cached" }
                     )));
                 }
                 seen_cached |= c;
@@ -622,8 +839,8 @@ mod tests {
         // Register blocks 0 and 1 (different content), leave 2 and 3 uncached.
         let h0 = h.hash_block(None, &key, &[1, 2]);
         let h1 = h.hash_block(None, &key, &[3, 4]);
-        assert!(p.register(blocks[0], h0, None, &[1, 2], &key));
-        assert!(p.register(blocks[1], h1, None, &[3, 4], &key));
+        assert!(p.register(blocks[0], h0, None, &[1, 2], &key).is_some());
+        assert!(p.register(blocks[1], h1, None, &[3, 4], &key).is_some());
         // Free cached 1 first, then cached 0, then uncached 2 and 3.
         p.free(&[blocks[1]]).unwrap();
         p.free(&[blocks[0]]).unwrap();
@@ -632,11 +849,11 @@ mod tests {
         // Uncached blocks come first, then cached ones least recently freed first.
         assert_eq!(p.free_blocks(), vec![BlockId(3), BlockId(2), BlockId(1), BlockId(0)]);
         // Freed cached blocks remain findable until reused.
-        assert_eq!(p.lookup_verified(h0, None, &[1, 2], &key), Some(BlockId(0)));
+        assert_eq!(p.lookup_verified(h0, None, &[1, 2], &key).map(|x| x.0), Some(BlockId(0)));
         let got = p.allocate(3).unwrap();
         assert_eq!(got, vec![BlockId(3), BlockId(2), BlockId(1)]);
         assert_eq!(p.lookup_verified(h1, None, &[3, 4], &key), None);
-        assert_eq!(p.lookup_verified(h0, None, &[1, 2], &key), Some(BlockId(0)));
+        assert_eq!(p.lookup_verified(h0, None, &[1, 2], &key).map(|x| x.0), Some(BlockId(0)));
         assert_eq!(p.counters().evictions, 1);
         p.check_invariants().unwrap();
     }
@@ -666,35 +883,70 @@ mod tests {
         let key = ExtraKey::new(None);
         let b = p.allocate(1).unwrap()[0];
         let hash = h.hash_block(None, &key, &[1, 1]);
-        assert!(p.register(b, hash, None, &[1, 1], &key));
+        assert!(p.register(b, hash, None, &[1, 1], &key).is_some());
         let other = h.hash_block(None, &key, &[2, 2]);
         assert_eq!(hash, other);
         assert_eq!(p.lookup_verified(other, None, &[2, 2], &key), None);
-        assert_eq!(p.lookup_verified(hash, None, &[1, 1], &key), Some(b));
+        assert_eq!(p.lookup_verified(hash, None, &[1, 1], &key).map(|x| x.0), Some(b));
         // Same tokens, another salt: no hit either.
         assert_eq!(p.lookup_verified(hash, None, &[1, 1], &ExtraKey::new(Some("s"))), None);
     }
 
     #[test]
-    fn parent_link_is_verified_with_generation() {
+    fn parent_link_is_verified_by_node() {
         let mut p = BlockPool::new(3, 1, true, HashMode::Truncated(0)).unwrap();
         let mut h = p.new_hasher();
         let key = ExtraKey::new(None);
         let blocks = p.allocate(2).unwrap();
         let (a, b) = (blocks[0], blocks[1]);
         let ha = h.hash_block(None, &key, &[1]);
-        p.register(a, ha, None, &[1], &key);
+        let na = p.register(a, ha, None, &[1], &key).unwrap();
         // Child registered under a different hash value space is impossible in degenerate
         // mode, so use the real hasher for the child.
         let mut real = BlockHasher::new(HashMode::Xxh3);
         let hb = real.hash_block(Some(ha), &key, &[2]);
-        p.register(b, hb, Some(a), &[2], &key);
-        assert_eq!(p.lookup_verified(hb, Some(a), &[2], &key), Some(b));
-        // Evict and reuse the parent: the child's link is now stale.
+        let nb = p.register(b, hb, Some(na), &[2], &key).unwrap();
+        assert_ne!(na, nb);
+        assert_eq!(p.lookup_verified(hb, Some(na), &[2], &key), Some((b, nb)));
+        assert_eq!(p.find_node(hb, nb), Some(b));
+        assert_eq!(p.find_node(hb, na), None);
+        // Evict and reuse the parent, then register other content in it: the child's link
+        // names the old content, which no block holds any more.
         p.free(&[a]).unwrap();
         let c = p.allocate(2).unwrap();
         assert!(c.contains(&a));
-        assert_eq!(p.lookup_verified(hb, Some(a), &[2], &key), None);
+        let na2 = p.register(a, ha, None, &[1], &key).unwrap();
+        assert_ne!(na2, na);
+        assert_eq!(p.lookup_verified(hb, Some(na2), &[2], &key), None);
+    }
+
+    #[test]
+    fn eviction_log_and_retention_order() {
+        let mut p = pool(3, 1);
+        p.set_log_evictions(true);
+        let mut h = p.new_hasher();
+        let key = ExtraKey::new(None);
+        let bl = p.allocate(3).unwrap();
+        let mut nodes = Vec::new();
+        for (i, &b) in bl.iter().enumerate() {
+            let t = [i as u32];
+            let hash = h.hash_block(None, &key, &t);
+            nodes.push(p.register(b, hash, None, &t, &key).unwrap());
+        }
+        // Block 0 kept longest (priority 90), block 1 shortest (10), block 2 default.
+        p.release_with_retention(bl[0], Retention { priority: 90, expires_at_us: None });
+        p.release_with_retention(bl[1], Retention { priority: 10, expires_at_us: None });
+        p.release_with_retention(bl[2], Retention::DEFAULT);
+        p.check_invariants().unwrap();
+        assert_eq!(p.next_eviction_priority(), Some(10));
+        assert_eq!(p.allocate(2).unwrap(), vec![bl[1], bl[2]]);
+        let ev = p.take_evicted();
+        assert_eq!(ev.iter().map(|e| e.block).collect::<Vec<_>>(), vec![bl[1], bl[2]]);
+        assert_eq!(ev[0].identity.node, nodes[1]);
+        assert_eq!(ev[0].identity.retention.priority, 10);
+        assert_eq!(ev[0].tokens, vec![1]);
+        assert!(p.is_cached(bl[0]));
+        p.check_invariants().unwrap();
     }
 
     #[test]

@@ -1,42 +1,110 @@
 //! Sequence-level KV-cache management: block tables over the block pool, prefix-cache lookup
-//! and registration, copy-on-write, fork and release.
+//! and registration, copy-on-write, fork and release — and the host tier: a second pool of
+//! blocks in host memory that holds swapped-out sequences and the blocks the device prefix
+//! cache evicts.
 //!
 //! A sequence knows its token ids (`tokens`: prompt and generated so far) and how many of
 //! them hold a KV slot (`num_computed`): their KV is written, or is being written by the step
 //! in flight. Slots are handed out in order by [`KvCacheManager::allocate_slots`]; the table
 //! always holds exactly `ceil(num_computed / block_size)` blocks.
 //!
-//! Invariants (checked by [`KvCacheManager::check_invariants`], on top of the pool's):
-//! - every block's ref count equals the number of block tables holding it;
-//! - a sequence's write window, the positions `write_start .. num_computed` that the step in
-//!   flight writes, lies in blocks no other sequence writes; a block shared while written is a
-//!   registered full block that the other holders reached by a verified prefix hit on the very
-//!   tokens being written. So no slot is writable by two live sequences. Copy-on-write
-//!   keeps this true when a sequence writes into a partial block it shares (after `fork`): it
-//!   gets a private copy, and a copy op `(src, dst)` is recorded for the runner to execute
-//!   before the forward pass;
+//! Tiers. The device pool's blocks are the ones attention reads. With a host tier
+//! ([`KvCacheManager::with_host_tier`]) the manager also owns a host pool — its own ids, ref
+//! counts, free queue and verified prefix-cache index — and records block copies between the
+//! two for the runner to execute before the step's forward, in this order:
+//! 1. `swap_out` (device → host): a preempted sequence's blocks ([`KvCacheManager::swap_out`]),
+//!    and cached device blocks that the pool reuses in this step (write-back on eviction;
+//!    their KV is intact until this step's forward overwrites it);
+//! 2. `swap_in` (host → device): a swapped sequence coming back ([`KvCacheManager::swap_in`]),
+//!    and prefix-cache hits found on the host, loaded into fresh device blocks before the
+//!    request's prefill;
+//! 3. copy-on-write `copy_ops` (device → device).
+//!
+//! A block copied to the other tier keeps its node id (block_pool.rs), so one cached content
+//! may be resident on the device, on the host, or on both, and a prefix match may continue
+//! from device hits into host hits. Host blocks read by this step's swap-ins and written by
+//! its swap-outs are pinned (an extra reference) until [`KvCacheManager::end_step`], so no
+//! later allocation in the same step can reuse one of them as a copy target.
+//!
+//! Invariants (checked by [`KvCacheManager::check_invariants`], on top of both pools'):
+//! - a sequence's blocks all live on one tier (its `tier`), and every block's ref count in a
+//!   pool equals the number of that tier's block tables holding it (plus its pins, on the
+//!   host);
+//! - a device sequence's write window, the positions `write_start .. num_computed` that the
+//!   step in flight writes, lies in blocks no other sequence writes; a block shared while
+//!   written is a registered full block that the other holders reached by a verified prefix
+//!   hit on the very tokens being written. So no slot is writable by two live sequences.
+//!   Copy-on-write keeps this true when a sequence writes into a partial block it shares
+//!   (after `fork`): it gets a private copy, and a copy op `(src, dst)` is recorded for the
+//!   runner to execute before the forward pass;
 //! - only full blocks are registered in the prefix cache (prompt blocks when the step that
-//!   fills them is scheduled; blocks filled by decoding when the sequence is freed), and no
-//!   block is written again once full.
+//!   fills them is scheduled; blocks filled by decoding when the sequence is freed or swapped
+//!   out), and no block is written again once full.
 
 use crate::block_hash::{BlockHash, BlockHasher, ExtraKey, HashMode};
-use crate::block_pool::BlockPool;
+use crate::block_pool::{BlockPool, ChainLink};
 use crate::block_table::{blocks_for, BlockTable};
 use crate::error::{CoreError, Result};
+use crate::eviction_queue::{Retention, DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY};
 use crate::ids::{BlockId, SeqId};
 use crate::slab::Slab;
+
+/// A block copy `(source, destination)`; the tiers depend on the list it is in.
+pub type BlockPair = (BlockId, BlockId);
+
+/// Where a block (or a sequence's blocks) lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// Accelerator memory: what attention reads.
+    Device,
+    /// Host memory: swapped-out sequences and blocks evicted from the device prefix cache.
+    Host,
+}
+
+/// How long a sequence's prompt blocks are kept in the prefix cache once free: a retention
+/// priority in `0 ..= 100` (higher is kept longer; blocks filled by decoding get the default,
+/// 35) and an optional duration after which the priority falls back to the default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetentionPolicy {
+    /// Priority of the prompt's full blocks.
+    pub priority: u8,
+    /// Microseconds the priority holds after the block is freed (`None`: for good).
+    pub duration_us: Option<u64>,
+}
+
+impl Default for RetentionPolicy {
+    fn default() -> Self {
+        RetentionPolicy { priority: DEFAULT_RETENTION_PRIORITY, duration_us: None }
+    }
+}
+
+impl RetentionPolicy {
+    /// Checks the priority range.
+    pub fn validate(&self) -> Result<()> {
+        if self.priority > MAX_RETENTION_PRIORITY {
+            return Err(CoreError::InvalidArgument(format!(
+                "retention priority must be in 0..={MAX_RETENTION_PRIORITY}, got {}",
+                self.priority
+            )));
+        }
+        Ok(())
+    }
+}
 
 /// One sequence's state (see the module docs).
 #[derive(Debug, Clone)]
 pub struct Sequence {
     tokens: Vec<u32>,
     table: BlockTable,
+    tier: Tier,
     num_computed: usize,
     write_start: usize,
     /// Chained hashes of the first full blocks of `tokens` (computed lazily, kept for reuse).
     hashes: Vec<BlockHash>,
     /// Blocks `0 .. num_registered` were offered to the prefix cache (or came from it).
     num_registered: usize,
+    /// How the chain of registered blocks continues after block `num_registered - 1`.
+    link: ChainLink,
     /// Tokens known when the sequence was created (its prompt). Blocks within them are
     /// registered in the prefix cache as soon as their step is scheduled, so that concurrent
     /// requests sharing the prompt hit them; blocks filled later by decoding are registered
@@ -44,6 +112,7 @@ pub struct Sequence {
     /// which keeps hashing off the per-step decode path.
     prompt_len: usize,
     extra: ExtraKey,
+    retention: RetentionPolicy,
 }
 
 impl Sequence {
@@ -71,10 +140,16 @@ impl Sequence {
         self.tokens.len() - self.num_computed
     }
 
-    /// The block table.
+    /// The block table (block ids of the sequence's tier).
     #[inline]
     pub fn table(&self) -> &BlockTable {
         &self.table
+    }
+
+    /// The tier holding the sequence's blocks.
+    #[inline]
+    pub fn tier(&self) -> Tier {
+        self.tier
     }
 
     /// First position of the slots handed out by the last `allocate_slots`.
@@ -89,22 +164,44 @@ impl Sequence {
     }
 }
 
+/// A cached block found by a prefix match, on either tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierBlock {
+    /// The tier of `block`.
+    pub tier: Tier,
+    /// A block id of that tier's pool.
+    pub block: BlockId,
+}
+
 /// The verified cached prefix of a token sequence (from [`KvCacheManager::match_prefix`]).
 #[derive(Debug, Clone, Default)]
 pub struct PrefixMatch {
-    /// Cached blocks holding the first `blocks.len() * block_size` tokens.
-    pub blocks: Vec<BlockId>,
+    /// Cached blocks holding the first `hits.len() * block_size` tokens, in order; a block
+    /// found only on the host is loaded into a fresh device block at admission.
+    pub hits: Vec<TierBlock>,
     /// Chained hashes computed on the way (at least one per hit block).
     pub hashes: Vec<BlockHash>,
-    /// The pool's eviction count when matched: if blocks were evicted since, the match may be
-    /// stale and is redone.
+    /// The pools' eviction counts when matched: if blocks were evicted since, the match may
+    /// be stale and is redone.
     evictions_at_match: u64,
+    /// How the chain continues after the last hit.
+    link: ChainLink,
 }
 
 impl PrefixMatch {
+    /// Number of cached blocks.
+    pub fn num_blocks(&self) -> usize {
+        self.hits.len()
+    }
+
     /// Number of cached tokens.
     pub fn num_tokens(&self, block_size: usize) -> usize {
-        self.blocks.len() * block_size
+        self.hits.len() * block_size
+    }
+
+    /// Number of hits found only on the host.
+    pub fn num_host_blocks(&self) -> usize {
+        self.hits.iter().filter(|h| h.tier == Tier::Host).count()
     }
 }
 
@@ -113,38 +210,102 @@ impl PrefixMatch {
 pub struct PrefixCounters {
     /// Prompt tokens looked up.
     pub queries: u64,
-    /// Of those, tokens found cached.
+    /// Of those, tokens found cached (on either tier).
     pub hits: u64,
+    /// Of the hits, tokens found only on the host (loaded back to the device).
+    pub host_hits: u64,
 }
 
-/// Block tables of many sequences over one [`BlockPool`] (see the module docs).
+/// Block movements between the tiers, in blocks, over the manager's lifetime.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierCounters {
+    /// Blocks copied device → host (swap-outs and write-backs).
+    pub blocks_to_host: u64,
+    /// Blocks copied host → device (swap-ins and host prefix hits).
+    pub blocks_to_device: u64,
+    /// Of `blocks_to_host`, evicted cached device blocks written back to the host tier.
+    pub write_backs: u64,
+    /// Evicted cached device blocks not written back (host tier full of blocks in use or of
+    /// blocks with a higher retention priority).
+    pub write_backs_skipped: u64,
+    /// Sequences swapped out / swapped back in.
+    pub swap_outs: u64,
+    /// Sequences swapped back in.
+    pub swap_ins: u64,
+}
+
+/// Block tables of many sequences over a device pool and an optional host pool (see the
+/// module docs).
 #[derive(Debug, Clone)]
 pub struct KvCacheManager {
     pool: BlockPool,
+    host: Option<BlockPool>,
     hasher: BlockHasher,
     seqs: Slab<Sequence>,
     copy_ops: Vec<(BlockId, BlockId)>,
+    /// (device, host) copies recorded since the last `take_swap_ops`.
+    swap_out: Vec<(BlockId, BlockId)>,
+    /// (host, device) copies recorded since the last `take_swap_ops`.
+    swap_in: Vec<(BlockId, BlockId)>,
+    /// Host blocks holding an extra reference until `end_step` (module docs).
+    pinned_host: Vec<BlockId>,
+    /// Device blocks written by swap-ins / host blocks written by swap-outs since
+    /// `begin_step`: their content is only real once the step has run (see `rollback_copies`).
+    step_loaded: Vec<BlockId>,
+    step_stored: Vec<BlockId>,
     prefix: PrefixCounters,
+    tiers: TierCounters,
 }
 
 impl KvCacheManager {
-    /// A manager over a fresh pool.
+    /// A manager over a fresh device pool, without a host tier.
     pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool, hash_mode: HashMode) -> Result<Self> {
         let pool = BlockPool::new(num_blocks, block_size, enable_prefix_caching, hash_mode)?;
         let hasher = pool.new_hasher();
         Ok(KvCacheManager {
             pool,
+            host: None,
             hasher,
             seqs: Slab::default(),
             copy_ops: Vec::new(),
+            swap_out: Vec::new(),
+            swap_in: Vec::new(),
+            pinned_host: Vec::new(),
+            step_loaded: Vec::new(),
+            step_stored: Vec::new(),
             prefix: PrefixCounters::default(),
+            tiers: TierCounters::default(),
         })
     }
 
-    /// The underlying pool (read-only: blocks change hands only through sequences).
+    /// Adds a host tier of `num_host_blocks` blocks (0: none). With prefix caching on, cached
+    /// device blocks evicted by reuse are written back to it.
+    pub fn with_host_tier(mut self, num_host_blocks: usize) -> Result<Self> {
+        if num_host_blocks == 0 {
+            self.host = None;
+            self.pool.set_log_evictions(false);
+            return Ok(self);
+        }
+        let host = BlockPool::new(num_host_blocks, self.pool.block_size(), self.pool.prefix_caching(), self.pool.hash_mode())
+            .map_err(|e| match e {
+                CoreError::Config(m) => CoreError::Config(format!("host tier: {m}")),
+                e => e,
+            })?;
+        self.host = Some(host);
+        self.pool.set_log_evictions(true);
+        Ok(self)
+    }
+
+    /// The device pool (read-only: blocks change hands only through sequences).
     #[inline]
     pub fn pool(&self) -> &BlockPool {
         &self.pool
+    }
+
+    /// The host pool, if there is a host tier.
+    #[inline]
+    pub fn host_pool(&self) -> Option<&BlockPool> {
+        self.host.as_ref()
     }
 
     /// Tokens per block.
@@ -153,7 +314,7 @@ impl KvCacheManager {
         self.pool.block_size()
     }
 
-    /// Number of live sequences.
+    /// Number of live sequences (both tiers).
     #[inline]
     pub fn num_sequences(&self) -> usize {
         self.seqs.len()
@@ -162,6 +323,19 @@ impl KvCacheManager {
     /// Prefix-cache counters of `add_sequence` calls.
     pub fn prefix_counters(&self) -> PrefixCounters {
         self.prefix
+    }
+
+    /// Block movements between the tiers.
+    pub fn tier_counters(&self) -> TierCounters {
+        self.tiers
+    }
+
+    /// Sets the clock (microseconds, monotonic) that retention durations expire on.
+    pub fn set_now(&mut self, now_us: u64) {
+        self.pool.set_now(now_us);
+        if let Some(h) = self.host.as_mut() {
+            h.set_now(now_us);
+        }
     }
 
     /// The live sequence `id`.
@@ -179,52 +353,199 @@ impl KvCacheManager {
         SeqId::from_key(self.seqs.insert(seq))
     }
 
-    /// The longest verified cached prefix of `tokens` under `extra`, leaving at least one token
-    /// to compute. Changes nothing.
-    pub fn match_prefix(&mut self, tokens: &[u32], extra: &ExtraKey) -> PrefixMatch {
-        let mut hashes = Vec::new();
-        let blocks = self.pool.match_prefix(&mut self.hasher, tokens, extra, &mut hashes);
-        PrefixMatch { blocks, hashes, evictions_at_match: self.pool.counters().evictions }
+    fn evictions(&self) -> u64 {
+        self.pool.counters().evictions + self.host.as_ref().map_or(0, |h| h.counters().evictions)
     }
 
-    /// Blocks a new sequence takes from the free pool to get `m`'s cached prefix plus slots for
-    /// `num_new_tokens` more tokens: fresh blocks, plus the cached blocks that are free now
-    /// (taking them removes them from the free queue).
+    /// The longest verified cached prefix of `tokens` under `extra`, leaving at least one token
+    /// to compute: device hits first at each position, then host hits. Changes nothing.
+    pub fn match_prefix(&mut self, tokens: &[u32], extra: &ExtraKey) -> PrefixMatch {
+        let mut m = PrefixMatch { evictions_at_match: self.evictions(), link: ChainLink::Root, ..Default::default() };
+        if !self.pool.prefix_caching() || tokens.is_empty() {
+            return m;
+        }
+        let bs = self.block_size();
+        let max_blocks = (tokens.len() - 1) / bs;
+        self.hasher.extend_chain(&mut m.hashes, tokens, bs, extra, max_blocks);
+        let mut parent = None;
+        for (k, &h) in m.hashes.iter().take(max_blocks).enumerate() {
+            let t = &tokens[k * bs..(k + 1) * bs];
+            let found = match self.pool.lookup_verified(h, parent, t, extra) {
+                Some((block, node)) => Some((TierBlock { tier: Tier::Device, block }, node)),
+                None => self
+                    .host
+                    .as_ref()
+                    .and_then(|host| host.lookup_verified(h, parent, t, extra))
+                    .map(|(block, node)| (TierBlock { tier: Tier::Host, block }, node)),
+            };
+            let Some((hit, node)) = found else { break };
+            m.hits.push(hit);
+            parent = Some(node);
+        }
+        m.link = parent.map_or(ChainLink::Root, ChainLink::Node);
+        m
+    }
+
+    /// Blocks a new sequence takes from the free device pool to get `m`'s cached prefix plus
+    /// slots for `num_new_tokens` more tokens: fresh blocks (for new tokens and for host hits),
+    /// plus the cached device blocks that are free now (taking them removes them from the
+    /// free queue).
     pub fn admission_cost(&self, m: &PrefixMatch, num_new_tokens: usize) -> usize {
         let bs = self.block_size();
         let hit_tokens = m.num_tokens(bs);
-        let fresh = blocks_for(hit_tokens + num_new_tokens, bs) - m.blocks.len();
-        let revived = m.blocks.iter().filter(|&&b| self.pool.ref_count_unchecked(b) == 0).count();
-        fresh + revived
+        let fresh = blocks_for(hit_tokens + num_new_tokens, bs) - m.hits.len();
+        let from_host = m.num_host_blocks();
+        let revived = m
+            .hits
+            .iter()
+            .filter(|h| h.tier == Tier::Device && self.pool.ref_count_unchecked(h.block) == 0)
+            .count();
+        fresh + from_host + revived
     }
 
     /// Creates a sequence over `tokens` whose first blocks are `m`'s cached prefix (taking a
-    /// reference on each). Returns the id and the number of cached tokens; those tokens count
-    /// as computed. Never fails for lack of blocks: the cached blocks exist already.
-    pub fn add_sequence(&mut self, tokens: Vec<u32>, extra: ExtraKey, mut m: PrefixMatch) -> (SeqId, usize) {
-        if m.evictions_at_match != self.pool.counters().evictions {
+    /// reference on each device hit; host hits are loaded into fresh device blocks, as many as
+    /// the free pool allows, and the prefix ends before the first that does not fit). Returns
+    /// the id and the number of cached tokens; those tokens count as computed.
+    pub fn add_sequence(&mut self, tokens: Vec<u32>, extra: ExtraKey, m: PrefixMatch) -> (SeqId, usize) {
+        self.add_sequence_with_retention(tokens, extra, m, RetentionPolicy::default())
+    }
+
+    /// [`Self::add_sequence`] with the retention of the prompt's blocks (validate it first).
+    pub fn add_sequence_with_retention(
+        &mut self,
+        tokens: Vec<u32>,
+        extra: ExtraKey,
+        mut m: PrefixMatch,
+        retention: RetentionPolicy,
+    ) -> (SeqId, usize) {
+        if m.evictions_at_match != self.evictions() {
             m = self.match_prefix(&tokens, &extra);
         }
-        for &b in &m.blocks {
-            self.pool.acquire_unchecked(b);
+        // Device hits first (taking them out of the free queue), then pin the host hits, so
+        // that the fresh device blocks for the host hits can evict neither.
+        let mut room = self.pool.num_free()
+            - m.hits.iter().filter(|h| h.tier == Tier::Device && self.pool.ref_count_unchecked(h.block) == 0).count();
+        let mut keep = m.hits.len();
+        for (k, hit) in m.hits.iter().enumerate() {
+            if hit.tier == Tier::Host {
+                if room == 0 {
+                    keep = k;
+                    break;
+                }
+                room -= 1;
+            }
         }
+        if keep < m.hits.len() {
+            m.hits.truncate(keep);
+            // The chain continues after the last kept hit.
+            m.link = match m.hits.last() {
+                None => ChainLink::Root,
+                Some(h) => self.node_of(*h).map_or(ChainLink::Broken, ChainLink::Node),
+            };
+        }
+        for hit in &m.hits {
+            match hit.tier {
+                Tier::Device => self.pool.acquire_unchecked(hit.block),
+                Tier::Host => {
+                    if let Some(host) = self.host.as_mut() {
+                        host.acquire_unchecked(hit.block);
+                        self.pinned_host.push(hit.block);
+                    }
+                }
+            }
+        }
+        let mut blocks = Vec::with_capacity(m.hits.len());
+        let mut loaded = 0u64;
+        for hit in &m.hits {
+            match hit.tier {
+                Tier::Device => blocks.push(hit.block),
+                Tier::Host => {
+                    // Room was counted above; `load` cannot fail.
+                    if let Some(d) = self.load_from_host(hit.block) {
+                        blocks.push(d);
+                        loaded += 1;
+                    }
+                }
+            }
+        }
+        self.write_back_evicted();
         let bs = self.block_size();
-        let hit_tokens = m.num_tokens(bs);
+        let hit_tokens = blocks.len() * bs;
         self.prefix.queries += tokens.len() as u64;
         self.prefix.hits += hit_tokens as u64;
-        let num_registered = m.blocks.len();
+        self.prefix.host_hits += loaded * bs as u64;
+        let num_registered = blocks.len();
         let prompt_len = tokens.len();
         let seq = Sequence {
             tokens,
-            table: BlockTable::from_blocks(m.blocks),
+            table: BlockTable::from_blocks(blocks),
+            tier: Tier::Device,
             num_computed: hit_tokens,
             write_start: hit_tokens,
             hashes: m.hashes,
             num_registered,
+            link: m.link,
             prompt_len,
             extra,
+            retention,
         };
         (self.insert(seq), hit_tokens)
+    }
+
+    fn node_of(&self, b: TierBlock) -> Option<u64> {
+        match b.tier {
+            Tier::Device => self.pool.node_of(b.block),
+            Tier::Host => self.host.as_ref().and_then(|h| h.node_of(b.block)),
+        }
+    }
+
+    /// Copies host block `h` into a fresh device block registered with the same identity
+    /// (recording the swap-in), or `None` if no device block is free.
+    fn load_from_host(&mut self, h: BlockId) -> Option<BlockId> {
+        let host = self.host.as_ref()?;
+        let d = self.pool.allocate_one()?;
+        if let Some(identity) = host.identity(h) {
+            self.pool.register_copy(d, identity.clone(), host.cached_tokens(h));
+        }
+        self.swap_in.push((h, d));
+        self.step_loaded.push(d);
+        self.tiers.blocks_to_device += 1;
+        Some(d)
+    }
+
+    /// Writes the cached device blocks evicted since the last call back to the host tier
+    /// (module docs), unless the host already holds their content or has no room for them:
+    /// room is a free block that holds nothing cached, or a cached one whose retention
+    /// priority is not above the evicted block's.
+    fn write_back_evicted(&mut self) {
+        if !self.pool.has_evicted() {
+            return;
+        }
+        let evicted = self.pool.take_evicted();
+        let Some(host) = self.host.as_mut() else { return };
+        for ev in evicted {
+            if host.find_node(ev.identity.hash, ev.identity.node).is_some() {
+                continue; // resident on the host already
+            }
+            let room = host.num_free_uncached() > 0
+                || host.next_eviction_priority().is_some_and(|p| p <= ev.identity.retention.priority);
+            let Some(h) = room.then(|| host.allocate_one()).flatten() else {
+                self.tiers.write_backs_skipped += 1;
+                continue;
+            };
+            if host.register_copy(h, ev.identity, &ev.tokens) {
+                self.swap_out.push((ev.block, h));
+                self.step_stored.push(h);
+                self.pinned_host.push(h);
+                self.tiers.blocks_to_host += 1;
+                self.tiers.write_backs += 1;
+            } else {
+                // Another host block holds the hash (a duplicate or a collision).
+                host.release_ref_unchecked(h);
+                self.tiers.write_backs_skipped += 1;
+            }
+        }
     }
 
     /// Looks up the cached prefix and creates the sequence (see [`Self::add_sequence`]).
@@ -250,7 +571,7 @@ impl KvCacheManager {
     /// Gives slots to the next `n` pending tokens of `id` (positions `num_computed ..
     /// num_computed + n`), copying a shared partial block on write, and registers blocks that
     /// become full in the prefix cache. All-or-nothing: `Ok(false)` and no change when the pool
-    /// has too few free blocks.
+    /// has too few free blocks. The sequence must be on the device.
     pub fn allocate_slots(&mut self, id: SeqId, n: usize) -> Result<bool> {
         let KvCacheManager { pool, hasher, seqs, copy_ops, .. } = self;
         let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
@@ -261,7 +582,14 @@ impl KvCacheManager {
                 seq.num_pending()
             )));
         }
-        Ok(Self::allocate_slots_in(pool, hasher, copy_ops, seq, n))
+        if seq.tier != Tier::Device {
+            return Err(CoreError::InvalidArgument(format!(
+                "sequence {id} is swapped out to the host: swap it in before giving it slots"
+            )));
+        }
+        let ok = Self::allocate_slots_in(pool, hasher, copy_ops, seq, n);
+        self.write_back_evicted();
+        Ok(ok)
     }
 
     /// [`Self::allocate_slots`] on a sequence already looked up (`n <= seq.num_pending()`).
@@ -299,9 +627,9 @@ impl KvCacheManager {
     }
 
     /// Offers the sequence's full blocks within its first `upto` computed tokens, not offered
-    /// yet, to the prefix cache.
+    /// yet, to the prefix cache (device sequences only).
     fn register_full_blocks(pool: &mut BlockPool, hasher: &mut BlockHasher, seq: &mut Sequence, upto: usize) {
-        if !pool.prefix_caching() {
+        if !pool.prefix_caching() || seq.tier != Tier::Device {
             return;
         }
         let bs = pool.block_size();
@@ -310,11 +638,9 @@ impl KvCacheManager {
             return;
         }
         hasher.extend_chain(&mut seq.hashes, &seq.tokens, bs, &seq.extra, full);
-        let blocks = seq.table.blocks();
-        for k in seq.num_registered..full {
-            let parent = k.checked_sub(1).map(|p| blocks[p]);
-            pool.register(blocks[k], seq.hashes[k], parent, &seq.tokens[k * bs..(k + 1) * bs], &seq.extra);
-        }
+        let (_, link) =
+            pool.register_chain(seq.table.blocks(), &seq.hashes, &seq.tokens, &seq.extra, seq.num_registered, full, seq.link);
+        seq.link = link;
         seq.num_registered = full;
     }
 
@@ -337,6 +663,9 @@ impl KvCacheManager {
     pub fn append_token_with_slot(&mut self, id: SeqId, token: u32) -> Result<bool> {
         let KvCacheManager { pool, hasher, seqs, copy_ops, .. } = self;
         let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
+        if seq.tier != Tier::Device {
+            return Err(CoreError::InvalidArgument(format!("sequence {id} is swapped out to the host")));
+        }
         seq.tokens.push(token);
         // One slot for the new token, plus any earlier pending ones (all of them, in order).
         let n = seq.num_pending();
@@ -344,6 +673,7 @@ impl KvCacheManager {
         if !ok {
             seq.tokens.pop();
         }
+        self.write_back_evicted();
         Ok(ok)
     }
 
@@ -359,7 +689,9 @@ impl KvCacheManager {
             )));
         }
         for &id in ids {
-            self.seq(id)?;
+            if self.seq(id)?.tier != Tier::Device {
+                return Err(CoreError::InvalidArgument(format!("sequence {id} is swapped out to the host")));
+            }
         }
         ok.clear();
         ok.reserve(ids.len());
@@ -375,10 +707,50 @@ impl KvCacheManager {
         let parent = self.seq_mut(id)?;
         parent.write_start = parent.num_computed;
         let child = parent.clone();
+        let pool = match child.tier {
+            Tier::Device => &mut self.pool,
+            Tier::Host => self.host.as_mut().ok_or_else(|| CoreError::InvariantViolation("host sequence without a host tier".into()))?,
+        };
         for &b in child.table.blocks() {
-            self.pool.acquire_unchecked(b);
+            pool.acquire_unchecked(b);
         }
         Ok(self.insert(child))
+    }
+
+    /// The retention of block `k` of `seq` once free: the prompt's policy for full prompt
+    /// blocks, the default for blocks filled by decoding, and never above the block before it
+    /// (`parent`), so that a chain's leaves are evicted before their parents.
+    fn block_retention(seq: &Sequence, k: usize, bs: usize, now_us: u64, parent: Retention) -> Retention {
+        let own = if (k + 1) * bs <= seq.prompt_len {
+            Retention {
+                priority: seq.retention.priority,
+                expires_at_us: seq.retention.duration_us.map(|d| now_us.saturating_add(d)),
+            }
+        } else {
+            Retention::DEFAULT
+        };
+        if k == 0 || own.priority <= parent.priority {
+            own
+        } else {
+            parent
+        }
+    }
+
+    /// Drops the sequence's reference on each of its blocks, the last block first (so that
+    /// among a sequence's cached blocks the tail, the least shareable, is evicted first),
+    /// setting each one's retention.
+    fn release_blocks(pool: &mut BlockPool, seq: &Sequence, blocks: &[BlockId]) {
+        let bs = pool.block_size();
+        let now = pool.now_us();
+        let mut retentions = Vec::with_capacity(blocks.len());
+        let mut parent = Retention::DEFAULT;
+        for k in 0..blocks.len() {
+            parent = Self::block_retention(seq, k, bs, now, parent);
+            retentions.push(parent);
+        }
+        for (&b, &r) in blocks.iter().zip(&retentions).rev() {
+            pool.release_with_retention(b, r);
+        }
     }
 
     /// Ends sequence `id`: its blocks lose a reference, the last block first, so that among a
@@ -394,8 +766,14 @@ impl KvCacheManager {
         // Blocks filled by decoding become findable now (see `Sequence::prompt_len`).
         let upto = seq.num_computed;
         Self::register_full_blocks(&mut self.pool, &mut self.hasher, &mut seq, upto);
-        for b in seq.table.take().into_iter().rev() {
-            self.pool.release_ref_unchecked(b);
+        let blocks = seq.table.take();
+        match seq.tier {
+            Tier::Device => Self::release_blocks(&mut self.pool, &seq, &blocks),
+            Tier::Host => {
+                if let Some(host) = self.host.as_mut() {
+                    Self::release_blocks(host, &seq, &blocks);
+                }
+            }
         }
         Ok(seq.tokens)
     }
@@ -406,13 +784,202 @@ impl KvCacheManager {
     /// registered them before writing them), so nothing unwritten is ever served as a hit.
     pub fn free_discarding_window(&mut self, id: SeqId) -> Result<Vec<u32>> {
         let seq = self.seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
-        let first_unsure = seq.write_start / self.pool.block_size();
-        for k in first_unsure..seq.num_registered.min(seq.table.len()) {
-            self.pool.uncache(seq.table.blocks()[k]);
+        if seq.tier == Tier::Device {
+            let first_unsure = seq.write_start / self.pool.block_size();
+            for k in first_unsure..seq.num_registered.min(seq.table.len()) {
+                self.pool.uncache(seq.table.blocks()[k]);
+            }
+            seq.num_registered = seq.num_registered.min(first_unsure);
+            seq.num_computed = seq.write_start;
         }
-        seq.num_registered = seq.num_registered.min(first_unsure);
-        seq.num_computed = seq.write_start;
         self.free_take_tokens(id)
+    }
+
+    /// What swapping `id` out would cost: the blocks to copy to the host (its blocks whose
+    /// content the host does not hold yet) and the tokens a recompute would compute again
+    /// (its computed tokens minus the leading full blocks other sequences share, which stay
+    /// cached on the device). `None` without a host tier or for a host sequence.
+    pub fn swap_out_cost(&self, id: SeqId) -> Result<Option<(usize, usize)>> {
+        let seq = self.seq(id)?;
+        let Some(host) = self.host.as_ref() else { return Ok(None) };
+        if seq.tier != Tier::Device {
+            return Ok(None);
+        }
+        let on_host = |b: BlockId| self.pool.identity(b).is_some_and(|i| host.find_node(i.hash, i.node).is_some());
+        let copies = seq.table.blocks().iter().filter(|&&b| !on_host(b)).count();
+        let shared = seq
+            .table
+            .blocks()
+            .iter()
+            .take_while(|&&b| self.pool.ref_count_unchecked(b) > 1 && self.pool.is_cached(b))
+            .count();
+        let recompute = seq.num_computed.saturating_sub(shared * self.block_size());
+        Ok(Some((copies, recompute)))
+    }
+
+    /// Moves device sequence `id` to the host tier: each block's content goes to a host block
+    /// (one already holding it is shared; others are fresh blocks, copied by a `swap_out` op
+    /// and registered there when the device block is registered), and the device blocks lose
+    /// the sequence's reference (cached ones stay findable on the device). All-or-nothing:
+    /// `Ok(false)` and no change without a host tier or with too few free host blocks (the
+    /// caller recomputes instead). The sequence's window must be closed (its last step ran).
+    pub fn swap_out(&mut self, id: SeqId) -> Result<bool> {
+        let KvCacheManager { pool, host, hasher, seqs, swap_out, step_stored, tiers, .. } = self;
+        let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
+        let Some(host) = host.as_mut() else { return Ok(false) };
+        if seq.tier != Tier::Device {
+            return Err(CoreError::InvalidArgument(format!("sequence {id} is already on the host")));
+        }
+        // Blocks filled by decoding get their identity now, so their content can be found on
+        // either tier later (as when a sequence is freed).
+        let upto = seq.num_computed;
+        Self::register_full_blocks(pool, hasher, seq, upto);
+        let resident = |b: BlockId, host: &BlockPool| pool.identity(b).and_then(|i| host.find_node(i.hash, i.node));
+        // Host blocks taken from the free queue: fresh ones for the copies, plus free cached
+        // ones that already hold a block's content.
+        let taken = seq
+            .table
+            .blocks()
+            .iter()
+            .filter(|&&b| resident(b, host).is_none_or(|h| host.ref_count_unchecked(h) == 0))
+            .count();
+        if taken > host.num_free() {
+            return Ok(false);
+        }
+        // Shared host blocks first, so the fresh allocations below cannot evict them.
+        let mut targets: Vec<Option<BlockId>> = seq.table.blocks().iter().map(|&b| resident(b, host)).collect();
+        for h in targets.iter().flatten() {
+            host.acquire_unchecked(*h);
+        }
+        for (k, t) in targets.iter_mut().enumerate() {
+            if t.is_some() {
+                continue;
+            }
+            let d = seq.table.blocks()[k];
+            let Some(h) = host.allocate_one() else {
+                return Err(CoreError::InvariantViolation("host pool ran out during a checked swap-out".into()));
+            };
+            if let Some(identity) = pool.identity(d) {
+                host.register_copy(h, identity.clone(), pool.cached_tokens(d));
+            }
+            swap_out.push((d, h));
+            step_stored.push(h);
+            tiers.blocks_to_host += 1;
+            *t = Some(h);
+        }
+        let device_blocks = seq.table.take();
+        Self::release_blocks(pool, seq, &device_blocks);
+        seq.table = BlockTable::from_blocks(targets.into_iter().flatten().collect());
+        seq.tier = Tier::Host;
+        seq.write_start = seq.num_computed;
+        tiers.swap_outs += 1;
+        Ok(true)
+    }
+
+    /// Device blocks that [`Self::swap_in`] of `id` would take from the free pool (fresh ones,
+    /// plus cached ones that are free now).
+    pub fn swap_in_cost(&self, id: SeqId) -> Result<usize> {
+        let seq = self.seq(id)?;
+        let Some(host) = self.host.as_ref() else { return Ok(0) };
+        if seq.tier != Tier::Host {
+            return Ok(0);
+        }
+        Ok(seq
+            .table
+            .blocks()
+            .iter()
+            .filter(|&&h| match host.identity(h).and_then(|i| self.pool.find_node(i.hash, i.node)) {
+                Some(d) => self.pool.ref_count_unchecked(d) == 0,
+                None => true,
+            })
+            .count())
+    }
+
+    /// Moves host sequence `id` back to the device: a block whose content is still cached on
+    /// the device is shared (no copy); the others get fresh device blocks, copied by `swap_in`
+    /// ops and registered there when the host block is registered. The host blocks lose the
+    /// sequence's reference at [`Self::end_step`]. All-or-nothing: `Ok(false)` and no change
+    /// when too few device blocks are free.
+    pub fn swap_in(&mut self, id: SeqId) -> Result<bool> {
+        if self.seq(id)?.tier != Tier::Host {
+            return Err(CoreError::InvalidArgument(format!("sequence {id} is not swapped out")));
+        }
+        if self.swap_in_cost(id)? > self.pool.num_free() {
+            return Ok(false);
+        }
+        let host_blocks = match self.seqs.get_mut(id.key()) {
+            Some(seq) => seq.table.take(),
+            None => return Err(CoreError::UnknownSequence(id.0)),
+        };
+        let Some(host) = self.host.as_ref() else {
+            return Err(CoreError::InvariantViolation("host sequence without a host tier".into()));
+        };
+        // Device blocks still holding the content first (out of the free queue), then fresh
+        // ones, so the fresh allocations cannot evict them.
+        let mut targets: Vec<Option<BlockId>> = host_blocks
+            .iter()
+            .map(|&h| host.identity(h).and_then(|i| self.pool.find_node(i.hash, i.node)))
+            .collect();
+        for d in targets.iter().flatten() {
+            self.pool.acquire_unchecked(*d);
+        }
+        for (k, t) in targets.iter_mut().enumerate() {
+            if t.is_none() {
+                *t = self.load_from_host(host_blocks[k]);
+                if t.is_none() {
+                    return Err(CoreError::InvariantViolation("device pool ran out during a checked swap-in".into()));
+                }
+            }
+        }
+        // The host blocks stay referenced until the step's copies are planned (end_step).
+        self.pinned_host.extend_from_slice(&host_blocks);
+        let seq = self.seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
+        seq.table = BlockTable::from_blocks(targets.into_iter().flatten().collect());
+        seq.tier = Tier::Device;
+        seq.write_start = seq.num_computed;
+        self.tiers.swap_ins += 1;
+        self.write_back_evicted();
+        Ok(true)
+    }
+
+    /// Starts planning a step: forgets the previous step's copy targets (it ran).
+    pub fn begin_step(&mut self) {
+        self.step_loaded.clear();
+        self.step_stored.clear();
+    }
+
+    /// Ends planning a step: writes back what was evicted and releases the host pins
+    /// (module docs). The step's copies are then final.
+    pub fn end_step(&mut self) {
+        self.write_back_evicted();
+        if let Some(host) = self.host.as_mut() {
+            for h in self.pinned_host.drain(..) {
+                host.release_ref_unchecked(h);
+            }
+        }
+    }
+
+    /// The step that was planned since [`Self::begin_step`] failed: its swap copies may not
+    /// have run, so every block they targeted loses its cached identity (device blocks loaded
+    /// from the host, host blocks written from the device). Sequences holding such blocks must
+    /// be freed by the caller (their KV cannot be trusted).
+    pub fn rollback_copies(&mut self) {
+        for &d in &self.step_loaded {
+            self.pool.uncache(d);
+        }
+        if let Some(host) = self.host.as_mut() {
+            for &h in &self.step_stored {
+                host.uncache(h);
+            }
+        }
+        self.step_loaded.clear();
+        self.step_stored.clear();
+    }
+
+    /// True when the host sequence `id` holds a block written by the step being planned.
+    pub fn holds_step_stored(&self, id: SeqId) -> Result<bool> {
+        let seq = self.seq(id)?;
+        Ok(seq.tier == Tier::Host && seq.table.blocks().iter().any(|b| self.step_stored.contains(b)))
     }
 
     /// Takes the copy-on-write ops recorded since the last call, in order.
@@ -420,9 +987,15 @@ impl KvCacheManager {
         std::mem::take(&mut self.copy_ops)
     }
 
-    /// Drops the cached identity of every free cached block; returns how many.
+    /// Takes the swap copies recorded since the last call: `(device, host)` swap-outs and
+    /// `(host, device)` swap-ins, each in order (run all swap-outs first).
+    pub fn take_swap_ops(&mut self) -> (Vec<BlockPair>, Vec<BlockPair>) {
+        (std::mem::take(&mut self.swap_out), std::mem::take(&mut self.swap_in))
+    }
+
+    /// Drops the cached identity of every free cached block on both tiers; returns how many.
     pub fn reset_prefix_cache(&mut self) -> usize {
-        self.pool.reset_prefix_cache()
+        self.pool.reset_prefix_cache() + self.host.as_mut().map_or(0, |h| h.reset_prefix_cache())
     }
 
     /// Ids of all live sequences (slab order).
@@ -430,11 +1003,18 @@ impl KvCacheManager {
         self.seqs.iter().map(|(k, _)| SeqId::from_key(k)).collect()
     }
 
-    /// Checks the pool's and the tables' invariants (module docs).
+    /// Checks both pools' and the tables' invariants (module docs).
     pub fn check_invariants(&self) -> Result<()> {
         self.pool.check_invariants()?;
+        if let Some(h) = &self.host {
+            h.check_invariants()?;
+        }
         let bs = self.block_size();
         let mut holders = vec![0u32; self.pool.num_blocks()];
+        let mut host_holders = vec![0u32; self.host.as_ref().map_or(0, |h| h.num_blocks())];
+        for &h in &self.pinned_host {
+            host_holders[h.index()] += 1;
+        }
         for (key, seq) in self.seqs.iter() {
             let slot = key.slot;
             let want = blocks_for(seq.num_computed, bs);
@@ -453,8 +1033,17 @@ impl KvCacheManager {
                     seq.tokens.len()
                 )));
             }
+            let counts = match seq.tier {
+                Tier::Device => &mut holders,
+                Tier::Host if self.host.is_some() => &mut host_holders,
+                Tier::Host => {
+                    return Err(CoreError::InvariantViolation(format!(
+                        "sequence in slot {slot} is on the host, but there is no host tier"
+                    )))
+                }
+            };
             for &b in seq.table.blocks() {
-                holders[b.index()] += 1;
+                counts[b.index()] += 1;
             }
         }
         for (i, &h) in holders.iter().enumerate() {
@@ -465,13 +1054,23 @@ impl KvCacheManager {
                 )));
             }
         }
+        if let Some(host) = &self.host {
+            for (i, &h) in host_holders.iter().enumerate() {
+                let rc = host.ref_count_unchecked(BlockId(i as u32));
+                if rc != h {
+                    return Err(CoreError::InvariantViolation(format!(
+                        "host block {i} has ref count {rc} but {h} block tables and pins hold it"
+                    )));
+                }
+            }
+        }
         // Write windows: no block is written by two sequences, and a block written while other
         // sequences hold it must be a registered full block, which they reached through a
         // verified prefix hit on exactly the tokens being written.
         let mut writers = vec![0u32; self.pool.num_blocks()];
         for (key, seq) in self.seqs.iter() {
             let slot = key.slot;
-            if seq.write_start == seq.num_computed {
+            if seq.write_start == seq.num_computed || seq.tier != Tier::Device {
                 continue;
             }
             let first = seq.write_start / bs;
@@ -574,7 +1173,7 @@ mod tests {
         }
         assert_eq!(m.pool().num_free(), 16);
         m.check_invariants().unwrap();
-        assert_eq!(m.prefix_counters(), PrefixCounters { queries: 38, hits: 12 });
+        assert_eq!(m.prefix_counters(), PrefixCounters { queries: 38, hits: 12, host_hits: 0 });
     }
 
     #[test]

@@ -28,6 +28,7 @@ pub mod block_pool;
 pub mod block_table;
 pub mod cpu_attention;
 pub mod error;
+pub mod eviction_queue;
 pub mod free_queue;
 pub mod ids;
 pub mod kv_cache_manager;

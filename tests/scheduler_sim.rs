@@ -9,7 +9,10 @@
 //!
 //! Thousands of requests with random prompt/output lengths, arrivals, priorities, shared
 //! prefixes, parallel sampling, eos/stop ids and aborts run under a pool small enough to
-//! force preemption. Some configurations also make the model fail mid-step (it runs part of
+//! force preemption. With a host tier the fake model also keeps one value per host slot and
+//! runs the step's swap copies (device → host first, then host → device, then copy-on-write),
+//! so a wrong swap, a stale host hit or a lost block changes the tokens; retention priorities
+//! and durations (with the scheduler's clock moved forward) vary the eviction order. Some configurations also make the model fail mid-step (it runs part of
 //! the copy ops and writes garbage into part of the step's slots) and roll the step back, with
 //! aborts landing between schedule and rollback: any unwritten KV served later as a prefix hit
 //! would change the tokens. After every step the invariants hold; at the end every request ended with
@@ -19,7 +22,8 @@ use std::collections::HashMap;
 
 use pagedkv::block_hash::HashMode;
 use pagedkv::ids::BlockId;
-use pagedkv::scheduler::{FinishReason, NewRequest, Policy, Scheduler, SchedulerConfig, StepOutput};
+use pagedkv::kv_cache_manager::RetentionPolicy;
+use pagedkv::scheduler::{FinishReason, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, StepOutput};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -41,11 +45,37 @@ fn sample(digest: u64, index: i32) -> u32 {
 struct FakeModel {
     bs: usize,
     kv: Vec<Option<u64>>,
+    /// The host tier's slots.
+    host: Vec<Option<u64>>,
 }
 
 impl FakeModel {
-    fn new(num_blocks: usize, bs: usize) -> Self {
-        FakeModel { bs, kv: vec![None; num_blocks * bs] }
+    fn new(num_blocks: usize, num_host_blocks: usize, bs: usize) -> Self {
+        FakeModel { bs, kv: vec![None; num_blocks * bs], host: vec![None; num_host_blocks * bs] }
+    }
+
+    /// Runs the step's block copies in the runner's order: swap-outs, swap-ins, copy-on-write;
+    /// with `keep`, only the ops it accepts (a failing step).
+    fn copy_blocks(&mut self, out: &StepOutput, mut keep: impl FnMut() -> bool) {
+        let bs = self.bs;
+        for op in out.swap_out.chunks(2) {
+            if keep() {
+                let (d, h) = (op[0] as usize, op[1] as usize);
+                self.host[h * bs..(h + 1) * bs].copy_from_slice(&self.kv[d * bs..(d + 1) * bs]);
+            }
+        }
+        for op in out.swap_in.chunks(2) {
+            if keep() {
+                let (h, d) = (op[0] as usize, op[1] as usize);
+                self.kv[d * bs..(d + 1) * bs].copy_from_slice(&self.host[h * bs..(h + 1) * bs]);
+            }
+        }
+        for op in out.copy_ops.chunks(2) {
+            if keep() {
+                let (src, dst) = (op[0] as usize, op[1] as usize);
+                self.kv.copy_within(src * bs..(src + 1) * bs, dst * bs);
+            }
+        }
     }
 
     fn read(&self, table: &[i32], pos: usize) -> u64 {
@@ -55,14 +85,7 @@ impl FakeModel {
 
     /// A forward that fails part-way: some copy ops run, some of the step's slots get garbage.
     fn execute_failing(&mut self, out: &StepOutput, rng: &mut StdRng) {
-        for op in out.copy_ops.chunks(2) {
-            if rng.random_bool(0.5) {
-                let (src, dst) = (op[0] as usize, op[1] as usize);
-                for off in 0..self.bs {
-                    self.kv[dst * self.bs + off] = self.kv[src * self.bs + off];
-                }
-            }
-        }
+        self.copy_blocks(out, || rng.random_bool(0.5));
         for &slot in &out.slot_mapping {
             if rng.random_bool(0.5) {
                 self.kv[slot as usize] = Some(rng.random());
@@ -71,12 +94,7 @@ impl FakeModel {
     }
 
     fn execute(&mut self, out: &StepOutput) -> Vec<u32> {
-        for op in out.copy_ops.chunks(2) {
-            let (src, dst) = (op[0] as usize, op[1] as usize);
-            for off in 0..self.bs {
-                self.kv[dst * self.bs + off] = self.kv[src * self.bs + off];
-            }
-        }
+        self.copy_blocks(out, || true);
         let w = out.block_table_width;
         // Positions of one row depend on earlier positions of the same row, so rows are
         // processed token by token in order (a causal forward).
@@ -146,9 +164,68 @@ struct SimSpec {
     abort_prob: f64,
     /// Probability that a step's forward fails (and is rolled back).
     fail_prob: f64,
+    /// Host tier size (0: none) and preemption mode.
+    num_host_blocks: usize,
+    preemption_mode: PreemptionMode,
+    /// Random retention priorities / durations per request, and clock moves between steps.
+    retention: bool,
 }
 
-fn run_sim(spec: &SimSpec) -> (u64, u64) {
+impl SimSpec {
+    /// A spec with the host tier off and no retention settings.
+    #[allow(clippy::too_many_arguments)]
+    fn basic(
+        seed: u64,
+        num_requests: usize,
+        num_blocks: usize,
+        block_size: usize,
+        max_model_len: usize,
+        budget: usize,
+        max_num_seqs: usize,
+        policy: Policy,
+        caching: bool,
+        hash_mode: HashMode,
+        abort_prob: f64,
+        fail_prob: f64,
+    ) -> Self {
+        SimSpec {
+            seed,
+            num_requests,
+            num_blocks,
+            block_size,
+            max_model_len,
+            budget,
+            max_num_seqs,
+            policy,
+            caching,
+            hash_mode,
+            abort_prob,
+            fail_prob,
+            num_host_blocks: 0,
+            preemption_mode: PreemptionMode::Recompute,
+            retention: false,
+        }
+    }
+
+    fn with_host(mut self, num_host_blocks: usize, mode: PreemptionMode, retention: bool) -> Self {
+        self.num_host_blocks = num_host_blocks;
+        self.preemption_mode = mode;
+        self.retention = retention;
+        self
+    }
+}
+
+/// What a simulation counted.
+#[derive(Debug)]
+struct SimResult {
+    preemptions: u64,
+    prefix_hits: u64,
+    swap_preemptions: u64,
+    host_hits: u64,
+    blocks_swapped_in: u64,
+}
+
+fn run_sim(spec: &SimSpec) -> SimResult {
     let mut cfg = SchedulerConfig::new(spec.block_size, spec.num_blocks);
     cfg.max_model_len = spec.max_model_len;
     cfg.max_num_batched_tokens = spec.budget;
@@ -156,8 +233,14 @@ fn run_sim(spec: &SimSpec) -> (u64, u64) {
     cfg.policy = spec.policy;
     cfg.enable_prefix_caching = spec.caching;
     cfg.hash_mode = spec.hash_mode;
+    cfg.num_host_blocks = spec.num_host_blocks;
+    cfg.preemption_mode = spec.preemption_mode;
+    // Auto: a model where recomputing is dearer than moving a block, but not always.
+    cfg.bytes_per_block = 1000;
+    cfg.swap_bytes_per_second = 1000.0;
+    cfg.recompute_tokens_per_second = 1.0;
     let mut sched = Scheduler::new(cfg).unwrap();
-    let mut model = FakeModel::new(spec.num_blocks, spec.block_size);
+    let mut model = FakeModel::new(spec.num_blocks, spec.num_host_blocks, spec.block_size);
     let mut rng = StdRng::seed_from_u64(spec.seed);
     // A few shared system prompts so that the prefix cache gets hits.
     let systems: Vec<Vec<u32>> = (0..4).map(|_| (0..rng.random_range(8..80)).map(|_| rng.random_range(0..VOCAB as u32)).collect()).collect();
@@ -177,6 +260,12 @@ fn run_sim(spec: &SimSpec) -> (u64, u64) {
             r.eos_token_ids = eos.clone();
             r.n = n;
             r.priority = rng.random_range(-2..3);
+            if spec.retention {
+                r.retention = RetentionPolicy {
+                    priority: rng.random_range(0..=100),
+                    duration_us: rng.random_bool(0.5).then(|| rng.random_range(0..5_000_000)),
+                };
+            }
             let e = Expect { prompt, max_tokens, min_tokens, eos, n, outputs: vec![Vec::new(); n], reasons: vec![None; n], aborted: false };
             (rng.random_range(0..spec.num_requests / 4 + 1), id, e, r)
         })
@@ -191,7 +280,11 @@ fn run_sim(spec: &SimSpec) -> (u64, u64) {
             sched.add_request(r).unwrap();
             expect.insert(id, e);
         }
+        if spec.retention {
+            sched.advance_clock(rng.random_range(0..200_000));
+        }
         let out = sched.schedule().unwrap();
+        sched.check_invariants().unwrap();
         if spec.fail_prob > 0.0 && rng.random_bool(spec.fail_prob) {
             model.execute_failing(&out, &mut rng);
             // An abort can land while the failed step is in flight.
@@ -255,71 +348,69 @@ fn run_sim(spec: &SimSpec) -> (u64, u64) {
     for b in 0..spec.num_blocks {
         assert_eq!(sched.kv().pool().ref_count(BlockId(b as u32)).unwrap(), 0);
     }
-    (stats.num_preemptions, stats.prefix_cache_hits)
+    assert_eq!(stats.num_host_free_blocks, spec.num_host_blocks, "a host block leaked");
+    assert_eq!(stats.num_swapped, 0);
+    SimResult {
+        preemptions: stats.num_preemptions,
+        prefix_hits: stats.prefix_cache_hits,
+        swap_preemptions: stats.num_swap_preemptions,
+        host_hits: stats.prefix_cache_host_hits,
+        blocks_swapped_in: stats.blocks_swapped_in,
+    }
 }
 
 #[test]
 fn thousands_of_requests_under_preemption_match_contiguous_reference() {
     for (seed, policy, caching) in [(1, Policy::Fcfs, true), (2, Policy::Priority, true), (3, Policy::Fcfs, false)] {
-        let (preemptions, hits) = run_sim(&SimSpec {
-            seed,
-            num_requests: 2000,
-            num_blocks: 96,
-            block_size: 16,
-            max_model_len: 512,
-            budget: 256,
-            max_num_seqs: 64,
-            policy,
-            caching,
-            hash_mode: HashMode::Xxh3,
-            abort_prob: 0.02,
-            fail_prob: 0.0,
-        });
-        assert!(preemptions > 100, "the pool must be small enough to force preemption (got {preemptions})");
+        let r = run_sim(&SimSpec::basic(seed, 2000, 96, 16, 512, 256, 64, policy, caching, HashMode::Xxh3, 0.02, 0.0));
+        assert!(r.preemptions > 100, "the pool must be small enough to force preemption (got {})", r.preemptions);
         if caching {
-            assert!(hits > 0, "shared prompts must hit the prefix cache");
+            assert!(r.prefix_hits > 0, "shared prompts must hit the prefix cache");
         }
     }
 }
 
 #[test]
 fn hash_collisions_do_not_change_tokens() {
-    run_sim(&SimSpec {
-        seed: 9,
-        num_requests: 400,
-        num_blocks: 64,
-        block_size: 8,
-        max_model_len: 256,
-        budget: 64,
-        max_num_seqs: 32,
-        policy: Policy::Fcfs,
-        caching: true,
-        hash_mode: HashMode::Truncated(2),
-        abort_prob: 0.05,
-        fail_prob: 0.0,
-    });
+    run_sim(&SimSpec::basic(9, 400, 64, 8, 256, 64, 32, Policy::Fcfs, true, HashMode::Truncated(2), 0.05, 0.0));
 }
 
 #[test]
 fn failed_steps_rolled_back_never_serve_unwritten_kv() {
     for (seed, policy, caching, bs) in [(11, Policy::Fcfs, true, 16), (12, Policy::Priority, true, 4), (13, Policy::Fcfs, false, 8)] {
-        let (preemptions, hits) = run_sim(&SimSpec {
-            seed,
-            num_requests: 600,
-            num_blocks: 512usize.div_ceil(bs) + 40,
-            block_size: bs,
-            max_model_len: 512,
-            budget: 128,
-            max_num_seqs: 32,
-            policy,
-            caching,
-            hash_mode: HashMode::Xxh3,
-            abort_prob: 0.02,
-            fail_prob: 0.15,
-        });
-        assert!(preemptions > 0);
+        let r = run_sim(&SimSpec::basic(seed, 600, 512usize.div_ceil(bs) + 40, bs, 512, 128, 32, policy, caching, HashMode::Xxh3, 0.02, 0.15));
+        assert!(r.preemptions > 0);
         if caching {
-            assert!(hits > 0);
+            assert!(r.prefix_hits > 0);
+        }
+    }
+}
+
+#[test]
+fn swap_and_host_tier_match_contiguous_reference() {
+    // (seed, mode, caching, host blocks, failing steps, retention, hash bits)
+    let cases = [
+        (21, PreemptionMode::Swap, true, 256, 0.0, false, None),
+        (22, PreemptionMode::Auto, true, 256, 0.0, true, None),
+        (23, PreemptionMode::Swap, false, 256, 0.0, false, None),
+        // A host tier too small for every victim: swaps fall back to recompute.
+        (24, PreemptionMode::Swap, true, 24, 0.0, true, None),
+        (25, PreemptionMode::Recompute, true, 256, 0.0, true, None),
+        (26, PreemptionMode::Swap, true, 128, 0.15, true, None),
+        (27, PreemptionMode::Auto, true, 64, 0.0, false, Some(2u8)),
+    ];
+    for (seed, mode, caching, host, fail, retention, bits) in cases {
+        let hash_mode = bits.map_or(HashMode::Xxh3, HashMode::Truncated);
+        let spec = SimSpec::basic(seed, 1500, 96, 16, 512, 256, 64, Policy::Fcfs, caching, hash_mode, 0.02, fail)
+            .with_host(host, mode, retention);
+        let r = run_sim(&spec);
+        assert!(r.preemptions > 50, "{seed}: the device pool must force preemption ({r:?})");
+        if mode == PreemptionMode::Swap {
+            assert!(r.swap_preemptions > 0, "{seed}: nothing was swapped ({r:?})");
+            assert!(r.blocks_swapped_in > 0, "{seed}: nothing came back ({r:?})");
+        }
+        if caching && bits.is_none() {
+            assert!(r.host_hits > 0, "{seed}: the host tier never served a prefix hit ({r:?})");
         }
     }
 }
@@ -338,21 +429,20 @@ proptest! {
         caching in any::<bool>(),
         abort_prob in 0.0f64..0.2,
         fail_prob in prop::sample::select(vec![0.0f64, 0.0, 0.2]),
+        host_blocks in prop::sample::select(vec![0usize, 0, 1, 4, 16, 64]),
+        mode in prop::sample::select(vec![PreemptionMode::Recompute, PreemptionMode::Swap, PreemptionMode::Auto]),
+        retention in any::<bool>(),
+        hash_bits in prop::sample::select(vec![None, None, Some(0u8), Some(3u8)]),
     ) {
         let max_model_len: usize = 64;
-        run_sim(&SimSpec {
-            seed,
-            num_requests: 60,
-            num_blocks: max_model_len.div_ceil(bs) + extra_blocks,
-            block_size: bs,
-            max_model_len,
-            budget,
-            max_num_seqs,
-            policy: if priority { Policy::Priority } else { Policy::Fcfs },
-            caching,
-            hash_mode: HashMode::Xxh3,
-            abort_prob,
-            fail_prob,
-        });
+        let mode = if host_blocks == 0 { PreemptionMode::Recompute } else { mode };
+        let hash_mode = hash_bits.map_or(HashMode::Xxh3, HashMode::Truncated);
+        let policy = if priority { Policy::Priority } else { Policy::Fcfs };
+        let num_blocks = max_model_len.div_ceil(bs) + extra_blocks;
+        run_sim(
+            &SimSpec::basic(seed, 60, num_blocks, bs, max_model_len, budget, max_num_seqs, policy, caching, hash_mode, abort_prob, fail_prob)
+                .with_host(host_blocks, mode, retention),
+        );
     }
 }
+

@@ -64,6 +64,36 @@ def reference() -> list[list[int]]:
         pytest.param({"block_size": 32, "enable_prefix_caching": True}, id="bs32"),
         # 12 blocks x 16 = 192 slots for 17 requests of up to ~40 tokens each: preemption.
         pytest.param({"block_size": 16, "num_blocks": 12, "max_model_len": 192}, id="preemption"),
+        # The same pool with a host tier: victims swapped out and back, or chosen by cost.
+        pytest.param(
+            {
+                "block_size": 16,
+                "num_blocks": 12,
+                "max_model_len": 192,
+                "num_host_blocks": 64,
+                "preemption_mode": "swap",
+            },
+            id="preemption-swap",
+        ),
+        pytest.param(
+            {
+                "block_size": 16,
+                "num_blocks": 12,
+                "max_model_len": 192,
+                "num_host_blocks": 64,
+                "preemption_mode": "auto",
+            },
+            id="preemption-auto",
+        ),
+        # A host tier too small for most victims: swaps fall back to recompute.
+        pytest.param(
+            {"block_size": 16, "num_blocks": 12, "max_model_len": 192, "num_host_blocks": 3, "preemption_mode": "swap"},
+            id="preemption-swap-small-host",
+        ),
+        # Recompute preemption with a host prefix tier (evicted cached blocks written back, loaded on a hit).
+        pytest.param(
+            {"block_size": 16, "num_blocks": 12, "max_model_len": 192, "num_host_blocks": 64}, id="host-prefix-tier"
+        ),
         # 24-token budget: long prompts are prefilled in chunks across steps.
         pytest.param({"block_size": 16, "max_num_batched_tokens": 24}, id="chunked-prefill"),
     ],
@@ -81,6 +111,11 @@ def test_greedy_tokens_equal_transformers(reference: list[list[int]], engine_arg
     stats = llm.llm_engine.get_stats()
     if engine_args.get("num_blocks"):
         assert stats["num_preemptions"] > 0
+    if engine_args.get("preemption_mode") == "swap":
+        assert stats["num_swap_preemptions"] > 0 and stats["blocks_swapped_in"] > 0
+        assert stats["bytes_swapped_out"] == stats["blocks_swapped_out"] * llm.llm_engine.runner.bytes_per_block
+    if engine_args.get("num_host_blocks"):
+        assert stats["num_host_used_blocks"] == 0 and stats["num_swapped"] == 0
     if engine_args.get("enable_prefix_caching"):
         assert stats["prefix_cache_hits"] > 0
     assert stats["num_free_blocks"] == stats["num_blocks"]

@@ -8,8 +8,9 @@ fields when constructed (type, range and combination; a bad value raises
 - :class:`ModelConfig`: what to load and how to run it (model, tokenizer, dtype, device,
   max_model_len, attention backend, seed, trust_remote_code);
 - :class:`CacheConfig`: the KV pool (block size, its size as ``num_blocks`` or a byte budget,
-  prefix caching);
-- :class:`SchedulingConfig`: the per-step caps and the queue policy.
+  prefix caching, KV dtype), the host-memory tier (``num_host_blocks`` / ``host_kv_cache_memory``
+  / ``swap_space``) and the disk tier's folder;
+- :class:`SchedulingConfig`: the per-step caps, the queue policy and the preemption mode.
 
 :class:`pagedkv.worker.model_runner.ModelRunner` takes a ModelConfig, a CacheConfig and
 (for the CUDA memory profile) a SchedulingConfig; the engine hands the scheduling part and the
@@ -28,6 +29,7 @@ probe forward, ``pagedkv simulate`` (:mod:`pagedkv.sim.kv_budget`) from a ``conf
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -45,6 +47,7 @@ __all__ = [
     "KV_SCALE_BYTES",
     "MAX_BLOCK_SIZE",
     "MAX_NUM_BLOCKS",
+    "PREEMPTION_MODES",
     "CacheConfig",
     "EngineConfig",
     "KVGeometry",
@@ -52,6 +55,7 @@ __all__ = [
     "SchedulingConfig",
     "canonical_kv_cache_dtype",
     "check_pool_holds_one_request",
+    "check_preemption_mode",
     "kv_dtype_info",
 ]
 
@@ -119,6 +123,9 @@ def kv_dtype_info(name: str) -> tuple[str, int, int]:
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 ATTENTION_BACKENDS = (None, "auto", "triton", "cpu", "torch")
 POLICIES = ("fcfs", "priority")
+# What preemption does with a preempted branch's KV: drop it and recompute it later, copy it to
+# the host tier and back ("swap"), or choose per preemption from the measured costs ("auto").
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 _DEVICE = re.compile(r"^(auto|cpu|cuda)(:\d+)?$")
 
 
@@ -188,6 +195,17 @@ def _torch_name(value: Any) -> Any:
     if type(value).__module__ == "torch" or text.startswith("torch."):
         return text.removeprefix("torch.")
     return value
+
+
+def check_preemption_mode(cache: CacheConfig, scheduling: SchedulingConfig) -> None:
+    """``preemption_mode`` ``"swap"`` or ``"auto"`` needs a host tier to swap into."""
+    if scheduling.preemption_mode != "recompute" and not cache.has_host_tier:
+        raise ConfigError(
+            f"preemption_mode={scheduling.preemption_mode!r} swaps KV to host memory, but there is no host tier "
+            f"(num_host_blocks={cache.num_host_blocks!r}, host_kv_cache_memory={cache.host_kv_cache_memory!r}, "
+            f"swap_space={cache.swap_space!r}): set num_host_blocks / host_kv_cache_memory / swap_space, "
+            f"or use preemption_mode='recompute'"
+        )
 
 
 def check_pool_holds_one_request(num_blocks: int, block_size: int, max_model_len: int, detail: str = "") -> None:
@@ -279,6 +297,18 @@ class CacheConfig:
       the tokens in the same memory.
     - ``kv_cache_scales``: ``"dynamic"`` (those per-vector scales) or ``"checkpoint"`` (the
       model's static ``k_scale`` / ``v_scale`` tensors; an error if it has none).
+    - The host tier (a second pool of blocks in host memory, for swap preemption and a
+      host-memory prefix cache; host block ids 0 .. ``num_host_blocks``, their own id space), at
+      most one of ``num_host_blocks`` (explicit, 0 .. ``MAX_NUM_BLOCKS``; 0 = no host tier),
+      ``host_kv_cache_memory`` (a byte budget) and ``swap_space`` (a budget in GiB, vLLM's
+      name); with none, no host tier. The runner turns a budget into blocks of the device
+      pool's size in bytes (a budget below one block is a ``ConfigError``, one past
+      ``MAX_NUM_BLOCKS`` blocks is clamped with a ``UserWarning``) and refuses a host pool
+      larger than the host's available memory before allocating it.
+    - ``kv_cache_dir``: folder of the disk tier (a ``str`` or path; created by the runner if
+      missing, a ``ConfigError`` there if it is not a writable folder); ``None`` = no disk
+      tier. ``kv_cache_dir_max_bytes``: the most bytes it may hold (a positive int; needs
+      ``kv_cache_dir``; ``None`` = no limit).
     """
 
     block_size: int = 16
@@ -288,6 +318,18 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     kv_cache_scales: str = "dynamic"
+    num_host_blocks: int | None = None
+    host_kv_cache_memory: int | None = None
+    swap_space: float | None = None
+    kv_cache_dir: str | None = None
+    kv_cache_dir_max_bytes: int | None = None
+
+    @property
+    def has_host_tier(self) -> bool:
+        """A host tier was asked for (its block count is resolved by the runner)."""
+        return self.num_host_blocks != 0 and any(
+            value is not None for value in (self.num_host_blocks, self.host_kv_cache_memory, self.swap_space)
+        )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
@@ -313,23 +355,75 @@ class CacheConfig:
         if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
         _bool("enable_prefix_caching", self.enable_prefix_caching)
+        self._check_host_tier()
+        self._check_disk_tier()
+
+    def _check_host_tier(self) -> None:
+        nhb = self.num_host_blocks
+        if nhb is not None and (not _is_int(nhb) or not 0 <= nhb <= MAX_NUM_BLOCKS):
+            raise ConfigError(f"num_host_blocks must be an int in 0 .. {MAX_NUM_BLOCKS} (0: no host tier), got {nhb!r}")
+        memory = self.host_kv_cache_memory
+        if memory is not None and (not _is_int(memory) or memory < 1):
+            raise ConfigError(f"host_kv_cache_memory must be a positive number of bytes, got {memory!r}")
+        space = self.swap_space
+        if space is not None and (
+            isinstance(space, bool) or not isinstance(space, (int, float)) or not (math.isfinite(space) and space > 0)
+        ):
+            raise ConfigError(f"swap_space must be a positive number of GiB, got {space!r}")
+        given = {
+            name: value
+            for name, value in (("num_host_blocks", nhb), ("host_kv_cache_memory", memory), ("swap_space", space))
+            if value is not None
+        }
+        if len(given) > 1:
+            detail = ", ".join(f"{name}={value!r}" for name, value in given.items())
+            raise ConfigError(
+                f"give the host tier size as one of num_host_blocks, host_kv_cache_memory or swap_space, "
+                f"not several (got {detail})"
+            )
+
+    def _check_disk_tier(self) -> None:
+        folder = self.kv_cache_dir
+        if isinstance(folder, os.PathLike):
+            folder = os.fspath(folder)
+        if folder is not None and (not isinstance(folder, str) or not folder):
+            raise ConfigError(f"kv_cache_dir must be a folder path (str or os.PathLike), got {self.kv_cache_dir!r}")
+        object.__setattr__(self, "kv_cache_dir", folder)
+        _positive_int("kv_cache_dir_max_bytes", self.kv_cache_dir_max_bytes, optional=True)
+        if self.kv_cache_dir_max_bytes is not None and folder is None:
+            raise ConfigError(
+                f"kv_cache_dir_max_bytes={self.kv_cache_dir_max_bytes!r} limits the disk tier, but kv_cache_dir "
+                f"is not set"
+            )
 
 
 @dataclass(frozen=True)
 class SchedulingConfig:
-    """Per-step caps and queue policy: ``max_num_seqs`` sequences and ``max_num_batched_tokens``
-    tokens per step (the runner's CUDA memory profile runs one such step), ``policy``
-    ``"fcfs"`` or ``"priority"``."""
+    """Per-step caps, queue policy and preemption.
+
+    - ``max_num_seqs`` sequences and ``max_num_batched_tokens`` tokens per step (the runner's
+      CUDA memory profile runs one such step).
+    - ``policy``: ``"fcfs"`` or ``"priority"``.
+    - ``preemption_mode``: what happens to a preempted branch's KV: ``"recompute"`` (its
+      blocks are freed and its tokens recomputed when it runs again), ``"swap"`` (its blocks
+      are copied to the host tier and back), ``"auto"`` (per preemption, whichever the cost
+      model finds cheaper, from the runner's measured swap bandwidth). ``"swap"`` and
+      ``"auto"`` need a host tier (:class:`CacheConfig`; checked by :class:`EngineConfig`
+      and the runner).
+    """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.policy not in POLICIES:
             raise ConfigError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if not isinstance(self.preemption_mode, str) or self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
 
 
 @dataclass(frozen=True)
@@ -348,3 +442,4 @@ class EngineConfig:
         # runner has sized the pool.
         if self.cache.num_blocks is not None and self.model.max_model_len is not None:
             check_pool_holds_one_request(self.cache.num_blocks, self.cache.block_size, self.model.max_model_len)
+        check_preemption_mode(self.cache, self.scheduling)

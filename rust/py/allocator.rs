@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 
 use super::args::{bool_arg, count_arg, hash_mode_arg, int_arg, int_list_arg, positive_arg, salt_arg, token_ids_arg};
 use crate::block_hash::{ExtraKey, HashMode};
-use crate::block_pool::BlockPool;
+use crate::block_pool::{BlockPool, ChainLink};
 use crate::error::CoreError;
 use crate::ids::BlockId;
 
@@ -121,12 +121,7 @@ impl PyBlockAllocator {
             let mut hasher = pool.new_hasher();
             let mut hashes = Vec::new();
             hasher.extend_chain(&mut hashes, &tokens, bs, &extra, full);
-            (0..full)
-                .filter(|&k| {
-                    let parent = k.checked_sub(1).map(|p| ids[p]);
-                    pool.register(ids[k], hashes[k], parent, &tokens[k * bs..(k + 1) * bs], &extra)
-                })
-                .count()
+            pool.register_chain(&ids, &hashes, &tokens, &extra, 0, full, ChainLink::Root).0
         }))
     }
 

@@ -17,7 +17,9 @@ use pyo3::types::{PyBool, PyBytes, PyString};
 use super::errors::{invalid_argument, invalid_type};
 use crate::block_hash::HashMode;
 use crate::error::CoreError;
+use crate::eviction_queue::MAX_RETENTION_PRIORITY;
 use crate::ids::SeqId;
+use crate::kv_cache_manager::RetentionPolicy;
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
@@ -193,6 +195,30 @@ pub fn check_token_ids<T: Copy + Into<i64>>(raw: &[T]) -> Result<Vec<u32>, CoreE
         out.push(t as u32);
     }
     Ok(out)
+}
+
+/// An optional retention policy of a request's prompt blocks: a priority in `0 ..= 100`
+/// (default 35) and a duration in seconds (`None`: for good).
+pub fn retention_arg(priority: Option<&Bound<'_, PyAny>>, duration: Option<&Bound<'_, PyAny>>) -> PyResult<RetentionPolicy> {
+    let mut r = RetentionPolicy::default();
+    if let Some(o) = priority.filter(|o| !o.is_none()) {
+        let p = int_arg(o, "retention_priority")?;
+        r.priority = u8::try_from(p)
+            .ok()
+            .filter(|&p| p <= MAX_RETENTION_PRIORITY)
+            .ok_or_else(|| CoreError::InvalidArgument(format!("retention_priority must be in 0..={MAX_RETENTION_PRIORITY}, got {p}")))?;
+    }
+    if let Some(o) = duration.filter(|o| !o.is_none()) {
+        let secs = float_arg(o, "retention_duration")?;
+        if !(secs.is_finite() && secs >= 0.0) {
+            return Err(CoreError::InvalidArgument(format!(
+                "retention_duration must be a finite number of seconds >= 0, got {secs}"
+            ))
+            .into());
+        }
+        r.duration_us = Some((secs * 1e6).min(u64::MAX as f64) as u64);
+    }
+    Ok(r)
 }
 
 /// An optional cache salt: `None` or a string.

@@ -12,13 +12,13 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySlice, PyString};
 
 use super::args::{
-    bool_arg, count_arg, float_arg, hash_mode_arg, index_arg, int_arg, object_arg, positive_arg, salt_arg, str_arg,
-    str_obj_arg, token_ids_arg,
+    bool_arg, count_arg, float_arg, hash_mode_arg, index_arg, int_arg, object_arg, positive_arg, retention_arg, salt_arg,
+    str_arg, str_obj_arg, token_ids_arg,
 };
 use super::reuse::{ArrayRing, EmptyLists, ListRing, TableRing};
 use crate::scheduler::{
-    FinishReason, NewRequest, Policy, RequestKey, RequestUpdate, Scheduler, SchedulerConfig, SchedulerStats,
-    StatValue, StepOutput,
+    FinishReason, NewRequest, Policy, PreemptionMode, RequestKey, RequestUpdate, Scheduler, SchedulerConfig,
+    SchedulerStats, StatValue, StepOutput,
 };
 
 /// Scheduler configuration, validated on construction.
@@ -33,7 +33,9 @@ impl PySchedulerConfig {
     #[new]
     #[pyo3(signature = (
         *, num_blocks, block_size = None, max_num_seqs = None, max_num_batched_tokens = None,
-        max_model_len = None, enable_prefix_caching = None, policy = None, watermark = None, hash_bits = None
+        max_model_len = None, enable_prefix_caching = None, policy = None, watermark = None, hash_bits = None,
+        num_host_blocks = None, preemption_mode = None, bytes_per_block = None, swap_bytes_per_second = None,
+        recompute_tokens_per_second = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -46,6 +48,11 @@ impl PySchedulerConfig {
         policy: Option<&Bound<'_, PyAny>>,
         watermark: Option<&Bound<'_, PyAny>>,
         hash_bits: Option<&Bound<'_, PyAny>>,
+        num_host_blocks: Option<&Bound<'_, PyAny>>,
+        preemption_mode: Option<&Bound<'_, PyAny>>,
+        bytes_per_block: Option<&Bound<'_, PyAny>>,
+        swap_bytes_per_second: Option<&Bound<'_, PyAny>>,
+        recompute_tokens_per_second: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let bs = block_size.map(|o| positive_arg(o, "block_size")).transpose()?.unwrap_or(16);
         let mut c = SchedulerConfig::new(bs, positive_arg(num_blocks, "num_blocks")?);
@@ -69,6 +76,21 @@ impl PySchedulerConfig {
         }
         if let Some(o) = hash_bits {
             c.hash_mode = hash_mode_arg(o)?;
+        }
+        if let Some(o) = num_host_blocks {
+            c.num_host_blocks = count_arg(o, "num_host_blocks")?;
+        }
+        if let Some(o) = preemption_mode {
+            c.preemption_mode = PreemptionMode::parse(&str_arg(o, "preemption_mode")?)?;
+        }
+        if let Some(o) = bytes_per_block {
+            c.bytes_per_block = count_arg(o, "bytes_per_block")?;
+        }
+        if let Some(o) = swap_bytes_per_second {
+            c.swap_bytes_per_second = float_arg(o, "swap_bytes_per_second")?;
+        }
+        if let Some(o) = recompute_tokens_per_second {
+            c.recompute_tokens_per_second = float_arg(o, "recompute_tokens_per_second")?;
         }
         c.validate()?;
         Ok(PySchedulerConfig { inner: c })
@@ -114,12 +136,28 @@ impl PySchedulerConfig {
     fn watermark(&self) -> f64 {
         self.inner.watermark
     }
+    /// Blocks of the host tier (0: none).
+    #[getter]
+    fn num_host_blocks(&self) -> usize {
+        self.inner.num_host_blocks
+    }
+    /// "recompute", "swap" or "auto".
+    #[getter]
+    fn preemption_mode(&self) -> &'static str {
+        self.inner.preemption_mode.name()
+    }
+    /// Bytes of one block (0: unknown).
+    #[getter]
+    fn bytes_per_block(&self) -> usize {
+        self.inner.bytes_per_block
+    }
 
     fn __repr__(&self) -> String {
         let c = &self.inner;
         format!(
             "SchedulerConfig(num_blocks={}, block_size={}, max_num_seqs={}, max_num_batched_tokens={}, \
-             max_model_len={}, enable_prefix_caching={}, policy={:?}, watermark={})",
+             max_model_len={}, enable_prefix_caching={}, policy={:?}, watermark={}, num_host_blocks={}, \
+             preemption_mode={:?})",
             c.num_blocks,
             c.block_size,
             c.max_num_seqs,
@@ -127,7 +165,9 @@ impl PySchedulerConfig {
             c.max_model_len,
             if c.enable_prefix_caching { "True" } else { "False" },
             c.policy.name(),
-            c.watermark
+            c.watermark,
+            c.num_host_blocks,
+            c.preemption_mode.name()
         )
     }
 }
@@ -163,6 +203,10 @@ pub struct PySchedulerOutput {
     sample_indices: Py<PyArray1<i32>>,
     #[pyo3(get)]
     copy_ops: Py<PyArray2<i32>>,
+    #[pyo3(get)]
+    swap_out: Py<PyArray2<i32>>,
+    #[pyo3(get)]
+    swap_in: Py<PyArray2<i32>>,
     #[pyo3(get)]
     preempted_req_ids: Py<PyList>,
     #[pyo3(get)]
@@ -470,6 +514,8 @@ struct StepObjects {
     logits_indices: ArrayRing<i64, Ix1>,
     sample_indices: ArrayRing<i32, Ix1>,
     copy_ops: ArrayRing<i32, Ix2>,
+    swap_out: ArrayRing<i32, Ix2>,
+    swap_in: ArrayRing<i32, Ix2>,
     req_ids: ListRing,
     sampled_req_ids: ListRing,
     update_ids: ListRing,
@@ -518,7 +564,8 @@ impl PyScheduler {
     /// prompt, invalid token ids or parameters.
     #[pyo3(signature = (
         request_id, prompt_token_ids, *, max_tokens, min_tokens = None, eos_token_ids = None,
-        stop_token_ids = None, ignore_eos = None, priority = None, cache_salt = None, n = None
+        stop_token_ids = None, ignore_eos = None, priority = None, cache_salt = None, n = None,
+        retention_priority = None, retention_duration = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -533,6 +580,8 @@ impl PyScheduler {
         priority: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         n: Option<&Bound<'_, PyAny>>,
+        retention_priority: Option<&Bound<'_, PyAny>>,
+        retention_duration: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let id_str = str_obj_arg(request_id, "request_id")?.clone();
         let opt_ids = |o: Option<&Bound<'_, PyAny>>, name: &str| -> PyResult<Vec<u32>> {
@@ -552,6 +601,7 @@ impl PyScheduler {
             ignore_eos: ignore_eos.map(|o| bool_arg(o, "ignore_eos")).transpose()?.unwrap_or(false),
             priority: priority.map(|o| int_arg(o, "priority")).transpose()?.unwrap_or(0),
             cache_salt: salt_arg(cache_salt)?,
+            retention: retention_arg(retention_priority, retention_duration)?,
         };
         let key = self.inner.add_request(req)?;
         self.names.set(key, id_str.unbind());
@@ -629,6 +679,46 @@ impl PyScheduler {
         self.inner.stats()
     }
 
+    /// Sets the `auto` preemption cost model from measurements: the copy bandwidth between
+    /// the tiers (bytes/s), the forward throughput when recomputing (tokens/s) and the bytes
+    /// of one block. Swapping a victim is chosen when copying its blocks out and back is
+    /// cheaper than recomputing its tokens.
+    fn set_cost_model(
+        &mut self,
+        swap_bytes_per_second: &Bound<'_, PyAny>,
+        recompute_tokens_per_second: &Bound<'_, PyAny>,
+        bytes_per_block: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        Ok(self.inner.set_cost_model(
+            float_arg(swap_bytes_per_second, "swap_bytes_per_second")?,
+            float_arg(recompute_tokens_per_second, "recompute_tokens_per_second")?,
+            count_arg(bytes_per_block, "bytes_per_block")?,
+        )?)
+    }
+
+    /// Moves the retention clock forward by `seconds` (tests and simulations: retention
+    /// durations expire without waiting).
+    fn advance_clock(&mut self, seconds: &Bound<'_, PyAny>) -> PyResult<()> {
+        let s = float_arg(seconds, "seconds")?;
+        if !(s.is_finite() && s >= 0.0) {
+            return Err(crate::error::CoreError::InvalidArgument(format!("seconds must be finite and >= 0, got {s}")).into());
+        }
+        self.inner.advance_clock((s * 1e6) as u64);
+        Ok(())
+    }
+
+    /// The tiers block by block: `(on_host bool[N], host_ref_counts int32[H], host_cached
+    /// bool[H])` — for each device block whether its cached content is also resident on the
+    /// host, and the host pool's ref counts and cache flags (H = 0 without a host tier).
+    #[allow(clippy::type_complexity)]
+    fn tier_map<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> (Bound<'py, PyArray1<bool>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<bool>>) {
+        let (on_host, refs, cached) = self.inner.tier_map();
+        (PyArray1::from_vec(py, on_host), PyArray1::from_vec(py, refs), PyArray1::from_vec(py, cached))
+    }
+
     /// Raises InvariantViolationError if any bookkeeping is inconsistent.
     fn check_invariants(&self) -> PyResult<()> {
         Ok(self.inner.check_invariants()?)
@@ -663,6 +753,7 @@ impl PyScheduler {
         let out = &self.step;
         let o = &mut self.objects;
         let (rows, t, s, k) = (out.num_rows(), out.num_tokens(), out.num_sampled(), out.copy_ops.len() / 2);
+        let (k_out, k_in) = (out.swap_out.len() / 2, out.swap_in.len() / 2);
         self.names.ensure(py, &self.inner, out.row_requests.iter().chain(&out.sampled_requests).copied());
         let (names, no_name) = (&self.names, &self.no_name);
         let req_ids = o.req_ids.fill(py, out.row_requests.iter().map(|&k| names.get_or(k, no_name)))?;
@@ -695,6 +786,8 @@ impl PyScheduler {
             sampled_req_ids: sampled,
             sample_indices: o.sample_indices.fill(py, Ix1(s), &out.sample_indices)?,
             copy_ops: o.copy_ops.fill(py, Ix2(k, 2), &out.copy_ops)?,
+            swap_out: o.swap_out.fill(py, Ix2(k_out, 2), &out.swap_out)?,
+            swap_in: o.swap_in.fill(py, Ix2(k_in, 2), &out.swap_in)?,
             preempted_req_ids: preempted,
             finished_req_ids: finished,
             finish_reasons: reasons,

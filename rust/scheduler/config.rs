@@ -33,6 +33,40 @@ impl Policy {
     }
 }
 
+/// What happens to a running branch's KV when it must make room (preemption).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreemptionMode {
+    /// Free its blocks (full ones stay in the prefix cache) and compute them again later.
+    Recompute,
+    /// Copy its blocks to the host tier and back later; recompute when the host tier is full.
+    Swap,
+    /// Per victim, whichever the cost model says is cheaper (see [`SchedulerConfig::swap_is_cheaper`]).
+    Auto,
+}
+
+impl PreemptionMode {
+    /// Parses "recompute", "swap" or "auto".
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "recompute" => Ok(PreemptionMode::Recompute),
+            "swap" => Ok(PreemptionMode::Swap),
+            "auto" => Ok(PreemptionMode::Auto),
+            _ => Err(CoreError::Config(format!(
+                "preemption_mode must be \"recompute\", \"swap\" or \"auto\", got {s:?}"
+            ))),
+        }
+    }
+
+    /// The mode's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            PreemptionMode::Recompute => "recompute",
+            PreemptionMode::Swap => "swap",
+            PreemptionMode::Auto => "auto",
+        }
+    }
+}
+
 /// Everything the scheduler needs to know about its pool and budgets.
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
@@ -55,6 +89,18 @@ pub struct SchedulerConfig {
     pub watermark: f64,
     /// Block hash mode (tests force collisions with [`HashMode::Truncated`]).
     pub hash_mode: HashMode,
+    /// Blocks of the host tier (0: none). It holds swapped-out branches and, with prefix
+    /// caching, the cached blocks the device pool evicts (written back, loaded on a hit).
+    pub num_host_blocks: usize,
+    /// Recompute, swap, or auto (needs a host tier unless recompute).
+    pub preemption_mode: PreemptionMode,
+    /// Bytes of one block (all layers, K and V, scales): the cost model and the byte counts
+    /// of the statistics (0: unknown, bytes reported as 0).
+    pub bytes_per_block: usize,
+    /// Measured copy bandwidth between the tiers, bytes per second (cost model).
+    pub swap_bytes_per_second: f64,
+    /// Measured forward throughput when recomputing, tokens per second (cost model).
+    pub recompute_tokens_per_second: f64,
 }
 
 impl SchedulerConfig {
@@ -71,6 +117,13 @@ impl SchedulerConfig {
             policy: Policy::Fcfs,
             watermark: 0.01,
             hash_mode: HashMode::Xxh3,
+            num_host_blocks: 0,
+            preemption_mode: PreemptionMode::Recompute,
+            bytes_per_block: 0,
+            // Placeholders until the engine measures them: a PCIe-class link and a small
+            // model's prefill rate (the ratio, not the values, decides).
+            swap_bytes_per_second: 10e9,
+            recompute_tokens_per_second: 10_000.0,
         }
     }
 
@@ -95,6 +148,23 @@ impl SchedulerConfig {
         if !(0.0..1.0).contains(&self.watermark) {
             return err(format!("watermark must be in [0, 1), got {}", self.watermark));
         }
+        if self.num_host_blocks > MAX_NUM_BLOCKS {
+            return err(format!("num_host_blocks must be in 0..={MAX_NUM_BLOCKS}, got {}", self.num_host_blocks));
+        }
+        if self.preemption_mode != PreemptionMode::Recompute && self.num_host_blocks == 0 {
+            return err(format!(
+                "preemption_mode = {:?} needs a host tier: set num_host_blocks",
+                self.preemption_mode.name()
+            ));
+        }
+        for (name, v) in [
+            ("swap_bytes_per_second", self.swap_bytes_per_second),
+            ("recompute_tokens_per_second", self.recompute_tokens_per_second),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return err(format!("{name} must be a positive finite number, got {v}"));
+            }
+        }
         let capacity = self.block_size * self.num_blocks;
         if capacity < self.max_model_len {
             // Otherwise a request of max_model_len tokens could never run, even alone.
@@ -105,6 +175,16 @@ impl SchedulerConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The `auto` preemption rule: swapping a victim costs copying `blocks` blocks out and
+    /// back (`2 * blocks * bytes_per_block / swap_bytes_per_second` seconds); recomputing it
+    /// costs computing `tokens` tokens again (`tokens / recompute_tokens_per_second`). Swap
+    /// when it is strictly cheaper. With `bytes_per_block` unknown (0) swapping counts as free.
+    pub fn swap_is_cheaper(&self, blocks: usize, tokens: usize) -> bool {
+        let swap = 2.0 * blocks as f64 * self.bytes_per_block as f64 / self.swap_bytes_per_second;
+        let recompute = tokens as f64 / self.recompute_tokens_per_second;
+        swap < recompute
     }
 
     /// Blocks kept free at admission.

@@ -5,14 +5,18 @@
 //! 1. Running branches first, in policy order: each gets its pending tokens (1 for a decode,
 //!    the next chunk of its prompt otherwise) up to the remaining budget. When the pool has no
 //!    block for one, the lowest-priority / latest-arrived running branch that is not yet in
-//!    this step is preempted (recompute: its blocks are freed — full ones stay in the prefix
-//!    cache — its tokens are kept, and it goes back to the front of the waiting queue), and
-//!    the allocation is retried; a branch may have to preempt itself.
+//!    this step is preempted, and the allocation is retried; a branch may have to preempt
+//!    itself. Preemption ([`PreemptionMode`]) either recomputes (its blocks are freed — full
+//!    ones stay in the prefix cache — its tokens are kept) or swaps (its blocks are copied to
+//!    the host tier, `swap_out` ops); either way it goes back to the front of the waiting
+//!    queue. A swap that does not fit in the host tier becomes a recompute.
 //! 2. If nothing was preempted, waiting branches are admitted in policy order (head-of-line:
-//!    admission stops at the first that does not fit), each starting after its longest
-//!    verified cached prefix, with a first chunk cut to the remaining budget.
+//!    admission stops at the first that does not fit): a swapped branch is copied back
+//!    (`swap_in` ops) and continues where it stopped; any other starts after its longest
+//!    verified cached prefix — device blocks shared, host blocks loaded into fresh device
+//!    blocks — with a first chunk cut to the remaining budget.
 //! 3. The step output is built as flat arrays (input ids, positions, slots, block tables,
-//!    logits rows, copy-on-write ops).
+//!    logits rows, swap and copy-on-write ops).
 //!
 //! `update(step, sampled)` appends one sampled token per logits row, forks `n > 1` requests
 //! into their branches at the end of their prompt, and applies the token-based stops (eos,
@@ -28,7 +32,7 @@ mod tests;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-pub use config::{Policy, SchedulerConfig};
+pub use config::{Policy, PreemptionMode, SchedulerConfig};
 pub(crate) use output::BlockTableRows;
 pub use output::{RequestUpdate, StepOutput};
 pub use request::{BranchKey, FinishReason, NewRequest, RequestKey};
@@ -37,7 +41,7 @@ pub use stats::{SchedulerStats, StatValue};
 use crate::block_hash::ExtraKey;
 use crate::error::{CoreError, Result};
 use crate::ids::{BlockId, SeqId};
-use crate::kv_cache_manager::{KvCacheManager, PrefixMatch};
+use crate::kv_cache_manager::{KvCacheManager, PrefixMatch, Tier};
 use crate::slab::Slab;
 use output::StepPlan;
 use request::{Branch, Request};
@@ -63,13 +67,18 @@ pub struct Scheduler {
     /// names them: updates carry keys, not ids.
     ended: Vec<(RequestKey, Arc<str>)>,
     counters: Counters,
+    /// The retention clock: microseconds since `clock_origin`, plus `clock_offset_us` (moved
+    /// forward by [`Scheduler::advance_clock`] in tests and simulations).
+    clock_origin: std::time::Instant,
+    clock_offset_us: u64,
 }
 
 impl Scheduler {
     /// A scheduler over a fresh pool.
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
-        let kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching, config.hash_mode)?;
+        let kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching, config.hash_mode)?
+            .with_host_tier(config.num_host_blocks)?;
         Ok(Scheduler {
             config,
             kv,
@@ -84,7 +93,35 @@ impl Scheduler {
             finished: Vec::new(),
             ended: Vec::new(),
             counters: Counters::default(),
+            clock_origin: std::time::Instant::now(),
+            clock_offset_us: 0,
         })
+    }
+
+    /// The retention clock, in microseconds (monotonic).
+    pub fn now_us(&self) -> u64 {
+        let elapsed = self.clock_origin.elapsed().as_micros().min(u64::MAX as u128) as u64;
+        elapsed.saturating_add(self.clock_offset_us)
+    }
+
+    /// Moves the retention clock forward by `us` microseconds (tests and simulations: a
+    /// retention duration can expire without waiting for it).
+    pub fn advance_clock(&mut self, us: u64) {
+        self.clock_offset_us = self.clock_offset_us.saturating_add(us);
+    }
+
+    /// Sets the `auto` preemption cost model from measurements (see
+    /// [`SchedulerConfig::swap_is_cheaper`]): copy bandwidth between the tiers in bytes per
+    /// second, forward throughput in tokens per second, and bytes per block. Fails, changing
+    /// nothing, unless the rates are positive and finite.
+    pub fn set_cost_model(&mut self, swap_bytes_per_second: f64, recompute_tokens_per_second: f64, bytes_per_block: usize) -> Result<()> {
+        let mut c = self.config.clone();
+        c.swap_bytes_per_second = swap_bytes_per_second;
+        c.recompute_tokens_per_second = recompute_tokens_per_second;
+        c.bytes_per_block = bytes_per_block;
+        c.validate()?;
+        self.config = c;
+        Ok(())
     }
 
     /// The configuration.
@@ -167,6 +204,7 @@ impl Scheduler {
             eos_token_ids: if r.ignore_eos { Vec::new() } else { r.eos_token_ids },
             stop_token_ids: r.stop_token_ids,
             extra: ExtraKey::new(r.cache_salt.as_deref()),
+            retention: r.retention,
             branches: Vec::with_capacity(r.n),
             forked: r.n == 1,
             num_cached_tokens: 0,
@@ -267,10 +305,25 @@ impl Scheduler {
         self.running.insert(pos, b);
     }
 
-    /// Recompute preemption of a running branch.
-    fn preempt(&mut self, b: BranchKey, out: &mut StepOutput) {
+    /// Preempts a running branch (not in this step): swapped to the host tier when the mode
+    /// and the cost model say so and the host has room, else recomputed later.
+    fn preempt(&mut self, b: BranchKey, out: &mut StepOutput, plan: &mut StepPlan) {
+        let Some(seq) = self.branches.get(b).and_then(|x| x.seq) else { return };
+        let swap = match self.config.preemption_mode {
+            PreemptionMode::Recompute => false,
+            PreemptionMode::Swap => true,
+            PreemptionMode::Auto => match self.kv.swap_out_cost(seq) {
+                Ok(Some((blocks, tokens))) => self.config.swap_is_cheaper(blocks, tokens),
+                _ => false,
+            },
+        };
+        let swapped = swap && self.kv.swap_out(seq).unwrap_or(false);
         let Some(branch) = self.branches.get_mut(b) else { return };
-        if let Some(seq) = branch.seq.take() {
+        if swapped {
+            plan.swapped_out.push(b);
+            self.counters.swap_preemptions += 1;
+        } else {
+            branch.seq = None;
             match self.kv.free_take_tokens(seq) {
                 Ok(tokens) => branch.tokens = tokens,
                 Err(_) => return,
@@ -330,6 +383,9 @@ impl Scheduler {
         let step_id = self.next_step;
         self.next_step += 1;
         self.ended.clear();
+        let now = self.now_us();
+        self.kv.set_now(now);
+        self.kv.begin_step();
         out.cu_seqlens_q.push(0);
         let mut plan = StepPlan { step_id, ..StepPlan::default() };
         let mut budget = self.config.max_num_batched_tokens;
@@ -356,7 +412,7 @@ impl Scheduler {
                 // The back of `running` is the lowest priority / latest arrival, and is not
                 // scheduled yet (scheduled ones are in front of index i).
                 let victim = self.running.pop().unwrap_or(b);
-                self.preempt(victim, out);
+                self.preempt(victim, out, &mut plan);
                 if victim == b {
                     preempted_self = true;
                     break;
@@ -376,12 +432,16 @@ impl Scheduler {
         }
 
         // 3. Arrays.
+        self.kv.end_step();
         self.build_rows(&scheduled, out, &mut plan)?;
         plan.scheduled = scheduled.iter().map(|&(b, _)| b).collect();
         for (src, dst) in self.kv.take_copy_ops() {
             out.copy_ops.push(src.0 as i32);
             out.copy_ops.push(dst.0 as i32);
         }
+        let (swap_out, swap_in) = self.kv.take_swap_ops();
+        out.swap_out.extend(swap_out.iter().flat_map(|&(d, h)| [d.0 as i32, h.0 as i32]));
+        out.swap_in.extend(swap_in.iter().flat_map(|&(h, d)| [h.0 as i32, d.0 as i32]));
         out.finished = std::mem::take(&mut self.finished);
         plan.reported.clone_from(&out.finished);
         self.counters.steps += 1;
@@ -406,7 +466,18 @@ impl Scheduler {
             if self.running.len() + seats > self.config.max_num_seqs {
                 break;
             }
+            // The watermark keeps room for running branches to grow; a lone request may use
+            // the whole pool (else a request near max_model_len could never start).
+            let reserve = if self.running.is_empty() { 0 } else { self.config.watermark_blocks() };
+            if let Some(seq) = branch.seq {
+                // Swapped out: copy it back and continue where it stopped.
+                if !self.resume_swapped(b, seq, budget, reserve, scheduled) {
+                    break;
+                }
+                continue;
+            }
             let extra = req.extra.clone();
+            let retention = req.retention;
             let m = if self.config.enable_prefix_caching {
                 self.kv.match_prefix(&branch.tokens, &extra)
             } else {
@@ -415,9 +486,6 @@ impl Scheduler {
             let hit = m.num_tokens(bs);
             let n = (branch.tokens.len() - hit).min(*budget);
             let cost = self.kv.admission_cost(&m, n);
-            // The watermark keeps room for running branches to grow; a lone request may use
-            // the whole pool (else a request near max_model_len could never start).
-            let reserve = if self.running.is_empty() { 0 } else { self.config.watermark_blocks() };
             if cost + reserve > self.kv.pool().num_free() {
                 break;
             }
@@ -425,7 +493,9 @@ impl Scheduler {
             let Some(branch) = self.branches.get_mut(b) else { continue };
             let tokens = std::mem::take(&mut branch.tokens);
             let num_tokens = tokens.len();
-            let (seq, hit) = self.kv.add_sequence(tokens, extra, m);
+            let host_hits_before = self.kv.prefix_counters().host_hits;
+            let (seq, hit) = self.kv.add_sequence_with_retention(tokens, extra, m, retention);
+            let host_hit = self.kv.prefix_counters().host_hits - host_hits_before;
             match self.kv.allocate_slots(seq, n) {
                 Ok(true) => {}
                 _ => {
@@ -446,6 +516,7 @@ impl Scheduler {
             } else {
                 self.counters.prefix_queries += num_tokens as u64;
                 self.counters.prefix_hits += hit as u64;
+                self.counters.host_prefix_hits += host_hit;
             }
             if let Some(req) = self.requests.get_mut(req_key) {
                 if !req.admitted_once {
@@ -457,6 +528,47 @@ impl Scheduler {
             self.insert_running(b);
             scheduled.push((b, seq));
         }
+    }
+
+    /// Admits the swapped-out waiting branch `b` (at the front of the queue) by copying its
+    /// blocks back and giving its pending tokens slots within the budget. False (nothing
+    /// changed) when the device pool lacks room.
+    fn resume_swapped(
+        &mut self,
+        b: BranchKey,
+        seq: SeqId,
+        budget: &mut usize,
+        reserve: usize,
+        scheduled: &mut Vec<(BranchKey, SeqId)>,
+    ) -> bool {
+        let (Ok(s), Ok(cost)) = (self.kv.seq(seq), self.kv.swap_in_cost(seq)) else { return false };
+        let n = s.num_pending().min(*budget);
+        // After the swap-in the partial last block is private (a fresh copy), so no
+        // copy-on-write: only the blocks for new slots.
+        let grow = crate::block_table::blocks_for(s.num_computed() + n, self.config.block_size) - s.table().len();
+        if cost + grow + reserve > self.kv.pool().num_free() {
+            return false;
+        }
+        if !matches!(self.kv.swap_in(seq), Ok(true)) {
+            return false;
+        }
+        if !matches!(self.kv.allocate_slots(seq, n), Ok(true)) {
+            // Cannot happen (the cost was checked); the branch stays admitted without a row and
+            // gets its slots in a later step.
+            self.waiting.pop_front();
+            self.insert_running(b);
+            return false;
+        }
+        self.waiting.pop_front();
+        if let Some(branch) = self.branches.get_mut(b) {
+            branch.resumed = false;
+        }
+        *budget -= n;
+        self.insert_running(b);
+        if n > 0 {
+            scheduled.push((b, seq));
+        }
+        true
     }
 
     fn build_rows(&self, scheduled: &[(BranchKey, SeqId)], out: &mut StepOutput, plan: &mut StepPlan) -> Result<()> {
@@ -538,6 +650,15 @@ impl Scheduler {
     pub fn rollback_step(&mut self, step_id: u64) -> Result<Vec<Arc<str>>> {
         self.plan_in_flight(step_id, "rollback_step()")?;
         let plan = self.in_flight.take().unwrap_or_default();
+        // The step's swap copies may not have run: branches swapped out by it are recomputed
+        // instead (their host blocks are not trusted), and every block a copy targeted loses
+        // its cached identity.
+        for &b in &plan.swapped_out {
+            let Some(branch) = self.branches.get_mut(b) else { continue }; // aborted since
+            let Some(seq) = branch.seq.take() else { continue };
+            branch.tokens = self.kv.free_take_tokens(seq)?;
+        }
+        self.kv.rollback_copies();
         let mut ids: Vec<Arc<str>> = Vec::new();
         // Reverse row order: each branch goes to the front, so the first row ends up first.
         for &b in plan.scheduled.iter().rev() {
@@ -715,6 +836,9 @@ impl Scheduler {
         }
         let slots = pool.num_used() * bs;
         let c = &self.counters;
+        let host = self.kv.host_pool();
+        let t = self.kv.tier_counters();
+        let bpb = self.config.bytes_per_block as u64;
         SchedulerStats {
             num_blocks: pool.num_blocks(),
             num_free_blocks: pool.num_free(),
@@ -736,6 +860,21 @@ impl Scheduler {
             num_finished_length: c.finished_length,
             num_aborted: c.aborted,
             num_evictions: pool.counters().evictions,
+            num_host_blocks: host.map_or(0, |h| h.num_blocks()),
+            num_host_free_blocks: host.map_or(0, |h| h.num_free()),
+            num_host_used_blocks: host.map_or(0, |h| h.num_used()),
+            num_host_cached_blocks: host.map_or(0, |h| h.num_cached_blocks()),
+            host_kv_usage: host.map_or(0.0, |h| h.usage()),
+            num_host_evictions: host.map_or(0, |h| h.counters().evictions),
+            num_swapped: self.waiting.iter().filter(|&&b| self.branches.get(b).is_some_and(|x| x.seq.is_some())).count(),
+            num_swap_preemptions: c.swap_preemptions,
+            prefix_cache_host_hits: c.host_prefix_hits,
+            blocks_swapped_out: t.blocks_to_host,
+            blocks_swapped_in: t.blocks_to_device,
+            bytes_swapped_out: t.blocks_to_host * bpb,
+            bytes_swapped_in: t.blocks_to_device * bpb,
+            num_write_backs: t.write_backs,
+            num_write_backs_skipped: t.write_backs_skipped,
         }
     }
 
@@ -762,6 +901,23 @@ impl Scheduler {
         (refs, cached, owner)
     }
 
+    /// The tiers block by block: for each device block whether its cached content is also
+    /// resident on the host; the host pool's ref counts and cache flags (empty without a host
+    /// tier).
+    pub fn tier_map(&self) -> (Vec<bool>, Vec<i32>, Vec<bool>) {
+        let pool = self.kv.pool();
+        let Some(host) = self.kv.host_pool() else {
+            return (vec![false; pool.num_blocks()], Vec::new(), Vec::new());
+        };
+        let on_host = (0..pool.num_blocks())
+            .map(|i| pool.identity(BlockId(i as u32)).is_some_and(|id| host.find_node(id.hash, id.node).is_some()))
+            .collect();
+        let n = host.num_blocks();
+        let refs = (0..n).map(|i| host.ref_count_unchecked(BlockId(i as u32)) as i32).collect();
+        let cached = (0..n).map(|i| host.is_cached(BlockId(i as u32))).collect();
+        (on_host, refs, cached)
+    }
+
     /// Checks the KV manager's invariants and the scheduler's own bookkeeping: every running
     /// branch has a sequence and every waiting one has its tokens; queues and request lists
     /// agree; ids map both ways.
@@ -780,17 +936,32 @@ impl Scheduler {
                 return bad("running branches are out of policy order".into());
             }
         }
+        let mut swapped = 0usize;
         for &b in &self.waiting {
             match self.branches.get(b) {
                 Some(x) if x.seq.is_none() && !x.tokens.is_empty() => seen += 1,
-                _ => return bad(format!("waiting branch {b:?} is missing, has a sequence, or has no tokens")),
+                // Swapped out: its host sequence holds its tokens.
+                Some(x) if x.tokens.is_empty() && x.seq.and_then(|s| self.kv.seq(s).ok()).is_some_and(|s| s.tier() == Tier::Host) => {
+                    seen += 1;
+                    swapped += 1;
+                }
+                _ => return bad(format!("waiting branch {b:?} is missing, has a device sequence, or has no tokens")),
+            }
+        }
+        for &b in &self.running {
+            if self.branches.get(b).and_then(|x| x.seq).and_then(|s| self.kv.seq(s).ok()).is_some_and(|s| s.tier() != Tier::Device) {
+                return bad(format!("running branch {b:?} is not on the device"));
             }
         }
         if seen != self.branches.len() {
             return bad(format!("{} branches exist but {seen} are queued", self.branches.len()));
         }
-        if self.kv.num_sequences() != self.running.len() {
-            return bad(format!("{} sequences for {} running branches", self.kv.num_sequences(), self.running.len()));
+        if self.kv.num_sequences() != self.running.len() + swapped {
+            return bad(format!(
+                "{} sequences for {} running and {swapped} swapped branches",
+                self.kv.num_sequences(),
+                self.running.len()
+            ));
         }
         let mut branch_count = 0;
         for (key, req) in self.requests.iter() {

@@ -46,6 +46,10 @@ pub struct StepOutput {
     pub sample_indices: Vec<i32>,
     /// Copy-on-write ops to run before the forward pass: int32[K, 2] as (src, dst) pairs.
     pub copy_ops: Vec<i32>,
+    /// Device → host block copies, run first: int32[K, 2] as (device, host) pairs.
+    pub swap_out: Vec<i32>,
+    /// Host → device block copies, run after `swap_out`: int32[K, 2] as (host, device) pairs.
+    pub swap_in: Vec<i32>,
     /// Requests preempted (recompute) while building this step.
     pub preempted_req_ids: Vec<Arc<str>>,
     /// Requests that ended since the previous step (finished in `update`, or aborted).
@@ -70,6 +74,8 @@ impl StepOutput {
         self.sampled_requests.clear();
         self.sample_indices.clear();
         self.copy_ops.clear();
+        self.swap_out.clear();
+        self.swap_in.clear();
         self.preempted_req_ids.clear();
         self.finished.clear();
     }
@@ -166,6 +172,8 @@ pub(crate) struct StepPlan {
     pub sampled: Vec<(BranchKey, u32)>,
     /// Every branch with rows in the step, in row order (what `rollback_step` undoes).
     pub scheduled: Vec<BranchKey>,
+    /// Branches swapped out while building the step (their copies run with it).
+    pub swapped_out: Vec<BranchKey>,
     /// The request ends the step reported (given back to the next step on rollback).
     pub reported: Vec<(Arc<str>, FinishReason)>,
 }

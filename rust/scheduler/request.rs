@@ -11,6 +11,7 @@ use std::sync::Arc;
 use crate::block_hash::ExtraKey;
 use crate::error::{CoreError, Result};
 use crate::ids::SeqId;
+use crate::kv_cache_manager::RetentionPolicy;
 use crate::slab::SlabKey;
 
 /// Why a branch stopped.
@@ -58,6 +59,9 @@ pub struct NewRequest {
     pub priority: i64,
     /// Prefix-cache namespace.
     pub cache_salt: Option<String>,
+    /// Retention of the prompt's blocks in the prefix cache once free (priority 0..=100,
+    /// optional duration).
+    pub retention: RetentionPolicy,
 }
 
 impl NewRequest {
@@ -74,6 +78,7 @@ impl NewRequest {
             ignore_eos: false,
             priority: 0,
             cache_salt: None,
+            retention: RetentionPolicy::default(),
         }
     }
 
@@ -89,6 +94,10 @@ impl NewRequest {
         if self.max_tokens == 0 {
             return bad(format!("request {:?}: max_tokens must be >= 1, got 0", self.id));
         }
+        self.retention.validate().map_err(|e| match e {
+            CoreError::InvalidArgument(m) => CoreError::InvalidArgument(format!("request {:?}: {m}", self.id)),
+            e => e,
+        })?;
         if self.min_tokens > self.max_tokens {
             return bad(format!(
                 "request {:?}: min_tokens ({}) must not exceed max_tokens ({})",
@@ -115,6 +124,7 @@ pub(crate) struct Request {
     pub eos_token_ids: Vec<u32>,
     pub stop_token_ids: Vec<u32>,
     pub extra: ExtraKey,
+    pub retention: RetentionPolicy,
     /// Live branches.
     pub branches: Vec<BranchKey>,
     /// Whether the `n`-way fork has happened.
@@ -130,9 +140,10 @@ pub(crate) struct Branch {
     pub req: RequestKey,
     /// Sample index within the request (`0 .. n`).
     pub index: u32,
-    /// Token ids while the branch waits; while it runs, its KV sequence holds them.
+    /// Token ids while the branch waits to be recomputed; while it runs or is swapped out,
+    /// its KV sequence holds them.
     pub tokens: Vec<u32>,
-    /// The KV sequence while running.
+    /// The KV sequence while running (on the device) or swapped out (on the host).
     pub seq: Option<SeqId>,
     pub num_output: usize,
     /// Preempted and not yet re-admitted: its prefix hits are re-reads of its own blocks.

@@ -5,6 +5,8 @@
 pub(crate) struct Counters {
     pub steps: u64,
     pub preemptions: u64,
+    pub swap_preemptions: u64,
+    pub host_prefix_hits: u64,
     pub prefix_queries: u64,
     pub prefix_hits: u64,
     pub resumed_queries: u64,
@@ -89,7 +91,7 @@ scheduler_stats! {
         pub num_running: usize,
         /// Waiting branches.
         pub num_waiting: usize,
-        /// Recompute preemptions so far.
+        /// Preemptions so far (recompute and swap).
         pub num_preemptions: u64,
         /// Prompt tokens looked up in the prefix cache at first admissions.
         pub prefix_cache_queries: u64,
@@ -109,6 +111,36 @@ scheduler_stats! {
         pub num_aborted: u64,
         /// Cached blocks evicted by reuse.
         pub num_evictions: u64,
+        /// Blocks of the host tier (0: no host tier).
+        pub num_host_blocks: usize,
+        /// Free host blocks (cached or not).
+        pub num_host_free_blocks: usize,
+        /// Host blocks held by swapped-out branches (or pinned by the step being planned).
+        pub num_host_used_blocks: usize,
+        /// Host blocks registered in the prefix cache (in use or free).
+        pub num_host_cached_blocks: usize,
+        /// Used / total host blocks (0 without a host tier).
+        pub host_kv_usage: f64,
+        /// Cached host blocks evicted by reuse.
+        pub num_host_evictions: u64,
+        /// Branches swapped out to the host, waiting to come back.
+        pub num_swapped: usize,
+        /// Of `num_preemptions`, those that swapped the branch out (the rest recomputed).
+        pub num_swap_preemptions: u64,
+        /// Of `prefix_cache_hits`, tokens found only on the host tier (loaded back).
+        pub prefix_cache_host_hits: u64,
+        /// Blocks copied device → host (swap-outs and write-backs).
+        pub blocks_swapped_out: u64,
+        /// Blocks copied host → device (swap-ins and host prefix hits).
+        pub blocks_swapped_in: u64,
+        /// `blocks_swapped_out` in bytes (0 when the block size in bytes is unknown).
+        pub bytes_swapped_out: u64,
+        /// `blocks_swapped_in` in bytes.
+        pub bytes_swapped_in: u64,
+        /// Cached device blocks written back to the host tier when the device pool reused them.
+        pub num_write_backs: u64,
+        /// Evicted cached device blocks not written back (no room on the host).
+        pub num_write_backs_skipped: u64,
     }
 }
 

@@ -36,6 +36,17 @@ class EngineArgs:
       each token is stored (no calibration); the same memory holds ~3.9x the tokens of a
       float32 cache (head_dim 64). ``kv_cache_scales="checkpoint"`` uses the checkpoint's
       static ``k_scale`` / ``v_scale`` instead.
+    - ``num_host_blocks`` / ``host_kv_cache_memory`` (bytes) / ``swap_space`` (GiB): size of
+      the host-memory KV tier (at most one; ``num_host_blocks=0`` or none of them: no host
+      tier). A budget is turned into blocks of the device pool's size in bytes by the runner
+      (less than one block is an error); a host pool larger than the host's available memory
+      is refused before it is allocated.
+    - ``preemption_mode``: ``"recompute"`` (drop a preempted request's KV, recompute it
+      later), ``"swap"`` (copy it to the host tier and back) or ``"auto"`` (the cheaper of the
+      two per preemption, from the measured swap bandwidth); ``"swap"`` and ``"auto"`` need a
+      host tier.
+    - ``kv_cache_dir``: folder of the disk KV tier (created if missing; must be writable);
+      ``kv_cache_dir_max_bytes``: the most bytes it may hold (default: no limit).
     - ``scheduling_policy``: ``"fcfs"`` or ``"priority"``.
     - ``attention_backend``: ``"triton"``, ``"cpu"``, ``"torch"`` or ``None`` (Triton on CUDA,
       the Rust decode kernel + torch on the CPU).
@@ -60,6 +71,12 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
     kv_cache_scales: str = "dynamic"
+    num_host_blocks: int | None = None
+    host_kv_cache_memory: int | None = None
+    swap_space: float | None = None
+    preemption_mode: str = "recompute"
+    kv_cache_dir: str | None = None
+    kv_cache_dir_max_bytes: int | None = None
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
     seed: int = 0
@@ -75,7 +92,7 @@ class EngineArgs:
         return cls(model=model, **kwargs)
 
     def __post_init__(self) -> None:
-        for name in ("model", "tokenizer"):
+        for name in ("model", "tokenizer", "kv_cache_dir"):
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
         self.create_engine_config()
@@ -101,10 +118,16 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype,
                 kv_cache_scales=self.kv_cache_scales,
+                num_host_blocks=self.num_host_blocks,
+                host_kv_cache_memory=self.host_kv_cache_memory,
+                swap_space=self.swap_space,
+                kv_cache_dir=self.kv_cache_dir,
+                kv_cache_dir_max_bytes=self.kv_cache_dir_max_bytes,
             ),
             scheduling=SchedulingConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 policy=self.scheduling_policy,
+                preemption_mode=self.preemption_mode,
             ),
         )

@@ -97,8 +97,17 @@ class LLMEngine:
                 max_num_batched_tokens=config.scheduling.max_num_batched_tokens,
                 enable_prefix_caching=config.cache.enable_prefix_caching,
                 policy=config.scheduling.policy,
+                num_host_blocks=self.runner.num_host_blocks,
+                preemption_mode=config.scheduling.preemption_mode,
+                bytes_per_block=self.runner.bytes_per_block,
             )
         )
+        # The auto preemption cost model: the tiers' copy bandwidth is measured once here; the
+        # forward's throughput is measured on the real steps (see _update_cost_model).
+        self.swap_bandwidth: float | None = None
+        self._recompute_tokens_per_s: float | None = None
+        if self.runner.num_host_blocks > 0:
+            self.swap_bandwidth = self.runner.measure_swap_bandwidth()
         self.sampler = Sampler()
         # Ids outside the LM head's rows can never be sampled (nor banned: the sampler refuses them).
         self.eos_token_ids = [t for t in self.runner.eos_token_ids if 0 <= t < self.runner.vocab_size]
@@ -172,6 +181,8 @@ class LLMEngine:
                 ignore_eos=params.ignore_eos,
                 priority=priority,
                 n=params.n,
+                retention_priority=params.retention_priority,
+                retention_duration=params.retention_duration,
             )
             self.requests[request_id] = state
 
@@ -239,7 +250,7 @@ class LLMEngine:
                 state = self.requests.get(rid)
                 if state is not None and state.metrics.first_scheduled_time is None:
                     state.metrics.first_scheduled_time = now
-            if out.num_tokens == 0 and len(out.copy_ops) == 0:
+            if out.num_tokens == 0 and len(out.copy_ops) == 0 and len(out.swap_out) == 0 and len(out.swap_in) == 0:
                 self.scheduler.update(out, [])
                 return self._take_failed_outputs()
             t0 = time.perf_counter()
@@ -253,11 +264,24 @@ class LLMEngine:
                 raise
             if self._charged:
                 self._clear_failures(out)
-            self._counters["model_time_s"] += time.perf_counter() - t0
+            elapsed = time.perf_counter() - t0
+            self._update_cost_model(out.num_tokens, elapsed)
+            self._counters["model_time_s"] += elapsed
             self._counters["steps"] += 1
             self._counters["tokens_computed"] += out.num_tokens
             self._counters["generation_tokens"] += len(updates)
             return self._take_failed_outputs() + self._apply_updates(out, updates, sampled)
+
+    def _update_cost_model(self, num_tokens: int, seconds: float) -> None:
+        """Feeds the scheduler's auto preemption rule the forward throughput of prefill-sized
+        steps (a recompute is a prefill): an exponential average over steps of at least 64
+        tokens, the first one taken as is."""
+        if self.swap_bandwidth is None or num_tokens < 64 or seconds <= 0.0:
+            return
+        rate = num_tokens / seconds
+        prev = self._recompute_tokens_per_s
+        self._recompute_tokens_per_s = rate if prev is None else 0.8 * prev + 0.2 * rate
+        self.scheduler.set_cost_model(self.swap_bandwidth, self._recompute_tokens_per_s, self.runner.bytes_per_block)
 
     def _take_failed_outputs(self) -> list[RequestOutput]:
         """Outputs of requests failed by earlier steps that raised (kept until a step returns)."""
@@ -411,6 +435,9 @@ class LLMEngine:
             stats.update(self._counters)
             stats["num_unfinished_requests"] = len(self.requests)
         stats["kv_cache_bytes"] = self.runner.kv_cache_bytes
+        stats["host_kv_cache_bytes"] = self.runner.host_kv_cache_bytes
+        stats["swap_bandwidth_bytes_per_s"] = self.swap_bandwidth
+        stats["recompute_tokens_per_s"] = self._recompute_tokens_per_s
         stats["kv_cache_dtype"] = self.runner.geometry.dtype
         stats["kv_bytes_per_token"] = self.runner.geometry.bytes_per_token
         return stats

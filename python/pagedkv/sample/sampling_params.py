@@ -21,6 +21,8 @@ __all__ = ["SAMPLING_EPS", "SamplingParams", "SamplingType"]
 # Temperatures below this are greedy (vLLM's threshold): dividing logits by ~0 would overflow.
 SAMPLING_EPS = 1e-5
 
+# Retention priorities of cached KV blocks (the Rust core's range).
+MAX_RETENTION_PRIORITY = 100
 # torch.Generator.manual_seed accepts this range.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -56,6 +58,12 @@ class SamplingParams:
     - ``logprobs``: ``None``, or how many top log-probabilities to return per generated token
       besides the chosen token's own (which is always returned when this is not ``None``).
     - ``skip_special_tokens``: leave special tokens out of the detokenized text.
+    - ``retention_priority``: how long the prompt's KV blocks stay in the prefix cache once
+      the request is done, 0 .. 100 (TensorRT-LLM's retention priorities): among free cached
+      blocks the lowest priority is evicted first, least recently used first within a
+      priority. ``None`` = the default, 35 (also the priority of blocks filled by decoding).
+    - ``retention_duration``: seconds after which the prompt's blocks fall back to the default
+      priority (``None``: they keep ``retention_priority``).
     """
 
     n: int = 1
@@ -72,6 +80,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    retention_priority: int | None = None
+    retention_duration: float | None = None
     # Normalized copy of `stop` (always a list) for the detokenizer; not a constructor argument.
     _stop_strings: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -111,6 +121,16 @@ class SamplingParams:
             self.logprobs = _check_int("logprobs", self.logprobs, minimum=0)
         self.include_stop_str_in_output = _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        if self.retention_priority is not None:
+            self.retention_priority = _check_int("retention_priority", self.retention_priority, minimum=0)
+            if self.retention_priority > MAX_RETENTION_PRIORITY:
+                raise ConfigError(
+                    f"retention_priority must be in 0 .. {MAX_RETENTION_PRIORITY}, got {self.retention_priority}"
+                )
+        if self.retention_duration is not None:
+            self.retention_duration = _check_float("retention_duration", self.retention_duration)
+            if self.retention_duration < 0.0:
+                raise ConfigError(f"retention_duration must be >= 0 seconds, got {self.retention_duration}")
         if self.temperature < SAMPLING_EPS:
             # Greedy ignores the filters; normalizing them lets the sampler skip their work.
             self.temperature = 0.0

@@ -6,8 +6,10 @@ Step output) already holds the batch as flat arrays; the runner
 0. builds the step's attention metadata once (:meth:`pagedkv.kernels.AttentionBackend.prepare`:
    index tensors converted, validated on the host, moved to the device, host facts such as the
    longest query chunk recorded) — every layer reuses it,
-1. copies whole blocks for the step's copy-on-write ops (all layers, K and V, in one indexed
-   copy: the per-layer caches are views of one tensor ``[L, 2, num_blocks, block_size, Hkv, D]``),
+1. runs the step's swaps between the device pool and the host tier (``swap_out``, then
+   ``swap_in``: :class:`pagedkv.worker.host_cache.HostKVCache`), then copies whole blocks for
+   its copy-on-write ops (all layers, K and V, in one indexed copy: the per-layer caches are
+   views of one tensor ``[L, 2, num_blocks, block_size, Hkv, D]``),
 2. runs the model once over all ``T`` scheduled tokens as a single sequence (``input_ids`` and
    ``position_ids`` of shape ``[1, T]``, no transformers cache), handing the step metadata to
    pagedkv's attention function as the keyword argument ``pagedkv_context``
@@ -32,6 +34,12 @@ device leaves after the weights and the activation peak of a profiling forward o
 ``max_num_batched_tokens`` tokens; else ``kv_cache_memory`` bytes (CPU default 1 GiB). A budget
 worth more than ``MAX_NUM_BLOCKS`` blocks is clamped to it (``UserWarning``); a pool larger
 than the device's free memory is refused (``ConfigError``) before it is allocated.
+
+Host tier (``CacheConfig.num_host_blocks`` / ``host_kv_cache_memory`` / ``swap_space``): a
+second pool ``[L, 2, num_host_blocks, block_size, Hkv, D]`` (and its scales) in host memory,
+pinned on CUDA, with its own block ids; a budget is divided by ``bytes_per_block`` (less than
+one block: ``ConfigError``; more than ``MAX_NUM_BLOCKS``: clamped with a ``UserWarning``); a
+host pool larger than the host's available memory is refused before it is allocated.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -46,7 +55,14 @@ import numpy as np
 import torch
 
 import pagedkv.kernels as kernels
-from pagedkv.config import MAX_NUM_BLOCKS, CacheConfig, KVGeometry, ModelConfig, SchedulingConfig
+from pagedkv.config import (
+    MAX_NUM_BLOCKS,
+    CacheConfig,
+    KVGeometry,
+    ModelConfig,
+    SchedulingConfig,
+    check_preemption_mode,
+)
 from pagedkv.errors import ConfigError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, byte_view, key_rotation, kv_format
 from pagedkv.worker.attention_backend import (
@@ -58,6 +74,7 @@ from pagedkv.worker.attention_backend import (
     register_pagedkv_attention,
 )
 from pagedkv.worker.checkpoint_scales import load_checkpoint_kv_scales
+from pagedkv.worker.host_cache import HostKVCache
 from pagedkv.worker.model_files import resolve_model
 from pagedkv.worker.model_support import check_config, check_probe, context_length_of
 
@@ -90,7 +107,15 @@ class ModelRunner:
     ``(key_cache, value_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``),
     ``kv_cache_dtype`` (the cache's torch dtype), ``kv_format`` (its quantized format, or None),
     ``kv_scales`` (per layer :class:`~pagedkv.kernels.KVScales` of a quantized cache, else None),
-    ``eos_token_ids``.
+    ``eos_token_ids``; the host tier: ``num_host_blocks`` (0: none), ``host_kv_cache_bytes``,
+    ``host_kv_cache`` ``[L, 2, num_host_blocks, block_size, num_kv_heads, head_dim]`` and
+    ``host_kv_scale_cache`` ``[L, 2, num_host_blocks, block_size, num_kv_heads]`` (a quantized
+    cache's scales, else None) on the CPU (None when there is no tier), ``host_cache`` (the
+    :class:`~pagedkv.worker.host_cache.HostKVCache` that owns them and runs the swaps, or
+    None); ``kv_cache_dir`` (the disk tier's folder, created and checked writable, or None).
+
+    Per step: :meth:`execute`; also :meth:`copy_blocks`, :meth:`swap_blocks` and
+    :meth:`measure_swap_bandwidth` (for the scheduler's swap-or-recompute cost model).
     """
 
     def __init__(
@@ -110,8 +135,10 @@ class ModelRunner:
             if not isinstance(value, cls):
                 raise ConfigError(f"{name} must be a pagedkv.config.{cls.__name__}, got {type(value).__name__}")
         self.model_config, self.cache_config, self.scheduling_config = model_config, cache_config, scheduling_config
+        check_preemption_mode(cache_config, scheduling_config)
 
         self.device = _resolve_device(model_config.device)
+        self.kv_cache_dir = _prepare_kv_cache_dir(cache_config.kv_cache_dir)
         self.block_size = block_size = cache_config.block_size
         self.model_path = resolve_model(model_config.model)
         register_pagedkv_attention()
@@ -176,6 +203,8 @@ class ModelRunner:
             num_blocks = self._blocks_that_fit(cache_config, scheduling_config)
         self.num_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * self.bytes_per_block
+        self.num_host_blocks = self._host_blocks(cache_config)
+        self.host_kv_cache_bytes = self.num_host_blocks * self.bytes_per_block
         self._check_fits_in_memory()
         # One tensor for every layer's K and V: copy-on-write is one indexed copy per step.
         # Zeros, not empty: padding keys are masked, but NaN garbage times a zero weight is NaN.
@@ -211,6 +240,18 @@ class ModelRunner:
                 f"{self.bytes_per_block:,} bytes) on {self.device}: {exc}"
             ) from exc
         self.kv_caches = [(self.kv_cache[layer, 0], self.kv_cache[layer, 1]) for layer in range(self.num_layers)]
+        self.host_cache: HostKVCache | None = None
+        if self.num_host_blocks > 0:
+            try:
+                with torch.inference_mode():
+                    self.host_cache = HostKVCache(self.kv_cache, self.kv_scale_cache, self.num_host_blocks)
+            except (RuntimeError, MemoryError) as exc:
+                raise ConfigError(
+                    f"cannot allocate the host KV cache ({self.host_kv_cache_bytes:,} bytes = {self.num_host_blocks} "
+                    f"host blocks x {self.bytes_per_block:,} bytes): {exc}"
+                ) from exc
+        self.host_kv_cache = None if self.host_cache is None else self.host_cache.kv_cache
+        self.host_kv_scale_cache = None if self.host_cache is None else self.host_cache.kv_scale_cache
         self.kv_scales: list[KVScales] | None = None
         if self.kv_scale_cache is not None:
             k_static, v_static = static_scales if static_scales is not None else (None, None)
@@ -246,7 +287,10 @@ class ModelRunner:
         ``step`` has the ``SchedulerOutput`` fields (numpy arrays or tensors): ``input_ids``
         int64[T], ``positions`` int64[T], ``cu_seqlens_q`` int32[B+1], ``seq_lens`` int32[B],
         ``block_tables`` int32[B, max_blocks], ``slot_mapping`` int64[T], ``logits_indices``
-        int64[S] and optionally ``copy_ops`` int32[K, 2] (src, dst), run before the forward.
+        int64[S] and optionally ``swap_out`` int32[K, 2] (device block, host block),
+        ``swap_in`` int32[K, 2] (host block, device block) and ``copy_ops`` int32[K, 2]
+        (src, dst), run in that order before the forward (:meth:`swap_blocks`,
+        :meth:`copy_blocks`). Everything is validated before anything is written.
         """
         # Host tensors first (from_numpy: no copy): the step is checked before anything runs.
         input_ids = _index_tensor(step.input_ids, torch.int64, "input_ids")
@@ -273,10 +317,15 @@ class ModelRunner:
                 value_cache=value_cache,
                 dtype=self.dtype,
             )
-        # Copy-on-write before the forward: this step's K/V writes go into the copies.
+        swap_out, swap_in = self._check_swaps(getattr(step, "swap_out", None), getattr(step, "swap_in", None))
         copy_ops = getattr(step, "copy_ops", None)
-        if copy_ops is not None and len(copy_ops) > 0:
-            self.copy_blocks(copy_ops)
+        copies = self._check_copy_ops(copy_ops) if copy_ops is not None and len(copy_ops) > 0 else None
+        # Validated: now the writes. Swaps first (swap_out reads before swap_in overwrites),
+        # then copy-on-write before the forward: this step's K/V writes go into the copies.
+        if self.host_cache is not None:
+            self.host_cache.swap(swap_out, swap_in)
+        if copies is not None:
+            self._run_copies(copies)
         if metadata is None:  # nothing scheduled (copy ops only)
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         context = PagedAttentionContext(
@@ -293,11 +342,109 @@ class ModelRunner:
     def copy_blocks(self, copy_ops: Any) -> None:
         """Copy whole blocks ``src -> dst`` in every layer's K and V (and their scales, for a
         quantized cache). ``copy_ops``: int[K, 2]."""
+        ops = self._check_copy_ops(copy_ops)
+        if ops is not None:
+            self._run_copies(ops)
+
+    @torch.inference_mode()
+    def swap_blocks(self, swap_out: Any = None, swap_in: Any = None) -> None:
+        """Copy whole blocks between the device pool and the host tier (every layer's K and V,
+        and the scales of a quantized cache): first ``swap_out`` int[K, 2] rows (device block,
+        host block), host := device; then ``swap_in`` int[K, 2] rows (host block, device
+        block), device := host. None or empty: nothing. Both are validated before anything is
+        copied (``InvalidArgumentError``: not [K, 2] integers, an id outside its pool, a
+        destination written twice, or any swap without a host tier). On CUDA the copies run on
+        a side stream that the compute stream waits for (:class:`HostKVCache`)."""
+        out_ops, in_ops = self._check_swaps(swap_out, swap_in)
+        if self.host_cache is not None:
+            self.host_cache.swap(out_ops, in_ops)
+
+    @torch.inference_mode()
+    def measure_swap_bandwidth(self, num_blocks: int = 8, repeats: int = 3) -> float:
+        """Bytes per second of a device -> host -> device round trip of ``num_blocks`` blocks
+        through the swap path (:class:`HostKVCache`), the median of ``repeats`` timed round
+        trips after one warm-up: ``2 * num_blocks * bytes_per_block`` (each block copied out
+        and back in) over the round trip's time, so a round trip of n blocks costs
+        ``2 * n * bytes_per_block / bandwidth`` seconds. Scratch blocks of the pool's shape
+        are used: the real KV (device and host) is not touched, and no host tier is needed."""
+        for name, value in (("num_blocks", num_blocks), ("repeats", repeats)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        scratch = torch.zeros(
+            (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:]),
+            dtype=self.kv_cache.dtype,
+            device=self.device,
+        )
+        scales = None
+        if self.kv_scale_cache is not None:
+            scales = torch.zeros(
+                (*self.kv_scale_cache.shape[:2], num_blocks, *self.kv_scale_cache.shape[3:]),
+                dtype=self.kv_scale_cache.dtype,
+                device=self.device,
+            )
+        host = HostKVCache(scratch, scales, num_blocks)
+        ids = torch.arange(num_blocks, dtype=torch.int64)
+        ops = torch.stack([ids, ids], dim=1)
+        times = []
+        for attempt in range(repeats + 1):  # the first: warm-up (pinned buffers, kernels)
+            self._synchronize()
+            start = time.perf_counter()
+            host.swap(ops, ops)
+            self._synchronize()
+            if attempt:
+                times.append(time.perf_counter() - start)
+        seconds = max(float(np.median(times)), 1e-9)
+        return 2 * num_blocks * self.bytes_per_block / seconds
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _check_swaps(self, swap_out: Any, swap_in: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Both swap arrays as validated CPU int64 ``[K, 2]`` tensors (None: no swaps)."""
+        pools = {"device": self.num_blocks, "host": self.num_host_blocks}
+        return (
+            self._check_swap_ops(swap_out, "swap_out", ("device", "host"), pools),
+            self._check_swap_ops(swap_in, "swap_in", ("host", "device"), pools),
+        )
+
+    def _check_swap_ops(
+        self, ops_in: Any, name: str, columns: tuple[str, str], pools: dict[str, int]
+    ) -> torch.Tensor | None:
+        if ops_in is None:
+            return None
+        ops = _as_tensor(ops_in, name)
+        if ops.numel() == 0:
+            return None
+        if self.host_cache is None:
+            raise InvalidArgumentError(
+                f"{name} holds {ops.shape[0] if ops.dim() else 1} swap(s), but this runner has no host KV tier "
+                f"(num_host_blocks = 0): set num_host_blocks / host_kv_cache_memory / swap_space"
+            )
+        ops = _index_tensor(ops, torch.int64, name).cpu()
+        if ops.dim() != 2 or ops.shape[1] != 2:
+            raise InvalidArgumentError(
+                f"{name} must be [K, 2] ({columns[0]} block, {columns[1]} block), got shape {tuple(ops.shape)}"
+            )
+        for column, pool in enumerate(columns):
+            ids = ops[:, column]
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high >= pools[pool]:
+                raise InvalidArgumentError(
+                    f"{name} holds {pool} block id {low if low < 0 else high}, not in [0, {pools[pool]})"
+                )
+        if len(set(ops[:, 1].tolist())) != ops.shape[0]:
+            raise InvalidArgumentError(f"{name} writes the same {columns[1]} block twice")
+        return ops
+
+    def _check_copy_ops(self, copy_ops: Any) -> torch.Tensor | None:
+        """``copy_ops`` as int64 ``[K, 2]`` on the device, values checked when they are on
+        the host; None when empty."""
         ops = _as_tensor(copy_ops, "copy_ops")
         if ops.dim() != 2 or ops.shape[1] != 2:
             raise InvalidArgumentError(f"copy_ops must be [K, 2] (src, dst), got shape {tuple(ops.shape)}")
         if ops.numel() == 0:
-            return
+            return None
         if ops.device.type == "cpu":  # value checks are free on the host
             low, high = int(ops.min()), int(ops.max())
             if low < 0 or high >= self.num_blocks:
@@ -305,7 +452,9 @@ class ModelRunner:
                 raise InvalidArgumentError(f"copy_ops holds block id {bad}, not in [0, {self.num_blocks})")
             if len(set(ops[:, 1].tolist())) != ops.shape[0]:
                 raise InvalidArgumentError("copy_ops writes the same destination block twice")
-        ops = ops.to(self.device, torch.int64, non_blocking=True)
+        return ops.to(self.device, torch.int64, non_blocking=True)
+
+    def _run_copies(self, ops: torch.Tensor) -> None:
         src, dst = ops[:, 0], ops[:, 1]
         _copy_blocks(self.kv_cache, src, dst)
         if self.kv_scale_cache is not None:
@@ -383,15 +532,58 @@ class ModelRunner:
             num_blocks = MAX_NUM_BLOCKS
         return num_blocks
 
+    def _host_blocks(self, cache: CacheConfig) -> int:
+        """The host tier's block count: explicit, or a byte budget (``host_kv_cache_memory``,
+        or ``swap_space`` GiB) over ``bytes_per_block``; 0 without a host tier."""
+        if cache.num_host_blocks is not None:
+            return cache.num_host_blocks
+        if cache.host_kv_cache_memory is not None:
+            budget, source = cache.host_kv_cache_memory, f"host_kv_cache_memory={cache.host_kv_cache_memory}"
+        elif cache.swap_space is not None:
+            budget, source = int(cache.swap_space * 2**30), f"swap_space={cache.swap_space} GiB"
+        else:
+            return 0
+        num_blocks = budget // self.bytes_per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                f"{source} = {budget:,} bytes is less than one KV block ({self.bytes_per_block:,} bytes): "
+                f"raise it, or give num_host_blocks"
+            )
+        if num_blocks > MAX_NUM_BLOCKS:
+            warnings.warn(
+                f"{source} makes room for {num_blocks} host blocks of {self.bytes_per_block} bytes, more than the "
+                f"core's limit MAX_NUM_BLOCKS = {MAX_NUM_BLOCKS}: the host tier is clamped to {MAX_NUM_BLOCKS} blocks",
+                UserWarning,
+                stacklevel=3,
+            )
+            num_blocks = MAX_NUM_BLOCKS
+        return num_blocks
+
     def _check_fits_in_memory(self) -> None:
         """Refuse, before allocating, a pool the device cannot hold (instead of an allocator
-        error, or on the CPU the OOM killer once zeros are written)."""
+        error, or on the CPU the OOM killer once zeros are written), and a host tier the host
+        cannot hold (on a CPU device, next to the device pool)."""
         available = _available_memory(self.device)
         if available is not None and self.kv_cache_bytes > available:
             raise ConfigError(
                 f"the KV cache would take {self.kv_cache_bytes:,} bytes ({self.num_blocks} blocks x "
                 f"{self.bytes_per_block:,} bytes), more than the {available:,} bytes available on {self.device}: "
                 f"lower num_blocks / kv_cache_memory / gpu_memory_utilization, or block_size"
+            )
+        if self.host_kv_cache_bytes == 0:
+            return
+        on_cpu = self.device.type == "cpu"
+        host_available = available if on_cpu else _available_memory(torch.device("cpu"))
+        if host_available is None:
+            return
+        if on_cpu:
+            host_available -= self.kv_cache_bytes
+        if self.host_kv_cache_bytes > host_available:
+            beside = " beside the device KV cache" if on_cpu else ""
+            raise ConfigError(
+                f"the host KV cache would take {self.host_kv_cache_bytes:,} bytes ({self.num_host_blocks} host "
+                f"blocks x {self.bytes_per_block:,} bytes), more than the {max(host_available, 0):,} bytes of host "
+                f"memory available{beside}: lower num_host_blocks / host_kv_cache_memory / swap_space"
             )
 
     @torch.inference_mode()
@@ -534,6 +726,21 @@ def _copy_blocks(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> N
     """
     cache = byte_view(cache)
     cache.index_copy_(2, dst, cache.index_select(2, src))
+
+
+def _prepare_kv_cache_dir(folder: str | None) -> str | None:
+    """The disk tier's folder, created if missing; ConfigError unless it is a writable folder."""
+    if folder is None:
+        return None
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"kv_cache_dir={folder!r} cannot be created: {exc}") from exc
+    if not os.path.isdir(folder):
+        raise ConfigError(f"kv_cache_dir={folder!r} is not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"kv_cache_dir={folder!r} is not writable")
+    return folder
 
 
 def _available_memory(device: torch.device) -> int | None:
