@@ -46,6 +46,9 @@ pub struct BlockIdentity {
     pub node: u64,
     /// The node id of the previous block of the prefix; `None` for a first block.
     pub parent: Option<u64>,
+    /// The chained hash of the previous block (what a restarted process relinks a block to
+    /// its parent by, when node ids are gone: see the disk tier).
+    pub parent_hash: Option<BlockHash>,
     /// The cache salt, checked at the first block.
     pub extra: ExtraKey,
     /// How long the block is kept once free (see [`EvictionQueue`]).
@@ -536,23 +539,37 @@ impl BlockPool {
     }
 
     /// Registers the full, computed, allocated `block` under `hash`, after the block whose node
-    /// is `parent` (`None` for a first block), with a new node id, which it returns. `None` (no
-    /// change) when caching is off, the block is registered already, or another block holds
-    /// the hash (same content computed twice, or a collision).
+    /// and hash are `parent` (`None` for a first block), with a new node id, which it returns.
+    /// `None` (no change) when caching is off, the block is registered already, or another
+    /// block holds the hash (same content computed twice, or a collision).
     pub fn register(
         &mut self,
         block: BlockId,
         hash: BlockHash,
-        parent: Option<u64>,
+        parent: Option<(u64, BlockHash)>,
         tokens: &[u32],
         extra: &ExtraKey,
     ) -> Option<u64> {
         let node = self.next_node;
-        let identity = BlockIdentity { hash, node, parent, extra: extra.clone(), retention: Retention::DEFAULT };
+        let identity = BlockIdentity {
+            hash,
+            node,
+            parent: parent.map(|p| p.0),
+            parent_hash: parent.map(|p| p.1),
+            extra: extra.clone(),
+            retention: Retention::DEFAULT,
+        };
         self.register_copy(block, identity, tokens).then(|| {
             self.next_node += 1;
             node
         })
+    }
+
+    /// A new node id, never handed out before by this pool (for content registered in another
+    /// pool without a node, e.g. blocks restored from disk after a restart).
+    pub fn mint_node(&mut self) -> u64 {
+        self.next_node += 1;
+        self.next_node - 1
     }
 
     /// Registers the allocated `block` as a copy of a block registered elsewhere (another
@@ -626,9 +643,10 @@ impl BlockPool {
                 ChainLink::Broken => break,
             };
             let t = &tokens[k * bs..(k + 1) * bs];
+            let parent_full = parent.zip(k.checked_sub(1).map(|p| hashes[p]));
             let node = match self.node_of(blocks[k]) {
                 Some(n) => Some(n), // already registered (a prefix hit, or a copy)
-                None => match self.register(blocks[k], hashes[k], parent, t, extra) {
+                None => match self.register(blocks[k], hashes[k], parent_full, t, extra) {
                     Some(n) => {
                         count += 1;
                         Some(n)
@@ -639,6 +657,14 @@ impl BlockPool {
             link = node.map_or(ChainLink::Broken, ChainLink::Node);
         }
         (count, link)
+    }
+
+    /// The block registered under `hash` (a candidate: compare its identity).
+    pub fn find_hash(&self, hash: BlockHash) -> Option<BlockId> {
+        if !self.caching {
+            return None;
+        }
+        self.index.get(&index_key(hash)).copied()
     }
 
     /// The block holding exactly the content `node` (registered under `hash`), if this pool
@@ -905,7 +931,7 @@ mod tests {
         // mode, so use the real hasher for the child.
         let mut real = BlockHasher::new(HashMode::Xxh3);
         let hb = real.hash_block(Some(ha), &key, &[2]);
-        let nb = p.register(b, hb, Some(na), &[2], &key).unwrap();
+        let nb = p.register(b, hb, Some((na, ha)), &[2], &key).unwrap();
         assert_ne!(na, nb);
         assert_eq!(p.lookup_verified(hb, Some(na), &[2], &key), Some((b, nb)));
         assert_eq!(p.find_node(hb, nb), Some(b));

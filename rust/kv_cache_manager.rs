@@ -20,6 +20,15 @@
 //!    request's prefill;
 //! 3. copy-on-write `copy_ops` (device → device).
 //!
+//! With a disk tier ([`KvCacheManager::with_disk_tier`], below the host tier) the cached host
+//! blocks the host pool evicts are written to disk slots (`disk_store`, host → disk, run
+//! before everything above, so the host block is read before this step overwrites it), and a
+//! prefix hit found only on disk is read into a host block (`disk_load`, disk → host, run
+//! after `swap_out` and before `swap_in`) and from there loaded to the device. The full order:
+//! `disk_store`, `swap_out`, `disk_load`, `swap_in`, `copy_ops`. Disk slots read or written
+//! by the step are pinned like host blocks. The manager only keeps the disk slots' identities;
+//! the runner owns the files (one per slot).
+//!
 //! A block copied to the other tier keeps its node id (block_pool.rs), so one cached content
 //! may be resident on the device, on the host, or on both, and a prefix match may continue
 //! from device hits into host hits. Host blocks read by this step's swap-ins and written by
@@ -42,7 +51,7 @@
 //!   out), and no block is written again once full.
 
 use crate::block_hash::{BlockHash, BlockHasher, ExtraKey, HashMode};
-use crate::block_pool::{BlockPool, ChainLink};
+use crate::block_pool::{BlockIdentity, BlockPool, ChainLink, Evicted};
 use crate::block_table::{blocks_for, BlockTable};
 use crate::error::{CoreError, Result};
 use crate::eviction_queue::{Retention, DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY};
@@ -59,6 +68,8 @@ pub enum Tier {
     Device,
     /// Host memory: swapped-out sequences and blocks evicted from the device prefix cache.
     Host,
+    /// Files: cached blocks evicted from the host tier (never holds a sequence).
+    Disk,
 }
 
 /// How long a sequence's prompt blocks are kept in the prefix cache once free: a retention
@@ -164,7 +175,18 @@ impl Sequence {
     }
 }
 
-/// A cached block found by a prefix match, on either tier.
+/// The outcome of [`KvCacheManager::restore_disk_block`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Restore {
+    /// Restored in this slot.
+    Done(BlockId),
+    /// Its parent is not restored (yet): try again after the parent, or give up.
+    MissingParent,
+    /// Never restorable: a wrong hash, a duplicate, no free slot, or no disk tier.
+    Rejected,
+}
+
+/// A cached block found by a prefix match, on any tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TierBlock {
     /// The tier of `block`.
@@ -203,6 +225,11 @@ impl PrefixMatch {
     pub fn num_host_blocks(&self) -> usize {
         self.hits.iter().filter(|h| h.tier == Tier::Host).count()
     }
+
+    /// Number of hits found only on disk.
+    pub fn num_disk_blocks(&self) -> usize {
+        self.hits.iter().filter(|h| h.tier == Tier::Disk).count()
+    }
 }
 
 /// Prefix-cache lookups, in tokens.
@@ -214,6 +241,8 @@ pub struct PrefixCounters {
     pub hits: u64,
     /// Of the hits, tokens found only on the host (loaded back to the device).
     pub host_hits: u64,
+    /// Of the hits, tokens found only on disk (read to the host, then loaded to the device).
+    pub disk_hits: u64,
 }
 
 /// Block movements between the tiers, in blocks, over the manager's lifetime.
@@ -232,6 +261,12 @@ pub struct TierCounters {
     pub swap_outs: u64,
     /// Sequences swapped back in.
     pub swap_ins: u64,
+    /// Blocks written host → disk (cached host blocks evicted by reuse).
+    pub blocks_to_disk: u64,
+    /// Blocks read disk → host (prefix hits found only on disk).
+    pub blocks_from_disk: u64,
+    /// Evicted cached host blocks not written to disk (no room).
+    pub disk_writes_skipped: u64,
 }
 
 /// Block tables of many sequences over a device pool and an optional host pool (see the
@@ -240,6 +275,14 @@ pub struct TierCounters {
 pub struct KvCacheManager {
     pool: BlockPool,
     host: Option<BlockPool>,
+    disk: Option<BlockPool>,
+    /// (host, disk slot) writes and (disk slot, host) reads since the last `take_disk_ops`.
+    disk_store: Vec<BlockPair>,
+    disk_load: Vec<BlockPair>,
+    /// Disk slots holding an extra reference until `end_step`.
+    pinned_disk: Vec<BlockId>,
+    /// Disk slots written since `begin_step`.
+    step_disk_written: Vec<BlockId>,
     hasher: BlockHasher,
     seqs: Slab<Sequence>,
     copy_ops: Vec<(BlockId, BlockId)>,
@@ -252,7 +295,7 @@ pub struct KvCacheManager {
     /// Device blocks written by swap-ins / host blocks written by swap-outs since
     /// `begin_step`: their content is only real once the step has run (see `rollback_copies`).
     step_loaded: Vec<BlockId>,
-    step_stored: Vec<BlockId>,
+    step_host_written: Vec<BlockId>,
     prefix: PrefixCounters,
     tiers: TierCounters,
 }
@@ -265,6 +308,11 @@ impl KvCacheManager {
         Ok(KvCacheManager {
             pool,
             host: None,
+            disk: None,
+            disk_store: Vec::new(),
+            disk_load: Vec::new(),
+            pinned_disk: Vec::new(),
+            step_disk_written: Vec::new(),
             hasher,
             seqs: Slab::default(),
             copy_ops: Vec::new(),
@@ -272,7 +320,7 @@ impl KvCacheManager {
             swap_in: Vec::new(),
             pinned_host: Vec::new(),
             step_loaded: Vec::new(),
-            step_stored: Vec::new(),
+            step_host_written: Vec::new(),
             prefix: PrefixCounters::default(),
             tiers: TierCounters::default(),
         })
@@ -294,6 +342,35 @@ impl KvCacheManager {
         self.host = Some(host);
         self.pool.set_log_evictions(true);
         Ok(self)
+    }
+
+    /// Adds a disk tier of `num_disk_blocks` slots (0: none) below the host tier: cached host
+    /// blocks the host pool evicts are written to it, and prefix hits found only there are
+    /// read back. Needs a host tier and prefix caching.
+    pub fn with_disk_tier(mut self, num_disk_blocks: usize) -> Result<Self> {
+        if num_disk_blocks == 0 {
+            self.disk = None;
+            return Ok(self);
+        }
+        let Some(host) = self.host.as_mut() else {
+            return Err(CoreError::Config("a disk tier needs a host tier (num_host_blocks > 0)".into()));
+        };
+        if !self.pool.prefix_caching() {
+            return Err(CoreError::Config("a disk tier needs prefix caching".into()));
+        }
+        host.set_log_evictions(true);
+        let disk = BlockPool::new(num_disk_blocks, self.pool.block_size(), true, self.pool.hash_mode()).map_err(|e| match e {
+            CoreError::Config(m) => CoreError::Config(format!("disk tier: {m}")),
+            e => e,
+        })?;
+        self.disk = Some(disk);
+        Ok(self)
+    }
+
+    /// The disk tier's slots, if there is a disk tier.
+    #[inline]
+    pub fn disk_pool(&self) -> Option<&BlockPool> {
+        self.disk.as_ref()
     }
 
     /// The device pool (read-only: blocks change hands only through sequences).
@@ -354,7 +431,7 @@ impl KvCacheManager {
     }
 
     fn evictions(&self) -> u64 {
-        self.pool.counters().evictions + self.host.as_ref().map_or(0, |h| h.counters().evictions)
+        [Some(&self.pool), self.host.as_ref(), self.disk.as_ref()].into_iter().flatten().map(|p| p.counters().evictions).sum()
     }
 
     /// The longest verified cached prefix of `tokens` under `extra`, leaving at least one token
@@ -370,14 +447,12 @@ impl KvCacheManager {
         let mut parent = None;
         for (k, &h) in m.hashes.iter().take(max_blocks).enumerate() {
             let t = &tokens[k * bs..(k + 1) * bs];
-            let found = match self.pool.lookup_verified(h, parent, t, extra) {
-                Some((block, node)) => Some((TierBlock { tier: Tier::Device, block }, node)),
-                None => self
-                    .host
-                    .as_ref()
-                    .and_then(|host| host.lookup_verified(h, parent, t, extra))
-                    .map(|(block, node)| (TierBlock { tier: Tier::Host, block }, node)),
-            };
+            let found = [(Tier::Device, Some(&self.pool)), (Tier::Host, self.host.as_ref()), (Tier::Disk, self.disk.as_ref())]
+                .into_iter()
+                .find_map(|(tier, pool)| {
+                    let (block, node) = pool?.lookup_verified(h, parent, t, extra)?;
+                    Some((TierBlock { tier, block }, node))
+                });
             let Some((hit, node)) = found else { break };
             m.hits.push(hit);
             parent = Some(node);
@@ -394,7 +469,7 @@ impl KvCacheManager {
         let bs = self.block_size();
         let hit_tokens = m.num_tokens(bs);
         let fresh = blocks_for(hit_tokens + num_new_tokens, bs) - m.hits.len();
-        let from_host = m.num_host_blocks();
+        let from_host = m.hits.iter().filter(|h| h.tier != Tier::Device).count();
         let revived = m
             .hits
             .iter()
@@ -422,18 +497,27 @@ impl KvCacheManager {
         if m.evictions_at_match != self.evictions() {
             m = self.match_prefix(&tokens, &extra);
         }
-        // Device hits first (taking them out of the free queue), then pin the host hits, so
-        // that the fresh device blocks for the host hits can evict neither.
-        let mut room = self.pool.num_free()
-            - m.hits.iter().filter(|h| h.tier == Tier::Device && self.pool.ref_count_unchecked(h.block) == 0).count();
+        // Keep the hits the pools have room for: a host hit needs a fresh device block, a
+        // disk hit a fresh host block too (free blocks that are hits themselves are taken out
+        // of the free queue first, so they do not count as room). The prefix ends before the
+        // first hit that does not fit.
+        let revived = |pool: &BlockPool, tier: Tier| {
+            m.hits.iter().filter(|h| h.tier == tier && pool.ref_count_unchecked(h.block) == 0).count()
+        };
+        let mut device_room = self.pool.num_free() - revived(&self.pool, Tier::Device);
+        let mut host_room = self.host.as_ref().map_or(0, |h| h.num_free() - revived(h, Tier::Host));
         let mut keep = m.hits.len();
         for (k, hit) in m.hits.iter().enumerate() {
-            if hit.tier == Tier::Host {
-                if room == 0 {
-                    keep = k;
-                    break;
-                }
-                room -= 1;
+            let needs_host = hit.tier == Tier::Disk;
+            if hit.tier != Tier::Device && (device_room == 0 || (needs_host && host_room == 0)) {
+                keep = k;
+                break;
+            }
+            if hit.tier != Tier::Device {
+                device_room -= 1;
+            }
+            if needs_host {
+                host_room -= 1;
             }
         }
         if keep < m.hits.len() {
@@ -444,6 +528,8 @@ impl KvCacheManager {
                 Some(h) => self.node_of(*h).map_or(ChainLink::Broken, ChainLink::Node),
             };
         }
+        // Take every hit first (device ones out of the free queue, host and disk ones pinned),
+        // so that the fresh blocks allocated below can evict none of them.
         for hit in &m.hits {
             match hit.tier {
                 Tier::Device => self.pool.acquire_unchecked(hit.block),
@@ -453,20 +539,32 @@ impl KvCacheManager {
                         self.pinned_host.push(hit.block);
                     }
                 }
+                Tier::Disk => {
+                    if let Some(disk) = self.disk.as_mut() {
+                        disk.acquire_unchecked(hit.block);
+                        self.pinned_disk.push(hit.block);
+                    }
+                }
             }
         }
         let mut blocks = Vec::with_capacity(m.hits.len());
-        let mut loaded = 0u64;
+        let (mut from_host, mut from_disk) = (0u64, 0u64);
         for hit in &m.hits {
-            match hit.tier {
-                Tier::Device => blocks.push(hit.block),
+            // Room was counted above: the loads cannot fail.
+            let loaded = match hit.tier {
+                Tier::Device => Some(hit.block),
                 Tier::Host => {
-                    // Room was counted above; `load` cannot fail.
-                    if let Some(d) = self.load_from_host(hit.block) {
-                        blocks.push(d);
-                        loaded += 1;
-                    }
+                    from_host += 1;
+                    self.load_from_host(hit.block)
                 }
+                Tier::Disk => {
+                    from_disk += 1;
+                    self.load_from_disk(hit.block).and_then(|h| self.load_from_host(h))
+                }
+            };
+            match loaded {
+                Some(d) => blocks.push(d),
+                None => break,
             }
         }
         self.write_back_evicted();
@@ -474,8 +572,12 @@ impl KvCacheManager {
         let hit_tokens = blocks.len() * bs;
         self.prefix.queries += tokens.len() as u64;
         self.prefix.hits += hit_tokens as u64;
-        self.prefix.host_hits += loaded * bs as u64;
+        self.prefix.host_hits += from_host * bs as u64;
+        self.prefix.disk_hits += from_disk * bs as u64;
         let num_registered = blocks.len();
+        if num_registered < m.hits.len() {
+            m.link = ChainLink::Broken; // cannot happen (room was counted); stay safe
+        }
         let prompt_len = tokens.len();
         let seq = Sequence {
             tokens,
@@ -494,9 +596,14 @@ impl KvCacheManager {
     }
 
     fn node_of(&self, b: TierBlock) -> Option<u64> {
-        match b.tier {
-            Tier::Device => self.pool.node_of(b.block),
-            Tier::Host => self.host.as_ref().and_then(|h| h.node_of(b.block)),
+        self.tier_pool(b.tier).and_then(|p| p.node_of(b.block))
+    }
+
+    fn tier_pool(&self, tier: Tier) -> Option<&BlockPool> {
+        match tier {
+            Tier::Device => Some(&self.pool),
+            Tier::Host => self.host.as_ref(),
+            Tier::Disk => self.disk.as_ref(),
         }
     }
 
@@ -514,36 +621,50 @@ impl KvCacheManager {
         Some(d)
     }
 
-    /// Writes the cached device blocks evicted since the last call back to the host tier
-    /// (module docs), unless the host already holds their content or has no room for them:
-    /// room is a free block that holds nothing cached, or a cached one whose retention
-    /// priority is not above the evicted block's.
-    fn write_back_evicted(&mut self) {
-        if !self.pool.has_evicted() {
-            return;
+    /// Reads disk slot `slot` into a fresh host block registered with the same identity and
+    /// pinned until `end_step` (recording the disk load), or `None` if no host block is free.
+    fn load_from_disk(&mut self, slot: BlockId) -> Option<BlockId> {
+        let (host, disk) = (self.host.as_mut()?, self.disk.as_ref()?);
+        let h = host.allocate_one()?;
+        if let Some(identity) = disk.identity(slot) {
+            host.register_copy(h, identity.clone(), disk.cached_tokens(slot));
         }
-        let evicted = self.pool.take_evicted();
-        let Some(host) = self.host.as_mut() else { return };
-        for ev in evicted {
-            if host.find_node(ev.identity.hash, ev.identity.node).is_some() {
-                continue; // resident on the host already
+        self.disk_load.push((slot, h));
+        self.step_host_written.push(h);
+        self.pinned_host.push(h);
+        self.tiers.blocks_from_disk += 1;
+        Some(h)
+    }
+
+    /// Writes the cached blocks evicted since the last call one tier down: device blocks to
+    /// the host tier (`swap_out`), then host blocks — including those just evicted to make
+    /// room — to the disk tier (`disk_store`). See [`spill`].
+    fn write_back_evicted(&mut self) {
+        if let Some(host) = self.host.as_mut() {
+            if self.pool.has_evicted() {
+                let (written, skipped) = spill(
+                    self.pool.take_evicted(),
+                    host,
+                    &mut self.swap_out,
+                    &mut self.step_host_written,
+                    &mut self.pinned_host,
+                );
+                self.tiers.blocks_to_host += written;
+                self.tiers.write_backs += written;
+                self.tiers.write_backs_skipped += skipped;
             }
-            let room = host.num_free_uncached() > 0
-                || host.next_eviction_priority().is_some_and(|p| p <= ev.identity.retention.priority);
-            let Some(h) = room.then(|| host.allocate_one()).flatten() else {
-                self.tiers.write_backs_skipped += 1;
-                continue;
-            };
-            if host.register_copy(h, ev.identity, &ev.tokens) {
-                self.swap_out.push((ev.block, h));
-                self.step_stored.push(h);
-                self.pinned_host.push(h);
-                self.tiers.blocks_to_host += 1;
-                self.tiers.write_backs += 1;
-            } else {
-                // Another host block holds the hash (a duplicate or a collision).
-                host.release_ref_unchecked(h);
-                self.tiers.write_backs_skipped += 1;
+            if let Some(disk) = self.disk.as_mut() {
+                if host.has_evicted() {
+                    let (written, skipped) = spill(
+                        host.take_evicted(),
+                        disk,
+                        &mut self.disk_store,
+                        &mut self.step_disk_written,
+                        &mut self.pinned_disk,
+                    );
+                    self.tiers.blocks_to_disk += written;
+                    self.tiers.disk_writes_skipped += skipped;
+                }
             }
         }
     }
@@ -710,6 +831,7 @@ impl KvCacheManager {
         let pool = match child.tier {
             Tier::Device => &mut self.pool,
             Tier::Host => self.host.as_mut().ok_or_else(|| CoreError::InvariantViolation("host sequence without a host tier".into()))?,
+            Tier::Disk => return Err(CoreError::InvariantViolation("a sequence on the disk tier".into())),
         };
         for &b in child.table.blocks() {
             pool.acquire_unchecked(b);
@@ -774,6 +896,7 @@ impl KvCacheManager {
                     Self::release_blocks(host, &seq, &blocks);
                 }
             }
+            Tier::Disk => {} // never: no sequence lives on disk
         }
         Ok(seq.tokens)
     }
@@ -824,7 +947,7 @@ impl KvCacheManager {
     /// `Ok(false)` and no change without a host tier or with too few free host blocks (the
     /// caller recomputes instead). The sequence's window must be closed (its last step ran).
     pub fn swap_out(&mut self, id: SeqId) -> Result<bool> {
-        let KvCacheManager { pool, host, hasher, seqs, swap_out, step_stored, tiers, .. } = self;
+        let KvCacheManager { pool, host, hasher, seqs, swap_out, step_host_written, tiers, .. } = self;
         let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         let Some(host) = host.as_mut() else { return Ok(false) };
         if seq.tier != Tier::Device {
@@ -863,7 +986,7 @@ impl KvCacheManager {
                 host.register_copy(h, identity.clone(), pool.cached_tokens(d));
             }
             swap_out.push((d, h));
-            step_stored.push(h);
+            step_host_written.push(h);
             tiers.blocks_to_host += 1;
             *t = Some(h);
         }
@@ -873,6 +996,8 @@ impl KvCacheManager {
         seq.tier = Tier::Host;
         seq.write_start = seq.num_computed;
         tiers.swap_outs += 1;
+        // Host blocks evicted for the copies go to the disk tier.
+        self.write_back_evicted();
         Ok(true)
     }
 
@@ -945,7 +1070,8 @@ impl KvCacheManager {
     /// Starts planning a step: forgets the previous step's copy targets (it ran).
     pub fn begin_step(&mut self) {
         self.step_loaded.clear();
-        self.step_stored.clear();
+        self.step_host_written.clear();
+        self.step_disk_written.clear();
     }
 
     /// Ends planning a step: writes back what was evicted and releases the host pins
@@ -955,6 +1081,11 @@ impl KvCacheManager {
         if let Some(host) = self.host.as_mut() {
             for h in self.pinned_host.drain(..) {
                 host.release_ref_unchecked(h);
+            }
+        }
+        if let Some(disk) = self.disk.as_mut() {
+            for d in self.pinned_disk.drain(..) {
+                disk.release_ref_unchecked(d);
             }
         }
     }
@@ -968,18 +1099,138 @@ impl KvCacheManager {
             self.pool.uncache(d);
         }
         if let Some(host) = self.host.as_mut() {
-            for &h in &self.step_stored {
+            for &h in &self.step_host_written {
                 host.uncache(h);
             }
         }
+        if let Some(disk) = self.disk.as_mut() {
+            for &d in &self.step_disk_written {
+                disk.uncache(d);
+            }
+        }
         self.step_loaded.clear();
-        self.step_stored.clear();
+        self.step_host_written.clear();
+        self.step_disk_written.clear();
+    }
+
+    /// Plans copies of every cached block one tier down where the lower tier lacks it (room
+    /// permitting, as for evictions): host blocks to disk first, then device blocks to the
+    /// host (evicted host blocks go to disk too). Nothing is freed or lost; the blocks stay
+    /// where they are. A flush before shutdown (repeated until it plans nothing) leaves the
+    /// disk tier holding what the upper tiers cached, for a restarted engine. Returns the
+    /// number of copies planned.
+    pub fn plan_flush(&mut self) -> usize {
+        let before = self.swap_out.len() + self.disk_store.len();
+        let cached_missing_below = |upper: &BlockPool, lower: &BlockPool| -> Vec<Evicted> {
+            (0..upper.num_blocks() as u32)
+                .map(BlockId)
+                .filter_map(|b| {
+                    let id = upper.identity(b)?;
+                    lower.find_node(id.hash, id.node).is_none().then(|| Evicted {
+                        block: b,
+                        identity: id.clone(),
+                        tokens: upper.cached_tokens(b).to_vec(),
+                    })
+                })
+                .collect()
+        };
+        if let (Some(host), Some(disk)) = (self.host.as_ref(), self.disk.as_mut()) {
+            let todo = cached_missing_below(host, disk);
+            let (written, skipped) = spill(todo, disk, &mut self.disk_store, &mut self.step_disk_written, &mut self.pinned_disk);
+            self.tiers.blocks_to_disk += written;
+            self.tiers.disk_writes_skipped += skipped;
+        }
+        if let Some(host) = self.host.as_mut() {
+            let todo = cached_missing_below(&self.pool, host);
+            let (written, skipped) = spill(todo, host, &mut self.swap_out, &mut self.step_host_written, &mut self.pinned_host);
+            self.tiers.blocks_to_host += written;
+            self.tiers.write_backs += written;
+            self.tiers.write_backs_skipped += skipped;
+        }
+        self.write_back_evicted();
+        self.swap_out.len() + self.disk_store.len() - before
+    }
+
+    /// Takes the disk copies recorded since the last call: `(host, slot)` writes and
+    /// `(slot, host)` reads, each in order (module docs for where they run in a step).
+    pub fn take_disk_ops(&mut self) -> (Vec<BlockPair>, Vec<BlockPair>) {
+        (std::mem::take(&mut self.disk_store), std::mem::take(&mut self.disk_load))
+    }
+
+    /// What disk slot `slot` holds: its identity and token ids (`None`: no disk tier, a bad
+    /// slot, or nothing cached there). The runner writes them into the slot's file so that a
+    /// restarted engine can restore the entry ([`Self::restore_disk_block`]).
+    pub fn disk_block(&self, slot: BlockId) -> Option<(&BlockIdentity, &[u32])> {
+        let disk = self.disk.as_ref()?;
+        disk.check_id(slot).ok()?;
+        Some((disk.identity(slot)?, disk.cached_tokens(slot)))
+    }
+
+    /// Restores a disk entry written by an earlier process: the block of `tokens` (one block)
+    /// under `extra`, whose chained hash is `hash`, after the block whose hash is
+    /// `parent_hash` (`None`: a first block). The hash is recomputed from the parent's and
+    /// the tokens and must equal `hash`, and the parent must be restored already, so a
+    /// restored chain is a chain of exact hash links; node ids are new. Nothing changes unless
+    /// it is [`Restore::Done`]. Only with the full 128-bit hash: with a truncated test hash a
+    /// link proves nothing, and nothing is restored.
+    pub fn restore_disk_block(
+        &mut self,
+        hash: BlockHash,
+        parent_hash: Option<BlockHash>,
+        tokens: &[u32],
+        extra: &ExtraKey,
+    ) -> Restore {
+        let Some(disk) = self.disk.as_mut() else { return Restore::Rejected };
+        if disk.hash_mode() != HashMode::Xxh3
+            || tokens.len() != disk.block_size()
+            || self.hasher.hash_block(parent_hash, extra, tokens) != hash
+        {
+            return Restore::Rejected;
+        }
+        let parent = match parent_hash {
+            None => None,
+            Some(ph) => match disk.find_hash(ph).and_then(|b| disk.identity(b)) {
+                Some(id) if id.hash == ph && id.extra == *extra => Some(id.node),
+                _ => return Restore::MissingParent,
+            },
+        };
+        if disk.find_hash(hash).is_some() || disk.num_free_uncached() == 0 {
+            return Restore::Rejected;
+        }
+        let Some(slot) = disk.allocate_one() else { return Restore::Rejected };
+        let identity = BlockIdentity {
+            hash,
+            node: self.pool.mint_node(),
+            parent,
+            parent_hash,
+            extra: extra.clone(),
+            retention: Retention::DEFAULT,
+        };
+        let ok = disk.register_copy(slot, identity, tokens);
+        disk.release_ref_unchecked(slot);
+        if ok {
+            Restore::Done(slot)
+        } else {
+            Restore::Rejected
+        }
+    }
+
+    /// Ends the cached identity of disk slots whose file could not be written or read (the
+    /// runner reports them): they are never served.
+    pub fn invalidate_disk_blocks(&mut self, slots: &[BlockId]) {
+        if let Some(disk) = self.disk.as_mut() {
+            for &s in slots {
+                if disk.check_id(s).is_ok() {
+                    disk.uncache(s);
+                }
+            }
+        }
     }
 
     /// True when the host sequence `id` holds a block written by the step being planned.
-    pub fn holds_step_stored(&self, id: SeqId) -> Result<bool> {
+    pub fn holds_step_host_written(&self, id: SeqId) -> Result<bool> {
         let seq = self.seq(id)?;
-        Ok(seq.tier == Tier::Host && seq.table.blocks().iter().any(|b| self.step_stored.contains(b)))
+        Ok(seq.tier == Tier::Host && seq.table.blocks().iter().any(|b| self.step_host_written.contains(b)))
     }
 
     /// Takes the copy-on-write ops recorded since the last call, in order.
@@ -1036,9 +1287,10 @@ impl KvCacheManager {
             let counts = match seq.tier {
                 Tier::Device => &mut holders,
                 Tier::Host if self.host.is_some() => &mut host_holders,
-                Tier::Host => {
+                Tier::Host | Tier::Disk => {
                     return Err(CoreError::InvariantViolation(format!(
-                        "sequence in slot {slot} is on the host, but there is no host tier"
+                        "sequence in slot {slot} is on tier {:?}, which cannot hold it",
+                        seq.tier
                     )))
                 }
             };
@@ -1052,6 +1304,19 @@ impl KvCacheManager {
                 return Err(CoreError::InvariantViolation(format!(
                     "block {i} has ref count {rc} but {h} block tables hold it"
                 )));
+            }
+        }
+        if let Some(disk) = &self.disk {
+            disk.check_invariants()?;
+            let mut pins = vec![0u32; disk.num_blocks()];
+            for &d in &self.pinned_disk {
+                pins[d.index()] += 1;
+            }
+            for (i, &p) in pins.iter().enumerate() {
+                let rc = disk.ref_count_unchecked(BlockId(i as u32));
+                if rc != p {
+                    return Err(CoreError::InvariantViolation(format!("disk slot {i} has ref count {rc} but {p} pins")));
+                }
             }
         }
         if let Some(host) = &self.host {
@@ -1092,6 +1357,44 @@ impl KvCacheManager {
         }
         Ok(())
     }
+}
+
+/// Copies cached blocks that one tier evicted into `lower` (the next tier down), recording a
+/// `(source, destination)` op per block, unless `lower` already holds their content or has no
+/// room for them: room is a free block that holds nothing cached, or a cached one whose
+/// retention priority is not above the evicted block's. Destinations are pinned (`pins`)
+/// until the step's plan ends and listed in `written` (rollback). Returns the blocks written
+/// and skipped.
+fn spill(
+    evicted: Vec<Evicted>,
+    lower: &mut BlockPool,
+    ops: &mut Vec<BlockPair>,
+    written: &mut Vec<BlockId>,
+    pins: &mut Vec<BlockId>,
+) -> (u64, u64) {
+    let (mut n_written, mut n_skipped) = (0, 0);
+    for ev in evicted {
+        if lower.find_node(ev.identity.hash, ev.identity.node).is_some() {
+            continue; // resident there already
+        }
+        let room =
+            lower.num_free_uncached() > 0 || lower.next_eviction_priority().is_some_and(|p| p <= ev.identity.retention.priority);
+        let Some(dst) = room.then(|| lower.allocate_one()).flatten() else {
+            n_skipped += 1;
+            continue;
+        };
+        if lower.register_copy(dst, ev.identity, &ev.tokens) {
+            ops.push((ev.block, dst));
+            written.push(dst);
+            pins.push(dst);
+            n_written += 1;
+        } else {
+            // Another block there holds the hash (a duplicate or a collision).
+            lower.release_ref_unchecked(dst);
+            n_skipped += 1;
+        }
+    }
+    (n_written, n_skipped)
 }
 
 /// The logical index of the shared partial block the sequence's next write would go into
@@ -1173,7 +1476,7 @@ mod tests {
         }
         assert_eq!(m.pool().num_free(), 16);
         m.check_invariants().unwrap();
-        assert_eq!(m.prefix_counters(), PrefixCounters { queries: 38, hits: 12, host_hits: 0 });
+        assert_eq!(m.prefix_counters(), PrefixCounters { queries: 38, hits: 12, host_hits: 0, disk_hits: 0 });
     }
 
     #[test]

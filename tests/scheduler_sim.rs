@@ -47,21 +47,40 @@ struct FakeModel {
     kv: Vec<Option<u64>>,
     /// The host tier's slots.
     host: Vec<Option<u64>>,
+    /// The disk tier's slots.
+    disk: Vec<Option<u64>>,
 }
 
 impl FakeModel {
-    fn new(num_blocks: usize, num_host_blocks: usize, bs: usize) -> Self {
-        FakeModel { bs, kv: vec![None; num_blocks * bs], host: vec![None; num_host_blocks * bs] }
+    fn new(num_blocks: usize, num_host_blocks: usize, num_disk_blocks: usize, bs: usize) -> Self {
+        FakeModel {
+            bs,
+            kv: vec![None; num_blocks * bs],
+            host: vec![None; num_host_blocks * bs],
+            disk: vec![None; num_disk_blocks * bs],
+        }
     }
 
     /// Runs the step's block copies in the runner's order: swap-outs, swap-ins, copy-on-write;
     /// with `keep`, only the ops it accepts (a failing step).
     fn copy_blocks(&mut self, out: &StepOutput, mut keep: impl FnMut() -> bool) {
         let bs = self.bs;
+        for op in out.disk_store.chunks(2) {
+            if keep() {
+                let (h, s) = (op[0] as usize, op[1] as usize);
+                self.disk[s * bs..(s + 1) * bs].copy_from_slice(&self.host[h * bs..(h + 1) * bs]);
+            }
+        }
         for op in out.swap_out.chunks(2) {
             if keep() {
                 let (d, h) = (op[0] as usize, op[1] as usize);
                 self.host[h * bs..(h + 1) * bs].copy_from_slice(&self.kv[d * bs..(d + 1) * bs]);
+            }
+        }
+        for op in out.disk_load.chunks(2) {
+            if keep() {
+                let (s, h) = (op[0] as usize, op[1] as usize);
+                self.host[h * bs..(h + 1) * bs].copy_from_slice(&self.disk[s * bs..(s + 1) * bs]);
             }
         }
         for op in out.swap_in.chunks(2) {
@@ -166,6 +185,8 @@ struct SimSpec {
     fail_prob: f64,
     /// Host tier size (0: none) and preemption mode.
     num_host_blocks: usize,
+    /// Disk tier size (0: none; needs a host tier and caching).
+    num_disk_blocks: usize,
     preemption_mode: PreemptionMode,
     /// Random retention priorities / durations per request, and clock moves between steps.
     retention: bool,
@@ -202,6 +223,7 @@ impl SimSpec {
             abort_prob,
             fail_prob,
             num_host_blocks: 0,
+            num_disk_blocks: 0,
             preemption_mode: PreemptionMode::Recompute,
             retention: false,
         }
@@ -213,6 +235,11 @@ impl SimSpec {
         self.retention = retention;
         self
     }
+
+    fn with_disk(mut self, num_disk_blocks: usize) -> Self {
+        self.num_disk_blocks = num_disk_blocks;
+        self
+    }
 }
 
 /// What a simulation counted.
@@ -222,6 +249,7 @@ struct SimResult {
     prefix_hits: u64,
     swap_preemptions: u64,
     host_hits: u64,
+    disk_hits: u64,
     blocks_swapped_in: u64,
 }
 
@@ -234,13 +262,14 @@ fn run_sim(spec: &SimSpec) -> SimResult {
     cfg.enable_prefix_caching = spec.caching;
     cfg.hash_mode = spec.hash_mode;
     cfg.num_host_blocks = spec.num_host_blocks;
+    cfg.num_disk_blocks = spec.num_disk_blocks;
     cfg.preemption_mode = spec.preemption_mode;
     // Auto: a model where recomputing is dearer than moving a block, but not always.
     cfg.bytes_per_block = 1000;
     cfg.swap_bytes_per_second = 1000.0;
     cfg.recompute_tokens_per_second = 1.0;
     let mut sched = Scheduler::new(cfg).unwrap();
-    let mut model = FakeModel::new(spec.num_blocks, spec.num_host_blocks, spec.block_size);
+    let mut model = FakeModel::new(spec.num_blocks, spec.num_host_blocks, spec.num_disk_blocks, spec.block_size);
     let mut rng = StdRng::seed_from_u64(spec.seed);
     // A few shared system prompts so that the prefix cache gets hits.
     let systems: Vec<Vec<u32>> = (0..4).map(|_| (0..rng.random_range(8..80)).map(|_| rng.random_range(0..VOCAB as u32)).collect()).collect();
@@ -355,6 +384,7 @@ fn run_sim(spec: &SimSpec) -> SimResult {
         prefix_hits: stats.prefix_cache_hits,
         swap_preemptions: stats.num_swap_preemptions,
         host_hits: stats.prefix_cache_host_hits,
+        disk_hits: stats.prefix_cache_disk_hits,
         blocks_swapped_in: stats.blocks_swapped_in,
     }
 }
@@ -401,8 +431,11 @@ fn swap_and_host_tier_match_contiguous_reference() {
     ];
     for (seed, mode, caching, host, fail, retention, bits) in cases {
         let hash_mode = bits.map_or(HashMode::Xxh3, HashMode::Truncated);
+        // A disk tier below every host tier that caches (some cases fail steps mid-copy).
+        let disk = if caching { 512 } else { 0 };
         let spec = SimSpec::basic(seed, 1500, 96, 16, 512, 256, 64, Policy::Fcfs, caching, hash_mode, 0.02, fail)
-            .with_host(host, mode, retention);
+            .with_host(host, mode, retention)
+            .with_disk(disk);
         let r = run_sim(&spec);
         assert!(r.preemptions > 50, "{seed}: the device pool must force preemption ({r:?})");
         if mode == PreemptionMode::Swap {
@@ -411,6 +444,9 @@ fn swap_and_host_tier_match_contiguous_reference() {
         }
         if caching && bits.is_none() {
             assert!(r.host_hits > 0, "{seed}: the host tier never served a prefix hit ({r:?})");
+        }
+        if caching && bits.is_none() && host <= 64 {
+            assert!(r.disk_hits > 0, "{seed}: the disk tier never served a prefix hit ({r:?})");
         }
     }
 }
@@ -433,16 +469,94 @@ proptest! {
         mode in prop::sample::select(vec![PreemptionMode::Recompute, PreemptionMode::Swap, PreemptionMode::Auto]),
         retention in any::<bool>(),
         hash_bits in prop::sample::select(vec![None, None, Some(0u8), Some(3u8)]),
+        disk_blocks in prop::sample::select(vec![0usize, 1, 8, 64]),
     ) {
         let max_model_len: usize = 64;
         let mode = if host_blocks == 0 { PreemptionMode::Recompute } else { mode };
+        let disk_blocks = if host_blocks > 0 && caching { disk_blocks } else { 0 };
         let hash_mode = hash_bits.map_or(HashMode::Xxh3, HashMode::Truncated);
         let policy = if priority { Policy::Priority } else { Policy::Fcfs };
         let num_blocks = max_model_len.div_ceil(bs) + extra_blocks;
         run_sim(
             &SimSpec::basic(seed, 60, num_blocks, bs, max_model_len, budget, max_num_seqs, policy, caching, hash_mode, abort_prob, fail_prob)
-                .with_host(host_blocks, mode, retention),
+                .with_host(host_blocks, mode, retention)
+                .with_disk(disk_blocks),
         );
     }
 }
 
+
+/// A restarted scheduler restores the disk tier's entries (as a restarted engine reads its
+/// files) and serves prefix hits from them; the tokens stay those of the reference.
+#[test]
+fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
+    let bs = 8;
+    let mut cfg = SchedulerConfig::new(bs, 24);
+    cfg.max_model_len = 128;
+    cfg.max_num_batched_tokens = 64;
+    cfg.num_host_blocks = 8;
+    cfg.num_disk_blocks = 256;
+    let mut rng = StdRng::seed_from_u64(5);
+    let prompts: Vec<Vec<u32>> = (0..24).map(|_| (0..rng.random_range(20..100)).map(|_| rng.random_range(0..VOCAB as u32)).collect()).collect();
+    let run = |sched: &mut Scheduler, model: &mut FakeModel, tag: &str| -> HashMap<String, Vec<u32>> {
+        for (i, p) in prompts.iter().enumerate() {
+            sched.add_request(NewRequest::new(format!("{tag}-{i}"), p.clone(), 4)).unwrap();
+        }
+        let mut outputs: HashMap<String, Vec<u32>> = HashMap::new();
+        while sched.has_unfinished_requests() {
+            let out = sched.schedule().unwrap();
+            let sampled = model.execute(&out);
+            for u in sched.update(out.step_id, &sampled).unwrap() {
+                outputs.entry(sched.request_id(u.request).unwrap().to_string()).or_default().push(u.token);
+            }
+            sched.check_invariants().unwrap();
+        }
+        outputs
+    };
+    let check = |outputs: &HashMap<String, Vec<u32>>, tag: &str| {
+        for (i, p) in prompts.iter().enumerate() {
+            let e = Expect { prompt: p.clone(), max_tokens: 4, min_tokens: 0, eos: vec![], n: 1, outputs: vec![], reasons: vec![], aborted: false };
+            assert_eq!(outputs[&format!("{tag}-{i}")], reference_outputs(&e, 0, 128).0, "{tag}-{i}");
+        }
+    };
+    let mut first = Scheduler::new(cfg.clone()).unwrap();
+    let mut model = FakeModel::new(24, 8, 256, bs);
+    let outputs = run(&mut first, &mut model, "a");
+    check(&outputs, "a");
+    assert!(first.stats().blocks_written_to_disk > 0, "the small host tier must spill to disk");
+    // Shutdown: flush what the device and host tiers cache down to disk.
+    for _ in 0..64 {
+        let out = first.schedule_flush().unwrap();
+        let empty = out.swap_out.is_empty() && out.disk_store.is_empty();
+        assert!(model.execute(&out).is_empty());
+        first.update(out.step_id, &[]).unwrap();
+        first.check_invariants().unwrap();
+        if empty {
+            break;
+        }
+    }
+    // "Files": every cached disk slot's identity and KV, as the runner writes them.
+    let entries: Vec<_> = (0..256u32).filter_map(|s| first.disk_block_info(s).map(|info| (s, info))).collect();
+    assert!(!entries.is_empty());
+    let (slots, infos): (Vec<u32>, Vec<_>) = entries.into_iter().rev().unzip(); // children first: order must not matter
+    let mut second = Scheduler::new(cfg).unwrap();
+    let restored = second.restore_disk_blocks(&infos);
+    // An entry whose parent never reached the disk (evicted from the device in a step whose
+    // write-backs had filled the small host tier) cannot be linked, and is left out.
+    let n_restored = restored.iter().filter(|s| s.is_some()).count();
+    assert!(n_restored * 4 >= restored.len() * 3, "{n_restored} of {} entries restored", restored.len());
+    let mut model2 = FakeModel::new(24, 8, 256, bs);
+    for (old, new) in slots.iter().zip(&restored) {
+        if let Some(new) = new {
+            let (o, n) = (*old as usize * bs, *new as usize * bs);
+            model2.disk[n..n + bs].copy_from_slice(&model.disk[o..o + bs]);
+        }
+    }
+    // A tampered entry (tokens that do not match its hash) is refused.
+    let (h, p, mut t, salt) = infos[0].clone();
+    t[0] ^= 1;
+    assert_eq!(second.restore_disk_blocks(&[(h, p, t, salt)]), vec![None]);
+    let outputs = run(&mut second, &mut model2, "b");
+    check(&outputs, "b");
+    assert!(second.stats().prefix_cache_disk_hits > 0, "the restarted scheduler never hit the disk tier");
+}

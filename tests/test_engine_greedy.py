@@ -94,13 +94,20 @@ def reference() -> list[list[int]]:
         pytest.param(
             {"block_size": 16, "num_blocks": 12, "max_model_len": 192, "num_host_blocks": 64}, id="host-prefix-tier"
         ),
+        # A small host tier over a disk tier (kv_cache_dir: a temporary folder).
+        pytest.param(
+            {"block_size": 16, "num_blocks": 12, "max_model_len": 192, "num_host_blocks": 4, "kv_cache_dir": "TMP"},
+            id="disk-tier",
+        ),
         # 24-token budget: long prompts are prefilled in chunks across steps.
         pytest.param({"block_size": 16, "max_num_batched_tokens": 24}, id="chunked-prefill"),
     ],
 )
-def test_greedy_tokens_equal_transformers(reference: list[list[int]], engine_args: dict) -> None:
+def test_greedy_tokens_equal_transformers(reference: list[list[int]], engine_args: dict, tmp_path) -> None:
     kwargs = {"dtype": "float32", "device": "cpu", "max_model_len": 512, "kv_cache_memory": 64 << 20}
     kwargs.update(engine_args)
+    if kwargs.get("kv_cache_dir") == "TMP":
+        kwargs["kv_cache_dir"] = str(tmp_path)
     if "num_blocks" in kwargs:
         kwargs.pop("kv_cache_memory")
     llm = LLM(**kwargs)
@@ -116,6 +123,8 @@ def test_greedy_tokens_equal_transformers(reference: list[list[int]], engine_arg
         assert stats["bytes_swapped_out"] == stats["blocks_swapped_out"] * llm.llm_engine.runner.bytes_per_block
     if engine_args.get("num_host_blocks"):
         assert stats["num_host_used_blocks"] == 0 and stats["num_swapped"] == 0
+    if engine_args.get("kv_cache_dir"):
+        assert stats["blocks_written_to_disk"] > 0
     if engine_args.get("enable_prefix_caching"):
         assert stats["prefix_cache_hits"] > 0
     assert stats["num_free_blocks"] == stats["num_blocks"]

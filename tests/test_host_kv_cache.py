@@ -94,7 +94,7 @@ def test_host_tier_defaults_and_has_host_tier(tmp_path) -> None:
     assert SchedulingConfig().preemption_mode == "recompute"
     assert not config.has_host_tier and not CacheConfig(num_host_blocks=0).has_host_tier
     assert CacheConfig(num_host_blocks=1).has_host_tier and CacheConfig(swap_space=4).has_host_tier
-    assert CacheConfig(kv_cache_dir=tmp_path).kv_cache_dir == str(tmp_path)  # PathLike -> str
+    assert CacheConfig(kv_cache_dir=tmp_path, num_host_blocks=4).kv_cache_dir == str(tmp_path)  # PathLike -> str
 
 
 def test_engine_args_pass_the_host_tier_through(tmp_path) -> None:
@@ -221,14 +221,14 @@ def test_a_host_budget_past_max_num_blocks_is_clamped(tiny_model: str, monkeypat
 
 def test_kv_cache_dir_is_created_and_must_be_writable(tiny_model: str, tmp_path) -> None:
     folder = tmp_path / "a" / "b"
-    assert _tiny(tiny_model, kv_cache_dir=folder).kv_cache_dir == str(folder)
+    assert _tiny(tiny_model, kv_cache_dir=folder, num_host_blocks=4).kv_cache_dir == str(folder)
     assert folder.is_dir()
     a_file = tmp_path / "file"
     a_file.write_text("")
     with pytest.raises(ConfigError, match="kv_cache_dir=.*file' cannot be created"):
-        _tiny(tiny_model, kv_cache_dir=a_file)
+        _tiny(tiny_model, kv_cache_dir=a_file, num_host_blocks=4)
     with pytest.raises(ConfigError, match="kv_cache_dir=.*cannot be created"):
-        _tiny(tiny_model, kv_cache_dir=a_file / "below")
+        _tiny(tiny_model, kv_cache_dir=a_file / "below", num_host_blocks=4)
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root can write anywhere")
@@ -238,7 +238,7 @@ def test_an_unwritable_kv_cache_dir_is_refused(tiny_model: str, tmp_path) -> Non
     os.chmod(folder, 0o500)
     try:
         with pytest.raises(ConfigError, match="kv_cache_dir=.*read_only' is not writable"):
-            _tiny(tiny_model, kv_cache_dir=folder)
+            _tiny(tiny_model, kv_cache_dir=folder, num_host_blocks=4)
     finally:
         os.chmod(folder, 0o700)
 

@@ -395,6 +395,13 @@ class CacheConfig:
                 f"kv_cache_dir_max_bytes={self.kv_cache_dir_max_bytes!r} limits the disk tier, but kv_cache_dir "
                 f"is not set"
             )
+        if folder is not None and not self.has_host_tier:
+            raise ConfigError(
+                f"kv_cache_dir={folder!r} is a disk tier below the host tier, but there is no host tier: "
+                f"set num_host_blocks / host_kv_cache_memory / swap_space"
+            )
+        if folder is not None and not self.enable_prefix_caching:
+            raise ConfigError("kv_cache_dir (the disk tier) holds prefix-cache blocks: it needs enable_prefix_caching")
 
 
 @dataclass(frozen=True)

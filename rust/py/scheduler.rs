@@ -9,10 +9,10 @@
 use numpy::ndarray::{Ix1, Ix2};
 use numpy::{PyArray1, PyArray2};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySlice, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyString};
 
 use super::args::{
-    bool_arg, count_arg, float_arg, hash_mode_arg, index_arg, int_arg, object_arg, positive_arg, retention_arg, salt_arg,
+    bool_arg, count_arg, float_arg, hash_mode_arg, index_arg, int_arg, int_list_arg, object_arg, positive_arg, retention_arg, salt_arg,
     str_arg, str_obj_arg, token_ids_arg,
 };
 use super::reuse::{ArrayRing, EmptyLists, ListRing, TableRing};
@@ -34,7 +34,7 @@ impl PySchedulerConfig {
     #[pyo3(signature = (
         *, num_blocks, block_size = None, max_num_seqs = None, max_num_batched_tokens = None,
         max_model_len = None, enable_prefix_caching = None, policy = None, watermark = None, hash_bits = None,
-        num_host_blocks = None, preemption_mode = None, bytes_per_block = None, swap_bytes_per_second = None,
+        num_host_blocks = None, num_disk_blocks = None, preemption_mode = None, bytes_per_block = None, swap_bytes_per_second = None,
         recompute_tokens_per_second = None
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -49,6 +49,7 @@ impl PySchedulerConfig {
         watermark: Option<&Bound<'_, PyAny>>,
         hash_bits: Option<&Bound<'_, PyAny>>,
         num_host_blocks: Option<&Bound<'_, PyAny>>,
+        num_disk_blocks: Option<&Bound<'_, PyAny>>,
         preemption_mode: Option<&Bound<'_, PyAny>>,
         bytes_per_block: Option<&Bound<'_, PyAny>>,
         swap_bytes_per_second: Option<&Bound<'_, PyAny>>,
@@ -79,6 +80,9 @@ impl PySchedulerConfig {
         }
         if let Some(o) = num_host_blocks {
             c.num_host_blocks = count_arg(o, "num_host_blocks")?;
+        }
+        if let Some(o) = num_disk_blocks {
+            c.num_disk_blocks = count_arg(o, "num_disk_blocks")?;
         }
         if let Some(o) = preemption_mode {
             c.preemption_mode = PreemptionMode::parse(&str_arg(o, "preemption_mode")?)?;
@@ -140,6 +144,11 @@ impl PySchedulerConfig {
     #[getter]
     fn num_host_blocks(&self) -> usize {
         self.inner.num_host_blocks
+    }
+    /// Slots of the disk tier (0: none).
+    #[getter]
+    fn num_disk_blocks(&self) -> usize {
+        self.inner.num_disk_blocks
     }
     /// "recompute", "swap" or "auto".
     #[getter]
@@ -207,6 +216,10 @@ pub struct PySchedulerOutput {
     swap_out: Py<PyArray2<i32>>,
     #[pyo3(get)]
     swap_in: Py<PyArray2<i32>>,
+    #[pyo3(get)]
+    disk_store: Py<PyArray2<i32>>,
+    #[pyo3(get)]
+    disk_load: Py<PyArray2<i32>>,
     #[pyo3(get)]
     preempted_req_ids: Py<PyList>,
     #[pyo3(get)]
@@ -516,6 +529,8 @@ struct StepObjects {
     copy_ops: ArrayRing<i32, Ix2>,
     swap_out: ArrayRing<i32, Ix2>,
     swap_in: ArrayRing<i32, Ix2>,
+    disk_store: ArrayRing<i32, Ix2>,
+    disk_load: ArrayRing<i32, Ix2>,
     req_ids: ListRing,
     sampled_req_ids: ListRing,
     update_ids: ListRing,
@@ -696,6 +711,70 @@ impl PyScheduler {
         )?)
     }
 
+    /// A step with no rows that copies cached blocks one tier down (device → host, host →
+    /// disk) where the lower tier lacks them; run it and `update(out, [])`. Repeat until it
+    /// plans no copy to leave the disk tier holding what the tiers cache (before shutdown).
+    fn schedule_flush(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
+        let (inner, step) = (&mut self.inner, &mut self.step);
+        py.detach(|| inner.schedule_flush_into(step))?;
+        self.step_objects(py)
+    }
+
+    /// What each disk slot in `slots` holds, for its file: `(hash, parent_hash, token_ids,
+    /// cache_salt)` with the hashes as 16 little-endian bytes (`parent_hash` None for a first
+    /// block), or None for a slot that holds nothing cached.
+    #[allow(clippy::type_complexity)]
+    fn disk_block_info<'py>(
+        &self,
+        py: Python<'py>,
+        slots: &Bound<'py, PyAny>,
+    ) -> PyResult<Vec<Option<(Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>, Vec<u32>, Option<String>)>>> {
+        let slots = int_list_arg(slots, "slots")?;
+        Ok(slots
+            .into_iter()
+            .map(|s| {
+                let info = u32::try_from(s).ok().and_then(|s| self.inner.disk_block_info(s))?;
+                let (hash, parent, tokens, salt) = info;
+                Some((
+                    PyBytes::new(py, &hash.0.to_le_bytes()),
+                    parent.map(|p| PyBytes::new(py, &p.0.to_le_bytes())),
+                    tokens,
+                    salt,
+                ))
+            })
+            .collect())
+    }
+
+    /// Restores disk entries written by an earlier process, each `(hash, parent_hash,
+    /// token_ids, cache_salt)` as `disk_block_info` gives them, in any order. Each block's
+    /// hash is recomputed from its parent's and its tokens and must match; an entry whose
+    /// parent is not restored is left out. Returns the slot each entry now occupies (its file
+    /// must be renamed to it), or None.
+    #[allow(clippy::type_complexity)]
+    fn restore_disk_blocks(&mut self, entries: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u32>>> {
+        let mut parsed = Vec::new();
+        for item in entries.try_iter()? {
+            let item = item?;
+            let (hash, parent, tokens, salt): (Vec<u8>, Option<Vec<u8>>, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>) =
+                item.extract().map_err(|_| {
+                    crate::error::CoreError::InvalidArgument(
+                        "restore_disk_blocks() takes (hash bytes, parent_hash bytes or None, token ids, salt or None) tuples".into(),
+                    )
+                })?;
+            let hash = hash_bytes(&hash)?;
+            let parent = parent.map(|p| hash_bytes(&p)).transpose()?;
+            parsed.push((hash, parent, token_ids_arg(&tokens, "token_ids")?, salt_arg(salt.as_ref())?));
+        }
+        Ok(self.inner.restore_disk_blocks(&parsed))
+    }
+
+    /// Forgets disk slots whose files could not be written or read: they are never served.
+    fn invalidate_disk_blocks(&mut self, slots: &Bound<'_, PyAny>) -> PyResult<()> {
+        let slots: Vec<u32> = int_list_arg(slots, "slots")?.into_iter().filter_map(|s| u32::try_from(s).ok()).collect();
+        self.inner.invalidate_disk_blocks(&slots);
+        Ok(())
+    }
+
     /// Moves the retention clock forward by `seconds` (tests and simulations: retention
     /// durations expire without waiting).
     fn advance_clock(&mut self, seconds: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -754,6 +833,7 @@ impl PyScheduler {
         let o = &mut self.objects;
         let (rows, t, s, k) = (out.num_rows(), out.num_tokens(), out.num_sampled(), out.copy_ops.len() / 2);
         let (k_out, k_in) = (out.swap_out.len() / 2, out.swap_in.len() / 2);
+        let (k_store, k_load) = (out.disk_store.len() / 2, out.disk_load.len() / 2);
         self.names.ensure(py, &self.inner, out.row_requests.iter().chain(&out.sampled_requests).copied());
         let (names, no_name) = (&self.names, &self.no_name);
         let req_ids = o.req_ids.fill(py, out.row_requests.iter().map(|&k| names.get_or(k, no_name)))?;
@@ -788,9 +868,19 @@ impl PyScheduler {
             copy_ops: o.copy_ops.fill(py, Ix2(k, 2), &out.copy_ops)?,
             swap_out: o.swap_out.fill(py, Ix2(k_out, 2), &out.swap_out)?,
             swap_in: o.swap_in.fill(py, Ix2(k_in, 2), &out.swap_in)?,
+            disk_store: o.disk_store.fill(py, Ix2(k_store, 2), &out.disk_store)?,
+            disk_load: o.disk_load.fill(py, Ix2(k_load, 2), &out.disk_load)?,
             preempted_req_ids: preempted,
             finished_req_ids: finished,
             finish_reasons: reasons,
         })
     }
+}
+
+/// A block hash from its 16 little-endian bytes.
+fn hash_bytes(b: &[u8]) -> PyResult<crate::block_hash::BlockHash> {
+    let arr: [u8; 16] = b
+        .try_into()
+        .map_err(|_| crate::error::CoreError::InvalidArgument(format!("a block hash is 16 bytes, got {}", b.len())))?;
+    Ok(crate::block_hash::BlockHash(u128::from_le_bytes(arr)))
 }

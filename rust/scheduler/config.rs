@@ -92,6 +92,9 @@ pub struct SchedulerConfig {
     /// Blocks of the host tier (0: none). It holds swapped-out branches and, with prefix
     /// caching, the cached blocks the device pool evicts (written back, loaded on a hit).
     pub num_host_blocks: usize,
+    /// Slots of the disk tier below the host tier (0: none; needs a host tier and prefix
+    /// caching): cached host blocks evicted by reuse are written there, and read back on a hit.
+    pub num_disk_blocks: usize,
     /// Recompute, swap, or auto (needs a host tier unless recompute).
     pub preemption_mode: PreemptionMode,
     /// Bytes of one block (all layers, K and V, scales): the cost model and the byte counts
@@ -118,6 +121,7 @@ impl SchedulerConfig {
             watermark: 0.01,
             hash_mode: HashMode::Xxh3,
             num_host_blocks: 0,
+            num_disk_blocks: 0,
             preemption_mode: PreemptionMode::Recompute,
             bytes_per_block: 0,
             // Placeholders until the engine measures them: a PCIe-class link and a small
@@ -150,6 +154,12 @@ impl SchedulerConfig {
         }
         if self.num_host_blocks > MAX_NUM_BLOCKS {
             return err(format!("num_host_blocks must be in 0..={MAX_NUM_BLOCKS}, got {}", self.num_host_blocks));
+        }
+        if self.num_disk_blocks > MAX_NUM_BLOCKS {
+            return err(format!("num_disk_blocks must be in 0..={MAX_NUM_BLOCKS}, got {}", self.num_disk_blocks));
+        }
+        if self.num_disk_blocks > 0 && (self.num_host_blocks == 0 || !self.enable_prefix_caching) {
+            return err("a disk tier (num_disk_blocks > 0) needs a host tier (num_host_blocks > 0) and prefix caching".into());
         }
         if self.preemption_mode != PreemptionMode::Recompute && self.num_host_blocks == 0 {
             return err(format!(

@@ -38,14 +38,18 @@ pub use output::{RequestUpdate, StepOutput};
 pub use request::{BranchKey, FinishReason, NewRequest, RequestKey};
 pub use stats::{SchedulerStats, StatValue};
 
-use crate::block_hash::ExtraKey;
+use crate::block_hash::{BlockHash, ExtraKey};
 use crate::error::{CoreError, Result};
 use crate::ids::{BlockId, SeqId};
-use crate::kv_cache_manager::{KvCacheManager, PrefixMatch, Tier};
+use crate::kv_cache_manager::{KvCacheManager, PrefixMatch, Restore, Tier};
 use crate::slab::Slab;
 use output::StepPlan;
 use request::{Branch, Request};
 use stats::Counters;
+
+/// A disk-tier entry as a file stores it: the block's chained hash, its parent's (`None`
+/// for a first block), its token ids and its cache salt.
+pub type DiskEntry = (BlockHash, Option<BlockHash>, Vec<u32>, Option<String>);
 
 /// The scheduler (see the module docs).
 #[derive(Debug)]
@@ -78,7 +82,8 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
         let kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching, config.hash_mode)?
-            .with_host_tier(config.num_host_blocks)?;
+            .with_host_tier(config.num_host_blocks)?
+            .with_disk_tier(config.num_disk_blocks)?;
         Ok(Scheduler {
             config,
             kv,
@@ -435,18 +440,61 @@ impl Scheduler {
         self.kv.end_step();
         self.build_rows(&scheduled, out, &mut plan)?;
         plan.scheduled = scheduled.iter().map(|&(b, _)| b).collect();
-        for (src, dst) in self.kv.take_copy_ops() {
-            out.copy_ops.push(src.0 as i32);
-            out.copy_ops.push(dst.0 as i32);
-        }
-        let (swap_out, swap_in) = self.kv.take_swap_ops();
-        out.swap_out.extend(swap_out.iter().flat_map(|&(d, h)| [d.0 as i32, h.0 as i32]));
-        out.swap_in.extend(swap_in.iter().flat_map(|&(h, d)| [h.0 as i32, d.0 as i32]));
+        self.take_copies(out);
         out.finished = std::mem::take(&mut self.finished);
         plan.reported.clone_from(&out.finished);
         self.counters.steps += 1;
         self.in_flight = Some(plan);
         Ok(())
+    }
+
+    /// Builds a step with no rows that copies cached blocks one tier down (see
+    /// [`KvCacheManager::plan_flush`]); run it and close it with `update(step, [])` like any
+    /// step. Call it until it plans no copy (`swap_out` and `disk_store` empty) to leave the
+    /// disk tier holding every cached block there is room for, before shutting down.
+    pub fn schedule_flush_into(&mut self, out: &mut StepOutput) -> Result<()> {
+        out.clear(self.next_step);
+        if let Some(plan) = &self.in_flight {
+            return Err(CoreError::StaleOutput(format!(
+                "step {} was scheduled but update() was not called for it",
+                plan.step_id
+            )));
+        }
+        let step_id = self.next_step;
+        self.next_step += 1;
+        self.ended.clear();
+        out.cu_seqlens_q.push(0);
+        self.kv.set_now(self.now_us());
+        self.kv.begin_step();
+        self.kv.plan_flush();
+        self.kv.end_step();
+        self.take_copies(out);
+        out.finished = std::mem::take(&mut self.finished);
+        let plan = StepPlan { step_id, reported: out.finished.clone(), ..StepPlan::default() };
+        self.in_flight = Some(plan);
+        out.block_tables.clear();
+        Ok(())
+    }
+
+    /// [`Self::schedule_flush_into`] into a new output.
+    pub fn schedule_flush(&mut self) -> Result<StepOutput> {
+        let mut out = StepOutput::default();
+        self.schedule_flush_into(&mut out)?;
+        Ok(out)
+    }
+
+    /// Moves the planned copies (swap, disk and copy-on-write) into the step output.
+    fn take_copies(&mut self, out: &mut StepOutput) {
+        for (src, dst) in self.kv.take_copy_ops() {
+            out.copy_ops.push(src.0 as i32);
+            out.copy_ops.push(dst.0 as i32);
+        }
+        let (disk_store, disk_load) = self.kv.take_disk_ops();
+        out.disk_store.extend(disk_store.iter().flat_map(|&(h, s)| [h.0 as i32, s.0 as i32]));
+        out.disk_load.extend(disk_load.iter().flat_map(|&(s, h)| [s.0 as i32, h.0 as i32]));
+        let (swap_out, swap_in) = self.kv.take_swap_ops();
+        out.swap_out.extend(swap_out.iter().flat_map(|&(d, h)| [d.0 as i32, h.0 as i32]));
+        out.swap_in.extend(swap_in.iter().flat_map(|&(h, d)| [h.0 as i32, d.0 as i32]));
     }
 
     fn admit_waiting(&mut self, budget: &mut usize, scheduled: &mut Vec<(BranchKey, SeqId)>) {
@@ -493,9 +541,9 @@ impl Scheduler {
             let Some(branch) = self.branches.get_mut(b) else { continue };
             let tokens = std::mem::take(&mut branch.tokens);
             let num_tokens = tokens.len();
-            let host_hits_before = self.kv.prefix_counters().host_hits;
+            let before = self.kv.prefix_counters();
             let (seq, hit) = self.kv.add_sequence_with_retention(tokens, extra, m, retention);
-            let host_hit = self.kv.prefix_counters().host_hits - host_hits_before;
+            let after = self.kv.prefix_counters();
             match self.kv.allocate_slots(seq, n) {
                 Ok(true) => {}
                 _ => {
@@ -516,7 +564,8 @@ impl Scheduler {
             } else {
                 self.counters.prefix_queries += num_tokens as u64;
                 self.counters.prefix_hits += hit as u64;
-                self.counters.host_prefix_hits += host_hit;
+                self.counters.host_prefix_hits += after.host_hits - before.host_hits;
+                self.counters.disk_prefix_hits += after.disk_hits - before.disk_hits;
             }
             if let Some(req) = self.requests.get_mut(req_key) {
                 if !req.admitted_once {
@@ -837,6 +886,7 @@ impl Scheduler {
         let slots = pool.num_used() * bs;
         let c = &self.counters;
         let host = self.kv.host_pool();
+        let disk = self.kv.disk_pool();
         let t = self.kv.tier_counters();
         let bpb = self.config.bytes_per_block as u64;
         SchedulerStats {
@@ -875,6 +925,12 @@ impl Scheduler {
             bytes_swapped_in: t.blocks_to_device * bpb,
             num_write_backs: t.write_backs,
             num_write_backs_skipped: t.write_backs_skipped,
+            num_disk_blocks: disk.map_or(0, |d| d.num_blocks()),
+            num_disk_cached_blocks: disk.map_or(0, |d| d.num_cached_blocks()),
+            prefix_cache_disk_hits: c.disk_prefix_hits,
+            blocks_written_to_disk: t.blocks_to_disk,
+            blocks_read_from_disk: t.blocks_from_disk,
+            num_disk_writes_skipped: t.disk_writes_skipped,
         }
     }
 
@@ -899,6 +955,47 @@ impl Scheduler {
         let refs = (0..n).map(|i| pool.ref_count_unchecked(BlockId(i as u32)) as i32).collect();
         let cached = (0..n).map(|i| pool.is_cached(BlockId(i as u32))).collect();
         (refs, cached, owner)
+    }
+
+    /// What disk slot `slot` holds, for its file: `(hash, parent hash, token ids, cache salt)`
+    /// (`None`: no disk tier, a bad slot, or nothing cached there).
+    pub fn disk_block_info(&self, slot: u32) -> Option<DiskEntry> {
+        let (id, tokens) = self.kv.disk_block(BlockId(slot))?;
+        Some((id.hash, id.parent_hash, tokens.to_vec(), id.extra.salt().map(str::to_string)))
+    }
+
+    /// Restores disk entries written by an earlier process (see
+    /// [`KvCacheManager::restore_disk_block`]), in any order: passes over the entries are
+    /// repeated while some entry's parent got restored in the last pass. Returns the slot each
+    /// entry now occupies, or `None` where it was not restored (rejected, or its parent
+    /// never was).
+    pub fn restore_disk_blocks(&mut self, entries: &[DiskEntry]) -> Vec<Option<u32>> {
+        let mut slots = vec![None; entries.len()];
+        let mut pending: Vec<usize> = (0..entries.len()).collect();
+        loop {
+            let before = pending.len();
+            pending.retain(|&i| {
+                let (hash, parent, tokens, salt) = &entries[i];
+                match self.kv.restore_disk_block(*hash, *parent, tokens, &ExtraKey::new(salt.as_deref())) {
+                    Restore::Done(slot) => {
+                        slots[i] = Some(slot.0);
+                        false
+                    }
+                    Restore::MissingParent => true,
+                    Restore::Rejected => false,
+                }
+            });
+            if pending.is_empty() || pending.len() == before {
+                return slots;
+            }
+        }
+    }
+
+    /// Forgets disk slots whose files could not be written or read (see
+    /// [`KvCacheManager::invalidate_disk_blocks`]).
+    pub fn invalidate_disk_blocks(&mut self, slots: &[u32]) {
+        let ids: Vec<BlockId> = slots.iter().map(|&s| BlockId(s)).collect();
+        self.kv.invalidate_disk_blocks(&ids);
     }
 
     /// The tiers block by block: for each device block whether its cached content is also

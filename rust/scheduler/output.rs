@@ -46,10 +46,14 @@ pub struct StepOutput {
     pub sample_indices: Vec<i32>,
     /// Copy-on-write ops to run before the forward pass: int32[K, 2] as (src, dst) pairs.
     pub copy_ops: Vec<i32>,
-    /// Device → host block copies, run first: int32[K, 2] as (device, host) pairs.
+    /// Device → host block copies, run after `disk_store`: int32[K, 2] as (device, host) pairs.
     pub swap_out: Vec<i32>,
-    /// Host → device block copies, run after `swap_out`: int32[K, 2] as (host, device) pairs.
+    /// Host → device block copies, run after `disk_load`: int32[K, 2] as (host, device) pairs.
     pub swap_in: Vec<i32>,
+    /// Host → disk block writes, run first of all: int32[K, 2] as (host, slot) pairs.
+    pub disk_store: Vec<i32>,
+    /// Disk → host block reads, run after `swap_out`: int32[K, 2] as (slot, host) pairs.
+    pub disk_load: Vec<i32>,
     /// Requests preempted (recompute) while building this step.
     pub preempted_req_ids: Vec<Arc<str>>,
     /// Requests that ended since the previous step (finished in `update`, or aborted).
@@ -76,6 +80,8 @@ impl StepOutput {
         self.copy_ops.clear();
         self.swap_out.clear();
         self.swap_in.clear();
+        self.disk_store.clear();
+        self.disk_load.clear();
         self.preempted_req_ids.clear();
         self.finished.clear();
     }

@@ -7,6 +7,7 @@ pub(crate) struct Counters {
     pub preemptions: u64,
     pub swap_preemptions: u64,
     pub host_prefix_hits: u64,
+    pub disk_prefix_hits: u64,
     pub prefix_queries: u64,
     pub prefix_hits: u64,
     pub resumed_queries: u64,
@@ -141,6 +142,18 @@ scheduler_stats! {
         pub num_write_backs: u64,
         /// Evicted cached device blocks not written back (no room on the host).
         pub num_write_backs_skipped: u64,
+        /// Slots of the disk tier (0: no disk tier).
+        pub num_disk_blocks: usize,
+        /// Disk slots holding a cached block.
+        pub num_disk_cached_blocks: usize,
+        /// Of `prefix_cache_hits`, tokens found only on the disk tier (read back).
+        pub prefix_cache_disk_hits: u64,
+        /// Cached host blocks written to the disk tier when the host pool reused them.
+        pub blocks_written_to_disk: u64,
+        /// Disk slots read back for prefix hits.
+        pub blocks_read_from_disk: u64,
+        /// Evicted cached host blocks not written to disk (no room).
+        pub num_disk_writes_skipped: u64,
     }
 }
 

@@ -145,10 +145,12 @@ class AsyncLLM:
         return self._thread.is_alive() and self._dead is None
 
     def shutdown(self) -> None:
-        """Stop the step loop; open streams and pending calls end with EngineDeadError."""
+        """Stop the step loop; open streams and pending calls end with EngineDeadError. Then
+        the KV cache is flushed to the disk tier, if there is one (``LLMEngine.shutdown``)."""
         if self._thread.is_alive():
             self._commands.put(None)
             self._thread.join()
+            self.engine.shutdown()
 
     def __enter__(self) -> AsyncLLM:
         return self

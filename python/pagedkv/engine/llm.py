@@ -44,6 +44,17 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Flush the KV cache to the disk tier (``kv_cache_dir``), if there is one, so that the
+        next engine on the same model starts with its prefixes cached."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],

@@ -98,6 +98,7 @@ class LLMEngine:
                 enable_prefix_caching=config.cache.enable_prefix_caching,
                 policy=config.scheduling.policy,
                 num_host_blocks=self.runner.num_host_blocks,
+                num_disk_blocks=self.runner.num_disk_blocks,
                 preemption_mode=config.scheduling.preemption_mode,
                 bytes_per_block=self.runner.bytes_per_block,
             )
@@ -108,6 +109,10 @@ class LLMEngine:
         self._recompute_tokens_per_s: float | None = None
         if self.runner.num_host_blocks > 0:
             self.swap_bandwidth = self.runner.measure_swap_bandwidth()
+        # The disk tier: entries an earlier engine on the same model left in kv_cache_dir.
+        self.num_restored_disk_blocks = 0
+        if self.runner.disk_cache is not None:
+            self.num_restored_disk_blocks = self.runner.disk_cache.restore(self.scheduler)
         self.sampler = Sampler()
         # Ids outside the LM head's rows can never be sampled (nor banned: the sampler refuses them).
         self.eos_token_ids = [t for t in self.runner.eos_token_ids if 0 <= t < self.runner.vocab_size]
@@ -250,18 +255,20 @@ class LLMEngine:
                 state = self.requests.get(rid)
                 if state is not None and state.metrics.first_scheduled_time is None:
                     state.metrics.first_scheduled_time = now
-            if out.num_tokens == 0 and len(out.copy_ops) == 0 and len(out.swap_out) == 0 and len(out.swap_in) == 0:
+            if out.num_tokens == 0 and not _has_copies(out):
                 self.scheduler.update(out, [])
                 return self._take_failed_outputs()
             t0 = time.perf_counter()
             try:
-                logits = self.runner.execute(out)
+                logits = self.runner.execute(out, self._disk_block_info(out))
                 sampled = self._sample(out, logits)
                 tokens = sampled.sampled_token_ids.cpu().numpy()
                 updates = self.scheduler.update(out, tokens)
             except BaseException as exc:
                 self._roll_back(out, exc)
                 raise
+            finally:
+                self._forget_bad_disk_slots()
             if self._charged:
                 self._clear_failures(out)
             elapsed = time.perf_counter() - t0
@@ -271,6 +278,50 @@ class LLMEngine:
             self._counters["tokens_computed"] += out.num_tokens
             self._counters["generation_tokens"] += len(updates)
             return self._take_failed_outputs() + self._apply_updates(out, updates, sampled)
+
+    def _disk_block_info(self, out: SchedulerOutput) -> list[Any] | None:
+        """The identities the runner writes into the files of the step's disk stores."""
+        if len(out.disk_store) == 0:
+            return None
+        return self.scheduler.disk_block_info(out.disk_store[:, 1].tolist())
+
+    def _forget_bad_disk_slots(self) -> None:
+        """Disk slots whose file failed to write or read are never served (the KV is recomputed)."""
+        if self.runner.disk_cache is not None:
+            bad = self.runner.disk_cache.take_bad_slots()
+            if bad:
+                self.scheduler.invalidate_disk_blocks(bad)
+
+    def flush_kv_cache(self, max_rounds: int = 64) -> int:
+        """Copy the cached KV blocks down the tiers (device → host → disk) where a lower tier
+        lacks them, so that the disk tier holds what it has room for: an engine restarted on
+        the same model and ``kv_cache_dir`` then starts with those prefixes cached. Runs
+        copy-only steps (``Scheduler.schedule_flush``) until one copies nothing, or
+        ``max_rounds``. Returns the blocks copied. A no-op without a host tier."""
+        copied = 0
+        with self._lock:
+            if self.runner.num_host_blocks == 0:
+                return 0
+            for _ in range(max_rounds):
+                out = self.scheduler.schedule_flush()
+                if not _has_copies(out):
+                    self.scheduler.update(out, [])
+                    break
+                copied += len(out.swap_out) + len(out.disk_store)
+                try:
+                    self.runner.execute(out, self._disk_block_info(out))
+                    self.scheduler.update(out, [])
+                except BaseException:
+                    self.scheduler.rollback_step(out)
+                    raise
+                finally:
+                    self._forget_bad_disk_slots()
+        return copied
+
+    def shutdown(self) -> None:
+        """Flush the KV cache to the disk tier, if there is one (:meth:`flush_kv_cache`)."""
+        if self.runner.disk_cache is not None:
+            self.flush_kv_cache()
 
     def _update_cost_model(self, num_tokens: int, seconds: float) -> None:
         """Feeds the scheduler's auto preemption rule the forward throughput of prefill-sized
@@ -436,11 +487,17 @@ class LLMEngine:
             stats["num_unfinished_requests"] = len(self.requests)
         stats["kv_cache_bytes"] = self.runner.kv_cache_bytes
         stats["host_kv_cache_bytes"] = self.runner.host_kv_cache_bytes
+        stats["num_restored_disk_blocks"] = self.num_restored_disk_blocks
         stats["swap_bandwidth_bytes_per_s"] = self.swap_bandwidth
         stats["recompute_tokens_per_s"] = self._recompute_tokens_per_s
         stats["kv_cache_dtype"] = self.runner.geometry.dtype
         stats["kv_bytes_per_token"] = self.runner.geometry.bytes_per_token
         return stats
+
+
+def _has_copies(out: SchedulerOutput) -> bool:
+    """True when the step moves blocks (copy-on-write, swaps, disk reads or writes)."""
+    return any(len(a) > 0 for a in (out.copy_ops, out.swap_out, out.swap_in, out.disk_store, out.disk_load))
 
 
 # Parameters for a logits row whose request is gone (its token is discarded).

@@ -6,8 +6,10 @@ Step output) already holds the batch as flat arrays; the runner
 0. builds the step's attention metadata once (:meth:`pagedkv.kernels.AttentionBackend.prepare`:
    index tensors converted, validated on the host, moved to the device, host facts such as the
    longest query chunk recorded) — every layer reuses it,
-1. runs the step's swaps between the device pool and the host tier (``swap_out``, then
-   ``swap_in``: :class:`pagedkv.worker.host_cache.HostKVCache`), then copies whole blocks for
+1. runs the step's copies between the tiers — ``disk_store`` (host → disk), ``swap_out``
+   (device → host), ``disk_load`` (disk → host), ``swap_in`` (host → device):
+   :class:`pagedkv.worker.host_cache.HostKVCache`, :class:`pagedkv.worker.disk_cache.DiskKVStore`
+   — then copies whole blocks for
    its copy-on-write ops (all layers, K and V, in one indexed copy: the per-layer caches are
    views of one tensor ``[L, 2, num_blocks, block_size, Hkv, D]``),
 2. runs the model once over all ``T`` scheduled tokens as a single sequence (``input_ids`` and
@@ -40,15 +42,22 @@ second pool ``[L, 2, num_host_blocks, block_size, Hkv, D]`` (and its scales) in 
 pinned on CUDA, with its own block ids; a budget is divided by ``bytes_per_block`` (less than
 one block: ``ConfigError``; more than ``MAX_NUM_BLOCKS``: clamped with a ``UserWarning``); a
 host pool larger than the host's available memory is refused before it is allocated.
+
+Disk tier (``CacheConfig.kv_cache_dir``, needs the host tier and prefix caching): one file per
+cached block in a subfolder named by the model/layout fingerprint, at most
+``kv_cache_dir_max_bytes`` (default 4 GiB, capped by the disk's free space; less than one file:
+``ConfigError``) (:mod:`pagedkv.worker.disk_cache`).
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import shutil
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -74,6 +83,7 @@ from pagedkv.worker.attention_backend import (
     register_pagedkv_attention,
 )
 from pagedkv.worker.checkpoint_scales import load_checkpoint_kv_scales
+from pagedkv.worker.disk_cache import DiskKVStore, disk_fingerprint
 from pagedkv.worker.host_cache import HostKVCache
 from pagedkv.worker.model_files import resolve_model
 from pagedkv.worker.model_support import check_config, check_probe, context_length_of
@@ -112,7 +122,9 @@ class ModelRunner:
     ``host_kv_scale_cache`` ``[L, 2, num_host_blocks, block_size, num_kv_heads]`` (a quantized
     cache's scales, else None) on the CPU (None when there is no tier), ``host_cache`` (the
     :class:`~pagedkv.worker.host_cache.HostKVCache` that owns them and runs the swaps, or
-    None); ``kv_cache_dir`` (the disk tier's folder, created and checked writable, or None).
+    None); ``kv_cache_dir`` (the disk tier's folder, created and checked writable, or None),
+    ``disk_cache`` (its :class:`~pagedkv.worker.disk_cache.DiskKVStore`, or None) and
+    ``num_disk_blocks`` (its slots; 0: none).
 
     Per step: :meth:`execute`; also :meth:`copy_blocks`, :meth:`swap_blocks` and
     :meth:`measure_swap_bandwidth` (for the scheduler's swap-or-recompute cost model).
@@ -252,6 +264,11 @@ class ModelRunner:
                 ) from exc
         self.host_kv_cache = None if self.host_cache is None else self.host_cache.kv_cache
         self.host_kv_scale_cache = None if self.host_cache is None else self.host_cache.kv_scale_cache
+        self.disk_cache: DiskKVStore | None = None
+        self.num_disk_blocks = 0
+        if self.kv_cache_dir is not None:
+            self.disk_cache = self._open_disk_tier(cache_config, static_scales is not None)
+            self.num_disk_blocks = self.disk_cache.num_slots
         self.kv_scales: list[KVScales] | None = None
         if self.kv_scale_cache is not None:
             k_static, v_static = static_scales if static_scales is not None else (None, None)
@@ -281,16 +298,21 @@ class ModelRunner:
     # ------------------------------------------------------------------ per step
 
     @torch.inference_mode()
-    def execute(self, step: Any) -> torch.Tensor:
+    def execute(self, step: Any, disk_block_info: Sequence[Any] | None = None) -> torch.Tensor:
         """Run one scheduler step; return float32 logits ``[S, V]`` for ``step.logits_indices``.
 
         ``step`` has the ``SchedulerOutput`` fields (numpy arrays or tensors): ``input_ids``
         int64[T], ``positions`` int64[T], ``cu_seqlens_q`` int32[B+1], ``seq_lens`` int32[B],
         ``block_tables`` int32[B, max_blocks], ``slot_mapping`` int64[T], ``logits_indices``
-        int64[S] and optionally ``swap_out`` int32[K, 2] (device block, host block),
-        ``swap_in`` int32[K, 2] (host block, device block) and ``copy_ops`` int32[K, 2]
-        (src, dst), run in that order before the forward (:meth:`swap_blocks`,
-        :meth:`copy_blocks`). Everything is validated before anything is written.
+        int64[S] and optionally the block copies, run in this order before the forward:
+        ``disk_store`` int32[K, 2] (host block, disk slot; ``disk_block_info`` gives each row's
+        identity, from ``Scheduler.disk_block_info``), ``swap_out`` int32[K, 2] (device block,
+        host block), ``disk_load`` int32[K, 2] (disk slot, host block), ``swap_in`` int32[K, 2]
+        (host block, device block) and ``copy_ops`` int32[K, 2] (src, dst) (:meth:`swap_blocks`,
+        :meth:`copy_blocks`, :class:`~pagedkv.worker.disk_cache.DiskKVStore`). Everything is
+        validated before anything is written. A disk file that cannot be read raises
+        :class:`~pagedkv.worker.disk_cache.DiskTierError`; failed disk writes and reads are
+        reported by ``disk_cache.take_bad_slots()``.
         """
         # Host tensors first (from_numpy: no copy): the step is checked before anything runs.
         input_ids = _index_tensor(step.input_ids, torch.int64, "input_ids")
@@ -318,12 +340,27 @@ class ModelRunner:
                 dtype=self.dtype,
             )
         swap_out, swap_in = self._check_swaps(getattr(step, "swap_out", None), getattr(step, "swap_in", None))
+        disk_store, disk_load = self._check_disk_ops(
+            getattr(step, "disk_store", None), getattr(step, "disk_load", None)
+        )
+        if disk_store is not None and (disk_block_info is None or len(disk_block_info) != disk_store.shape[0]):
+            raise InvalidArgumentError(
+                "disk_store needs disk_block_info: one identity per row (Scheduler.disk_block_info)"
+            )
         copy_ops = getattr(step, "copy_ops", None)
         copies = self._check_copy_ops(copy_ops) if copy_ops is not None and len(copy_ops) > 0 else None
-        # Validated: now the writes. Swaps first (swap_out reads before swap_in overwrites),
-        # then copy-on-write before the forward: this step's K/V writes go into the copies.
+        # Validated: now the writes, in the tiers' order (worker/disk_cache.py): host blocks to
+        # disk before swap_out may overwrite them, swap_out before disk_load and swap_in may
+        # overwrite what it reads, then copy-on-write before the forward (this step's K/V
+        # writes go into the copies).
+        if self.disk_cache is not None and disk_store is not None:
+            self.disk_cache.store(disk_store, disk_block_info or [])
         if self.host_cache is not None:
-            self.host_cache.swap(swap_out, swap_in)
+            self.host_cache.swap(swap_out, None)
+        if self.disk_cache is not None and disk_load is not None:
+            self.disk_cache.load(disk_load)
+        if self.host_cache is not None:
+            self.host_cache.swap(None, swap_in)
         if copies is not None:
             self._run_copies(copies)
         if metadata is None:  # nothing scheduled (copy ops only)
@@ -407,6 +444,17 @@ class ModelRunner:
             self._check_swap_ops(swap_out, "swap_out", ("device", "host"), pools),
             self._check_swap_ops(swap_in, "swap_in", ("host", "device"), pools),
         )
+
+    def _check_disk_ops(self, disk_store: Any, disk_load: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Both disk arrays as validated CPU int64 ``[K, 2]`` tensors (None: no disk ops)."""
+        pools = {"host": self.num_host_blocks, "disk": self.num_disk_blocks}
+        checked = (
+            self._check_swap_ops(disk_store, "disk_store", ("host", "disk"), pools),
+            self._check_swap_ops(disk_load, "disk_load", ("disk", "host"), pools),
+        )
+        if any(c is not None for c in checked) and self.disk_cache is None:
+            raise InvalidArgumentError("the step has disk ops, but this runner has no disk tier (kv_cache_dir)")
+        return checked
 
     def _check_swap_ops(
         self, ops_in: Any, name: str, columns: tuple[str, str], pools: dict[str, int]
@@ -531,6 +579,51 @@ class ModelRunner:
             )
             num_blocks = MAX_NUM_BLOCKS
         return num_blocks
+
+    def _open_disk_tier(self, cache: CacheConfig, checkpoint_scales: bool) -> DiskKVStore:
+        """The disk tier below the host tier (``kv_cache_dir``): its files' fingerprint and its
+        slot count (``kv_cache_dir_max_bytes``, default 4 GiB, at most the disk's free space)."""
+        if self.host_cache is None or self.kv_cache_dir is None:
+            raise ConfigError(
+                f"kv_cache_dir={cache.kv_cache_dir!r} is a disk tier below the host tier, but there is no host tier: "
+                f"set num_host_blocks / host_kv_cache_memory / swap_space"
+            )
+        if not cache.enable_prefix_caching:
+            raise ConfigError("kv_cache_dir (the disk tier) holds prefix-cache blocks: it needs enable_prefix_caching")
+        fingerprint = disk_fingerprint(
+            self.model_path,
+            geometry={
+                "num_layers": self.num_layers,
+                "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim,
+                "dtype": str(self.dtype),
+                "kv_cache_dtype": str(self.kv_cache_dtype),
+                "kv_cache_scales": "checkpoint" if checkpoint_scales else "dynamic",
+                "block_size": self.block_size,
+            },
+        )
+        tensors = [self.host_cache.kv_cache] + (
+            [] if self.host_cache.kv_scale_cache is None else [self.host_cache.kv_scale_cache]
+        )
+        budget = cache.kv_cache_dir_max_bytes if cache.kv_cache_dir_max_bytes is not None else 4 << 30
+        free = shutil.disk_usage(self.kv_cache_dir).free
+        store = DiskKVStore(self.kv_cache_dir, tensors, 1, fingerprint)
+        if budget > free:
+            warnings.warn(
+                f"the disk tier's budget ({budget:,} bytes) is more than the free space of {self.kv_cache_dir!r} "
+                f"({free:,} bytes): it is limited to the free space",
+                UserWarning,
+                stacklevel=3,
+            )
+            budget = free
+        slots = min(DiskKVStore.slots_for(budget, store.payload_bytes), MAX_NUM_BLOCKS)
+        if slots < 1:
+            raise ConfigError(
+                f"kv_cache_dir_max_bytes = {budget:,} bytes is less than one block file "
+                f"({store.file_bytes:,} bytes): raise it"
+            )
+        store.num_slots = slots
+        return store
 
     def _host_blocks(self, cache: CacheConfig) -> int:
         """The host tier's block count: explicit, or a byte budget (``host_kv_cache_memory``,
