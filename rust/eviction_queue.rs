@@ -3,8 +3,7 @@
 //! Every free block is in the queue exactly once, in one of two parts:
 //!
 //! - **uncached** blocks hold nothing worth keeping. They are always reused before any cached
-//!   block, most recently pushed first (a stack, exactly like `push_front` / `pop_front` on
-//!   [`crate::free_queue::FreeBlockQueue`]; `new_full` starts with every block here, block 0
+//!   block, most recently pushed first (a stack; `new_full` starts with every block here, block 0
 //!   reused first);
 //! - **cached** (evictable) blocks still hold a prefix the cache can hit. Each carries a
 //!   retention priority `0 ..= MAX_RETENTION_PRIORITY` (default
@@ -19,8 +18,8 @@
 //! Data structures (chosen so the common case costs what the plain LRU list did: O(1), no
 //! allocation):
 //!
-//! - one intrusive doubly linked list over index arrays (as in `free_queue.rs`) with one
-//!   sentinel per list: the uncached stack, and one **bucket** per priority `0 ..= 100`. A
+//! - one intrusive doubly linked list over index arrays (O(1) removal from the middle when a
+//!   prefix hit revives a block) with one sentinel per list: the uncached stack, and one **bucket** per priority `0 ..= 100`. A
 //!   cached block is appended to its priority's bucket, so every bucket is in stamp order;
 //! - `nonempty`: a 101-bit mask of the non-empty buckets; the lowest set bit is the lowest
 //!   priority present (`trailing_zeros`);
@@ -153,7 +152,7 @@ pub struct EvictionQueue {
 
 impl EvictionQueue {
     /// A queue of `num_blocks` blocks, all free and uncached, in id order (block 0 is reused
-    /// first), like `FreeBlockQueue::new_full`. A `Config` error when the bookkeeping cannot
+    /// first). A `Config` error when the bookkeeping cannot
     /// be allocated or the node ids would not fit in `u32`.
     pub fn new_full(num_blocks: usize) -> Result<Self> {
         let n = num_blocks;

@@ -74,18 +74,23 @@ pub enum Tier {
 
 /// How long a sequence's prompt blocks are kept in the prefix cache once free: a retention
 /// priority in `0 ..= 100` (higher is kept longer; blocks filled by decoding get the default,
-/// 35) and an optional duration after which the priority falls back to the default.
+/// 35), an optional duration after which the priority falls back to the default, and
+/// optionally how many leading prompt tokens it covers (e.g. a shared system prompt, not the
+/// request's private tail, whose blocks keep the default).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetentionPolicy {
     /// Priority of the prompt's full blocks.
     pub priority: u8,
     /// Microseconds the priority holds after the block is freed (`None`: for good).
     pub duration_us: Option<u64>,
+    /// Only the full blocks within the first this many prompt tokens get `priority` (`None`:
+    /// the whole prompt).
+    pub num_tokens: Option<usize>,
 }
 
 impl Default for RetentionPolicy {
     fn default() -> Self {
-        RetentionPolicy { priority: DEFAULT_RETENTION_PRIORITY, duration_us: None }
+        RetentionPolicy { priority: DEFAULT_RETENTION_PRIORITY, duration_us: None, num_tokens: None }
     }
 }
 
@@ -843,7 +848,8 @@ impl KvCacheManager {
     /// blocks, the default for blocks filled by decoding, and never above the block before it
     /// (`parent`), so that a chain's leaves are evicted before their parents.
     fn block_retention(seq: &Sequence, k: usize, bs: usize, now_us: u64, parent: Retention) -> Retention {
-        let own = if (k + 1) * bs <= seq.prompt_len {
+        let covered = seq.retention.num_tokens.map_or(seq.prompt_len, |n| n.min(seq.prompt_len));
+        let own = if (k + 1) * bs <= covered {
             Retention {
                 priority: seq.retention.priority,
                 expires_at_us: seq.retention.duration_us.map(|d| now_us.saturating_add(d)),

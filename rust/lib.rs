@@ -3,12 +3,15 @@
 //! The KV cache is cut into fixed-size blocks. Each sequence owns a block table (logical block
 //! → physical block); blocks are allocated as a sequence grows and return to a free pool when
 //! it ends; blocks are shared by reference count (prefix caching, parallel sampling) and copied
-//! on write; freed cached blocks are evicted lazily in LRU order.
+//! on write; freed cached blocks are evicted lazily, lowest retention priority first and LRU
+//! within a priority. A host tier and a disk tier below the device pool keep swapped-out
+//! sequences and evicted cached blocks (see [`kv_cache_manager`]).
 //!
 //! Modules, bottom up:
 //! - [`ids`]: `BlockId`, `SeqId` newtypes.
 //! - [`error`]: the crate's one error enum.
-//! - [`free_queue`]: O(1) intrusive free-block queue.
+//! - [`eviction_queue`]: the free-block queue: uncached blocks first, then cached ones by
+//!   retention priority and LRU.
 //! - [`block_hash`]: chained 128-bit block hashes and cache salts.
 //! - [`token_store`]: token ids of cached blocks, for verifying hits.
 //! - [`block_pool`]: ref counts, free queue, prefix-cache index with verified lookups.
@@ -29,7 +32,6 @@ pub mod block_table;
 pub mod cpu_attention;
 pub mod error;
 pub mod eviction_queue;
-pub mod free_queue;
 pub mod ids;
 pub mod kv_cache_manager;
 pub mod scheduler;

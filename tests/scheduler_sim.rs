@@ -293,6 +293,7 @@ fn run_sim(spec: &SimSpec) -> SimResult {
                 r.retention = RetentionPolicy {
                     priority: rng.random_range(0..=100),
                     duration_us: rng.random_bool(0.5).then(|| rng.random_range(0..5_000_000)),
+                    num_tokens: rng.random_bool(0.5).then(|| rng.random_range(0..80)),
                 };
             }
             let e = Expect { prompt, max_tokens, min_tokens, eos, n, outputs: vec![Vec::new(); n], reasons: vec![None; n], aborted: false };

@@ -50,9 +50,21 @@ def test_high_retention_priority_outlives_default_blocks() -> None:
     assert cached_tokens(s, drop, "drop-again") == 0
 
 
+def test_retention_tokens_limit_the_priority_to_a_leading_span() -> None:
+    s = Scheduler(SchedulerConfig(num_blocks=24, block_size=BS, max_model_len=48))
+    shared = prompt(1, 4)
+    # Only the first two blocks (a "system prompt") are kept at priority 90.
+    s.add_request("first", shared, max_tokens=1, retention_priority=90, retention_tokens=2 * BS)
+    run_to_end(s)
+    for i in range(6):
+        s.add_request(f"churn-{i}", prompt(10 + i, 4), max_tokens=1)
+        run_to_end(s)
+    assert cached_tokens(s, shared, "again") == 2 * BS
+
+
 def test_retention_duration_expires_to_the_default_priority() -> None:
     def survivor(advance: float) -> int:
-        s = Scheduler(SchedulerConfig(num_blocks=24, block_size=BS, max_model_len=48))
+        s = Scheduler(SchedulerConfig(num_blocks=24, block_size=BS, max_model_len=48, manual_clock=True))
         old = prompt(1, 4)
         s.add_request("old", old, max_tokens=1, retention_priority=90, retention_duration=1.0)
         run_to_end(s)
@@ -117,6 +129,10 @@ def test_bad_tier_and_retention_settings_are_typed_errors() -> None:
             SamplingParams(**kwargs)
     with pytest.raises(ConfigError):
         SamplingParams(retention_priority="80")
+    with pytest.raises(ConfigError, match="retention_tokens"):
+        SamplingParams(retention_tokens=-1)
+    with pytest.raises(InvalidArgumentError):
+        s.add_request("x", [1, 2, 3], max_tokens=1, retention_tokens=-4)
 
 
 TEXTS = [

@@ -198,9 +198,17 @@ pub fn check_token_ids<T: Copy + Into<i64>>(raw: &[T]) -> Result<Vec<u32>, CoreE
 }
 
 /// An optional retention policy of a request's prompt blocks: a priority in `0 ..= 100`
-/// (default 35) and a duration in seconds (`None`: for good).
-pub fn retention_arg(priority: Option<&Bound<'_, PyAny>>, duration: Option<&Bound<'_, PyAny>>) -> PyResult<RetentionPolicy> {
+/// (default 35), a duration in seconds (`None`: for good) and the leading prompt tokens it
+/// covers (`None`: all).
+pub fn retention_arg(
+    priority: Option<&Bound<'_, PyAny>>,
+    duration: Option<&Bound<'_, PyAny>>,
+    num_tokens: Option<&Bound<'_, PyAny>>,
+) -> PyResult<RetentionPolicy> {
     let mut r = RetentionPolicy::default();
+    if let Some(o) = num_tokens.filter(|o| !o.is_none()) {
+        r.num_tokens = Some(count_arg(o, "retention_tokens")?);
+    }
     if let Some(o) = priority.filter(|o| !o.is_none()) {
         let p = int_arg(o, "retention_priority")?;
         r.priority = u8::try_from(p)

@@ -35,7 +35,7 @@ impl PySchedulerConfig {
         *, num_blocks, block_size = None, max_num_seqs = None, max_num_batched_tokens = None,
         max_model_len = None, enable_prefix_caching = None, policy = None, watermark = None, hash_bits = None,
         num_host_blocks = None, num_disk_blocks = None, preemption_mode = None, bytes_per_block = None, swap_bytes_per_second = None,
-        recompute_tokens_per_second = None
+        recompute_tokens_per_second = None, manual_clock = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -54,6 +54,7 @@ impl PySchedulerConfig {
         bytes_per_block: Option<&Bound<'_, PyAny>>,
         swap_bytes_per_second: Option<&Bound<'_, PyAny>>,
         recompute_tokens_per_second: Option<&Bound<'_, PyAny>>,
+        manual_clock: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let bs = block_size.map(|o| positive_arg(o, "block_size")).transpose()?.unwrap_or(16);
         let mut c = SchedulerConfig::new(bs, positive_arg(num_blocks, "num_blocks")?);
@@ -95,6 +96,9 @@ impl PySchedulerConfig {
         }
         if let Some(o) = recompute_tokens_per_second {
             c.recompute_tokens_per_second = float_arg(o, "recompute_tokens_per_second")?;
+        }
+        if let Some(o) = manual_clock {
+            c.manual_clock = bool_arg(o, "manual_clock")?;
         }
         c.validate()?;
         Ok(PySchedulerConfig { inner: c })
@@ -580,7 +584,7 @@ impl PyScheduler {
     #[pyo3(signature = (
         request_id, prompt_token_ids, *, max_tokens, min_tokens = None, eos_token_ids = None,
         stop_token_ids = None, ignore_eos = None, priority = None, cache_salt = None, n = None,
-        retention_priority = None, retention_duration = None
+        retention_priority = None, retention_duration = None, retention_tokens = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -597,6 +601,7 @@ impl PyScheduler {
         n: Option<&Bound<'_, PyAny>>,
         retention_priority: Option<&Bound<'_, PyAny>>,
         retention_duration: Option<&Bound<'_, PyAny>>,
+        retention_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let id_str = str_obj_arg(request_id, "request_id")?.clone();
         let opt_ids = |o: Option<&Bound<'_, PyAny>>, name: &str| -> PyResult<Vec<u32>> {
@@ -616,7 +621,7 @@ impl PyScheduler {
             ignore_eos: ignore_eos.map(|o| bool_arg(o, "ignore_eos")).transpose()?.unwrap_or(false),
             priority: priority.map(|o| int_arg(o, "priority")).transpose()?.unwrap_or(0),
             cache_salt: salt_arg(cache_salt)?,
-            retention: retention_arg(retention_priority, retention_duration)?,
+            retention: retention_arg(retention_priority, retention_duration, retention_tokens)?,
         };
         let key = self.inner.add_request(req)?;
         self.names.set(key, id_str.unbind());

@@ -104,6 +104,9 @@ pub struct SchedulerConfig {
     pub swap_bytes_per_second: f64,
     /// Measured forward throughput when recomputing, tokens per second (cost model).
     pub recompute_tokens_per_second: f64,
+    /// The retention clock moves only by `Scheduler::advance_clock` (simulations on a
+    /// simulated clock), not with wall time.
+    pub manual_clock: bool,
 }
 
 impl SchedulerConfig {
@@ -128,6 +131,7 @@ impl SchedulerConfig {
             // model's prefill rate (the ratio, not the values, decides).
             swap_bytes_per_second: 10e9,
             recompute_tokens_per_second: 10_000.0,
+            manual_clock: false,
         }
     }
 

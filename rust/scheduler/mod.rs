@@ -103,8 +103,12 @@ impl Scheduler {
         })
     }
 
-    /// The retention clock, in microseconds (monotonic).
+    /// The retention clock, in microseconds (monotonic): wall time since the scheduler was
+    /// built plus [`Self::advance_clock`]'s moves, or only the latter with `manual_clock`.
     pub fn now_us(&self) -> u64 {
+        if self.config.manual_clock {
+            return self.clock_offset_us;
+        }
         let elapsed = self.clock_origin.elapsed().as_micros().min(u64::MAX as u128) as u64;
         elapsed.saturating_add(self.clock_offset_us)
     }

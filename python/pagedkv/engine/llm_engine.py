@@ -188,6 +188,7 @@ class LLMEngine:
                 n=params.n,
                 retention_priority=params.retention_priority,
                 retention_duration=params.retention_duration,
+                retention_tokens=params.retention_tokens,
             )
             self.requests[request_id] = state
 

@@ -64,6 +64,9 @@ class SamplingParams:
       priority. ``None`` = the default, 35 (also the priority of blocks filled by decoding).
     - ``retention_duration``: seconds after which the prompt's blocks fall back to the default
       priority (``None``: they keep ``retention_priority``).
+    - ``retention_tokens``: the priority covers only the full blocks within the first this many
+      prompt tokens, e.g. a shared system prompt (``None``: the whole prompt). Giving a high
+      priority to every request's private tail fills the cache with blocks nobody reuses.
     """
 
     n: int = 1
@@ -82,6 +85,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     retention_priority: int | None = None
     retention_duration: float | None = None
+    retention_tokens: int | None = None
     # Normalized copy of `stop` (always a list) for the detokenizer; not a constructor argument.
     _stop_strings: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -131,6 +135,8 @@ class SamplingParams:
             self.retention_duration = _check_float("retention_duration", self.retention_duration)
             if self.retention_duration < 0.0:
                 raise ConfigError(f"retention_duration must be >= 0 seconds, got {self.retention_duration}")
+        if self.retention_tokens is not None:
+            self.retention_tokens = _check_int("retention_tokens", self.retention_tokens, minimum=0)
         if self.temperature < SAMPLING_EPS:
             # Greedy ignores the filters; normalizing them lets the sampler skip their work.
             self.temperature = 0.0
