@@ -22,7 +22,7 @@ use std::collections::HashMap;
 
 use pagedkv::block_hash::HashMode;
 use pagedkv::ids::BlockId;
-use pagedkv::kv_cache_manager::RetentionPolicy;
+use pagedkv::kv_cache_manager::{RetentionPolicy, Tier};
 use pagedkv::scheduler::{FinishReason, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, StepOutput};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -61,38 +61,33 @@ impl FakeModel {
         }
     }
 
-    /// Runs the step's block copies in the runner's order: swap-outs, swap-ins, copy-on-write;
-    /// with `keep`, only the ops it accepts (a failing step).
+    /// The slots of one tier.
+    fn slots(&mut self, tier: Tier) -> &mut [Option<u64>] {
+        match tier {
+            Tier::Device => &mut self.kv,
+            Tier::Host => &mut self.host,
+            Tier::Disk => &mut self.disk,
+        }
+    }
+
+    /// Runs the step's block copies in the runner's order (disk stores, swap-outs, disk loads,
+    /// swap-ins, copy-on-write); with `keep`, only the ops it accepts (a failing step).
     fn copy_blocks(&mut self, out: &StepOutput, mut keep: impl FnMut() -> bool) {
         let bs = self.bs;
-        for op in out.disk_store.chunks(2) {
-            if keep() {
-                let (h, s) = (op[0] as usize, op[1] as usize);
-                self.disk[s * bs..(s + 1) * bs].copy_from_slice(&self.host[h * bs..(h + 1) * bs]);
-            }
-        }
-        for op in out.swap_out.chunks(2) {
-            if keep() {
-                let (d, h) = (op[0] as usize, op[1] as usize);
-                self.host[h * bs..(h + 1) * bs].copy_from_slice(&self.kv[d * bs..(d + 1) * bs]);
-            }
-        }
-        for op in out.disk_load.chunks(2) {
-            if keep() {
-                let (s, h) = (op[0] as usize, op[1] as usize);
-                self.host[h * bs..(h + 1) * bs].copy_from_slice(&self.disk[s * bs..(s + 1) * bs]);
-            }
-        }
-        for op in out.swap_in.chunks(2) {
-            if keep() {
-                let (h, d) = (op[0] as usize, op[1] as usize);
-                self.kv[d * bs..(d + 1) * bs].copy_from_slice(&self.host[h * bs..(h + 1) * bs]);
-            }
-        }
-        for op in out.copy_ops.chunks(2) {
-            if keep() {
-                let (src, dst) = (op[0] as usize, op[1] as usize);
-                self.kv.copy_within(src * bs..(src + 1) * bs, dst * bs);
+        let lists = [
+            (&out.disk_store, Tier::Host, Tier::Disk),
+            (&out.swap_out, Tier::Device, Tier::Host),
+            (&out.disk_load, Tier::Disk, Tier::Host),
+            (&out.swap_in, Tier::Host, Tier::Device),
+            (&out.copy_ops, Tier::Device, Tier::Device),
+        ];
+        for (ops, from, to) in lists {
+            for op in ops.chunks(2) {
+                if keep() {
+                    let (src, dst) = (op[0] as usize * bs, op[1] as usize * bs);
+                    let block = self.slots(from)[src..src + bs].to_vec();
+                    self.slots(to)[dst..dst + bs].copy_from_slice(&block);
+                }
             }
         }
     }

@@ -213,7 +213,7 @@ def test_a_host_budget_past_max_num_blocks_is_clamped(tiny_model: str, monkeypat
     import pagedkv.worker.model_runner as model_runner
 
     monkeypatch.setattr(model_runner, "MAX_NUM_BLOCKS", 64)
-    with pytest.warns(UserWarning, match=r"makes room for 256 host blocks .* host tier is clamped to 64 blocks"):
+    with pytest.warns(UserWarning, match=r"makes room for 256 blocks .* host tier is clamped to 64 blocks"):
         runner = _tiny(tiny_model, host_kv_cache_memory=256 * TINY_BYTES_PER_BLOCK)
     assert runner.num_host_blocks == 64 and runner.host_kv_cache is not None
     assert runner.host_kv_cache.shape[2] == 64

@@ -382,20 +382,7 @@ impl Scheduler {
     /// [`Self::schedule_into`] without the block tables: everything but their content is in
     /// `out` (their width and each row's sequence included), for [`Self::write_block_tables`].
     pub(crate) fn schedule_rows(&mut self, out: &mut StepOutput) -> Result<()> {
-        out.clear(self.next_step);
-        if let Some(plan) = &self.in_flight {
-            return Err(CoreError::StaleOutput(format!(
-                "step {} was scheduled but update() was not called for it",
-                plan.step_id
-            )));
-        }
-        let step_id = self.next_step;
-        self.next_step += 1;
-        self.ended.clear();
-        let now = self.now_us();
-        self.kv.set_now(now);
-        self.kv.begin_step();
-        out.cu_seqlens_q.push(0);
+        let step_id = self.open_step(out)?;
         let mut plan = StepPlan { step_id, ..StepPlan::default() };
         let mut budget = self.config.max_num_batched_tokens;
         let mut scheduled: Vec<(BranchKey, SeqId)> = Vec::with_capacity(self.running.len() + 1);
@@ -457,6 +444,21 @@ impl Scheduler {
     /// step. Call it until it plans no copy (`swap_out` and `disk_store` empty) to leave the
     /// disk tier holding every cached block there is room for, before shutting down.
     pub fn schedule_flush_into(&mut self, out: &mut StepOutput) -> Result<()> {
+        let step_id = self.open_step(out)?;
+        self.kv.plan_flush();
+        self.kv.end_step();
+        self.take_copies(out);
+        out.finished = std::mem::take(&mut self.finished);
+        let plan = StepPlan { step_id, reported: out.finished.clone(), ..StepPlan::default() };
+        self.in_flight = Some(plan);
+        out.block_tables.clear();
+        Ok(())
+    }
+
+    /// Starts building a step into `out` (emptied): refuses while a step is in flight, takes
+    /// the next step id, forgets the ends reported by the last step, and starts the KV
+    /// manager's step (clock, copy targets).
+    fn open_step(&mut self, out: &mut StepOutput) -> Result<u64> {
         out.clear(self.next_step);
         if let Some(plan) = &self.in_flight {
             return Err(CoreError::StaleOutput(format!(
@@ -470,14 +472,7 @@ impl Scheduler {
         out.cu_seqlens_q.push(0);
         self.kv.set_now(self.now_us());
         self.kv.begin_step();
-        self.kv.plan_flush();
-        self.kv.end_step();
-        self.take_copies(out);
-        out.finished = std::mem::take(&mut self.finished);
-        let plan = StepPlan { step_id, reported: out.finished.clone(), ..StepPlan::default() };
-        self.in_flight = Some(plan);
-        out.block_tables.clear();
-        Ok(())
+        Ok(step_id)
     }
 
     /// [`Self::schedule_flush_into`] into a new output.

@@ -563,19 +563,27 @@ class ModelRunner:
         else:
             budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else DEFAULT_CPU_KV_CACHE_MEMORY
             source = f"kv_cache_memory={budget}"
+        return self._blocks_in_budget(
+            budget,
+            source,
+            "the KV pool",
+            f"{source} leaves {max(budget, 0)} bytes for the KV cache, less than one block "
+            f"({self.bytes_per_block} bytes)",
+        )
+
+    def _blocks_in_budget(self, budget: int, source: str, pool: str, too_small: str) -> int:
+        """Blocks of ``bytes_per_block`` in ``budget`` bytes: ``too_small`` is the ConfigError
+        when not one fits; a budget is a ceiling, so one worth more than ``MAX_NUM_BLOCKS`` is
+        clamped to it (``UserWarning`` naming ``source`` and ``pool``)."""
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
-            raise ConfigError(
-                f"{source} leaves {max(budget, 0)} bytes for the KV cache, less than one block "
-                f"({self.bytes_per_block} bytes)"
-            )
+            raise ConfigError(too_small)
         if num_blocks > MAX_NUM_BLOCKS:
-            # A budget is a ceiling: a smaller pool honours it.
             warnings.warn(
                 f"{source} makes room for {num_blocks} blocks of {self.bytes_per_block} bytes, more than the "
-                f"core's limit MAX_NUM_BLOCKS = {MAX_NUM_BLOCKS}: the KV pool is clamped to {MAX_NUM_BLOCKS} blocks",
+                f"core's limit MAX_NUM_BLOCKS = {MAX_NUM_BLOCKS}: {pool} is clamped to {MAX_NUM_BLOCKS} blocks",
                 UserWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
             num_blocks = MAX_NUM_BLOCKS
         return num_blocks
@@ -636,21 +644,13 @@ class ModelRunner:
             budget, source = int(cache.swap_space * 2**30), f"swap_space={cache.swap_space} GiB"
         else:
             return 0
-        num_blocks = budget // self.bytes_per_block
-        if num_blocks < 1:
-            raise ConfigError(
-                f"{source} = {budget:,} bytes is less than one KV block ({self.bytes_per_block:,} bytes): "
-                f"raise it, or give num_host_blocks"
-            )
-        if num_blocks > MAX_NUM_BLOCKS:
-            warnings.warn(
-                f"{source} makes room for {num_blocks} host blocks of {self.bytes_per_block} bytes, more than the "
-                f"core's limit MAX_NUM_BLOCKS = {MAX_NUM_BLOCKS}: the host tier is clamped to {MAX_NUM_BLOCKS} blocks",
-                UserWarning,
-                stacklevel=3,
-            )
-            num_blocks = MAX_NUM_BLOCKS
-        return num_blocks
+        return self._blocks_in_budget(
+            budget,
+            source,
+            "the host tier",
+            f"{source} = {budget:,} bytes is less than one KV block ({self.bytes_per_block:,} bytes): "
+            f"raise it, or give num_host_blocks",
+        )
 
     def _check_fits_in_memory(self) -> None:
         """Refuse, before allocating, a pool the device cannot hold (instead of an allocator
