@@ -9,13 +9,17 @@ Runs the studies of :mod:`studies` through the real Rust scheduler and writes
 * prefix_cache       hit rate and prefill saved vs cache size (multi-turn ShareGPT, system prompts)
 * memory_map         the pool's physical blocks over a short ShareGPT run
 * speed              replay_paged on 10,000 ShareGPT requests (tokenization timed apart)
+* offload_swap       KV offload tier: recompute vs swap vs auto preemption (the breakdown's workload and pool)
+* offload_prefix_cache  KV offload tier: multi-turn prefix hits with a host tier of 0x..4x the device pool
+* offload_retention  KV offload tier: retention priorities over the system prompts (retention_tokens)
 
     python benches/run_studies.py                      # all of them, full size (a few minutes)
     python benches/run_studies.py --study prefix_cache # one (repeatable: --study a --study b)
     python benches/run_studies.py --quick              # small sizes into a temporary folder, no RESULTS.md
 
 ShareGPT prompts and replies are tokenized with SmolLM2's tokenizer (the embedded default
-model); output lengths are the recorded replies' token counts.
+model); output lengths are the recorded replies' token counts. Studies with a host tier take
+the bytes per block (copy time) from SmolLM2's KV geometry (float32 KV, 720 KiB per block of 16).
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ from studies import (  # noqa: E402
     prefix_cache_study,
     speed_study,
 )
+from studies.offload import host_tier_prefix_study, retention_study, swap_study  # noqa: E402
 from studies.prefix_cache import default_pool_sizes  # noqa: E402
 
+from pagedkv.sim.kv_budget import load_kv_geometry  # noqa: E402
 from pagedkv.sim.workloads import (  # noqa: E402
     ArrivalProcess,
     TraceRequest,
@@ -215,6 +221,70 @@ def run_prefix_cache(w: Workloads, out: Path) -> StudyResult:
     )
 
 
+@cache
+def kv_geometry_label() -> tuple[int, str]:
+    """(bytes per block, a description) of the embedded SmolLM2's KV: the copy cost of a block."""
+    geometry = load_kv_geometry()
+    return geometry.bytes_per_block(BLOCK_SIZE), f" (SmolLM2-135M, {geometry.describe()})"
+
+
+def run_offload_swap(w: Workloads, out: Path) -> StudyResult:
+    bytes_per_block, label = kv_geometry_label()
+    return swap_study(
+        w.first_turns()[: w.size("first_turns")],
+        out,
+        num_blocks=NUM_SLOTS // BLOCK_SIZE,
+        bytes_per_block=bytes_per_block,
+        host_multiple=4,
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        workload_label="ShareGPT first turns (all at t = 0)",
+        geometry_label=label,
+    )
+
+
+def run_offload_prefix_cache(w: Workloads, out: Path) -> StudyResult:
+    bytes_per_block, label = kv_geometry_label()
+    return host_tier_prefix_study(
+        w.multi_turn(),
+        out,
+        device_pools=(8192, 16384) if not w.quick else (128, 256),
+        bytes_per_block=bytes_per_block,
+        host_multiples=(0, 1, 2, 4),
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        workload_label="ShareGPT multi-turn",
+        description=MULTI_TURN_DESCRIPTION,
+        geometry_label=label,
+    )
+
+
+def run_offload_retention(w: Workloads, out: Path) -> StudyResult:
+    # 1,024 blocks: the running set alone overfills the pool (preemptions) and the cache
+    # thrashes; 2,048: some preemptions; 4,096: none, but the 32 system prompts (1,792 blocks)
+    # compete with the running sequences for the rest (81% against 86% unbounded, prefix_cache
+    # study). Priorities over the system prompt (retention_tokens = its length), for good and
+    # for 3 simulated seconds, against the earlier whole-prompt priority; k = 32 is every prompt.
+    return retention_study(
+        w.system_prompts(),
+        out,
+        pool_sizes=(1024, 2048, 4096) if not w.quick else (128, 256),
+        top_counts=(1, 2, 4, 32),
+        priority=80,
+        variants=(("system prompt", None), ("system prompt", 3.0), ("whole prompt", None)),
+        block_size=BLOCK_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        workload_label="shared system prompts",
+        description=SYSTEM_PROMPTS_DESCRIPTION,
+    )
+
+
 def run_memory_map(w: Workloads, out: Path) -> StudyResult:
     # Short requests so a few dozen of them churn through a small pool; every fourth asks for
     # two parallel samples (their shared prompt blocks show up black until copy-on-write).
@@ -224,9 +294,15 @@ def run_memory_map(w: Workloads, out: Path) -> StudyResult:
         for i, r in enumerate(short)
     ]
     requests = assign_arrivals(short, ArrivalProcess(rate=3.0), seed=SEED)
+    # With a host tier of twice the pool: preempted sequences are swapped out and back, and
+    # evicted cached blocks are written back (the host-pool panel).
+    bytes_per_block, _ = kv_geometry_label()
     return memory_map_study(
         requests,
         out,
+        num_host_blocks=320,
+        preemption_mode="swap",
+        bytes_per_block=bytes_per_block,
         num_blocks=160,
         block_size=BLOCK_SIZE,
         max_model_len=1024,
@@ -263,6 +339,12 @@ STUDIES: dict[str, tuple[str, Callable[[Workloads, Path], StudyResult]]] = {
     "prefix_cache": ("Study: prefix caching vs cache size (issue 6)", run_prefix_cache),
     "memory_map": ("Study: memory map (issue 6)", run_memory_map),
     "speed": ("Study: simulation speed (issue 6)", run_speed),
+    "offload_swap": ("Study: KV offload tier, recompute vs swap vs auto preemption (issue 11)", run_offload_swap),
+    "offload_prefix_cache": (
+        "Study: KV offload tier, prefix caching with a host tier (issue 11)",
+        run_offload_prefix_cache,
+    ),
+    "offload_retention": ("Study: KV offload tier, retention priorities (issue 11)", run_offload_retention),
 }
 
 

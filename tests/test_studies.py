@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,8 @@ from studies import (  # noqa: E402
     prefix_cache_study,
     speed_study,
 )
-from studies.memory_map import record_memory_maps, render  # noqa: E402
+from studies.memory_map import record_memory_maps, render, render_host  # noqa: E402
+from studies.offload import host_tier_prefix_study, retention_study, swap_study, tokens_needed  # noqa: E402
 from studies.prefix_cache import (  # noqa: E402
     declared_prefix_hits,
     default_pool_sizes,
@@ -165,3 +167,106 @@ def test_speed_study(tmp_path: Path) -> None:
     assert data["num_requests"] == 30 and data["steps"] > 0
     assert sum(data["profile_split"].values()) == pytest.approx(1.0)
     assert data["profile_split"]["Scheduler.schedule"] > 0
+
+
+def test_memory_map_study_with_host_tier(tmp_path: Path) -> None:
+    requests = [dataclasses.replace(r, n=2) if i % 4 == 0 else r for i, r in enumerate(_workload(24))]
+    config = PagedConfig(
+        num_blocks=24, block_size=16, max_model_len=MAX_MODEL_LEN, num_host_blocks=48, preemption_mode="swap"
+    )
+    recording, result = record_memory_maps(requests, config)
+    assert recording.tiered and result.num_swap_preemptions > 0
+    assert recording.on_host.shape == (result.total_steps, 24)
+    assert recording.host_ref_counts.shape == recording.host_cached.shape == (result.total_steps, 48)
+    assert sum(len(w) for w in recording.host_written) == result.blocks_swapped_out
+    assert sum(len(r) for r in recording.host_read) == result.blocks_swapped_in
+    assert render_host(recording).shape == (48, result.total_steps, 3)
+    study = memory_map_study(
+        requests,
+        tmp_path,
+        num_blocks=24,
+        max_model_len=MAX_MODEL_LEN,
+        workload_label="tiny",
+        num_host_blocks=48,
+        preemption_mode="swap",
+        bytes_per_block=1000,
+    )
+    data = _check_outputs(study, tmp_path, ["memory_map.png"])
+    assert data["num_host_blocks"] == 48 and data["num_swap_preemptions"] > 0
+    assert "Host tier (bottom)" in study.body
+    # Without a tier: no host panel, nothing recorded for it.
+    plain, _ = record_memory_maps(requests, PagedConfig(num_blocks=24, block_size=16, max_model_len=MAX_MODEL_LEN))
+    assert not plain.tiered and render_host(plain).size == 0
+
+
+def test_offload_studies(tmp_path: Path) -> None:
+    requests = _workload(60)
+    swap = swap_study(requests, tmp_path, num_blocks=16, bytes_per_block=1000, max_model_len=MAX_MODEL_LEN)
+    data = _check_outputs(swap, tmp_path, [])
+    rows = {row["label"]: row for row in data["rows"]}
+    assert data["same_output"]
+    assert rows["recompute, no host tier"]["copy_time_s"] == 0
+    assert rows["swap"]["num_swap_preemptions"] == rows["swap"]["num_preemptions"] > 0
+    assert rows["swap"]["tokens_computed"] < rows["recompute, no host tier"]["tokens_computed"]
+    assert data["tokens_needed"] == tokens_needed(requests, MAX_MODEL_LEN)
+
+    prefix = host_tier_prefix_study(
+        requests, tmp_path, device_pools=[16], bytes_per_block=1000, host_multiples=(0, 2), max_model_len=MAX_MODEL_LEN
+    )
+    data = _check_outputs(prefix, tmp_path, ["offload_prefix_cache.png"])
+    alone, tiered = data["pools"]["16"]
+    assert alone["host_hit_rate"] == 0 and alone["same_total_device"] is None
+    assert tiered["hit_rate"] > alone["hit_rate"] and tiered["host_hit_rate"] > 0
+    assert tiered["same_total_device"]["num_blocks"] == 48
+    assert data["unbounded"]["hit_rate"] >= tiered["hit_rate"]
+
+    retention = retention_study(requests, tmp_path, pool_sizes=[16], top_counts=(1,), max_model_len=MAX_MODEL_LEN)
+    data = _check_outputs(retention, tmp_path, [])
+    assert [(r["prioritized_prompts"], r["scope"]) for r in data["rows"]] == [
+        (0, None),
+        (1, "system prompt"),
+        (1, "whole prompt"),
+    ]
+    assert data["popular_prefixes"][0] == Counter(r.shared_prefix_id for r in requests).most_common(1)[0][0]
+    assert 0 < data["rows"][0]["top_hit_rate"] <= data["ceiling"]["top"]
+
+
+def test_retention_study_system_prompt_scope(tmp_path: Path) -> None:
+    # 6 system prompts of 3 blocks, private tails of 2-4 blocks, 5 requests/s: one or two run at
+    # a time and a 32-block pool caches some of the prompts.
+    requests = shared_prefix_requests(
+        80,
+        num_prefixes=6,
+        prefix_len=48,
+        user_len=(32, 64),
+        output_len=(4, 16),
+        seed=0,
+        arrivals=ArrivalProcess(rate=5.0),
+    )
+    study = retention_study(
+        requests,
+        tmp_path,
+        pool_sizes=[32],
+        top_counts=(1, 6),
+        variants=(("system prompt", None), ("system prompt", 0.5), ("whole prompt", None)),
+        max_model_len=MAX_MODEL_LEN,
+    )
+    data = _check_outputs(study, tmp_path, [])
+    rows = {(r["prioritized_prompts"], r["scope"], r["retention_duration"]): r for r in data["rows"]}
+    assert len(rows) == 7 and data["watched_prompts"] == 1 and data["num_prefixes"] == 6
+    delta = {key: row["delta_hit_rate"] for key, row in rows.items()}
+    # The whole-prompt priority keeps the top prompt's private tails and pushes out the other
+    # prompts; over the system prompt only it does not.
+    assert delta[(1, "whole prompt", None)] < 0 <= delta[(1, "system prompt", None)]
+    assert rows[(1, "whole prompt", None)]["rest_hit_rate"] < rows[(0, None, None)]["rest_hit_rate"]
+    # Every system prompt prioritized: shared blocks outlive the private ones, a real gain,
+    # larger than over the whole prompt, within the unbounded cache's hit rate.
+    assert delta[(6, "system prompt", None)] > 0.05
+    assert delta[(6, "system prompt", None)] > delta[(6, "whole prompt", None)]
+    assert rows[(6, "system prompt", None)]["hit_rate"] <= data["ceiling"]["all"]
+    # A short retention duration (simulated seconds) gives part of it back.
+    assert delta[(6, "system prompt", 0.5)] < delta[(6, "system prompt", None)]
+    assert "| 32 | whole prompt | for good |" in study.body and "all 6 at 80" in study.body
+    assert "removes that loss" in study.body
+    with pytest.raises(ValueError, match="unknown retention scope"):
+        retention_study(requests, tmp_path, pool_sizes=[32], variants=(("tail", None),))

@@ -7,6 +7,13 @@ blocks, and compares with contiguous reservation (:mod:`pagedkv.sim.baselines`) 
 
     pagedkv simulate --workload sharegpt --num-requests 2000 --kv-memory 2GiB --kv-dtype bfloat16
     pagedkv simulate --workload trace:requests.jsonl --num-blocks 4096 --breakdown --json
+    pagedkv simulate --workload sharegpt-multiturn --rate 2 --num-blocks 8192 --num-host-blocks 32768
+    pagedkv simulate --num-blocks 2048 --host-kv-memory 8GiB --preemption-mode swap --swap-bandwidth 25GB/s
+
+A KV offload tier in host memory (``--num-host-blocks`` / ``--host-kv-memory``) holds swapped-out
+sequences (``--preemption-mode swap|auto``) and the cached blocks the device pool evicts (loaded
+back on a prefix hit); each block copied between the tiers adds ``bytes per block /
+--swap-bandwidth`` to its step's simulated time (:mod:`pagedkv.sim.replay`).
 
 The same from Python: build requests (:mod:`pagedkv.sim.workloads`) and call
 :func:`pagedkv.sim.replay.compare_allocators` with a :class:`pagedkv.sim.replay.PagedConfig`
@@ -25,6 +32,7 @@ import sys
 from typing import Any
 
 from pagedkv.errors import ConfigError, PagedKVError
+from pagedkv.sim.kv_budget import DEFAULT_SWAP_BYTES_PER_SECOND
 from pagedkv.sim.simulate import DEFAULT_KV_MEMORY, build_workload, simulate
 
 __all__ = ["add_arguments", "run", "format_report"]
@@ -130,6 +138,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(= fp8_e4m3), fp8_e5m2 (1 byte per value + a 2-byte scale per token and KV head) [default: auto]",
     )
 
+    tiers = parser.add_argument_group(
+        "KV offload tier in host memory (one of --num-host-blocks / --host-kv-memory; default: none)"
+    )
+    host = tiers.add_mutually_exclusive_group()
+    host.add_argument(
+        "--num-host-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="host-tier blocks (same block size and bytes per block as the device pool); it holds swapped-out "
+        "sequences and, with prefix caching, the cached blocks the device pool evicts (written back, loaded "
+        "back on a prefix hit) [default: 0, no host tier]",
+    )
+    host.add_argument(
+        "--host-kv-memory",
+        default=None,
+        metavar="SIZE",
+        help="host-tier budget in bytes, e.g. 32GiB, turned into blocks with the model's KV bytes per block",
+    )
+    tiers.add_argument(
+        "--preemption-mode",
+        default="recompute",
+        metavar="MODE",
+        help="when a running sequence must give up its blocks: recompute (free them, compute again later), "
+        "swap (copy them to the host tier and back; needs a host tier; recompute when it is full), or auto "
+        "(per victim, whichever the cost model says is cheaper: 2 x blocks x bytes per block / swap bandwidth "
+        "against tokens / recompute throughput) [default: recompute]",
+    )
+    tiers.add_argument(
+        "--swap-bandwidth",
+        default=f"{DEFAULT_SWAP_BYTES_PER_SECOND / 1e9:g}GB/s",
+        metavar="BYTES/S",
+        help="copy bandwidth between device and host tier, e.g. 25GB/s, 50e9; every block copied adds "
+        "bytes per block / this to its step's simulated time, and the auto cost model uses it "
+        f"[default: {DEFAULT_SWAP_BYTES_PER_SECOND / 1e9:g}GB/s, a PCIe-class GPU <-> pinned host link]",
+    )
+    tiers.add_argument(
+        "--recompute-throughput",
+        type=float,
+        default=None,
+        metavar="TOKENS/S",
+        help="forward throughput when recomputing, tokens/s, for the auto cost model "
+        "[default: --max-num-batched-tokens / --step-duration, the step model's full-budget rate]",
+    )
+
     sched = parser.add_argument_group("scheduler")
     sched.add_argument("--block-size", type=int, default=16, help="tokens per block [default: 16]")
     sched.add_argument(
@@ -172,6 +225,8 @@ def _fmt(value: Any, kind: str) -> str:
         return f"{value:,.1f}"
     if kind == "sec":
         return f"{value:,.2f}"
+    if kind == "gib":
+        return f"{value / 2**30:,.2f}"
     return f"{value:,}"
 
 
@@ -186,6 +241,22 @@ _ROWS = (
     ("steps", "steps", "int"),
     ("simulated time (s)", "makespan_s", "sec"),
     ("requests finished", "num_finished", "int"),
+)
+# Rows shown only when the replay had a host tier (None cells print "-").
+_TIER_ROWS = (
+    ("tokens computed (incl. recompute)", "tokens_computed", "int"),
+    ("host KV memory held (time avg)", "host_kv_usage", "pct"),
+    ("host blocks cached (time avg)", "host_cached_fraction", "pct"),
+    ("prefix-cache hit rate from the host", "prefix_cache_host_hit_rate", "pct"),
+    ("prefill tokens loaded from the host", "prefill_tokens_from_host", "int"),
+    ("swap preemptions (of preemptions)", "swap_preemptions", "int"),
+    ("blocks copied device -> host", "blocks_swapped_out", "int"),
+    ("blocks copied host -> device", "blocks_swapped_in", "int"),
+    ("GiB copied device -> host", "bytes_swapped_out", "gib"),
+    ("GiB copied host -> device", "bytes_swapped_in", "gib"),
+    ("write-backs of evicted blocks", "write_backs", "int"),
+    ("write-backs skipped (host full)", "write_backs_skipped", "int"),
+    ("copy time (s, in simulated time)", "copy_time_s", "sec"),
 )
 _BREAKDOWN_ROWS = (
     ("  token states", "token_states"),
@@ -212,6 +283,21 @@ def format_report(report: dict[str, Any], *, breakdown: bool = False) -> str:
             + ")"
         )
     lines.append(pool)
+    tiers = report.get("tiers") or {}
+    if tiers.get("num_host_blocks"):
+        host = f"host tier: {tiers['num_host_blocks']:,} blocks"
+        if tiers.get("host_kv_bytes") is not None:
+            host += f" = {tiers['host_kv_bytes'] / 2**30:.2f} GiB"
+        host += (
+            f", preemption {tiers['preemption_mode']}, copies at {tiers['swap_bytes_per_second'] / 1e9:g} GB/s"
+            + (
+                f" ({1e6 * tiers['copy_seconds_per_block']:.1f} us per block)"
+                if tiers.get("copy_seconds_per_block") is not None
+                else ""
+            )
+            + f", recompute at {tiers['recompute_tokens_per_second']:,.0f} tokens/s (auto cost model)"
+        )
+        lines.append(host)
     c = report["config"]
     lines.append(
         f"max_model_len {c['max_model_len']}, max_num_seqs {c['max_num_seqs']}, max_num_batched_tokens "
@@ -222,6 +308,8 @@ def format_report(report: dict[str, Any], *, breakdown: bool = False) -> str:
     names = list(allocators)
     headers = ["", *(ALLOCATOR_TITLES.get(n, n) for n in names)]
     rows = [[label, *(_fmt(allocators[n][key], kind) for n in names)] for label, key, kind in _ROWS]
+    if tiers.get("num_host_blocks"):
+        rows += [[label, *(_fmt(allocators[n].get(key), kind) for n in names)] for label, key, kind in _TIER_ROWS]
     if breakdown:
         rows.append(["memory breakdown (time avg of pool)", *([""] * len(names))])
         rows += [
@@ -282,6 +370,11 @@ def run(args: argparse.Namespace) -> int:
             step_duration_s=args.step_duration,
             baselines=not args.no_baselines,
             seed=args.seed,
+            num_host_blocks=args.num_host_blocks,
+            host_kv_memory=args.host_kv_memory,
+            preemption_mode=args.preemption_mode,
+            swap_bandwidth=args.swap_bandwidth,
+            recompute_throughput=args.recompute_throughput,
         )
     except PagedKVError as error:
         print(f"pagedkv simulate: error: {error}", file=sys.stderr)

@@ -30,14 +30,19 @@ from pagedkv.config import KV_CACHE_DTYPES, KV_DTYPE_BYTES, KVGeometry, kv_dtype
 from pagedkv.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_SWAP_BYTES_PER_SECOND",
     "KV_DTYPE_BYTES",
     "KVGeometry",
     "kv_geometry",
     "load_kv_geometry",
     "load_model_config",
     "num_blocks_for_budget",
+    "parse_bandwidth",
     "parse_bytes",
 ]
+
+# Copy bandwidth between the device and the host tier, bytes/s: a PCIe-class GPU <-> pinned host link.
+DEFAULT_SWAP_BYTES_PER_SECOND = 25e9
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads")
@@ -238,3 +243,15 @@ def parse_bytes(text: str, *, name: str = "kv_memory") -> int:
     if not math.isfinite(value) or value < 1:
         raise ConfigError(f"{name} {text!r} must be at least 1 byte")
     return int(value)
+
+
+def parse_bandwidth(value: float | int | str, *, name: str = "swap_bandwidth") -> float:
+    """Bytes per second from a number or a size with an optional ``/s`` (``"25GB/s"``,
+    ``"32GiB"``, ``"2.5e10"``); ConfigError unless positive and finite."""
+    if isinstance(value, str):
+        text = value.strip()
+        text = text[:-2] if text.lower().endswith("/s") else text
+        return float(parse_bytes(text, name=name))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be a positive number of bytes per second, got {value!r}")
+    return float(value)

@@ -19,10 +19,41 @@ of blocks in use that hold a computed token (a shared block counts once);
 each sequence's last block); ``free`` = slots of free blocks (cached ones included: they are
 reusable at once). Paging reserves nothing ahead and any free block fits any request, so
 ``reserved_unused`` and ``external_fragmentation`` are 0 by construction.
+
+KV offload tier (``PagedConfig.num_host_blocks`` > 0). The scheduler then also owns a host
+pool of that many blocks, which holds swapped-out sequences (``preemption_mode`` ``"swap"``,
+or ``"auto"`` per victim by the scheduler's cost model) and, with prefix caching, the cached
+blocks the device pool evicts (written back; a later prompt whose prefix misses on the device
+but hits on the host has those blocks loaded back before its prefill). Each step's
+``swap_out`` (device -> host) and ``swap_in`` (host -> device) block copies are charged on
+the simulated clock, before the step's forward and without overlap with it:
+
+    step time = step_duration_s + (len(swap_out) + len(swap_in)) * bytes_per_block / swap_bytes_per_second
+
+so a step with K block copies lasts ``K * bytes_per_block / swap_bytes_per_second`` longer
+(the copies' total is ``PagedReplayResult.copy_time_s``; 0 without a tier, or with
+``bytes_per_block`` 0 = unknown). The clock is ``k * step_duration_s + copy time so far``;
+arrival times follow it. Default bandwidth: 25 GB/s, a PCIe 4.0/5.0 x16-class
+GPU <-> pinned host link in practice. The ``auto`` rule compares ``2 * blocks * bytes_per_block /
+swap_bytes_per_second`` (out and back) with ``tokens / recompute_tokens_per_second``; the
+default recompute throughput is the step model's own, ``max_num_batched_tokens /
+step_duration_s`` (a full-budget step), so that rule and the simulated clock agree. The
+recompute side is not charged beyond the step model: its cost shows as ``tokens_computed``
+(and as extra steps once the token budget binds).
+
+Retention clock. A request's ``retention_priority`` / ``retention_duration`` /
+``retention_tokens`` go to ``Scheduler.add_request``; a retention duration counts from the
+moment a block is freed, on the scheduler's retention clock. The replay builds its scheduler
+with ``manual_clock=True``, so that clock never moves with wall time: before each ``schedule``
+it is moved (``Scheduler.advance_clock``) to the simulated time of that step (the clock above,
+idle jumps included), in whole microseconds. A replay is therefore deterministic, and a
+duration of D seconds expires D simulated seconds after the step that freed the block
+(blocks freed by a step's ``update`` are stamped with that step's start time).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -41,9 +72,12 @@ from pagedkv.sim.baselines import (
     first_step_at_or_after,
     replay_reservation,
 )
+from pagedkv.sim.kv_budget import DEFAULT_SWAP_BYTES_PER_SECOND
 from pagedkv.sim.workloads.request import TraceRequest
 
 __all__ = [
+    "DEFAULT_SWAP_BYTES_PER_SECOND",
+    "PREEMPTION_MODES",
     "AllocatorComparison",
     "PagedConfig",
     "PagedReplayResult",
@@ -51,6 +85,13 @@ __all__ = [
     "compare_allocators",
     "replay_paged",
 ]
+
+
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 @dataclass(frozen=True)
@@ -65,14 +106,59 @@ class PagedConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     step_duration_s: float = 0.02  # simulated time per step; maps arrival times onto steps
+    # KV offload tier (module docstring): host blocks (0: none), what preemption does, the
+    # bytes of one block (all layers, K and V, scales; 0: unknown, copies cost no time), the
+    # copy bandwidth between the tiers and the recompute throughput of the cost model.
+    num_host_blocks: int = 0
+    preemption_mode: str = "recompute"
+    bytes_per_block: int = 0
+    swap_bytes_per_second: float = DEFAULT_SWAP_BYTES_PER_SECOND
+    recompute_tokens_per_second: float | None = None  # None: max_num_batched_tokens / step_duration_s
 
     def __post_init__(self) -> None:
         if not self.step_duration_s > 0:
             raise ConfigError(f"step_duration_s must be > 0, got {self.step_duration_s}")
+        if not _is_int(self.num_host_blocks) or self.num_host_blocks < 0:
+            raise ConfigError(f"num_host_blocks must be an integer >= 0, got {self.num_host_blocks!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ConfigError(
+                f"preemption_mode {self.preemption_mode!r} is not known; use one of {', '.join(PREEMPTION_MODES)}"
+            )
+        if self.preemption_mode != "recompute" and self.num_host_blocks == 0:
+            raise ConfigError(
+                f"preemption_mode {self.preemption_mode!r} needs a host tier: set num_host_blocks "
+                "(pagedkv simulate: --num-host-blocks or --host-kv-memory)"
+            )
+        if not _is_int(self.bytes_per_block) or self.bytes_per_block < 0:
+            raise ConfigError(f"bytes_per_block must be an integer >= 0, got {self.bytes_per_block!r}")
+        for name, value in (
+            ("swap_bytes_per_second", self.swap_bytes_per_second),
+            ("recompute_tokens_per_second", self.recompute_tokens_per_second),
+        ):
+            if value is None and name == "recompute_tokens_per_second":
+                continue
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value > 0)
+            ):
+                raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
 
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
+
+    @property
+    def recompute_throughput(self) -> float:
+        """Tokens per second of the cost model: the given one, else a full-budget step per step time."""
+        if self.recompute_tokens_per_second is not None:
+            return float(self.recompute_tokens_per_second)
+        return self.max_num_batched_tokens / self.step_duration_s
+
+    @property
+    def copy_seconds_per_block(self) -> float:
+        """Simulated seconds one block copy between the tiers adds to its step."""
+        return self.bytes_per_block / self.swap_bytes_per_second
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -83,6 +169,13 @@ class PagedConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
             watermark=self.watermark,
+            num_host_blocks=self.num_host_blocks,
+            preemption_mode=self.preemption_mode,
+            bytes_per_block=self.bytes_per_block,
+            swap_bytes_per_second=float(self.swap_bytes_per_second),
+            recompute_tokens_per_second=self.recompute_throughput,
+            # The retention clock is the simulated one (module docstring), never wall time.
+            manual_clock=True,
         )
 
 
@@ -113,10 +206,34 @@ class PagedReplayResult:
     block_steps: int  # sum over counted steps of blocks in use: the time integral of KV held
     wall_time_s: float
     steps: tuple[MemoryBreakdown, ...] | None = field(default=None, repr=False)
+    # KV offload tier (all 0 without one; see the module docstring):
+    num_host_blocks: int = 0
+    preemption_mode: str = "recompute"
+    bytes_per_block: int = 0
+    mean_host_used_blocks: float = 0.0  # held by swapped-out sequences, time average over counted steps
+    peak_host_used_blocks: int = 0
+    mean_host_cached_blocks: float = 0.0  # host blocks in the prefix cache, time average
+    num_swap_preemptions: int = 0  # of num_preemptions, those that swapped (the rest recomputed)
+    prefix_cache_host_hits: int = 0  # of prefix_cache_hits, tokens found only on the host (loaded back)
+    blocks_swapped_out: int = 0  # device -> host copies: swap-outs and write-backs
+    blocks_swapped_in: int = 0  # host -> device copies: swap-ins and host prefix hits
+    bytes_swapped_out: int = 0
+    bytes_swapped_in: int = 0
+    num_write_backs: int = 0  # evicted cached device blocks copied to the host
+    num_write_backs_skipped: int = 0  # evicted cached device blocks the host had no room for
+    num_host_evictions: int = 0
+    copy_time_s: float = 0.0  # simulated time of all block copies (part of makespan_s)
+    # request id -> prompt tokens served from the cache at its first admission (record_cached_tokens=True)
+    request_cached_tokens: dict[str, int] | None = field(default=None, repr=False)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def prefix_cache_host_hit_rate(self) -> float:
+        """The part of :attr:`prefix_cache_hit_rate` served from the host tier."""
+        return self.prefix_cache_host_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
     def mean_blocks_in_use(self) -> float:
@@ -125,9 +242,11 @@ class PagedReplayResult:
     def to_dict(self, *, include_steps: bool = False) -> dict[str, Any]:
         d = asdict(self)
         d["prefix_cache_hit_rate"] = self.prefix_cache_hit_rate
+        d["prefix_cache_host_hit_rate"] = self.prefix_cache_host_hit_rate
         d["mean_blocks_in_use"] = self.mean_blocks_in_use
         if not include_steps:
             d.pop("steps")
+            d.pop("request_cached_tokens")
         return d
 
 
@@ -152,13 +271,18 @@ def replay_paged(
     *,
     seed: int = 0,
     record_steps: bool = False,
+    record_cached_tokens: bool = False,
     on_step: Callable[[int, Scheduler, SchedulerOutput], None] | None = None,
 ) -> PagedReplayResult:
     """Replay ``requests`` (taken in arrival order, stable) through the real scheduler.
 
     ``on_step(step, scheduler, output)`` is called after each step is scheduled, before its
     update (e.g. to draw the pool's memory map). Requests whose prompt leaves no room for one
-    output token under ``max_model_len`` are refused up front with PromptTooLongError.
+    output token under ``max_model_len`` are refused up front with PromptTooLongError. A
+    request's ``retention_priority`` / ``retention_duration`` / ``retention_tokens`` go to
+    ``Scheduler.add_request``, on the simulated retention clock (module docstring).
+    ``record_cached_tokens`` fills ``request_cached_tokens`` (prompt tokens each request found
+    in the cache at its first admission).
     """
     started = time.perf_counter()
     ordered = sorted(requests, key=lambda r: r.arrival_time)
@@ -172,24 +296,50 @@ def replay_paged(
     rng = np.random.default_rng(seed)
     waiting = deque(ordered)
     num_slots = config.num_slots
+    duration = config.step_duration_s
+    tiered = config.num_host_blocks > 0
+    copy_seconds = config.copy_seconds_per_block
     step_index = counted = 0
+    copy_time = 0.0  # the clock is step_index * duration + copy_time
+    clock_us = 0  # the scheduler's (manual) retention clock, microseconds: moved this far
     sum_slots = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
     peak_slots = dict.fromkeys(BREAKDOWN_CATEGORIES, 0)
     sum_running = peak_running = 0
     sum_held = sum_allocated = peak_allocated = 0
+    sum_host_used = peak_host_used = sum_host_cached = 0
     finished = generated = tokens_computed = 0
     history: list[MemoryBreakdown] = []
+    cached_tokens: dict[str, int] = {}
     while waiting or sched.has_unfinished_requests():
-        if not sched.has_unfinished_requests() and waiting[0].arrival_time > step_index * config.step_duration_s:
-            step_index = max(step_index, first_step_at_or_after(waiting[0].arrival_time, config.step_duration_s))
-        now = step_index * config.step_duration_s
+        if not sched.has_unfinished_requests() and waiting[0].arrival_time > step_index * duration + copy_time:
+            # Idle: jump to the first step boundary at or after the next arrival.
+            step_index = max(step_index, first_step_at_or_after(waiting[0].arrival_time - copy_time, duration))
+        now = step_index * duration + copy_time
+        now_us = round(now * 1e6)
+        if now_us > clock_us:
+            # advance_clock truncates seconds to microseconds: + 0.5 us lands on now_us exactly.
+            sched.advance_clock((now_us - clock_us + 0.5) / 1e6)
+            clock_us = now_us
         while waiting and waiting[0].arrival_time <= now:
             r = waiting.popleft()
-            sched.add_request(r.request_id, r.prompt_token_ids, max_tokens=r.output_len, ignore_eos=True, n=r.n)
+            sched.add_request(
+                r.request_id,
+                r.prompt_token_ids,
+                max_tokens=r.output_len,
+                ignore_eos=True,
+                n=r.n,
+                retention_priority=r.retention_priority,
+                retention_duration=r.retention_duration,
+                retention_tokens=None if r.retention_tokens is None else min(r.retention_tokens, r.prompt_len),
+            )
         out = sched.schedule()
         stats = sched.stats()
         if on_step is not None:
             on_step(counted, sched, out)
+        if tiered:
+            copies = len(out.swap_out) + len(out.swap_in)
+            if copies:
+                copy_time += copies * copy_seconds
         if out.num_tokens:
             b = _breakdown(counted, stats, num_slots, sched.num_waiting + len(waiting))
             for c in BREAKDOWN_CATEGORIES:
@@ -201,12 +351,21 @@ def replay_paged(
             peak_allocated = max(peak_allocated, stats.slots_allocated)
             sum_running += stats.num_running
             peak_running = max(peak_running, stats.num_running)
+            if tiered:
+                host_used = stats.num_host_used_blocks
+                sum_host_used += host_used
+                peak_host_used = max(peak_host_used, host_used)
+                sum_host_cached += stats.num_host_cached_blocks
             tokens_computed += out.num_tokens
             if record_steps:
                 history.append(b)
             counted += 1
         sampled = rng.integers(0, 32_000, size=len(out.logits_indices), dtype=np.int64)
-        generated += len(sched.update(out, sampled))
+        updates = sched.update(out, sampled)
+        generated += len(updates)
+        if record_cached_tokens:
+            for request_id, hit in zip(updates.request_ids, updates.num_cached_tokens):
+                cached_tokens.setdefault(request_id, hit)
         finished += len(out.finished_req_ids)
         step_index += 1
     # The last update's finishes are reported by one more (empty) step.
@@ -224,7 +383,7 @@ def replay_paged(
         num_finished=finished,
         num_truncated=truncated,
         generated_tokens=generated,
-        makespan_s=step_index * config.step_duration_s,
+        makespan_s=step_index * duration + copy_time,
         peak_running=peak_running,
         mean_running=sum_running / steps,
         mean_fraction={c: sum_slots[c] / (steps * num_slots) for c in BREAKDOWN_CATEGORIES},
@@ -240,6 +399,23 @@ def replay_paged(
         block_steps=sum_allocated // config.block_size,
         wall_time_s=time.perf_counter() - started,
         steps=tuple(history) if record_steps else None,
+        num_host_blocks=config.num_host_blocks,
+        preemption_mode=config.preemption_mode,
+        bytes_per_block=config.bytes_per_block,
+        mean_host_used_blocks=sum_host_used / steps,
+        peak_host_used_blocks=peak_host_used,
+        mean_host_cached_blocks=sum_host_cached / steps,
+        num_swap_preemptions=final.num_swap_preemptions,
+        prefix_cache_host_hits=final.prefix_cache_host_hits,
+        blocks_swapped_out=final.blocks_swapped_out,
+        blocks_swapped_in=final.blocks_swapped_in,
+        bytes_swapped_out=final.bytes_swapped_out,
+        bytes_swapped_in=final.bytes_swapped_in,
+        num_write_backs=final.num_write_backs,
+        num_write_backs_skipped=final.num_write_backs_skipped,
+        num_host_evictions=final.num_host_evictions,
+        copy_time_s=copy_time,
+        request_cached_tokens=cached_tokens if record_cached_tokens else None,
     )
 
 
@@ -273,11 +449,13 @@ def allocator_metrics(result: PagedReplayResult | ReservationReplayResult) -> di
     the whole replay; ``kv_usage`` the time-averaged fraction of the pool held; concurrency
     counts sequences (a request with ``n`` samples counts ``n`` once forked). Paging-only
     figures (preemptions, prefix cache) are None for the baselines, which never preempt and
-    have no cache.
+    have no cache; the offload-tier figures (host usage and hits, swaps, copies, copy time) are
+    None too unless the paged replay had a host tier.
     """
     f = result.mean_fraction
     held = f["token_states"] + f["reserved_unused"] + f["internal_fragmentation"]
     paged = result if isinstance(result, PagedReplayResult) else None
+    tiers = paged if paged is not None and paged.num_host_blocks else None
     return {
         "policy": result.policy,
         "peak_concurrent": result.peak_running,
@@ -292,6 +470,21 @@ def allocator_metrics(result: PagedReplayResult | ReservationReplayResult) -> di
         "num_finished": result.num_finished,
         "generated_tokens": result.generated_tokens,
         "breakdown": dict(f),
+        # The KV offload tier (None for the baselines and without a host tier):
+        "tokens_computed": paged.tokens_computed if paged else None,
+        "host_kv_usage": tiers.mean_host_used_blocks / tiers.num_host_blocks if tiers else None,
+        "host_cached_fraction": tiers.mean_host_cached_blocks / tiers.num_host_blocks if tiers else None,
+        "prefix_cache_host_hit_rate": tiers.prefix_cache_host_hit_rate if tiers else None,
+        "prefill_tokens_from_host": tiers.prefix_cache_host_hits if tiers else None,
+        "swap_preemptions": tiers.num_swap_preemptions if tiers else None,
+        "blocks_swapped_out": tiers.blocks_swapped_out if tiers else None,
+        "blocks_swapped_in": tiers.blocks_swapped_in if tiers else None,
+        "bytes_swapped_out": tiers.bytes_swapped_out if tiers else None,
+        "bytes_swapped_in": tiers.bytes_swapped_in if tiers else None,
+        "write_backs": tiers.num_write_backs if tiers else None,
+        "write_backs_skipped": tiers.num_write_backs_skipped if tiers else None,
+        "host_evictions": tiers.num_host_evictions if tiers else None,
+        "copy_time_s": tiers.copy_time_s if tiers else None,
     }
 
 

@@ -6,18 +6,31 @@ against contiguous reservation, and return the report that ``pagedkv simulate --
 
 A KV budget in bytes is turned into blocks with the model's KV bytes per token
 (:mod:`pagedkv.sim.kv_budget`); the replay itself is :mod:`pagedkv.sim.replay`.
+
+A KV offload tier in host memory is added with ``num_host_blocks`` or ``host_kv_memory``
+(bytes, or a size string); ``preemption_mode`` picks recompute / swap / auto, and the copies
+between the tiers cost ``bytes_per_block / swap_bandwidth`` simulated seconds each (the step
+model of :mod:`pagedkv.sim.replay`). A host tier needs the model's bytes per block, so it
+loads the model's geometry (default: the embedded SmolLM2) even with ``num_blocks``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from pagedkv.config import KVGeometry
 from pagedkv.errors import ConfigError
-from pagedkv.sim.kv_budget import load_kv_geometry, num_blocks_for_budget, parse_bytes
+from pagedkv.sim.kv_budget import (
+    DEFAULT_SWAP_BYTES_PER_SECOND,
+    load_kv_geometry,
+    num_blocks_for_budget,
+    parse_bandwidth,
+    parse_bytes,
+)
 from pagedkv.sim.workloads.arrivals import ArrivalProcess, assign_arrivals
 from pagedkv.sim.workloads.request import TraceRequest
 
@@ -117,6 +130,19 @@ def build_workload(
     return requests
 
 
+def _host_budget(host_kv_memory: int | str | None) -> int:
+    """Bytes of a host-tier budget; 0 (or "0") means no host tier."""
+    if host_kv_memory is None:
+        return 0
+    if isinstance(host_kv_memory, str):
+        if host_kv_memory.strip() in {"0", "0B", "0b"}:
+            return 0
+        return parse_bytes(host_kv_memory, name="host_kv_memory")
+    if isinstance(host_kv_memory, bool) or not isinstance(host_kv_memory, int) or host_kv_memory < 0:
+        raise ConfigError(f"host_kv_memory must be a number of bytes >= 0, got {host_kv_memory!r}")
+    return host_kv_memory
+
+
 def simulate(
     requests: Sequence[TraceRequest],
     *,
@@ -133,11 +159,21 @@ def simulate(
     step_duration_s: float = 0.02,
     baselines: bool = True,
     seed: int = 0,
+    num_host_blocks: int | None = None,
+    host_kv_memory: int | str | None = None,
+    preemption_mode: str = "recompute",
+    swap_bandwidth: float | str = DEFAULT_SWAP_BYTES_PER_SECOND,
+    recompute_throughput: float | None = None,
 ) -> dict[str, Any]:
     """Replay ``requests`` under one KV budget and return the report ``--json`` prints.
 
     Give the budget as ``kv_memory`` (bytes, or a size string such as ``"8GiB"``; needs the
     model's geometry from ``model_config``, default the embedded SmolLM2) or ``num_blocks``.
+    A host tier: ``num_host_blocks`` or ``host_kv_memory`` (bytes or a size string; 0 = none),
+    ``preemption_mode`` ("recompute", "swap", "auto"), ``swap_bandwidth`` (bytes/s between
+    the tiers, a number or e.g. ``"25GB/s"``), ``recompute_throughput`` (tokens/s of the
+    ``auto`` cost model; None: ``max_num_batched_tokens / step_duration_s``). The baselines
+    get the device memory only.
     """
     from pagedkv.sim.replay import PagedConfig, compare_allocators
 
@@ -151,14 +187,34 @@ def simulate(
         _check_positive(name, value)
     if kv_memory is not None and num_blocks is not None:
         raise ConfigError("give the KV budget as kv_memory or num_blocks, not both")
+    if host_kv_memory is not None and num_host_blocks is not None:
+        raise ConfigError("give the host tier as host_kv_memory or num_host_blocks, not both")
+    if num_host_blocks is not None and (
+        isinstance(num_host_blocks, bool) or not isinstance(num_host_blocks, int) or num_host_blocks < 0
+    ):
+        raise ConfigError(f"num_host_blocks must be an integer >= 0, got {num_host_blocks!r}")
+    host_budget = _host_budget(host_kv_memory)
+    swap_bytes_per_second = parse_bandwidth(swap_bandwidth)
+    if recompute_throughput is not None and (
+        isinstance(recompute_throughput, bool)
+        or not isinstance(recompute_throughput, (int, float))
+        or not (math.isfinite(recompute_throughput) and recompute_throughput > 0)
+    ):
+        raise ConfigError(f"recompute_throughput must be a positive number of tokens/s, got {recompute_throughput!r}")
+    tiered = bool(num_host_blocks) or bool(host_budget)
     geometry: KVGeometry | None = None
-    if num_blocks is None or model_config is not None:
+    if num_blocks is None or model_config is not None or tiered:
         geometry = load_kv_geometry(model_config, kv_dtype=kv_dtype)
     if num_blocks is None:
         assert geometry is not None
         memory = kv_memory if kv_memory is not None else DEFAULT_KV_MEMORY
         budget = parse_bytes(memory, name="kv_memory") if isinstance(memory, str) else memory
         num_blocks = num_blocks_for_budget(budget, geometry, block_size, name="kv_memory")
+    if host_budget:
+        assert geometry is not None
+        num_host_blocks = num_blocks_for_budget(host_budget, geometry, block_size, name="host_kv_memory")
+    num_host_blocks = num_host_blocks or 0
+    bytes_per_block = geometry.bytes_per_block(block_size) if geometry is not None else 0
     config = PagedConfig(
         num_blocks=num_blocks,
         block_size=block_size,
@@ -168,6 +224,11 @@ def simulate(
         enable_prefix_caching=enable_prefix_caching,
         watermark=watermark,
         step_duration_s=step_duration_s,
+        num_host_blocks=num_host_blocks,
+        preemption_mode=preemption_mode,
+        bytes_per_block=bytes_per_block,
+        swap_bytes_per_second=swap_bytes_per_second,
+        recompute_tokens_per_second=recompute_throughput,
     )
     started = time.perf_counter()
     comparison = compare_allocators(
@@ -210,6 +271,15 @@ def simulate(
             "enable_prefix_caching": enable_prefix_caching,
             "watermark": watermark,
             "step_duration_s": step_duration_s,
+        },
+        "tiers": {
+            "num_host_blocks": num_host_blocks,
+            "host_kv_bytes": num_host_blocks * bytes_per_block if geometry is not None else None,
+            "bytes_per_block": bytes_per_block if geometry is not None else None,
+            "preemption_mode": preemption_mode,
+            "swap_bytes_per_second": swap_bytes_per_second,
+            "recompute_tokens_per_second": config.recompute_throughput,
+            "copy_seconds_per_block": config.copy_seconds_per_block if geometry is not None else None,
         },
         "allocators": comparison.metrics(),
         "skipped": comparison.skipped,

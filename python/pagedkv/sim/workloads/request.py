@@ -20,9 +20,10 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgumentError
 
-__all__ = ["TraceRequest", "FieldError", "INT32_MAX"]
+__all__ = ["TraceRequest", "FieldError", "INT32_MAX", "MAX_RETENTION_PRIORITY"]
 
 INT32_MAX = 2**31 - 1  # token ids cross into Rust and the GPU as int32
+MAX_RETENTION_PRIORITY = 100  # the scheduler's range of retention priorities is 0 ..= 100
 
 
 class FieldError(Exception):
@@ -100,6 +101,36 @@ def check_token_ids(value: Any) -> np.ndarray:
     return ids
 
 
+def check_retention_priority(value: Any) -> int | None:
+    """None (the scheduler's default, 35) or an integer in 0 .. MAX_RETENTION_PRIORITY."""
+    if value is None:
+        return None
+    if not is_json_int(value) or not 0 <= value <= MAX_RETENTION_PRIORITY:
+        raise FieldError("retention_priority", f"must be an integer in 0..{MAX_RETENTION_PRIORITY}, got {value!r}")
+    return int(value)
+
+
+def check_retention_duration(value: Any) -> float | None:
+    """None (the priority holds for good) or seconds, finite and >= 0."""
+    if value is None:
+        return None
+    if not (is_json_int(value) or isinstance(value, (float, np.floating))):
+        raise FieldError("retention_duration", f"must be a number of seconds, got {value!r}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise FieldError("retention_duration", f"must be finite and >= 0, got {value!r}")
+    return seconds
+
+
+def check_retention_tokens(value: Any) -> int | None:
+    """None (the priority covers the whole prompt) or a token count >= 0."""
+    if value is None:
+        return None
+    if not is_json_int(value) or value < 0:
+        raise FieldError("retention_tokens", f"must be an integer >= 0, got {value!r}")
+    return int(value)
+
+
 def check_shared_prefix(prefix_id: str | None, prefix_len: Any, prompt_len: int) -> int:
     """``shared_prefix_id`` and ``shared_prefix_len`` go together; the prefix fits the prompt."""
     if not is_json_int(prefix_len) or prefix_len < 0:
@@ -129,6 +160,15 @@ class TraceRequest:
             (0 exactly when ``shared_prefix_id`` is None). Informational: the prefix cache finds
             sharing by hashing token ids, so this is the sharing the workload *intends*, the
             ideal hit for every request after the first that uses the prefix.
+        retention_priority: how long the prompt's cached blocks are kept once free, 0..100
+            (higher is kept longer), as ``Scheduler.add_request(retention_priority=)``; None is
+            the scheduler's default (35).
+        retention_duration: seconds (of the replay's simulated clock) the priority holds after
+            a block is freed; None: for good.
+        retention_tokens: the priority covers only the full blocks within the first this many
+            prompt tokens (e.g. ``shared_prefix_len``: the shared system prompt, not the private
+            tail), as ``Scheduler.add_request(retention_tokens=)``; the other blocks keep the
+            default priority. None: the whole prompt; more than the prompt: the whole prompt.
     """
 
     request_id: str
@@ -138,6 +178,9 @@ class TraceRequest:
     n: int = 1
     shared_prefix_id: str | None = None
     shared_prefix_len: int = 0
+    retention_priority: int | None = None
+    retention_duration: float | None = None
+    retention_tokens: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -150,6 +193,9 @@ class TraceRequest:
             object.__setattr__(self, "shared_prefix_id", prefix_id)
             prefix_len = check_shared_prefix(prefix_id, self.shared_prefix_len, self.prompt_len)
             object.__setattr__(self, "shared_prefix_len", prefix_len)
+            object.__setattr__(self, "retention_priority", check_retention_priority(self.retention_priority))
+            object.__setattr__(self, "retention_duration", check_retention_duration(self.retention_duration))
+            object.__setattr__(self, "retention_tokens", check_retention_tokens(self.retention_tokens))
         except FieldError as error:
             raise InvalidArgumentError(f"TraceRequest {self.request_id!r}: {error}") from None
 
@@ -162,7 +208,11 @@ class TraceRequest:
             f"TraceRequest(request_id={self.request_id!r}, arrival_time={self.arrival_time!r}, "
             f"prompt_len={self.prompt_len}, output_len={self.output_len}, n={self.n}, "
             f"shared_prefix_id={self.shared_prefix_id!r}, "
-            f"shared_prefix_len={self.shared_prefix_len})"
+            f"shared_prefix_len={self.shared_prefix_len}"
+            + (f", retention_priority={self.retention_priority!r}" if self.retention_priority is not None else "")
+            + (f", retention_duration={self.retention_duration!r}" if self.retention_duration is not None else "")
+            + (f", retention_tokens={self.retention_tokens!r}" if self.retention_tokens is not None else "")
+            + ")"
         )
 
     def __eq__(self, other: object) -> bool:
@@ -175,6 +225,9 @@ class TraceRequest:
             and self.n == other.n
             and self.shared_prefix_id == other.shared_prefix_id
             and self.shared_prefix_len == other.shared_prefix_len
+            and self.retention_priority == other.retention_priority
+            and self.retention_duration == other.retention_duration
+            and self.retention_tokens == other.retention_tokens
             and np.array_equal(self.prompt_token_ids, other.prompt_token_ids)
         )
 

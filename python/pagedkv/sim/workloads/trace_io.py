@@ -18,6 +18,13 @@ n                   no        parallel samples, integer >= 1; default 1
 shared_prefix_id    no        string or integer naming a prefix shared between requests
 shared_prefix_len   no        tokens that prefix covers, 1 .. prompt length; given
                               together with shared_prefix_id, never alone
+retention_priority  no        how long the prompt's cached blocks are kept once free,
+                              integer 0 .. 100 (higher: longer); default: the scheduler's (35)
+retention_duration  no        seconds that priority holds once a block is freed, number
+                              >= 0; default: for good
+retention_tokens    no        the priority covers only the full blocks within the first
+                              this many prompt tokens (e.g. the shared system prompt),
+                              integer >= 0; default: the whole prompt
 ==================  ========  ==========================================================
 
 Any other key is an error (it catches typos such as ``"ouput_len"``).
@@ -50,6 +57,9 @@ from pagedkv.sim.workloads.request import (
     check_arrival_time,
     check_id,
     check_positive_int,
+    check_retention_duration,
+    check_retention_priority,
+    check_retention_tokens,
     check_shared_prefix,
     check_token_ids,
 )
@@ -71,6 +81,9 @@ _KNOWN_KEYS = frozenset(
         "n",
         "shared_prefix_id",
         "shared_prefix_len",
+        "retention_priority",
+        "retention_duration",
+        "retention_tokens",
     }
 )
 
@@ -90,6 +103,9 @@ def _parse_object(record: dict[str, Any], position: int, vocab_size: int, seed: 
     output_len = check_positive_int("output_len", record["output_len"])
     request_id = check_id("request_id", record.get("request_id", position))
     n = check_positive_int("n", record.get("n", 1))
+    retention_priority = check_retention_priority(record.get("retention_priority"))
+    retention_duration = check_retention_duration(record.get("retention_duration"))
+    retention_tokens = check_retention_tokens(record.get("retention_tokens"))
     prefix_id = record.get("shared_prefix_id")
     if prefix_id is not None:
         prefix_id = check_id("shared_prefix_id", prefix_id)
@@ -123,6 +139,9 @@ def _parse_object(record: dict[str, Any], position: int, vocab_size: int, seed: 
         n=n,
         shared_prefix_id=prefix_id,
         shared_prefix_len=prefix_len,
+        retention_priority=retention_priority,
+        retention_duration=retention_duration,
+        retention_tokens=retention_tokens,
     )
 
 
@@ -196,6 +215,12 @@ def trace_line(request: TraceRequest) -> str:
     if request.shared_prefix_id is not None:
         record["shared_prefix_id"] = request.shared_prefix_id
         record["shared_prefix_len"] = request.shared_prefix_len
+    if request.retention_priority is not None:
+        record["retention_priority"] = request.retention_priority
+    if request.retention_duration is not None:
+        record["retention_duration"] = request.retention_duration
+    if request.retention_tokens is not None:
+        record["retention_tokens"] = request.retention_tokens
     return json.dumps(record, separators=(",", ":"))
 
 
