@@ -18,6 +18,21 @@ outputs equal the first dtype's token for token (a quantized cache may move a gr
 It writes its own section of RESULTS.md.
 
     python benches/bench_engine.py --kv-dtypes auto,int8 [--compare-kv-mib 512,128]
+
+Preemption modes (issue 11): ``--preemption-modes recompute,auto,swap`` runs only pagedkv, once
+per mode, on the same requests with a KV pool small enough (``--kv-mib``) that requests are
+preempted, one after the other in one process. ``recompute`` runs without a host tier (the
+engine before the offload tier); ``recompute+host`` recomputes but has the host tier (evicted
+cached blocks are written back and found there again); ``swap`` and ``auto`` get a host tier of
+``--host-mib``. It reports output tok/s (and the ratio to recompute), mean / p50 / p90 time to
+first token, swap vs recompute preemptions, tokens computed, bytes swapped each way,
+write-backs, host prefix hits, and how many greedy outputs equal the first mode's. ``--rounds 2``
+runs every mode twice, the second time in reverse order (tok/s averaged, TTFTs pooled): on a
+shared machine one round's order alone can swing the ratio by 1.5x. It writes its own section of
+RESULTS.md.
+
+    python benches/bench_engine.py --preemption-modes recompute,recompute+host,auto --rounds 2 \
+        --num-requests 24 --max-output 192 --kv-mib 48 --host-mib 256 --max-model-len 1024
 """
 
 from __future__ import annotations
@@ -80,16 +95,21 @@ def run_pagedkv(
     for i, (ids, n) in enumerate(requests):
         engine.add_request(str(i), ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     peak_blocks = peak_running = produced = 0
+    peak_host_blocks = 0
     outputs: dict[str, list[int]] = {}
+    ttfts: list[float] = []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
                 produced += len(o.outputs[0].token_ids)
                 outputs[o.request_id] = list(o.outputs[0].token_ids)
+                if o.metrics is not None and o.metrics.time_to_first_token is not None:
+                    ttfts.append(o.metrics.time_to_first_token)
         sched = engine.scheduler.stats()
         peak_blocks = max(peak_blocks, sched.num_used_blocks)
         peak_running = max(peak_running, sched.num_running)
+        peak_host_blocks = max(peak_host_blocks, sched.num_host_used_blocks)
     if device == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
@@ -112,6 +132,9 @@ def run_pagedkv(
         "kv_cache_bytes": stats["kv_cache_bytes"],
         "model_time_s": stats.get("model_time_s"),
         "outputs": outputs,
+        "ttfts": ttfts,
+        "peak_host_blocks": peak_host_blocks,
+        "stats": stats,
         "note": f"{runner.num_blocks} blocks x {runner.block_size}, max_num_seqs {max_num_seqs}, budget {budget}, "
         f"{stats['num_preemptions']} preemptions",
     }
@@ -294,6 +317,175 @@ def compare_kv_dtypes(args: argparse.Namespace, requests: Requests, dtypes: list
         write_section(KV_SECTION, cmd.strip(), desc + "\n\n" + table + "\n\n" + verdict)
 
 
+MODES_SECTION = "Engine: swap vs recompute preemption, same requests (issue 11)"
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) with linear interpolation; nan when empty."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = q * (len(xs) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def mode_engine_args(mode: str, host_mib: int) -> dict[str, Any]:
+    """EngineArgs of one --preemption-modes entry: recompute (no host tier), recompute+host,
+    swap, auto (a host tier of host_mib MiB)."""
+    if mode == "recompute":
+        return {"preemption_mode": "recompute"}
+    base = mode.removesuffix("+host")
+    if base not in ("recompute", "swap", "auto") or (mode.endswith("+host") and base != "recompute"):
+        raise SystemExit(f"unknown preemption mode {mode!r}: use recompute, recompute+host, swap, auto")
+    return {"preemption_mode": base, "host_kv_cache_memory": host_mib << 20}
+
+
+def compare_preemption_modes(args: argparse.Namespace, requests: Requests, modes: list[str]) -> None:
+    """pagedkv once per preemption mode on the same requests and KV pool; one table, own section."""
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    for rnd in range(args.rounds):
+        # Odd rounds run the modes in reverse order, so a machine that gets busier or quieter
+        # during the run (or a first-run warm-up) does not favour one mode.
+        order = modes if rnd % 2 == 0 else modes[::-1]
+        for mode in order:
+            engine_args = mode_engine_args(mode, args.host_mib)
+            print(
+                f"round {rnd + 1}/{args.rounds}: pagedkv, {args.kv_mib} MiB KV, {mode} ({engine_args}) ...", flush=True
+            )
+            r = run_pagedkv(
+                requests,
+                kv_cache_memory=args.kv_mib << 20,
+                max_num_seqs=args.max_num_seqs,
+                budget=args.budget,
+                max_model_len=args.max_model_len,
+                kv_cache_dtype=args.kv_cache_dtype,
+                **engine_args,
+            )
+            st = r["stats"]
+            print(
+                f"  {r['tokens'] / r['seconds']:.1f} output tok/s in {r['seconds']:.1f} s; preemptions "
+                f"{st['num_preemptions']} ({st['num_swap_preemptions']} swap); tokens computed "
+                f"{st['tokens_computed']}",
+                flush=True,
+            )
+            runs[mode].append(r)
+    # Per mode: counters and outputs of the first round; tok/s the mean over rounds; TTFTs pooled.
+    results: list[tuple[str, dict]] = []
+    for mode in modes:
+        r = dict(runs[mode][0])
+        r["round_tps"] = [x["tokens"] / x["seconds"] for x in runs[mode]]
+        r["tps"] = sum(r["round_tps"]) / len(r["round_tps"])
+        r["ttfts"] = [t for x in runs[mode] for t in x["ttfts"]]
+        results.append((mode, r))
+    base_mode, base = results[0]
+    base_tps = base["tps"]
+    warnings = []
+    for mode, r in results:
+        if r["preemptions"] == 0 and mode.startswith("recompute"):
+            warnings.append(
+                f"WARNING: no preemption in the {mode} run ({r['num_blocks']} blocks): lower --kv-mib or raise "
+                f"--num-requests / --max-output, or the modes are not compared at all."
+            )
+    for w in warnings:
+        print(w, file=sys.stderr)
+    rows: list[list[object]] = []
+    for mode, r in results:
+        st = r["stats"]
+        tps = r["tps"]
+        ttft = r["ttfts"]
+        same = sum(r["outputs"][k] == base["outputs"][k] for k in base["outputs"])
+        swaps = st["num_swap_preemptions"]
+        rows.append(
+            [
+                mode,
+                "-"
+                if not st["num_host_blocks"]
+                else f"{st['num_host_blocks']} ({st['host_kv_cache_bytes'] / 2**20:.0f})",
+                r["tokens"],
+                " / ".join(f"{x['seconds']:.0f}" for x in runs[mode]),
+                " / ".join(f"{t:.1f}" for t in r["round_tps"]),
+                tps,
+                f"{tps / base_tps:.2f}x",
+                sum(ttft) / max(1, len(ttft)),
+                _percentile(ttft, 0.5),
+                _percentile(ttft, 0.9),
+                f"{swaps} / {st['num_preemptions'] - swaps}",
+                st["tokens_computed"],
+                f"{st['bytes_swapped_out'] / 2**20:.1f} / {st['bytes_swapped_in'] / 2**20:.1f}",
+                st["num_write_backs"],
+                st["prefix_cache_host_hits"],
+                r["peak_running"],
+                f"{same}/{len(base['outputs'])}",
+            ]
+        )
+    table = md_table(
+        [
+            "mode",
+            "host blocks (MiB)",
+            "output tokens",
+            "seconds per round",
+            "output tok/s per round",
+            "output tok/s (mean)",
+            f"vs {base_mode}",
+            "TTFT mean s",
+            "TTFT p50 s",
+            "TTFT p90 s",
+            "preemptions swap / recompute",
+            "tokens computed",
+            "MiB swapped out / in",
+            "write-backs",
+            "host prefix hit tokens",
+            "peak running",
+            f"outputs equal to {base_mode}",
+        ],
+        rows,
+    )
+    first_host = next((r for _, r in results if r["stats"]["swap_bandwidth_bytes_per_s"]), None)
+    bw = ""
+    if first_host is not None:
+        st = first_host["stats"]
+        bw = (
+            f" Swap bandwidth measured at engine start (round trip through HostKVCache.swap): "
+            f"{st['swap_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; the forward's measured recompute rate "
+            f"{st['recompute_tokens_per_s'] or float('nan'):.0f} tokens/s; one block = {first_host['bytes_per_block']:,} "
+            f"bytes."
+        )
+    cap = "uncapped" if args.max_output >= 2048 else f"capped at {args.max_output}"
+    desc = (
+        f"pagedkv LLM only, once per preemption mode and round ({args.rounds} round(s), odd rounds in reverse mode "
+        f"order), one after the other in one process, on the same "
+        f"{len(requests)} ShareGPT first turns (prompt <= {args.max_prompt} tokens, prompt + output <= "
+        f"{args.max_model_len}, recorded output lengths {cap}; {sum(len(i) for i, _ in requests)} prompt / "
+        f"{sum(n for _, n in requests)} output tokens), all arriving at t=0, greedy, eos ignored, max_num_seqs "
+        f"{args.max_num_seqs}, budget {args.budget} tokens per step, max_model_len {args.max_model_len}; KV pool "
+        f"{args.kv_mib} MiB ({base['num_blocks']} blocks x {base['block_size']}, kv_cache_dtype "
+        f"{base['kv_cache_dtype']}), host tier {args.host_mib} MiB for the modes that have one; "
+        f"SmolLM2-135M-Instruct float32, CPU attention backend; torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads. recompute = no host tier (the engine before the offload tier); "
+        f"recompute+host = recompute with the host tier (write-backs of evicted cached blocks, host prefix hits). "
+        f"Output tok/s: the mean over rounds; TTFT = first token time - arrival (add_request), so it includes "
+        f"queueing, pooled over rounds; the other columns from the first round. Tokens computed = tokens through the "
+        f"forward (prompts, recomputed tokens, decodes).{bw}"
+    )
+    print(desc)
+    print(table)
+    verdicts = []
+    for mode, r in results[1:]:
+        tps = r["tps"]
+        verdicts.append(
+            f"{mode} / {base_mode}: {tps / base_tps:.2f}x output tok/s ({tps:.1f} vs {base_tps:.1f}); tokens computed "
+            f"{base['stats']['tokens_computed']} -> {r['stats']['tokens_computed']}; TTFT p50 "
+            f"{_percentile(base['ttfts'], 0.5):.1f} -> {_percentile(r['ttfts'], 0.5):.1f} s."
+        )
+    verdict = "\n".join(warnings + verdicts)
+    print(verdict)
+    if not args.no_write:
+        cmd = "python benches/bench_engine.py " + " ".join(sys.argv[1:])
+        write_section(MODES_SECTION, cmd.strip(), desc + "\n\n" + table + "\n\n" + verdict)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--num-requests", type=int, default=64)
@@ -310,12 +502,30 @@ def main() -> None:
         help="comma-separated kv_cache_dtypes, e.g. auto,int8: run only pagedkv, once per dtype, same requests",
     )
     ap.add_argument("--compare-kv-mib", default=None, help="with --kv-dtypes: comma-separated KV budgets (MiB)")
+    ap.add_argument(
+        "--preemption-modes",
+        default=None,
+        help="comma-separated preemption modes (recompute, recompute+host, swap, auto), e.g. recompute,auto,swap: "
+        "run only pagedkv, once per mode, same requests, KV pool of --kv-mib",
+    )
+    ap.add_argument("--host-mib", type=int, default=256, help="with --preemption-modes: host KV tier MiB")
+    ap.add_argument("--max-model-len", type=int, default=2048, help="with --preemption-modes: max_model_len")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --preemption-modes: run every mode this many times (odd rounds in reverse order); tok/s averaged",
+    )
     ap.add_argument("--quick", action="store_true", help="8 short requests (smoke run)")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.max_output, args.no_write = 8, 16, True
-    requests = load_requests(args.num_requests, args.max_prompt, args.max_output)
+    requests = load_requests(args.num_requests, args.max_prompt, args.max_output, args.max_model_len)
+    if args.preemption_modes:
+        modes = [m.strip() for m in args.preemption_modes.split(",") if m.strip()]
+        compare_preemption_modes(args, requests, modes)
+        return
     if args.kv_dtypes:
         dtypes = [d.strip() for d in args.kv_dtypes.split(",") if d.strip()]
         budgets = [int(m) for m in (args.compare_kv_mib or str(args.kv_mib)).split(",") if m.strip()]

@@ -7,6 +7,15 @@ generates for all of them at once under a deliberately small KV budget (so pagin
 and preemption all show), and prints a few completions, the throughput, and what the KV cache
 did: peak usage, memory utilization (tokens held / slots allocated), prefix-cache hit rate,
 preemptions.
+
+With a host-memory KV tier (``--num-host-blocks`` / ``--host-kv-cache-memory`` MiB /
+``--swap-space`` GiB) and ``--preemption-mode swap|auto``, preempted requests' KV is swapped to
+the host and back instead of recomputed, and the summary adds what the tiers did: host blocks
+and bytes, host usage, swap vs recompute preemptions, blocks and bytes swapped each way,
+write-backs, host prefix hits, and the swap bandwidth measured at start. With ``--kv-cache-dir``
+(the disk tier) the cached KV is flushed down the tiers at exit, so a second run on the same folder
+starts with those prefixes cached; the summary then prints the disk tier's counters. Without a
+tier the output is the same as before the tiers existed.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import textwrap
 import time
 from typing import Any
 
+from pagedkv.cli.generate import add_offload_arguments, offload_engine_args
 from pagedkv.errors import PagedKVError
 
 
@@ -27,6 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer ShareGPT prompts")
     p.add_argument("--kv-cache-memory", type=int, default=256, help="KV cache MiB (CPU; default 256)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=2048, help="longest sequence (the pool must hold one)")
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
@@ -38,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show", type=int, default=3, help="completions to print")
     p.add_argument("--device", default="auto")
+    add_offload_arguments(p, host_memory_unit="MiB (like --kv-cache-memory)")
 
 
 def _sharegpt_prompts(tokenizer: Any, num: int, max_tokens: int) -> list[tuple[str, list[int]]]:
@@ -73,8 +85,9 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             kv_cache_dtype=args.kv_cache_dtype,
             max_num_seqs=args.max_num_seqs,
-            max_model_len=2048,
+            max_model_len=args.max_model_len,
             seed=args.seed,
+            **offload_engine_args(args, host_memory_scale=1 << 20),
         )
     except PagedKVError as exc:
         print(f"pagedkv demo: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -89,6 +102,14 @@ def run(args: argparse.Namespace) -> int:
         f"token slots, {runner.kv_cache_bytes / 2**20:.0f} MiB, KV dtype {runner.geometry.dtype} "
         f"({runner.geometry.bytes_per_token} bytes/token)"
     )
+    host_tier = runner.num_host_blocks > 0
+    if host_tier:
+        print(
+            f"host KV tier: {runner.num_host_blocks} blocks = {runner.num_host_blocks * runner.block_size} token "
+            f"slots, {runner.host_kv_cache_bytes / 2**20:.0f} MiB; preemption mode "
+            f"{engine.config.scheduling.preemption_mode}; swap bandwidth {_gbps(engine.swap_bandwidth)} "
+            f"(measured round trip)"
+        )
     prompts = _sharegpt_prompts(engine.tokenizer, args.num_prompts, args.max_prompt_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     for i, (_, ids) in enumerate(prompts):
@@ -98,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     finished = {}
-    peak_usage = 0.0
+    peak_usage = peak_host_usage = 0.0
     held = slots = 0
     start = time.perf_counter()
     with tqdm(total=len(prompts), desc="generating", unit="req", dynamic_ncols=True) as bar:
@@ -106,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             outs = engine.step()
             st = engine.scheduler.stats()
             peak_usage = max(peak_usage, st.kv_usage)
+            peak_host_usage = max(peak_host_usage, st.host_kv_usage)
             held += st.tokens_held
             slots += st.slots_allocated
             for o in outs:
@@ -138,7 +160,56 @@ def run(args: argparse.Namespace) -> int:
         f"prefix cache       {stats['prefix_cache_hit_rate']:.1%} of prompt tokens hit "
         f"({stats['prefix_cache_hits']} / {stats['prefix_cache_queries']})"
     )
-    print(
-        f"preemptions        {stats['num_preemptions']} (recompute; {stats['resumed_prefix_hits']} tokens re-read from the cache on resume)"
-    )
+    if not host_tier:
+        print(
+            f"preemptions        {stats['num_preemptions']} (recompute; {stats['resumed_prefix_hits']} tokens re-read from the cache on resume)"
+        )
+    else:
+        _print_tiers(stats, peak_host_usage, engine.config.scheduling.preemption_mode)
+    if args.kv_cache_dir is not None:
+        limit = "no limit" if args.kv_cache_dir_max_bytes is None else f"at most {args.kv_cache_dir_max_bytes:,} bytes"
+        # The disk tier's counters (whichever the engine reports: names with "disk"), after the flush.
+        # The disk tier keeps what the engine flushes at shutdown (for the next run on this folder).
+        flushed = engine.flush_kv_cache() if engine.runner.disk_cache is not None else 0
+        after = engine.get_stats()
+        counters = ", ".join(f"{k} {v}" for k, v in after.items() if "disk" in k and isinstance(v, int))
+        counters = f"{flushed} blocks flushed down the tiers at exit; {counters}"
+        print(f"disk tier          {args.kv_cache_dir} ({limit}){'; ' + counters if counters else ''}")
     return 0
+
+
+def _gbps(bytes_per_s: float | None) -> str:
+    return "n/a" if not bytes_per_s else f"{bytes_per_s / 1e9:.2f} GB/s"
+
+
+def _print_tiers(stats: dict[str, Any], peak_host_usage: float, mode: str) -> None:
+    """The summary lines of the host tier (only printed when there is one)."""
+    swaps, total = stats["num_swap_preemptions"], stats["num_preemptions"]
+    print(
+        f"preemptions        {total}: {swaps} swap, {total - swaps} recompute (mode {mode}; "
+        f"{stats['resumed_prefix_hits']} tokens re-read from the cache on resume)"
+    )
+    print(
+        f"host tier          {stats['num_host_blocks']} blocks in {stats['host_kv_cache_bytes'] / 2**20:.0f} MiB; "
+        f"usage peak {peak_host_usage:.0%}, now {stats['host_kv_usage']:.0%} "
+        f"({stats['num_host_cached_blocks']} blocks cached, {stats['num_host_evictions']} evicted)"
+    )
+    print(
+        f"swapped            out {stats['blocks_swapped_out']} blocks ({stats['bytes_swapped_out'] / 2**20:.1f} MiB), "
+        f"in {stats['blocks_swapped_in']} blocks ({stats['bytes_swapped_in'] / 2**20:.1f} MiB)"
+    )
+    print(
+        f"write-backs        {stats['num_write_backs']} evicted cached blocks copied to the host, "
+        f"{stats['num_write_backs_skipped']} skipped (host full)"
+    )
+    hits, host_hits = stats["prefix_cache_hits"], stats["prefix_cache_host_hits"]
+    print(
+        f"host prefix hits   {host_hits} tokens ({host_hits / hits if hits else 0.0:.1%} of prefix-cache hits, "
+        f"loaded back from the host)"
+    )
+    recompute = stats["recompute_tokens_per_s"]
+    rate = "n/a" if recompute is None else f"{recompute:.0f} tokens/s"
+    print(
+        f"swap bandwidth     {_gbps(stats['swap_bandwidth_bytes_per_s'])} (device -> host -> device, measured at "
+        f"start); recompute {rate}"
+    )

@@ -2,6 +2,12 @@
 
 pagedkv generate --prompt "The capital of France is" --max-tokens 32 --temperature 0
 pagedkv generate --model Qwen/Qwen2.5-0.5B-Instruct --chat --prompt "Tell me a joke"
+pagedkv generate --prompt "Once upon a time" --swap-space 1 --preemption-mode auto
+
+KV offload: ``--num-host-blocks`` / ``--host-kv-cache-memory`` (bytes) / ``--swap-space`` (GiB)
+size the host-memory tier (at most one), ``--preemption-mode`` picks what a preempted request's
+KV does (``swap`` and ``auto`` need a host tier), ``--kv-cache-dir`` /
+``--kv-cache-dir-max-bytes`` set up the disk tier.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from pagedkv.errors import PagedKVError
 
@@ -41,7 +48,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="KV cache dtype: auto (the model's), int8, fp8 (= fp8_e4m3), fp8_e5m2 (quantized, a scale per token and head)",
     )
+    add_offload_arguments(p, host_memory_unit="bytes")
     p.add_argument("--json", action="store_true", help="print the outputs as JSON")
+
+
+PREEMPTION_MODES = ("recompute", "swap", "auto")
+
+
+def add_offload_arguments(p: argparse.ArgumentParser, *, host_memory_unit: str) -> None:
+    """The KV offload tier's flags (EngineArgs' num_host_blocks, host_kv_cache_memory,
+    swap_space, preemption_mode, kv_cache_dir, kv_cache_dir_max_bytes). ``host_memory_unit``:
+    what ``--host-kv-cache-memory`` counts ("bytes" or "MiB", like the command's
+    ``--kv-cache-memory``)."""
+    g = p.add_argument_group("KV offload (host and disk tiers)")
+    g.add_argument(
+        "--num-host-blocks", type=int, default=None, help="host-memory KV tier size in blocks (0: no host tier)"
+    )
+    g.add_argument(
+        "--host-kv-cache-memory",
+        type=int,
+        default=None,
+        help=f"host-memory KV tier size in {host_memory_unit}",
+    )
+    g.add_argument("--swap-space", type=float, default=None, help="host-memory KV tier size in GiB")
+    g.add_argument(
+        "--preemption-mode",
+        choices=PREEMPTION_MODES,
+        default="recompute",
+        help="a preempted request's KV: recompute it later, swap it to the host tier and back, or auto "
+        "(the cheaper per preemption); swap and auto need a host tier (default: recompute)",
+    )
+    g.add_argument("--kv-cache-dir", default=None, help="folder of the disk KV tier (created if missing)")
+    g.add_argument("--kv-cache-dir-max-bytes", type=int, default=None, help="the most bytes the disk tier may hold")
+
+
+def offload_engine_args(args: argparse.Namespace, *, host_memory_scale: int = 1) -> dict[str, Any]:
+    """The EngineArgs of the offload flags that were given (``host_memory_scale``: bytes per
+    unit of ``--host-kv-cache-memory``)."""
+    engine_args: dict[str, Any] = {"preemption_mode": args.preemption_mode}
+    if args.num_host_blocks is not None:
+        engine_args["num_host_blocks"] = args.num_host_blocks
+    if args.host_kv_cache_memory is not None:
+        engine_args["host_kv_cache_memory"] = args.host_kv_cache_memory * host_memory_scale
+    if args.swap_space is not None:
+        engine_args["swap_space"] = args.swap_space
+    if args.kv_cache_dir is not None:
+        engine_args["kv_cache_dir"] = args.kv_cache_dir
+    if args.kv_cache_dir_max_bytes is not None:
+        engine_args["kv_cache_dir_max_bytes"] = args.kv_cache_dir_max_bytes
+    return engine_args
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,11 +116,12 @@ def run(args: argparse.Namespace) -> int:
             stop=args.stop,
             ignore_eos=args.ignore_eos,
         )
-        engine_args = {
+        engine_args: dict[str, object] = {
             "dtype": args.dtype,
             "device": args.device,
             "block_size": args.block_size,
             "kv_cache_dtype": args.kv_cache_dtype,
+            **offload_engine_args(args),
         }
         if args.max_model_len is not None:
             engine_args["max_model_len"] = args.max_model_len
@@ -76,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
             outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
         else:
             outs = llm.generate(args.prompt, params, use_tqdm=False)
+        llm.shutdown()  # with --kv-cache-dir: the cached KV goes to the disk tier for the next run
     except PagedKVError as exc:
         print(f"pagedkv generate: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -70,15 +70,20 @@ class HostKVCache:
         return [(byte_view(d), byte_view(h)) for d, h in zip(self._device_tensors, self._host_tensors)]
 
     def _swap_on_cpu(self, swap_out: torch.Tensor | None, swap_in: torch.Tensor | None) -> None:
-        # Plain indexed copies along the block axis; index_select copies before index_copy_
-        # writes, and every swap_out finishes before any swap_in starts.
+        # One slice copy per block and tensor: a block is L * 2 contiguous runs of
+        # block_size * Hkv * D values, which copy_ moves at memcpy speed, where index_select +
+        # index_copy_ over the block axis gathers into a temporary first (3-4x slower on 2
+        # cores, benches/RESULTS.md "Swap copy bandwidth"). Destinations within each list are
+        # distinct (checked by the runner), and every swap_out finishes before any swap_in.
         pairs = self._pairs()
         if swap_out is not None:
-            for device_t, host_t in pairs:
-                host_t.index_copy_(2, swap_out[:, 1], device_t.index_select(2, swap_out[:, 0]))
+            for device_block, host_block in swap_out.tolist():
+                for device_t, host_t in pairs:
+                    host_t[:, :, host_block].copy_(device_t[:, :, device_block])
         if swap_in is not None:
-            for device_t, host_t in pairs:
-                device_t.index_copy_(2, swap_in[:, 1], host_t.index_select(2, swap_in[:, 0]))
+            for host_block, device_block in swap_in.tolist():
+                for device_t, host_t in pairs:
+                    device_t[:, :, device_block].copy_(host_t[:, :, host_block])
 
     def _swap_on_cuda(
         self, side: torch.cuda.Stream, swap_out: torch.Tensor | None, swap_in: torch.Tensor | None
