@@ -758,7 +758,13 @@ impl PyScheduler {
     #[allow(clippy::type_complexity)]
     fn restore_disk_blocks(&mut self, entries: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u32>>> {
         let mut parsed = Vec::new();
-        for item in entries.try_iter()? {
+        let items = entries.try_iter().map_err(|_| {
+            super::errors::invalid_type(format!(
+                "restore_disk_blocks() takes an iterable of (hash, parent_hash, token_ids, cache_salt) tuples, got {}",
+                entries.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            ))
+        })?;
+        for item in items {
             let item = item?;
             let (hash, parent, tokens, salt): (Vec<u8>, Option<Vec<u8>>, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>) =
                 item.extract().map_err(|_| {

@@ -591,6 +591,12 @@ impl Scheduler {
     ) -> bool {
         let (Ok(s), Ok(cost)) = (self.kv.seq(seq), self.kv.swap_in_cost(seq)) else { return false };
         let n = s.num_pending().min(*budget);
+        if n == 0 {
+            // A swapped branch always has a token to compute (its last sampled one) and the
+            // budget is not spent here; resuming one without a row would leave its swap-in out
+            // of the step's rollback.
+            return false;
+        }
         // After the swap-in the partial last block is private (a fresh copy), so no
         // copy-on-write: only the blocks for new slots.
         let grow = crate::block_table::blocks_for(s.num_computed() + n, self.config.block_size) - s.table().len();
@@ -613,9 +619,7 @@ impl Scheduler {
         }
         *budget -= n;
         self.insert_running(b);
-        if n > 0 {
-            scheduled.push((b, seq));
-        }
+        scheduled.push((b, seq));
         true
     }
 

@@ -261,7 +261,7 @@ class LLMEngine:
                 return self._take_failed_outputs()
             t0 = time.perf_counter()
             try:
-                logits = self.runner.execute(out, self._disk_block_info(out))
+                logits = self._execute(out)
                 sampled = self._sample(out, logits)
                 tokens = sampled.sampled_token_ids.cpu().numpy()
                 updates = self.scheduler.update(out, tokens)
@@ -280,11 +280,13 @@ class LLMEngine:
             self._counters["generation_tokens"] += len(updates)
             return self._take_failed_outputs() + self._apply_updates(out, updates, sampled)
 
-    def _disk_block_info(self, out: SchedulerOutput) -> list[Any] | None:
-        """The identities the runner writes into the files of the step's disk stores."""
+    def _execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """``runner.execute(out)``, with the identities the runner writes into the files of the
+        step's disk stores when there are any (``runner.execute(step)`` stays the whole contract
+        otherwise)."""
         if len(out.disk_store) == 0:
-            return None
-        return self.scheduler.disk_block_info(out.disk_store[:, 1].tolist())
+            return self.runner.execute(out)
+        return self.runner.execute(out, self.scheduler.disk_block_info(out.disk_store[:, 1].tolist()))
 
     def _forget_bad_disk_slots(self) -> None:
         """Disk slots whose file failed to write or read are never served (the KV is recomputed)."""
@@ -310,7 +312,7 @@ class LLMEngine:
                     break
                 copied += len(out.swap_out) + len(out.disk_store)
                 try:
-                    self.runner.execute(out, self._disk_block_info(out))
+                    self._execute(out)
                     self.scheduler.update(out, [])
                 except BaseException:
                     self.scheduler.rollback_step(out)
