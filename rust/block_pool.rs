@@ -68,12 +68,29 @@ pub struct Evicted {
     pub tokens: Vec<u32>,
 }
 
-/// Metadata of a block registered in the prefix cache.
+/// Metadata of a block registered in the prefix cache: what lookups, frees and evictions read,
+/// kept to one cache line (the full hashes, needed only to copy a block to another tier, are
+/// in `BlockPool::full_hashes`).
 #[derive(Debug, Clone)]
 struct CachedBlock {
     /// Its index key (see [`index_key`]).
     key: u64,
-    identity: BlockIdentity,
+    node: u64,
+    /// The parent's node, 0 for a first block (node ids start at 1).
+    parent: u64,
+    /// Retention once free: priority and expiry (`u64::MAX`: none).
+    priority: u8,
+    expires_at_us: u64,
+    extra: ExtraKey,
+}
+
+impl CachedBlock {
+    fn retention(&self) -> Retention {
+        Retention {
+            priority: self.priority,
+            expires_at_us: (self.expires_at_us != u64::MAX).then_some(self.expires_at_us),
+        }
+    }
 }
 
 /// Block hashes are already uniformly distributed: the index uses their low bits directly.
@@ -139,6 +156,9 @@ pub struct BlockPool {
     caching: bool,
     index: HashIndex,
     cached: Vec<Option<CachedBlock>>,
+    /// The full hash and parent hash of each registered block, kept only when blocks are
+    /// copied between tiers (`keep_full_hashes`); empty otherwise.
+    full_hashes: Vec<(BlockHash, Option<BlockHash>)>,
     /// Token ids of each registered block, for verification.
     cached_tokens: TokenStore,
     counters: PoolCounters,
@@ -191,6 +211,7 @@ impl BlockPool {
             caching: enable_prefix_caching,
             index,
             cached,
+            full_hashes: Vec::new(),
             cached_tokens,
             counters: PoolCounters::default(),
             hash_mode,
@@ -293,18 +314,42 @@ impl BlockPool {
         self.caching && self.cached[block.index()].is_some()
     }
 
-    /// The identity of a registered block (`None` if it has none).
-    pub fn identity(&self, block: BlockId) -> Option<&BlockIdentity> {
+    #[inline]
+    fn meta(&self, block: BlockId) -> Option<&CachedBlock> {
         if !self.caching {
             return None;
         }
-        self.cached.get(block.index())?.as_ref().map(|c| &c.identity)
+        self.cached.get(block.index())?.as_ref()
+    }
+
+    /// The identity of a registered block (`None` if it has none, or if this pool does not
+    /// keep full hashes: see [`Self::keep_full_hashes`]).
+    pub fn identity(&self, block: BlockId) -> Option<BlockIdentity> {
+        let meta = self.meta(block)?;
+        let &(hash, parent_hash) = self.full_hashes.get(block.index())?;
+        Some(BlockIdentity {
+            hash,
+            node: meta.node,
+            parent: (meta.parent != 0).then_some(meta.parent),
+            parent_hash,
+            extra: meta.extra.clone(),
+            retention: meta.retention(),
+        })
+    }
+
+    /// Keeps every registered block's full hash and parent hash, so that [`Self::identity`]
+    /// can give them (a pool whose blocks are copied to or from another tier). Registered
+    /// blocks must not exist yet.
+    pub fn keep_full_hashes(&mut self) {
+        if self.caching && self.full_hashes.is_empty() {
+            self.full_hashes = vec![(BlockHash(0), None); self.num_blocks()];
+        }
     }
 
     /// The node id of a registered block.
     #[inline]
     pub fn node_of(&self, block: BlockId) -> Option<u64> {
-        self.identity(block).map(|i| i.node)
+        self.meta(block).map(|m| m.node)
     }
 
     /// The token ids of a registered block (empty if it has none).
@@ -332,13 +377,17 @@ impl BlockPool {
     /// Takes effect when the block is next freed.
     pub fn set_retention(&mut self, block: BlockId, retention: Retention) {
         if let Some(Some(c)) = self.cached.get_mut(block.index()) {
-            c.identity.retention = retention;
+            c.priority = retention.priority;
+            c.expires_at_us = retention.expires_at_us.unwrap_or(u64::MAX);
         }
     }
 
-    /// Turns the eviction log on or off (see [`Evicted`]).
+    /// Turns the eviction log on or off (see [`Evicted`]); on, the pool keeps full hashes.
     pub fn set_log_evictions(&mut self, on: bool) {
         self.log_evictions = on && self.caching;
+        if self.log_evictions {
+            self.keep_full_hashes();
+        }
     }
 
     /// Takes the evictions logged since the last call, in order.
@@ -485,11 +534,8 @@ impl BlockPool {
 
     #[inline]
     fn release(&mut self, block: BlockId) {
-        match self.identity(block) {
-            Some(id) => {
-                let r = id.retention;
-                self.free.push_cached(block, r, self.now_us);
-            }
+        match self.meta(block).map(CachedBlock::retention) {
+            Some(r) => self.free.push_cached(block, r, self.now_us),
             None => self.free.push_uncached(block),
         }
     }
@@ -520,22 +566,20 @@ impl BlockPool {
         }
         if self.log_evictions {
             let tokens = self.cached_tokens.get(block).to_vec();
-            if let Some(identity) = self.drop_identity(block) {
+            if let Some(identity) = self.identity(block) {
                 self.evicted.push(Evicted { block, identity, tokens });
             }
-        } else {
-            self.drop_identity(block);
         }
+        self.drop_identity(block);
         self.counters.evictions += 1;
     }
 
     /// Removes the cached identity of `block` (if any) from the block and the index.
-    fn drop_identity(&mut self, block: BlockId) -> Option<BlockIdentity> {
-        let meta = self.cached.get_mut(block.index())?.take()?;
+    fn drop_identity(&mut self, block: BlockId) {
+        let Some(meta) = self.cached.get_mut(block.index()).and_then(Option::take) else { return };
         if self.index.get(&meta.key) == Some(&block) {
             self.index.remove(&meta.key);
         }
-        Some(meta.identity)
     }
 
     /// Registers the full, computed, allocated `block` under `hash`, after the block whose node
@@ -590,7 +634,17 @@ impl BlockPool {
             return false; // no memory for the verification copy: leave the block uncached
         }
         self.index.insert(key, block);
-        self.cached[block.index()] = Some(CachedBlock { key, identity });
+        if let Some(h) = self.full_hashes.get_mut(block.index()) {
+            *h = (identity.hash, identity.parent_hash);
+        }
+        self.cached[block.index()] = Some(CachedBlock {
+            key,
+            node: identity.node,
+            parent: identity.parent.unwrap_or(0),
+            priority: identity.retention.priority,
+            expires_at_us: identity.retention.expires_at_us.unwrap_or(u64::MAX),
+            extra: identity.extra,
+        });
         true
     }
 
@@ -608,13 +662,12 @@ impl BlockPool {
             return None;
         }
         let &block = self.index.get(&index_key(hash))?;
-        let id = &self.cached[block.index()].as_ref()?.identity;
-        let parent_ok = match (id.parent, parent) {
-            (None, None) => id.extra == *extra,
-            (Some(p), Some(q)) => p == q,
-            _ => false,
+        let meta = self.cached[block.index()].as_ref()?;
+        let parent_ok = match parent {
+            None => meta.parent == 0 && meta.extra == *extra,
+            Some(q) => meta.parent == q,
         };
-        (parent_ok && self.cached_tokens.get(block) == tokens).then_some((block, id.node))
+        (parent_ok && self.cached_tokens.get(block) == tokens).then_some((block, meta.node))
     }
 
     /// Registers `blocks[k]` for `k` in `start..end` as blocks `k` of the chain of `tokens`

@@ -344,6 +344,8 @@ impl KvCacheManager {
                 CoreError::Config(m) => CoreError::Config(format!("host tier: {m}")),
                 e => e,
             })?;
+        let mut host = host;
+        host.keep_full_hashes();
         self.host = Some(host);
         self.pool.set_log_evictions(true);
         Ok(self)
@@ -368,6 +370,8 @@ impl KvCacheManager {
             CoreError::Config(m) => CoreError::Config(format!("disk tier: {m}")),
             e => e,
         })?;
+        let mut disk = disk;
+        disk.keep_full_hashes();
         self.disk = Some(disk);
         Ok(self)
     }
@@ -618,7 +622,7 @@ impl KvCacheManager {
         let host = self.host.as_ref()?;
         let d = self.pool.allocate_one()?;
         if let Some(identity) = host.identity(h) {
-            self.pool.register_copy(d, identity.clone(), host.cached_tokens(h));
+            self.pool.register_copy(d, identity, host.cached_tokens(h));
         }
         self.swap_in.push((h, d));
         self.step_loaded.push(d);
@@ -632,7 +636,7 @@ impl KvCacheManager {
         let (host, disk) = (self.host.as_mut()?, self.disk.as_ref()?);
         let h = host.allocate_one()?;
         if let Some(identity) = disk.identity(slot) {
-            host.register_copy(h, identity.clone(), disk.cached_tokens(slot));
+            host.register_copy(h, identity, disk.cached_tokens(slot));
         }
         self.disk_load.push((slot, h));
         self.step_host_written.push(h);
@@ -644,7 +648,16 @@ impl KvCacheManager {
     /// Writes the cached blocks evicted since the last call one tier down: device blocks to
     /// the host tier (`swap_out`), then host blocks — including those just evicted to make
     /// room — to the disk tier (`disk_store`). See [`spill`].
+    #[inline]
     fn write_back_evicted(&mut self) {
+        // The common case (nothing evicted, or no tier below) stays a couple of loads on the
+        // decode path.
+        if self.host.is_some() && (self.pool.has_evicted() || self.host.as_ref().is_some_and(BlockPool::has_evicted)) {
+            self.spill_evicted();
+        }
+    }
+
+    fn spill_evicted(&mut self) {
         if let Some(host) = self.host.as_mut() {
             if self.pool.has_evicted() {
                 let (written, skipped) = spill(
@@ -844,40 +857,23 @@ impl KvCacheManager {
         Ok(self.insert(child))
     }
 
-    /// The retention of block `k` of `seq` once free: the prompt's policy for full prompt
-    /// blocks, the default for blocks filled by decoding, and never above the block before it
-    /// (`parent`), so that a chain's leaves are evicted before their parents.
-    fn block_retention(seq: &Sequence, k: usize, bs: usize, now_us: u64, parent: Retention) -> Retention {
-        let covered = seq.retention.num_tokens.map_or(seq.prompt_len, |n| n.min(seq.prompt_len));
-        let own = if (k + 1) * bs <= covered {
-            Retention {
-                priority: seq.retention.priority,
-                expires_at_us: seq.retention.duration_us.map(|d| now_us.saturating_add(d)),
-            }
-        } else {
-            Retention::DEFAULT
-        };
-        if k == 0 || own.priority <= parent.priority {
-            own
-        } else {
-            parent
-        }
-    }
-
     /// Drops the sequence's reference on each of its blocks, the last block first (so that
     /// among a sequence's cached blocks the tail, the least shareable, is evicted first),
-    /// setting each one's retention.
+    /// setting each one's retention: the prompt's policy for the full blocks it covers, the
+    /// default for the others (blocks filled by decoding, a private tail), and never above the
+    /// block before it, so that a chain's leaves are evicted before their parents. The covered
+    /// blocks come first, so that rule only matters past them: there a block gets the lower
+    /// of the default and the prompt's retention.
     fn release_blocks(pool: &mut BlockPool, seq: &Sequence, blocks: &[BlockId]) {
-        let bs = pool.block_size();
-        let now = pool.now_us();
-        let mut retentions = Vec::with_capacity(blocks.len());
-        let mut parent = Retention::DEFAULT;
-        for k in 0..blocks.len() {
-            parent = Self::block_retention(seq, k, bs, now, parent);
-            retentions.push(parent);
-        }
-        for (&b, &r) in blocks.iter().zip(&retentions).rev() {
-            pool.release_with_retention(b, r);
+        let covered_tokens = seq.retention.num_tokens.map_or(seq.prompt_len, |n| n.min(seq.prompt_len));
+        let covered = covered_tokens / pool.block_size();
+        let prompt = Retention {
+            priority: seq.retention.priority,
+            expires_at_us: seq.retention.duration_us.map(|d| pool.now_us().saturating_add(d)),
+        };
+        let tail = if covered > 0 && prompt.priority < DEFAULT_RETENTION_PRIORITY { prompt } else { Retention::DEFAULT };
+        for (k, &b) in blocks.iter().enumerate().rev() {
+            pool.release_with_retention(b, if k < covered { prompt } else { tail });
         }
     }
 
@@ -989,7 +985,7 @@ impl KvCacheManager {
                 return Err(CoreError::InvariantViolation("host pool ran out during a checked swap-out".into()));
             };
             if let Some(identity) = pool.identity(d) {
-                host.register_copy(h, identity.clone(), pool.cached_tokens(d));
+                host.register_copy(h, identity, pool.cached_tokens(d));
             }
             swap_out.push((d, h));
             step_host_written.push(h);
@@ -1132,11 +1128,8 @@ impl KvCacheManager {
                 .map(BlockId)
                 .filter_map(|b| {
                     let id = upper.identity(b)?;
-                    lower.find_node(id.hash, id.node).is_none().then(|| Evicted {
-                        block: b,
-                        identity: id.clone(),
-                        tokens: upper.cached_tokens(b).to_vec(),
-                    })
+                    let missing = lower.find_node(id.hash, id.node).is_none();
+                    missing.then(|| Evicted { block: b, identity: id, tokens: upper.cached_tokens(b).to_vec() })
                 })
                 .collect()
         };
@@ -1166,7 +1159,7 @@ impl KvCacheManager {
     /// What disk slot `slot` holds: its identity and token ids (`None`: no disk tier, a bad
     /// slot, or nothing cached there). The runner writes them into the slot's file so that a
     /// restarted engine can restore the entry ([`Self::restore_disk_block`]).
-    pub fn disk_block(&self, slot: BlockId) -> Option<(&BlockIdentity, &[u32])> {
+    pub fn disk_block(&self, slot: BlockId) -> Option<(BlockIdentity, &[u32])> {
         let disk = self.disk.as_ref()?;
         disk.check_id(slot).ok()?;
         Some((disk.identity(slot)?, disk.cached_tokens(slot)))
