@@ -712,6 +712,15 @@ impl BlockPool {
         (count, link)
     }
 
+    /// The block of `other` (another tier's pool) holding the same content as this pool's
+    /// `block` (same node id), if both have it. Needs this pool's full hashes.
+    #[inline]
+    pub fn find_copy_in(&self, block: BlockId, other: &BlockPool) -> Option<BlockId> {
+        let node = self.node_of(block)?;
+        let &(hash, _) = self.full_hashes.get(block.index())?;
+        other.find_node(hash, node)
+    }
+
     /// The block registered under `hash` (a candidate: compare its identity).
     pub fn find_hash(&self, hash: BlockHash) -> Option<BlockId> {
         if !self.caching {

@@ -930,7 +930,7 @@ impl KvCacheManager {
         if seq.tier != Tier::Device {
             return Ok(None);
         }
-        let on_host = |b: BlockId| self.pool.identity(b).is_some_and(|i| host.find_node(i.hash, i.node).is_some());
+        let on_host = |b: BlockId| self.pool.find_copy_in(b, host).is_some();
         let copies = seq.table.blocks().iter().filter(|&&b| !on_host(b)).count();
         let shared = seq
             .table
@@ -959,7 +959,7 @@ impl KvCacheManager {
         // either tier later (as when a sequence is freed).
         let upto = seq.num_computed;
         Self::register_full_blocks(pool, hasher, seq, upto);
-        let resident = |b: BlockId, host: &BlockPool| pool.identity(b).and_then(|i| host.find_node(i.hash, i.node));
+        let resident = |b: BlockId, host: &BlockPool| pool.find_copy_in(b, host);
         // Host blocks taken from the free queue: fresh ones for the copies, plus free cached
         // ones that already hold a block's content.
         let taken = seq
@@ -1015,7 +1015,7 @@ impl KvCacheManager {
             .table
             .blocks()
             .iter()
-            .filter(|&&h| match host.identity(h).and_then(|i| self.pool.find_node(i.hash, i.node)) {
+            .filter(|&&h| match host.find_copy_in(h, &self.pool) {
                 Some(d) => self.pool.ref_count_unchecked(d) == 0,
                 None => true,
             })
@@ -1045,7 +1045,7 @@ impl KvCacheManager {
         // ones, so the fresh allocations cannot evict them.
         let mut targets: Vec<Option<BlockId>> = host_blocks
             .iter()
-            .map(|&h| host.identity(h).and_then(|i| self.pool.find_node(i.hash, i.node)))
+            .map(|&h| host.find_copy_in(h, &self.pool))
             .collect();
         for d in targets.iter().flatten() {
             self.pool.acquire_unchecked(*d);
@@ -1126,11 +1126,8 @@ impl KvCacheManager {
         let cached_missing_below = |upper: &BlockPool, lower: &BlockPool| -> Vec<Evicted> {
             (0..upper.num_blocks() as u32)
                 .map(BlockId)
-                .filter_map(|b| {
-                    let id = upper.identity(b)?;
-                    let missing = lower.find_node(id.hash, id.node).is_none();
-                    missing.then(|| Evicted { block: b, identity: id, tokens: upper.cached_tokens(b).to_vec() })
-                })
+                .filter(|&b| upper.find_copy_in(b, lower).is_none())
+                .filter_map(|b| Some(Evicted { block: b, identity: upper.identity(b)?, tokens: upper.cached_tokens(b).to_vec() }))
                 .collect()
         };
         if let (Some(host), Some(disk)) = (self.host.as_ref(), self.disk.as_mut()) {

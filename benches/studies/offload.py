@@ -109,15 +109,15 @@ def swap_study(
     default cost model (recompute throughput = the step model's full-budget rate) and once per
     entry of ``auto_throughputs`` (tokens/s), since its choice hinges on that ratio.
     """
-    common = {
-        "block_size": block_size,
-        "max_model_len": max_model_len,
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "step_duration_s": step_duration_s,
-        "bytes_per_block": bytes_per_block,
-        "swap_bytes_per_second": swap_bytes_per_second,
-    }
+    common = _pool_settings(
+        block_size,
+        max_model_len,
+        max_num_seqs,
+        max_num_batched_tokens,
+        step_duration_s,
+        bytes_per_block=bytes_per_block,
+        swap_bytes_per_second=swap_bytes_per_second,
+    )
     host = host_multiple * num_blocks
     default_rate = max_num_batched_tokens / step_duration_s
     runs: list[tuple[str, PagedConfig]] = [
@@ -364,15 +364,15 @@ def host_tier_prefix_study(
     geometry_label: str = "",
 ) -> StudyResult:
     """Hit rate per device pool (blocks) and host tier (``host_multiples`` x the device pool)."""
-    common = {
-        "block_size": block_size,
-        "max_model_len": max_model_len,
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "step_duration_s": step_duration_s,
-        "bytes_per_block": bytes_per_block,
-        "swap_bytes_per_second": swap_bytes_per_second,
-    }
+    common = _pool_settings(
+        block_size,
+        max_model_len,
+        max_num_seqs,
+        max_num_batched_tokens,
+        step_duration_s,
+        bytes_per_block=bytes_per_block,
+        swap_bytes_per_second=swap_bytes_per_second,
+    )
     unbounded_blocks = unbounded_pool_blocks(requests, block_size, max_model_len)
     unbounded = {
         "num_blocks": unbounded_blocks,
@@ -599,13 +599,7 @@ def retention_study(
         watched_prompts = max(below) if below else 1
     watched = set(popular[:watched_prompts])  # the group whose hit rate every row reports
     others = set(popular) - watched
-    common = {
-        "block_size": block_size,
-        "max_model_len": max_model_len,
-        "max_num_seqs": max_num_seqs,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "step_duration_s": step_duration_s,
-    }
+    common = _pool_settings(block_size, max_model_len, max_num_seqs, max_num_batched_tokens, step_duration_s)
     # What an unbounded cache would serve each group: its declared sharing.
     ceiling = {}
     for name, ids in (("all", set(popular)), ("top", watched), ("rest", others)):
@@ -848,3 +842,22 @@ def _retention_findings(rows: list[dict[str, Any]], ceiling: dict[str, float], n
             "and there are few of them."
         )
     return out
+
+
+def _pool_settings(
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    step_duration_s: float,
+    **tier: float,
+) -> dict[str, Any]:
+    """The PagedConfig settings every run of a study shares (plus its tier settings)."""
+    return {
+        "block_size": block_size,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "step_duration_s": step_duration_s,
+        **tier,
+    }

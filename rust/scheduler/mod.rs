@@ -1010,7 +1010,7 @@ impl Scheduler {
             return (vec![false; pool.num_blocks()], Vec::new(), Vec::new());
         };
         let on_host = (0..pool.num_blocks())
-            .map(|i| pool.identity(BlockId(i as u32)).is_some_and(|id| host.find_node(id.hash, id.node).is_some()))
+            .map(|i| pool.find_copy_in(BlockId(i as u32), host).is_some())
             .collect();
         let n = host.num_blocks();
         let refs = (0..n).map(|i| host.ref_count_unchecked(BlockId(i as u32)) as i32).collect();

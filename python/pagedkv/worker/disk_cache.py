@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.config import MAX_NUM_BLOCKS
 from pagedkv.errors import PagedKVError
 from pagedkv.kernels.kv_quant import byte_view
 
@@ -90,31 +91,27 @@ def disk_fingerprint(model_path: str, *, geometry: dict[str, Any]) -> dict[str, 
 class DiskKVStore:
     """The disk tier's files for one host cache (see the module docs).
 
-    ``DiskKVStore(folder, host_tensors, num_slots, fingerprint)``: ``host_tensors`` are the host
-    tier's ``[L, 2, num_host_blocks, ...]`` tensors (KV, then scales for a quantized cache).
-    Attributes: ``folder`` (the fingerprint's subfolder), ``num_slots``, ``payload_bytes``,
-    ``file_bytes``.
+    ``DiskKVStore(folder, host_tensors, max_bytes, fingerprint)``: ``host_tensors`` are the host
+    tier's ``[L, 2, num_host_blocks, ...]`` tensors (KV, then scales for a quantized cache);
+    ``max_bytes`` bounds the files (a payload and a header page each, at most
+    ``MAX_NUM_BLOCKS`` of them). Attributes: ``folder`` (the fingerprint's subfolder),
+    ``num_slots`` (0 when ``max_bytes`` holds no file), ``payload_bytes``, ``file_bytes``.
     """
 
     def __init__(
-        self, folder: str, host_tensors: Sequence[torch.Tensor], num_slots: int, fingerprint: dict[str, Any]
+        self, folder: str, host_tensors: Sequence[torch.Tensor], max_bytes: int, fingerprint: dict[str, Any]
     ) -> None:
         self.fingerprint = fingerprint
         key = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
         self.folder = os.path.join(folder, f"pagedkv-{key}")
         os.makedirs(self.folder, exist_ok=True)
-        self.num_slots = num_slots
         self._host = [byte_view(t) for t in host_tensors]  # fp8 as bytes: same memory
         self._block_shapes = [(*t.shape[:2], *t.shape[3:]) for t in self._host]
         self.payload_bytes = sum(_numel(s) * t.element_size() for s, t in zip(self._block_shapes, self._host))
         self.file_bytes = self.payload_bytes + _ALIGN  # a typical header fits in one page
+        self.num_slots = min(max_bytes // self.file_bytes, MAX_NUM_BLOCKS)
         self._bad: list[int] = []
         self._failed_slots: set[int] = set()
-
-    @staticmethod
-    def slots_for(max_bytes: int, payload_bytes: int) -> int:
-        """Disk slots a byte budget holds (a file: the payload and a header page)."""
-        return max_bytes // (payload_bytes + _ALIGN)
 
     def path(self, slot: int) -> str:
         """The file of ``slot``."""
@@ -183,14 +180,22 @@ class DiskKVStore:
         os.replace(tmp, self.path(slot))
         self._failed_slots.discard(slot)
 
-    def _read(self, slot: int, host_block: int) -> None:
-        header, start = _read_header(self.path(slot))
-        with open(self.path(slot), "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+    def _verified(self, path: str) -> tuple[dict[str, Any], bytes]:
+        """A file's header and payload, after the checks every read makes: magic, header, this
+        engine's fingerprint, the payload's size and checksum (ValueError otherwise)."""
+        header, start = _read_header(path)
+        if header.get("fingerprint") != self.fingerprint:
+            raise ValueError("written for another model or KV layout (fingerprint mismatch)")
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             if len(mm) != start + self.payload_bytes or header.get("payload_bytes") != self.payload_bytes:
                 raise ValueError("truncated or of the wrong size")
             payload = mm[start:]
         if zlib.crc32(payload) != header.get("crc32"):
-            raise ValueError("checksum mismatch")
+            raise ValueError("checksum mismatch (corrupt payload)")
+        return header, payload
+
+    def _read(self, slot: int, host_block: int) -> None:
+        _, payload = self._verified(self.path(slot))
         offset = 0
         for t, shape in zip(self._host, self._block_shapes):
             n = _numel(shape) * t.element_size()
@@ -218,14 +223,7 @@ class DiskKVStore:
         return entries
 
     def _check_file(self, path: str) -> DiskEntry:
-        header, start = _read_header(path)
-        if header.get("fingerprint") != self.fingerprint:
-            raise ValueError("written for another model or KV layout (fingerprint mismatch)")
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            if len(mm) != start + self.payload_bytes or header["payload_bytes"] != self.payload_bytes:
-                raise ValueError("truncated or of the wrong size")
-            if zlib.crc32(mm[start:]) != header["crc32"]:
-                raise ValueError("checksum mismatch (corrupt payload)")
+        header, _ = self._verified(path)
         parent = header["parent_hash"]
         hash_ = bytes.fromhex(header["hash"])
         tokens = header["tokens"]

@@ -619,7 +619,6 @@ class ModelRunner:
         )
         budget = cache.kv_cache_dir_max_bytes if cache.kv_cache_dir_max_bytes is not None else 4 << 30
         free = shutil.disk_usage(self.kv_cache_dir).free
-        store = DiskKVStore(self.kv_cache_dir, tensors, 1, fingerprint)
         if budget > free:
             warnings.warn(
                 f"the disk tier's budget ({budget:,} bytes) is more than the free space of {self.kv_cache_dir!r} "
@@ -628,13 +627,12 @@ class ModelRunner:
                 stacklevel=3,
             )
             budget = free
-        slots = min(DiskKVStore.slots_for(budget, store.payload_bytes), MAX_NUM_BLOCKS)
-        if slots < 1:
+        store = DiskKVStore(self.kv_cache_dir, tensors, budget, fingerprint)
+        if store.num_slots < 1:
             raise ConfigError(
                 f"kv_cache_dir_max_bytes = {budget:,} bytes is less than one block file "
                 f"({store.file_bytes:,} bytes): raise it"
             )
-        store.num_slots = slots
         return store
 
     def _host_blocks(self, cache: CacheConfig) -> int:
