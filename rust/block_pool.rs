@@ -20,6 +20,13 @@
 //! keeps its node, and a chain may continue from one tier into another. Only the pool that
 //! computes KV (the device pool) creates nodes ([`BlockPool::register`]); copies reuse them
 //! ([`BlockPool::register_copy`]).
+//!
+//! Optionally ([`BlockPool::set_record_events`], off by default) the pool logs the changes of
+//! its cache for KV-aware routers ([`crate::kv_events`]): a Stored event when a block is
+//! registered, a Removed event when a registered identity ends (eviction on reuse,
+//! `uncache` after a failed step, [`BlockPool::reset_prefix_cache`]). Blocks are named on the wire by
+//! their index key ([`index_key`]), unique among the pool's registered blocks. Off, the cost
+//! is one branch per registration and per ended identity.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -28,6 +35,7 @@ use crate::block_hash::{BlockHash, BlockHasher, ExtraKey, HashMode};
 use crate::error::{CoreError, Result};
 use crate::eviction_queue::{EvictionQueue, Retention};
 use crate::ids::BlockId;
+use crate::kv_events::{KvEvent, KvEventLog, Medium};
 use crate::token_store::TokenStore;
 
 /// Largest pool accepted: block ids must fit in int32, and the per-block bookkeeping must fit
@@ -116,9 +124,11 @@ impl Hasher for PassThroughHasher {
 /// cache hit (the second block is not registered), never a wrong one: every hit is verified.
 type HashIndex = HashMap<u64, BlockId, BuildHasherDefault<PassThroughHasher>>;
 
-/// The index key of a block hash.
+/// The index key of a block hash: the 128-bit chained hash folded to 64 bits. It is also the
+/// block's hash on the wire of KV-cache events ([`crate::kv_events`]): a pool never holds two
+/// registered blocks with one key.
 #[inline]
-fn index_key(hash: BlockHash) -> u64 {
+pub fn index_key(hash: BlockHash) -> u64 {
     (hash.0 as u64) ^ ((hash.0 >> 64) as u64)
 }
 
@@ -169,6 +179,8 @@ pub struct BlockPool {
     /// When set, evicted identities are logged in `evicted` (see [`Evicted`]).
     log_evictions: bool,
     evicted: Vec<Evicted>,
+    /// When set, the cache's changes are logged as KV events (see the module docs).
+    events: Option<Box<KvEventLog>>,
 }
 
 impl BlockPool {
@@ -219,6 +231,7 @@ impl BlockPool {
             now_us: 0,
             log_evictions: false,
             evicted: Vec::new(),
+            events: None,
         })
     }
 
@@ -401,6 +414,41 @@ impl BlockPool {
         !self.evicted.is_empty()
     }
 
+    /// Turns the KV event log on or off (see the module docs and [`crate::kv_events`]); the
+    /// events name the pool `medium`. Off, the log and any events not yet taken are dropped;
+    /// turning it on when it is on keeps the log. Blocks registered while it was off are never
+    /// announced. Without prefix caching nothing is ever registered, and the log stays off.
+    pub fn set_record_events(&mut self, on: bool, medium: Medium) {
+        if !(on && self.caching) {
+            self.events = None;
+        } else if self.events.is_none() {
+            self.events = Some(Box::new(KvEventLog::new(medium, self.block_size)));
+        }
+    }
+
+    /// True when the KV event log is on.
+    #[inline]
+    pub fn records_events(&self) -> bool {
+        self.events.is_some()
+    }
+
+    /// Takes the KV events logged since the last call, in order (coalesced: see
+    /// [`KvEventLog`]); empty when the log is off.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_deref_mut().map_or_else(Vec::new, KvEventLog::take)
+    }
+
+    /// True when KV events are logged and not yet taken.
+    #[inline]
+    pub fn has_events(&self) -> bool {
+        self.events.as_deref().is_some_and(|l| !l.is_empty())
+    }
+
+    /// The index keys (wire hashes) of the registered blocks, in no particular order.
+    pub fn registered_keys(&self) -> impl Iterator<Item = u64> + '_ {
+        self.index.keys().copied()
+    }
+
     /// Free blocks without a cache identity (reused before any cached block).
     #[inline]
     pub fn num_free_uncached(&self) -> usize {
@@ -579,6 +627,9 @@ impl BlockPool {
         let Some(meta) = self.cached.get_mut(block.index()).and_then(Option::take) else { return };
         if self.index.get(&meta.key) == Some(&block) {
             self.index.remove(&meta.key);
+            if let Some(log) = self.events.as_deref_mut() {
+                log.removed(meta.key);
+            }
         }
     }
 
@@ -634,6 +685,9 @@ impl BlockPool {
             return false; // no memory for the verification copy: leave the block uncached
         }
         self.index.insert(key, block);
+        if let Some(log) = self.events.as_deref_mut() {
+            log.stored(key, identity.parent_hash.map(index_key), tokens);
+        }
         if let Some(h) = self.full_hashes.get_mut(block.index()) {
             *h = (identity.hash, identity.parent_hash);
         }
@@ -1052,5 +1106,88 @@ mod tests {
         assert_eq!(p.reset_prefix_cache(), 1);
         assert_eq!(p.num_cached_blocks(), 1);
         p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn event_log_records_registrations_and_ended_identities() {
+        let mut p = pool(4, 2);
+        let mut h = p.new_hasher();
+        let key = ExtraKey::new(None);
+        // Off by default: nothing is logged.
+        let b = p.allocate(4).unwrap();
+        let h0 = h.hash_block(None, &key, &[1, 2]);
+        p.register(b[0], h0, None, &[1, 2], &key).unwrap();
+        assert!(!p.records_events() && p.take_events().is_empty());
+        p.set_record_events(true, Medium::Gpu);
+        // A chain of two blocks after h0: one coalesced Stored event naming h0 as parent.
+        let n0 = p.node_of(b[0]).unwrap();
+        let h1 = h.hash_block(Some(h0), &key, &[3, 4]);
+        let n1 = p.register(b[1], h1, Some((n0, h0)), &[3, 4], &key).unwrap();
+        let h2 = h.hash_block(Some(h1), &key, &[5, 6]);
+        p.register(b[2], h2, Some((n1, h1)), &[5, 6], &key).unwrap();
+        // A duplicate is refused and not announced.
+        assert_eq!(p.register(b[3], h2, Some((n1, h1)), &[5, 6], &key), None);
+        assert!(p.has_events());
+        assert_eq!(
+            p.take_events(),
+            vec![KvEvent::BlockStored {
+                block_hashes: vec![index_key(h1), index_key(h2)],
+                parent_block_hash: Some(index_key(h0)),
+                token_ids: vec![3, 4, 5, 6],
+                block_size: 2,
+                medium: Medium::Gpu,
+            }]
+        );
+        assert!(!p.has_events());
+        // Uncache (failed step), eviction on reuse, and a reset each end an identity.
+        p.uncache(b[2]);
+        p.uncache(b[3]); // never registered: nothing
+        p.free(&b).unwrap();
+        assert_eq!(p.allocate(3).unwrap().len(), 3); // two uncached blocks, then evicts b[0]
+        assert_eq!(p.reset_prefix_cache(), 1);
+        assert_eq!(
+            p.take_events(),
+            vec![KvEvent::BlockRemoved {
+                block_hashes: vec![index_key(h2), index_key(h0), index_key(h1)],
+                medium: Medium::Gpu,
+            }]
+        );
+        assert_eq!(p.registered_keys().count(), 0);
+        p.set_record_events(false, Medium::Gpu);
+        assert!(!p.records_events());
+        // Without prefix caching the log stays off.
+        let mut off = BlockPool::new(2, 2, false, HashMode::Xxh3).unwrap();
+        off.set_record_events(true, Medium::Gpu);
+        assert!(!off.records_events());
+    }
+
+    #[test]
+    fn copies_keep_their_parent_key() {
+        let mut dev = pool(2, 1);
+        let mut host = pool(2, 1);
+        dev.keep_full_hashes();
+        host.keep_full_hashes();
+        host.set_record_events(true, Medium::Cpu);
+        let mut h = dev.new_hasher();
+        let key = ExtraKey::new(Some("salt"));
+        let b = dev.allocate(2).unwrap();
+        let h0 = h.hash_block(None, &key, &[7]);
+        let n0 = dev.register(b[0], h0, None, &[7], &key).unwrap();
+        let h1 = h.hash_block(Some(h0), &key, &[8]);
+        dev.register(b[1], h1, Some((n0, h0)), &[8], &key).unwrap();
+        // Copy only the child to the host: its parent is named although the host lacks it.
+        let d = host.allocate(1).unwrap()[0];
+        assert!(host.register_copy(d, dev.identity(b[1]).unwrap(), &[8]));
+        assert_eq!(
+            host.take_events(),
+            vec![KvEvent::BlockStored {
+                block_hashes: vec![index_key(h1)],
+                parent_block_hash: Some(index_key(h0)),
+                token_ids: vec![8],
+                block_size: 1,
+                medium: Medium::Cpu,
+            }]
+        );
+        assert_eq!(host.registered_keys().collect::<Vec<_>>(), vec![index_key(h1)]);
     }
 }

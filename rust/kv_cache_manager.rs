@@ -49,6 +49,10 @@
 //! - only full blocks are registered in the prefix cache (prompt blocks when the step that
 //!   fills them is scheduled; blocks filled by decoding when the sequence is freed or swapped
 //!   out), and no block is written again once full.
+//!
+//! KV events ([`KvCacheManager::set_record_events`], off by default): every pool logs its
+//! cache's changes ([`crate::kv_events`]; device `"GPU"`, host `"CPU"`, disk `"DISK"`), and
+//! [`KvCacheManager::take_kv_events`] hands them out as one encoded batch.
 
 use crate::block_hash::{BlockHash, BlockHasher, ExtraKey, HashMode};
 use crate::block_pool::{BlockIdentity, BlockPool, ChainLink, Evicted};
@@ -56,6 +60,7 @@ use crate::block_table::{blocks_for, BlockTable};
 use crate::error::{CoreError, Result};
 use crate::eviction_queue::{Retention, DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY};
 use crate::ids::{BlockId, SeqId};
+use crate::kv_events::{encode_batch, KvEvent, Medium};
 use crate::slab::Slab;
 
 /// A block copy `(source, destination)`; the tiers depend on the list it is in.
@@ -303,6 +308,11 @@ pub struct KvCacheManager {
     step_host_written: Vec<BlockId>,
     prefix: PrefixCounters,
     tiers: TierCounters,
+    /// Whether the pools log KV events (`set_record_events`).
+    record_events: bool,
+    /// KV events taken from the pools before a reset, not yet handed out (they come before
+    /// anything the pools logged since).
+    pending_events: Vec<KvEvent>,
 }
 
 impl KvCacheManager {
@@ -328,6 +338,8 @@ impl KvCacheManager {
             step_host_written: Vec::new(),
             prefix: PrefixCounters::default(),
             tiers: TierCounters::default(),
+            record_events: false,
+            pending_events: Vec::new(),
         })
     }
 
@@ -346,6 +358,7 @@ impl KvCacheManager {
             })?;
         let mut host = host;
         host.keep_full_hashes();
+        host.set_record_events(self.record_events, Medium::Cpu);
         self.host = Some(host);
         self.pool.set_log_evictions(true);
         Ok(self)
@@ -372,6 +385,7 @@ impl KvCacheManager {
         })?;
         let mut disk = disk;
         disk.keep_full_hashes();
+        disk.set_record_events(self.record_events, Medium::Disk);
         self.disk = Some(disk);
         Ok(self)
     }
@@ -1240,9 +1254,89 @@ impl KvCacheManager {
         (std::mem::take(&mut self.swap_out), std::mem::take(&mut self.swap_in))
     }
 
-    /// Drops the cached identity of every free cached block on both tiers; returns how many.
+    /// Drops the cached identity of every free cached block on every tier (device, host,
+    /// disk); returns how many. Blocks in use keep theirs. With KV events on, when afterwards
+    /// no pool holds a cached block, the call logs one `AllBlocksCleared` instead of a
+    /// removal per block.
     pub fn reset_prefix_cache(&mut self) -> usize {
-        self.pool.reset_prefix_cache() + self.host.as_mut().map_or(0, |h| h.reset_prefix_cache())
+        if self.record_events {
+            // What the pools logged so far happened before the reset.
+            let before = self.drain_pool_events();
+            self.pending_events.extend(before);
+        }
+        let dropped = self.pools_mut().map(BlockPool::reset_prefix_cache).sum();
+        if self.record_events && self.pools().all(|p| p.num_cached_blocks() == 0) {
+            for p in self.pools_mut() {
+                p.take_events(); // the removals of this call: all cleared instead
+            }
+            self.pending_events.push(KvEvent::AllBlocksCleared);
+        }
+        dropped
+    }
+
+    /// The pools that exist: device, host, disk.
+    fn pools(&self) -> impl Iterator<Item = &BlockPool> {
+        [Some(&self.pool), self.host.as_ref(), self.disk.as_ref()].into_iter().flatten()
+    }
+
+    fn pools_mut(&mut self) -> impl Iterator<Item = &mut BlockPool> {
+        [Some(&mut self.pool), self.host.as_mut(), self.disk.as_mut()].into_iter().flatten()
+    }
+
+    /// Turns KV-cache events on or off on every pool (device, host and disk: see
+    /// [`crate::kv_events`]). Needs prefix caching (without it nothing is ever cached, and
+    /// events stay off). Off, events not yet taken are dropped. While on, take them regularly
+    /// ([`Self::take_kv_events`], once per step): they are kept until taken.
+    pub fn set_record_events(&mut self, on: bool) {
+        let on = on && self.pool.prefix_caching();
+        self.record_events = on;
+        self.pool.set_record_events(on, Medium::Gpu);
+        if let Some(h) = self.host.as_mut() {
+            h.set_record_events(on, Medium::Cpu);
+        }
+        if let Some(d) = self.disk.as_mut() {
+            d.set_record_events(on, Medium::Disk);
+        }
+        if !on {
+            self.pending_events.clear();
+        }
+    }
+
+    /// True when KV-cache events are on.
+    #[inline]
+    pub fn records_events(&self) -> bool {
+        self.record_events
+    }
+
+    fn drain_pool_events(&mut self) -> Vec<KvEvent> {
+        let mut out = Vec::new();
+        for p in self.pools_mut() {
+            out.extend(p.take_events());
+        }
+        out
+    }
+
+    /// Takes the KV events logged since the last call: those of the device pool, then the
+    /// host's, then the disk's, each pool's in order (an `AllBlocksCleared` comes after
+    /// everything logged before it). Empty when events are off or nothing happened.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        if !self.record_events {
+            return Vec::new();
+        }
+        let mut out = std::mem::take(&mut self.pending_events);
+        out.extend(self.drain_pool_events());
+        out
+    }
+
+    /// Takes the KV events logged since the last call ([`Self::take_events`]) as one batch
+    /// in vLLM's wire format with timestamp `ts` (seconds; see
+    /// [`crate::kv_events::encode_batch`]), or `None` when there are none.
+    pub fn take_kv_events(&mut self, ts: f64) -> Option<Vec<u8>> {
+        if !self.record_events || (self.pending_events.is_empty() && !self.pools().any(BlockPool::has_events)) {
+            return None;
+        }
+        let events = self.take_events();
+        Some(encode_batch(ts, &events))
     }
 
     /// Ids of all live sequences (slab order).

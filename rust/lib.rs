@@ -18,6 +18,8 @@
 //! - [`block_table`]: logical → physical mapping and slot computation.
 //! - [`slab`]: generation-checked slab (sequence and request storage).
 //! - [`kv_cache_manager`]: sequences over the pool: prefix hits, slots, copy-on-write, fork.
+//! - [`kv_events`]: KV-cache events (blocks stored / removed / all cleared) for KV-aware
+//!   routers, coalesced per step and encoded in vLLM's msgpack wire format.
 //! - [`cpu_attention`]: paged decode attention on the CPU, straight from the block cache.
 //! - [`scheduler`]: continuous batching: token budget, chunked prefill, prefix-cache
 //!   admission, preemption, stops, and the flat step output.
@@ -34,6 +36,7 @@ pub mod error;
 pub mod eviction_queue;
 pub mod ids;
 pub mod kv_cache_manager;
+pub mod kv_events;
 pub mod scheduler;
 pub mod slab;
 pub mod token_store;

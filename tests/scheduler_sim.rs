@@ -17,12 +17,19 @@
 //! aborts landing between schedule and rollback: any unwritten KV served later as a prefix hit
 //! would change the tokens. After every step the invariants hold; at the end every request ended with
 //! the right tokens and reason, and every block is free with ref count 0.
+//!
+//! KV-cache events are on in every simulation: after every step the events are decoded from
+//! their wire bytes and replayed (Stored adds, Removed deletes, AllBlocksCleared clears), and
+//! the replay must hold exactly the registered hashes of each pool (device, host, disk). Some
+//! configurations also reset the prefix cache between steps, and every simulation ends with a
+//! reset that leaves nothing cached (announced as AllBlocksCleared).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use pagedkv::block_hash::HashMode;
 use pagedkv::ids::BlockId;
 use pagedkv::kv_cache_manager::{RetentionPolicy, Tier};
+use pagedkv::kv_events::{decode_batch, KvEvent, Medium};
 use pagedkv::scheduler::{FinishReason, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, StepOutput};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
@@ -185,6 +192,57 @@ struct SimSpec {
     preemption_mode: PreemptionMode,
     /// Random retention priorities / durations per request, and clock moves between steps.
     retention: bool,
+    /// Probability of a prefix-cache reset between two steps.
+    reset_prob: f64,
+}
+
+/// What a consumer of the KV events believes each pool caches.
+#[derive(Default)]
+struct EventReplay {
+    pools: HashMap<Medium, HashSet<u64>>,
+    batches: u64,
+    cleared: u64,
+}
+
+impl EventReplay {
+    /// Applies the events the scheduler logged since the last call, then checks the replay
+    /// against every pool's registered hashes.
+    fn sync(&mut self, sched: &mut Scheduler, when: &str) {
+        let ts = self.batches as f64 * 0.5;
+        if let Some(bytes) = sched.take_kv_events(ts) {
+            let (got_ts, events) = decode_batch(&bytes).unwrap();
+            assert_eq!(got_ts, ts);
+            assert!(!events.is_empty(), "{when}: an empty batch");
+            self.batches += 1;
+            for e in events {
+                match e {
+                    KvEvent::BlockStored { block_hashes, token_ids, block_size, medium, .. } => {
+                        assert_eq!(token_ids.len(), block_hashes.len() * block_size, "{when}: tokens of a stored event");
+                        let set = self.pools.entry(medium).or_default();
+                        for h in block_hashes {
+                            assert!(set.insert(h), "{when}: {h} stored twice in {medium:?}");
+                        }
+                    }
+                    KvEvent::BlockRemoved { block_hashes, medium } => {
+                        let set = self.pools.entry(medium).or_default();
+                        for h in block_hashes {
+                            assert!(set.remove(&h), "{when}: {h} removed from {medium:?} but never stored");
+                        }
+                    }
+                    KvEvent::AllBlocksCleared => {
+                        self.cleared += 1;
+                        self.pools.clear();
+                    }
+                }
+            }
+        }
+        let kv = sched.kv();
+        for (medium, pool) in [(Medium::Gpu, Some(kv.pool())), (Medium::Cpu, kv.host_pool()), (Medium::Disk, kv.disk_pool())] {
+            let want: HashSet<u64> = pool.map(|p| p.registered_keys().collect()).unwrap_or_default();
+            let got = self.pools.get(&medium).cloned().unwrap_or_default();
+            assert!(got == want, "{when}: the events of {medium:?} replay to {} blocks, the pool holds {}", got.len(), want.len());
+        }
+    }
 }
 
 impl SimSpec {
@@ -221,7 +279,13 @@ impl SimSpec {
             num_disk_blocks: 0,
             preemption_mode: PreemptionMode::Recompute,
             retention: false,
+            reset_prob: 0.0,
         }
+    }
+
+    fn with_resets(mut self, reset_prob: f64) -> Self {
+        self.reset_prob = reset_prob;
+        self
     }
 
     fn with_host(mut self, num_host_blocks: usize, mode: PreemptionMode, retention: bool) -> Self {
@@ -263,7 +327,9 @@ fn run_sim(spec: &SimSpec) -> SimResult {
     cfg.bytes_per_block = 1000;
     cfg.swap_bytes_per_second = 1000.0;
     cfg.recompute_tokens_per_second = 1.0;
+    cfg.enable_kv_events = true;
     let mut sched = Scheduler::new(cfg).unwrap();
+    let mut replay = EventReplay::default();
     let mut model = FakeModel::new(spec.num_blocks, spec.num_host_blocks, spec.num_disk_blocks, spec.block_size);
     let mut rng = StdRng::seed_from_u64(spec.seed);
     // A few shared system prompts so that the prefix cache gets hits.
@@ -324,6 +390,7 @@ fn run_sim(spec: &SimSpec) -> SimResult {
             assert!(ids.len() <= out.num_rows());
             assert!(sched.update(out.step_id, &[]).is_err(), "a rolled-back step cannot be updated");
             sched.check_invariants().unwrap();
+            replay.sync(&mut sched, "after a rollback");
             step += 1;
             continue;
         }
@@ -348,7 +415,12 @@ fn run_sim(spec: &SimSpec) -> SimResult {
                 }
             }
         }
+        if spec.reset_prob > 0.0 && rng.random_bool(spec.reset_prob) {
+            replay.sync(&mut sched, "before a reset");
+            sched.reset_prefix_cache();
+        }
         sched.check_invariants().unwrap();
+        replay.sync(&mut sched, "after a step");
         step += 1;
         assert!(step < 200_000, "simulation does not terminate");
     }
@@ -375,6 +447,17 @@ fn run_sim(spec: &SimSpec) -> SimResult {
     }
     assert_eq!(stats.num_host_free_blocks, spec.num_host_blocks, "a host block leaked");
     assert_eq!(stats.num_swapped, 0);
+    // Nothing in use: a reset leaves nothing cached, announced as one AllBlocksCleared.
+    replay.sync(&mut sched, "at the end");
+    let cleared = replay.cleared;
+    sched.reset_prefix_cache();
+    replay.sync(&mut sched, "after the final reset");
+    if spec.caching {
+        assert_eq!(replay.cleared, cleared + 1, "the final reset was not announced");
+        assert!(replay.batches > 1);
+    } else {
+        assert_eq!(replay.batches, 0, "no prefix cache, no events");
+    }
     SimResult {
         preemptions: stats.num_preemptions,
         prefix_hits: stats.prefix_cache_hits,
@@ -431,7 +514,8 @@ fn swap_and_host_tier_match_contiguous_reference() {
         let disk = if caching { 512 } else { 0 };
         let spec = SimSpec::basic(seed, 1500, 96, 16, 512, 256, 64, Policy::Fcfs, caching, hash_mode, 0.02, fail)
             .with_host(host, mode, retention)
-            .with_disk(disk);
+            .with_disk(disk)
+            .with_resets(if seed == 26 { 0.01 } else { 0.0 });
         let r = run_sim(&spec);
         assert!(r.preemptions > 50, "{seed}: the device pool must force preemption ({r:?})");
         if mode == PreemptionMode::Swap {
@@ -466,6 +550,7 @@ proptest! {
         retention in any::<bool>(),
         hash_bits in prop::sample::select(vec![None, None, Some(0u8), Some(3u8)]),
         disk_blocks in prop::sample::select(vec![0usize, 1, 8, 64]),
+        resets in any::<bool>(),
     ) {
         let max_model_len: usize = 64;
         let mode = if host_blocks == 0 { PreemptionMode::Recompute } else { mode };
@@ -476,7 +561,8 @@ proptest! {
         run_sim(
             &SimSpec::basic(seed, 60, num_blocks, bs, max_model_len, budget, max_num_seqs, policy, caching, hash_mode, abort_prob, fail_prob)
                 .with_host(host_blocks, mode, retention)
-                .with_disk(disk_blocks),
+                .with_disk(disk_blocks)
+                .with_resets(if resets { 0.05 } else { 0.0 }),
         );
     }
 }
@@ -492,6 +578,7 @@ fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
     cfg.max_num_batched_tokens = 64;
     cfg.num_host_blocks = 8;
     cfg.num_disk_blocks = 256;
+    cfg.enable_kv_events = true;
     let mut rng = StdRng::seed_from_u64(5);
     let prompts: Vec<Vec<u32>> = (0..24).map(|_| (0..rng.random_range(20..100)).map(|_| rng.random_range(0..VOCAB as u32)).collect()).collect();
     let run = |sched: &mut Scheduler, model: &mut FakeModel, tag: &str| -> HashMap<String, Vec<u32>> {
@@ -541,6 +628,11 @@ fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
     // write-backs had filled the small host tier) cannot be linked, and is left out.
     let n_restored = restored.iter().filter(|s| s.is_some()).count();
     assert!(n_restored * 4 >= restored.len() * 3, "{n_restored} of {} entries restored", restored.len());
+    // The restored entries are announced as stored on DISK (and nothing else).
+    let mut replay = EventReplay::default();
+    replay.sync(&mut second, "after the restore");
+    assert_eq!(replay.pools.get(&Medium::Disk).map_or(0, HashSet::len), n_restored);
+    assert_eq!(replay.pools.values().map(HashSet::len).sum::<usize>(), n_restored);
     let mut model2 = FakeModel::new(24, 8, 256, bs);
     for (old, new) in slots.iter().zip(&restored) {
         if let Some(new) = new {
@@ -554,5 +646,6 @@ fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
     assert_eq!(second.restore_disk_blocks(&[(h, p, t, salt)]), vec![None]);
     let outputs = run(&mut second, &mut model2, "b");
     check(&outputs, "b");
+    replay.sync(&mut second, "after the second run");
     assert!(second.stats().prefix_cache_disk_hits > 0, "the restarted scheduler never hit the disk tier");
 }

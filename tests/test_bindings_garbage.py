@@ -130,6 +130,7 @@ def test_scheduler_garbage_never_panics(seed: int) -> None:
         "policy",
         "watermark",
         "hash_bits",
+        "enable_kv_events",
     ]
     for _ in range(60):
         kwargs = {k: rng.choice(GARBAGE + [4, 16, "fcfs", 0.1]) for k in rng.sample(keys, rng.randint(1, 4))}
@@ -167,4 +168,29 @@ def test_scheduler_garbage_never_panics(seed: int) -> None:
             pass
         s.check_invariants()
     call_with_garbage(s, rng, 100)
+    s.check_invariants()
+
+
+def test_kv_event_methods_never_panic() -> None:
+    # take_kv_events / block_hashes / reset_prefix_cache with every garbage value, on a
+    # scheduler whose pool has cached blocks and events pending.
+    s = Scheduler(SchedulerConfig(num_blocks=16, block_size=4, enable_kv_events=True))
+    s.add_request("a", list(range(9)), max_tokens=3)
+    out = s.schedule()
+    s.update(out, [1])
+    for g in GARBAGE:
+        calls = (
+            lambda: s.take_kv_events(g),  # type: ignore[arg-type]
+            lambda: s.block_hashes(g),  # type: ignore[arg-type]
+            lambda: s.block_hashes([1, 2, 3, 4], g),  # type: ignore[arg-type]
+            lambda: s.block_hashes(g, cache_salt=g),  # type: ignore[arg-type]
+        )
+        for call in calls:
+            try:
+                call()
+            except pagedkv.PagedKVError:
+                pass
+        s.check_invariants()
+    assert isinstance(s.reset_prefix_cache(), int)
+    assert isinstance(s.take_kv_events(0.0), (bytes, type(None)))
     s.check_invariants()

@@ -137,6 +137,7 @@ class SchedulerConfig:
         swap_bytes_per_second: float | None = None,
         recompute_tokens_per_second: float | None = None,
         manual_clock: bool | None = None,
+        enable_kv_events: bool | None = None,
     ) -> SchedulerConfig: ...
     @property
     def block_size(self) -> int: ...
@@ -162,6 +163,8 @@ class SchedulerConfig:
     def preemption_mode(self) -> str: ...
     @property
     def bytes_per_block(self) -> int: ...
+    @property
+    def enable_kv_events(self) -> bool: ...
 
 @final
 class SchedulerOutput:
@@ -392,6 +395,13 @@ class Scheduler:
     ) -> list[int | None]: ...
     def invalidate_disk_blocks(self, slots: _Ints) -> None: ...
     def tier_map(self) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int32], npt.NDArray[np.bool_]]: ...
+    def take_kv_events(self, timestamp: float) -> bytes | None:
+        """The KV-cache events since the last call as one msgpack batch in vLLM's wire format
+        (decode with ``pagedkv.server.kv_events.decode_event_batch``), or None when events are
+        off or nothing happened."""
+    def reset_prefix_cache(self) -> int: ...
+    def block_hashes(self, token_ids: _Ints, cache_salt: str | None = None) -> list[int]:
+        """The wire hashes (uint64) KV events give the full blocks of ``token_ids``."""
 
 # A paged cache as paged_decode_attention_cpu reads it: float32, int8, or the bytes of fp8.
 _KVCacheArray = npt.NDArray[np.float32] | npt.NDArray[np.int8] | npt.NDArray[np.uint8]

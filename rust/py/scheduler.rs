@@ -35,7 +35,7 @@ impl PySchedulerConfig {
         *, num_blocks, block_size = None, max_num_seqs = None, max_num_batched_tokens = None,
         max_model_len = None, enable_prefix_caching = None, policy = None, watermark = None, hash_bits = None,
         num_host_blocks = None, num_disk_blocks = None, preemption_mode = None, bytes_per_block = None, swap_bytes_per_second = None,
-        recompute_tokens_per_second = None, manual_clock = None
+        recompute_tokens_per_second = None, manual_clock = None, enable_kv_events = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -55,6 +55,7 @@ impl PySchedulerConfig {
         swap_bytes_per_second: Option<&Bound<'_, PyAny>>,
         recompute_tokens_per_second: Option<&Bound<'_, PyAny>>,
         manual_clock: Option<&Bound<'_, PyAny>>,
+        enable_kv_events: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let bs = block_size.map(|o| positive_arg(o, "block_size")).transpose()?.unwrap_or(16);
         let mut c = SchedulerConfig::new(bs, positive_arg(num_blocks, "num_blocks")?);
@@ -99,6 +100,9 @@ impl PySchedulerConfig {
         }
         if let Some(o) = manual_clock {
             c.manual_clock = bool_arg(o, "manual_clock")?;
+        }
+        if let Some(o) = enable_kv_events {
+            c.enable_kv_events = bool_arg(o, "enable_kv_events")?;
         }
         c.validate()?;
         Ok(PySchedulerConfig { inner: c })
@@ -163,6 +167,11 @@ impl PySchedulerConfig {
     #[getter]
     fn bytes_per_block(&self) -> usize {
         self.inner.bytes_per_block
+    }
+    /// Whether KV-cache events are logged (`Scheduler.take_kv_events`).
+    #[getter]
+    fn enable_kv_events(&self) -> bool {
+        self.inner.enable_kv_events
     }
 
     fn __repr__(&self) -> String {
@@ -807,6 +816,36 @@ impl PyScheduler {
     ) -> (Bound<'py, PyArray1<bool>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<bool>>) {
         let (on_host, refs, cached) = self.inner.tier_map();
         (PyArray1::from_vec(py, on_host), PyArray1::from_vec(py, refs), PyArray1::from_vec(py, cached))
+    }
+
+    /// The KV-cache events since the last call as one msgpack batch in vLLM's wire format
+    /// (`[timestamp, [event, ...]]`; events BlockStored / BlockRemoved / AllBlocksCleared with
+    /// medium "GPU" for the device pool, "CPU" for the host tier, "DISK" for the disk tier),
+    /// or None when events are off (`SchedulerConfig(enable_kv_events=True)`) or nothing
+    /// happened. Call it once per step, after `update` or `rollback_step`; events are kept
+    /// until taken. `timestamp` is seconds (e.g. `time.time()`), finite.
+    fn take_kv_events<'py>(&mut self, py: Python<'py>, timestamp: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let ts = float_arg(timestamp, "timestamp")?;
+        if !ts.is_finite() {
+            return Err(crate::error::CoreError::InvalidArgument(format!("timestamp must be finite, got {ts}")).into());
+        }
+        Ok(self.inner.take_kv_events(ts).map(|b| PyBytes::new(py, &b)))
+    }
+
+    /// Drops every free cached block from the prefix cache on every tier; blocks in use stay
+    /// cached. Returns how many were dropped. With KV events on, a reset that leaves nothing
+    /// cached is announced as one AllBlocksCleared event.
+    fn reset_prefix_cache(&mut self) -> usize {
+        self.inner.reset_prefix_cache()
+    }
+
+    /// The hashes KV events give the full blocks of `token_ids` under `cache_salt` (what a
+    /// KV-aware router computes for a prompt): one unsigned 64-bit int per full block.
+    #[pyo3(signature = (token_ids, cache_salt = None))]
+    fn block_hashes(&self, token_ids: &Bound<'_, PyAny>, cache_salt: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u64>> {
+        let tokens = token_ids_arg(token_ids, "token_ids")?;
+        let salt = salt_arg(cache_salt)?;
+        Ok(self.inner.block_hashes(&tokens, salt.as_deref()))
     }
 
     /// Raises InvariantViolationError if any bookkeeping is inconsistent.

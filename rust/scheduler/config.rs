@@ -107,6 +107,10 @@ pub struct SchedulerConfig {
     /// The retention clock moves only by `Scheduler::advance_clock` (simulations on a
     /// simulated clock), not with wall time.
     pub manual_clock: bool,
+    /// Log KV-cache events (blocks stored / removed on each tier, all cleared) for KV-aware
+    /// routers, taken once per step with `Scheduler::take_kv_events` (see
+    /// [`crate::kv_events`]). Needs prefix caching to produce anything.
+    pub enable_kv_events: bool,
 }
 
 impl SchedulerConfig {
@@ -132,6 +136,7 @@ impl SchedulerConfig {
             swap_bytes_per_second: 10e9,
             recompute_tokens_per_second: 10_000.0,
             manual_clock: false,
+            enable_kv_events: false,
         }
     }
 

@@ -21,6 +21,10 @@
 //! `update(step, sampled)` appends one sampled token per logits row, forks `n > 1` requests
 //! into their branches at the end of their prompt, and applies the token-based stops (eos,
 //! stop ids, min_tokens, max_tokens, max_model_len). A finished branch frees its blocks.
+//!
+//! With `enable_kv_events` the KV-cache manager logs its pools' cache changes and
+//! [`Scheduler::take_kv_events`] hands them out, one batch per step, in vLLM's wire format
+//! ([`crate::kv_events`]); [`Scheduler::block_hashes`] gives a prompt's wire hashes.
 
 mod config;
 mod output;
@@ -38,7 +42,8 @@ pub use output::{RequestUpdate, StepOutput};
 pub use request::{BranchKey, FinishReason, NewRequest, RequestKey};
 pub use stats::{SchedulerStats, StatValue};
 
-use crate::block_hash::{BlockHash, ExtraKey};
+use crate::block_hash::{BlockHash, BlockHasher, ExtraKey};
+use crate::block_pool::index_key;
 use crate::error::{CoreError, Result};
 use crate::ids::{BlockId, SeqId};
 use crate::kv_cache_manager::{KvCacheManager, PrefixMatch, Restore, Tier};
@@ -81,9 +86,10 @@ impl Scheduler {
     /// A scheduler over a fresh pool.
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
-        let kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching, config.hash_mode)?
+        let mut kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching, config.hash_mode)?
             .with_host_tier(config.num_host_blocks)?
             .with_disk_tier(config.num_disk_blocks)?;
+        kv.set_record_events(config.enable_kv_events);
         Ok(Scheduler {
             config,
             kv,
@@ -999,6 +1005,35 @@ impl Scheduler {
     pub fn invalidate_disk_blocks(&mut self, slots: &[u32]) {
         let ids: Vec<BlockId> = slots.iter().map(|&s| BlockId(s)).collect();
         self.kv.invalidate_disk_blocks(&ids);
+    }
+
+    /// Takes the KV-cache events since the last call as one batch in vLLM's wire format, with
+    /// timestamp `ts` (seconds): the device pool's events, then the host's, then the disk's
+    /// (see [`crate::kv_events`]). `None` when events are off (`enable_kv_events`) or nothing
+    /// happened. Call it once per step (after `update` or `rollback_step`): events are kept
+    /// until taken.
+    pub fn take_kv_events(&mut self, ts: f64) -> Option<Vec<u8>> {
+        self.kv.take_kv_events(ts)
+    }
+
+    /// Drops every free cached block from the prefix cache on every tier (device, host,
+    /// disk); blocks in use (running or swapped branches) stay cached. Returns how many were
+    /// dropped. With KV events on, a reset that leaves nothing cached is announced as one
+    /// `AllBlocksCleared`; otherwise each dropped block as removed.
+    pub fn reset_prefix_cache(&mut self) -> usize {
+        self.kv.reset_prefix_cache()
+    }
+
+    /// The wire hashes of the full blocks of `tokens` under the cache salt `salt` (what a
+    /// KV-aware router computes for a prompt): the 64-bit index keys of their chained block
+    /// hashes, equal to the hashes KV events give the same blocks ([`crate::kv_events`]). A
+    /// partial last block has none.
+    pub fn block_hashes(&self, tokens: &[u32], salt: Option<&str>) -> Vec<u64> {
+        let bs = self.config.block_size;
+        let mut hasher = BlockHasher::new(self.config.hash_mode);
+        let mut hashes = Vec::with_capacity(tokens.len() / bs);
+        hasher.extend_chain(&mut hashes, tokens, bs, &ExtraKey::new(salt), usize::MAX);
+        hashes.into_iter().map(index_key).collect()
     }
 
     /// The tiers block by block: for each device block whether its cached content is also

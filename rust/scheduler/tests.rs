@@ -146,3 +146,184 @@ fn kv_utilization_is_zero_with_nothing_in_use() {
     let st = s.stats();
     assert_eq!((st.num_used_blocks, st.kv_utilization), (0, 0.0));
 }
+
+mod kv_events {
+    use super::*;
+    use crate::kv_events::{decode_batch, KvEvent, Medium};
+
+    fn sched(num_blocks: usize, num_host: usize, num_disk: usize) -> Scheduler {
+        let mut cfg = SchedulerConfig::new(4, num_blocks);
+        cfg.max_model_len = 32;
+        cfg.num_host_blocks = num_host;
+        cfg.num_disk_blocks = num_disk;
+        cfg.enable_kv_events = true;
+        Scheduler::new(cfg).unwrap()
+    }
+
+    /// Runs every request to its end (one token each step).
+    fn drain(s: &mut Scheduler) {
+        while s.has_unfinished_requests() {
+            let out = s.schedule().unwrap();
+            let toks = vec![1; out.num_sampled()];
+            s.update(out.step_id, &toks).unwrap();
+        }
+    }
+
+    fn events(s: &mut Scheduler) -> Vec<KvEvent> {
+        match s.take_kv_events(2.5) {
+            Some(bytes) => {
+                let (ts, ev) = decode_batch(&bytes).unwrap();
+                assert_eq!(ts, 2.5);
+                assert!(!ev.is_empty());
+                ev
+            }
+            None => Vec::new(),
+        }
+    }
+
+    #[test]
+    fn prompt_blocks_are_stored_removed_and_cleared() {
+        let mut s = sched(8, 0, 0);
+        assert_eq!(s.take_kv_events(0.0), None, "nothing happened yet");
+        let prompt: Vec<u32> = (100..110).collect(); // two full blocks and a partial one
+        s.add_request(NewRequest::new("a", prompt.clone(), 1)).unwrap();
+        let out = s.schedule().unwrap();
+        let hashes = s.block_hashes(&prompt, None);
+        assert_eq!(hashes.len(), 2);
+        assert_eq!(
+            events(&mut s),
+            vec![KvEvent::BlockStored {
+                block_hashes: hashes.clone(),
+                parent_block_hash: None,
+                token_ids: prompt[..8].to_vec(),
+                block_size: 4,
+                medium: Medium::Gpu,
+            }]
+        );
+        s.update(out.step_id, &[5]).unwrap();
+        assert_eq!(s.take_kv_events(0.0), None, "the partial block is never stored");
+        // Other prompts fill the pool: the cached blocks are reused, and removed.
+        for i in 0..2u32 {
+            s.add_request(NewRequest::new(format!("b{i}"), (0..16).map(|t| 1000 * (i + 1) + t).collect(), 1)).unwrap();
+        }
+        drain(&mut s);
+        let ev = events(&mut s);
+        let removed: Vec<u64> = ev
+            .iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockRemoved { block_hashes, medium: Medium::Gpu } => Some(block_hashes.clone()),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        assert!(hashes.iter().all(|h| removed.contains(h)), "{ev:?}");
+        // A salt changes the hashes.
+        assert_ne!(s.block_hashes(&prompt, Some("tenant")), hashes);
+        assert_eq!(s.block_hashes(&prompt[..3], None), Vec::<u64>::new());
+        // Nothing in use: a reset clears everything, announced as one event.
+        assert!(s.reset_prefix_cache() > 0);
+        assert_eq!(events(&mut s), vec![KvEvent::AllBlocksCleared]);
+        assert_eq!(s.reset_prefix_cache(), 0);
+        assert_eq!(events(&mut s), vec![KvEvent::AllBlocksCleared]);
+        s.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_reset_with_blocks_in_use_removes_only_the_free_ones() {
+        let mut s = sched(16, 0, 0);
+        s.add_request(NewRequest::new("done", (0..8).collect(), 1)).unwrap();
+        drain(&mut s);
+        let done = s.block_hashes(&(0..8).collect::<Vec<u32>>(), None);
+        s.add_request(NewRequest::new("live", (50..59).collect(), 5)).unwrap();
+        let out = s.schedule().unwrap();
+        events(&mut s);
+        assert_eq!(s.reset_prefix_cache(), 2);
+        // Only the finished request's blocks were free; the running one keeps its blocks.
+        assert_eq!(events(&mut s), vec![KvEvent::BlockRemoved { block_hashes: vec![done[1], done[0]], medium: Medium::Gpu }]);
+        s.update(out.step_id, &[1]).unwrap();
+    }
+
+    #[test]
+    fn events_off_give_none() {
+        let mut cfg = SchedulerConfig::new(4, 8);
+        cfg.max_model_len = 32;
+        let mut s = Scheduler::new(cfg).unwrap();
+        s.add_request(NewRequest::new("a", (0..9).collect(), 2)).unwrap();
+        drain(&mut s);
+        assert_eq!(s.reset_prefix_cache(), 2);
+        assert_eq!(s.take_kv_events(1.0), None);
+    }
+
+    #[test]
+    fn a_rolled_back_step_stores_then_removes() {
+        let mut s = sched(8, 0, 0);
+        let prompt: Vec<u32> = (0..9).collect();
+        s.add_request(NewRequest::new("a", prompt.clone(), 1)).unwrap();
+        let out = s.schedule().unwrap();
+        s.rollback_step(out.step_id).unwrap();
+        let hashes = s.block_hashes(&prompt, None);
+        assert_eq!(
+            events(&mut s),
+            vec![
+                KvEvent::BlockStored {
+                    block_hashes: hashes.clone(),
+                    parent_block_hash: None,
+                    token_ids: prompt[..8].to_vec(),
+                    block_size: 4,
+                    medium: Medium::Gpu,
+                },
+                KvEvent::BlockRemoved { block_hashes: hashes.clone(), medium: Medium::Gpu },
+            ]
+        );
+        assert_eq!(s.kv().pool().num_cached_blocks(), 0);
+        // Re-admitted and computed again: stored again.
+        drain(&mut s);
+        assert!(matches!(&events(&mut s)[..], [KvEvent::BlockStored { block_hashes, .. }] if *block_hashes == hashes));
+    }
+
+    #[test]
+    fn host_write_backs_and_disk_restores_are_stored_in_their_medium() {
+        let mut s = sched(8, 8, 16);
+        let prompt: Vec<u32> = (0..17).collect();
+        s.add_request(NewRequest::new("a", prompt.clone(), 1)).unwrap();
+        drain(&mut s);
+        let hashes = s.block_hashes(&prompt, None);
+        events(&mut s);
+        // Another prompt reuses the device blocks: they are written back to the host.
+        s.add_request(NewRequest::new("b", (500..532).collect(), 1)).unwrap();
+        drain(&mut s);
+        let ev = events(&mut s);
+        // Evicted leaves first, announced parents first as one chain, after the device's
+        // events.
+        assert_eq!(
+            ev.last(),
+            Some(&KvEvent::BlockStored {
+                block_hashes: hashes.clone(),
+                parent_block_hash: None,
+                token_ids: prompt[..16].to_vec(),
+                block_size: 4,
+                medium: Medium::Cpu,
+            }),
+            "{ev:?}"
+        );
+        assert!(ev[..ev.len() - 1].iter().all(|e| !matches!(e, KvEvent::BlockStored { medium: Medium::Cpu, .. })));
+        // A restarted scheduler restores disk entries: stored with medium DISK.
+        let mut hasher = BlockHasher::new(crate::block_hash::HashMode::Xxh3);
+        let mut full = Vec::new();
+        hasher.extend_chain(&mut full, &prompt, 4, &ExtraKey::new(None), usize::MAX);
+        let entries: Vec<DiskEntry> =
+            (0..4).map(|k| (full[k], k.checked_sub(1).map(|p| full[p]), prompt[k * 4..(k + 1) * 4].to_vec(), None)).collect();
+        let mut t = sched(8, 8, 16);
+        assert!(t.restore_disk_blocks(&entries).iter().all(Option::is_some));
+        assert_eq!(
+            events(&mut t),
+            vec![KvEvent::BlockStored {
+                block_hashes: hashes,
+                parent_block_hash: None,
+                token_ids: prompt[..16].to_vec(),
+                block_size: 4,
+                medium: Medium::Disk,
+            }]
+        );
+    }
+}
