@@ -309,6 +309,9 @@ class CacheConfig:
       missing, a ``ConfigError`` there if it is not a writable folder); ``None`` = no disk
       tier. ``kv_cache_dir_max_bytes``: the most bytes it may hold (a positive int; needs
       ``kv_cache_dir``; ``None`` = no limit).
+    - ``enable_kv_cache_events``: the Rust core records which blocks enter and leave the prefix
+      cache of every tier (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``, vLLM's
+      KV events), taken per step by ``LLMEngine.take_kv_events`` for KV-aware routers.
     """
 
     block_size: int = 16
@@ -323,6 +326,7 @@ class CacheConfig:
     swap_space: float | None = None
     kv_cache_dir: str | None = None
     kv_cache_dir_max_bytes: int | None = None
+    enable_kv_cache_events: bool = False
 
     @property
     def has_host_tier(self) -> bool:
@@ -355,6 +359,7 @@ class CacheConfig:
         if isinstance(gmu, bool) or not isinstance(gmu, (int, float)) or not 0.0 < gmu <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
         _bool("enable_prefix_caching", self.enable_prefix_caching)
+        _bool("enable_kv_cache_events", self.enable_kv_cache_events)
         self._check_host_tier()
         self._check_disk_tier()
 

@@ -5,6 +5,7 @@ Subcommands, each in its own module (imported only when used, so `simulate` neve
 * ``generate``  generate text with a model (``pagedkv.cli.generate``)
 * ``demo``      batched generation over ShareGPT prompts on the embedded model (``pagedkv.cli.demo``)
 * ``simulate``  replay a workload through the scheduler without a model (``pagedkv.cli.simulate``)
+* ``serve``     the OpenAI-compatible HTTP server (``pagedkv.cli.serve``; the ``serve`` extra)
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ SUBCOMMANDS = {
     "generate": ("pagedkv.cli.generate", "generate text for one or more prompts"),
     "demo": ("pagedkv.cli.demo", "batched generation over ShareGPT prompts on the embedded SmolLM2"),
     "simulate": ("pagedkv.cli.simulate", "replay a workload through the scheduler, without a model"),
+    "serve": ("pagedkv.cli.serve", "serve a model over an OpenAI-compatible HTTP API"),
 }
 
 

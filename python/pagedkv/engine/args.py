@@ -47,6 +47,8 @@ class EngineArgs:
       host tier.
     - ``kv_cache_dir``: folder of the disk KV tier (created if missing; must be writable);
       ``kv_cache_dir_max_bytes``: the most bytes it may hold (default: no limit).
+    - ``enable_kv_cache_events``: record the prefix cache's block events for KV-aware routers
+      (``LLMEngine.take_kv_events``; ``pagedkv serve --kv-events-endpoint`` publishes them).
     - ``scheduling_policy``: ``"fcfs"`` or ``"priority"``.
     - ``attention_backend``: ``"triton"``, ``"cpu"``, ``"torch"`` or ``None`` (Triton on CUDA,
       the Rust decode kernel + torch on the CPU).
@@ -77,6 +79,7 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     kv_cache_dir: str | None = None
     kv_cache_dir_max_bytes: int | None = None
+    enable_kv_cache_events: bool = False
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
     seed: int = 0
@@ -123,6 +126,7 @@ class EngineArgs:
                 swap_space=self.swap_space,
                 kv_cache_dir=self.kv_cache_dir,
                 kv_cache_dir_max_bytes=self.kv_cache_dir_max_bytes,
+                enable_kv_cache_events=self.enable_kv_cache_events,
             ),
             scheduling=SchedulingConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -39,7 +39,7 @@ from pagedkv.engine.prompts import PromptType
 from pagedkv.errors import EngineDeadError, PagedKVError, RequestFailedError, UnknownRequestError
 from pagedkv.sample.sampling_params import SamplingParams
 
-__all__ = ["AsyncLLM", "EngineDeadError"]
+__all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,39 @@ class _Stream:
             return True
         except RuntimeError:  # the caller's loop is closed: nobody is listening
             return False
+
+
+class RequestStream:
+    """The outputs of one request added with :meth:`AsyncLLM.add_request`, as an async
+    iterator of cumulative :class:`RequestOutput`; it ends after the output with
+    ``finished=True``. A failed request raises RequestFailedError, a dead engine
+    EngineDeadError. :meth:`close` before the end aborts the request (its blocks are freed)."""
+
+    def __init__(self, owner: AsyncLLM, request_id: str, stream: _Stream) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._stream = stream
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True  # the engine already dropped the request
+            raise item  # RequestFailedError (this request) or EngineDeadError (all)
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        """Abort the request unless it has finished (idempotent; safe from any coroutine)."""
+        if not self.finished:
+            self.finished = True
+            rid, stream = self.request_id, self._stream
+            self._owner._post(lambda: self._owner._abort_quietly(rid, stream))
 
 
 # A command for the loop thread: a function, and the future that gets its result (None for
@@ -82,10 +115,39 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None
+        self._kv_event_sink: Callable[[bytes], None] | None = None
         self._thread = threading.Thread(target=self._run_loop, name="pagedkv-step-loop", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ public API
+
+    async def add_request(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Queue a request and return its :class:`RequestStream`. Bad input raises its typed
+        :mod:`pagedkv.errors` exception here, before anything streams (a server answers 400
+        before sending headers). A caller cancelled while this waits leaves nothing behind."""
+        if request_id is None:
+            request_id = f"async-{next(self._ids)}"
+        stream = _Stream(asyncio.get_running_loop())
+
+        def add() -> None:
+            self.engine.add_request(request_id, prompt, sampling_params, priority=priority, cache_salt=cache_salt)
+            self._streams[request_id] = stream
+
+        try:
+            await self._call(add)
+        except asyncio.CancelledError:
+            # The add may run after all (the loop thread took it already): undo it.
+            self._post(lambda: self._abort_quietly(request_id, stream))
+            raise
+        return RequestStream(self, request_id, stream)
 
     async def generate(
         self,
@@ -94,32 +156,16 @@ class AsyncLLM:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's cumulative :class:`RequestOutput` after every step that
         advances it; the last one has ``finished=True``."""
-        if request_id is None:
-            request_id = f"async-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop())
-
-        def add() -> None:
-            self.engine.add_request(request_id, prompt, sampling_params, priority=priority)
-            self._streams[request_id] = stream
-
-        await self._call(add)
-        finished = False
+        stream = await self.add_request(prompt, sampling_params, request_id, priority=priority, cache_salt=cache_salt)
         try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine already dropped the request
-                    raise item  # RequestFailedError (this request) or EngineDeadError (all)
-                finished = item.finished
-                yield item
-                if finished:
-                    return
+            async for out in stream:
+                yield out
         finally:
-            if not finished:
-                self._post(lambda: self._abort_quietly(request_id))
+            stream.close()
 
     async def abort(self, request_id: str) -> None:
         """Abort a live request: its blocks are freed and its stream ends with a last output
@@ -136,6 +182,10 @@ class AsyncLLM:
     async def get_stats(self) -> dict[str, Any]:
         """The engine's statistics (see ``LLMEngine.get_stats``), read between steps."""
         return await self._call(self.engine.get_stats)
+
+    async def reset_prefix_cache(self) -> int:
+        """``LLMEngine.reset_prefix_cache`` between steps."""
+        return int(await self._call(self.engine.reset_prefix_cache))
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -172,7 +222,11 @@ class AsyncLLM:
         self._commands.put((fn, done))
         return await asyncio.wrap_future(done)
 
-    def _abort_quietly(self, request_id: str) -> None:
+    def _abort_quietly(self, request_id: str, stream: _Stream | None = None) -> None:
+        """Abort ``request_id`` if it is live (and, when ``stream`` is given, still that stream's:
+        an id reused after the request ended is not touched)."""
+        if stream is not None and self._streams.get(request_id) is not stream:
+            return
         self._streams.pop(request_id, None)
         try:
             self.engine.abort_request(request_id)
@@ -212,6 +266,7 @@ class AsyncLLM:
                         logger.warning("a step failed; it was rolled back and will be retried", exc_info=True)
                         continue
                     self._deliver(outputs)
+                self._publish_kv_events()
         except BaseException as exc:  # noqa: BLE001 - report to every caller, do not vanish
             error = EngineDeadError(f"the step loop failed: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
@@ -229,6 +284,23 @@ class AsyncLLM:
                 continue
             if not stream.put(out) and not out.finished:
                 self._abort_quietly(out.request_id)
+
+    def set_kv_event_sink(self, sink: Callable[[bytes], None] | None) -> None:
+        """After every step, the loop thread hands the step's KV-cache events (one msgpack
+        payload, see ``LLMEngine.take_kv_events``) to ``sink``, e.g.
+        ``pagedkv.server.kv_events.KVEventPublisher.publish``; it must not block."""
+        self._kv_event_sink = sink
+
+    def _publish_kv_events(self) -> None:
+        sink = self._kv_event_sink
+        if sink is None:
+            return
+        payload = self.engine.take_kv_events()
+        if payload is not None:
+            try:
+                sink(payload)
+            except Exception:  # a broken sink must not stop the engine
+                logger.warning("the KV event sink failed; events of this step are lost", exc_info=True)
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self._dead = error

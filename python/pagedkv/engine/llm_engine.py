@@ -101,6 +101,7 @@ class LLMEngine:
                 num_disk_blocks=self.runner.num_disk_blocks,
                 preemption_mode=config.scheduling.preemption_mode,
                 bytes_per_block=self.runner.bytes_per_block,
+                enable_kv_events=config.cache.enable_kv_cache_events,
             )
         )
         # The auto preemption cost model: the tiers' copy bandwidth is measured once here; the
@@ -154,9 +155,14 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request. Raises (changing nothing) on a duplicate id, invalid parameters, an
         empty prompt, a prompt longer than ``max_model_len`` or token ids outside the vocabulary.
+
+        ``priority``: lower is served first under ``scheduling_policy="priority"``.
+        ``cache_salt``: the request's prefix-cache namespace: its blocks are shared only with
+        requests under the same salt (vLLM's ``cache_salt``, e.g. one per tenant).
 
         Everything the request needs later (token ids, the checks that depend on the model,
         its generators and detokenizers) is built before the scheduler sees it, so a request
@@ -189,6 +195,7 @@ class LLMEngine:
                 retention_priority=params.retention_priority,
                 retention_duration=params.retention_duration,
                 retention_tokens=params.retention_tokens,
+                cache_salt=cache_salt,
             )
             self.requests[request_id] = state
 
@@ -294,6 +301,22 @@ class LLMEngine:
             bad = self.runner.disk_cache.take_bad_slots()
             if bad:
                 self.scheduler.invalidate_disk_blocks(bad)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request uses, on every tier (a benchmark's cold start, or
+        after changing weights); returns how many. With KV events on, emits their removal (or
+        ``AllBlocksCleared`` when no cached block is left)."""
+        with self._lock:
+            return int(self.scheduler.reset_prefix_cache())
+
+    def take_kv_events(self) -> bytes | None:
+        """The prefix cache's block events since the last call, as one msgpack payload in vLLM's
+        ``KVEventBatch`` wire format (``pagedkv.server.kv_events`` decodes it), or ``None`` when
+        nothing changed or events are off (``enable_kv_cache_events``). Encoded by the Rust core."""
+        if not self.config.cache.enable_kv_cache_events:
+            return None
+        with self._lock:
+            return self.scheduler.take_kv_events(time.time())
 
     def flush_kv_cache(self, max_rounds: int = 64) -> int:
         """Copy the cached KV blocks down the tiers (device → host → disk) where a lower tier

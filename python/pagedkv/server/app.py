@@ -1,0 +1,305 @@
+"""The ASGI app: OpenAI's endpoints, ``/health``, ``/metrics``, tokenization, auth, errors.
+
+    app = pagedkv.server.create_app(EngineArgs(num_blocks=512))   # or create_app(engine=AsyncLLM(...))
+    uvicorn.run(app, host="127.0.0.1", port=8000)                 # what `pagedkv serve` does
+
+``create_app()`` with no arguments serves the embedded SmolLM2 (``uvicorn --factory
+pagedkv.server:create_app``). The engine is built when the app is, so a mounted app works
+without lifespan events; an app that built its engine shuts it down (and closes the KV event
+publisher) in its lifespan's end, or when :meth:`ServerState.close` is called.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health`` (200 while the engine runs, else 503), ``GET /metrics`` (Prometheus),
+``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache``, ``GET /version``.
+With an API key, every path but ``/health``, ``/metrics`` and ``/version`` needs
+``Authorization: Bearer <key>``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+import pagedkv
+from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.async_llm import AsyncLLM
+from pagedkv.errors import ConfigError, PagedKVError
+from pagedkv.server.chat import create_chat_completion, render_chat
+from pagedkv.server.completions import create_completion
+from pagedkv.server.errors import APIError, error_response, from_exception
+from pagedkv.server.metrics import ServerMetrics
+from pagedkv.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from pagedkv.server.serving import OpenAIServing
+
+__all__ = ["ServerArgs", "ServerState", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+# Paths anyone may read when the server has an API key (load balancers, Prometheus).
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+@dataclass
+class ServerArgs:
+    """The server's own settings (the engine's are :class:`EngineArgs`).
+
+    - ``served_model_names``: the names clients use in ``model`` (the first is reported);
+      default: the model's id, or the embedded model's name.
+    - ``api_key``: when set, requests need ``Authorization: Bearer <api_key>``.
+    - ``max_queued_requests``: most requests admitted that have not produced a token yet;
+      past it a request is answered 503 at once (``None``: no limit).
+    - ``kv_events_endpoint``: ZMQ endpoint the KV-cache events are published on (e.g.
+      ``tcp://127.0.0.1:5557``; ``None``: no events); ``kv_events_replay_endpoint``: the
+      replay socket; ``kv_events_topic``: the topic frame; ``kv_events_buffer_steps``: batches
+      kept for replay.
+    """
+
+    served_model_names: list[str] = field(default_factory=list)
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int = 10_000
+
+    def __post_init__(self) -> None:
+        if isinstance(self.served_model_names, str):
+            self.served_model_names = [self.served_model_names]
+        if self.max_queued_requests is not None and (
+            isinstance(self.max_queued_requests, bool)
+            or not isinstance(self.max_queued_requests, int)
+            or self.max_queued_requests < 1
+        ):
+            raise ConfigError(f"max_queued_requests must be a positive int, got {self.max_queued_requests!r}")
+        if self.api_key is not None and not self.api_key:
+            raise ConfigError("api_key must not be empty")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint")
+
+
+class ServerState:
+    """What the app serves with: the engine, the shared serving state, the event publisher."""
+
+    def __init__(self, engine: AsyncLLM, args: ServerArgs, *, owns_engine: bool, publisher: object | None) -> None:
+        self.engine = engine
+        self.args = args
+        self.owns_engine = owns_engine
+        self.publisher = publisher
+        names = args.served_model_names or [_default_model_name(engine)]
+        self.metrics = ServerMetrics(names[0], max_model_len=engine.engine.max_model_len)
+        self.serving = OpenAIServing(engine, names, self.metrics, max_queued_requests=args.max_queued_requests)
+
+    def close(self) -> None:
+        """Shut the engine down (if the app built it: open streams end, every request is
+        aborted and its blocks freed; the disk tier is flushed) and close the publisher after
+        its last events."""
+        if self.owns_engine and self.engine.is_running:
+            self.engine.shutdown()
+            stats = self.engine.engine.get_stats()  # the loop has stopped: read it directly
+            logger.info(
+                "the engine is shut down: %d requests unfinished, %d KV blocks in use",
+                stats["num_unfinished_requests"],
+                stats["num_used_blocks"],
+            )
+        if self.publisher is not None:
+            self.engine.set_kv_event_sink(None)
+            self.publisher.close()  # type: ignore[attr-defined]
+            self.publisher = None
+
+
+def _default_model_name(engine: AsyncLLM) -> str:
+    from pagedkv.worker.model_files import DEFAULT_MODEL_NAME
+
+    model = engine.engine.args.model
+    return DEFAULT_MODEL_NAME if model is None else model
+
+
+def create_app(
+    engine_args: EngineArgs | None = None,
+    server_args: ServerArgs | None = None,
+    *,
+    engine: AsyncLLM | None = None,
+) -> FastAPI:
+    """The server's FastAPI app, on ``engine`` (owned by the caller) or on a new engine built
+    from ``engine_args`` (default: the embedded SmolLM2), owned and shut down by the app."""
+    server_args = server_args or ServerArgs()
+    if engine is not None and engine_args is not None:
+        raise ConfigError("pass engine_args or an engine, not both")
+    publisher = None
+    if server_args.kv_events_endpoint is not None:
+        from pagedkv.server.kv_events import KVEventPublisher
+
+        publisher = KVEventPublisher(
+            server_args.kv_events_endpoint,
+            server_args.kv_events_replay_endpoint,
+            topic=server_args.kv_events_topic,
+            buffer_steps=server_args.kv_events_buffer_steps,
+        )
+    owns_engine = engine is None
+    try:
+        if engine is None:
+            engine_args = engine_args or EngineArgs()
+            if publisher is not None and not engine_args.enable_kv_cache_events:
+                engine_args = _with_kv_events(engine_args)
+            engine = AsyncLLM.from_engine_args(engine_args)
+        elif publisher is not None and not engine.engine.config.cache.enable_kv_cache_events:
+            raise ConfigError("kv_events_endpoint needs an engine built with enable_kv_cache_events=True")
+        if publisher is not None:
+            engine.set_kv_event_sink(publisher.publish)
+        state = ServerState(engine, server_args, owns_engine=owns_engine, publisher=publisher)
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        if owns_engine and engine is not None:
+            engine.shutdown()
+        raise
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        state.close()
+
+    app = FastAPI(title="pagedkv", version=pagedkv.__version__, lifespan=lifespan)
+    app.state.pagedkv = state
+    _add_error_handlers(app)
+    _add_auth(app, server_args.api_key)
+    _add_routes(app, state)
+    return app
+
+
+def _with_kv_events(args: EngineArgs) -> EngineArgs:
+    from dataclasses import replace
+
+    return replace(args, enable_kv_cache_events=True)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        where = f"{param}: " if param else ""
+        return error_response(400, f"{where}{first.get('msg', 'invalid value')}", param=param)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+
+    @app.exception_handler(PagedKVError)
+    async def engine_error(_: Request, exc: PagedKVError) -> JSONResponse:
+        err = from_exception(exc)
+        return error_response(err.status, err.message, param=err.param, code=err.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error while serving a request")
+        err = from_exception(exc)
+        return error_response(err.status, err.message)
+
+
+def _add_auth(app: FastAPI, api_key: str | None) -> None:
+    if api_key is None:
+        return
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if request.method == "OPTIONS" or request.url.path in _OPEN_PATHS:
+            return await call_next(request)
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return error_response(401, "missing or wrong API key (Authorization: Bearer <key>)", code="invalid_api_key")
+        return await call_next(request)
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    serving = state.serving
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.engine.is_running:
+            return error_response(503, "the engine is not running")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": pagedkv.__version__}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        root = state.engine.engine.args.model
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=root, max_model_len=serving.max_model_len)
+                for name in serving.served_model_names
+            ]
+        )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await create_completion(serving, body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await create_chat_completion(serving, body, raw)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.engine.is_running:
+            state.metrics.update_engine_stats(await state.engine.get_stats())
+        payload, content_type = state.metrics.render()
+        return Response(payload, media_type=content_type)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, object]:
+        if body.model is not None and body.model not in serving.served_model_names:
+            raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+        if body.messages is not None:
+            ids = (
+                await render_chat(
+                    serving,
+                    body.messages,
+                    chat_template=body.chat_template,
+                    add_generation_prompt=body.add_generation_prompt,
+                )
+            )["prompt_token_ids"]
+        else:
+            assert body.prompt is not None
+            ids = await serving.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        if body.model is not None and body.model not in serving.served_model_names:
+            raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
+        ids = serving.check_token_ids(body.tokens, "tokens")
+        return {"prompt": serving.tokenizer.decode(ids)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, int]:
+        """Drop every cached block that no request uses, on every tier."""
+        return {"num_blocks_dropped": await state.engine.reset_prefix_cache()}

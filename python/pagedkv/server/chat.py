@@ -1,0 +1,189 @@
+"""``POST /v1/chat/completions``: the conversation is rendered with the tokenizer's chat
+template (or the request's ``chat_template``), then generated like a completion.
+
+A stream sends, per choice, a first chunk with ``delta.role = "assistant"``, content deltas,
+and ``finish_reason`` on the chunk that ends it; then an optional usage chunk and
+``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.prompts import chat_prompt
+from pagedkv.server.errors import error_body, from_exception
+from pagedkv.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    TokenLogprob,
+    TopLogprob,
+)
+from pagedkv.server.serving import (
+    EngineRequest,
+    OpenAIServing,
+    RunningRequest,
+    cancel_on_disconnect,
+    new_request_id,
+    sse,
+    usage,
+)
+
+__all__ = ["create_chat_completion", "render_chat"]
+
+
+async def render_chat(
+    serving: OpenAIServing,
+    messages: list[ChatMessage],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+) -> dict[str, Any]:
+    """``{"prompt", "prompt_token_ids"}`` of a conversation (in a worker thread: templates and
+    tokenizers are CPU work). A conversation the template refuses is an InvalidArgumentError."""
+    dicts = [
+        {**m.model_dump(exclude_none=True), "content": m.content if m.content is not None else ""} for m in messages
+    ]
+    return await asyncio.to_thread(
+        chat_prompt,
+        serving.tokenizer,
+        dicts,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+    )
+
+
+async def create_chat_completion(serving: OpenAIServing, request: ChatCompletionRequest, raw: Request) -> Response:
+    serving.check_request(request)
+    prompt = await render_chat(
+        serving,
+        request.messages,
+        chat_template=request.chat_template,
+        add_generation_prompt=request.add_generation_prompt,
+    )
+    ids = serving.check_token_ids(prompt["prompt_token_ids"])
+    max_tokens = serving.check_length(len(ids), request.output_limit)
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    engine_request = EngineRequest(prompt, serving.sampling_params(request, max_tokens, logprobs))
+    request_id = new_request_id("chatcmpl")
+    running = await serving.start(request_id, [engine_request], request)
+    if request.stream:
+        return StreamingResponse(
+            _stream(serving, request, request_id, running),
+            media_type="text/event-stream",
+            background=BackgroundTask(running.close),  # also when the stream never started
+        )
+    outputs = await cancel_on_disconnect(raw, running.final_outputs())
+    if outputs is None:  # the client is gone: nobody reads this
+        return Response(status_code=499)
+    out = outputs[0]
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=AssistantMessage(content=c.text),
+            logprobs=_logprobs(c, 0, logprobs),
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        for c in out.outputs
+    ]
+    body = ChatCompletionResponse(id=request_id, model=serving.model_name, choices=choices, usage=usage(outputs))
+    return JSONResponse(body.model_dump())
+
+
+def _logprobs(c: CompletionOutput, start: int, k: int | None) -> ChatLogprobs | None:
+    """OpenAI's chat logprobs of ``c``'s tokens from ``start`` on, with the ``k`` most likely
+    tokens at each position."""
+    if k is None or c.logprobs is None:
+        return None
+    content = []
+    for i in range(start, len(c.logprobs)):
+        entries = c.logprobs[i]
+        chosen = entries[c.token_ids[i]]
+        top = sorted((e for e in entries.values() if e.rank is not None and e.rank <= k), key=lambda e: e.rank or 0)
+        content.append(
+            TokenLogprob(
+                token=chosen.decoded_token or "",
+                logprob=chosen.logprob,
+                bytes=list((chosen.decoded_token or "").encode("utf-8")),
+                top_logprobs=[
+                    TopLogprob(
+                        token=e.decoded_token or "", logprob=e.logprob, bytes=list((e.decoded_token or "").encode())
+                    )
+                    for e in top
+                ],
+            )
+        )
+    return ChatLogprobs(content=content)
+
+
+async def _stream(
+    serving: OpenAIServing, request: ChatCompletionRequest, request_id: str, running: RunningRequest
+) -> AsyncIterator[str]:
+    options = request.stream_options
+    k = (request.top_logprobs or 0) if request.logprobs else None
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    ended: set[int] = set()
+    last: RequestOutput | None = None
+    base = {"id": request_id, "object": "chat.completion.chunk", "model": serving.model_name}
+
+    def chunk(choice: dict[str, Any]) -> str:
+        body: dict[str, Any] = {**base, "created": int(running.arrival), "choices": [choice]}
+        if options is not None and options.continuous_usage_stats and last is not None:
+            body["usage"] = usage([last]).model_dump()
+        return sse(json.dumps(body))
+
+    try:
+        async for _, out in running:
+            last = out
+            for c in out.outputs:
+                if c.index in ended:
+                    continue
+                if c.index not in sent_text:
+                    # OpenAI's first chunk of a choice carries the role.
+                    yield chunk(
+                        {
+                            "index": c.index,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    )
+                    sent_text[c.index], sent_tokens[c.index] = 0, 0
+                delta = c.text[sent_text[c.index] :]
+                tokens_from = sent_tokens[c.index]
+                if not delta and len(c.token_ids) == tokens_from and c.finish_reason is None:
+                    continue
+                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                if c.finish_reason is not None:
+                    ended.add(c.index)
+                logprobs = _logprobs(c, tokens_from, k)
+                yield chunk(
+                    {
+                        "index": c.index,
+                        "delta": {"content": delta},
+                        "logprobs": None if logprobs is None else logprobs.model_dump(),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        if options is not None and options.include_usage and last is not None:
+            final = {**base, "created": int(running.arrival), "choices": [], "usage": usage([last]).model_dump()}
+            yield sse(json.dumps(final))
+    except Exception as exc:  # the stream has started: report in-band, then end it properly
+        err = from_exception(exc)
+        yield sse(error_body(err.status, err.message, param=err.param, code=err.code).model_dump_json())
+    yield sse("[DONE]")

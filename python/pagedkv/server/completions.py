@@ -1,0 +1,186 @@
+"""``POST /v1/completions``: one or several prompts, each with ``n`` choices, whole or streamed.
+
+Choice ``index`` counts across prompts (prompt ``p``, completion ``i``: ``p * n + i``), as in
+OpenAI's API. A stream sends one chunk per choice whose text or tokens advanced, its
+``finish_reason`` on the chunk that ends it, an optional usage chunk, then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.server.errors import APIError, error_body, from_exception
+from pagedkv.server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from pagedkv.server.serving import (
+    EngineRequest,
+    OpenAIServing,
+    RunningRequest,
+    cancel_on_disconnect,
+    new_request_id,
+    sse,
+    usage,
+)
+
+__all__ = ["create_completion"]
+
+
+async def create_completion(serving: OpenAIServing, request: CompletionRequest, raw: Request) -> Response:
+    serving.check_request(request)
+    engine_requests = [await _engine_request(serving, request, p) for p in _prompts(request)]
+    request_id = new_request_id("cmpl")
+    running = await serving.start(request_id, engine_requests, request)
+    if request.stream:
+        return StreamingResponse(
+            _stream(serving, request, request_id, engine_requests, running),
+            media_type="text/event-stream",
+            background=BackgroundTask(running.close),  # also when the stream never started
+        )
+    outputs = await cancel_on_disconnect(raw, running.final_outputs())
+    if outputs is None:  # the client is gone: nobody reads this
+        return Response(status_code=499)
+    choices = []
+    for p, out in enumerate(outputs):
+        echo = _echo_text(serving, request, engine_requests[p])
+        for c in out.outputs:
+            choices.append(
+                CompletionChoice(
+                    index=p * request.n + c.index,
+                    text=echo + c.text,
+                    logprobs=_logprobs(c, 0, request.logprobs),
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+    body = CompletionResponse(id=request_id, model=serving.model_name, choices=choices, usage=usage(outputs))
+    return JSONResponse(body.model_dump())
+
+
+def _prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one text, texts, one token list, or token lists."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt is empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+async def _engine_request(serving: OpenAIServing, request: CompletionRequest, prompt: str | list[int]) -> EngineRequest:
+    if isinstance(prompt, str):
+        ids = serving.check_token_ids(await serving.tokenize(prompt))
+        text: str | None = prompt
+    else:
+        ids = serving.check_token_ids(prompt)
+        text = None
+    max_tokens = serving.check_length(len(ids), request.max_tokens)
+    params = serving.sampling_params(request, max_tokens, request.logprobs)
+    return EngineRequest({"prompt": text, "prompt_token_ids": ids}, params)
+
+
+def _echo_text(serving: OpenAIServing, request: CompletionRequest, r: EngineRequest) -> str:
+    if not request.echo:
+        return ""
+    text = r.prompt["prompt"]
+    return text if text is not None else serving.tokenizer.decode(r.prompt["prompt_token_ids"])
+
+
+def _logprobs(c: CompletionOutput, start: int, k: int | None) -> CompletionLogprobs | None:
+    """OpenAI's legacy logprobs for ``c``'s tokens from ``start`` on: the chosen token's
+    logprob and the ``k`` most likely tokens at each position (text offsets count from the
+    start of the completion's text)."""
+    if k is None or c.logprobs is None:
+        return None
+    out = CompletionLogprobs()
+    offset = sum(len(_token_text(c, i)) for i in range(start))
+    for i in range(start, len(c.logprobs)):
+        entries = c.logprobs[i]
+        chosen = entries[c.token_ids[i]]
+        text = _token_text(c, i)
+        out.tokens.append(text)
+        out.token_logprobs.append(chosen.logprob)
+        out.text_offset.append(offset)
+        offset += len(text)
+        top = sorted((e for e in entries.values() if e.rank is not None and e.rank <= k), key=lambda e: e.rank or 0)
+        out.top_logprobs.append({e.decoded_token or "": e.logprob for e in top})
+    return out
+
+
+def _token_text(c: CompletionOutput, i: int) -> str:
+    assert c.logprobs is not None
+    return c.logprobs[i][c.token_ids[i]].decoded_token or ""
+
+
+async def _stream(
+    serving: OpenAIServing,
+    request: CompletionRequest,
+    request_id: str,
+    engine_requests: list[EngineRequest],
+    running: RunningRequest,
+) -> AsyncIterator[str]:
+    n = request.n
+    options = request.stream_options
+    # Per choice: characters of text and tokens already sent; whether its end was sent.
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    ended: set[int] = set()
+    last: dict[int, RequestOutput] = {}
+    base = {"id": request_id, "object": "text_completion", "model": serving.model_name}
+    try:
+        async for p, out in running:
+            last[p] = out
+            for c in out.outputs:
+                index = p * n + c.index
+                if index in ended:
+                    continue
+                text_from, tokens_from = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                delta = c.text[text_from:]
+                if not delta and len(c.token_ids) == tokens_from and c.finish_reason is None:
+                    continue
+                if index not in sent_text:
+                    delta = _echo_text(serving, request, engine_requests[p]) + delta
+                sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
+                if c.finish_reason is not None:
+                    ended.add(index)
+                logprobs = _logprobs(c, tokens_from, request.logprobs)
+                chunk = {
+                    **base,
+                    "created": int(running.arrival),
+                    "choices": [
+                        {
+                            "index": index,
+                            "text": delta,
+                            "logprobs": None if logprobs is None else logprobs.model_dump(),
+                            "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason,
+                        }
+                    ],
+                }
+                if options is not None and options.continuous_usage_stats:
+                    chunk["usage"] = usage(list(last.values())).model_dump()
+                yield sse(json.dumps(chunk))
+        if options is not None and options.include_usage:
+            final = {
+                **base,
+                "created": int(running.arrival),
+                "choices": [],
+                "usage": usage(list(last.values())).model_dump(),
+            }
+            yield sse(json.dumps(final))
+    except Exception as exc:  # the stream has started: report in-band, then end it properly
+        err = from_exception(exc)
+        yield sse(error_body(err.status, err.message, param=err.param, code=err.code).model_dump_json())
+    yield sse("[DONE]")

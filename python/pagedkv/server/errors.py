@@ -1,0 +1,78 @@
+"""OpenAI-style error responses, and which status each pagedkv error gets.
+
+Every failure a client can cause comes back as ``{"error": {"message", "type", "param",
+"code"}}`` with the status OpenAI's clients map to their exception classes: 400
+(``BadRequestError``), 401 (``AuthenticationError``), 404 (``NotFoundError``), 503 (the server is
+overloaded or shutting down; OpenAI's clients retry it). Nothing a request does can take the
+server down: unexpected exceptions become a 500 with the same body.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from fastapi.responses import JSONResponse
+
+from pagedkv.errors import (
+    EngineDeadError,
+    InvalidArgumentError,
+    PagedKVError,
+    RequestFailedError,
+    UnknownRequestError,
+)
+from pagedkv.server.protocol import ErrorInfo, ErrorResponse
+
+__all__ = ["APIError", "error_body", "error_response", "from_exception"]
+
+# OpenAI's error "type" per status.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error to answer with ``status`` and OpenAI's body (raised by the handlers)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | int | None = None) -> ErrorResponse:
+    return ErrorResponse(
+        error=ErrorInfo(
+            message=message,
+            type=_TYPES.get(status, HTTPStatus(status).phrase.lower().replace(" ", "_")),
+            param=param,
+            code=code if code is not None else status,
+        )
+    )
+
+
+def error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = error_body(status, message, param=param, code=code)
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def from_exception(exc: BaseException) -> APIError:
+    """The API error for an exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"the engine is not running: {exc}")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc))
+    if isinstance(exc, UnknownRequestError):
+        return APIError(404, str(exc))
+    if isinstance(exc, (InvalidArgumentError, PagedKVError, ValueError, TypeError)):
+        # ConfigError (sampling parameters), PromptTooLongError, InvalidTokenError, ...
+        return APIError(400, str(exc), code=type(exc).__name__)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")

@@ -1,0 +1,110 @@
+"""Start ``pagedkv serve`` in a subprocess and wait until it is healthy (tests, benchmarks,
+and anything that runs engines as separate processes).
+
+    with ServerProcess(["--num-blocks", "256"]) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+
+The process runs in its own process group, so stopping it (SIGTERM: a graceful shutdown, then
+SIGKILL after ``stop_timeout``) ends it and nothing else. Its output goes to a log file whose
+tail is included in the error when it fails to start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = ["ServerProcess", "free_port"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """``python -m pagedkv serve ARGS --host 127.0.0.1 --port PORT`` until :meth:`stop`."""
+
+    def __init__(
+        self,
+        args: Sequence[str] = (),
+        *,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        start_timeout: float = 300.0,
+        stop_timeout: float = 30.0,
+    ) -> None:
+        self.host = "127.0.0.1"
+        self.port = port or free_port()
+        self.url = f"http://{self.host}:{self.port}"
+        self.args = list(args)
+        self.env = {**os.environ, **(env or {})}
+        self.env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        self.start_timeout = start_timeout
+        self.stop_timeout = stop_timeout
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log = tempfile.NamedTemporaryFile(prefix="pagedkv-serve-", suffix=".log", delete=False)
+        self.log_path = Path(self._log.name)
+
+    def start(self) -> ServerProcess:
+        cmd = [sys.executable, "-m", "pagedkv", "serve", *self.args, "--host", self.host, "--port", str(self.port)]
+        self.process = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"pagedkv serve exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"pagedkv serve did not become healthy in {self.start_timeout} s:\n{self.log_tail()}")
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the server's process group (it is the group's leader)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout)
+
+    def stop(self) -> int | None:
+        """SIGTERM (graceful), then SIGKILL if it has not exited after ``stop_timeout``."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.process.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.process.wait(10)
+        self._log.close()
+        return self.process.returncode
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

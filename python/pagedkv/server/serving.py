@@ -1,0 +1,341 @@
+"""What the completions and chat handlers share: the engine, request checks and admission, the
+queue limit, metrics per request, and running one or several engine requests to the end or as
+a stream.
+
+Lifecycle of a request (both endpoints):
+
+1. ``check_model`` / ``unsupported()``: 404 or 400 before any work.
+2. The prompt is tokenized here, off the event loop, so ``prompt + max_tokens`` can be checked
+   against ``max_model_len`` (400, as vLLM does) and the engine does not tokenize it again.
+3. ``admit``: over ``max_queued_requests`` requests that have not produced a token yet, 503;
+   otherwise :meth:`AsyncLLM.add_request` (bad parameters: 400, raised before anything
+   streams).
+4. The outputs are read by :meth:`run` (merged across the request's prompts). Leaving it early
+   — the client disconnected (the streaming response is cancelled; a non-streaming handler is
+   cancelled by :func:`cancel_on_disconnect`), the server shuts down — closes every engine
+   stream, which aborts its request and frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from pagedkv.engine.async_llm import AsyncLLM, RequestStream
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.errors import PagedKVError, RequestFailedError
+from pagedkv.sample.sampling_params import SamplingParams
+from pagedkv.server.errors import APIError
+from pagedkv.server.metrics import RequestTracker, ServerMetrics
+from pagedkv.server.protocol import UsageInfo, _SamplingFields
+
+__all__ = ["EngineRequest", "OpenAIServing", "RunningRequest", "cancel_on_disconnect", "new_request_id", "sse", "usage"]
+
+T = TypeVar("T")
+
+
+@dataclass
+class EngineRequest:
+    """One prompt of an API request, as the engine will see it."""
+
+    prompt: dict[str, Any]  # {"prompt": text or None, "prompt_token_ids": [...]}
+    params: SamplingParams
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt["prompt_token_ids"])
+
+
+class OpenAIServing:
+    """The state the endpoints share (one per server)."""
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_names: Sequence[str],
+        metrics: ServerMetrics,
+        *,
+        max_queued_requests: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.served_model_names = list(served_model_names)
+        self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self.tokenizer = engine.get_tokenizer()
+        self.max_model_len: int = engine.engine.max_model_len
+        self.vocab_size: int = engine.engine.runner.vocab_size
+        # Requests admitted that have not produced a token yet (waiting or in prefill): what
+        # max_queued_requests bounds. Only the event loop changes it.
+        self.num_queued = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    # ------------------------------------------------------------------ checks
+
+    def check_request(self, request: _SamplingFields) -> None:
+        """404 for a model this server does not serve, 400 for unsupported fields."""
+        if request.model is not None and request.model not in self.served_model_names:
+            raise APIError(404, f"The model `{request.model}` does not exist.", param="model", code="model_not_found")
+        problem = request.unsupported()
+        if problem is not None:
+            raise APIError(400, problem[1], param=problem[0])
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+    def sampling_params(self, request: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams for ``request`` (a ConfigError on a bad value is a 400)."""
+        kwargs: dict[str, Any] = {
+            "n": request.n,
+            "max_tokens": max_tokens,
+            "min_tokens": request.min_tokens,
+            "seed": request.seed,
+            "stop": request.stop,
+            "stop_token_ids": request.stop_token_ids,
+            "ignore_eos": request.ignore_eos,
+            "logprobs": logprobs,
+            "include_stop_str_in_output": request.include_stop_str_in_output,
+            "skip_special_tokens": request.skip_special_tokens,
+            "retention_priority": request.retention_priority,
+            "retention_duration": request.retention_duration,
+            "retention_tokens": request.retention_tokens,
+        }
+        # OpenAI's defaults (temperature 1, top_p 1) are SamplingParams' defaults too.
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            value = getattr(request, name)
+            if value is not None:
+                kwargs[name] = value
+        try:
+            return SamplingParams(**kwargs)
+        except PagedKVError as exc:
+            raise APIError(400, str(exc), code=type(exc).__name__) from exc
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The number of tokens to generate at most; 400 when the prompt and ``max_tokens`` do
+        not fit in ``max_model_len`` (vLLM's rule: the request is refused, not truncated)."""
+        room = self.max_model_len - num_prompt_tokens
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = "" if max_tokens is None else f" + {max_tokens} (max_tokens)"
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens; the request has "
+                f"{num_prompt_tokens} prompt tokens{asked}. Shorten the prompt or lower max_tokens.",
+                param="max_tokens" if room >= 1 else "prompt",
+                code="context_length_exceeded",
+            )
+        return room if max_tokens is None else max_tokens
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text`` (in a worker thread: a long prompt does not stall the loop)."""
+        from pagedkv.engine.prompts import check_text
+
+        check = check_text(text)
+        encoded = await asyncio.to_thread(self.tokenizer, check, add_special_tokens=add_special_tokens)
+        return list(encoded.input_ids)
+
+    def check_token_ids(self, ids: Sequence[int], what: str = "prompt") -> list[int]:
+        out = list(ids)
+        for i, t in enumerate(out):
+            if not 0 <= t < self.vocab_size:
+                raise APIError(
+                    400,
+                    f"{what} token id {t} at index {i} is outside the vocabulary [0, {self.vocab_size})",
+                    param=what,
+                )
+        if not out:
+            raise APIError(400, f"the {what} is empty (no tokens)", param=what)
+        return out
+
+    # ------------------------------------------------------------------ running requests
+
+    async def start(
+        self, request_id: str, requests: Sequence[EngineRequest], request: _SamplingFields
+    ) -> RunningRequest:
+        """Admit and add the engine requests, all or none: 503 over ``max_queued_requests``, a
+        typed error (400) for what the engine refuses. Iterate the result for the outputs;
+        :meth:`RunningRequest.close` aborts what has not finished."""
+        if self.max_queued_requests is not None and self.num_queued + len(requests) > self.max_queued_requests:
+            raise APIError(
+                503,
+                f"the server has {self.num_queued} requests waiting for their first token "
+                f"(max_queued_requests={self.max_queued_requests}); retry later",
+                code="server_overloaded",
+            )
+        running = RunningRequest(self, len(requests))
+        try:
+            for i, r in enumerate(requests):
+                rid = request_id if len(requests) == 1 else f"{request_id}-{i}"
+                running.queue(i)
+                running.streams.append(
+                    await self.engine.add_request(
+                        r.prompt, r.params, rid, priority=request.priority, cache_salt=request.cache_salt
+                    )
+                )
+                running.trackers.append(self.metrics.start_request(rid, running.arrival))
+        except BaseException:
+            running.close()
+            raise
+        return running
+
+
+class RunningRequest:
+    """The engine requests of one API request, from admission to the end: yields
+    ``(prompt index, cumulative output)`` as they progress; records metrics; keeps
+    ``OpenAIServing.num_queued``. :meth:`close` (idempotent) aborts whatever has not finished
+    (blocks freed at once); every handler calls it, whatever happens to the client."""
+
+    def __init__(self, serving: OpenAIServing, num_requests: int) -> None:
+        self.serving = serving
+        self.arrival = time.time()
+        self.streams: list[RequestStream] = []
+        self.trackers: list[RequestTracker] = []
+        # queued[i]: request i counts in num_queued (from before its add until its first token).
+        self.queued = [False] * num_requests
+        self.closed = False
+        self._unfinished_reason = "abort"
+
+    def queue(self, index: int) -> None:
+        self.queued[index] = True
+        self.serving.num_queued += 1
+
+    def _dequeue(self, index: int) -> None:
+        if self.queued[index]:
+            self.queued[index] = False
+            self.serving.num_queued -= 1
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        try:
+            async for index, out in _merge(self.streams):
+                now = time.time()
+                if any(c.token_ids for c in out.outputs) or out.finished:
+                    self._dequeue(index)
+                self.trackers[index].on_output(out, now)
+                if out.finished:
+                    self.trackers[index].finish(out, now, _request_finish_reason(out))
+                yield index, out
+        except RequestFailedError:
+            self._unfinished_reason = "error"
+            raise
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for stream in self.streams:
+            stream.close()  # aborts the request unless it has finished
+        now = time.time()
+        for tracker in self.trackers:
+            tracker.finish(None, now, self._unfinished_reason)  # a no-op for finished ones
+        for index in range(len(self.queued)):
+            self._dequeue(index)
+
+    async def final_outputs(self) -> list[RequestOutput]:
+        """The last output of each engine request (non-streaming responses)."""
+        final: dict[int, RequestOutput] = {}
+        async for index, out in self:
+            final[index] = out
+        return [final[i] for i in sorted(final)]
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
+    """Usage of a whole API request: its prompts counted once each (not once per choice)."""
+    from pagedkv.server.protocol import PromptTokensDetails
+
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def _request_finish_reason(out: RequestOutput) -> str:
+    """The request's outcome for ``vllm:request_success``: "error", "abort", or the first
+    completion's reason (vLLM labels a request by its reason, "stop" or "length")."""
+    reasons = [c.finish_reason for c in out.outputs]
+    for special in ("error", "abort"):
+        if special in reasons:
+            return special
+    return reasons[0] or "abort"
+
+
+async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several streams as their outputs come; one stream needs no tasks."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out))
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader
+            await queue.put((index, exc))
+            return
+        await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:
+    """Run ``work`` unless the client disconnects first; then cancel it (aborting its engine
+    requests) and return None. For non-streaming handlers: a streaming response is cancelled
+    by Starlette itself when its client goes away. The request body must have been read."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 - the request is gone; its error has no reader
+                pass
+        watcher.cancel()
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+def sse(data: str) -> str:
+    """One server-sent event."""
+    return f"data: {data}\n\n"
