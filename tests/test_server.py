@@ -21,11 +21,11 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 zmq = pytest.importorskip("zmq")
 pytest.importorskip("fastapi")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from pagedkv._core import Scheduler, SchedulerConfig  # noqa: E402
 from pagedkv.server.kv_events import BlockRemoved, BlockStored, decode_event_batch  # noqa: E402
 from pagedkv.server.launch import ServerProcess, free_port  # noqa: E402
+from pagedkv.server.metrics import parse_metrics  # noqa: E402
 
 API_KEY = "test-key"
 MODEL_NAME = "smol"
@@ -71,13 +71,7 @@ def auth() -> dict[str, str]:
 
 def metrics(url: str) -> dict[str, float]:
     """``/metrics`` as {"name{label=value,...}": value}."""
-    text = httpx.get(url + "/metrics", timeout=TIMEOUT).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
-            out[f"{sample.name}{{{labels}}}"] = sample.value
-    return out
+    return parse_metrics(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
 
 
 def wait_idle(url: str, timeout: float = TIMEOUT) -> dict[str, float]:

@@ -1,36 +1,29 @@
 """The server app in-process (``create_app(engine=...)`` behind httpx's ASGI transport): its
 ``/metrics`` agree with the engine's ``SchedulerStats`` after a known workload, the app
-factory's and the CLI's argument handling, and a mounted app serving without lifespan."""
+factory's and the CLI's argument handling, and a request whose steps keep failing (a 500 or an
+in-band stream error for it, service for everyone else)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 from typing import Any
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from pagedkv import AsyncLLM, ConfigError  # noqa: E402
 from pagedkv.cli.engine_args import add_engine_arguments, engine_args_from  # noqa: E402
 from pagedkv.server import ServerArgs, create_app  # noqa: E402
+from pagedkv.server.metrics import parse_metrics  # noqa: E402
 
 ENGINE_ARGS: dict[str, Any] = dict(
     dtype="float32", device="cpu", block_size=16, num_blocks=96, max_model_len=384, max_num_seqs=4
 )
 PROMPT = "A shared preamble about the weather in spring and autumn, repeated for caching. " * 4
-
-
-def _samples(text: str) -> dict[str, float]:
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            out[f"{s.name}{{{labels}}}"] = s.value
-    return out
 
 
 async def _workload(engine: AsyncLLM) -> tuple[dict[str, float], dict[str, Any], list[dict[str, Any]]]:
@@ -48,7 +41,7 @@ async def _workload(engine: AsyncLLM) -> tuple[dict[str, float], dict[str, Any],
             assert r.status_code == 200, r.text
             usages.append(r.json()["usage"])
         text = (await http.get("/metrics")).text
-    return _samples(text), await engine.get_stats(), usages
+    return parse_metrics(text), await engine.get_stats(), usages
 
 
 def test_metrics_agree_with_scheduler_stats() -> None:
@@ -93,3 +86,36 @@ def test_engine_flags_cover_engine_args() -> None:
     assert (args.swap_space, args.kv_cache_dtype) == (0.5, "int8")
     with pytest.raises(ConfigError, match="block_size"):
         engine_args_from(parser.parse_args(["--block-size", "7"]), None)
+
+
+POISON = 777  # a prompt token the test's runner refuses to run
+
+
+async def _poisoned_requests(engine: AsyncLLM) -> None:
+    app = create_app(engine=engine)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60) as http:
+        bad = {"prompt": [1, POISON, 2], "max_tokens": 3}
+        r = await http.post("/v1/completions", json=bad)
+        assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"], r.text
+        r = await http.post("/v1/completions", json={**bad, "stream": True})
+        lines = [line for line in r.text.splitlines() if line]
+        assert lines[-1] == "data: [DONE]"
+        assert "injected failure" in json.loads(lines[-2][len("data: ") :])["error"]["message"]
+        good = await http.post("/v1/completions", json={"prompt": "Still serving", "max_tokens": 3})
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_request_whose_steps_fail_gets_an_error_and_others_are_served() -> None:
+    with AsyncLLM(**ENGINE_ARGS) as engine:
+        runner = engine.engine.runner
+        real_execute = runner.execute
+
+        def execute(step: Any, *args: Any) -> Any:
+            if POISON in step.input_ids.tolist():
+                raise RuntimeError("injected failure")
+            return real_execute(step, *args)
+
+        runner.execute = execute
+        asyncio.run(_poisoned_requests(engine))
+        stats = engine.engine.get_stats()
+    assert stats["failed_requests"] == 2 and stats["num_used_blocks"] == 0 and stats["num_unfinished_requests"] == 0

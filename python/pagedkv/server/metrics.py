@@ -37,7 +37,7 @@ from prometheus_client.registry import Collector
 
 from pagedkv.engine.outputs import RequestOutput
 
-__all__ = ["FINISH_REASONS", "RequestTracker", "ServerMetrics", "finish_reason_of"]
+__all__ = ["FINISH_REASONS", "RequestTracker", "ServerMetrics", "finish_reason_of", "parse_metrics"]
 
 # The values of the ``finished_reason`` label of ``vllm:request_success``: pagedkv's
 # ``CompletionOutput.finish_reason`` values. vLLM's are the same strings ("stop", "length",
@@ -490,3 +490,16 @@ def finish_reason_of(out: RequestOutput | None) -> str:
         if reason in reasons:
             return reason
     return "abort"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """A ``/metrics`` exposition as ``{"name{label=value,...}": value}``: labels sorted,
+    ``model_name`` left out (what the tests and the serving benchmark read)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
