@@ -10,6 +10,10 @@ on a forward pass. Every command is answered through a future: a bad request rai
 :mod:`pagedkv.errors` exception in the caller, and the loop keeps serving everyone else. Each
 stream's outputs are handed to its own event loop with ``call_soon_threadsafe``.
 
+``add_request`` splits ``generate`` in two: it returns a :class:`RequestStream` once the engine
+has accepted the request (bad input raises there, before anything streams), so a server can
+answer 400 before it starts a response.
+
 Leaving the ``async for`` early — ``break``, an exception, or the task being cancelled (a
 client disconnecting) — aborts the request, which frees its KV blocks at once. ``abort()``
 ends a stream from outside with a last output whose ``finish_reason`` is ``"abort"``.

@@ -119,6 +119,11 @@ class ServerState:
             )
         if self.publisher is not None:
             self.engine.set_kv_event_sink(None)
+            if not self.engine.is_running:
+                # What the shutdown itself changed (aborted requests, the disk tier's flush).
+                final = self.engine.engine.take_kv_events()
+                if final is not None:
+                    self.publisher.publish(final)  # type: ignore[attr-defined]
             self.publisher.close()  # type: ignore[attr-defined]
             self.publisher = None
 
