@@ -5,8 +5,9 @@ and anything that runs engines as separate processes).
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
 
 The process runs in its own process group, so stopping it (SIGTERM: a graceful shutdown, then
-SIGKILL after ``stop_timeout``) ends it and nothing else. Its output goes to a log file whose
-tail is included in the error when it fails to start.
+SIGKILL after ``stop_timeout``) ends it and nothing else. Its output goes to a log file
+(``log_tail()``; its tail is in the error when it fails to start), deleted by :meth:`stop`
+unless ``keep_log``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         start_timeout: float = 300.0,
         stop_timeout: float = 30.0,
+        keep_log: bool = False,
     ) -> None:
         self.host = "127.0.0.1"
         self.port = port or free_port()
@@ -53,6 +55,7 @@ class ServerProcess:
         self.env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
+        self.keep_log = keep_log
         self.process: subprocess.Popen[bytes] | None = None
         self._log = tempfile.NamedTemporaryFile(prefix="pagedkv-serve-", suffix=".log", delete=False)
         self.log_path = Path(self._log.name)
@@ -65,7 +68,9 @@ class ServerProcess:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"pagedkv serve exited with {self.process.returncode}:\n{self.log_tail()}")
+                tail = self.log_tail()
+                self.stop()
+                raise RuntimeError(f"pagedkv serve exited with {self.process.returncode}:\n{tail}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
                     if response.status == 200:
@@ -73,8 +78,9 @@ class ServerProcess:
             except (urllib.error.URLError, ConnectionError, TimeoutError):
                 pass
             time.sleep(0.2)
+        tail = self.log_tail()
         self.stop()
-        raise TimeoutError(f"pagedkv serve did not become healthy in {self.start_timeout} s:\n{self.log_tail()}")
+        raise TimeoutError(f"pagedkv serve did not become healthy in {self.start_timeout} s:\n{tail}")
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the server's process group (it is the group's leader)."""
@@ -97,10 +103,15 @@ class ServerProcess:
                 self.signal(signal.SIGKILL)
                 self.process.wait(10)
         self._log.close()
+        if not self.keep_log:
+            self.log_path.unlink(missing_ok=True)
         return self.process.returncode
 
     def log_tail(self, num_chars: int = 4000) -> str:
-        self._log.flush()
+        if not self.log_path.exists():
+            return "(log deleted)"
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")[-num_chars:]
 
     def __enter__(self) -> ServerProcess:
