@@ -29,11 +29,12 @@ from starlette.requests import Request
 
 from pagedkv.engine.async_llm import AsyncLLM, RequestStream
 from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.prompts import check_text
 from pagedkv.errors import PagedKVError, RequestFailedError
 from pagedkv.sample.sampling_params import SamplingParams
 from pagedkv.server.errors import APIError
 from pagedkv.server.metrics import RequestTracker, ServerMetrics
-from pagedkv.server.protocol import UsageInfo, _SamplingFields
+from pagedkv.server.protocol import PromptTokensDetails, UsageInfo, _SamplingFields
 
 __all__ = ["EngineRequest", "OpenAIServing", "RunningRequest", "cancel_on_disconnect", "new_request_id", "sse", "usage"]
 
@@ -134,8 +135,6 @@ class OpenAIServing:
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` (in a worker thread: a long prompt does not stall the loop)."""
-        from pagedkv.engine.prompts import check_text
-
         check = check_text(text)
         encoded = await asyncio.to_thread(self.tokenizer, check, add_special_tokens=add_special_tokens)
         return list(encoded.input_ids)
@@ -252,8 +251,6 @@ def new_request_id(prefix: str) -> str:
 
 def usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
     """Usage of a whole API request: its prompts counted once each (not once per choice)."""
-    from pagedkv.server.protocol import PromptTokensDetails
-
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
