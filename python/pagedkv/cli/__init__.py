@@ -6,6 +6,7 @@ Subcommands, each in its own module (imported only when used, so `simulate` neve
 * ``demo``      batched generation over ShareGPT prompts on the embedded model (``pagedkv.cli.demo``)
 * ``simulate``  replay a workload through the scheduler without a model (``pagedkv.cli.simulate``)
 * ``serve``     the OpenAI-compatible HTTP server (``pagedkv.cli.serve``; the ``serve`` extra)
+* ``router``    a KV-aware front for several ``serve`` replicas (``pagedkv.cli.router``)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ SUBCOMMANDS = {
     "demo": ("pagedkv.cli.demo", "batched generation over ShareGPT prompts on the embedded SmolLM2"),
     "simulate": ("pagedkv.cli.simulate", "replay a workload through the scheduler, without a model"),
     "serve": ("pagedkv.cli.serve", "serve a model over an OpenAI-compatible HTTP API"),
+    "router": ("pagedkv.cli.router", "route requests to serve replicas by the prefixes they have cached"),
 }
 
 

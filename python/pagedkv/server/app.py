@@ -10,7 +10,8 @@ publisher) in its lifespan's end, or when :meth:`ServerState.close` is called.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health`` (200 while the engine runs, else 503), ``GET /metrics`` (Prometheus),
-``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache``, ``GET /version``.
+``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache``, ``GET /kv_cache_info``
+(block size and KV event endpoints, for ``pagedkv router``), ``GET /version``.
 With an API key, every path but ``/health``, ``/metrics`` and ``/version`` needs
 ``Authorization: Bearer <key>``.
 """
@@ -303,6 +304,22 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
         ids = serving.check_token_ids(body.tokens, "tokens")
         return {"prompt": serving.tokenizer.decode(ids)}
+
+    @app.get("/kv_cache_info")
+    async def kv_cache_info() -> dict[str, object]:
+        """What a KV-aware router needs to follow this engine: the block size its hashes are
+        computed over, and where its KV events are published (see ``pagedkv router``)."""
+        engine = state.engine.engine
+        return {
+            "block_size": engine.runner.block_size,
+            "num_blocks": engine.runner.num_blocks,
+            "num_host_blocks": engine.runner.num_host_blocks,
+            "kv_cache_dtype": engine.runner.geometry.dtype,
+            "enable_prefix_caching": engine.config.cache.enable_prefix_caching,
+            "kv_events_endpoint": state.args.kv_events_endpoint,
+            "kv_events_replay_endpoint": state.args.kv_events_replay_endpoint,
+            "kv_events_topic": state.args.kv_events_topic,
+        }
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict[str, int]:
