@@ -29,6 +29,7 @@ __all__ = [
     "TraceFormatError",
     "RequestFailedError",
     "EngineDeadError",
+    "KVTransferError",
 ]
 
 
@@ -101,3 +102,9 @@ class RequestFailedError(PagedKVError, RuntimeError):
 
 class EngineDeadError(PagedKVError, RuntimeError):
     """``AsyncLLM`` was shut down, or its step loop thread died; no stream can continue."""
+
+
+class KVTransferError(PagedKVError, RuntimeError):
+    """A KV block transfer between two engines failed: the peer died or disconnected, the
+    transfer engine reported an error, or it did not finish within the caller's timeout
+    (``pagedkv.distributed``). The local target blocks hold undefined data afterwards."""
