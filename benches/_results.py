@@ -88,3 +88,43 @@ def md_table(headers: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- CPU accounting
+# The machines are shared: the serving benchmarks report the CPU time of each process they
+# start and of the whole machine during a run, so a run slowed by other jobs can be told apart.
+
+
+def cpu_seconds_self() -> float:
+    """User + system CPU seconds of this process so far."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def cpu_seconds_pid(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (all its threads), from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def cpu_seconds_machine() -> float:
+    """Busy CPU seconds of the whole machine (all cores) so far, from /proc/stat."""
+    try:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (
+            int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+        )
+    except (OSError, ValueError):
+        return float("nan")
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile of `values` (nan when empty)."""
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else float("nan")

@@ -53,7 +53,17 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import RESULTS, git_rev, machine, md_table, write_section  # noqa: E402
+from _results import (  # noqa: E402
+    RESULTS,
+    cpu_seconds_machine,
+    cpu_seconds_pid,
+    cpu_seconds_self,
+    git_rev,
+    machine,
+    md_table,
+    percentile,
+    write_section,
+)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SECTION = "router"
@@ -121,40 +131,6 @@ def ideal_hit_rates(reqs: list[Req], num_replicas: int) -> dict[str, float]:
             rr += r.system_len
         seen_rr.add(key)
     return {"one_cache": one / total, "round_robin_unbounded": rr / total}
-
-
-# ----------------------------------------------------------------------------- CPU accounting
-
-
-def cpu_seconds_self() -> float:
-    import resource
-
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-def cpu_seconds_pid(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (all its threads), from /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
-
-
-def cpu_seconds_machine() -> float:
-    """Busy CPU seconds of the whole machine so far, from /proc/stat."""
-    try:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (
-            int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
-        )
-    except (OSError, ValueError):
-        return float("nan")
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 # ----------------------------------------------------------------------------- processes
@@ -482,14 +458,14 @@ def run_policy(
         "output_tokens": out_tokens,
         "output_tok_s": out_tokens / end,
         "req_s": len(ok) / end,
-        "ttft_p50": pct(ttfts, 50),
-        "ttft_p99": pct(ttfts, 99),
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
         "ttft_mean": float(np.mean(ttfts)) if ttfts else float("nan"),
-        "ttft_p50_warm": pct(warm_ttfts, 50),
-        "ttft_p99_warm": pct(warm_ttfts, 99),
+        "ttft_p50_warm": percentile(warm_ttfts, 50),
+        "ttft_p99_warm": percentile(warm_ttfts, 99),
         "slowest_ttfts_among_first": sum(r.index < args.concurrency for r in slowest),
-        "e2e_p50": pct(e2es, 50),
-        "e2e_p99": pct(e2es, 99),
+        "e2e_p50": percentile(e2es, 50),
+        "e2e_p99": percentile(e2es, 99),
         "cpu_s_replicas": cpu[:2],
         "cpu_s_router": cpu[2],
         "cpu_s_client": client_cpu,

@@ -39,7 +39,6 @@ import asyncio
 import gc
 import json
 import os
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,7 +50,16 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import git_rev, machine, md_table, write_section  # noqa: E402
+from _results import (  # noqa: E402
+    cpu_seconds_machine,
+    cpu_seconds_pid,
+    cpu_seconds_self,
+    git_rev,
+    machine,
+    md_table,
+    percentile,
+    write_section,
+)
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SECTION = "serve"
@@ -98,35 +106,6 @@ def server_argv(eargs: dict[str, Any]) -> list[str]:
     for name, value in eargs.items():
         argv += ["--" + name.replace("_", "-"), str(value)]
     return argv
-
-
-def cpu_seconds_self() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-def cpu_seconds_pid(pid: int) -> float:
-    """User + system CPU seconds of process `pid` (all its threads), from /proc."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
-
-
-def cpu_seconds_machine() -> float:
-    """Busy CPU seconds of the whole machine (all cores) so far, from /proc/stat."""
-    try:
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (
-            int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
-        )
-    except (OSError, ValueError):
-        return float("nan")
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 # ----------------------------------------------------------------------------- offline
@@ -343,14 +322,14 @@ def run_load(
         "req_s": len(ok) / end,
         "output_tokens": out_tokens,
         "output_tok_s": out_tokens / end,
-        "ttft_p50": pct(ttfts, 50),
-        "ttft_p99": pct(ttfts, 99),
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
         "ttft_mean": float(np.mean(ttfts)) if ttfts else float("nan"),
-        "itl_p50": pct(itls, 50),
-        "itl_p99": pct(itls, 99),
+        "itl_p50": percentile(itls, 50),
+        "itl_p99": percentile(itls, 99),
         "tpot_mean": float(np.mean(tpots)) if tpots else float("nan"),
-        "e2e_p50": pct([r.e2e for r in ok if r.e2e is not None], 50),
-        "e2e_p99": pct([r.e2e for r in ok if r.e2e is not None], 99),
+        "e2e_p50": percentile([r.e2e for r in ok if r.e2e is not None], 50),
+        "e2e_p99": percentile([r.e2e for r in ok if r.e2e is not None], 99),
         "cached_prompt_tokens": cached,
         "server_cpu_s": server_cpu,
         "others_cpu_s": others_cpu,
