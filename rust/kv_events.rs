@@ -29,7 +29,7 @@
 //! registers two blocks under one key (a duplicate is refused), so a consumer can key its
 //! view of a pool by it; `parent_block_hash` is the key of the parent's 128-bit hash. The
 //! keys of a prompt's full blocks are what a router computes for it
-//! (`Scheduler::block_hashes`).
+//! ([`wire_block_hashes`]; in Python `pagedkv._core.block_hashes`).
 //!
 //! # Media
 //! `medium` names the pool: `"GPU"` for the device pool — vLLM's name for the engine's primary
@@ -53,6 +53,8 @@
 use rmp::encode;
 use rmp::Marker;
 
+use crate::block_hash::{BlockHasher, ExtraKey, HashMode};
+use crate::block_pool::index_key;
 use crate::error::{CoreError, Result};
 
 /// Most blocks one coalesced event lists; the next block starts a new event. Keeps every
@@ -153,6 +155,16 @@ impl KvEvent {
             (_, next) => Some(next),
         }
     }
+}
+
+/// The wire hashes of the full blocks of `tokens` (blocks of `block_size` tokens) under the
+/// cache `salt`: what a pool hashing in `mode` names them in its events, so what a KV-aware
+/// router computes for a prompt. A trailing partial block has none.
+pub fn wire_block_hashes(tokens: &[u32], block_size: usize, salt: Option<&str>, mode: HashMode) -> Vec<u64> {
+    let mut hasher = BlockHasher::new(mode);
+    let mut hashes = Vec::with_capacity(tokens.len() / block_size.max(1));
+    hasher.extend_chain(&mut hashes, tokens, block_size, &ExtraKey::new(salt), usize::MAX);
+    hashes.into_iter().map(index_key).collect()
 }
 
 /// Coalesces consecutive events (see [`KvEvent::merge`]); order is kept.

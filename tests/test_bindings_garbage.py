@@ -11,6 +11,7 @@ import pytest
 
 import pagedkv
 from pagedkv import BlockAllocator, KVCacheManager, Scheduler, SchedulerConfig
+from pagedkv._core import block_hashes
 
 GARBAGE: list[object] = [
     None,
@@ -184,6 +185,9 @@ def test_kv_event_methods_never_panic() -> None:
             lambda: s.block_hashes(g),  # type: ignore[arg-type]
             lambda: s.block_hashes([1, 2, 3, 4], g),  # type: ignore[arg-type]
             lambda: s.block_hashes(g, cache_salt=g),  # type: ignore[arg-type]
+            lambda: block_hashes(g, 4),  # type: ignore[arg-type]
+            lambda: block_hashes([1, 2, 3, 4], g),  # type: ignore[arg-type]
+            lambda: block_hashes([1, 2, 3, 4], 4, g),  # type: ignore[arg-type]
         )
         for call in calls:
             try:

@@ -12,6 +12,7 @@ from sim_model import FakeModel
 
 import pagedkv
 from pagedkv import Scheduler, SchedulerConfig
+from pagedkv._core import MAX_BLOCK_SIZE, block_hashes
 from pagedkv.errors import ConfigError, InvalidArgumentError, InvalidTypeError
 
 zmq = pytest.importorskip("zmq")
@@ -109,6 +110,20 @@ def test_a_cache_salt_changes_the_hashes() -> None:
     run(s, model, prompt, salt="tenant-a")
     assert stored(take(s), "GPU") == salted
     assert s.block_hashes(prompt[:3]) == []
+
+
+def test_block_hashes_without_a_scheduler() -> None:
+    # What a router calls: the same hashes for the same block size, no engine needed.
+    s, _ = make()
+    block_size = s.config.block_size
+    prompt = list(range(50, 90))
+    assert block_hashes(prompt, block_size) == s.block_hashes(prompt)
+    assert block_hashes(prompt, block_size, "t") == s.block_hashes(prompt, "t")
+    assert block_hashes(prompt, 2 * block_size) != s.block_hashes(prompt)[: len(prompt) // (2 * block_size)]
+    with pytest.raises(ConfigError, match="block_size"):
+        block_hashes(prompt, 0)
+    with pytest.raises(ConfigError, match="block_size"):
+        block_hashes(prompt, MAX_BLOCK_SIZE + 1)
 
 
 def test_evicted_blocks_are_removed() -> None:

@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 zmq = pytest.importorskip("zmq")
 pytest.importorskip("fastapi")
 
-from pagedkv._core import Scheduler, SchedulerConfig  # noqa: E402
+from pagedkv._core import block_hashes  # noqa: E402
 from pagedkv.server.kv_events import BlockRemoved, BlockStored, decode_event_batch  # noqa: E402
 from pagedkv.server.launch import ServerProcess, free_port  # noqa: E402
 from pagedkv.server.metrics import parse_metrics  # noqa: E402
@@ -371,8 +371,7 @@ def test_disconnect_while_queued(server: ServerProcess) -> None:
 
 def _router_hashes(token_ids: list[int]) -> list[int]:
     """What a KV-aware router computes for a prompt: the wire hashes of its full blocks."""
-    scheduler = Scheduler(SchedulerConfig(num_blocks=32, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN))
-    return list(scheduler.block_hashes(token_ids))
+    return block_hashes(token_ids, BLOCK_SIZE)
 
 
 def test_kv_events_stored_removed_and_replay(server: ServerProcess, client: Any, events_port: int) -> None:

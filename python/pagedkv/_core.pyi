@@ -20,6 +20,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "block_hashes",
     "paged_decode_attention_cpu",
 ]
 
@@ -406,6 +407,7 @@ class Scheduler:
 # A paged cache as paged_decode_attention_cpu reads it: float32, int8, or the bytes of fp8.
 _KVCacheArray = npt.NDArray[np.float32] | npt.NDArray[np.int8] | npt.NDArray[np.uint8]
 
+def block_hashes(token_ids: _Ints, block_size: SupportsIndex, cache_salt: str | None = None) -> list[int]: ...
 def paged_decode_attention_cpu(
     query: npt.NDArray[np.float32],  # [T, H, D]
     key_cache: _KVCacheArray,  # [num_blocks, block_size, Hkv, D]

@@ -934,3 +934,27 @@ fn hash_bytes(b: &[u8]) -> PyResult<crate::block_hash::BlockHash> {
         .map_err(|_| crate::error::CoreError::InvalidArgument(format!("a block hash is 16 bytes, got {}", b.len())))?;
     Ok(crate::block_hash::BlockHash(u128::from_le_bytes(arr)))
 }
+
+/// `block_hashes(token_ids, block_size, cache_salt=None)`: the hashes KV events give the full
+/// blocks of `token_ids` in an engine with `block_size`-token blocks, under `cache_salt`: one
+/// unsigned 64-bit int per full block (what a KV-aware router computes for a prompt, without
+/// an engine or a scheduler). `Scheduler.block_hashes` is the same for its own block size.
+#[pyfunction]
+#[pyo3(signature = (token_ids, block_size, cache_salt = None))]
+pub fn block_hashes(
+    token_ids: &Bound<'_, PyAny>,
+    block_size: &Bound<'_, PyAny>,
+    cache_salt: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Vec<u64>> {
+    let bs = positive_arg(block_size, "block_size")?;
+    if bs > crate::block_pool::MAX_BLOCK_SIZE {
+        return Err(crate::error::CoreError::Config(format!(
+            "block_size must be in 1..={}, got {bs}",
+            crate::block_pool::MAX_BLOCK_SIZE
+        ))
+        .into());
+    }
+    let tokens = token_ids_arg(token_ids, "token_ids")?;
+    let salt = salt_arg(cache_salt)?;
+    Ok(crate::kv_events::wire_block_hashes(&tokens, bs, salt.as_deref(), crate::block_hash::HashMode::Xxh3))
+}

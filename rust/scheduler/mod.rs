@@ -42,8 +42,7 @@ pub use output::{RequestUpdate, StepOutput};
 pub use request::{BranchKey, FinishReason, NewRequest, RequestKey};
 pub use stats::{SchedulerStats, StatValue};
 
-use crate::block_hash::{BlockHash, BlockHasher, ExtraKey};
-use crate::block_pool::index_key;
+use crate::block_hash::{BlockHash, ExtraKey};
 use crate::error::{CoreError, Result};
 use crate::ids::{BlockId, SeqId};
 use crate::kv_cache_manager::{KvCacheManager, PrefixMatch, Restore, Tier};
@@ -1029,11 +1028,7 @@ impl Scheduler {
     /// hashes, equal to the hashes KV events give the same blocks ([`crate::kv_events`]). A
     /// partial last block has none.
     pub fn block_hashes(&self, tokens: &[u32], salt: Option<&str>) -> Vec<u64> {
-        let bs = self.config.block_size;
-        let mut hasher = BlockHasher::new(self.config.hash_mode);
-        let mut hashes = Vec::with_capacity(tokens.len() / bs);
-        hasher.extend_chain(&mut hashes, tokens, bs, &ExtraKey::new(salt), usize::MAX);
-        hashes.into_iter().map(index_key).collect()
+        crate::kv_events::wire_block_hashes(tokens, self.config.block_size, salt, self.config.hash_mode)
     }
 
     /// The tiers block by block: for each device block whether its cached content is also

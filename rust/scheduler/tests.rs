@@ -149,6 +149,7 @@ fn kv_utilization_is_zero_with_nothing_in_use() {
 
 mod kv_events {
     use super::*;
+    use crate::block_hash::BlockHasher;
     use crate::kv_events::{decode_batch, KvEvent, Medium};
 
     fn sched(num_blocks: usize, num_host: usize, num_disk: usize) -> Scheduler {

@@ -3,7 +3,7 @@ sends each request to the replica holding the longest cached prefix of its promp
 
 The router follows every replica's KV-cache events (``pagedkv serve --kv-events-endpoint``):
 it knows, per replica, which block hashes are cached, computes the same hashes for a new
-prompt (``Scheduler.block_hashes``), and picks the replica whose cache covers the longest run
+prompt (``pagedkv._core.block_hashes``), and picks the replica whose cache covers the longest run
 of the prompt's leading blocks, the least loaded one on a tie. Modules:
 
 * ``prefix_index``  which block hashes each replica holds, from its event batches

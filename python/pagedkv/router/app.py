@@ -5,7 +5,8 @@
 At start the app asks each replica for ``/kv_cache_info`` (its block size and KV event
 endpoints) and subscribes to its events. For ``POST /v1/completions`` and
 ``/v1/chat/completions`` it tokenizes the prompt as the replicas do (the chat template for
-chat), computes the prompt's block hashes under its ``cache_salt``, and picks a replica:
+chat), computes the prompt's block hashes under its ``cache_salt`` (``pagedkv._core.block_hashes``,
+the core's own hashing), and picks a replica:
 
 * ``cache_aware`` (default): the replica holding the longest run of the prompt's leading
   blocks; on a tie (no replica holds any, or several hold as many) the one with the fewest
@@ -41,7 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
-from pagedkv._core import Scheduler, SchedulerConfig
+from pagedkv._core import block_hashes
 from pagedkv.engine.prompts import chat_prompt
 from pagedkv.errors import ConfigError, PagedKVError
 from pagedkv.router.prefix_index import PrefixIndex
@@ -94,16 +95,6 @@ class Replica:
     in_flight: int = 0
 
 
-class _Hasher:
-    """A prompt's block hashes as a replica with ``block_size`` names them in its events."""
-
-    def __init__(self, block_size: int) -> None:
-        self._scheduler = Scheduler(SchedulerConfig(num_blocks=1, block_size=block_size, max_model_len=block_size))
-
-    def __call__(self, token_ids: list[int], cache_salt: str | None) -> list[int]:
-        return list(self._scheduler.block_hashes(token_ids, cache_salt))
-
-
 class _Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -138,7 +129,6 @@ class Router:
         self.tokenizer = tokenizer
         self.metrics = _Metrics()
         self._turn = itertools.count()
-        self._hashers = {r.block_size: _Hasher(r.block_size) for r in replicas}
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(args.timeout, connect=10.0))
 
     def choose(self, token_ids: list[int] | None, cache_salt: str | None) -> tuple[Replica, int, str]:
@@ -163,7 +153,7 @@ class Router:
     def _held_tokens(self, replica: Replica, token_ids: list[int] | None, cache_salt: str | None) -> int:
         if token_ids is None:
             return 0
-        hashes = self._hashers[replica.block_size](token_ids, cache_salt)
+        hashes = block_hashes(token_ids, replica.block_size, cache_salt)
         return replica.index.match(hashes) * replica.block_size
 
     def prompt_token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:

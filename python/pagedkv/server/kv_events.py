@@ -20,8 +20,8 @@ Events
 
     A block hash is an unsigned 64-bit integer: the engine's 128-bit chained block hash folded
     to 64 bits, unique among the blocks a pool caches, so a consumer can key its view by it.
-    ``Scheduler.block_hashes(prompt_token_ids, cache_salt)`` gives the hashes of a prompt's full
-    blocks, to match against what an engine announced.
+    ``pagedkv._core.block_hashes(prompt_token_ids, block_size, cache_salt)`` gives the hashes of a
+    prompt's full blocks, to match against what an engine announced.
 
     ``medium`` names the pool: ``"GPU"`` is the engine's primary KV pool, the one attention reads
     (vLLM's name for it, kept even when the engine runs on a CPU), ``"CPU"`` the host tier,
