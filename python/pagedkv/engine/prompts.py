@@ -9,7 +9,7 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgumentError, InvalidTokenError, InvalidTypeError
 
-__all__ = ["PromptType", "chat_prompt", "check_text", "is_single_prompt", "to_token_ids"]
+__all__ = ["PromptType", "chat_prompt", "check_text", "check_token_ids", "is_single_prompt", "to_token_ids", "tokenize"]
 
 # A text prompt, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]} (with an
 # optional "prompt" text kept for the output).
@@ -32,21 +32,21 @@ def to_token_ids(prompt: PromptType, tokenizer: Any, vocab_size: int) -> tuple[s
     text: str | None
     if isinstance(prompt, str):
         text = prompt
-        ids = _tokenize(tokenizer, prompt)
+        ids = tokenize(tokenizer, prompt)
     elif isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
             text = prompt.get("prompt")
             if text is not None and not isinstance(text, str):
                 raise InvalidTypeError(f"a dict prompt's 'prompt' must be a str, got {type(text).__name__}")
-            ids = _check_ids(prompt["prompt_token_ids"], vocab_size)
+            ids = check_token_ids(prompt["prompt_token_ids"], vocab_size)
         elif "prompt" in prompt and isinstance(prompt["prompt"], str):
             text = prompt["prompt"]
-            ids = _tokenize(tokenizer, text)
+            ids = tokenize(tokenizer, text)
         else:
             raise InvalidArgumentError("a dict prompt needs 'prompt' (str) or 'prompt_token_ids' (list of ints)")
     elif isinstance(prompt, (Sequence, np.ndarray)) and not isinstance(prompt, bytes):
         text = None
-        ids = _check_ids(prompt, vocab_size)
+        ids = check_token_ids(prompt, vocab_size)
     else:
         raise InvalidTypeError(f"a prompt must be a str, a list of token ids or a dict, got {type(prompt).__name__}")
     if not ids:
@@ -68,21 +68,22 @@ def check_text(text: str, what: str = "the prompt") -> str:
     return text
 
 
-def _tokenize(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
+def tokenize(tokenizer: Any, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``text`` (checked to be valid Unicode first: :func:`check_text`)."""
     return list(tokenizer(check_text(text), add_special_tokens=add_special_tokens).input_ids)
 
 
-def _check_ids(ids: Any, vocab_size: int) -> list[int]:
+def check_token_ids(ids: Any, vocab_size: int, what: str = "prompt token") -> list[int]:
+    """``ids`` as a list of ints, each in ``[0, vocab_size)``; InvalidTypeError for a non-int,
+    InvalidTokenError for an id outside the vocabulary (``what`` names them in the message)."""
     if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
-        raise InvalidTypeError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+        raise InvalidTypeError(f"{what} ids must be a list of ints, got {type(ids).__name__}")
     out = []
     for i, t in enumerate(list(ids)):
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
-            raise InvalidTypeError(f"prompt token {i} is {type(t).__name__}, not an int")
+            raise InvalidTypeError(f"{what} {i} is {type(t).__name__}, not an int")
         if not 0 <= int(t) < vocab_size:
-            raise InvalidTokenError(
-                f"prompt token id {int(t)} at index {i} is outside the vocabulary [0, {vocab_size})"
-            )
+            raise InvalidTokenError(f"{what} id {int(t)} at index {i} is outside the vocabulary [0, {vocab_size})")
         out.append(int(t))
     return out
 
@@ -110,7 +111,7 @@ def chat_prompt(
         )
     except Exception as exc:  # the template's own checks (role order, ...) or a Jinja error
         raise InvalidArgumentError(f"the chat template cannot render this conversation: {exc}") from exc
-    return {"prompt": text, "prompt_token_ids": _tokenize(tokenizer, text, add_special_tokens=False)}
+    return {"prompt": text, "prompt_token_ids": tokenize(tokenizer, text, add_special_tokens=False)}
 
 
 def _normalize_message(index: int, message: Any) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from pagedkv._core import block_hashes
-from pagedkv.engine.prompts import chat_prompt
+from pagedkv.engine.prompts import chat_prompt, tokenize
 from pagedkv.errors import ConfigError, PagedKVError
 from pagedkv.router.prefix_index import PrefixIndex
 from pagedkv.router.subscriber import EventSubscriber
@@ -171,7 +171,7 @@ class Router:
             if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                 prompt = prompt[0]  # several prompts: route by the first
             if isinstance(prompt, str):
-                return list(self.tokenizer(prompt).input_ids)
+                return tokenize(self.tokenizer, prompt)
             if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
                 return list(prompt)
         except (KeyError, TypeError, ValueError, PagedKVError):

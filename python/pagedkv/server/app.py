@@ -33,6 +33,7 @@ from starlette.responses import Response
 import pagedkv
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.async_llm import AsyncLLM
+from pagedkv.engine.prompts import check_token_ids
 from pagedkv.errors import ConfigError, PagedKVError
 from pagedkv.server.chat import create_chat_completion, render_chat
 from pagedkv.server.completions import create_completion
@@ -302,7 +303,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         if body.model is not None and body.model not in serving.served_model_names:
             raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
-        ids = serving.check_token_ids(body.tokens, "tokens")
+        ids = serving.check_not_empty(check_token_ids(body.tokens, serving.vocab_size, "token"), "tokens")
         return {"prompt": serving.tokenizer.decode(ids)}
 
     @app.get("/kv_cache_info")

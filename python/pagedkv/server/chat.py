@@ -73,7 +73,7 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
         chat_template=request.chat_template,
         add_generation_prompt=request.add_generation_prompt,
     )
-    ids = serving.check_token_ids(prompt["prompt_token_ids"])
+    ids = serving.check_not_empty(prompt["prompt_token_ids"])
     max_tokens = serving.check_length(len(ids), request.output_limit)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     engine_request = EngineRequest(prompt, serving.sampling_params(request, max_tokens, logprobs))

@@ -81,10 +81,10 @@ def _prompts(request: CompletionRequest) -> list[str | list[int]]:
 
 async def _engine_request(serving: OpenAIServing, request: CompletionRequest, prompt: str | list[int]) -> EngineRequest:
     if isinstance(prompt, str):
-        ids = serving.check_token_ids(await serving.tokenize(prompt))
+        ids = serving.check_not_empty(await serving.tokenize(prompt))
         text: str | None = prompt
     else:
-        ids = serving.check_token_ids(prompt)
+        ids = serving.check_not_empty(list(prompt))
         text = None
     max_tokens = serving.check_length(len(ids), request.max_tokens)
     params = serving.sampling_params(request, max_tokens, request.logprobs)

@@ -29,7 +29,7 @@ from starlette.requests import Request
 
 from pagedkv.engine.async_llm import AsyncLLM, RequestStream
 from pagedkv.engine.outputs import RequestOutput
-from pagedkv.engine.prompts import check_text
+from pagedkv.engine.prompts import tokenize
 from pagedkv.errors import PagedKVError, RequestFailedError
 from pagedkv.sample.sampling_params import SamplingParams
 from pagedkv.server.errors import APIError
@@ -134,23 +134,17 @@ class OpenAIServing:
         return room if max_tokens is None else max_tokens
 
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text`` (in a worker thread: a long prompt does not stall the loop)."""
-        check = check_text(text)
-        encoded = await asyncio.to_thread(self.tokenizer, check, add_special_tokens=add_special_tokens)
-        return list(encoded.input_ids)
+        """Token ids of ``text`` as the engine would make them (in a worker thread: a long prompt
+        does not stall the event loop)."""
+        return await asyncio.to_thread(tokenize, self.tokenizer, text, add_special_tokens=add_special_tokens)
 
-    def check_token_ids(self, ids: Sequence[int], what: str = "prompt") -> list[int]:
-        out = list(ids)
-        for i, t in enumerate(out):
-            if not 0 <= t < self.vocab_size:
-                raise APIError(
-                    400,
-                    f"{what} token id {t} at index {i} is outside the vocabulary [0, {self.vocab_size})",
-                    param=what,
-                )
-        if not out:
+    @staticmethod
+    def check_not_empty(ids: list[int], what: str = "prompt") -> list[int]:
+        """A 400 for no tokens. (A prompt's ids outside the vocabulary are refused by the
+        engine's own check when the request is added: a typed error, also a 400.)"""
+        if not ids:
             raise APIError(400, f"the {what} is empty (no tokens)", param=what)
-        return out
+        return ids
 
     # ------------------------------------------------------------------ running requests
 
