@@ -192,6 +192,15 @@ def test_logprobs(client: Any) -> None:
     assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
 
 
+def test_streamed_logprobs_equal_the_whole_response(client: Any) -> None:
+    kwargs = dict(model=MODEL_NAME, prompt="The moon is", max_tokens=6, temperature=0, logprobs=2)
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kwargs) if c.choices]
+    assert [t for lp in chunks for t in lp.tokens] == whole.tokens
+    assert [o for lp in chunks for o in lp.text_offset] == whole.text_offset
+    assert [t for lp in chunks for t in lp.top_logprobs] == whole.top_logprobs
+
+
 def test_cached_tokens_on_repeated_prompt(client: Any) -> None:
     first = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT + " first", max_tokens=2)
     second = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT + " second", max_tokens=2)

@@ -9,7 +9,6 @@ and ``finish_reason`` on the chunk that ends it; then an optional usage chunk an
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,7 +19,6 @@ from starlette.responses import Response
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.prompts import chat_prompt
-from pagedkv.server.errors import error_body, from_exception
 from pagedkv.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -35,9 +33,11 @@ from pagedkv.server.serving import (
     EngineRequest,
     OpenAIServing,
     RunningRequest,
+    StreamedChoices,
     cancel_on_disconnect,
     new_request_id,
-    sse,
+    sse_stream,
+    top_logprobs,
     usage,
 )
 
@@ -81,7 +81,7 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
     running = await serving.start(request_id, [engine_request], request)
     if request.stream:
         return StreamingResponse(
-            _stream(serving, request, request_id, running),
+            sse_stream(_chunks(serving, request, request_id, running)),
             media_type="text/event-stream",
             background=BackgroundTask(running.close),  # also when the stream never started
         )
@@ -112,7 +112,6 @@ def _logprobs(c: CompletionOutput, start: int, k: int | None) -> ChatLogprobs | 
     for i in range(start, len(c.logprobs)):
         entries = c.logprobs[i]
         chosen = entries[c.token_ids[i]]
-        top = sorted((e for e in entries.values() if e.rank is not None and e.rank <= k), key=lambda e: e.rank or 0)
         content.append(
             TokenLogprob(
                 token=chosen.decoded_token or "",
@@ -122,68 +121,57 @@ def _logprobs(c: CompletionOutput, start: int, k: int | None) -> ChatLogprobs | 
                     TopLogprob(
                         token=e.decoded_token or "", logprob=e.logprob, bytes=list((e.decoded_token or "").encode())
                     )
-                    for e in top
+                    for e in top_logprobs(entries, k)
                 ],
             )
         )
     return ChatLogprobs(content=content)
 
 
-async def _stream(
+async def _chunks(
     serving: OpenAIServing, request: ChatCompletionRequest, request_id: str, running: RunningRequest
-) -> AsyncIterator[str]:
+) -> AsyncIterator[dict[str, Any]]:
     options = request.stream_options
     k = (request.top_logprobs or 0) if request.logprobs else None
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    ended: set[int] = set()
+    choices = StreamedChoices()
     last: RequestOutput | None = None
-    base = {"id": request_id, "object": "chat.completion.chunk", "model": serving.model_name}
+    base = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(running.arrival),
+        "model": serving.model_name,
+    }
 
-    def chunk(choice: dict[str, Any]) -> str:
-        body: dict[str, Any] = {**base, "created": int(running.arrival), "choices": [choice]}
+    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+        body: dict[str, Any] = {**base, "choices": [choice]}
         if options is not None and options.continuous_usage_stats and last is not None:
             body["usage"] = usage([last]).model_dump()
-        return sse(json.dumps(body))
+        return body
 
-    try:
-        async for _, out in running:
-            last = out
-            for c in out.outputs:
-                if c.index in ended:
-                    continue
-                if c.index not in sent_text:
-                    # OpenAI's first chunk of a choice carries the role.
-                    yield chunk(
-                        {
-                            "index": c.index,
-                            "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None,
-                            "finish_reason": None,
-                        }
-                    )
-                    sent_text[c.index], sent_tokens[c.index] = 0, 0
-                delta = c.text[sent_text[c.index] :]
-                tokens_from = sent_tokens[c.index]
-                if not delta and len(c.token_ids) == tokens_from and c.finish_reason is None:
-                    continue
-                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                if c.finish_reason is not None:
-                    ended.add(c.index)
-                logprobs = _logprobs(c, tokens_from, k)
+    async for _, out in running:
+        last = out
+        for c in out.outputs:
+            delta = choices.advance(c.index, c)
+            if delta is None:
+                continue
+            if delta.first:  # OpenAI's first chunk of a choice carries the role
                 yield chunk(
                     {
                         "index": c.index,
-                        "delta": {"content": delta},
-                        "logprobs": None if logprobs is None else logprobs.model_dump(),
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
                     }
                 )
-        if options is not None and options.include_usage and last is not None:
-            final = {**base, "created": int(running.arrival), "choices": [], "usage": usage([last]).model_dump()}
-            yield sse(json.dumps(final))
-    except Exception as exc:  # the stream has started: report in-band, then end it properly
-        err = from_exception(exc)
-        yield sse(error_body(err.status, err.message, param=err.param, code=err.code).model_dump_json())
-    yield sse("[DONE]")
+            logprobs = _logprobs(c, delta.first_token, k)
+            yield chunk(
+                {
+                    "index": c.index,
+                    "delta": {"content": delta.text},
+                    "logprobs": None if logprobs is None else logprobs.model_dump(),
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+    if options is not None and options.include_usage and last is not None:
+        yield {**base, "choices": [], "usage": usage([last]).model_dump()}

@@ -7,8 +7,8 @@ OpenAI's API. A stream sends one chunk per choice whose text or tokens advanced,
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
-from pagedkv.server.errors import APIError, error_body, from_exception
+from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -27,9 +27,11 @@ from pagedkv.server.serving import (
     EngineRequest,
     OpenAIServing,
     RunningRequest,
+    StreamedChoices,
     cancel_on_disconnect,
     new_request_id,
-    sse,
+    sse_stream,
+    top_logprobs,
     usage,
 )
 
@@ -43,7 +45,7 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest, 
     running = await serving.start(request_id, engine_requests, request)
     if request.stream:
         return StreamingResponse(
-            _stream(serving, request, request_id, engine_requests, running),
+            sse_stream(_chunks(serving, request, request_id, engine_requests, running)),
             media_type="text/event-stream",
             background=BackgroundTask(running.close),  # also when the stream never started
         )
@@ -98,89 +100,66 @@ def _echo_text(serving: OpenAIServing, request: CompletionRequest, r: EngineRequ
     return text if text is not None else serving.tokenizer.decode(r.prompt["prompt_token_ids"])
 
 
-def _logprobs(c: CompletionOutput, start: int, k: int | None) -> CompletionLogprobs | None:
+def _logprobs(c: CompletionOutput, start: int, k: int | None, offset: int = 0) -> CompletionLogprobs | None:
     """OpenAI's legacy logprobs for ``c``'s tokens from ``start`` on: the chosen token's
-    logprob and the ``k`` most likely tokens at each position (text offsets count from the
-    start of the completion's text)."""
+    logprob and the ``k`` most likely tokens at each position. Text offsets count from the
+    start of the completion's text; ``offset`` is that of token ``start``."""
     if k is None or c.logprobs is None:
         return None
     out = CompletionLogprobs()
-    offset = sum(len(_token_text(c, i)) for i in range(start))
     for i in range(start, len(c.logprobs)):
         entries = c.logprobs[i]
         chosen = entries[c.token_ids[i]]
-        text = _token_text(c, i)
+        text = chosen.decoded_token or ""
         out.tokens.append(text)
         out.token_logprobs.append(chosen.logprob)
         out.text_offset.append(offset)
         offset += len(text)
-        top = sorted((e for e in entries.values() if e.rank is not None and e.rank <= k), key=lambda e: e.rank or 0)
-        out.top_logprobs.append({e.decoded_token or "": e.logprob for e in top})
+        out.top_logprobs.append({e.decoded_token or "": e.logprob for e in top_logprobs(entries, k)})
     return out
 
 
-def _token_text(c: CompletionOutput, i: int) -> str:
-    assert c.logprobs is not None
-    return c.logprobs[i][c.token_ids[i]].decoded_token or ""
-
-
-async def _stream(
+async def _chunks(
     serving: OpenAIServing,
     request: CompletionRequest,
     request_id: str,
     engine_requests: list[EngineRequest],
     running: RunningRequest,
-) -> AsyncIterator[str]:
-    n = request.n
+) -> AsyncIterator[dict[str, Any]]:
     options = request.stream_options
-    # Per choice: characters of text and tokens already sent; whether its end was sent.
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    ended: set[int] = set()
+    choices = StreamedChoices()
+    # Per choice: the text offset of its next token's logprobs (so each chunk's offsets
+    # continue the previous chunk's without re-reading the tokens already sent).
+    offsets: dict[int, int] = {}
     last: dict[int, RequestOutput] = {}
-    base = {"id": request_id, "object": "text_completion", "model": serving.model_name}
-    try:
-        async for p, out in running:
-            last[p] = out
-            for c in out.outputs:
-                index = p * n + c.index
-                if index in ended:
-                    continue
-                text_from, tokens_from = sent_text.get(index, 0), sent_tokens.get(index, 0)
-                delta = c.text[text_from:]
-                if not delta and len(c.token_ids) == tokens_from and c.finish_reason is None:
-                    continue
-                if index not in sent_text:
-                    delta = _echo_text(serving, request, engine_requests[p]) + delta
-                sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
-                if c.finish_reason is not None:
-                    ended.add(index)
-                logprobs = _logprobs(c, tokens_from, request.logprobs)
-                chunk = {
-                    **base,
-                    "created": int(running.arrival),
-                    "choices": [
-                        {
-                            "index": index,
-                            "text": delta,
-                            "logprobs": None if logprobs is None else logprobs.model_dump(),
-                            "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason,
-                        }
-                    ],
-                }
-                if options is not None and options.continuous_usage_stats:
-                    chunk["usage"] = usage(list(last.values())).model_dump()
-                yield sse(json.dumps(chunk))
-        if options is not None and options.include_usage:
-            final = {
+    base = {"id": request_id, "object": "text_completion", "created": int(running.arrival), "model": serving.model_name}
+    async for p, out in running:
+        last[p] = out
+        for c in out.outputs:
+            index = p * request.n + c.index
+            delta = choices.advance(index, c)
+            if delta is None:
+                continue
+            text = delta.text
+            if delta.first:
+                text = _echo_text(serving, request, engine_requests[p]) + text
+            logprobs = _logprobs(c, delta.first_token, request.logprobs, offsets.get(index, 0))
+            if logprobs is not None and logprobs.text_offset:
+                offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+            chunk = {
                 **base,
-                "created": int(running.arrival),
-                "choices": [],
-                "usage": usage(list(last.values())).model_dump(),
+                "choices": [
+                    {
+                        "index": index,
+                        "text": text,
+                        "logprobs": None if logprobs is None else logprobs.model_dump(),
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                ],
             }
-            yield sse(json.dumps(final))
-    except Exception as exc:  # the stream has started: report in-band, then end it properly
-        err = from_exception(exc)
-        yield sse(error_body(err.status, err.message, param=err.param, code=err.code).model_dump_json())
-    yield sse("[DONE]")
+            if options is not None and options.continuous_usage_stats:
+                chunk["usage"] = usage(list(last.values())).model_dump()
+            yield chunk
+    if options is not None and options.include_usage:
+        yield {**base, "choices": [], "usage": usage(list(last.values())).model_dump()}

@@ -19,24 +19,36 @@ Lifecycle of a request (both endpoints):
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from starlette.requests import Request
 
 from pagedkv.engine.async_llm import AsyncLLM, RequestStream
-from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedkv.engine.prompts import tokenize
 from pagedkv.errors import PagedKVError, RequestFailedError
 from pagedkv.sample.sampling_params import SamplingParams
-from pagedkv.server.errors import APIError
+from pagedkv.server.errors import APIError, error_body, from_exception
 from pagedkv.server.metrics import RequestTracker, ServerMetrics
 from pagedkv.server.protocol import PromptTokensDetails, UsageInfo, _SamplingFields
 
-__all__ = ["EngineRequest", "OpenAIServing", "RunningRequest", "cancel_on_disconnect", "new_request_id", "sse", "usage"]
+__all__ = [
+    "EngineRequest",
+    "OpenAIServing",
+    "RunningRequest",
+    "cancel_on_disconnect",
+    "new_request_id",
+    "sse",
+    "sse_stream",
+    "StreamedChoices",
+    "top_logprobs",
+    "usage",
+]
 
 T = TypeVar("T")
 
@@ -325,6 +337,57 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None
     if task.cancelled():
         return None
     return task.result()
+
+
+def top_logprobs(entries: dict[int, Logprob], k: int) -> list[Logprob]:
+    """The ``k`` most likely tokens at one position, best first (``entries``: one position's
+    logprobs from the engine, the chosen token's among them whatever its rank)."""
+    return sorted((e for e in entries.values() if e.rank is not None and e.rank <= k), key=lambda e: e.rank or 0)
+
+
+class Delta(NamedTuple):
+    """What a choice gained since its last chunk."""
+
+    text: str
+    first_token: int  # index in token_ids of its first new token
+    first: bool  # the choice's first chunk
+
+
+class StreamedChoices:
+    """What each choice of a streamed request has sent, so that a chunk carries only the new
+    part of the engine's cumulative output, and a choice ends with one chunk."""
+
+    def __init__(self) -> None:
+        self._text: dict[int, int] = {}  # characters of text sent, per choice
+        self._tokens: dict[int, int] = {}  # tokens sent, per choice
+        self._ended: set[int] = set()
+
+    def advance(self, index: int, c: CompletionOutput) -> Delta | None:
+        """The new part of choice ``index`` (now recorded as sent), or None when nothing is new
+        or its end was sent already."""
+        if index in self._ended:
+            return None
+        first = index not in self._text
+        text_from, tokens_from = self._text.get(index, 0), self._tokens.get(index, 0)
+        delta = c.text[text_from:]
+        if not delta and len(c.token_ids) == tokens_from and c.finish_reason is None:
+            return None
+        self._text[index], self._tokens[index] = len(c.text), len(c.token_ids)
+        if c.finish_reason is not None:
+            self._ended.add(index)
+        return Delta(delta, tokens_from, first)
+
+
+async def sse_stream(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """``chunks`` as server-sent events, then ``data: [DONE]``. Once a stream has started its
+    status is sent, so an error is reported in-band (``data: {"error": ...}``) before the end."""
+    try:
+        async for chunk in chunks:
+            yield sse(json.dumps(chunk))
+    except Exception as exc:
+        err = from_exception(exc)
+        yield sse(error_body(err.status, err.message, param=err.param, code=err.code).model_dump_json())
+    yield sse("[DONE]")
 
 
 def sse(data: str) -> str:
