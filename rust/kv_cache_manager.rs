@@ -707,6 +707,69 @@ impl KvCacheManager {
         self.add_sequence(tokens, extra, m)
     }
 
+    /// Reserves device blocks to receive the KV of `tokens`' first `num_blocks` full blocks
+    /// from another engine (disaggregated prefill), or `None` (changing nothing) if the pool
+    /// lacks room. The blocks this pool already caches (a verified *device* prefix hit; never
+    /// more than `num_blocks`) are shared, the rest are fresh. Returns the sequence and the
+    /// number of leading blocks that were hits: the caller fills the table's blocks after them
+    /// and then either `free`s the sequence, which registers them in the prefix cache like any
+    /// computed block, or `free_discarding_window`s it (transfer failed), which registers
+    /// nothing it did not already hold. At most `(tokens.len() - 1) / block_size` blocks, so a
+    /// prompt always keeps a token to compute (like a prefix hit).
+    ///
+    /// Until one of those calls the fresh blocks are in the sequence's write window: not in
+    /// the prefix cache, so no other request can hit them while their KV is arriving.
+    pub fn reserve_prefix(&mut self, tokens: Vec<u32>, extra: ExtraKey, num_blocks: usize) -> Option<(SeqId, usize)> {
+        let bs = self.block_size();
+        let num_blocks = num_blocks.min(tokens.len().saturating_sub(1) / bs);
+        let mut m = self.match_prefix(&tokens, &extra);
+        // Host and disk hits would need copies that only a scheduled step runs: stop there.
+        let keep = m.hits.iter().take(num_blocks).take_while(|h| h.tier == Tier::Device).count();
+        if keep < m.hits.len() {
+            m.hits.truncate(keep);
+            m.link = match m.hits.last() {
+                None => ChainLink::Root,
+                Some(h) => self.node_of(*h).map_or(ChainLink::Broken, ChainLink::Node),
+            };
+        }
+        let revived = m.hits.iter().filter(|h| self.pool.ref_count_unchecked(h.block) == 0).count();
+        if num_blocks - keep + revived > self.pool.num_free() {
+            return None;
+        }
+        let mut blocks: Vec<BlockId> = Vec::with_capacity(num_blocks);
+        for hit in &m.hits {
+            self.pool.acquire_unchecked(hit.block);
+            blocks.push(hit.block);
+        }
+        self.pool.allocate_into(num_blocks - keep, &mut blocks);
+        // A cached block this allocation evicted is not written back to the host tier: the
+        // transfer overwrites it before any step could copy it out. It is only a cache miss.
+        if self.pool.has_evicted() {
+            drop(self.pool.take_evicted());
+        }
+        let prompt_len = tokens.len();
+        let seq = Sequence {
+            tokens,
+            table: BlockTable::from_blocks(blocks),
+            tier: Tier::Device,
+            num_computed: num_blocks * bs,
+            write_start: keep * bs,
+            hashes: m.hashes,
+            num_registered: keep,
+            link: m.link,
+            prompt_len,
+            extra,
+            retention: RetentionPolicy::default(),
+        };
+        Some((self.insert(seq), keep))
+    }
+
+    /// Blocks of the cached prefix of `tokens` (no salt) a new sequence would find (tests).
+    #[cfg(test)]
+    pub(crate) fn cached_prefix_blocks(&mut self, tokens: &[u32]) -> usize {
+        self.match_prefix(tokens, &ExtraKey::new(None)).hits.len()
+    }
+
     /// Blocks `allocate_slots(id, n)` would take from the free pool (copy-on-write included).
     pub fn blocks_needed(&self, id: SeqId, n: usize) -> Result<usize> {
         let seq = self.seq(id)?;

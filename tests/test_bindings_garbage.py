@@ -198,3 +198,40 @@ def test_kv_event_methods_never_panic() -> None:
     assert isinstance(s.reset_prefix_cache(), int)
     assert isinstance(s.take_kv_events(0.0), (bytes, type(None)))
     s.check_invariants()
+
+
+def test_kv_transfer_methods_never_panic() -> None:
+    # Leases and reservations (disaggregated prefill / decode) with every garbage value, on a
+    # scheduler holding one of each.
+    s = Scheduler(SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64))
+    s.add_request("p", list(range(9)), max_tokens=1, hold_kv=True)
+    out = s.schedule()
+    s.update(out, [1])
+    assert s.kv_lease("p") is not None
+    assert s.reserve_kv("r", list(range(100, 113)), 3) is not None
+    for g in GARBAGE:
+        calls = (
+            lambda: s.add_request("h", [1, 2], max_tokens=1, hold_kv=g),  # type: ignore[arg-type]
+            lambda: s.kv_lease(g),  # type: ignore[arg-type]
+            lambda: s.release_kv_lease(g),  # type: ignore[arg-type]
+            lambda: s.reserve_kv(g, [1, 2, 3, 4, 5], 1),  # type: ignore[arg-type]
+            lambda: s.reserve_kv("x", g, 1),  # type: ignore[arg-type]
+            lambda: s.reserve_kv("y", [1, 2, 3, 4, 5], g),  # type: ignore[arg-type]
+            lambda: s.reserve_kv("z", [1, 2, 3, 4, 5], 1, g),  # type: ignore[arg-type]
+            lambda: s.commit_kv(g),  # type: ignore[arg-type]
+            lambda: s.cancel_kv(g),  # type: ignore[arg-type]
+        )
+        for call in calls:
+            try:
+                call()
+            except pagedkv.PagedKVError:
+                pass
+        s.check_invariants()
+    for name in s.kv_lease_ids():
+        assert s.release_kv_lease(name)
+    for name in ("r", "x", "y", "z"):
+        s.cancel_kv(name)
+    if s.has_unfinished_requests():
+        s.abort_request("h")
+    s.check_invariants()
+    assert s.stats().num_used_blocks == 0

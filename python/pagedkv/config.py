@@ -445,6 +445,8 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+    # KV transfer between engines (pagedkv.distributed.transfer_config.KVTransferConfig), or None.
+    kv_transfer: Any = None
 
     def __post_init__(self) -> None:
         for name, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduling", SchedulingConfig)):

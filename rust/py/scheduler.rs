@@ -593,7 +593,7 @@ impl PyScheduler {
     #[pyo3(signature = (
         request_id, prompt_token_ids, *, max_tokens, min_tokens = None, eos_token_ids = None,
         stop_token_ids = None, ignore_eos = None, priority = None, cache_salt = None, n = None,
-        retention_priority = None, retention_duration = None, retention_tokens = None
+        retention_priority = None, retention_duration = None, retention_tokens = None, hold_kv = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -611,6 +611,7 @@ impl PyScheduler {
         retention_priority: Option<&Bound<'_, PyAny>>,
         retention_duration: Option<&Bound<'_, PyAny>>,
         retention_tokens: Option<&Bound<'_, PyAny>>,
+        hold_kv: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let id_str = str_obj_arg(request_id, "request_id")?.clone();
         let opt_ids = |o: Option<&Bound<'_, PyAny>>, name: &str| -> PyResult<Vec<u32>> {
@@ -631,6 +632,7 @@ impl PyScheduler {
             priority: priority.map(|o| int_arg(o, "priority")).transpose()?.unwrap_or(0),
             cache_salt: salt_arg(cache_salt)?,
             retention: retention_arg(retention_priority, retention_duration, retention_tokens)?,
+            hold_kv: hold_kv.map(|o| bool_arg(o, "hold_kv")).transpose()?.unwrap_or(false),
         };
         let key = self.inner.add_request(req)?;
         self.names.set(key, id_str.unbind());
@@ -846,6 +848,57 @@ impl PyScheduler {
         let tokens = token_ids_arg(token_ids, "token_ids")?;
         let salt = salt_arg(cache_salt)?;
         Ok(self.inner.block_hashes(&tokens, salt.as_deref()))
+    }
+
+    /// The KV lease of ended request `request_id` (added with `hold_kv=True`): `(block_ids,
+    /// num_tokens)` — the blocks it held, in order, and how many leading tokens' KV they hold
+    /// (the first `num_tokens // block_size` blocks are full) — or None if there is none.
+    fn kv_lease(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Option<(Vec<u32>, usize)>> {
+        Ok(self.inner.kv_lease(str_obj_arg(request_id, "request_id")?.to_str()?))
+    }
+
+    /// Ends the KV lease of `request_id`, freeing its blocks (cached ones stay findable).
+    /// Returns False if there was none (already released, or never taken).
+    fn release_kv_lease(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.inner.release_kv_lease(str_obj_arg(request_id, "request_id")?.to_str()?))
+    }
+
+    /// The request ids whose KV leases are held.
+    fn kv_lease_ids(&self) -> Vec<String> {
+        self.inner.kv_lease_ids().iter().map(|s| s.to_string()).collect()
+    }
+
+    /// Reserves device blocks for KV of `prompt_token_ids`' first `max_blocks` full blocks
+    /// arriving from another engine (at most `(len - 1) // block_size`, so the last token is
+    /// computed here), under `cache_salt`. Returns `(num_hit_blocks, block_ids)`: the leading
+    /// blocks already cached here (shared, not to be transferred) and the fresh blocks that
+    /// receive blocks `num_hit_blocks, num_hit_blocks + 1, ...` — or None when the pool has no
+    /// room now. End it with `commit_kv` (the KV arrived) or `cancel_kv`.
+    #[pyo3(signature = (reservation_id, prompt_token_ids, max_blocks, cache_salt = None))]
+    fn reserve_kv(
+        &mut self,
+        reservation_id: &Bound<'_, PyAny>,
+        prompt_token_ids: &Bound<'_, PyAny>,
+        max_blocks: &Bound<'_, PyAny>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<(usize, Vec<u32>)>> {
+        let id = str_obj_arg(reservation_id, "reservation_id")?.to_str()?.to_string();
+        let prompt = token_ids_arg(prompt_token_ids, "prompt_token_ids")?;
+        let max_blocks = count_arg(max_blocks, "max_blocks")?;
+        let salt = salt_arg(cache_salt)?;
+        Ok(self.inner.reserve_kv(&id, prompt, max_blocks, salt.as_deref())?)
+    }
+
+    /// Ends reservation `reservation_id` once its KV arrived: its blocks enter the prefix
+    /// cache (a request for the prompt added now hits them). False for an unknown name.
+    fn commit_kv(&mut self, reservation_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.inner.commit_kv(str_obj_arg(reservation_id, "reservation_id")?.to_str()?))
+    }
+
+    /// Ends reservation `reservation_id` without its KV: the reserved blocks are freed
+    /// uncached. False for an unknown name.
+    fn cancel_kv(&mut self, reservation_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.inner.cancel_kv(str_obj_arg(reservation_id, "reservation_id")?.to_str()?))
     }
 
     /// Raises InvariantViolationError if any bookkeeping is inconsistent.

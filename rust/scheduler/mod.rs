@@ -27,6 +27,7 @@
 //! ([`crate::kv_events`]); [`Scheduler::block_hashes`] gives a prompt's wire hashes.
 
 mod config;
+mod kv_transfer;
 mod output;
 mod request;
 mod stats;
@@ -79,6 +80,10 @@ pub struct Scheduler {
     /// forward by [`Scheduler::advance_clock`] in tests and simulations).
     clock_origin: std::time::Instant,
     clock_offset_us: u64,
+    /// KV leases of ended `hold_kv` requests, by request id (see `kv_transfer`).
+    kv_leases: HashMap<Arc<str>, SeqId>,
+    /// Blocks reserved for KV arriving from another engine, by reservation name.
+    kv_reservations: HashMap<Arc<str>, SeqId>,
 }
 
 impl Scheduler {
@@ -105,6 +110,8 @@ impl Scheduler {
             counters: Counters::default(),
             clock_origin: std::time::Instant::now(),
             clock_offset_us: 0,
+            kv_leases: HashMap::new(),
+            kv_reservations: HashMap::new(),
         })
     }
 
@@ -223,6 +230,7 @@ impl Scheduler {
             forked: r.n == 1,
             num_cached_tokens: 0,
             admitted_once: false,
+            hold_kv: r.hold_kv,
         });
         let branch = self.branches.insert(Branch {
             req: key,
@@ -853,6 +861,13 @@ impl Scheduler {
     /// and is reported with that branch's reason.
     fn finish_branch(&mut self, b: BranchKey, reason: FinishReason) {
         let req_key = self.branches.get(b).map(|x| x.req);
+        let seq = self.branches.get(b).and_then(|x| x.seq);
+        if let (Some(req), Some(seq)) = (req_key.and_then(|k| self.requests.get(k)), seq) {
+            if req.hold_kv {
+                let id = req.id.clone();
+                self.take_kv_lease(&id, seq);
+            }
+        }
         self.drop_branch(b);
         let Some(req_key) = req_key else { return };
         let done = match self.requests.get_mut(req_key) {
@@ -939,6 +954,8 @@ impl Scheduler {
             blocks_written_to_disk: t.blocks_to_disk,
             blocks_read_from_disk: t.blocks_from_disk,
             num_disk_writes_skipped: t.disk_writes_skipped,
+            num_kv_leases: self.kv_leases.len(),
+            num_kv_reservations: self.kv_reservations.len(),
         }
     }
 
@@ -1086,12 +1103,18 @@ impl Scheduler {
         if seen != self.branches.len() {
             return bad(format!("{} branches exist but {seen} are queued", self.branches.len()));
         }
-        if self.kv.num_sequences() != self.running.len() + swapped {
+        let held = self.kv_leases.len() + self.kv_reservations.len();
+        if self.kv.num_sequences() != self.running.len() + swapped + held {
             return bad(format!(
-                "{} sequences for {} running and {swapped} swapped branches",
+                "{} sequences for {} running and {swapped} swapped branches and {held} KV leases / reservations",
                 self.kv.num_sequences(),
                 self.running.len()
             ));
+        }
+        for &seq in self.kv_leases.values().chain(self.kv_reservations.values()) {
+            if self.kv.seq(seq).map_or(true, |s| s.tier() != Tier::Device) {
+                return bad(format!("KV lease or reservation {seq} is not a device sequence"));
+            }
         }
         let mut branch_count = 0;
         for (key, req) in self.requests.iter() {

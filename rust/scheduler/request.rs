@@ -62,6 +62,9 @@ pub struct NewRequest {
     /// Retention of the prompt's blocks in the prefix cache once free (priority 0..=100,
     /// optional duration).
     pub retention: RetentionPolicy,
+    /// Keep the KV of the request when it ends, under a lease, for another engine to read
+    /// (disaggregated prefill; see `Scheduler::kv_lease`).
+    pub hold_kv: bool,
 }
 
 impl NewRequest {
@@ -79,6 +82,7 @@ impl NewRequest {
             priority: 0,
             cache_salt: None,
             retention: RetentionPolicy::default(),
+            hold_kv: false,
         }
     }
 
@@ -132,6 +136,8 @@ pub(crate) struct Request {
     /// Prompt tokens found in the prefix cache at first admission.
     pub num_cached_tokens: usize,
     pub admitted_once: bool,
+    /// Take a KV lease when the first branch ends (`NewRequest::hold_kv`).
+    pub hold_kv: bool,
 }
 
 /// One sample stream of a request.

@@ -154,6 +154,10 @@ scheduler_stats! {
         pub blocks_read_from_disk: u64,
         /// Evicted cached host blocks not written to disk (no room).
         pub num_disk_writes_skipped: u64,
+        /// KV leases held for remote readers (ended `hold_kv` requests; their blocks count as used).
+        pub num_kv_leases: usize,
+        /// Block reservations waiting for KV from another engine (their blocks count as used).
+        pub num_kv_reservations: usize,
     }
 }
 

@@ -328,3 +328,83 @@ mod kv_events {
         );
     }
 }
+
+/// Runs steps, sampling token 9, until no request is left.
+fn run_to_end(s: &mut Scheduler) {
+    while s.has_unfinished_requests() {
+        let out = s.schedule().unwrap();
+        let sampled = vec![9u32; out.num_sampled()];
+        s.update(out.step_id, &sampled).unwrap();
+        s.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn kv_lease_holds_the_prompt_blocks_until_released() {
+    let mut s = Scheduler::new(SchedulerConfig::new(4, 16)).unwrap();
+    let prompt: Vec<u32> = (0..10).collect();
+    let mut r = NewRequest::new("p", prompt.clone(), 1);
+    r.hold_kv = true;
+    s.add_request(r).unwrap();
+    assert!(s.kv_lease("p").is_none(), "no lease before the request ends");
+    run_to_end(&mut s);
+    let (blocks, num_tokens) = s.kv_lease("p").unwrap();
+    assert_eq!((blocks.len(), num_tokens), (3, 10));
+    assert_eq!(s.stats().num_used_blocks, 3);
+    assert_eq!(s.stats().num_kv_leases, 1);
+    // Memory pressure cannot take them: a request needing every other block still runs.
+    s.add_request(NewRequest::new("q", (100..150).collect(), 1)).unwrap();
+    run_to_end(&mut s);
+    assert_eq!(s.kv_lease("p").unwrap().0, blocks);
+    assert!(s.release_kv_lease("p"));
+    assert!(!s.release_kv_lease("p"), "a lease is released once");
+    assert_eq!(s.stats().num_used_blocks, 0);
+    s.check_invariants().unwrap();
+    // Aborted requests take no lease.
+    let mut r = NewRequest::new("a", prompt, 5);
+    r.hold_kv = true;
+    s.add_request(r).unwrap();
+    let out = s.schedule().unwrap();
+    s.update(out.step_id, &vec![9u32; out.num_sampled()]).unwrap();
+    s.abort_request("a").unwrap();
+    assert!(s.kv_lease("a").is_none());
+    assert_eq!(s.stats().num_used_blocks, 0);
+}
+
+#[test]
+fn kv_reservation_merges_local_hits_and_commits_into_the_prefix_cache() {
+    let mut s = Scheduler::new(SchedulerConfig::new(4, 32)).unwrap();
+    let prompt: Vec<u32> = (0..18).collect();
+    // This pool already caches the first block.
+    s.add_request(NewRequest::new("warm", prompt[..6].to_vec(), 1)).unwrap();
+    run_to_end(&mut s);
+    let (hits, fresh) = s.reserve_kv("r", prompt.clone(), 10, None).unwrap().unwrap();
+    // (18 - 1) / 4 = 4 blocks at most; the first is a local hit.
+    assert_eq!((hits, fresh.len()), (1, 3));
+    assert_eq!(s.stats().num_kv_reservations, 1);
+    s.check_invariants().unwrap();
+    assert!(matches!(s.reserve_kv("r", prompt.clone(), 1, None), Err(CoreError::DuplicateRequest(_))));
+    // Not findable while the KV is arriving.
+    assert_eq!(s.kv.cached_prefix_blocks(&prompt), 1);
+    assert!(s.commit_kv("r"));
+    assert!(!s.commit_kv("r"));
+    assert_eq!(s.kv.cached_prefix_blocks(&prompt), 4);
+    s.add_request(NewRequest::new("d", prompt.clone(), 2)).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_tokens(), 2, "16 of 18 prompt tokens come from the reservation");
+    s.update(out.step_id, &vec![9u32; out.num_sampled()]).unwrap();
+    run_to_end(&mut s);
+    // A cancelled reservation leaves nothing cached past the hits.
+    let other: Vec<u32> = (200..218).collect();
+    let (hits, fresh) = s.reserve_kv("c", other.clone(), 4, None).unwrap().unwrap();
+    assert_eq!((hits, fresh.len()), (0, 4));
+    // No room (31 blocks wanted, 28 free): None, nothing changed.
+    let big: Vec<u32> = (300..425).collect();
+    assert!(s.reserve_kv("big", big, 40, None).unwrap().is_none());
+    assert_eq!(s.stats().num_kv_reservations, 1);
+    assert!(s.cancel_kv("c"));
+    assert_eq!(s.kv.cached_prefix_blocks(&other), 0);
+    assert_eq!(s.stats().num_used_blocks, 0);
+    s.check_invariants().unwrap();
+    assert!(matches!(s.reserve_kv("e", Vec::new(), 1, None), Err(CoreError::InvalidArgument(_))));
+}

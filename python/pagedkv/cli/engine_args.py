@@ -2,7 +2,7 @@
 from the dataclass so a new engine argument is a new flag without touching the CLI.
 
 Types come from the annotations (``int``, ``float``, ``str``, optional or not); a ``bool``
-becomes ``--flag`` / ``--no-flag``. The help text is the field's bullet in the EngineArgs
+becomes ``--flag`` / ``--no-flag``; a structured one (``kv_transfer_config``) takes JSON text. The help text is the field's bullet in the EngineArgs
 docstring. Values are validated by EngineArgs itself (a ConfigError names the field).
 """
 
@@ -57,6 +57,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default = f.default
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif kind not in (int, float, str):
+            # A structured argument (kv_transfer_config): JSON text, parsed by EngineArgs.
+            group.add_argument(flag, type=str, default=default, metavar="JSON", help=f"{help_text} (JSON)")
         else:
             group.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: {default})")
 

@@ -198,7 +198,8 @@ class GlooTransport(KVTransport):
             kv_bytes = 2 * layout.num_layers * n * layout.block_bytes
             shape = (layout.num_layers, 2, n, *kv.shape[3:])
             ids = local_ids.to(kv.device)
-            with state["lock"]:
+            # An engine's cache is an inference tensor: it may only be written in inference mode.
+            with state["lock"], torch.inference_mode():
                 if handle.error is None:
                     kv.index_copy_(2, ids, buf[:kv_bytes].view(kv.dtype).view(shape).to(kv.device))
                     if self._scale is not None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from pagedkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulingConfig
+from pagedkv.distributed.transfer_config import KVTransferConfig
 from pagedkv.errors import ConfigError
 
 __all__ = ["EngineArgs"]
@@ -53,6 +54,10 @@ class EngineArgs:
     - ``attention_backend``: ``"triton"``, ``"cpu"``, ``"torch"`` or ``None`` (Triton on CUDA,
       the Rust decode kernel + torch on the CPU).
     - ``seed``: seed of the global generator used by unseeded random sampling.
+    - ``kv_transfer_config``: take part in disaggregated prefill / decode (a
+      :class:`~pagedkv.distributed.transfer_config.KVTransferConfig`, a dict, or its JSON text,
+      e.g. ``{"role": "consumer", "transport": "nixl"}``); requests then accept
+      ``kv_transfer_params``.
 
     Every value is checked when the arguments are built (:meth:`create_engine_config`, called
     by ``__post_init__``): a bad one raises :class:`~pagedkv.errors.ConfigError` naming the
@@ -84,6 +89,7 @@ class EngineArgs:
     attention_backend: str | None = None
     seed: int = 0
     trust_remote_code: bool = False
+    kv_transfer_config: KVTransferConfig | None = None
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:
@@ -98,6 +104,8 @@ class EngineArgs:
         for name in ("model", "tokenizer", "kv_cache_dir"):
             if isinstance(getattr(self, name), os.PathLike):
                 setattr(self, name, os.fspath(getattr(self, name)))
+        if self.kv_transfer_config is not None:
+            self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config)
         self.create_engine_config()
 
     def create_engine_config(self) -> EngineConfig:
@@ -134,4 +142,5 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 preemption_mode=self.preemption_mode,
             ),
+            kv_transfer=self.kv_transfer_config,
         )

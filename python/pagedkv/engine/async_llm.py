@@ -120,6 +120,9 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._dead: EngineDeadError | None = None
         self._kv_event_sink: Callable[[bytes], None] | None = None
+        if engine.kv_connector is not None:
+            # A pull that ends wakes an idle loop (a no-op command), which then steps.
+            engine.kv_connector.wake = lambda: self._post(lambda: None)
         self._thread = threading.Thread(target=self._run_loop, name="pagedkv-step-loop", daemon=True)
         self._thread.start()
 
@@ -133,6 +136,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> RequestStream:
         """Queue a request and return its :class:`RequestStream`. Bad input raises its typed
         :mod:`pagedkv.errors` exception here, before anything streams (a server answers 400
@@ -142,7 +146,14 @@ class AsyncLLM:
         stream = _Stream(asyncio.get_running_loop())
 
         def add() -> None:
-            self.engine.add_request(request_id, prompt, sampling_params, priority=priority, cache_salt=cache_salt)
+            self.engine.add_request(
+                request_id,
+                prompt,
+                sampling_params,
+                priority=priority,
+                cache_salt=cache_salt,
+                kv_transfer_params=kv_transfer_params,
+            )
             self._streams[request_id] = stream
 
         try:
@@ -161,10 +172,18 @@ class AsyncLLM:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's cumulative :class:`RequestOutput` after every step that
         advances it; the last one has ``finished=True``."""
-        stream = await self.add_request(prompt, sampling_params, request_id, priority=priority, cache_salt=cache_salt)
+        stream = await self.add_request(
+            prompt,
+            sampling_params,
+            request_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            kv_transfer_params=kv_transfer_params,
+        )
         try:
             async for out in stream:
                 yield out
@@ -243,7 +262,12 @@ class AsyncLLM:
                 # Wait for work only when nothing runs; otherwise take what is queued and step.
                 commands = []
                 if not self.engine.has_unfinished_requests():
-                    commands.append(self._commands.get())
+                    # Idle: wait for a command, or until the next KV lease expires.
+                    try:
+                        commands.append(self._commands.get(timeout=self.engine.next_kv_lease_expiry()))
+                    except queue.Empty:
+                        pass
+                    self.engine.poll_kv_transfer()
                 while True:
                     try:
                         commands.append(self._commands.get_nowait())

@@ -31,28 +31,38 @@ for the step in flight to end. ``AsyncLLM`` drives the engine from one thread in
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedkv._core import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
+from pagedkv.distributed.transfer_config import RemotePrefill, parse_kv_transfer_params
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.outputs import Logprob, RequestOutput
 from pagedkv.engine.prompts import PromptType, to_token_ids
 from pagedkv.engine.request_state import RequestState
 from pagedkv.errors import (
     ConfigError,
+    DuplicateRequestError,
+    InvalidArgumentError,
     InvalidTypeError,
+    KVTransferError,
     ModelLoadError,
+    PagedKVError,
+    PromptTooLongError,
     UnknownRequestError,
 )
 from pagedkv.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedkv.sample.sampling_params import SamplingParams
 from pagedkv.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from pagedkv.distributed.connector import KVConnector
 
 __all__ = ["LLMEngine"]
 
@@ -74,6 +84,10 @@ class LLMEngine:
         from pagedkv.config import check_pool_holds_one_request
 
         self.args = args = engine_args
+        # Threading contract: every public method takes this lock, so add_request and
+        # abort_request may be called from any thread; they wait for a step in flight (one
+        # forward) to end. Tokenization in add_request happens before taking it.
+        self._lock = threading.RLock()
         # Validated once (pagedkv.config); the runner and the scheduler take its parts.
         self.config = config = args.create_engine_config()
         torch.manual_seed(config.model.seed)
@@ -126,10 +140,6 @@ class LLMEngine:
             "failed_steps": 0,
             "failed_requests": 0,
         }
-        # Threading contract: every public method takes this lock, so add_request and
-        # abort_request may be called from any thread; they wait for a step in flight (one
-        # forward) to end. Tokenization in add_request happens before taking it.
-        self._lock = threading.RLock()
         # A request in this many consecutive failed steps is failed on its own
         # (finish_reason "error"). _charged: ids of requests with a failure count to clear
         # (may hold ids that left the engine since; the counts live on the states).
@@ -137,6 +147,14 @@ class LLMEngine:
         self._charged: set[str] = set()
         # Outputs of requests failed by a step that raised; returned by the next step().
         self._failed_outputs: list[RequestOutput] = []
+        # KV transfer between engines (kv_transfer_config): the connector, and the scheduler
+        # add of each request waiting for remote KV (run once its KV arrived or failed).
+        self.kv_connector: KVConnector | None = None
+        self._adds_after_load: dict[str, Callable[[], None]] = {}
+        if config.kv_transfer is not None:
+            from pagedkv.distributed.connector import KVConnector
+
+            self.kv_connector = KVConnector(config.kv_transfer, self.scheduler, self.runner, self._lock)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -156,6 +174,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> None:
         """Queue a request. Raises (changing nothing) on a duplicate id, invalid parameters, an
         empty prompt, a prompt longer than ``max_model_len`` or token ids outside the vocabulary.
@@ -163,6 +182,10 @@ class LLMEngine:
         ``priority``: lower is served first under ``scheduling_policy="priority"``.
         ``cache_salt``: the request's prefix-cache namespace: its blocks are shared only with
         requests under the same salt (vLLM's ``cache_salt``, e.g. one per tenant).
+        ``kv_transfer_params`` (an engine with ``kv_transfer_config``): ``{"do_remote_decode":
+        True}`` holds the KV when the request ends and puts where it is in the final output's
+        ``kv_transfer_params``; a producer's such params (``do_remote_prefill``) pull the
+        prompt's KV from it before the request is scheduled (see pagedkv.distributed.connector).
 
         Everything the request needs later (token ids, the checks that depend on the model,
         its generators and detokenizers) is built before the scheduler sees it, so a request
@@ -176,28 +199,110 @@ class LLMEngine:
         if arrival_time is not None and not isinstance(arrival_time, (int, float)):
             raise InvalidTypeError(f"arrival_time must be a number or None, got {type(arrival_time).__name__}")
         self._check_params_for_model(params)
+        transfer = self._check_kv_transfer_params(kv_transfer_params)
         text, prompt_ids = to_token_ids(prompt, self.tokenizer, self.runner.vocab_size)
         state = RequestState(request_id, text, prompt_ids, params, self.tokenizer, self.runner.device, arrival_time)
+        state.hold_kv = transfer is True
         max_tokens = (
             params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(prompt_ids))
         )
+        add = functools.partial(
+            self.scheduler.add_request,
+            request_id,
+            prompt_ids,
+            max_tokens=max_tokens,
+            min_tokens=params.min_tokens,
+            eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
+            stop_token_ids=params.stop_token_ids or [],
+            ignore_eos=params.ignore_eos,
+            priority=priority,
+            n=params.n,
+            retention_priority=params.retention_priority,
+            retention_duration=params.retention_duration,
+            retention_tokens=params.retention_tokens,
+            cache_salt=cache_salt,
+            hold_kv=state.hold_kv,
+        )
         with self._lock:
-            self.scheduler.add_request(
-                request_id,
-                prompt_ids,
-                max_tokens=max_tokens,
-                min_tokens=params.min_tokens,
-                eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
-                stop_token_ids=params.stop_token_ids or [],
-                ignore_eos=params.ignore_eos,
-                priority=priority,
-                n=params.n,
-                retention_priority=params.retention_priority,
-                retention_duration=params.retention_duration,
-                retention_tokens=params.retention_tokens,
-                cache_salt=cache_salt,
-            )
+            if isinstance(transfer, RemotePrefill) and self._start_kv_load(state, transfer, cache_salt, add):
+                return  # waiting for remote KV: added to the scheduler when it arrives
+            add()
             self.requests[request_id] = state
+
+    def _check_kv_transfer_params(self, kv_transfer_params: Any) -> bool | RemotePrefill | None:
+        """The parsed params (see ``parse_kv_transfer_params``), refused on an engine whose
+        ``kv_transfer_config`` cannot serve them."""
+        transfer = parse_kv_transfer_params(kv_transfer_params)
+        if transfer is None:
+            return None
+        connector = self.kv_connector
+        if connector is None:
+            raise InvalidArgumentError("kv_transfer_params need an engine started with kv_transfer_config")
+        if transfer is True and not connector.config.is_producer:
+            raise InvalidArgumentError("do_remote_decode needs a KV producer (kv_transfer_config.role)")
+        if isinstance(transfer, RemotePrefill) and not connector.config.is_consumer:
+            raise InvalidArgumentError("do_remote_prefill needs a KV consumer (kv_transfer_config.role)")
+        return transfer
+
+    def _start_kv_load(
+        self, state: RequestState, remote: RemotePrefill, cache_salt: str | None, add: Callable[[], None]
+    ) -> bool:
+        """Starts pulling ``state``'s prompt KV; True when the request now waits for it (its
+        scheduler ``add`` runs when it arrives). The scheduler's own checks run first, as far
+        as they can without adding it, so that a request that waits can be added later."""
+        connector = self.kv_connector
+        assert connector is not None
+        rid, prompt_ids = state.request_id, state.prompt_token_ids
+        if rid in self.requests:
+            raise DuplicateRequestError(f"request {rid!r} is already live")
+        if len(prompt_ids) > self.max_model_len:
+            raise PromptTooLongError(
+                f"request {rid!r}: prompt of {len(prompt_ids)} tokens exceeds max_model_len = {self.max_model_len}"
+            )
+        if state.params.n > self.config.scheduling.max_num_seqs:
+            raise InvalidArgumentError(
+                f"request {rid!r}: n = {state.params.n} exceeds max_num_seqs = {self.config.scheduling.max_num_seqs}"
+            )
+        try:
+            waiting = connector.start_load(rid, prompt_ids, remote, cache_salt)
+        except KVTransferError as exc:  # refused before anything moved (another KV format)
+            if connector.config.kv_load_failure_policy == "fail":
+                raise
+            logger.warning("request %r: %s; its prompt is computed here", rid, exc)
+            waiting = False
+        if waiting:
+            self.requests[rid] = state
+            self._adds_after_load[rid] = add
+        return waiting
+
+    def _add_loaded_requests(self) -> None:
+        """Requests whose remote KV arrived (or failed) go to the scheduler (or fail, under the
+        ``fail`` policy)."""
+        connector = self.kv_connector
+        if connector is None or not connector.loads:
+            return
+        for load in connector.take_finished_loads():
+            add = self._adds_after_load.pop(load.request_id, None)
+            state = self.requests.get(load.request_id)
+            if add is None or state is None:
+                continue
+            if load.error is not None and connector.config.kv_load_failure_policy == "fail":
+                self._failed_outputs.append(self._fail_request(state, KVTransferError(load.error)))
+                continue
+            try:
+                add()
+            except PagedKVError as exc:  # cannot happen: checked at add_request
+                self._failed_outputs.append(self._fail_request(state, exc))
+
+    def poll_kv_transfer(self) -> None:
+        """Frees expired KV leases (a producer's idle loop calls it; ``step`` does it too)."""
+        if self.kv_connector is not None:
+            with self._lock:
+                self.kv_connector.poll()
+
+    def next_kv_lease_expiry(self) -> float | None:
+        """Seconds until the next KV lease expires, None when none is held."""
+        return None if self.kv_connector is None else self.kv_connector.next_lease_expiry()
 
     def _check_params_for_model(self, params: SamplingParams) -> None:
         """The checks of ``params`` that need the model (its vocabulary)."""
@@ -230,7 +335,11 @@ class LLMEngine:
                 if state is None:
                     unknown.append(rid)
                     continue
-                self.scheduler.abort_request(rid)
+                if self._adds_after_load.pop(rid, None) is not None and self.kv_connector is not None:
+                    # Waiting for remote KV: its blocks are freed when the read ends.
+                    self.kv_connector.abandon(rid)
+                else:
+                    self.scheduler.abort_request(rid)
                 state.end("abort")
                 outputs.append(state.output())
         if unknown:
@@ -256,7 +365,13 @@ class LLMEngine:
         ``finish_reason="error"`` and ``error`` set, is returned by the next ``step()``. A
         failure in one request's output processing (detokenization, logprobs) fails only that
         request, in this step's outputs."""
+        connector = self.kv_connector
+        if connector is not None and connector.loads and not self.scheduler.has_unfinished_requests():
+            connector.wait_for_loads(0.02)  # only pulls in flight: wait for one, not spin
         with self._lock:
+            if connector is not None:
+                connector.poll()
+                self._add_loaded_requests()
             out = self.scheduler.schedule()
             now = time.time()
             for rid in dict.fromkeys(out.req_ids):
@@ -345,9 +460,12 @@ class LLMEngine:
         return copied
 
     def shutdown(self) -> None:
-        """Flush the KV cache to the disk tier, if there is one (:meth:`flush_kv_cache`)."""
+        """Flush the KV cache to the disk tier, if there is one (:meth:`flush_kv_cache`), and
+        close the KV connector (its transport, control socket and thread)."""
         if self.runner.disk_cache is not None:
             self.flush_kv_cache()
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     def _update_cost_model(self, num_tokens: int, seconds: float) -> None:
         """Feeds the scheduler's auto preemption rule the forward throughput of prefill-sized
@@ -396,7 +514,9 @@ class LLMEngine:
         try:
             self.scheduler.abort_request(state.request_id)
         except UnknownRequestError:
-            pass  # it had just finished in the scheduler
+            pass  # it had just finished in the scheduler (or was waiting for remote KV)
+        if state.hold_kv and self.kv_connector is not None:
+            self.kv_connector.drop_lease(state.request_id)
         state.error = exc
         state.end("error")
         self._counters["failed_requests"] += 1
@@ -461,6 +581,8 @@ class LLMEngine:
             if state.finished:
                 state.metrics.finished_time = now
                 del self.requests[rid]
+                if state.hold_kv and self.kv_connector is not None:
+                    state.kv_transfer_params = self.kv_connector.lease_params(rid, state.prompt_token_ids)
             outputs.append(state.output())
         return outputs + failed
 
@@ -518,6 +640,9 @@ class LLMEngine:
         stats["recompute_tokens_per_s"] = self._recompute_tokens_per_s
         stats["kv_cache_dtype"] = self.runner.geometry.dtype
         stats["kv_bytes_per_token"] = self.runner.geometry.bytes_per_token
+        if self.kv_connector is not None:
+            with self._lock:
+                stats.update(self.kv_connector.stats())
         return stats
 
 

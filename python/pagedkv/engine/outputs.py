@@ -8,6 +8,7 @@ batch of outputs stays readable; the fields themselves always hold everything.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "CompletionOutput",
@@ -105,6 +106,10 @@ class RequestOutput:
     ``error`` is set (``"ExceptionType: message"``) when the engine failed the request — a step
     that raised while it was in the batch, too often, or a failure in its own output
     processing; its unfinished completions then have ``finish_reason="error"``.
+
+    ``kv_transfer_params`` is set on the final output of a ``do_remote_decode`` request on a KV
+    producer: where a decode engine pulls its KV from (forward it as that request's
+    ``kv_transfer_params``).
     """
 
     request_id: str
@@ -115,6 +120,7 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = field(default=0)
     error: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return (

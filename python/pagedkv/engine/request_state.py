@@ -68,6 +68,10 @@ class RequestState:
         self.num_failed_steps = 0
         # Why the engine gave up on this request (finish_reason "error"), if it did.
         self.error: BaseException | None = None
+        # KV transfer: hold the KV for a remote reader when it ends (do_remote_decode), and the
+        # params that tell the reader where it is (set when it ends).
+        self.hold_kv = False
+        self.kv_transfer_params: dict[str, Any] | None = None
         wants_logprobs = params.logprobs is not None
         self.samples = [
             SampleState(
@@ -108,4 +112,5 @@ class RequestState:
             metrics=self.metrics,
             num_cached_tokens=self.metrics.num_cached_tokens,
             error=None if self.error is None else f"{type(self.error).__name__}: {self.error}",
+            kv_transfer_params=self.kv_transfer_params,
         )

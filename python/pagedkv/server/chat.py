@@ -99,7 +99,13 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
         )
         for c in out.outputs
     ]
-    body = ChatCompletionResponse(id=request_id, model=serving.model_name, choices=choices, usage=usage(outputs))
+    body = ChatCompletionResponse(
+        id=request_id,
+        model=serving.model_name,
+        choices=choices,
+        usage=usage(outputs),
+        kv_transfer_params=out.kv_transfer_params,
+    )
     return JSONResponse(body.model_dump())
 
 

@@ -65,7 +65,13 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest, 
                     stop_reason=c.stop_reason,
                 )
             )
-    body = CompletionResponse(id=request_id, model=serving.model_name, choices=choices, usage=usage(outputs))
+    body = CompletionResponse(
+        id=request_id,
+        model=serving.model_name,
+        choices=choices,
+        usage=usage(outputs),
+        kv_transfer_params=outputs[0].kv_transfer_params,
+    )
     return JSONResponse(body.model_dump())
 
 

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from pagedkv.errors import (
     EngineDeadError,
     InvalidArgumentError,
+    KVTransferError,
     PagedKVError,
     RequestFailedError,
     UnknownRequestError,
@@ -72,6 +73,8 @@ def from_exception(exc: BaseException) -> APIError:
         return APIError(500, str(exc))
     if isinstance(exc, UnknownRequestError):
         return APIError(404, str(exc))
+    if isinstance(exc, KVTransferError):  # the KV producer (a peer) failed or cannot match
+        return APIError(502, str(exc), code=type(exc).__name__)
     if isinstance(exc, (InvalidArgumentError, PagedKVError, ValueError, TypeError)):
         # ConfigError (sampling parameters), PromptTooLongError, InvalidTokenError, ...
         return APIError(400, str(exc), code=type(exc).__name__)

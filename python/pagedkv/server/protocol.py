@@ -93,6 +93,9 @@ class _SamplingFields(_Strict):
     retention_priority: int | None = None
     retention_duration: float | None = None
     retention_tokens: int | None = None
+    # Disaggregated prefill / decode (vLLM's field): {"do_remote_decode": true} on a KV
+    # producer, or a producer's answer on a consumer (checked by the engine).
+    kv_transfer_params: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(param, message)`` of the first field set to something pagedkv does not implement."""
@@ -223,6 +226,8 @@ class CompletionResponse(_Response):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    # Where a do_remote_decode request's KV is held (a KV producer's answer), else None.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class TopLogprob(_Response):
@@ -259,6 +264,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class DeltaMessage(_Response):

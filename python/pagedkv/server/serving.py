@@ -102,6 +102,13 @@ class OpenAIServing:
             raise APIError(400, problem[1], param=problem[0])
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        params = request.kv_transfer_params
+        if params is not None and params.get("do_remote_decode") and request.stream:
+            raise APIError(
+                400,
+                "do_remote_decode needs stream=false: the answer carries the kv_transfer_params",
+                param="kv_transfer_params",
+            )
 
     def sampling_params(self, request: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams for ``request`` (a ConfigError on a bad value is a 400)."""
@@ -173,6 +180,8 @@ class OpenAIServing:
                 f"(max_queued_requests={self.max_queued_requests}); retry later",
                 code="server_overloaded",
             )
+        if request.kv_transfer_params is not None and len(requests) > 1:
+            raise APIError(400, "kv_transfer_params take a single prompt", param="kv_transfer_params")
         running = RunningRequest(self, len(requests))
         try:
             for i, r in enumerate(requests):
@@ -180,7 +189,12 @@ class OpenAIServing:
                 running.queue(i)
                 running.streams.append(
                     await self.engine.add_request(
-                        r.prompt, r.params, rid, priority=request.priority, cache_salt=request.cache_salt
+                        r.prompt,
+                        r.params,
+                        rid,
+                        priority=request.priority,
+                        cache_salt=request.cache_salt,
+                        kv_transfer_params=request.kv_transfer_params,
                     )
                 )
                 running.trackers.append(self.metrics.start_request(rid, running.arrival))

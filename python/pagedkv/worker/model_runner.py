@@ -209,6 +209,8 @@ class ModelRunner:
         static_scales = None
         if cache_config.kv_cache_scales == "checkpoint":
             static_scales = load_checkpoint_kv_scales(self.model_path, self.num_layers, self.num_kv_heads)
+        # Checkpoint scales (and no key rotation) change what the KV bytes mean.
+        self.kv_static_scales = static_scales is not None
 
         num_blocks = cache_config.num_blocks
         if num_blocks is None:
@@ -267,7 +269,7 @@ class ModelRunner:
         self.disk_cache: DiskKVStore | None = None
         self.num_disk_blocks = 0
         if self.kv_cache_dir is not None:
-            self.disk_cache = self._open_disk_tier(cache_config, static_scales is not None)
+            self.disk_cache = self._open_disk_tier(cache_config)
             self.num_disk_blocks = self.disk_cache.num_slots
         self.kv_scales: list[KVScales] | None = None
         if self.kv_scale_cache is not None:
@@ -592,7 +594,24 @@ class ModelRunner:
             num_blocks = MAX_NUM_BLOCKS
         return num_blocks
 
-    def _open_disk_tier(self, cache: CacheConfig, checkpoint_scales: bool) -> DiskKVStore:
+    def kv_fingerprint(self) -> dict[str, Any]:
+        """What must match for KV written by another engine (a disk file, a transferred block)
+        to be valid here: the model (path, a digest of its config and weight files) and the KV
+        format (layers, heads, head_dim, dtypes, scale mode, block size)."""
+        return disk_fingerprint(
+            self.model_path,
+            geometry={
+                "num_layers": self.num_layers,
+                "num_kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim,
+                "dtype": str(self.dtype),
+                "kv_cache_dtype": str(self.kv_cache_dtype),
+                "kv_cache_scales": "checkpoint" if self.kv_static_scales else "dynamic",
+                "block_size": self.block_size,
+            },
+        )
+
+    def _open_disk_tier(self, cache: CacheConfig) -> DiskKVStore:
         """The disk tier below the host tier (``kv_cache_dir``): its files' fingerprint and its
         slot count (``kv_cache_dir_max_bytes``, default 4 GiB, at most the disk's free space)."""
         if self.host_cache is None or self.kv_cache_dir is None:
@@ -602,18 +621,7 @@ class ModelRunner:
             )
         if not cache.enable_prefix_caching:
             raise ConfigError("kv_cache_dir (the disk tier) holds prefix-cache blocks: it needs enable_prefix_caching")
-        fingerprint = disk_fingerprint(
-            self.model_path,
-            geometry={
-                "num_layers": self.num_layers,
-                "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim,
-                "dtype": str(self.dtype),
-                "kv_cache_dtype": str(self.kv_cache_dtype),
-                "kv_cache_scales": "checkpoint" if checkpoint_scales else "dynamic",
-                "block_size": self.block_size,
-            },
-        )
+        fingerprint = self.kv_fingerprint()
         tensors = [self.host_cache.kv_cache] + (
             [] if self.host_cache.kv_scale_cache is None else [self.host_cache.kv_scale_cache]
         )

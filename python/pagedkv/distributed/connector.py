@@ -1,0 +1,393 @@
+"""The KV connector: one engine's side of disaggregated prefill / decode.
+
+It joins three parts: the Rust scheduler's leases and reservations
+(``Scheduler.kv_lease`` / ``reserve_kv``, see rust/scheduler/kv_transfer.rs), a
+:class:`~pagedkv.distributed.kv_transport.KVTransport` that moves the bytes (NIXL or gloo),
+and the control plane (:mod:`pagedkv.distributed.control`: handshake and lease release).
+
+**Producer** (``role`` producer/both). A request added with ``{"do_remote_decode": true}``
+holds its KV when it ends: :meth:`lease_params` turns the scheduler's lease into the
+``kv_transfer_params`` of its output (engine id, control address, block ids, number of tokens,
+block size, KV dtype, prompt digest) and starts the lease clock. The lease ends when the reader
+releases it over the control plane, or after ``lease_seconds`` (:meth:`poll`).
+
+**Consumer** (``role`` consumer/both). A request added with ``{"do_remote_prefill": true, ...}``
+is not given to the scheduler at once. :meth:`start_load` reserves blocks for the prompt's full
+blocks (sharing what this engine already caches; only the rest is pulled) and hands the pull
+to the connector's thread, which handshakes with the producer when it first meets it (the
+transport refuses another layout; the fingerprint must match), reads the blocks (coalesced
+runs), and releases the lease; a release that finds the lease gone means the blocks may have
+been reused mid-read, so the pull failed. Meanwhile the request is *waiting for remote KV*: not
+scheduled, its blocks outside the prefix cache. :meth:`take_finished_loads`, called by the
+engine before every step, commits the blocks that arrived (they enter the prefix cache, and the
+request added next hits them) or cancels the reservation; the engine then adds the request to
+the scheduler (recompute policy, or success) or fails it (``fail`` policy).
+
+Threading: ``start_load``, ``abandon``, ``take_finished_loads``, ``lease_params``, ``poll`` run
+on the engine's thread under its lock. The transport is used only by the connector's thread
+(and its own internals); the control server's release handler takes the engine's lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pagedkv.distributed.control import ControlServer, control_call
+from pagedkv.distributed.kv_transport import KVTransport, TransferHandle, make_transport
+from pagedkv.distributed.transfer_config import KVTransferConfig, RemotePrefill, prompt_digest
+from pagedkv.errors import ConfigError, InvalidArgumentError, KVTransferError, PagedKVError
+
+if TYPE_CHECKING:
+    from pagedkv._core import Scheduler
+    from pagedkv.worker.model_runner import ModelRunner
+
+__all__ = ["FinishedLoad", "KVConnector"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.0005  # the transfer thread's poll of reads in flight
+
+
+@dataclass
+class _Load:
+    """One pull: ``remote_block_ids[num_hit_blocks:]`` of the producer into ``local_block_ids``."""
+
+    request_id: str
+    remote: RemotePrefill
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    started: float = field(default_factory=time.monotonic)
+    handle: TransferHandle | None = None
+    error: str | None = None
+    abandoned: bool = False  # aborted while the read was in flight (engine thread only)
+    release_only: bool = False  # nothing to read (all cached here, or no room): end the lease
+
+
+@dataclass(frozen=True)
+class FinishedLoad:
+    """A pull that ended: ``error`` is None when the KV arrived (and was committed)."""
+
+    request_id: str
+    error: str | None
+    num_blocks: int
+    seconds: float
+
+
+def _fingerprint_for_peers(runner: ModelRunner) -> dict[str, Any]:
+    # The model's path may differ between machines; its digest and the KV format may not.
+    fp = dict(runner.kv_fingerprint())
+    fp.pop("model", None)
+    return fp
+
+
+class KVConnector:
+    """See the module docs. ``lock`` is the engine's lock; ``wake`` is called (from the
+    connector's thread) when a pull ends, so an idle step loop can pick it up."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        lock: threading.RLock,
+        wake: Callable[[], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.engine_id = config.engine_id or f"pagedkv-{uuid.uuid4().hex[:12]}"
+        self.scheduler = scheduler
+        self.block_size = runner.block_size
+        self.kv_dtype = str(runner.kv_cache.dtype).removeprefix("torch.")
+        self.fingerprint = _fingerprint_for_peers(runner)
+        self._lock = lock
+        self.wake = wake
+        self.transport: KVTransport = make_transport(
+            config.transport,  # type: ignore[arg-type]
+            engine_id=self.engine_id,
+            rank=config.gloo_rank,
+            world_size=config.gloo_world_size,
+            init_method=config.gloo_init_method,
+            timeout=config.connect_timeout,
+        )
+        self.transport.register_kv_cache(runner.kv_cache, runner.kv_scale_cache)
+        self._metadata = self.transport.local_metadata().decode()
+        self.counters = {
+            "kv_leases_granted": 0,
+            "kv_leases_released": 0,
+            "kv_leases_expired": 0,
+            "kv_loads_ok": 0,
+            "kv_loads_failed": 0,
+            "kv_blocks_pulled": 0,
+            "kv_transfer_seconds": 0.0,
+        }
+        # Producer: request id -> monotonic deadline of its lease.
+        self.leases: dict[str, float] = {}
+        self.control: ControlServer | None = None
+        if config.is_producer:
+            self.control = ControlServer(
+                config.control_host, config.control_port, {"metadata": self._on_metadata, "release": self._on_release}
+            )
+        # Consumer: pulls by request id (engine thread), the transfer thread's queues.
+        self.loads: dict[str, _Load] = {}
+        self._jobs: queue.Queue[_Load | None] = queue.Queue()
+        self._done: queue.Queue[_Load] = queue.Queue()
+        self._peers: dict[str, str] = {}  # control address -> transport peer id (transfer thread)
+        self._thread: threading.Thread | None = None
+        if config.is_consumer:
+            self._thread = threading.Thread(target=self._run_transfers, name="pagedkv-kv-pull", daemon=True)
+            self._thread.start()
+            for address in config.peers:
+                try:
+                    self._ensure_peer(address)
+                except KVTransferError as e:  # not up yet: handshaken on first use instead
+                    logger.info("KV producer %s: no handshake at start (%s)", address, e)
+
+    @property
+    def address(self) -> str | None:
+        """This producer's control address (``tcp://host:port``), None for a consumer."""
+        return None if self.control is None else self.control.address
+
+    # ------------------------------------------------------------------ producer side
+
+    def lease_params(self, request_id: str, prompt_token_ids: list[int]) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` of an ended ``do_remote_decode`` request, starting its
+        lease clock; None if the scheduler took no lease (aborted, failed)."""
+        lease = self.scheduler.kv_lease(request_id)
+        if lease is None or self.control is None:
+            return None
+        block_ids, num_tokens = lease
+        self.leases[request_id] = time.monotonic() + self.config.lease_seconds
+        self.counters["kv_leases_granted"] += 1
+        remote = RemotePrefill(
+            remote_engine_id=self.engine_id,
+            remote_address=self.control.address,
+            remote_request_id=request_id,
+            remote_block_ids=tuple(block_ids),
+            remote_num_tokens=min(num_tokens, len(prompt_token_ids)),
+            remote_block_size=self.block_size,
+            remote_kv_dtype=self.kv_dtype,
+            prompt_digest=prompt_digest(prompt_token_ids),
+        )
+        return remote.to_params()
+
+    def drop_lease(self, request_id: str) -> None:
+        """Ends ``request_id``'s lease now, if any (its request failed before reporting it)."""
+        self.leases.pop(request_id, None)
+        self.scheduler.release_kv_lease(request_id)
+
+    def _on_metadata(self, request: dict[str, Any]) -> dict[str, Any]:
+        return {"ok": True, "metadata": self._metadata, "fingerprint": self.fingerprint, "engine_id": self.engine_id}
+
+    def _on_release(self, request: dict[str, Any]) -> dict[str, Any]:
+        request_id = request.get("request_id")
+        if not isinstance(request_id, str):
+            return {"ok": False, "error": "release needs a request_id (str)"}
+        with self._lock:
+            held = self.leases.pop(request_id, None) is not None and self.scheduler.release_kv_lease(request_id)
+            if held:
+                self.counters["kv_leases_released"] += 1
+        return {"ok": True, "held": held}
+
+    def next_lease_expiry(self) -> float | None:
+        """Seconds until the next lease expires (0 if one has), None when none is held."""
+        if not self.leases:
+            return None
+        return max(0.0, min(self.leases.values()) - time.monotonic())
+
+    def poll(self) -> None:
+        """Frees the blocks of expired leases (engine thread, under the engine lock)."""
+        if not self.leases:
+            return
+        now = time.monotonic()
+        for request_id in [r for r, deadline in self.leases.items() if deadline <= now]:
+            del self.leases[request_id]
+            if self.scheduler.release_kv_lease(request_id):
+                self.counters["kv_leases_expired"] += 1
+                logger.info("KV lease of %r expired after %.1fs", request_id, self.config.lease_seconds)
+
+    # ------------------------------------------------------------------ consumer side
+
+    def start_load(
+        self, request_id: str, prompt_token_ids: list[int], remote: RemotePrefill, cache_salt: str | None
+    ) -> bool:
+        """Reserves blocks for ``remote``'s KV and starts pulling the ones not cached here.
+        Returns False when there is nothing to wait for (nothing to pull, or no room now: the
+        caller adds the request at once and it computes what it lacks). Raises
+        InvalidArgumentError for params that do not belong to this prompt, and
+        KVTransferError for a producer whose format cannot match (before anything is held)."""
+        if not self.config.is_consumer:
+            raise InvalidArgumentError(f"engine {self.engine_id!r} is not a KV consumer (kv_transfer_config.role)")
+        if remote.prompt_digest != prompt_digest(prompt_token_ids):
+            raise InvalidArgumentError("kv_transfer_params belong to another prompt (prompt_digest differs)")
+        if remote.remote_block_size != self.block_size or remote.remote_kv_dtype != self.kv_dtype:
+            raise KVTransferError(
+                f"producer {remote.remote_engine_id!r} has {remote.remote_block_size}-token blocks of "
+                f"{remote.remote_kv_dtype}, this engine {self.block_size}-token blocks of {self.kv_dtype}"
+            )
+        full_blocks = min(remote.remote_num_tokens, len(prompt_token_ids)) // self.block_size
+        reserved = self.scheduler.reserve_kv(request_id, prompt_token_ids, full_blocks, cache_salt)
+        if reserved is None or not reserved[1]:
+            if reserved is None:
+                logger.info("no room for %d blocks for %r: its prompt is computed here", full_blocks, request_id)
+            else:
+                self.scheduler.commit_kv(request_id)  # all cached here already (or nothing full)
+            # Nothing to read: the producer's lease can end now rather than at its expiry.
+            self._jobs.put(_Load(request_id, remote, [], [], release_only=True))
+            return False
+        num_hits, fresh = reserved
+        load = _Load(
+            request_id=request_id,
+            remote=remote,
+            remote_block_ids=list(remote.remote_block_ids[num_hits : num_hits + len(fresh)]),
+            local_block_ids=list(fresh),
+        )
+        self.loads[request_id] = load
+        self._jobs.put(load)
+        return True
+
+    def is_loading(self, request_id: str) -> bool:
+        return request_id in self.loads
+
+    def abandon(self, request_id: str) -> None:
+        """The request was aborted while its KV is arriving: its blocks are released when the
+        read ends (they cannot be reused while it may still write them)."""
+        load = self.loads.get(request_id)
+        if load is not None:
+            load.abandoned = True
+
+    def wait_for_loads(self, timeout: float) -> None:
+        """Blocks up to ``timeout`` seconds for a pull to end (an idle engine with pulls only)."""
+        if self.loads and self._done.empty():
+            try:
+                load = self._done.get(timeout=timeout)
+            except queue.Empty:
+                return
+            self._done.put(load)
+
+    def take_finished_loads(self) -> list[FinishedLoad]:
+        """Pulls that ended since the last call, reservations committed (KV arrived) or
+        cancelled; abandoned ones are left out (their request is gone)."""
+        finished: list[FinishedLoad] = []
+        while True:
+            try:
+                load = self._done.get_nowait()
+            except queue.Empty:
+                return finished
+            self.loads.pop(load.request_id, None)
+            seconds = time.monotonic() - load.started
+            if load.error is None:
+                self.scheduler.commit_kv(load.request_id)
+                self.counters["kv_loads_ok"] += 1
+                self.counters["kv_blocks_pulled"] += len(load.local_block_ids)
+                self.counters["kv_transfer_seconds"] += seconds
+            else:
+                self.scheduler.cancel_kv(load.request_id)
+                self.counters["kv_loads_failed"] += 1
+                logger.warning("KV pull for %r failed: %s", load.request_id, load.error)
+            if not load.abandoned:
+                finished.append(FinishedLoad(load.request_id, load.error, len(load.local_block_ids), seconds))
+
+    # ------------------------------------------------------------------ the transfer thread
+
+    def _ensure_peer(self, address: str) -> str:
+        """The transport's peer id for the producer at ``address``, handshaking the first time."""
+        peer = self._peers.get(address)
+        if peer is not None:
+            return peer
+        reply = control_call(address, {"op": "metadata"}, self.config.handshake_timeout)
+        if reply.get("fingerprint") != self.fingerprint:
+            raise KVTransferError(
+                f"producer at {address} serves another model or KV format: {reply.get('fingerprint')} "
+                f"!= {self.fingerprint}"
+            )
+        metadata = reply.get("metadata")
+        if not isinstance(metadata, str):
+            raise KVTransferError(f"producer at {address} sent no transport metadata")
+        try:
+            peer = self.transport.add_peer(metadata.encode())
+        except (ConfigError, ValueError) as e:  # another layout or transport: refused at handshake
+            raise KVTransferError(f"handshake with the producer at {address} refused: {e}") from e
+        self._peers[address] = peer
+        return peer
+
+    def _start_read(self, load: _Load) -> None:
+        try:
+            peer = self._ensure_peer(load.remote.remote_address)
+            load.handle = self.transport.read_blocks(peer, load.remote_block_ids, load.local_block_ids)
+        except PagedKVError as e:  # KVTransferError, InvalidBlockError (blocks it never had)...
+            self._peers.pop(load.remote.remote_address, None)
+            load.error = f"{type(e).__name__}: {e}"
+
+    def _release_lease(self, load: _Load) -> None:
+        """Ends the producer's lease; a lease that had already ended fails the load (its blocks
+        may have been reused while they were read)."""
+        try:
+            reply = control_call(
+                load.remote.remote_address,
+                {"op": "release", "request_id": load.remote.remote_request_id},
+                self.config.handshake_timeout,
+            )
+            if load.error is None and not reply.get("held"):
+                load.error = "the producer's lease had ended before the read completed (blocks may have been reused)"
+        except KVTransferError as e:
+            if load.error is None:
+                load.error = f"lease release failed: {e}"
+
+    def _finish(self, load: _Load) -> None:
+        """The read is over: release the lease (confirming it held throughout), then report."""
+        self._release_lease(load)
+        self._done.put(load)
+        if self.wake is not None:
+            self.wake()
+
+    def _run_transfers(self) -> None:
+        in_flight: list[_Load] = []
+        while True:
+            try:
+                job = self._jobs.get(timeout=_POLL_S) if in_flight else self._jobs.get()
+            except queue.Empty:
+                job = None
+            else:
+                if job is None:
+                    return  # close()
+                if job.release_only:
+                    self._release_lease(job)
+                else:
+                    self._start_read(job)
+                    in_flight.append(job)
+            still = []
+            for load in in_flight:
+                if load.error is None and load.handle is not None:
+                    try:
+                        if not self.transport.done(load.handle):
+                            if time.monotonic() - load.started <= self.config.transfer_timeout:
+                                still.append(load)
+                                continue
+                            self.transport.wait(load.handle, 0.0)  # raises: cancels and reports the timeout
+                    except KVTransferError as e:
+                        self._peers.pop(load.remote.remote_address, None)
+                        load.error = str(e)
+                self._finish(load)
+            in_flight = still
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.counters,
+            "num_kv_waiting_for_remote": len(self.loads),
+            "kv_transfer_engine_id": self.engine_id,
+            "kv_transfer_address": self.address,
+        }
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout=10)
+        if self.control is not None:
+            self.control.close()
+        self.transport.close()

@@ -1,0 +1,224 @@
+"""``kv_transfer_config`` (how an engine takes part in KV transfer) and ``kv_transfer_params``
+(what one request asks of it), both validated here so bad values fail before anything moves.
+
+Per request (vLLM's pull flow, the same key names):
+
+- ``{"do_remote_decode": true}`` on a **producer**: run the prompt (a proxy sends
+  ``max_tokens=1``) and, when the request ends, hold its KV blocks under a lease for a decode
+  engine to read. The request's output carries the :class:`RemotePrefill` fields to forward.
+- ``{"do_remote_prefill": true, "remote_engine_id": ..., ...}`` on a **consumer**: the prompt's
+  KV is on that engine: reserve blocks, pull the ones not cached here, then decode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pagedkv.errors import ConfigError, InvalidArgumentError
+
+__all__ = ["KVTransferConfig", "RemotePrefill", "parse_kv_transfer_params", "prompt_digest"]
+
+ROLES = ("producer", "consumer", "both")
+TRANSPORTS = ("nixl", "gloo", "auto")
+FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """How an engine takes part in KV transfer (``EngineArgs.kv_transfer_config``; the CLI's
+    ``--kv-transfer-config '{"role": "consumer"}'`` is this as JSON).
+
+    - ``role``: ``"producer"`` (prefills and lends its KV), ``"consumer"`` (pulls KV, then
+      decodes) or ``"both"``.
+    - ``transport``: ``"nixl"``, ``"gloo"`` (torch.distributed; needs the ``gloo_*`` fields) or
+      ``"auto"`` (NIXL when installed, else gloo).
+    - ``engine_id``: this engine's name in ``kv_transfer_params`` (default: a random one).
+    - ``control_host`` / ``control_port``: where a producer answers handshakes and lease
+      releases (a ZMQ socket; port 0 picks a free one). Bind to loopback unless the peers are
+      remote.
+    - ``peers``: control addresses (``tcp://host:port``) of producers a consumer handshakes with
+      at start; others are handshaken on first use, from the address in the request's params.
+    - ``kv_load_failure_policy``: when a pull fails (dead peer, lease gone, transfer error),
+      ``"recompute"`` the prompt here or ``"fail"`` the request with ``KVTransferError``.
+    - ``lease_seconds``: how long a producer holds a finished request's blocks for a reader
+      (> 0); expired leases are freed, and a read that finishes after its lease ended is
+      treated as failed.
+    - ``handshake_timeout``, ``transfer_timeout``: seconds (> 0) for a control call and for
+      one pull; ``connect_timeout``: for a gloo group to form at start (both engines loading).
+    - ``gloo_rank``, ``gloo_world_size``, ``gloo_init_method`` (``tcp://host:port``): this
+      engine's place in the private gloo group (rank 0 hosts the store).
+    """
+
+    role: str = "both"
+    transport: str = "auto"
+    engine_id: str | None = None
+    control_host: str = "127.0.0.1"
+    control_port: int = 0
+    peers: tuple[str, ...] = field(default_factory=tuple)
+    kv_load_failure_policy: str = "recompute"
+    lease_seconds: float = 30.0
+    handshake_timeout: float = 10.0
+    transfer_timeout: float = 30.0
+    connect_timeout: float = 300.0
+    gloo_rank: int | None = None
+    gloo_world_size: int | None = None
+    gloo_init_method: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"kv_transfer_config.role must be one of {ROLES}, got {self.role!r}")
+        if self.transport not in TRANSPORTS:
+            raise ConfigError(f"kv_transfer_config.transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.kv_load_failure_policy not in FAILURE_POLICIES:
+            raise ConfigError(
+                f"kv_transfer_config.kv_load_failure_policy must be one of {FAILURE_POLICIES}, "
+                f"got {self.kv_load_failure_policy!r}"
+            )
+        for name in ("lease_seconds", "handshake_timeout", "transfer_timeout", "connect_timeout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"kv_transfer_config.{name} must be a number > 0, got {value!r}")
+        if isinstance(self.control_port, bool) or not isinstance(self.control_port, int):
+            raise ConfigError(f"kv_transfer_config.control_port must be an int, got {self.control_port!r}")
+        if not 0 <= self.control_port < 65536:
+            raise ConfigError(f"kv_transfer_config.control_port must be in 0..65535, got {self.control_port}")
+        if isinstance(self.peers, str) or not all(isinstance(p, str) for p in self.peers):
+            raise ConfigError(f"kv_transfer_config.peers must be a list of tcp://host:port, got {self.peers!r}")
+        object.__setattr__(self, "peers", tuple(self.peers))
+        if self.engine_id is not None and (not isinstance(self.engine_id, str) or not self.engine_id):
+            raise ConfigError(f"kv_transfer_config.engine_id must be a non-empty str, got {self.engine_id!r}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("producer", "both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.role in ("consumer", "both")
+
+    @classmethod
+    def from_any(cls, value: KVTransferConfig | Mapping[str, Any] | str) -> KVTransferConfig:
+        """A config from itself, a dict, or its JSON text (the CLI flag)."""
+        if isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ConfigError(f"kv_transfer_config is not valid JSON: {e}") from e
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"kv_transfer_config must be a dict or JSON object, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"unknown kv_transfer_config key(s) {unknown}; known: {sorted(known)}")
+        return cls(**dict(value))
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """A short digest of prompt token ids: a consumer checks that the KV it is about to pull
+    belongs to the prompt it was given (a proxy that rewrote the prompt would otherwise get
+    another text's KV)."""
+    return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """Where a prompt's KV is: the producer's answer, forwarded by the proxy to a consumer.
+
+    ``remote_block_ids`` hold the KV of the first ``remote_num_tokens`` prompt tokens (the
+    leading ``remote_num_tokens // remote_block_size`` blocks are full); the producer holds
+    them under the lease of ``remote_request_id`` at control address ``remote_address``."""
+
+    remote_engine_id: str
+    remote_address: str
+    remote_request_id: str
+    remote_block_ids: tuple[int, ...]
+    remote_num_tokens: int
+    remote_block_size: int
+    remote_kv_dtype: str
+    prompt_digest: str
+
+    def to_params(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["remote_block_ids"] = list(self.remote_block_ids)
+        return {"do_remote_prefill": True, "do_remote_decode": False, **d}
+
+
+_PREFILL_KEYS = {f.name for f in dataclasses.fields(RemotePrefill)}
+_FLAG_KEYS = {"do_remote_prefill", "do_remote_decode"}
+
+
+def parse_kv_transfer_params(params: Any) -> bool | RemotePrefill | None:
+    """``None`` (no transfer), ``True`` (``do_remote_decode``: hold the KV for a reader) or the
+    :class:`RemotePrefill` to pull. Anything else — unknown keys, both flags, wrong types,
+    negative ids — raises InvalidArgumentError naming the problem."""
+    if params is None:
+        return None
+    if not isinstance(params, Mapping):
+        raise InvalidArgumentError(f"kv_transfer_params must be a dict, got {type(params).__name__}")
+    unknown = sorted(set(params) - _PREFILL_KEYS - _FLAG_KEYS)
+    if unknown:
+        raise InvalidArgumentError(f"unknown kv_transfer_params key(s) {unknown}")
+    for flag in _FLAG_KEYS:
+        if flag in params and not isinstance(params[flag], bool):
+            raise InvalidArgumentError(f"kv_transfer_params.{flag} must be a bool, got {params[flag]!r}")
+    decode, prefill = bool(params.get("do_remote_decode")), bool(params.get("do_remote_prefill"))
+    if decode and prefill:
+        raise InvalidArgumentError("kv_transfer_params cannot ask for both do_remote_decode and do_remote_prefill")
+    if decode:
+        extra = sorted(set(params) & _PREFILL_KEYS)
+        if extra:
+            raise InvalidArgumentError(f"kv_transfer_params with do_remote_decode takes no {extra}")
+        return True
+    if not prefill:
+        if set(params) & _PREFILL_KEYS:
+            raise InvalidArgumentError("kv_transfer_params name a remote prefill but do_remote_prefill is not true")
+        return None
+    missing = sorted(_PREFILL_KEYS - set(params))
+    if missing:
+        raise InvalidArgumentError(f"kv_transfer_params with do_remote_prefill lack {missing}")
+
+    def text(name: str) -> str:
+        value = params[name]
+        if not isinstance(value, str) or not value:
+            raise InvalidArgumentError(f"kv_transfer_params.{name} must be a non-empty str, got {value!r}")
+        return value
+
+    def count(name: str, minimum: int) -> int:
+        value = params[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise InvalidArgumentError(f"kv_transfer_params.{name} must be an int >= {minimum}, got {value!r}")
+        return value
+
+    ids = params["remote_block_ids"]
+    if not isinstance(ids, (list, tuple)) or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in ids):
+        raise InvalidArgumentError("kv_transfer_params.remote_block_ids must be a list of ints >= 0")
+    address = text("remote_address")
+    if not address.startswith("tcp://"):
+        raise InvalidArgumentError(f"kv_transfer_params.remote_address must be tcp://host:port, got {address!r}")
+    remote = RemotePrefill(
+        remote_engine_id=text("remote_engine_id"),
+        remote_address=address,
+        remote_request_id=text("remote_request_id"),
+        remote_block_ids=tuple(ids),
+        remote_num_tokens=count("remote_num_tokens", 0),
+        remote_block_size=count("remote_block_size", 1),
+        remote_kv_dtype=text("remote_kv_dtype"),
+        prompt_digest=text("prompt_digest"),
+    )
+    needed = -(-remote.remote_num_tokens // remote.remote_block_size)
+    if len(remote.remote_block_ids) < needed:
+        raise InvalidArgumentError(
+            f"kv_transfer_params: {len(remote.remote_block_ids)} block ids cannot hold "
+            f"{remote.remote_num_tokens} tokens of {remote.remote_block_size}-token blocks"
+        )
+    return remote

@@ -1,0 +1,331 @@
+"""Disaggregated prefill / decode between two real engines (the embedded SmolLM2), per transport.
+
+Both engines live in this process (the engine API is the same as behind a server; the
+server-level flow with separate processes and the router is in test_router_disagg.py and
+test_disagg_server.py). The producer prefills with ``max_tokens=1`` and
+``{"do_remote_decode": true}``; its output's ``kv_transfer_params`` go to the consumer, which
+pulls the prompt's KV over NIXL (host memory) or gloo and decodes. Every greedy output is
+compared with a plain engine's, and both engines must end with no block used, no lease and no
+reservation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import pagedkv.distributed.connector as connector_module
+from pagedkv import LLMEngine, SamplingParams
+from pagedkv.distributed.kv_transport import nixl_available
+from pagedkv.engine.outputs import RequestOutput
+from pagedkv.errors import ConfigError, InvalidArgumentError, KVTransferError
+
+TIMEOUT = 60.0
+ENGINE = dict(device="cpu", dtype="float32", num_blocks=64, block_size=16, max_model_len=256)
+TEXT = (
+    "Paged attention stores the key and value cache in fixed-size blocks, so that a sequence is "
+    "logically contiguous but physically scattered across the pool, and blocks return to a free "
+    "list when a request finishes. Blocks can be shared between requests by reference count."
+)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+TRANSPORTS = [
+    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")),
+    "gloo",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_pair(transport: str, **engine: Any) -> tuple[LLMEngine, LLMEngine]:
+    """A producer and a consumer engine. For gloo the two form one group, so the consumer (rank
+    0, the store) is built in a thread and waits in the group's rendezvous while the producer
+    is built; the producer's model loads only once the consumer's has (transformers' loading
+    is not thread-safe)."""
+    kw = {**ENGINE, **engine}
+    if transport != "gloo":
+        producer = LLMEngine(**kw, kv_transfer_config={"role": "producer", "transport": transport})
+        consumer = LLMEngine(
+            **kw, kv_transfer_config={"role": "consumer", "transport": transport, "transfer_timeout": 20.0}
+        )
+        return producer, consumer
+    gloo = {"gloo_world_size": 2, "gloo_init_method": f"tcp://127.0.0.1:{_free_port()}", "connect_timeout": TIMEOUT}
+    at_rendezvous = threading.Event()
+    real_make_transport = connector_module.make_transport
+
+    def make_transport(*args: Any, **kwargs: Any) -> Any:
+        at_rendezvous.set()
+        return real_make_transport(*args, **kwargs)
+
+    box: list[Any] = []
+
+    def build_consumer() -> None:
+        cfg = {"role": "consumer", "transport": "gloo", "transfer_timeout": 20.0, "gloo_rank": 0, **gloo}
+        try:
+            box.append(LLMEngine(**kw, kv_transfer_config=cfg))
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            box.append(e)
+        at_rendezvous.set()
+
+    connector_module.make_transport = make_transport  # type: ignore[assignment]
+    try:
+        thread = threading.Thread(target=build_consumer)
+        thread.start()
+        assert at_rendezvous.wait(TIMEOUT)
+    finally:
+        connector_module.make_transport = real_make_transport  # type: ignore[assignment]
+    producer = LLMEngine(**kw, kv_transfer_config={"role": "producer", "transport": "gloo", "gloo_rank": 1, **gloo})
+    thread.join(TIMEOUT)
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return producer, box[0]
+
+
+def run(engine: LLMEngine, rid: str, prompt: Any, params: SamplingParams, kv: Any = None) -> RequestOutput:
+    """Adds one request and steps until it ends; its final output."""
+    engine.add_request(rid, prompt, params, kv_transfer_params=kv)
+    deadline = time.monotonic() + TIMEOUT
+    final = None
+    while final is None:
+        assert time.monotonic() < deadline, f"{rid} did not finish"
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                final = out
+    return final
+
+
+def prefill(producer: LLMEngine, rid: str, prompt: Any) -> dict[str, Any]:
+    out = run(producer, rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), {"do_remote_decode": True})
+    assert out.kv_transfer_params is not None
+    return out.kv_transfer_params
+
+
+def drain(engine: LLMEngine) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while engine.has_unfinished_requests() or (engine.kv_connector is not None and engine.kv_connector.loads):
+        assert time.monotonic() < deadline
+        engine.step()
+
+
+def assert_idle(*engines: LLMEngine) -> None:
+    for e in engines:
+        drain(e)
+        e.poll_kv_transfer()
+        stats = e.get_stats()
+        assert stats["num_used_blocks"] == 0, stats
+        assert stats["num_kv_leases"] == 0 and stats["num_kv_reservations"] == 0, stats
+        e.scheduler.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def reference() -> Iterator[LLMEngine]:
+    engine = LLMEngine(**ENGINE)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def pair(request: pytest.FixtureRequest) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    producer, consumer = make_pair(request.param)
+    yield producer, consumer
+    consumer.shutdown()
+    producer.shutdown()
+
+
+@pytest.fixture
+def clean(pair: tuple[LLMEngine, LLMEngine], reference: LLMEngine) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    for e in (*pair, reference):
+        e.reset_prefix_cache()
+    yield pair
+    assert_idle(*pair)
+
+
+def prompt_ids(reference: LLMEngine, n: int) -> list[int]:
+    ids = reference.tokenizer(TEXT * 3)["input_ids"]
+    assert len(ids) >= n
+    return list(ids[:n])
+
+
+_ids = iter(range(10**6))
+
+
+def rid(tag: str) -> str:
+    return f"{tag}-{next(_ids)}"
+
+
+@pytest.mark.parametrize("length", [5, 32, 45])
+def test_disaggregated_greedy_equals_one_engine(clean: Any, reference: LLMEngine, length: int) -> None:
+    # 5 tokens: less than a block (nothing to pull, the lease is released at once); 32: block
+    # aligned (the last block is recomputed, so 1 block moves); 45: two full blocks move.
+    producer, consumer = clean
+    prompt = {"prompt_token_ids": prompt_ids(reference, length)}
+    params = prefill(producer, rid("p"), prompt)
+    assert params["remote_num_tokens"] == length and len(params["remote_block_ids"]) == -(-length // 16)
+    pulled = consumer.get_stats()["kv_blocks_pulled"]
+    out = run(consumer, rid("d"), prompt, GREEDY, params)
+    expected = run(reference, rid("r"), prompt, GREEDY)
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert consumer.get_stats()["kv_blocks_pulled"] - pulled == (length - 1) // 16
+    assert out.num_cached_tokens == (length - 1) // 16 * 16
+
+
+def test_decode_side_prefix_hits_are_not_pulled(clean: Any, reference: LLMEngine) -> None:
+    producer, consumer = clean
+    ids = prompt_ids(reference, 70)  # 4 full blocks move at most
+    run(consumer, rid("warm"), {"prompt_token_ids": ids[:40]}, SamplingParams(max_tokens=1))  # caches 2 blocks
+    params = prefill(producer, rid("p"), {"prompt_token_ids": ids})
+    pulled = consumer.get_stats()["kv_blocks_pulled"]
+    out = run(consumer, rid("d"), {"prompt_token_ids": ids}, GREEDY, params)
+    assert consumer.get_stats()["kv_blocks_pulled"] - pulled == 2  # blocks 2 and 3 only
+    assert out.num_cached_tokens == 64
+    assert out.outputs[0].token_ids == run(reference, rid("r"), {"prompt_token_ids": ids}, GREEDY).outputs[0].token_ids
+    # The whole prompt cached on the decode side: nothing moves, the lease still ends now.
+    params = prefill(producer, rid("p"), {"prompt_token_ids": ids})
+    out = run(consumer, rid("d"), {"prompt_token_ids": ids}, GREEDY, params)
+    assert consumer.get_stats()["kv_blocks_pulled"] - pulled == 2
+    deadline = time.monotonic() + TIMEOUT
+    while producer.get_stats()["num_kv_leases"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_parallel_samples_fork_after_the_pull(clean: Any, reference: LLMEngine) -> None:
+    producer, consumer = clean
+    prompt = {"prompt_token_ids": prompt_ids(reference, 50)}
+    sampled = SamplingParams(n=3, max_tokens=8, temperature=0.8, seed=7)
+    params = prefill(producer, rid("p"), prompt)
+    out = run(consumer, rid("d"), prompt, sampled, params)
+    expected = run(reference, rid("r"), prompt, sampled)
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in expected.outputs]
+
+
+def test_abort_while_the_kv_is_arriving_frees_everything(clean: Any, reference: LLMEngine) -> None:
+    producer, consumer = clean
+    prompt = {"prompt_token_ids": prompt_ids(reference, 60)}
+    params = prefill(producer, rid("p"), prompt)
+    r = rid("d")
+    consumer.add_request(r, prompt, GREEDY, kv_transfer_params=params)
+    assert consumer.kv_connector is not None and consumer.kv_connector.is_loading(r)
+    (aborted,) = consumer.abort_request(r)
+    assert aborted.outputs[0].finish_reason == "abort"
+    # Its blocks stay reserved until the read ends, then are freed; the lease is released.
+    assert_idle(consumer)
+    deadline = time.monotonic() + TIMEOUT
+    while producer.get_stats()["num_kv_leases"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_expired_lease_recomputes_or_fails(clean: Any, reference: LLMEngine) -> None:
+    producer, consumer = clean
+    assert producer.kv_connector is not None and consumer.kv_connector is not None
+    prompt = {"prompt_token_ids": prompt_ids(reference, 60)}
+    expected = run(reference, rid("r"), prompt, GREEDY).outputs[0].token_ids
+    p_cfg, c_cfg = producer.kv_connector.config, consumer.kv_connector.config
+    try:
+        producer.kv_connector.config = dataclasses.replace(p_cfg, lease_seconds=0.05)
+        for policy in ("recompute", "fail"):
+            consumer.kv_connector.config = dataclasses.replace(c_cfg, kv_load_failure_policy=policy)
+            consumer.reset_prefix_cache()  # the recomputed prompt would be a local hit
+            params = prefill(producer, rid("p"), prompt)
+            time.sleep(0.1)
+            producer.poll_kv_transfer()
+            assert producer.get_stats()["num_kv_leases"] == 0 and producer.get_stats()["num_used_blocks"] == 0
+            failed = consumer.get_stats()["kv_loads_failed"]
+            out = run(consumer, rid("d"), prompt, GREEDY, params)
+            assert consumer.get_stats()["kv_loads_failed"] == failed + 1
+            if policy == "recompute":
+                assert out.outputs[0].token_ids == expected
+            else:
+                assert out.error is not None and "KVTransferError" in out.error and "lease" in out.error
+                assert out.outputs[0].finish_reason == "error"
+    finally:
+        producer.kv_connector.config, consumer.kv_connector.config = p_cfg, c_cfg
+
+
+def test_bad_kv_transfer_params_are_refused(clean: Any, reference: LLMEngine) -> None:
+    producer, consumer = clean
+    prompt = {"prompt_token_ids": prompt_ids(reference, 40)}
+    params = prefill(producer, rid("p"), prompt)
+    bad = [
+        {"do_remote_prefil": True},
+        {"do_remote_decode": "yes"},
+        {"do_remote_decode": True, "do_remote_prefill": True},
+        {**params, "remote_block_ids": [-1]},
+        {**params, "remote_block_ids": [0]},  # too few for the tokens
+        {**params, "remote_address": "http://x"},
+        {k: v for k, v in params.items() if k != "remote_engine_id"},
+        {**params, "prompt_digest": "0" * 32},  # another prompt's KV
+        {"do_remote_decode": True},  # a consumer does not produce
+    ]
+    for p in bad:
+        with pytest.raises(InvalidArgumentError):
+            consumer.add_request(rid("bad"), prompt, GREEDY, kv_transfer_params=p)
+    with pytest.raises(InvalidArgumentError):
+        reference.add_request(rid("bad"), prompt, GREEDY, kv_transfer_params={"do_remote_decode": True})
+    with pytest.raises(ConfigError):
+        LLMEngine(**ENGINE, kv_transfer_config={"role": "producer", "lease_seconds": 0})
+    with pytest.raises(ConfigError):
+        LLMEngine(**ENGINE, kv_transfer_config={"role": "producer", "leases": 3})
+    # Blocks the producer never held: the read is refused, the prompt is recomputed.
+    forged = {**params, "remote_block_ids": [10_000, 10_001, 10_002]}
+    out = run(consumer, rid("d"), prompt, GREEDY, forged)
+    assert out.outputs[0].token_ids == run(reference, rid("r"), prompt, GREEDY).outputs[0].token_ids
+    # Another block size is refused before anything is held.
+    consumer.kv_connector.config = dataclasses.replace(  # type: ignore[union-attr]
+        consumer.kv_connector.config,  # type: ignore[union-attr]
+        kv_load_failure_policy="fail",
+    )
+    try:
+        with pytest.raises(KVTransferError):
+            consumer.add_request(rid("bs"), prompt, GREEDY, kv_transfer_params={**params, "remote_block_size": 32})
+    finally:
+        consumer.kv_connector.config = dataclasses.replace(  # type: ignore[union-attr]
+            consumer.kv_connector.config,  # type: ignore[union-attr]
+            kv_load_failure_policy="recompute",
+        )
+    # The real lease is still there and is released by a well-formed pull.
+    out = run(consumer, rid("d"), prompt, GREEDY, params)
+    assert out.error is None
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_quantized_kv_and_a_dead_producer(transport: str, reference: LLMEngine) -> None:
+    producer, consumer = make_pair(transport, kv_cache_dtype="int8")
+    quantized = LLMEngine(**ENGINE, kv_cache_dtype="int8")
+    try:
+        prompt = {"prompt_token_ids": prompt_ids(reference, 60)}
+        expected = run(quantized, rid("r"), prompt, GREEDY).outputs[0].token_ids
+        params = prefill(producer, rid("p"), prompt)
+        assert params["remote_kv_dtype"] == "int8"
+        out = run(consumer, rid("d"), prompt, GREEDY, params)
+        assert out.outputs[0].token_ids == expected
+        assert consumer.get_stats()["kv_blocks_pulled"] == 3
+        # The producer dies holding a lease: the pull fails, then per policy.
+        params = prefill(producer, rid("p"), prompt)
+        producer.shutdown()
+        assert consumer.kv_connector is not None
+        cfg = consumer.kv_connector.config
+        consumer.kv_connector.config = dataclasses.replace(cfg, handshake_timeout=1.0, transfer_timeout=5.0)
+        consumer.reset_prefix_cache()
+        out = run(consumer, rid("d"), prompt, GREEDY, params)
+        assert out.outputs[0].token_ids == expected  # recomputed
+        consumer.kv_connector.config = dataclasses.replace(consumer.kv_connector.config, kv_load_failure_policy="fail")
+        consumer.reset_prefix_cache()
+        out = run(consumer, rid("d"), prompt, GREEDY, params)
+        assert out.error is not None and "KVTransferError" in out.error
+        assert consumer.get_stats()["kv_loads_failed"] == 2
+        assert_idle(consumer)
+    finally:
+        consumer.shutdown()
+        producer.shutdown()
+        quantized.shutdown()
