@@ -1,0 +1,634 @@
+"""`pagedkv router` in disaggregated mode (a prefill engine, then a decode engine) and the
+`pagedkv serve --disagg` launcher.
+
+Three layers, cheapest first:
+
+* pure functions: the prefill's body, which requests skip the prefill, argument checks, the
+  engines' kv_transfer_config, the flags `serve --disagg` passes on;
+* the router app over stand-in engines (``httpx.MockTransport``): what each engine receives,
+  what the client gets back, every prefill outcome (KV, null, 4xx, 5xx, down, timeout, client
+  gone), decode load balancing, the metrics;
+* end to end (``test_e2e_*``; ``pytest tests/test_router_disagg.py -k e2e``): real engine
+  servers with ``--kv-transfer-config`` over gloo. Greedy outputs through the router equal a
+  plain server's, a prefill 4xx reaches the client, a dead prefill engine falls back, and
+  `pagedkv serve --disagg` stops its three processes on SIGTERM. Skipped while the engines do
+  not take ``kv_transfer_params``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from starlette.requests import Request  # noqa: E402
+
+from pagedkv import ConfigError  # noqa: E402
+from pagedkv.cli import router as router_cli  # noqa: E402
+from pagedkv.cli import serve as serve_cli  # noqa: E402
+from pagedkv.distributed.kv_transport import nixl_available  # noqa: E402
+from pagedkv.engine.args import EngineArgs  # noqa: E402
+from pagedkv.router.app import Replica, Router, RouterArgs, _load_tokenizer, build_router_app  # noqa: E402
+from pagedkv.router.disagg import direct_reason, prefill_body  # noqa: E402
+from pagedkv.router.launcher import DisaggDeployment, kv_transfer_configs, start_disagg  # noqa: E402
+from pagedkv.server.launch import ServerProcess, free_port  # noqa: E402
+from pagedkv.server.metrics import parse_metrics  # noqa: E402
+
+T = TypeVar("T")
+TIMEOUT = 60.0
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+def run(coro: Awaitable[T], timeout: float = TIMEOUT) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+# ----------------------------------------------------------------------------- pure functions
+
+
+def test_prefill_body_of_a_completion() -> None:
+    body = {
+        "prompt": "Hello",
+        "max_tokens": 50,
+        "temperature": 0.5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "n": 3,
+        "best_of": 3,
+        "min_tokens": 5,
+        "logprobs": 2,
+        "echo": True,
+        "stop": ["\n"],
+        "cache_salt": "s",
+        "seed": 7,
+    }
+    original = json.loads(json.dumps(body))
+    out = prefill_body(COMPLETIONS, body)
+    assert body == original, "the client's body is left alone"
+    assert out == {
+        "prompt": "Hello",
+        "max_tokens": 1,
+        "temperature": 0.5,
+        "stream": False,
+        "n": 1,
+        "cache_salt": "s",
+        "seed": 7,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    # A completion has no max_completion_tokens: the server refuses it at the prefill already.
+    assert prefill_body(COMPLETIONS, {"prompt": "x", "max_completion_tokens": 4})["max_completion_tokens"] == 4
+
+
+def test_prefill_body_of_a_chat() -> None:
+    messages = [{"role": "user", "content": "Hi"}]
+    out = prefill_body(CHAT, {"messages": messages, "max_completion_tokens": 30, "max_tokens": 30, "logprobs": True})
+    assert out["max_completion_tokens"] == 1 and "max_tokens" not in out and "logprobs" not in out
+    out = prefill_body(CHAT, {"messages": messages, "max_tokens": 30, "top_logprobs": 2})
+    assert out["max_tokens"] == 1 and "max_completion_tokens" not in out and "top_logprobs" not in out
+    out = prefill_body(CHAT, {"messages": messages})
+    assert out == {
+        "messages": messages,
+        "max_tokens": 1,
+        "stream": False,
+        "n": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+
+
+def test_direct_reason() -> None:
+    assert direct_reason(COMPLETIONS, {"prompt": "a"}) is None
+    assert direct_reason(COMPLETIONS, {"prompt": ["a"]}) is None
+    assert direct_reason(COMPLETIONS, {"prompt": [1, 2, 3]}) is None
+    assert direct_reason(COMPLETIONS, {"prompt": [[1, 2], [3]]}) == "multi_prompt"
+    assert direct_reason(COMPLETIONS, {"prompt": ["a", "b"]}) == "multi_prompt"
+    assert direct_reason(COMPLETIONS, {"prompt": "a", "kv_transfer_params": {"x": 1}}) == "has_kv_params"
+    assert direct_reason(COMPLETIONS, {"prompt": "a", "kv_transfer_params": None}) is None
+    assert direct_reason(CHAT, {"messages": [], "kv_transfer_params": {}}) == "has_kv_params"
+    assert direct_reason(CHAT, {"messages": [], "prompt": ["a", "b"]}) is None
+
+
+def test_router_args_modes_are_checked() -> None:
+    args = RouterArgs(prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2"])
+    assert args.disaggregated and not RouterArgs(["http://127.0.0.1:1"]).disaggregated
+    with pytest.raises(ConfigError, match="not both"):
+        RouterArgs(replicas=["http://127.0.0.1:1"], prefill=["http://127.0.0.1:2"], decode=["http://127.0.0.1:3"])
+    with pytest.raises(ConfigError, match="at least one prefill and at least one decode"):
+        RouterArgs(prefill=["http://127.0.0.1:1"])
+    with pytest.raises(ConfigError, match="at least one prefill and at least one decode"):
+        RouterArgs(decode=["http://127.0.0.1:1"])
+    with pytest.raises(ConfigError, match="at least one replica"):
+        RouterArgs()
+    with pytest.raises(ConfigError, match="URL"):
+        RouterArgs(prefill=["http://127.0.0.1:1"], decode=["127.0.0.1:2"])
+    with pytest.raises(ConfigError, match="prefill_timeout"):
+        RouterArgs(prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2"], prefill_timeout=0)
+
+
+def test_router_cli_disaggregated_arguments() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    router_cli.add_arguments(parser)
+    args = parser.parse_args(
+        ["--prefill", "http://a:1", "http://a:2", "--decode", "http://b:1", "--prefill", "http://a:3"]
+    )
+    assert args.prefill == ["http://a:1", "http://a:2", "http://a:3"] and args.decode == ["http://b:1"]
+    assert args.replica == []
+    # Both modes at once, or half of one: a clear error, exit status 1, before connecting anywhere.
+    bad = parser.parse_args(["--replica", "http://a:1", "--prefill", "http://b:1", "--decode", "http://c:1"])
+    assert router_cli.run(bad) == 1
+    assert router_cli.run(parser.parse_args(["--decode", "http://c:1"])) == 1
+
+
+def test_kv_transfer_configs() -> None:
+    prefill, decode = kv_transfer_configs("gloo", {"lease_seconds": 5.0, "role": "both", "transport": "nixl"})
+    assert prefill["role"] == "producer" and decode["role"] == "consumer"
+    assert prefill["transport"] == decode["transport"] == "gloo"
+    assert (decode["gloo_rank"], prefill["gloo_rank"]) == (0, 1), "decode is rank 0, the store's host"
+    assert prefill["gloo_world_size"] == decode["gloo_world_size"] == 2
+    assert prefill["gloo_init_method"] == decode["gloo_init_method"]
+    assert prefill["gloo_init_method"].startswith("tcp://127.0.0.1:")
+    assert prefill["lease_seconds"] == decode["lease_seconds"] == 5.0
+    prefill, decode = kv_transfer_configs("nixl", {"gloo_rank": 3})
+    assert not any(k.startswith("gloo_") for k in [*prefill, *decode])
+    assert prefill["control_port"] == 0 and prefill["control_host"] == "127.0.0.1"
+    assert "gloo_init_method" in kv_transfer_configs("auto")[0], "auto may resolve to gloo"
+    with pytest.raises(ConfigError, match="kv_transport"):
+        kv_transfer_configs("tcp")
+    # What the engines will check (when this engine has the KV transfer config).
+    if "kv_transfer_config" in {f.name for f in dataclasses.fields(EngineArgs)}:
+        from pagedkv.distributed.transfer_config import KVTransferConfig
+
+        for config in kv_transfer_configs("gloo", {"lease_seconds": 5.0}):
+            KVTransferConfig.from_any(json.dumps(config))
+
+
+def test_serve_disagg_passes_the_given_engine_flags_on() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_arguments(parser)
+    given = [
+        "--num-blocks",
+        "64",
+        "--no-enable-prefix-caching",
+        "--dtype",
+        "float32",
+        "--gpu-memory-utilization",
+        "0.5",
+    ]
+    args = parser.parse_args(["--disagg", "--kv-transport", "gloo", *given])
+    assert args.disagg and args.kv_transport == "gloo"
+    flags = serve_cli._engine_flags(args)
+    assert sorted(flags) == sorted(given)
+    # Parsed again (as each engine does), the flags give the same engine arguments.
+    again = parser.parse_args(flags)
+    assert serve_cli.engine_args_from(again, None) == serve_cli.engine_args_from(args, None)
+    assert serve_cli._serve_flags(parser.parse_args(["--served-model-name", "a", "b"]))[-3:] == [
+        "--served-model-name",
+        "a",
+        "b",
+    ]
+    assert serve_cli.run(parser.parse_args(["--disagg", "--api-key", "k"])) == 2
+    assert serve_cli.run(parser.parse_args(["--disagg", "--kv-events-endpoint", "tcp://127.0.0.1:1"])) == 2
+
+
+# ----------------------------------------------------------------------------- stand-in engines
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return _load_tokenizer(RouterArgs(["http://127.0.0.1:1"]))
+
+
+KV_PARAMS = {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_block_ids": [3, 4]}
+SSE = b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\ndata: [DONE]\n\n'
+
+
+class Engines:
+    """Stand-in engines behind one ``httpx.MockTransport``: hosts ``prefill0``, ``decode0``,
+    ``decode1``... Records every request; the prefill answers as ``prefill_mode`` says."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+        self.raw_bodies: list[bytes] = []  # as each engine received them
+        self.prefill_mode = "kv"
+        self.healthy = True
+        self.prefill_started = asyncio.Event()
+        self.prefill_cancelled = False
+
+    def to(self, host_prefix: str) -> list[tuple[str, Any]]:
+        return [(path, body) for host, path, body in self.calls if host.startswith(host_prefix)]
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        host, path = request.url.host, request.url.path
+        body = json.loads(request.content) if request.content else None
+        self.calls.append((host, path, body))
+        self.raw_bodies.append(request.content)
+        if path == "/health":
+            return httpx.Response(200 if self.healthy or host != "decode0" else 503)
+        if path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": host}]})
+        if host.startswith("prefill"):
+            return await self.prefill(request)
+        if body.get("stream"):
+
+            async def events() -> AsyncIterator[bytes]:  # as an engine sends them, one at a time
+                for event in SSE.split(b"\n\n")[:-1]:
+                    yield event + b"\n\n"
+
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
+        return httpx.Response(200, json={"decoded_by": host, "body": body})
+
+    async def prefill(self, request: httpx.Request) -> httpx.Response:
+        mode = self.prefill_mode
+        if mode == "kv":
+            return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": KV_PARAMS})
+        if mode == "null":
+            return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": None})
+        if mode == "400":
+            return httpx.Response(400, json={"error": {"message": "temperature must be >= 0", "code": 400}})
+        if mode == "500":
+            return httpx.Response(500, json={"error": {"message": "boom"}})
+        if mode == "not_json":
+            return httpx.Response(200, content=b"<html>")
+        if mode == "down":
+            raise httpx.ConnectError("connection refused", request=request)
+        if mode == "timeout":
+            raise httpx.ReadTimeout("timed out", request=request)
+        assert mode == "hang"
+        self.prefill_started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.prefill_cancelled = True
+            raise
+        raise AssertionError("unreachable")
+
+
+def make_router(engines: Engines, tokenizer: Any, num_decode: int = 1) -> tuple[Any, Router]:
+    decode = [f"http://decode{i}:8000" for i in range(num_decode)]
+    args = RouterArgs(prefill=["http://prefill0:8000"], decode=decode)
+    router = Router(args, [Replica("http://prefill0:8000", 16)], tokenizer, [Replica(u, 16) for u in decode])
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(engines.handle))
+    return build_router_app(router), router
+
+
+def client_of(app: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router", timeout=TIMEOUT)
+
+
+def metrics_of(router: Router) -> dict[str, float]:
+    from prometheus_client import generate_latest
+
+    router.update_gauges()
+    return parse_metrics(generate_latest(router.metrics.registry).decode())
+
+
+def test_prefill_then_decode_with_the_prefills_kv(tokenizer: Any) -> None:
+    engines = Engines()
+    app, router = make_router(engines, tokenizer)
+    body = {"prompt": "Tell me a story " * 8, "max_tokens": 20, "temperature": 0, "n": 2, "logprobs": 1}
+
+    async def go() -> None:
+        async with client_of(app) as http:
+            r = await http.post(COMPLETIONS, json=body)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-pagedkv-prefill"] == "http://prefill0:8000"
+            assert r.headers["x-pagedkv-replica"] == "http://decode0:8000"
+            assert "x-pagedkv-disagg-fallback" not in r.headers
+            # The decode engine got the client's body and the prefill's params, verbatim.
+            assert r.json()["body"] == {**body, "kv_transfer_params": KV_PARAMS}
+            [(path, sent)] = engines.to("prefill")
+            assert path == COMPLETIONS and sent == prefill_body(COMPLETIONS, body)
+            # A stream: the prefill is not streamed, the decode's stream passes through as is.
+            chat = {"messages": [{"role": "user", "content": "Hi"}], "stream": True, "max_completion_tokens": 9}
+            async with http.stream("POST", CHAT, json=chat) as r:
+                assert r.status_code == 200 and r.headers["x-pagedkv-prefill"] == "http://prefill0:8000"
+                assert await r.aread() == SSE
+            assert engines.to("prefill")[-1] == (CHAT, prefill_body(CHAT, chat))
+            assert engines.to("decode")[-1] == (CHAT, {**chat, "kv_transfer_params": KV_PARAMS})
+
+    run(go())
+    m = metrics_of(router)
+    assert m["pagedkv_router:disagg_requests_total{}"] == 2
+    assert m["pagedkv_router:prefill_seconds_count{}"] == 2
+    assert not any(k.startswith("pagedkv_router:disagg_fallbacks_total") for k in m)
+    assert m["pagedkv_router:requests_total{replica=http://prefill0:8000}"] == 2
+    assert m["pagedkv_router:requests_total{replica=http://decode0:8000}"] == 2
+    assert m["pagedkv_router:prompt_tokens_total{}"] > 0, "the prefill engine was chosen on the tokenized prompt"
+    assert all(v == 0 for k, v in m.items() if k.startswith("pagedkv_router:in_flight"))
+
+
+def test_a_prefill_client_error_is_the_clients_answer(tokenizer: Any) -> None:
+    engines = Engines()
+    engines.prefill_mode = "400"
+    app, router = make_router(engines, tokenizer)
+
+    async def go() -> None:
+        async with client_of(app) as http:
+            r = await http.post(COMPLETIONS, json={"prompt": "x", "temperature": -1, "stream": True})
+            assert r.status_code == 400
+            assert r.json()["error"]["message"] == "temperature must be >= 0"
+            assert r.headers["x-pagedkv-prefill"] == "http://prefill0:8000"
+
+    run(go())
+    assert engines.to("decode") == [], "a bad request is not decoded"
+    assert not any(k.startswith("pagedkv_router:disagg_fallbacks") for k in metrics_of(router))
+
+
+@pytest.mark.parametrize(
+    ("mode", "reason"),
+    [
+        ("500", "server_error"),
+        ("down", "unreachable"),
+        ("timeout", "timeout"),
+        ("not_json", "bad_answer"),
+        ("null", "no_kv"),
+    ],
+)
+def test_a_failed_prefill_falls_back_to_decoding_everything(tokenizer: Any, mode: str, reason: str) -> None:
+    engines = Engines()
+    engines.prefill_mode = mode
+    app, router = make_router(engines, tokenizer)
+    raw = b'{"prompt": "Once upon a time",  "max_tokens": 5}'  # sent as is: odd spacing kept
+
+    async def go() -> None:
+        async with client_of(app) as http:
+            r = await http.post(COMPLETIONS, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-pagedkv-disagg-fallback"] == reason
+            assert engines.raw_bodies[-1] == raw, "the original request as sent, without kv_transfer_params"
+            assert ("x-pagedkv-prefill" in r.headers) == (mode == "null"), "only an engine that answered is named"
+
+    run(go())
+    assert len(engines.to("prefill")) == 1
+    m = metrics_of(router)
+    assert m[f"pagedkv_router:disagg_fallbacks_total{{reason={reason}}}"] == 1
+    assert m["pagedkv_router:disagg_requests_total{}"] == 1
+    assert all(v == 0 for k, v in m.items() if k.startswith("pagedkv_router:in_flight"))
+
+
+def test_requests_that_skip_the_prefill(tokenizer: Any) -> None:
+    engines = Engines()
+    app, router = make_router(engines, tokenizer)
+    several = {"prompt": ["first", "second"], "max_tokens": 2}
+    prefilled = {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}}
+
+    async def go() -> None:
+        async with client_of(app) as http:
+            for body in (several, prefilled):
+                r = await http.post(COMPLETIONS, json=body)
+                assert r.status_code == 200 and r.json()["body"] == body
+                assert "x-pagedkv-prefill" not in r.headers
+
+    run(go())
+    assert engines.to("prefill") == []
+    m = metrics_of(router)
+    assert m["pagedkv_router:disagg_direct_requests_total{reason=multi_prompt}"] == 1
+    assert m["pagedkv_router:disagg_direct_requests_total{reason=has_kv_params}"] == 1
+    assert m["pagedkv_router:disagg_requests_total{}"] == 0
+
+
+def test_decode_engines_by_load_then_in_turn_and_other_routes(tokenizer: Any) -> None:
+    engines = Engines()
+    app, router = make_router(engines, tokenizer, num_decode=2)
+    d0, d1 = router.decoders
+
+    async def go() -> None:
+        async with client_of(app) as http:
+            seen = [(await http.post(COMPLETIONS, json={"prompt": "x"})).headers["x-pagedkv-replica"] for _ in range(4)]
+            assert sorted(seen[:2]) == sorted(seen[2:]) == [d0.url, d1.url], "ties alternate"
+            d0.in_flight = 3  # busy with someone else's requests
+            for _ in range(3):
+                assert (await http.post(COMPLETIONS, json={"prompt": "x"})).headers["x-pagedkv-replica"] == d1.url
+            d0.in_flight = 0
+            # Other routes: the decode engines answer /v1/models; /health needs every engine.
+            assert (await http.get("/v1/models")).json()["data"][0]["id"] == "decode0"
+            assert (await http.get("/health")).status_code == 200
+            assert {h for h, p, _ in engines.calls if p == "/health"} == {"prefill0", "decode0", "decode1"}
+            engines.healthy = False
+            r = await http.get("/health")
+            assert r.status_code == 503 and "decode0" in r.json()["error"]["message"]
+            assert (await http.post(COMPLETIONS, content=b"[1]")).status_code == 400
+
+    run(go())
+
+
+def test_a_client_that_leaves_during_the_prefill_cancels_it(tokenizer: Any) -> None:
+    engines = Engines()
+    engines.prefill_mode = "hang"
+    app, router = make_router(engines, tokenizer)
+    endpoint = next(r for r in app.routes if getattr(r, "path", None) == COMPLETIONS).endpoint
+
+    async def go() -> None:
+        gone = asyncio.Event()
+        messages = [{"type": "http.request", "body": b'{"prompt": "x"}', "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "method": "POST", "path": COMPLETIONS, "headers": [], "query_string": b""}
+        task = asyncio.ensure_future(endpoint(Request(scope, receive)))
+        await engines.prefill_started.wait()
+        assert router.replicas[0].in_flight == 1
+        gone.set()
+        response = await asyncio.wait_for(task, 10)
+        assert response.status_code == 499
+        assert engines.prefill_cancelled, "the prefill's connection was closed (the engine aborts it)"
+        assert router.replicas[0].in_flight == 0
+
+    run(go())
+    assert engines.to("decode") == []
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+ENGINE_FLAGS = [
+    "--num-blocks",
+    "64",
+    "--block-size",
+    "16",
+    "--max-model-len",
+    "512",
+    "--dtype",
+    "float32",
+    "--device",
+    "cpu",
+]
+ENV = {"OMP_NUM_THREADS": "1"}
+# About 90 tokens: several full blocks to transfer, and a partial one.
+PROMPT = (
+    "The history of the lighthouse begins in the ancient world, where fires were lit on hills "
+    "to guide ships home. Later, towers of stone carried the flame higher, and lenses made it "
+    "visible from far out at sea. Today the keeper's job"
+)
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant who answers in one short paragraph."},
+    {"role": "user", "content": "Why do lighthouses use lenses instead of just bigger fires?"},
+]
+
+
+@pytest.fixture(scope="module")
+def plain() -> Iterator[ServerProcess]:
+    with ServerProcess(ENGINE_FLAGS, env=ENV, start_timeout=120) as server:
+        yield server
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")),
+        "gloo",
+    ],
+)
+def deployment(request: pytest.FixtureRequest) -> Iterator[DisaggDeployment]:
+    # A decode engine that cannot pull the KV fails the request instead of computing the prompt
+    # itself: an answer proves the transfer.
+    fail = {"kv_load_failure_policy": "fail"}
+    with start_disagg(
+        engine_flags=ENGINE_FLAGS, kv_transport=request.param, kv_transfer_config=fail, env=ENV, start_timeout=120
+    ) as dep:
+        yield dep
+
+
+def _text(answer: dict[str, Any]) -> str:
+    choice = answer["choices"][0]
+    return str(choice["message"]["content"] if "message" in choice else choice["text"])
+
+
+def _streamed_text(http: httpx.Client, url: str, body: dict[str, Any]) -> tuple[str, httpx.Headers]:
+    parts = []
+    with http.stream("POST", url, json=body) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choice = json.loads(line[6:])["choices"]
+                if choice:
+                    parts.append(choice[0].get("text") or (choice[0].get("delta") or {}).get("content") or "")
+        return "".join(parts), r.headers
+
+
+@pytest.mark.slow
+def test_e2e_disaggregated_greedy_outputs_equal_a_plain_server(
+    deployment: DisaggDeployment, plain: ServerProcess
+) -> None:
+    requests = [
+        (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}),
+        (CHAT, {"messages": MESSAGES, "max_completion_tokens": 12, "temperature": 0}),
+    ]
+    with httpx.Client(timeout=TIMEOUT) as http:
+        for path, body in requests:
+            expected = http.post(plain.url + path, json=body)
+            assert expected.status_code == 200, expected.text
+            r = http.post(deployment.url + path, json=body)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-pagedkv-prefill"] == deployment.prefill_url
+            assert r.headers["x-pagedkv-replica"] == deployment.decode_url
+            assert "x-pagedkv-disagg-fallback" not in r.headers, "the decode engine got the prefill's KV"
+            assert _text(r.json()) == _text(expected.json()), path
+            streamed, headers = _streamed_text(http, deployment.url + path, {**body, "stream": True})
+            assert headers["x-pagedkv-prefill"] == deployment.prefill_url
+            assert streamed == _text(expected.json()), path
+        # A bad request is refused by the prefill engine; the client gets its 400.
+        r = http.post(deployment.url + COMPLETIONS, json={"prompt": PROMPT, "temperature": -1.0})
+        assert r.status_code == 400, r.text
+        assert r.headers["x-pagedkv-prefill"] == deployment.prefill_url
+        m = parse_metrics(http.get(deployment.url + "/metrics").text)
+    assert m["pagedkv_router:disagg_requests_total{}"] == 5
+    assert m["pagedkv_router:prefill_seconds_count{}"] == 4
+    assert not any(k.startswith("pagedkv_router:disagg_fallbacks_total") for k in m)
+
+
+@pytest.mark.slow
+def test_e2e_prefill_engine_down_falls_back(deployment: DisaggDeployment, plain: ServerProcess) -> None:
+    from pagedkv.router.app import create_router_app
+
+    body = {"prompt": PROMPT + " Second try:", "max_tokens": 8, "temperature": 0}
+    expected = _text(httpx.post(plain.url + COMPLETIONS, json=body, timeout=TIMEOUT).json())
+    app = create_router_app(RouterArgs(prefill=[deployment.prefill_url], decode=[deployment.decode_url]))
+    router = app.state.router
+    # The prefill engine stops answering after the router started: nothing listens there now.
+    router.replicas[0].url = f"http://127.0.0.1:{free_port()}"
+
+    async def go() -> None:
+        try:
+            async with client_of(app) as http:
+                r = await http.post(COMPLETIONS, json=body)
+                assert r.status_code == 200, r.text
+                assert r.headers["x-pagedkv-disagg-fallback"] == "unreachable"
+                assert _text(r.json()) == expected
+                m = parse_metrics((await http.get("/metrics")).text)
+                assert m["pagedkv_router:disagg_fallbacks_total{reason=unreachable}"] == 1
+        finally:
+            await router.close()
+
+    run(go())
+
+
+@pytest.mark.slow
+def test_e2e_serve_disagg_cli_stops_its_processes_on_sigterm() -> None:
+    port = free_port()
+    with tempfile.NamedTemporaryFile(prefix="pagedkv-disagg-cli-", suffix=".log", delete=False) as log:
+        log_path = Path(log.name)
+    cmd = [sys.executable, "-m", "pagedkv", "serve", "--disagg", "--kv-transport", "gloo", "--port", str(port)]
+    with log_path.open("wb") as out:
+        proc = subprocess.Popen(
+            [*cmd, *ENGINE_FLAGS],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **ENV},
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        r = httpx.post(url + COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 3}, timeout=TIMEOUT)
+        assert r.status_code == 200 and "x-pagedkv-prefill" in r.headers, r.text
+        engines = [r.headers["x-pagedkv-prefill"], r.headers["x-pagedkv-replica"]]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log_path.read_text()
+        for engine_url in [url, *engines]:
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(engine_url + "/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        # The command keeps its processes' logs and prints where: remove them.
+        for line in log_path.read_text(errors="replace").splitlines():
+            if "logs: " in line:
+                for entry in line.split("logs: ", 1)[1].split(", "):
+                    Path(entry.split(" ", 1)[-1]).unlink(missing_ok=True)
+        log_path.unlink(missing_ok=True)
