@@ -19,10 +19,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from kv_transports import TRANSPORTS
 
 import pagedkv.distributed.connector as connector_module
 from pagedkv import LLMEngine, SamplingParams
-from pagedkv.distributed.kv_transport import nixl_available
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.errors import ConfigError, InvalidArgumentError, KVTransferError
 
@@ -34,10 +34,6 @@ TEXT = (
     "list when a request finishes. Blocks can be shared between requests by reference count."
 )
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
-TRANSPORTS = [
-    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")),
-    "gloo",
-]
 
 
 def _free_port() -> int:

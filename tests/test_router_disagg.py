@@ -35,12 +35,12 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
+from kv_transports import TRANSPORTS  # noqa: E402
 from starlette.requests import Request  # noqa: E402
 
 from pagedkv import ConfigError  # noqa: E402
 from pagedkv.cli import router as router_cli  # noqa: E402
 from pagedkv.cli import serve as serve_cli  # noqa: E402
-from pagedkv.distributed.kv_transport import nixl_available  # noqa: E402
 from pagedkv.engine.args import EngineArgs  # noqa: E402
 from pagedkv.router.app import Replica, Router, RouterArgs, _load_tokenizer, build_router_app  # noqa: E402
 from pagedkv.router.disagg import direct_reason, prefill_body  # noqa: E402
@@ -497,13 +497,7 @@ def plain() -> Iterator[ServerProcess]:
         yield server
 
 
-@pytest.fixture(
-    scope="module",
-    params=[
-        pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="NIXL not installed")),
-        "gloo",
-    ],
-)
+@pytest.fixture(scope="module", params=TRANSPORTS)
 def deployment(request: pytest.FixtureRequest) -> Iterator[DisaggDeployment]:
     # A decode engine that cannot pull the KV fails the request instead of computing the prompt
     # itself: an answer proves the transfer.

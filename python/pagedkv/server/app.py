@@ -11,7 +11,9 @@ publisher) in its lifespan's end, or when :meth:`ServerState.close` is called.
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health`` (200 while the engine runs, else 503), ``GET /metrics`` (Prometheus),
 ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache``, ``GET /kv_cache_info``
-(block size and KV event endpoints, for ``pagedkv router``), ``GET /version``.
+(block size, KV event endpoints and KV transfer role, for ``pagedkv router``), ``GET /version``.
+``/v1/completions`` and ``/v1/chat/completions`` take ``kv_transfer_params`` on an engine with
+``--kv-transfer-config`` (disaggregated prefill / decode; see pagedkv.distributed.connector).
 With an API key, every path but ``/health``, ``/metrics`` and ``/version`` needs
 ``Authorization: Bearer <key>``.
 """
@@ -320,6 +322,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "kv_events_endpoint": state.args.kv_events_endpoint,
             "kv_events_replay_endpoint": state.args.kv_events_replay_endpoint,
             "kv_events_topic": state.args.kv_events_topic,
+            # Disaggregated prefill / decode: this engine's role, id and control address.
+            "kv_transfer": None
+            if engine.kv_connector is None
+            else {
+                "role": engine.kv_connector.config.role,
+                "engine_id": engine.kv_connector.engine_id,
+                "transport": engine.kv_connector.transport.kind,
+                "control_address": engine.kv_connector.address,
+            },
         }
 
     @app.post("/reset_prefix_cache")

@@ -60,8 +60,19 @@ class ServerProcess:
         self._log = tempfile.NamedTemporaryFile(prefix="pagedkv-serve-", suffix=".log", delete=False)
         self.log_path = Path(self._log.name)
 
+    # What runs (``python -m pagedkv <command> ARGS --host H --port P``) and how long one
+    # ``/health`` probe may take; a subclass runs another command (the router).
+    command = "serve"
+    health_probe_timeout = 2.0
+
+    def _bind_host(self) -> str:
+        return self.host
+
     def start(self) -> ServerProcess:
-        cmd = [sys.executable, "-m", "pagedkv", "serve", *self.args, "--host", self.host, "--port", str(self.port)]
+        """Starts the process and waits until its ``/health`` answers 200 (RuntimeError if it
+        exits first, TimeoutError after ``start_timeout``; either way it is stopped)."""
+        cmd = [sys.executable, "-m", "pagedkv", self.command, *self.args]
+        cmd += ["--host", self._bind_host(), "--port", str(self.port)]
         self.process = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
@@ -70,17 +81,17 @@ class ServerProcess:
             if self.process.poll() is not None:
                 tail = self.log_tail()
                 self.stop()
-                raise RuntimeError(f"pagedkv serve exited with {self.process.returncode}:\n{tail}")
+                raise RuntimeError(f"pagedkv {self.command} exited with {self.process.returncode}:\n{tail}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                with urllib.request.urlopen(self.url + "/health", timeout=self.health_probe_timeout) as response:
                     if response.status == 200:
                         return self
             except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
+                pass  # not listening yet, or not healthy yet (503)
             time.sleep(0.2)
         tail = self.log_tail()
         self.stop()
-        raise TimeoutError(f"pagedkv serve did not become healthy in {self.start_timeout} s:\n{tail}")
+        raise TimeoutError(f"pagedkv {self.command} did not become healthy in {self.start_timeout} s:\n{tail}")
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the server's process group (it is the group's leader)."""

@@ -189,8 +189,30 @@ _DISK_COUNTERS: tuple[_Spec, ...] = (
     ("pagedkv:blocks_read_from_disk", "blocks_read_from_disk", "Disk-tier slots read back for prefix hits."),
 )
 
+# KV transfer (an engine with kv_transfer_config: its stats carry these keys); emitted only then.
+_KV_TRANSFER_GAUGES: tuple[_Spec, ...] = (
+    ("pagedkv:kv_leases", "num_kv_leases", "Finished requests whose KV blocks are held for a remote reader."),
+    (
+        "pagedkv:kv_requests_waiting_for_remote",
+        "num_kv_waiting_for_remote",
+        "Requests waiting for their prompt's KV from a prefill engine (not yet scheduled).",
+    ),
+)
+_KV_TRANSFER_COUNTERS: tuple[_Spec, ...] = (
+    ("pagedkv:kv_leases_granted", "kv_leases_granted", "KV leases taken for remote readers (producer)."),
+    ("pagedkv:kv_leases_expired", "kv_leases_expired", "KV leases freed by expiry, not by their reader."),
+    ("pagedkv:kv_loads_ok", "kv_loads_ok", "Prompt KV pulls from a prefill engine that completed (consumer)."),
+    (
+        "pagedkv:kv_loads_failed",
+        "kv_loads_failed",
+        "Prompt KV pulls that failed (dead peer, lease gone, transfer error); recomputed or failed by policy.",
+    ),
+    ("pagedkv:kv_blocks_pulled", "kv_blocks_pulled", "KV blocks received from prefill engines."),
+    ("pagedkv:kv_transfer_seconds", "kv_transfer_seconds", "Seconds from starting a pull to its completion, summed."),
+)
+
 # Stats keys exposed as counters: kept monotonic across snapshots (see update_engine_stats).
-_COUNTER_KEYS = frozenset(key for _, key, _ in _COUNTERS + _HOST_COUNTERS + _DISK_COUNTERS)
+_COUNTER_KEYS = frozenset(key for _, key, _ in _COUNTERS + _HOST_COUNTERS + _DISK_COUNTERS + _KV_TRANSFER_COUNTERS)
 
 
 class _EngineStatsCollector(Collector):
@@ -238,6 +260,8 @@ class _EngineStatsCollector(Collector):
             yield from self._families(stats, _HOST_GAUGES, _HOST_COUNTERS)
         if _number(stats.get("num_disk_blocks")) > 0:
             yield from self._families(stats, _DISK_GAUGES, _DISK_COUNTERS)
+        if "kv_loads_ok" in stats:
+            yield from self._families(stats, _KV_TRANSFER_GAUGES, _KV_TRANSFER_COUNTERS)
 
     def _families(
         self, stats: Mapping[str, Any], gauges: Iterable[_Spec], counters: Iterable[_Spec]
