@@ -325,3 +325,33 @@ def test_quantized_kv_and_a_dead_producer(transport: str, reference: LLMEngine) 
         consumer.shutdown()
         producer.shutdown()
         quantized.shutdown()
+
+
+def test_a_silent_peer_and_another_model_cost_a_recompute(clean: Any, reference: LLMEngine) -> None:
+    producer, consumer = clean
+    connector = consumer.kv_connector
+    assert connector is not None
+    prompt = {"prompt_token_ids": prompt_ids(reference, 60)}
+    expected = run(reference, rid("r"), prompt, GREEDY).outputs[0].token_ids
+    config, fingerprint = connector.config, connector.fingerprint
+    try:
+        connector.config = dataclasses.replace(config, handshake_timeout=0.5)
+        # A control address where nobody answers: the handshake times out.
+        params = prefill(producer, rid("p"), prompt)
+        silent = {**params, "remote_address": f"tcp://127.0.0.1:{_free_port()}"}
+        failed = consumer.get_stats()["kv_loads_failed"]
+        out = run(consumer, rid("d"), prompt, GREEDY, silent)
+        assert out.outputs[0].token_ids == expected
+        assert consumer.get_stats()["kv_loads_failed"] == failed + 1
+        producer.kv_connector.drop_lease(params["remote_request_id"])  # type: ignore[union-attr]
+        # A producer whose model or KV format differs is refused at the handshake.
+        connector.fingerprint = {**fingerprint, "model_digest": "another model"}
+        connector._peers.clear()  # the transfer thread is idle: no pull in flight
+        consumer.reset_prefix_cache()
+        params = prefill(producer, rid("p"), prompt)
+        out = run(consumer, rid("d"), prompt, GREEDY, params)
+        assert out.outputs[0].token_ids == expected
+        assert consumer.get_stats()["kv_loads_failed"] == failed + 2
+    finally:
+        connector.config, connector.fingerprint = config, fingerprint
+        connector._peers.clear()

@@ -64,6 +64,7 @@ class _Load:
     remote_block_ids: list[int]
     local_block_ids: list[int]
     started: float = field(default_factory=time.monotonic)
+    ended: float | None = None  # when the read ended (before the lease release), transfer thread
     handle: TransferHandle | None = None
     error: str | None = None
     abandoned: bool = False  # aborted while the read was in flight (engine thread only)
@@ -130,9 +131,15 @@ class KVConnector:
         self.leases: dict[str, float] = {}
         self.control: ControlServer | None = None
         if config.is_producer:
-            self.control = ControlServer(
-                config.control_host, config.control_port, {"metadata": self._on_metadata, "release": self._on_release}
-            )
+            try:
+                self.control = ControlServer(
+                    config.control_host,
+                    config.control_port,
+                    {"metadata": self._on_metadata, "release": self._on_release},
+                )
+            except BaseException:
+                self.transport.close()  # e.g. the control port is taken: leave nothing running
+                raise
         # Consumer: pulls by request id (engine thread), the transfer thread's queues.
         self.loads: dict[str, _Load] = {}
         self._jobs: queue.Queue[_Load | None] = queue.Queue()
@@ -280,7 +287,8 @@ class KVConnector:
             except queue.Empty:
                 return finished
             self.loads.pop(load.request_id, None)
-            seconds = time.monotonic() - load.started
+            # Queued to read done (handshake included); not the wait for this engine's step.
+            seconds = (load.ended or time.monotonic()) - load.started
             if load.error is None:
                 self.scheduler.commit_kv(load.request_id)
                 self.counters["kv_loads_ok"] += 1
@@ -341,6 +349,7 @@ class KVConnector:
 
     def _finish(self, load: _Load) -> None:
         """The read is over: release the lease (confirming it held throughout), then report."""
+        load.ended = time.monotonic()
         self._release_lease(load)
         self._done.put(load)
         if self.wake is not None:

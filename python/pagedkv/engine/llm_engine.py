@@ -302,7 +302,10 @@ class LLMEngine:
 
     def next_kv_lease_expiry(self) -> float | None:
         """Seconds until the next KV lease expires, None when none is held."""
-        return None if self.kv_connector is None else self.kv_connector.next_lease_expiry()
+        if self.kv_connector is None:
+            return None
+        with self._lock:  # the control thread releases leases under it
+            return self.kv_connector.next_lease_expiry()
 
     def _check_params_for_model(self, params: SamplingParams) -> None:
         """The checks of ``params`` that need the model (its vocabulary)."""

@@ -208,7 +208,11 @@ _KV_TRANSFER_COUNTERS: tuple[_Spec, ...] = (
         "Prompt KV pulls that failed (dead peer, lease gone, transfer error); recomputed or failed by policy.",
     ),
     ("pagedkv:kv_blocks_pulled", "kv_blocks_pulled", "KV blocks received from prefill engines."),
-    ("pagedkv:kv_transfer_seconds", "kv_transfer_seconds", "Seconds from starting a pull to its completion, summed."),
+    (
+        "pagedkv:kv_transfer_seconds",
+        "kv_transfer_seconds",
+        "Seconds from queuing a pull to its data being in place (handshake included), summed.",
+    ),
 )
 
 # Stats keys exposed as counters: kept monotonic across snapshots (see update_engine_stats).
