@@ -333,6 +333,59 @@ async def _load(url: str, bodies: list[dict[str, Any]], concurrency: int, cap_s:
     return results, len(unfinished)
 
 
+def request_bodies(reqs: list[Req], max_tokens: int, cache_salt: str) -> list[dict[str, Any]]:
+    """The streamed completion bodies of ``reqs``: greedy, ``ignore_eos`` (every answer has
+    ``max_tokens`` tokens), usage in the last chunk."""
+    return [
+        {
+            "prompt": r.prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "cache_salt": cache_salt,
+        }
+        for r in reqs
+    ]
+
+
+def client_figures(
+    results: list[Result], reqs: list[Req], max_tokens: int
+) -> tuple[list[Result], dict[str, Any], dict[str, int]]:
+    """What the client saw of one run: the completed results; their token counts, seconds (first
+    send to last token), output tok/s, req/s, TTFT and E2E percentiles; and the checks every
+    streamed answer must pass (whole, usage right, one chunk per token)."""
+    ok = [r for r in results if r.error is None and r.usage is not None]
+    prompt_tokens = sum(r.usage["prompt_tokens"] for r in ok)  # type: ignore[index]
+    cached = sum((r.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in ok)  # type: ignore[union-attr]
+    out_tokens = sum(r.usage["completion_tokens"] for r in ok)  # type: ignore[index]
+    end = max((r.sent + (r.e2e or 0.0) for r in ok), default=float("nan"))
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    e2es = [r.e2e for r in ok if r.e2e is not None]
+    figures = {
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt_tokens if prompt_tokens else float("nan"),
+        "seconds": end,
+        "output_tokens": out_tokens,
+        "output_tok_s": out_tokens / end,
+        "req_s": len(ok) / end,
+        "ttft_p50": percentile(ttfts, 50),
+        "ttft_p99": percentile(ttfts, 99),
+        "ttft_mean": float(np.mean(ttfts)) if ttfts else float("nan"),
+        "e2e_p50": percentile(e2es, 50),
+        "e2e_p99": percentile(e2es, 99),
+    }
+    checks = {
+        "failed": len(results) - len(ok),
+        "completion_tokens_not_max_tokens": sum(r.usage["completion_tokens"] != max_tokens for r in ok),  # type: ignore[index]
+        "chunks_not_completion_tokens": sum(r.chunks != r.usage["completion_tokens"] for r in ok),  # type: ignore[index]
+        "prompt_tokens_not_sent": sum(r.usage["prompt_tokens"] != len(reqs[r.index].prompt) for r in ok),  # type: ignore[index]
+    }
+    return ok, figures, checks
+
+
 def run_policy(
     args: argparse.Namespace,
     replicas: list[Any],
@@ -349,18 +402,7 @@ def run_policy(
     router = RouterProcess([p.url for p in replicas], policy).start()
     router_start_s = time.perf_counter() - t
     try:
-        bodies = [
-            {
-                "prompt": r.prompt,
-                "max_tokens": args.max_tokens,
-                "temperature": 0.0,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-                "cache_salt": f"{label}-{args.seed}",
-            }
-            for r in reqs
-        ]
+        bodies = request_bodies(reqs, args.max_tokens, f"{label}-{args.seed}")
         pids = [p.process.pid for p in replicas] + [router.process.pid]  # type: ignore[union-attr]
         c0 = [cpu_seconds_pid(pid) for pid in pids]
         s0, m0 = cpu_seconds_self(), cpu_seconds_machine()
@@ -375,17 +417,12 @@ def run_policy(
         router.stop()
     after = [scrape(p.url) for p in replicas]
 
-    ok = [r for r in results if r.error is None and r.usage is not None]
-    prompt_tokens = sum(r.usage["prompt_tokens"] for r in ok)  # type: ignore[index]
-    cached = sum((r.usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in ok)  # type: ignore[union-attr]
-    out_tokens = sum(r.usage["completion_tokens"] for r in ok)  # type: ignore[index]
-    end = max((r.sent + (r.e2e or 0.0) for r in ok), default=float("nan"))
-    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    ok, figures, checks = client_figures(results, reqs, args.max_tokens)
+    prompt_tokens = figures["prompt_tokens"]
     # After the first `concurrency` requests (sent at once into empty caches; both policies
     # route those alike, as no replica holds anything yet).
     warm_ttfts = [r.ttft for r in ok if r.ttft is not None and r.index >= args.concurrency]
     slowest = sorted((r for r in ok if r.ttft is not None), key=lambda r: -r.ttft)[: args.concurrency]
-    e2es = [r.e2e for r in ok if r.e2e is not None]
     urls = [p.url for p in replicas]
     per_replica = [sum(r.replica == u for r in ok) for u in urls]
     systems_per_replica = [sorted({reqs[r.index].system for r in ok if r.replica == u}) for u in urls]
@@ -418,14 +455,8 @@ def run_policy(
         for a, b in zip(after, before)
     )
     # Checks: every response whole, usage right, the router's counts = what the client saw.
-    checks = {
-        "failed": len(results) - len(ok),
-        "completion_tokens_not_max_tokens": sum(r.usage["completion_tokens"] != args.max_tokens for r in ok),  # type: ignore[index]
-        "chunks_not_completion_tokens": sum(r.chunks != r.usage["completion_tokens"] for r in ok),  # type: ignore[index]
-        "prompt_tokens_not_sent": sum(r.usage["prompt_tokens"] != len(reqs[r.index].prompt) for r in ok),  # type: ignore[index]
-        "router_prompt_tokens_not_usage": int(rq != prompt_tokens),
-        "router_requests_not_headers": int([routed[u] for u in urls] != per_replica),
-    }
+    checks["router_prompt_tokens_not_usage"] = int(rq != prompt_tokens)
+    checks["router_requests_not_headers"] = int([routed[u] for u in urls] != per_replica)
     if any(checks.values()):
         errs = [f"request {r.index}: {r.error}" for r in results if r.error][:5]
         problems.append(f"{label}: checks {checks}; errors {errs}")
@@ -437,11 +468,9 @@ def run_policy(
         "concurrency": args.concurrency,
         "completed": len(ok),
         "cut_by_cap": num_cut,
+        **figures,
         "router_start_s": router_start_s,
         "reset_blocks_dropped": dropped,
-        "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached,
-        "hit_rate": cached / prompt_tokens if prompt_tokens else float("nan"),
         "router_prompt_tokens": rq,
         "router_predicted_hit_tokens": rp,
         "predicted_hit_rate": rp / rq if rq else float("nan"),
@@ -454,18 +483,9 @@ def run_policy(
         "hit_rate_per_replica": hits_per_replica,
         "system_prompts_per_replica": systems_per_replica,
         "system_prompts_on_both": both,
-        "seconds": end,
-        "output_tokens": out_tokens,
-        "output_tok_s": out_tokens / end,
-        "req_s": len(ok) / end,
-        "ttft_p50": percentile(ttfts, 50),
-        "ttft_p99": percentile(ttfts, 99),
-        "ttft_mean": float(np.mean(ttfts)) if ttfts else float("nan"),
         "ttft_p50_warm": percentile(warm_ttfts, 50),
         "ttft_p99_warm": percentile(warm_ttfts, 99),
         "slowest_ttfts_among_first": sum(r.index < args.concurrency for r in slowest),
-        "e2e_p50": percentile(e2es, 50),
-        "e2e_p99": percentile(e2es, 99),
         "cpu_s_replicas": cpu[:2],
         "cpu_s_router": cpu[2],
         "cpu_s_client": client_cpu,
