@@ -438,6 +438,32 @@ class SchedulingConfig:
             raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
 
 
+EXECUTOR_BACKENDS = ("mp",)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: ``tensor_parallel_size`` ranks each hold ``1 / N`` of every layer's
+    attention heads, KV heads and MLP columns (``pagedkv.parallel``);
+    ``distributed_executor_backend``: how the ranks other than the engine's own run (``"mp"``:
+    local worker processes; default). ``timeout``: seconds any collective may take before the
+    engine gives up on its workers."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ConfigError(
+                f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS} or None, got {backend!r}"
+            )
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise ConfigError(f"the tensor-parallel timeout must be a number > 0, got {self.timeout!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The three parts together, with the checks that span them."""
@@ -447,9 +473,15 @@ class EngineConfig:
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     # KV transfer between engines (pagedkv.distributed.transfer_config.KVTransferConfig), or None.
     kv_transfer: Any = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        for name, cls in (("model", ModelConfig), ("cache", CacheConfig), ("scheduling", SchedulingConfig)):
+        for name, cls in (
+            ("model", ModelConfig),
+            ("cache", CacheConfig),
+            ("scheduling", SchedulingConfig),
+            ("parallel", ParallelConfig),
+        ):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")
         # Known before anything loads when both are explicit; otherwise checked once the

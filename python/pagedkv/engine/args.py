@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pagedkv.config import CacheConfig, EngineConfig, ModelConfig, SchedulingConfig
+from pagedkv.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulingConfig
 from pagedkv.distributed.transfer_config import KVTransferConfig
 from pagedkv.errors import ConfigError
 
@@ -54,6 +54,9 @@ class EngineArgs:
     - ``attention_backend``: ``"triton"``, ``"cpu"``, ``"torch"`` or ``None`` (Triton on CUDA,
       the Rust decode kernel + torch on the CPU).
     - ``seed``: seed of the global generator used by unseeded random sampling.
+    - ``tensor_parallel_size``: split every layer's attention heads, KV heads and MLP over N
+      ranks (N processes on the CPU, N devices on CUDA; the heads and KV heads must divide by
+      N); ``distributed_executor_backend``: ``"mp"`` (local worker processes, the default).
     - ``kv_transfer_config``: take part in disaggregated prefill / decode (a
       :class:`~pagedkv.distributed.transfer_config.KVTransferConfig`, a dict, or its JSON text,
       e.g. ``{"role": "consumer", "transport": "nixl"}``); requests then accept
@@ -89,6 +92,8 @@ class EngineArgs:
     attention_backend: str | None = None
     seed: int = 0
     trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     kv_transfer_config: KVTransferConfig | None = None
 
     @classmethod
@@ -143,4 +148,8 @@ class EngineArgs:
                 preemption_mode=self.preemption_mode,
             ),
             kv_transfer=self.kv_transfer_config,
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
         )

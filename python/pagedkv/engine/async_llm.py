@@ -288,6 +288,8 @@ class AsyncLLM:
                 if self.engine.has_unfinished_requests():
                     try:
                         outputs = self.engine.step()
+                    except EngineDeadError:
+                        raise  # a broken tensor-parallel group: end every stream
                     except Exception:
                         # Rolled back by the engine; retried next iteration. Requests that
                         # keep failing come out of a later step with an error.

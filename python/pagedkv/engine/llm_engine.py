@@ -49,6 +49,7 @@ from pagedkv.engine.request_state import RequestState
 from pagedkv.errors import (
     ConfigError,
     DuplicateRequestError,
+    EngineDeadError,
     InvalidArgumentError,
     InvalidTypeError,
     KVTransferError,
@@ -57,6 +58,7 @@ from pagedkv.errors import (
     PromptTooLongError,
     UnknownRequestError,
 )
+from pagedkv.parallel.executor import MultiprocExecutor, TPSpec
 from pagedkv.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedkv.sample.sampling_params import SamplingParams
 from pagedkv.worker.model_runner import ModelRunner
@@ -91,7 +93,25 @@ class LLMEngine:
         # Validated once (pagedkv.config); the runner and the scheduler take its parts.
         self.config = config = args.create_engine_config()
         torch.manual_seed(config.model.seed)
-        self.runner = ModelRunner(config.model, config.cache, config.scheduling)
+        # Tensor parallelism: ranks 1..N-1 start first (they wait for rank 0 to join), then
+        # this process builds rank 0's runner; a failure stops whatever was started.
+        self.executor: MultiprocExecutor | None = None
+        tp = None
+        if config.parallel.tensor_parallel_size > 1:
+            if config.kv_transfer is not None:
+                raise ConfigError("kv_transfer_config with tensor_parallel_size > 1 is not supported")
+            tp, self.executor = _start_workers(config)
+        # Set once a tensor-parallel step broke the group: every later step raises it.
+        self._dead: EngineDeadError | None = None
+        try:
+            self.runner = ModelRunner(config.model, config.cache, config.scheduling, tp=tp)
+        except BaseException as exc:
+            if self.executor is not None:
+                failures = self.executor.failures()
+                self.executor.shutdown()
+                if failures and isinstance(exc, Exception) and not isinstance(exc, PagedKVError):
+                    raise EngineDeadError(f"tensor-parallel workers failed to start: {'; '.join(failures)}") from exc
+            raise
         self.tokenizer = _load_tokenizer(
             config.model.tokenizer or self.runner.model_path, config.model.trust_remote_code
         )
@@ -372,6 +392,8 @@ class LLMEngine:
         if connector is not None and connector.loads and not self.scheduler.has_unfinished_requests():
             connector.wait_for_loads(0.02)  # only pulls in flight: wait for one, not spin
         with self._lock:
+            if self._dead is not None:
+                raise self._dead
             if connector is not None:
                 connector.poll()
                 self._add_loaded_requests()
@@ -392,6 +414,8 @@ class LLMEngine:
                 updates = self.scheduler.update(out, tokens)
             except BaseException as exc:
                 self._roll_back(out, exc)
+                if isinstance(exc, EngineDeadError):
+                    raise self._stop_workers(exc) from exc
                 raise
             finally:
                 self._forget_bad_disk_slots()
@@ -462,6 +486,16 @@ class LLMEngine:
                     self._forget_bad_disk_slots()
         return copied
 
+    def _stop_workers(self, exc: EngineDeadError) -> EngineDeadError:
+        """The tensor-parallel group broke: stop the workers; the error every later step raises
+        (naming the workers that died, if any)."""
+        failures = [] if self.executor is None else self.executor.failures()
+        if self.executor is not None:
+            self.executor.shutdown()
+        message = str(exc) + (f" ({'; '.join(failures)})" if failures else "")
+        self._dead = EngineDeadError(message)
+        return self._dead
+
     def shutdown(self) -> None:
         """Flush the KV cache to the disk tier, if there is one (:meth:`flush_kv_cache`), and
         close the KV connector (its transport, control socket and thread)."""
@@ -469,6 +503,8 @@ class LLMEngine:
             self.flush_kv_cache()
         if self.kv_connector is not None:
             self.kv_connector.close()
+        if self.executor is not None:
+            self.executor.shutdown(None if self._dead is not None else self.runner.tp_group)
 
     def _update_cost_model(self, num_tokens: int, seconds: float) -> None:
         """Feeds the scheduler's auto preemption rule the forward throughput of prefill-sized
@@ -647,6 +683,20 @@ class LLMEngine:
             with self._lock:
                 stats.update(self.kv_connector.stats())
         return stats
+
+
+def _start_workers(config: Any) -> tuple[TPSpec, MultiprocExecutor]:
+    """Starts ranks 1..N-1 (``distributed_executor_backend``: ``"mp"``) and returns rank 0's
+    place in the group, on a free loopback port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_method = f"tcp://127.0.0.1:{port}"
+    parallel = config.parallel
+    executor = MultiprocExecutor(config, init_method, parallel.timeout)
+    return TPSpec(0, parallel.tensor_parallel_size, init_method, parallel.timeout), executor
 
 
 def _has_copies(out: SchedulerOutput) -> bool:

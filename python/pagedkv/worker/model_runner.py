@@ -72,8 +72,12 @@ from pagedkv.config import (
     SchedulingConfig,
     check_preemption_mode,
 )
-from pagedkv.errors import ConfigError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
+from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, byte_view, key_rotation, kv_format
+from pagedkv.parallel.executor import TPSpec
+from pagedkv.parallel.group import TPGroup
+from pagedkv.parallel.sharding import check_tensor_parallel_size, shard_model
+from pagedkv.parallel.step_broadcast import send_step
 from pagedkv.worker.attention_backend import (
     ATTENTION_NAME,
     CONTEXT_KWARG,
@@ -135,6 +139,8 @@ class ModelRunner:
         model_config: ModelConfig | None = None,
         cache_config: CacheConfig | None = None,
         scheduling_config: SchedulingConfig | None = None,
+        *,
+        tp: TPSpec | None = None,
     ) -> None:
         model_config = ModelConfig() if model_config is None else model_config
         cache_config = CacheConfig() if cache_config is None else cache_config
@@ -150,6 +156,10 @@ class ModelRunner:
         check_preemption_mode(cache_config, scheduling_config)
 
         self.device = _resolve_device(model_config.device)
+        # Tensor parallelism (pagedkv.parallel): this rank's group, joined below; rank 0 also
+        # broadcasts every step it executes. A failure after a broadcast breaks the group.
+        self.tp_group: TPGroup | None = None
+        self.tp_failed: BaseException | None = None
         self.kv_cache_dir = _prepare_kv_cache_dir(cache_config.kv_cache_dir)
         self.block_size = block_size = cache_config.block_size
         self.model_path = resolve_model(model_config.model)
@@ -174,6 +184,8 @@ class ModelRunner:
                 stacklevel=2,
             )
         self.max_model_len = max_model_len
+        if tp is not None:
+            self._join_tp_group(tp, text_config, cache_config)
 
         self.dtype = _resolve_dtype(model_config.dtype, config, self.device)
         self.kv_format = kv_format(cache_config.kv_cache_dtype)
@@ -187,6 +199,8 @@ class ModelRunner:
                 cache_dtype=self.kv_cache_dtype,
             )
         self.model = _load_model(self.model_path, self.dtype, self.device, model_config.trust_remote_code)
+        if self.tp_group is not None:
+            shard_model(self.model, self.tp_group)
         head = self.model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(text_config.vocab_size)
         self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
@@ -215,9 +229,13 @@ class ModelRunner:
         num_blocks = cache_config.num_blocks
         if num_blocks is None:
             num_blocks = self._blocks_that_fit(cache_config, scheduling_config)
+        if self.tp_group is not None:  # the same block ids on every rank: the tightest one decides
+            num_blocks = self.tp_group.min_int(num_blocks)
         self.num_blocks = num_blocks
         self.kv_cache_bytes = num_blocks * self.bytes_per_block
         self.num_host_blocks = self._host_blocks(cache_config)
+        if self.tp_group is not None and self.num_host_blocks > 0:
+            self.num_host_blocks = self.tp_group.min_int(self.num_host_blocks)
         self.host_kv_cache_bytes = self.num_host_blocks * self.bytes_per_block
         self._check_fits_in_memory()
         # One tensor for every layer's K and V: copy-on-write is one indexed copy per step.
@@ -301,6 +319,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: Any, disk_block_info: Sequence[Any] | None = None) -> torch.Tensor:
+        """Run one scheduler step (see :meth:`_execute`). Under tensor parallelism rank 0 first
+        broadcasts the step to the other ranks, which run the same step on their shards; an
+        exception after that broadcast leaves the ranks possibly out of step, so the group is
+        broken for good: EngineDeadError now (an interrupt is re-raised as is) and on every
+        later call."""
+        group = self.tp_group
+        if group is None or group.rank != 0:
+            return self._execute(step, disk_block_info)
+        if self.tp_failed is not None:
+            raise EngineDeadError(f"the tensor-parallel group is broken: {self.tp_failed}") from self.tp_failed
+        try:
+            send_step(group, step)
+            return self._execute(step, disk_block_info)
+        except Exception as exc:
+            self.tp_failed = exc
+            raise EngineDeadError(
+                f"a tensor-parallel step failed ({type(exc).__name__}: {exc}); the ranks may disagree, "
+                "so the engine stops"
+            ) from exc
+        except BaseException as exc:  # KeyboardInterrupt: re-raised, the next step reports the break
+            self.tp_failed = exc
+            raise
+
+    def _execute(self, step: Any, disk_block_info: Sequence[Any] | None = None) -> torch.Tensor:
         """Run one scheduler step; return float32 logits ``[S, V]`` for ``step.logits_indices``.
 
         ``step`` has the ``SchedulerOutput`` fields (numpy arrays or tensors): ``input_ids``
@@ -593,6 +635,22 @@ class ModelRunner:
             )
             num_blocks = MAX_NUM_BLOCKS
         return num_blocks
+
+    def _join_tp_group(self, tp: TPSpec, text_config: Any, cache: CacheConfig) -> None:
+        """Checks that the model and this machine allow ``tp.world_size`` ranks (before joining,
+        so a refused engine joins nothing), then joins the group; on CUDA rank r uses device r."""
+        check_tensor_parallel_size(text_config, tp.world_size)
+        if self.device.type == "cuda":
+            available = torch.cuda.device_count()
+            if tp.world_size > available:
+                raise ConfigError(
+                    f"tensor_parallel_size={tp.world_size} needs as many CUDA devices; {available} visible"
+                )
+            self.device = torch.device("cuda", tp.rank)
+        # On the CPU a rank is a process: any N runs (sharing the cores), which is what tests use.
+        if cache.kv_cache_dir is not None:
+            raise ConfigError("the disk KV tier (kv_cache_dir) is not supported with tensor_parallel_size > 1")
+        self.tp_group = TPGroup.create(tp.rank, tp.world_size, tp.init_method, self.device, tp.timeout)
 
     def kv_fingerprint(self) -> dict[str, Any]:
         """What must match for KV written by another engine (a disk file, a transferred block)

@@ -1,0 +1,21 @@
+"""Tensor parallelism: one engine's model split over N ranks (``tensor_parallel_size``).
+
+- ``group`` — :class:`TPGroup`, the ranks' private torch.distributed group (gloo on the CPU,
+  NCCL on CUDA) with timeouts on every collective.
+- ``sharding`` — the Megatron split of each decoder layer (column-parallel Q/K/V and gate/up,
+  row-parallel O and down with one all-reduce each; embedding and LM head replicated), from
+  the model's tensor-parallel plan or pagedkv's Llama plan.
+- ``step_broadcast`` — rank 0 sends each step's arrays to the other ranks in one packed buffer.
+- ``executor`` — the worker ranks as local processes (``"mp"``) and their life cycle.
+
+One Rust scheduler, on rank 0, decides; every rank's KV cache has the same blocks, each with
+``num_kv_heads / N`` heads, so the block tables it produces are valid on every rank.
+"""
+
+from __future__ import annotations
+
+from pagedkv.parallel.executor import MultiprocExecutor, TPSpec
+from pagedkv.parallel.group import TPGroup
+from pagedkv.parallel.sharding import check_tensor_parallel_size, shard_model
+
+__all__ = ["MultiprocExecutor", "TPGroup", "TPSpec", "check_tensor_parallel_size", "shard_model"]

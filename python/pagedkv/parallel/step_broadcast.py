@@ -1,0 +1,110 @@
+"""Rank 0 hands each step to the other ranks: every array the runner reads, packed into one
+int64 buffer, broadcast once (after a fixed 32-int64 header carrying the command, the
+payload's length and each array's shape, so receivers can size the buffer).
+
+The arrays (``SchedulerOutput``'s names): ``input_ids``, ``positions``, ``slot_mapping``,
+``logits_indices`` (int64), ``cu_seqlens_q``, ``seq_lens`` (int32), ``block_tables`` (int32
+``[B, W]``), and the block copies ``copy_ops``, ``swap_out``, ``swap_in``, ``disk_store``,
+``disk_load`` (int32 ``[K, 2]``). Every rank then runs the same ``ModelRunner.execute`` on
+identical arrays, so the ranks' caches stay block for block the same.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedkv.parallel.group import TPGroup
+
+__all__ = ["CMD_SHUTDOWN", "CMD_STEP", "StepPacket", "recv_step", "send_shutdown", "send_step"]
+
+CMD_STEP = 1
+CMD_SHUTDOWN = 2
+_HEADER = 32
+# (name, dtype, ndim) in packing order.
+_FIELDS: tuple[tuple[str, Any, int], ...] = (
+    ("input_ids", np.int64, 1),
+    ("positions", np.int64, 1),
+    ("slot_mapping", np.int64, 1),
+    ("logits_indices", np.int64, 1),
+    ("cu_seqlens_q", np.int32, 1),
+    ("seq_lens", np.int32, 1),
+    ("block_tables", np.int32, 2),
+    ("copy_ops", np.int32, 2),
+    ("swap_out", np.int32, 2),
+    ("swap_in", np.int32, 2),
+    ("disk_store", np.int32, 2),
+    ("disk_load", np.int32, 2),
+)
+assert 2 + 2 * len(_FIELDS) <= _HEADER
+
+
+@dataclass
+class StepPacket:
+    """A step as a worker receives it: the same attribute names as ``SchedulerOutput``."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    logits_indices: np.ndarray
+    cu_seqlens_q: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+    copy_ops: np.ndarray
+    swap_out: np.ndarray
+    swap_in: np.ndarray
+    disk_store: np.ndarray
+    disk_load: np.ndarray
+
+
+def _as_array(step: Any, name: str, dtype: Any, ndim: int) -> np.ndarray:
+    """``step.name`` as a C-contiguous array of ``dtype`` (an absent copy list: ``[0, 2]``)."""
+    value = getattr(step, name, None)
+    array = np.zeros((0, 2) if ndim == 2 else 0, dtype=dtype) if value is None else np.asarray(value, dtype=dtype)
+    if ndim == 2 and array.ndim != 2:
+        array = array.reshape(-1, 2)
+    return np.ascontiguousarray(array)
+
+
+def send_step(group: TPGroup, step: Any) -> None:
+    """Broadcasts ``step`` from rank 0 (the header, then the packed arrays)."""
+    arrays = [_as_array(step, name, dtype, ndim) for name, dtype, ndim in _FIELDS]
+    header = np.zeros(_HEADER, dtype=np.int64)
+    header[0] = CMD_STEP
+    header[1] = sum(a.size for a in arrays)
+    for i, a in enumerate(arrays):
+        header[2 + 2 * i] = a.shape[0]
+        header[3 + 2 * i] = a.shape[1] if a.ndim == 2 else 0
+    group.broadcast(torch.from_numpy(header).to(group.device))
+    if header[1]:
+        payload = np.concatenate([a.astype(np.int64, copy=False).ravel() for a in arrays])
+        group.broadcast(torch.from_numpy(payload).to(group.device))
+
+
+def send_shutdown(group: TPGroup) -> None:
+    header = np.zeros(_HEADER, dtype=np.int64)
+    header[0] = CMD_SHUTDOWN
+    group.broadcast(torch.from_numpy(header).to(group.device))
+
+
+def recv_step(group: TPGroup) -> StepPacket | None:
+    """A worker's side of :func:`send_step`: the next step, or None for shutdown."""
+    header = group.broadcast(torch.zeros(_HEADER, dtype=torch.int64, device=group.device)).cpu().numpy()
+    if int(header[0]) == CMD_SHUTDOWN:
+        return None
+    total = int(header[1])
+    payload = np.zeros(0, dtype=np.int64)
+    if total:
+        payload = group.broadcast(torch.zeros(total, dtype=torch.int64, device=group.device)).cpu().numpy()
+    fields: dict[str, np.ndarray] = {}
+    offset = 0
+    for i, (name, dtype, ndim) in enumerate(_FIELDS):
+        rows, cols = int(header[2 + 2 * i]), int(header[3 + 2 * i])
+        size = rows * cols if ndim == 2 else rows
+        chunk = payload[offset : offset + size].astype(dtype)
+        fields[name] = chunk.reshape(rows, cols) if ndim == 2 else chunk
+        offset += size
+    return StepPacket(**fields)

@@ -1,0 +1,212 @@
+"""Tensor parallelism on the CPU (gloo): the same tokens as one rank, KV split by heads,
+clean failures.
+
+Models: a random-weight Llama (4 heads, 2 KV heads, 2 layers) at TP = 2, and the embedded
+SmolLM2-135M (9 heads, 3 KV heads) at TP = 3. Every engine with workers is shut down in a
+finally / fixture teardown; the worker-death test checks that no worker process is left.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pagedkv import LLMEngine, SamplingParams
+from pagedkv.errors import ConfigError, EngineDeadError
+from pagedkv.worker.model_files import resolve_model
+
+TIMEOUT = 120.0
+ENGINE = dict(device="cpu", dtype="float32", num_blocks=48, block_size=16, max_model_len=256)
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Paged attention stores keys and values in blocks, so that",
+    "A" * 3,
+]
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, logprobs=3)
+
+
+def run(engine: LLMEngine, prompts: list[Any], params: SamplingParams = GREEDY) -> dict[str, Any]:
+    """Final outputs by request id."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    outs: dict[str, Any] = {}
+    deadline = time.monotonic() + TIMEOUT
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any], tol: float = 1e-3) -> None:
+    """Same tokens; logprobs within ``tol`` (the all-reduce sums the partial products in another
+    order than one matmul does)."""
+    assert a.keys() == b.keys()
+    for rid in a:
+        for x, y in zip(a[rid].outputs, b[rid].outputs):
+            assert x.token_ids == y.token_ids, rid
+            if x.logprobs is not None:
+                for px, py in zip(x.logprobs, y.logprobs):
+                    for tok, lp in px.items():
+                        assert tok in py and abs(lp.logprob - py[tok].logprob) < tol, rid
+
+
+@pytest.fixture(scope="module")
+def random_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,  # the embedded tokenizer's
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    path = tmp_path_factory.mktemp("random-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llama_engines(random_llama: str) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    kw = {**ENGINE, "model": random_llama, "tokenizer": resolve_model(None)}
+    one = LLMEngine(**kw)
+    two = LLMEngine(**kw, tensor_parallel_size=2)
+    try:
+        yield one, two
+    finally:
+        two.shutdown()
+        one.shutdown()
+
+
+def test_two_ranks_give_one_ranks_tokens_and_split_the_kv(llama_engines: tuple[LLMEngine, LLMEngine]) -> None:
+    one, two = llama_engines
+    assert two.runner.num_kv_heads == one.runner.num_kv_heads // 2
+    assert two.runner.num_blocks == one.runner.num_blocks
+    assert two.runner.kv_cache_bytes * 2 == one.runner.kv_cache_bytes
+    assert_same(run(one, PROMPTS), run(two, PROMPTS))
+
+
+def test_preemption_prefix_hits_and_parallel_samples_under_tp(llama_engines: tuple[LLMEngine, LLMEngine]) -> None:
+    one, two = llama_engines
+    shared = "In a paged KV cache, the block table of every sequence maps its logical blocks to " * 2
+    prompts = [shared + f"request number {i}" for i in range(8)]
+    long = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    a, b = run(one, prompts, long), run(two, prompts, long)
+    assert_same(a, b)
+    # 48 blocks cannot hold 8 x (~40 + 100) tokens: both engines preempt, and hit the prefix.
+    for engine in (one, two):
+        stats = engine.get_stats()
+        assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert one.get_stats()["num_preemptions"] == two.get_stats()["num_preemptions"]
+    sampled = SamplingParams(n=3, max_tokens=8, temperature=0.9, seed=11)
+    assert_same(run(one, PROMPTS[:2], sampled), run(two, PROMPTS[:2], sampled))
+    for engine in (one, two):
+        assert engine.get_stats()["num_used_blocks"] == 0
+        engine.scheduler.check_invariants()
+
+
+def test_smollm2_at_three_ranks() -> None:
+    # 9 heads, 3 KV heads: one KV head per rank.
+    one = LLMEngine(**ENGINE)
+    three = LLMEngine(**ENGINE, tensor_parallel_size=3)
+    try:
+        assert three.runner.num_kv_heads == 1 and three.runner.kv_cache_bytes * 3 == one.runner.kv_cache_bytes
+        assert_same(run(one, PROMPTS), run(three, PROMPTS))
+    finally:
+        three.shutdown()
+        one.shutdown()
+
+
+def test_int8_kv_and_a_host_tier_under_tp(random_llama: str) -> None:
+    kw = {**ENGINE, "model": random_llama, "tokenizer": resolve_model(None)}
+    kw |= {"kv_cache_dtype": "int8", "num_host_blocks": 16, "preemption_mode": "swap", "num_blocks": 24}
+    one = LLMEngine(**kw)
+    two = LLMEngine(**kw, tensor_parallel_size=2)
+    try:
+        prompts = [f"Swap test {i}: " + PROMPTS[i % len(PROMPTS)] for i in range(8)]
+        params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, logprobs=3)
+        # int8 KV: a last-bit difference before quantization can move a value one grid step.
+        assert_same(run(one, prompts, params), run(two, prompts, params), tol=0.1)
+        assert two.get_stats()["num_swap_preemptions"] > 0
+    finally:
+        two.shutdown()
+        one.shutdown()
+
+
+def test_bad_sizes_are_refused(random_llama: str) -> None:
+    kw = {**ENGINE, "model": random_llama, "tokenizer": resolve_model(None)}
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        LLMEngine(**kw, tensor_parallel_size=0)
+    with pytest.raises(ConfigError, match=r"sizes that work for this model: \[1, 2\]"):
+        LLMEngine(**kw, tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="distributed_executor_backend"):
+        LLMEngine(**kw, tensor_parallel_size=2, distributed_executor_backend="threads")
+    with pytest.raises(ConfigError, match="kv_transfer_config"):
+        LLMEngine(**kw, tensor_parallel_size=2, kv_transfer_config={"role": "producer"})
+
+
+def test_a_worker_killed_mid_generation_stops_the_engine_cleanly(random_llama: str, tmp_path: Path) -> None:
+    kw = {**ENGINE, "model": random_llama, "tokenizer": resolve_model(None)}
+    engine = LLMEngine(**kw, tensor_parallel_size=2)
+    executor = engine.executor
+    assert executor is not None
+    try:
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(f"k{i}", p, SamplingParams(max_tokens=100, ignore_eos=True))
+        engine.step()
+        engine.step()
+        executor.processes[0].kill()
+        executor.processes[0].join(10)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="worker rank 1"):
+            for _ in range(5):
+                engine.step()
+        assert time.monotonic() - t0 < 60
+        with pytest.raises(EngineDeadError):  # every later step too
+            engine.step()
+        assert not any(p.is_alive() for p in executor.processes)
+    finally:
+        engine.shutdown()
+    assert not any(p.is_alive() for p in executor.processes)
+
+
+def test_async_streams_end_with_engine_dead_when_a_worker_dies(random_llama: str) -> None:
+    import asyncio
+
+    from pagedkv import AsyncLLM
+    from pagedkv.engine.args import EngineArgs
+
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(**ENGINE, model=random_llama, tokenizer=resolve_model(None), tensor_parallel_size=2)
+    )
+    executor = engine.engine.executor
+    assert executor is not None
+
+    async def go() -> None:
+        stream = await engine.add_request("Hello", SamplingParams(max_tokens=200, ignore_eos=True))
+        got = 0
+        with pytest.raises(EngineDeadError, match="worker rank 1"):
+            async for _ in stream:
+                got += 1
+                if got == 3:
+                    executor.processes[0].kill()
+        assert got >= 3
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), TIMEOUT))
+        assert not engine.is_running
+    finally:
+        engine.shutdown()
+    assert not any(p.is_alive() for p in executor.processes)
