@@ -157,6 +157,17 @@ def test_bad_sizes_are_refused(random_llama: str) -> None:
         LLMEngine(**kw, tensor_parallel_size=2, kv_transfer_config={"role": "producer"})
 
 
+def test_ray_requested_but_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from pagedkv.config import ParallelConfig
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"pagedkv\[ray\]"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
+
+
 def test_a_worker_killed_mid_generation_stops_the_engine_cleanly(random_llama: str, tmp_path: Path) -> None:
     kw = {**ENGINE, "model": random_llama, "tokenizer": resolve_model(None)}
     engine = LLMEngine(**kw, tensor_parallel_size=2)
@@ -210,3 +221,28 @@ def test_async_streams_end_with_engine_dead_when_a_worker_dies(random_llama: str
     finally:
         engine.shutdown()
     assert not any(p.is_alive() for p in executor.processes)
+
+
+def test_ray_executor_gives_the_same_tokens_as_mp(
+    random_llama: str, llama_engines: tuple[LLMEngine, LLMEngine]
+) -> None:
+    import ray
+
+    from pagedkv.parallel.ray_executor import RayExecutor
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        kw = {**ENGINE, "model": random_llama, "tokenizer": resolve_model(None)}
+        engine = LLMEngine(**kw, tensor_parallel_size=2, distributed_executor_backend="ray")
+        executor = engine.executor
+        assert isinstance(executor, RayExecutor)
+        try:
+            assert_same(run(engine, PROMPTS), run(llama_engines[1], PROMPTS))
+            assert executor.failures() == []
+        finally:
+            engine.shutdown()
+        # The engine joined this Ray instance, so it leaves it running, with its actors gone.
+        assert ray.is_initialized()
+        assert not any(executor.alive())
+    finally:
+        ray.shutdown()

@@ -29,6 +29,7 @@ probe forward, ``pagedkv simulate`` (:mod:`pagedkv.sim.kv_budget`) from a ``conf
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -438,7 +439,7 @@ class SchedulingConfig:
             raise ConfigError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
 
 
-EXECUTOR_BACKENDS = ("mp",)
+EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -446,7 +447,8 @@ class ParallelConfig:
     """Tensor parallelism: ``tensor_parallel_size`` ranks each hold ``1 / N`` of every layer's
     attention heads, KV heads and MLP columns (``pagedkv.parallel``);
     ``distributed_executor_backend``: how the ranks other than the engine's own run (``"mp"``:
-    local worker processes; default). ``timeout``: seconds any collective may take before the
+    local worker processes, the default; ``"ray"``: Ray actors in a placement group, on this
+    node or others, the ``ray`` extra). ``timeout``: seconds any collective may take before the
     engine gives up on its workers."""
 
     tensor_parallel_size: int = 1
@@ -460,6 +462,8 @@ class ParallelConfig:
             raise ConfigError(
                 f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS} or None, got {backend!r}"
             )
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ConfigError("distributed_executor_backend='ray' needs Ray: pip install 'pagedkv[ray]'")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ConfigError(f"the tensor-parallel timeout must be a number > 0, got {self.timeout!r}")
 

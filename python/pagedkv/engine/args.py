@@ -54,9 +54,11 @@ class EngineArgs:
     - ``attention_backend``: ``"triton"``, ``"cpu"``, ``"torch"`` or ``None`` (Triton on CUDA,
       the Rust decode kernel + torch on the CPU).
     - ``seed``: seed of the global generator used by unseeded random sampling.
-    - ``tensor_parallel_size``: split every layer's attention heads, KV heads and MLP over N
-      ranks (N processes on the CPU, N devices on CUDA; the heads and KV heads must divide by
-      N); ``distributed_executor_backend``: ``"mp"`` (local worker processes, the default).
+    - ``tensor_parallel_size``, ``distributed_executor_backend``: split every layer's attention
+      heads, KV heads and MLP over N ranks (N processes on the CPU, N devices on CUDA; the
+      heads and KV heads must divide by N), run as ``"mp"`` (local worker processes, the
+      default) or ``"ray"`` (Ray actors placed by a placement group, for several nodes; the
+      ``ray`` extra).
     - ``kv_transfer_config``: take part in disaggregated prefill / decode (a
       :class:`~pagedkv.distributed.transfer_config.KVTransferConfig`, a dict, or its JSON text,
       e.g. ``{"role": "consumer", "transport": "nixl"}``); requests then accept

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -65,6 +66,7 @@ from pagedkv.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from pagedkv.distributed.connector import KVConnector
+    from pagedkv.parallel.ray_executor import RayExecutor
 
 __all__ = ["LLMEngine"]
 
@@ -95,7 +97,7 @@ class LLMEngine:
         torch.manual_seed(config.model.seed)
         # Tensor parallelism: ranks 1..N-1 start first (they wait for rank 0 to join), then
         # this process builds rank 0's runner; a failure stops whatever was started.
-        self.executor: MultiprocExecutor | None = None
+        self.executor: MultiprocExecutor | RayExecutor | None = None
         tp = None
         if config.parallel.tensor_parallel_size > 1:
             if config.kv_transfer is not None:
@@ -685,18 +687,47 @@ class LLMEngine:
         return stats
 
 
-def _start_workers(config: Any) -> tuple[TPSpec, MultiprocExecutor]:
-    """Starts ranks 1..N-1 (``distributed_executor_backend``: ``"mp"``) and returns rank 0's
-    place in the group, on a free loopback port."""
+def _start_workers(config: Any) -> tuple[TPSpec, MultiprocExecutor | RayExecutor]:
+    """Starts ranks 1..N-1 with ``distributed_executor_backend`` (``"mp"``: local processes,
+    the default; ``"ray"``: Ray actors, joining a running Ray or starting a local one) and
+    returns rank 0's place in the group: a free port on this node, at the address the workers
+    reach it by."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    init_method = f"tcp://127.0.0.1:{port}"
     parallel = config.parallel
-    executor = MultiprocExecutor(config, init_method, parallel.timeout)
-    return TPSpec(0, parallel.tensor_parallel_size, init_method, parallel.timeout), executor
+    n = parallel.tensor_parallel_size
+    backend = parallel.distributed_executor_backend or "mp"
+    device = str(config.model.device)
+    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if backend == "mp" and on_cuda and n > torch.cuda.device_count():
+        raise ConfigError(
+            f"tensor_parallel_size={n} needs a CUDA device per rank; {torch.cuda.device_count()} visible "
+            "(use distributed_executor_backend='ray' for ranks on other nodes)"
+        )
+    host = "127.0.0.1"
+    started_ray = False
+    if backend == "ray":
+        import ray
+
+        from pagedkv.parallel.ray_executor import ray_node_address
+
+        if not ray.is_initialized():
+            # RAY_ADDRESS (e.g. "auto") joins a cluster; without it a local instance starts.
+            started_ray = "RAY_ADDRESS" not in os.environ
+            ray.init(include_dashboard=False, log_to_driver=False)
+        host = ray_node_address(start_local=started_ray)
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    init_method = f"tcp://{host}:{port}"
+    executor: MultiprocExecutor | RayExecutor
+    if backend == "ray":
+        from pagedkv.parallel.ray_executor import RayExecutor
+
+        executor = RayExecutor(config, init_method, parallel.timeout, started_ray=started_ray)
+    else:
+        executor = MultiprocExecutor(config, init_method, parallel.timeout)
+    return TPSpec(0, n, init_method, parallel.timeout), executor
 
 
 def _has_copies(out: SchedulerOutput) -> bool:

@@ -35,6 +35,9 @@ class TPSpec:
     world_size: int
     init_method: str  # tcp://host:port of rank 0's store
     timeout: float
+    # The CUDA device this rank uses among those visible to its process: the rank for local
+    # processes, 0 for a Ray actor (Ray gives each actor its own CUDA_VISIBLE_DEVICES).
+    device_index: int = 0
 
 
 def run_worker(spec: TPSpec, engine_config: Any) -> None:
@@ -77,7 +80,7 @@ class MultiprocExecutor:
         self.processes = [
             ctx.Process(
                 target=run_worker,
-                args=(TPSpec(rank, world, init_method, timeout), worker_config),
+                args=(TPSpec(rank, world, init_method, timeout, device_index=rank), worker_config),
                 name=f"pagedkv-tp-rank{rank}",
                 daemon=True,
             )

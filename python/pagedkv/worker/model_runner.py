@@ -642,11 +642,12 @@ class ModelRunner:
         check_tensor_parallel_size(text_config, tp.world_size)
         if self.device.type == "cuda":
             available = torch.cuda.device_count()
-            if tp.world_size > available:
+            if tp.device_index >= available:
                 raise ConfigError(
-                    f"tensor_parallel_size={tp.world_size} needs as many CUDA devices; {available} visible"
+                    f"tensor_parallel_size={tp.world_size} needs a CUDA device per rank; rank {tp.rank} "
+                    f"would use device {tp.device_index} of the {available} visible"
                 )
-            self.device = torch.device("cuda", tp.rank)
+            self.device = torch.device("cuda", tp.device_index)
         # On the CPU a rank is a process: any N runs (sharing the cores), which is what tests use.
         if cache.kv_cache_dir is not None:
             raise ConfigError("the disk KV tier (kv_cache_dir) is not supported with tensor_parallel_size > 1")
