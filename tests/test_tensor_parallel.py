@@ -246,3 +246,32 @@ def test_ray_executor_gives_the_same_tokens_as_mp(
         assert not any(executor.alive())
     finally:
         ray.shutdown()
+
+
+def test_serve_with_three_ranks_answers_and_leaves_no_process() -> None:
+    import os
+
+    httpx = pytest.importorskip("httpx")
+    from pagedkv.server.launch import ServerProcess
+
+    flags = ["--tensor-parallel-size", "3", "--device", "cpu", "--dtype", "float32"]
+    flags += ["--num-blocks", "64", "--max-model-len", "256"]
+    server = ServerProcess(flags, env={"OMP_NUM_THREADS": "1"}, start_timeout=TIMEOUT)
+    with server:
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0},
+            timeout=TIMEOUT,
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 5
+        pgid = server.process.pid  # type: ignore[union-attr]
+    # The server's process group (its workers included) is gone after a graceful stop.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "a process of the server's group is still running"
+        time.sleep(0.2)

@@ -9,7 +9,8 @@ way the engine gets an exception, never a hang.
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
@@ -31,6 +32,10 @@ class TPGroup:
     device: torch.device
     _pg: Any
     _store: Any
+    # Time spent in collectives (seconds) and their count, by kind ("all_reduce", "broadcast"):
+    # what tensor parallelism costs this rank (benches/bench_tp.py reads them).
+    seconds: dict[str, float] = field(default_factory=lambda: {"all_reduce": 0.0, "broadcast": 0.0})
+    calls: dict[str, int] = field(default_factory=lambda: {"all_reduce": 0, "broadcast": 0})
 
     @classmethod
     def create(cls, rank: int, world_size: int, init_method: str, device: torch.device, timeout: float) -> TPGroup:
@@ -51,15 +56,23 @@ class TPGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums ``tensor`` over the ranks, in place (the row-parallel layers' reduction)."""
+        t0 = time.perf_counter()
         self._pg.allreduce([tensor]).wait()
+        self._count("all_reduce", t0)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrites ``tensor`` with rank ``src``'s, in place."""
+        t0 = time.perf_counter()
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         self._pg.broadcast([tensor], opts).wait()
+        self._count("broadcast", t0)
         return tensor
+
+    def _count(self, kind: str, t0: float) -> None:
+        self.seconds[kind] += time.perf_counter() - t0
+        self.calls[kind] += 1
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value`` (the pool is sized by the tightest rank)."""

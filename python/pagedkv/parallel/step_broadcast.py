@@ -19,7 +19,7 @@ import torch
 
 from pagedkv.parallel.group import TPGroup
 
-__all__ = ["CMD_SHUTDOWN", "CMD_STEP", "StepPacket", "recv_step", "send_shutdown", "send_step"]
+__all__ = ["CMD_SHUTDOWN", "CMD_STEP", "StepPacket", "empty_step", "recv_step", "send_shutdown", "send_step"]
 
 CMD_STEP = 1
 CMD_SHUTDOWN = 2
@@ -58,6 +58,13 @@ class StepPacket:
     swap_in: np.ndarray
     disk_store: np.ndarray
     disk_load: np.ndarray
+
+
+def empty_step() -> StepPacket:
+    """A step with no tokens and no copies (every array empty): what the broadcast costs alone."""
+    arrays = {name: np.zeros((0, 2) if ndim == 2 else 0, dtype=dtype) for name, dtype, ndim in _FIELDS}
+    arrays["cu_seqlens_q"] = np.zeros(1, dtype=np.int32)  # B + 1 offsets for B = 0 rows
+    return StepPacket(**arrays)
 
 
 def _as_array(step: Any, name: str, dtype: Any, ndim: int) -> np.ndarray:
