@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -65,13 +67,40 @@ class TimedScheduler:
         return getattr(self._inner, name)
 
 
-def run(size: int, requests: list[tuple[list[int], int]], args: argparse.Namespace) -> dict[str, Any]:
+def random_llama(folder: str) -> str:
+    """A random-weight Llama with SmolLM2-135M's shape but heads that divide by 2 (8 heads of
+    72, 4 KV heads; 30 layers, hidden 576, MLP 1536, the same vocabulary): TP = 2 runs on it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def run(
+    model: str | None, size: int, requests: list[tuple[list[int], int]], args: argparse.Namespace
+) -> dict[str, Any]:
     import torch
 
     from pagedkv import LLMEngine, SamplingParams
 
     torch.set_num_threads(1)  # rank 0 like its workers: one thread per rank
+    from pagedkv.worker.model_files import resolve_model
+
     engine = LLMEngine(
+        model=model,
+        tokenizer=None if model is None else resolve_model(None),
         device="cpu",
         dtype="float32",
         num_blocks=args.num_blocks,
@@ -113,6 +142,7 @@ def run(size: int, requests: list[tuple[list[int], int]], args: argparse.Namespa
                 time.sleep(0.002)  # let the workers get back to their receive
             empty_ms = 1000 * (group.seconds["broadcast"] - b0) / args.repeats
         return {
+            "model": "SmolLM2-135M" if model is None else "random Llama (8 heads, 4 KV)",
             "tp": size,
             "kv_heads_per_rank": engine.runner.num_kv_heads,
             "kv_bytes_per_rank": engine.runner.kv_cache_bytes,
@@ -133,9 +163,9 @@ def run(size: int, requests: list[tuple[list[int], int]], args: argparse.Namespa
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float) -> str:
-    base = rows[0]
     table = md_table(
         [
+            "model",
             "TP",
             "KV heads / rank",
             "KV MiB / rank",
@@ -152,13 +182,14 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float)
         ],
         [
             [
+                r["model"],
                 r["tp"],
                 r["kv_heads_per_rank"],
                 f"{r['kv_bytes_per_rank'] / 2**20:.1f}",
                 r["steps"],
                 f"{r['step_ms']:.1f}",
                 f"{r['tok_s']:.1f}",
-                f"{r['tok_s'] / base['tok_s']:.2f}x",
+                f"{r['tok_s'] / next(b for b in rows if b['model'] == r['model'])['tok_s']:.2f}x",
                 f"{1000 * r['all_reduce_s'] / r['steps']:.2f} ({r['all_reduce_calls'] // max(1, r['steps'])})",
                 f"{1000 * r['broadcast_s'] / r['steps']:.3f} ({r['broadcast_calls'] // max(1, r['steps'])})",
                 f"{100 * (r['all_reduce_s'] + r['broadcast_s']) / r['wall_s']:.1f}%",
@@ -170,11 +201,12 @@ def report(rows: list[dict[str, Any]], args: argparse.Namespace, seconds: float)
         ],
     )
     return (
-        f"Embedded SmolLM2-135M-Instruct (30 layers, 9 heads, 3 KV heads), float32, CPU, one torch "
+        f"The embedded SmolLM2-135M-Instruct (30 layers, 9 heads, 3 KV heads: TP 1 or 3) and a random-weight "
+        f"Llama of its size with heads that divide by 2 (8 heads, 4 KV heads: TP 1 or 2), float32, CPU, one torch "
         f"thread per rank (`mp` workers), {args.num_blocks} KV blocks of 16 tokens; {args.num_requests} "
         f"ShareGPT first turns, output capped at {args.max_tokens} tokens, greedy, `ignore_eos`, stepped "
         f"with `LLMEngine.step` after a warm-up request. Collectives: rank 0's seconds in the row-parallel "
-        f"all-reduces (2 per layer per step) and the step broadcast (a fixed header, then the packed arrays); "
+        f"all-reduces (2 per layer per step) and the step broadcast (one 64 KiB frame: header and packed arrays); "
         f"scheduler: `Scheduler.schedule` + `update` per step. Rank 0's collective time includes waiting for the slowest rank. The last column times the broadcast alone: {args.repeats} empty steps sent while the workers wait in their receive.\n\n{table}\n\n"
         f"Benchmark run time: {seconds:.0f} s.\n"
     )
@@ -186,7 +218,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--num-blocks", type=int, default=256)
-    ap.add_argument("--sizes", default="1,3")
+    ap.add_argument("--sizes", default="1,3", help="TP sizes for SmolLM2 (its 3 KV heads: 1 or 3)")
+    ap.add_argument("--llama-sizes", default="1,2", help="TP sizes for the random Llama ('' to skip)")
     ap.add_argument("--repeats", type=int, default=50, help="empty steps timed for the idle broadcast")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
@@ -195,15 +228,23 @@ def main() -> None:
         args.num_requests, max_prompt=256, max_output=args.max_tokens, max_model_len=args.max_model_len
     )
     rows = []
-    for size in (int(s) for s in args.sizes.split(",")):
-        row = run(size, requests, args)
-        rows.append(row)
-        print(
-            f"TP={size}: {row['steps']} steps, {row['step_ms']:.1f} ms/step, {row['tok_s']:.1f} tok/s, "
-            f"all-reduce {row['all_reduce_s']:.2f} s, broadcast {row['broadcast_s']:.3f} s, "
-            f"scheduler {row['scheduler_s']:.3f} s",
-            flush=True,
-        )
+    runs: list[tuple[str | None, int]] = [(None, int(x)) for x in args.sizes.split(",") if x]
+    folder = tempfile.mkdtemp(prefix="pagedkv-bench-tp-")
+    try:
+        if args.llama_sizes:
+            llama = random_llama(folder)
+            runs += [(llama, int(x)) for x in args.llama_sizes.split(",") if x]
+        for model, size in runs:
+            row = run(model, size, requests, args)
+            rows.append(row)
+            print(
+                f"{row['model']} TP={size}: {row['steps']} steps, {row['step_ms']:.1f} ms/step, "
+                f"{row['tok_s']:.1f} tok/s, all-reduce {row['all_reduce_s']:.2f} s, "
+                f"broadcast {row['broadcast_s']:.3f} s, scheduler {row['scheduler_s']:.3f} s",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
     body = report(rows, args, time.perf_counter() - t0)
     print(body)
     if not args.no_write:

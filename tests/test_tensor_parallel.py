@@ -275,3 +275,47 @@ def test_serve_with_three_ranks_answers_and_leaves_no_process() -> None:
             break
         assert time.monotonic() < deadline, "a process of the server's group is still running"
         time.sleep(0.2)
+
+
+class _Recorder:
+    """Records what a broadcast root sends, or plays it back to a receiver (packing test)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, sent: list[torch.Tensor] | None = None) -> None:
+        self.sent: list[torch.Tensor] = [] if sent is None else sent
+        self.replay = sent is not None
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.replay:
+            return tensor.copy_(self.sent.pop(0))
+        self.sent.append(tensor.clone())
+        return tensor
+
+
+@pytest.mark.parametrize("rows", [3, 2000])
+def test_a_step_packs_into_one_frame_unless_it_is_large(rows: int) -> None:
+    import numpy as np
+
+    from pagedkv.parallel.step_broadcast import FRAME, recv_step, send_step
+
+    class Step:
+        input_ids = np.arange(7)
+        positions = np.arange(7)
+        slot_mapping = np.arange(7) + 100
+        logits_indices = np.array([6])
+        cu_seqlens_q = np.array([0, 7], dtype=np.int32)
+        seq_lens = np.array([7], dtype=np.int32)
+        block_tables = np.arange(rows * 9, dtype=np.int32).reshape(rows, 9)
+        copy_ops = np.array([[1, 2], [3, 4]], dtype=np.int32)
+        swap_out = np.zeros((0, 2), dtype=np.int32)
+
+    sender = _Recorder()
+    send_step(sender, Step)  # type: ignore[arg-type]
+    assert len(sender.sent) == (1 if rows * 9 < FRAME - 64 else 2) and sender.sent[0].numel() == FRAME
+    got = recv_step(_Recorder(sender.sent))  # type: ignore[arg-type]
+    assert got is not None
+    for name in ("input_ids", "slot_mapping", "cu_seqlens_q", "block_tables", "copy_ops", "swap_out"):
+        assert np.array_equal(getattr(got, name), getattr(Step, name)), name
+    assert got.swap_in.shape == (0, 2) and got.disk_load.shape == (0, 2)
+    assert got.block_tables.dtype == np.int32 and got.input_ids.dtype == np.int64

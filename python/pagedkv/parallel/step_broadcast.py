@@ -1,6 +1,6 @@
 """Rank 0 hands each step to the other ranks: every array the runner reads, packed into one
-int64 buffer, broadcast once (after a fixed 32-int64 header carrying the command, the
-payload's length and each array's shape, so receivers can size the buffer).
+int64 buffer after a 32-int64 header (the command, the payload's length, each array's shape),
+broadcast once in a fixed-size frame (see ``FRAME``).
 
 The arrays (``SchedulerOutput``'s names): ``input_ids``, ``positions``, ``slot_mapping``,
 ``logits_indices`` (int64), ``cu_seqlens_q``, ``seq_lens`` (int32), ``block_tables`` (int32
@@ -24,6 +24,10 @@ __all__ = ["CMD_SHUTDOWN", "CMD_STEP", "StepPacket", "empty_step", "recv_step", 
 CMD_STEP = 1
 CMD_SHUTDOWN = 2
 _HEADER = 32
+# Every step travels in one broadcast of FRAME int64s (64 KiB): the header, then the packed
+# arrays. A step with more (a long prefill's block tables, many swap ops) sends the rest in a
+# second broadcast; a fixed size lets the receivers post their buffer before knowing the step.
+FRAME = 8192
 # (name, dtype, ndim) in packing order.
 _FIELDS: tuple[tuple[str, Any, int], ...] = (
     ("input_ids", np.int64, 1),
@@ -77,39 +81,45 @@ def _as_array(step: Any, name: str, dtype: Any, ndim: int) -> np.ndarray:
 
 
 def send_step(group: TPGroup, step: Any) -> None:
-    """Broadcasts ``step`` from rank 0 (the header, then the packed arrays)."""
+    """Broadcasts ``step`` from rank 0: one ``FRAME``-sized buffer (header + packed arrays),
+    and the rest of the arrays in a second broadcast only when they do not fit."""
     arrays = [_as_array(step, name, dtype, ndim) for name, dtype, ndim in _FIELDS]
-    header = np.zeros(_HEADER, dtype=np.int64)
-    header[0] = CMD_STEP
-    header[1] = sum(a.size for a in arrays)
+    total = sum(a.size for a in arrays)
+    frame = np.zeros(FRAME, dtype=np.int64)
+    frame[0] = CMD_STEP
+    frame[1] = total
     for i, a in enumerate(arrays):
-        header[2 + 2 * i] = a.shape[0]
-        header[3 + 2 * i] = a.shape[1] if a.ndim == 2 else 0
-    group.broadcast(torch.from_numpy(header).to(group.device))
-    if header[1]:
-        payload = np.concatenate([a.astype(np.int64, copy=False).ravel() for a in arrays])
-        group.broadcast(torch.from_numpy(payload).to(group.device))
+        frame[2 + 2 * i] = a.shape[0]
+        frame[3 + 2 * i] = a.shape[1] if a.ndim == 2 else 0
+    payload = np.concatenate([a.astype(np.int64, copy=False).ravel() for a in arrays]) if total else frame[:0]
+    inline = min(total, FRAME - _HEADER)
+    frame[_HEADER : _HEADER + inline] = payload[:inline]
+    group.broadcast(torch.from_numpy(frame).to(group.device))
+    if total > inline:
+        group.broadcast(torch.from_numpy(np.ascontiguousarray(payload[inline:])).to(group.device))
 
 
 def send_shutdown(group: TPGroup) -> None:
-    header = np.zeros(_HEADER, dtype=np.int64)
-    header[0] = CMD_SHUTDOWN
-    group.broadcast(torch.from_numpy(header).to(group.device))
+    frame = np.zeros(FRAME, dtype=np.int64)
+    frame[0] = CMD_SHUTDOWN
+    group.broadcast(torch.from_numpy(frame).to(group.device))
 
 
 def recv_step(group: TPGroup) -> StepPacket | None:
     """A worker's side of :func:`send_step`: the next step, or None for shutdown."""
-    header = group.broadcast(torch.zeros(_HEADER, dtype=torch.int64, device=group.device)).cpu().numpy()
-    if int(header[0]) == CMD_SHUTDOWN:
+    frame = group.broadcast(torch.zeros(FRAME, dtype=torch.int64, device=group.device)).cpu().numpy()
+    if int(frame[0]) == CMD_SHUTDOWN:
         return None
-    total = int(header[1])
-    payload = np.zeros(0, dtype=np.int64)
-    if total:
-        payload = group.broadcast(torch.zeros(total, dtype=torch.int64, device=group.device)).cpu().numpy()
+    total = int(frame[1])
+    inline = min(total, FRAME - _HEADER)
+    payload = frame[_HEADER : _HEADER + inline]
+    if total > inline:
+        rest = group.broadcast(torch.zeros(total - inline, dtype=torch.int64, device=group.device)).cpu().numpy()
+        payload = np.concatenate([payload, rest])
     fields: dict[str, np.ndarray] = {}
     offset = 0
     for i, (name, dtype, ndim) in enumerate(_FIELDS):
-        rows, cols = int(header[2 + 2 * i]), int(header[3 + 2 * i])
+        rows, cols = int(frame[2 + 2 * i]), int(frame[3 + 2 * i])
         size = rows * cols if ndim == 2 else rows
         chunk = payload[offset : offset + size].astype(dtype)
         fields[name] = chunk.reshape(rows, cols) if ndim == 2 else chunk
