@@ -32,4 +32,8 @@ while s.has_unfinished_requests():
     out = s.schedule()
     s.update(out, np.zeros(len(out.logits_indices), dtype=np.int64))
 s.check_invariants()
+# Package data ships too: the live KV-cache page of `pagedkv serve`.
+from importlib import resources
+
+assert resources.files("pagedkv.server").joinpath("static/dashboard.html").is_file(), "dashboard.html not packaged"
 print(f"pagedkv {pagedkv.__version__} from {pagedkv.__file__}: OK")

@@ -901,6 +901,30 @@ impl PyScheduler {
         Ok(self.inner.cancel_kv(str_obj_arg(reservation_id, "reservation_id")?.to_str()?))
     }
 
+    /// One summary per live request, in arrival order: `(request_id, arrival, state,
+    /// prompt_tokens, output_tokens, num_blocks, cached_tokens, num_branches)` with `state`
+    /// "running", "swapped" or "waiting", `arrival` what `memory_map`'s owners name, and
+    /// `num_blocks` the distinct device blocks its branches hold. No token ids.
+    #[allow(clippy::type_complexity)]
+    fn request_summaries(&self) -> Vec<(String, u64, &'static str, usize, usize, usize, usize, usize)> {
+        self.inner
+            .request_summaries()
+            .into_iter()
+            .map(|r| {
+                (
+                    r.id.to_string(),
+                    r.arrival,
+                    r.state,
+                    r.prompt_tokens,
+                    r.output_tokens,
+                    r.num_blocks,
+                    r.cached_tokens,
+                    r.num_branches,
+                )
+            })
+            .collect()
+    }
+
     /// Raises InvariantViolationError if any bookkeeping is inconsistent.
     fn check_invariants(&self) -> PyResult<()> {
         Ok(self.inner.check_invariants()?)

@@ -30,6 +30,7 @@ mod config;
 mod kv_transfer;
 mod output;
 mod request;
+mod snapshot;
 mod stats;
 #[cfg(test)]
 mod tests;
@@ -41,6 +42,7 @@ pub use config::{Policy, PreemptionMode, SchedulerConfig};
 pub(crate) use output::BlockTableRows;
 pub use output::{RequestUpdate, StepOutput};
 pub use request::{BranchKey, FinishReason, NewRequest, RequestKey};
+pub use snapshot::RequestSummary;
 pub use stats::{SchedulerStats, StatValue};
 
 use crate::block_hash::{BlockHash, ExtraKey};

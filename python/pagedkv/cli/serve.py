@@ -55,6 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-replay-endpoint", default=None, help="ZMQ endpoint of the events' replay socket")
     p.add_argument("--kv-events-topic", default="", help="topic frame of the published events (default: empty)")
     p.add_argument(
+        "--dashboard-show-prompts",
+        action="store_true",
+        help="/dashboard shows the start of each request's prompt text (default: ids and token counts only)",
+    )
+    p.add_argument(
         "--shutdown-timeout", type=float, default=10.0, help="seconds in-flight requests may take after a signal"
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -94,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             kv_events_endpoint=args.kv_events_endpoint,
             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
             kv_events_topic=args.kv_events_topic,
+            dashboard_show_prompts=args.dashboard_show_prompts,
         )
         run_server(
             engine_args,

@@ -206,6 +206,10 @@ class AsyncLLM:
         """The engine's statistics (see ``LLMEngine.get_stats``), read between steps."""
         return await self._call(self.engine.get_stats)
 
+    async def kv_snapshot(self) -> dict[str, Any]:
+        """``LLMEngine.kv_snapshot`` between steps (nothing is computed while nobody asks)."""
+        return dict(await self._call(self.engine.kv_snapshot))
+
     async def reset_prefix_cache(self) -> int:
         """``LLMEngine.reset_prefix_cache`` between steps."""
         return int(await self._call(self.engine.reset_prefix_cache))

@@ -666,6 +666,29 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stats
 
+    def kv_snapshot(self) -> dict[str, Any]:
+        """The KV cache as a live view draws it, from the Rust core in one go between steps:
+        ``memory_map`` (device ``ref_counts`` int32[N], ``cached`` bool[N], ``owner`` int64[N]:
+        the arrival number of the earliest running request holding each block, -1 if none),
+        ``tier_map`` (host ``host_ref_counts`` / ``host_cached``, H entries; empty without a
+        host tier), the requests' summaries (``Scheduler.request_summaries``) and the stats."""
+        with self._lock:
+            refs, cached, owner = self.scheduler.memory_map()
+            _, host_refs, host_cached = self.scheduler.tier_map()
+            summaries = self.scheduler.request_summaries()
+            prompts = {rid: state.prompt for rid, state in self.requests.items()}
+        stats = self.get_stats()
+        return {
+            "ref_counts": refs,
+            "cached": cached,
+            "owner": owner,
+            "host_ref_counts": host_refs,
+            "host_cached": host_cached,
+            "requests": summaries,
+            "prompts": prompts,
+            "stats": stats,
+        }
+
     def get_stats(self) -> dict[str, Any]:
         """Scheduler statistics (KV usage and utilization, prefix cache, preemptions, queue
         lengths), the KV cache's size, dtype and bytes per token, and engine counters (steps,

@@ -25,6 +25,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +40,7 @@ from pagedkv.engine.prompts import check_token_ids
 from pagedkv.errors import ConfigError, PagedKVError
 from pagedkv.server.chat import create_chat_completion, render_chat
 from pagedkv.server.completions import create_completion
+from pagedkv.server.dashboard import dashboard_html, encode_state
 from pagedkv.server.errors import APIError, error_response, from_exception
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
@@ -56,7 +58,8 @@ __all__ = ["ServerArgs", "ServerState", "create_app"]
 logger = logging.getLogger(__name__)
 
 # Paths anyone may read when the server has an API key (load balancers, Prometheus).
-_OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# /dashboard is the page only (no data); its data, /dashboard/state, needs the key like the rest.
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/dashboard"})
 
 
 @dataclass
@@ -70,7 +73,8 @@ class ServerArgs:
       past it a request is answered 503 at once (``None``: no limit).
     - ``kv_events_endpoint``: ZMQ endpoint the KV-cache events are published on (e.g.
       ``tcp://127.0.0.1:5557``; ``None``: no events); ``kv_events_replay_endpoint``: the
-      replay socket; ``kv_events_topic``: the topic frame; ``kv_events_buffer_steps``: batches
+      replay socket; ``dashboard_show_prompts``: ``/dashboard/state`` includes the start of each
+      request's prompt text (off: ids and token counts only); ``kv_events_topic``: the topic frame; ``kv_events_buffer_steps``: batches
       kept for replay.
     """
 
@@ -80,6 +84,7 @@ class ServerArgs:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
+    dashboard_show_prompts: bool = False
     kv_events_buffer_steps: int = 10_000
 
     def __post_init__(self) -> None:
@@ -255,6 +260,16 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": pagedkv.__version__}
+
+    @app.get("/dashboard")
+    async def dashboard() -> Response:
+        """The live KV-cache page (pagedkv.server.dashboard); it polls /dashboard/state."""
+        return Response(dashboard_html(), media_type="text/html")
+
+    @app.get("/dashboard/state")
+    async def dashboard_state() -> dict[str, Any]:
+        snapshot = await state.engine.kv_snapshot()
+        return encode_state(snapshot, show_prompts=state.args.dashboard_show_prompts)
 
     @app.get("/v1/models")
     async def models() -> ModelList:

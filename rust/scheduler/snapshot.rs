@@ -1,0 +1,72 @@
+//! What a live view of the KV cache needs from the scheduler besides the block maps
+//! ([`Scheduler::memory_map`], [`Scheduler::tier_map`]): one summary per live request.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use super::Scheduler;
+use crate::kv_cache_manager::Tier;
+
+/// One live request as a dashboard shows it (no token ids, no text).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestSummary {
+    /// The caller's request id.
+    pub id: Arc<str>,
+    /// Arrival number (0, 1, ... in `add_request` order): what `memory_map`'s owners name.
+    pub arrival: u64,
+    /// "running" (a branch runs), "swapped" (a branch waits on the host tier) or "waiting".
+    pub state: &'static str,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Tokens generated so far (the longest branch).
+    pub output_tokens: usize,
+    /// Distinct device blocks its branches hold (shared between its branches counted once).
+    pub num_blocks: usize,
+    /// Prompt tokens found in the prefix cache at first admission.
+    pub cached_tokens: usize,
+    /// Live branches (parallel samples).
+    pub num_branches: usize,
+}
+
+impl Scheduler {
+    /// A summary of every live request, in arrival order.
+    pub fn request_summaries(&self) -> Vec<RequestSummary> {
+        let running: HashSet<_> = self.running.iter().copied().collect();
+        let mut out: Vec<RequestSummary> = self
+            .requests
+            .iter()
+            .map(|(_, req)| {
+                let (mut state, mut arrival) = ("waiting", u64::MAX);
+                let (mut tokens, mut output) = (0usize, 0usize);
+                let mut blocks = HashSet::new();
+                for &b in &req.branches {
+                    let Some(branch) = self.branches.get(b) else { continue };
+                    arrival = arrival.min(branch.order.1);
+                    output = output.max(branch.num_output);
+                    let seq = branch.seq.and_then(|s| self.kv.seq(s).ok());
+                    tokens = tokens.max(seq.map_or(branch.tokens.len(), |s| s.num_tokens()));
+                    if running.contains(&b) {
+                        state = "running";
+                    } else if state != "running" && seq.is_some_and(|s| s.tier() == Tier::Host) {
+                        state = "swapped";
+                    }
+                    if let Some(s) = seq.filter(|s| s.tier() == Tier::Device) {
+                        blocks.extend(s.table().blocks().iter().copied());
+                    }
+                }
+                RequestSummary {
+                    id: req.id.clone(),
+                    arrival,
+                    state,
+                    prompt_tokens: tokens.saturating_sub(output),
+                    output_tokens: output,
+                    num_blocks: blocks.len(),
+                    cached_tokens: req.num_cached_tokens,
+                    num_branches: req.branches.len(),
+                }
+            })
+            .collect();
+        out.sort_by_key(|r| r.arrival);
+        out
+    }
+}

@@ -1,0 +1,106 @@
+"""The live KV-cache page's data (``GET /dashboard/state``) against the scheduler, in-process
+(``create_app(engine=...)`` behind httpx's ASGI transport), polled while a workload with shared
+prefixes, parallel samples, preemption and an abort runs."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+import httpx  # noqa: E402
+
+from pagedkv import AsyncLLM  # noqa: E402
+from pagedkv.server import ServerArgs, create_app  # noqa: E402
+from pagedkv.server.dashboard import FREE_CACHED, SHARED, USED  # noqa: E402
+
+ENGINE_ARGS: dict[str, Any] = dict(
+    dtype="float32", device="cpu", block_size=16, num_blocks=40, max_model_len=320, max_num_seqs=6, num_host_blocks=24
+)
+PREAMBLE = "A shared preamble about paged attention and block tables, repeated to be cached. " * 3
+
+
+def decode(b64: str, dtype: Any) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(b64), dtype=dtype)
+
+
+async def poll_during_workload(engine: AsyncLLM, server_args: ServerArgs) -> list[dict[str, Any]]:
+    app = create_app(engine=engine, server_args=server_args)
+    headers = {} if server_args.api_key is None else {"Authorization": f"Bearer {server_args.api_key}"}
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120, headers=headers
+    ) as http:
+        bodies = [
+            {"prompt": PREAMBLE + f"question {i}", "max_tokens": 120, "ignore_eos": True, "n": 1 + i % 2, "seed": i}
+            for i in range(6)
+        ]
+        tasks = [asyncio.create_task(http.post("/v1/completions", json=b)) for b in bodies]
+        aborted = asyncio.create_task(
+            http.post("/v1/completions", json={"prompt": "to be cut", "max_tokens": 200, "ignore_eos": True})
+        )
+        states = []
+        while not all(t.done() for t in tasks):
+            r = await http.get("/dashboard/state")
+            assert r.status_code == 200, r.text
+            states.append(r.json())
+            if len(states) == 3:
+                aborted.cancel()  # the client goes away: the request is aborted, its blocks freed
+            await asyncio.sleep(0.05)
+        for t in tasks:
+            assert (await t).status_code == 200
+        states.append((await http.get("/dashboard/state")).json())
+    return states
+
+
+def test_state_agrees_with_the_scheduler_under_a_workload() -> None:
+    with AsyncLLM(**ENGINE_ARGS) as engine:
+        states = asyncio.run(poll_during_workload(engine, ServerArgs()))
+        engine.engine.scheduler.check_invariants()
+    busy = [s for s in states if s["stats"]["num_used_blocks"] > 0]
+    assert busy, "the page saw blocks in use"
+    saw_shared = False
+    for s in states:
+        st = s["stats"]
+        blocks = decode(s["block_states"], np.uint8)
+        owners = decode(s["block_owners"], np.int32)
+        assert blocks.size == owners.size == st["num_blocks"] == ENGINE_ARGS["num_blocks"]
+        used = np.isin(blocks, (USED, SHARED))
+        assert used.sum() == st["num_used_blocks"]
+        assert (blocks == FREE_CACHED).sum() <= st["num_cached_blocks"]
+        assert decode(s["host_block_states"], np.uint8).size == ENGINE_ARGS["num_host_blocks"]
+        saw_shared |= bool((blocks == SHARED).any())
+        # Every block in use belongs to a running request the page lists (no leases here).
+        running = {r["arrival"] for r in s["requests"] if r["state"] == "running"}
+        assert set(owners[used].tolist()) <= running
+        assert sum(r["state"] == "running" for r in s["requests"]) <= st["num_running"]
+        for r in s["requests"]:
+            assert "prompt" not in r, "no prompt text without --dashboard-show-prompts"
+            if r["state"] == "running":
+                assert r["blocks"] >= 1 and r["prompt_tokens"] > 0
+    assert saw_shared, "the shared preamble's blocks show as shared"
+    assert states[-1]["stats"]["num_used_blocks"] == 0 and states[-1]["requests"] == []
+    assert states[-1]["stats"]["num_preemptions"] > 0, "the small pool preempted"
+
+
+def test_page_auth_and_prompt_text() -> None:
+    with AsyncLLM(**ENGINE_ARGS) as engine:
+        app = create_app(engine=engine, server_args=ServerArgs(api_key="k", dashboard_show_prompts=True))
+
+        async def go() -> None:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+                page = await http.get("/dashboard")  # the page itself holds no data: open
+                assert page.status_code == 200 and 'id="blocks"' in page.text and "<script>" in page.text
+                assert (await http.get("/dashboard/state")).status_code == 401
+                auth = {"Authorization": "Bearer k"}
+                stream = await engine.add_request("The preamble of a visible prompt", None, "visible")
+                r = await http.get("/dashboard/state", headers=auth)
+                assert r.status_code == 200
+                texts = [q.get("prompt") for q in r.json()["requests"]]
+                assert "The preamble of a visible prompt" in texts
+                stream.close()
+
+        asyncio.run(go())
