@@ -56,8 +56,9 @@ async def poll_during_workload(engine: AsyncLLM, server_args: ServerArgs) -> lis
     return states
 
 
-def test_state_agrees_with_the_scheduler_under_a_workload() -> None:
-    with AsyncLLM(**ENGINE_ARGS) as engine:
+def test_state_agrees_with_the_scheduler_under_a_workload(tmp_path: Any) -> None:
+    disk = {"kv_cache_dir": str(tmp_path), "kv_cache_dir_max_bytes": 20 << 20}
+    with AsyncLLM(**ENGINE_ARGS, **disk) as engine:
         states = asyncio.run(poll_during_workload(engine, ServerArgs()))
         engine.engine.scheduler.check_invariants()
     busy = [s for s in states if s["stats"]["num_used_blocks"] > 0]
@@ -72,6 +73,7 @@ def test_state_agrees_with_the_scheduler_under_a_workload() -> None:
         assert used.sum() == st["num_used_blocks"]
         assert (blocks == FREE_CACHED).sum() <= st["num_cached_blocks"]
         assert decode(s["host_block_states"], np.uint8).size == ENGINE_ARGS["num_host_blocks"]
+        assert decode(s["disk_block_states"], np.uint8).size == st["num_disk_blocks"] > 0
         saw_shared |= bool((blocks == SHARED).any())
         # Every block in use belongs to a running request the page lists (no leases here).
         running = {r["arrival"] for r in s["requests"] if r["state"] == "running"}
@@ -83,7 +85,11 @@ def test_state_agrees_with_the_scheduler_under_a_workload() -> None:
                 assert r["blocks"] >= 1 and r["prompt_tokens"] > 0
     assert saw_shared, "the shared preamble's blocks show as shared"
     assert states[-1]["stats"]["num_used_blocks"] == 0 and states[-1]["requests"] == []
-    assert states[-1]["stats"]["num_preemptions"] > 0, "the small pool preempted"
+    last = states[-1]
+    assert last["stats"]["num_preemptions"] > 0, "the small pool preempted"
+    recent = last["recent_preemptions"]
+    assert 0 < len(recent) <= min(20, last["stats"]["num_preemptions"])
+    assert all(p["id"].startswith("cmpl-") and p["time"] > 0 for p in recent)
 
 
 def test_page_auth_and_prompt_text() -> None:

@@ -408,6 +408,7 @@ class Scheduler:
     def reset_prefix_cache(self) -> int: ...
     def block_hashes(self, token_ids: _Ints, cache_salt: str | None = None) -> list[int]:
         """The wire hashes (uint64) KV events give the full blocks of ``token_ids``."""
+    def disk_map(self) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_]]: ...
     def request_summaries(self) -> list[tuple[str, int, str, int, int, int, int, int]]:
         """Per live request: (id, arrival, state, prompt_tokens, output_tokens, num_blocks,
         cached_tokens, num_branches), in arrival order."""

@@ -901,6 +901,13 @@ impl PyScheduler {
         Ok(self.inner.cancel_kv(str_obj_arg(reservation_id, "reservation_id")?.to_str()?))
     }
 
+    /// The disk tier slot by slot: `(ref_counts int32[D], cached bool[D])`, D = 0 without one.
+    #[allow(clippy::type_complexity)]
+    fn disk_map<'py>(&self, py: Python<'py>) -> (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<bool>>) {
+        let (refs, cached) = self.inner.disk_map();
+        (PyArray1::from_vec(py, refs), PyArray1::from_vec(py, cached))
+    }
+
     /// One summary per live request, in arrival order: `(request_id, arrival, state,
     /// prompt_tokens, output_tokens, num_blocks, cached_tokens, num_branches)` with `state`
     /// "running", "swapped" or "waiting", `arrival` what `memory_map`'s owners name, and

@@ -1,10 +1,12 @@
-//! What a live view of the KV cache needs from the scheduler besides the block maps
-//! ([`Scheduler::memory_map`], [`Scheduler::tier_map`]): one summary per live request.
+//! What a live view of the KV cache needs from the scheduler besides the device and host block
+//! maps ([`Scheduler::memory_map`], [`Scheduler::tier_map`]): one summary per live request, and
+//! the disk tier's slots.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 
 use super::Scheduler;
+use crate::ids::BlockId;
 use crate::kv_cache_manager::Tier;
 
 /// One live request as a dashboard shows it (no token ids, no text).
@@ -68,5 +70,15 @@ impl Scheduler {
             .collect();
         out.sort_by_key(|r| r.arrival);
         out
+    }
+
+    /// The disk tier slot by slot: `(ref_counts, cached)` (a slot is pinned only while a step
+    /// copies it); empty without a disk tier.
+    pub fn disk_map(&self) -> (Vec<i32>, Vec<bool>) {
+        let Some(disk) = self.kv.disk_pool() else { return (Vec::new(), Vec::new()) };
+        let n = disk.num_blocks();
+        let refs = (0..n).map(|i| disk.ref_count_unchecked(BlockId(i as u32)) as i32).collect();
+        let cached = (0..n).map(|i| disk.is_cached(BlockId(i as u32))).collect();
+        (refs, cached)
     }
 }

@@ -31,6 +31,7 @@ for the step in flight to end. ``AsyncLLM`` drives the engine from one thread in
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -169,6 +170,8 @@ class LLMEngine:
         self._charged: set[str] = set()
         # Outputs of requests failed by a step that raised; returned by the next step().
         self._failed_outputs: list[RequestOutput] = []
+        # The last preemptions, (time, request id), for the live KV page.
+        self.recent_preemptions: collections.deque[tuple[float, str]] = collections.deque(maxlen=20)
         # KV transfer between engines (kv_transfer_config): the connector, and the scheduler
         # add of each request waiting for remote KV (run once its KV arrived or failed).
         self.kv_connector: KVConnector | None = None
@@ -401,6 +404,8 @@ class LLMEngine:
                 self._add_loaded_requests()
             out = self.scheduler.schedule()
             now = time.time()
+            if out.preempted_req_ids:
+                self.recent_preemptions.extend((now, rid) for rid in out.preempted_req_ids)
             for rid in dict.fromkeys(out.req_ids):
                 state = self.requests.get(rid)
                 if state is not None and state.metrics.first_scheduled_time is None:
@@ -671,12 +676,16 @@ class LLMEngine:
         ``memory_map`` (device ``ref_counts`` int32[N], ``cached`` bool[N], ``owner`` int64[N]:
         the arrival number of the earliest running request holding each block, -1 if none),
         ``tier_map`` (host ``host_ref_counts`` / ``host_cached``, H entries; empty without a
-        host tier), the requests' summaries (``Scheduler.request_summaries``) and the stats."""
+        host tier), ``disk_map`` (``disk_ref_counts`` / ``disk_cached``), the requests'
+        summaries (``Scheduler.request_summaries``), the last preemptions (time, request id)
+        and the stats."""
         with self._lock:
             refs, cached, owner = self.scheduler.memory_map()
             _, host_refs, host_cached = self.scheduler.tier_map()
+            disk_refs, disk_cached = self.scheduler.disk_map()
             summaries = self.scheduler.request_summaries()
             prompts = {rid: state.prompt for rid, state in self.requests.items()}
+            preemptions = list(self.recent_preemptions)
         stats = self.get_stats()
         return {
             "ref_counts": refs,
@@ -684,6 +693,9 @@ class LLMEngine:
             "owner": owner,
             "host_ref_counts": host_refs,
             "host_cached": host_cached,
+            "disk_ref_counts": disk_refs,
+            "disk_cached": disk_cached,
+            "recent_preemptions": preemptions,
             "requests": summaries,
             "prompts": prompts,
             "stats": stats,

@@ -40,6 +40,7 @@ def encode_state(snapshot: dict[str, Any], *, show_prompts: bool) -> dict[str, A
     stats = snapshot["stats"]
     device = block_states(snapshot["ref_counts"], snapshot["cached"])
     host = block_states(snapshot["host_ref_counts"], snapshot["host_cached"])
+    disk = block_states(snapshot["disk_ref_counts"], snapshot["disk_cached"])
     prompts = snapshot["prompts"] if show_prompts else {}
     requests = [
         {
@@ -80,6 +81,8 @@ def encode_state(snapshot: dict[str, Any], *, show_prompts: bool) -> dict[str, A
         "block_states": _b64(device),
         "block_owners": _b64(np.asarray(snapshot["owner"], dtype=np.int32)),
         "host_block_states": _b64(host),
+        "disk_block_states": _b64(disk),
+        "recent_preemptions": [{"time": t, "id": rid} for t, rid in snapshot["recent_preemptions"]],
         "state_names": BLOCK_STATES,
         "requests": requests,
         "stats": {k: stats.get(k) for k in keys},
