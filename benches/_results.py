@@ -62,8 +62,9 @@ def time_calls(fn: Callable[[], object], *, repeat: int, warmup: int = 3) -> dic
     }
 
 
-def write_section(name: str, command: str, body: str) -> None:
-    """Replaces (or appends) the section `name` of benches/RESULTS.md."""
+def write_section(name: str, command: str, body: str, heading: str | None = None) -> None:
+    """Replaces the section `name` of benches/RESULTS.md, or appends it under `heading` (a
+    markdown heading line; default `## name`) the first time."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     block = (
         f"<!-- BEGIN {name} -->\n"
@@ -75,7 +76,7 @@ def write_section(name: str, command: str, body: str) -> None:
     if pattern.search(text):
         text = pattern.sub(lambda _: block, text)
     else:
-        text = text.rstrip() + f"\n\n## {name}\n\n{block}\n"
+        text = text.rstrip() + f"\n\n{heading or '## ' + name}\n\n{block}\n"
     RESULTS.write_text(text)
 
 

@@ -63,7 +63,6 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import (  # noqa: E402
-    RESULTS,
     cpu_seconds_machine,
     cpu_seconds_pid,
     cpu_seconds_self,
@@ -314,13 +313,6 @@ def run_deployment(
 
 
 # ----------------------------------------------------------------------------- report
-
-
-def ensure_heading() -> None:
-    """Adds the section's heading and empty markers once (write_section would title it `disagg`)."""
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    if f"<!-- BEGIN {SECTION} -->" not in text:
-        RESULTS.write_text(text.rstrip() + f"\n\n{HEADING}\n\n<!-- BEGIN {SECTION} -->\n<!-- END {SECTION} -->\n")
 
 
 RATIO_KEYS = ("ttft_p50", "ttft_p99", "e2e_p50", "output_tok_s", "req_s", "cpu_s_engines")
@@ -607,8 +599,7 @@ def main() -> None:
         f"KV transfer (`disagg`):\n\n{transfer_table}\n\n{defs}\n\n"
         f"{summary(runs)}\n\n{checks}\n\nBenchmark run time: {total_s:.0f} s."
     )
-    ensure_heading()
-    write_section(SECTION, command, body)
+    write_section(SECTION, command, body, HEADING)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     data = {
         "command": command,

@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import RESULTS, machine, md_table, write_section  # noqa: E402
+from _results import machine, md_table, write_section  # noqa: E402
 
 from pagedkv.distributed.kv_transport import KVTransport, make_transport, nixl_available  # noqa: E402
 
@@ -193,11 +193,7 @@ def main() -> None:
         (OUT / "kv_transport.md").write_text(
             f"{HEADING.removeprefix('## ')}\n\nCommand: `{cmd}`  \nMachine: {machine()}\n\n{body}\n"
         )
-        # write_section would append under a heading named after the section; put ours first.
-        text = RESULTS.read_text()
-        if f"<!-- BEGIN {SECTION} -->" not in text:
-            RESULTS.write_text(text.rstrip() + f"\n\n{HEADING}\n\n<!-- BEGIN {SECTION} -->\n<!-- END {SECTION} -->\n")
-        write_section(SECTION, cmd, body)
+        write_section(SECTION, cmd, body, HEADING)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,6 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import (  # noqa: E402
-    RESULTS,
     cpu_seconds_machine,
     cpu_seconds_pid,
     cpu_seconds_self,
@@ -556,13 +555,6 @@ def plot(path: Path, runs: list[dict[str, Any]], ideal: dict[str, float]) -> Non
     save_png(fig, path)
 
 
-def ensure_heading() -> None:
-    """Adds the section's heading and empty markers once (write_section would title it `router`)."""
-    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
-    if f"<!-- BEGIN {SECTION} -->" not in text:
-        RESULTS.write_text(text.rstrip() + f"\n\n{HEADING}\n\n<!-- BEGIN {SECTION} -->\n<!-- END {SECTION} -->\n")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=64)
@@ -803,8 +795,7 @@ def main() -> None:
         f"![prefix hit rate, TTFT and throughput per routing policy](results/router_hit_rate.png)\n\n"
         f"{checks}\n\nBenchmark run time: {total_s:.0f} s."
     )
-    ensure_heading()
-    write_section(SECTION, command, body)
+    write_section(SECTION, command, body, HEADING)
     data = {
         "command": command,
         "machine": machine(),

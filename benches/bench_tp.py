@@ -34,7 +34,7 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import RESULTS, md_table, write_section  # noqa: E402
+from _results import md_table, write_section  # noqa: E402
 from bench_engine import load_requests  # noqa: E402
 
 from pagedkv.parallel.step_broadcast import empty_step  # noqa: E402
@@ -248,10 +248,7 @@ def main() -> None:
     body = report(rows, args, time.perf_counter() - t0)
     print(body)
     if not args.no_write:
-        text = RESULTS.read_text()
-        if "<!-- BEGIN tp -->" not in text:
-            RESULTS.write_text(text.rstrip() + f"\n\n{HEADING}\n\n<!-- BEGIN tp -->\n<!-- END tp -->\n")
-        write_section("tp", "python benches/bench_tp.py", body)
+        write_section("tp", "python benches/bench_tp.py", body, HEADING)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ reservation.
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ import pagedkv.distributed.connector as connector_module
 from pagedkv import LLMEngine, SamplingParams
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.errors import ConfigError, InvalidArgumentError, KVTransferError
+from pagedkv.server.launch import free_port
 
 TIMEOUT = 60.0
 ENGINE = dict(device="cpu", dtype="float32", num_blocks=64, block_size=16, max_model_len=256)
@@ -34,12 +34,6 @@ TEXT = (
     "list when a request finishes. Blocks can be shared between requests by reference count."
 )
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_pair(transport: str, **engine: Any) -> tuple[LLMEngine, LLMEngine]:
@@ -54,7 +48,7 @@ def make_pair(transport: str, **engine: Any) -> tuple[LLMEngine, LLMEngine]:
             **kw, kv_transfer_config={"role": "consumer", "transport": transport, "transfer_timeout": 20.0}
         )
         return producer, consumer
-    gloo = {"gloo_world_size": 2, "gloo_init_method": f"tcp://127.0.0.1:{_free_port()}", "connect_timeout": TIMEOUT}
+    gloo = {"gloo_world_size": 2, "gloo_init_method": f"tcp://127.0.0.1:{free_port()}", "connect_timeout": TIMEOUT}
     at_rendezvous = threading.Event()
     real_make_transport = connector_module.make_transport
 
@@ -338,7 +332,7 @@ def test_a_silent_peer_and_another_model_cost_a_recompute(clean: Any, reference:
         connector.config = dataclasses.replace(config, handshake_timeout=0.5)
         # A control address where nobody answers: the handshake times out.
         params = prefill(producer, rid("p"), prompt)
-        silent = {**params, "remote_address": f"tcp://127.0.0.1:{_free_port()}"}
+        silent = {**params, "remote_address": f"tcp://127.0.0.1:{free_port()}"}
         failed = consumer.get_stats()["kv_loads_failed"]
         out = run(consumer, rid("d"), prompt, GREEDY, silent)
         assert out.outputs[0].token_ids == expected

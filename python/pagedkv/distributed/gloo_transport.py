@@ -69,7 +69,6 @@ class GlooTransport(KVTransport):
         # Blocks until all ranks have connected (or raises after `timeout`).
         self._store: Any = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=td)
         self._pg: Any = dist.ProcessGroupGloo(dist.PrefixStore("pagedkv-kv-pg/", self._store), rank, world_size, td)
-        self._layout: KVLayout | None = None
         self._kv: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
         self._peers: dict[str, tuple[int, KVLayout]] = {}
@@ -80,18 +79,10 @@ class GlooTransport(KVTransport):
 
     # -- registration and handshake ------------------------------------------------------------
 
-    def register_kv_cache(self, kv_cache: torch.Tensor, kv_scale_cache: torch.Tensor | None) -> None:
-        if self._layout is not None:
-            raise InvalidArgumentError("a KV cache is already registered with this transport")
-        self._layout = KVLayout.from_tensors(kv_cache, kv_scale_cache)
+    def _register(self, kv_cache: torch.Tensor, kv_scale_cache: torch.Tensor | None) -> None:
         self._kv, self._scale = kv_cache, kv_scale_cache
         self._server = threading.Thread(target=self._serve, name=f"pagedkv-gloo-kv-{self.rank}", daemon=True)
         self._server.start()
-
-    def _require_layout(self) -> KVLayout:
-        if self._layout is None:
-            raise InvalidArgumentError("register_kv_cache() must be called first")
-        return self._layout
 
     def local_metadata(self) -> bytes:
         return encode_metadata(self.kind, self.engine_id, self._require_layout(), {"rank": self.rank})

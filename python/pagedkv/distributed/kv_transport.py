@@ -215,10 +215,29 @@ class KVTransport(ABC):
     """
 
     kind: str = ""
+    # This engine's cache layout, set once by register_kv_cache.
+    _layout: KVLayout | None = None
 
-    @abstractmethod
     def register_kv_cache(self, kv_cache: torch.Tensor, kv_scale_cache: torch.Tensor | None) -> None:
         """Makes this engine's cache readable by peers and writable by reads. Call once."""
+        if self._layout is not None:
+            raise InvalidArgumentError("a KV cache is already registered with this transport")
+        # Set before the transport's registration, which may start a thread that reads it.
+        self._layout = KVLayout.from_tensors(kv_cache, kv_scale_cache)
+        try:
+            self._register(kv_cache, kv_scale_cache)
+        except BaseException:
+            self._layout = None
+            raise
+
+    @abstractmethod
+    def _register(self, kv_cache: torch.Tensor, kv_scale_cache: torch.Tensor | None) -> None:
+        """The transport's own registration of a checked cache (``register_kv_cache``)."""
+
+    def _require_layout(self) -> KVLayout:
+        if self._layout is None:
+            raise InvalidArgumentError("register_kv_cache() must be called first")
+        return self._layout
 
     @abstractmethod
     def local_metadata(self) -> bytes:

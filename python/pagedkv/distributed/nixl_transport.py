@@ -83,7 +83,6 @@ class NixlTransport(KVTransport):
         self._stop = threading.Event()
         self._progress = threading.Thread(target=self._drive_progress, name="pagedkv-nixl-progress", daemon=True)
         self._progress.start()
-        self._layout: KVLayout | None = None
         self._tensors: list[torch.Tensor] = []
         self._regs: list[Any] = []
         self._peers: dict[str, dict[str, Any]] = {}
@@ -99,19 +98,11 @@ class NixlTransport(KVTransport):
             except Exception:  # a peer gone mid-call: nothing to progress for it
                 pass
 
-    def register_kv_cache(self, kv_cache: torch.Tensor, kv_scale_cache: torch.Tensor | None) -> None:
-        if self._layout is not None:
-            raise InvalidArgumentError("a KV cache is already registered with this transport")
-        self._layout = KVLayout.from_tensors(kv_cache, kv_scale_cache)
+    def _register(self, kv_cache: torch.Tensor, kv_scale_cache: torch.Tensor | None) -> None:
         self._tensors = [kv_cache] if kv_scale_cache is None else [kv_cache, kv_scale_cache]
         # One registration per tensor: the memory key covers every block of every layer.
         for t in self._tensors:
             self._regs.append(self._agent.register_memory(t))
-
-    def _require_layout(self) -> KVLayout:
-        if self._layout is None:
-            raise InvalidArgumentError("register_kv_cache() must be called first")
-        return self._layout
 
     def local_metadata(self) -> bytes:
         layout = self._require_layout()

@@ -34,7 +34,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -60,7 +59,7 @@ from pagedkv.errors import (
     PromptTooLongError,
     UnknownRequestError,
 )
-from pagedkv.parallel.executor import MultiprocExecutor, TPSpec
+from pagedkv.parallel.executor import MultiprocExecutor, start_workers
 from pagedkv.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedkv.sample.sampling_params import SamplingParams
 from pagedkv.worker.model_runner import ModelRunner
@@ -103,7 +102,7 @@ class LLMEngine:
         if config.parallel.tensor_parallel_size > 1:
             if config.kv_transfer is not None:
                 raise ConfigError("kv_transfer_config with tensor_parallel_size > 1 is not supported")
-            tp, self.executor = _start_workers(config)
+            tp, self.executor = start_workers(config)
         # Set once a tensor-parallel step broke the group: every later step raises it.
         self._dead: EngineDeadError | None = None
         try:
@@ -720,49 +719,6 @@ class LLMEngine:
             with self._lock:
                 stats.update(self.kv_connector.stats())
         return stats
-
-
-def _start_workers(config: Any) -> tuple[TPSpec, MultiprocExecutor | RayExecutor]:
-    """Starts ranks 1..N-1 with ``distributed_executor_backend`` (``"mp"``: local processes,
-    the default; ``"ray"``: Ray actors, joining a running Ray or starting a local one) and
-    returns rank 0's place in the group: a free port on this node, at the address the workers
-    reach it by."""
-    import socket
-
-    parallel = config.parallel
-    n = parallel.tensor_parallel_size
-    backend = parallel.distributed_executor_backend or "mp"
-    device = str(config.model.device)
-    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    if backend == "mp" and on_cuda and n > torch.cuda.device_count():
-        raise ConfigError(
-            f"tensor_parallel_size={n} needs a CUDA device per rank; {torch.cuda.device_count()} visible "
-            "(use distributed_executor_backend='ray' for ranks on other nodes)"
-        )
-    host = "127.0.0.1"
-    started_ray = False
-    if backend == "ray":
-        import ray
-
-        from pagedkv.parallel.ray_executor import ray_node_address
-
-        if not ray.is_initialized():
-            # RAY_ADDRESS (e.g. "auto") joins a cluster; without it a local instance starts.
-            started_ray = "RAY_ADDRESS" not in os.environ
-            ray.init(include_dashboard=False, log_to_driver=False)
-        host = ray_node_address(start_local=started_ray)
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
-    init_method = f"tcp://{host}:{port}"
-    executor: MultiprocExecutor | RayExecutor
-    if backend == "ray":
-        from pagedkv.parallel.ray_executor import RayExecutor
-
-        executor = RayExecutor(config, init_method, parallel.timeout, started_ray=started_ray)
-    else:
-        executor = MultiprocExecutor(config, init_method, parallel.timeout)
-    return TPSpec(0, n, init_method, parallel.timeout), executor
 
 
 def _has_copies(out: SchedulerOutput) -> bool:

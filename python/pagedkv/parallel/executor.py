@@ -17,12 +17,18 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import socket
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["MultiprocExecutor", "TPSpec", "run_worker"]
+from pagedkv.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pagedkv.parallel.ray_executor import RayExecutor
+
+__all__ = ["MultiprocExecutor", "TPSpec", "run_worker", "start_workers"]
 
 logger = logging.getLogger(__name__)
 
@@ -116,3 +122,44 @@ class MultiprocExecutor:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+
+
+def start_workers(config: Any) -> tuple[TPSpec, MultiprocExecutor | RayExecutor]:
+    """Starts ranks 1..N-1 with ``distributed_executor_backend`` (``"mp"``: local processes,
+    the default; ``"ray"``: Ray actors, joining a running Ray or starting a local one) and
+    returns rank 0's place in the group: a free port on this node, at the address the workers
+    reach it by."""
+    parallel = config.parallel
+    n = parallel.tensor_parallel_size
+    backend = parallel.distributed_executor_backend or "mp"
+    device = str(config.model.device)
+    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if backend == "mp" and on_cuda and n > torch.cuda.device_count():
+        raise ConfigError(
+            f"tensor_parallel_size={n} needs a CUDA device per rank; {torch.cuda.device_count()} visible "
+            "(use distributed_executor_backend='ray' for ranks on other nodes)"
+        )
+    host = "127.0.0.1"
+    started_ray = False
+    if backend == "ray":
+        import ray
+
+        from pagedkv.parallel.ray_executor import ray_node_address
+
+        if not ray.is_initialized():
+            # RAY_ADDRESS (e.g. "auto") joins a cluster; without it a local instance starts.
+            started_ray = "RAY_ADDRESS" not in os.environ
+            ray.init(include_dashboard=False, log_to_driver=False)
+        host = ray_node_address(start_local=started_ray)
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    init_method = f"tcp://{host}:{port}"
+    executor: MultiprocExecutor | RayExecutor
+    if backend == "ray":
+        from pagedkv.parallel.ray_executor import RayExecutor
+
+        executor = RayExecutor(config, init_method, parallel.timeout, started_ray=started_ray)
+    else:
+        executor = MultiprocExecutor(config, init_method, parallel.timeout)
+    return TPSpec(0, n, init_method, parallel.timeout), executor
