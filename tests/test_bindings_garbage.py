@@ -142,7 +142,17 @@ def test_scheduler_garbage_never_panics(seed: int) -> None:
             pass
     s = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64))
     s.add_request("live", [1, 2, 3], max_tokens=5)
-    add_keys = ["min_tokens", "eos_token_ids", "stop_token_ids", "ignore_eos", "priority", "cache_salt", "n"]
+    add_keys = [
+        "min_tokens",
+        "eos_token_ids",
+        "stop_token_ids",
+        "ignore_eos",
+        "priority",
+        "cache_salt",
+        "n",
+        "beam_width",
+        "length_penalty",
+    ]
     for i in range(300):
         kwargs = {k: rng.choice(GARBAGE) for k in rng.sample(add_keys, rng.randint(0, 3))}
         try:
@@ -162,7 +172,10 @@ def test_scheduler_garbage_never_panics(seed: int) -> None:
                 except pagedkv.PagedKVError:
                     pass
             if not done:
-                s.update(out, np.zeros(len(out.logits_indices), dtype=np.int64))
+                rows = len(out.beam_rows)
+                ids = [[1, 2, 3, 4]] * rows if rows else None
+                lps = [[-1.0, -2.0, -3.0, -4.0]] * rows if rows else None
+                s.update(out, np.zeros(len(out.logits_indices), dtype=np.int64), ids, lps)
         try:
             s.abort_request(rng.choice(GARBAGE))
         except pagedkv.PagedKVError:
@@ -170,6 +183,30 @@ def test_scheduler_garbage_never_panics(seed: int) -> None:
         s.check_invariants()
     call_with_garbage(s, rng, 100)
     s.check_invariants()
+
+
+def test_beam_methods_never_panic() -> None:
+    # update's beam candidates and take_beam_results with every garbage value, on a step that
+    # samples a beam request: typed errors, and the step still takes good candidates after.
+    rng = random.Random(7)
+    s = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_model_len=64))
+    s.add_request("beam", [1, 2, 3], max_tokens=3, beam_width=2)
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        zeros = np.zeros(len(out.logits_indices), dtype=np.int64)
+        for _ in range(40):
+            try:
+                s.update(out, zeros, rng.choice(GARBAGE), rng.choice(GARBAGE))  # type: ignore[arg-type]
+                break  # well-formed by chance
+            except pagedkv.PagedKVError:
+                s.check_invariants()
+        else:
+            rows = len(out.beam_rows)
+            s.update(out, zeros, [[5, 6, 7, 8]] * rows, [[-0.5, -1.0, -1.5, -2.0]] * rows)
+        call_with_garbage(s, rng, 10)
+        s.check_invariants()
+    assert isinstance(s.take_beam_results(), list)
+    assert s.stats().num_used_blocks == 0
 
 
 def test_kv_event_methods_never_panic() -> None:

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from pagedkv.engine.async_llm import AsyncLLM
     from pagedkv.engine.llm import LLM
     from pagedkv.engine.llm_engine import LLMEngine
-    from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+    from pagedkv.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
+    from pagedkv.sample.beam_search_params import BeamSearchParams
     from pagedkv.sample.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -42,6 +43,9 @@ _LAZY = {
     "AsyncLLM": "pagedkv.engine.async_llm",
     "EngineArgs": "pagedkv.engine.args",
     "SamplingParams": "pagedkv.sample.sampling_params",
+    "BeamSearchParams": "pagedkv.sample.beam_search_params",
+    "BeamSearchOutput": "pagedkv.engine.outputs",
+    "BeamSearchSequence": "pagedkv.engine.outputs",
     "RequestOutput": "pagedkv.engine.outputs",
     "CompletionOutput": "pagedkv.engine.outputs",
 }
@@ -62,6 +66,9 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AsyncLLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "BlockAllocator",
     "CompletionOutput",
     "EngineArgs",

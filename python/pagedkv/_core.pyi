@@ -202,6 +202,10 @@ class SchedulerOutput:
     @property
     def sample_indices(self) -> npt.NDArray[np.int32]: ...
     @property
+    def beam_rows(self) -> npt.NDArray[np.int64]:
+        """Sampled rows (indices into ``logits_indices``) of beam requests: their logits give
+        the beam candidates ``update`` needs, not a sampled token."""
+    @property
     def copy_ops(self) -> npt.NDArray[np.int32]: ...
     @property
     def swap_out(self) -> npt.NDArray[np.int32]: ...
@@ -234,6 +238,12 @@ class RequestUpdate:
     def finished(self) -> bool: ...
     @property
     def num_cached_tokens(self) -> int: ...
+    @property
+    def parent(self) -> int | None:
+        """Beam search: the rank, before this step, of the beam this one continues."""
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """Beam search: the beam's cumulative log-probability (the best sequence's at the end)."""
 
 @final
 class RequestUpdates(Sequence[RequestUpdate]):
@@ -350,6 +360,18 @@ class SchedulerStats:
     def num_kv_leases(self) -> int: ...
     @property
     def num_kv_reservations(self) -> int: ...
+    @property
+    def beam_blocks_in_use(self) -> int:
+        """Distinct device blocks held by running beams."""
+    @property
+    def beam_block_refs(self) -> int:
+        """Sum of the running beams' block-table lengths (blocks with a private copy each)."""
+    @property
+    def beam_blocks_shared(self) -> int:
+        """Device blocks held by two or more beams of the same request."""
+    @property
+    def num_beam_forks(self) -> int:
+        """Beams forked from a parent beam so far."""
     def as_dict(self) -> dict[str, int | float]: ...
 
 @final
@@ -376,9 +398,22 @@ class Scheduler:
         retention_duration: float | None = None,
         retention_tokens: SupportsIndex | None = None,
         hold_kv: bool | None = None,
+        beam_width: SupportsIndex | None = None,
+        length_penalty: float | None = None,
     ) -> None: ...
     def schedule(self) -> SchedulerOutput: ...
-    def update(self, output: SchedulerOutput, sampled_token_ids: _Ints) -> RequestUpdates: ...
+    def update(
+        self,
+        output: SchedulerOutput,
+        sampled_token_ids: _Ints,
+        beam_token_ids: Iterable[_Ints] | None = None,
+        beam_logprobs: Iterable[Sequence[float]] | None = None,
+    ) -> RequestUpdates:
+        """Applies one sampled token per logits row; with beam rows (``output.beam_rows``), also
+        every beam decision of the step from the candidates ``[R, k]``."""
+    def take_beam_results(self) -> list[tuple[str, list[tuple[list[int], float, float, str]]]]:
+        """Results of the beam searches that ended: ``(request_id, [(token_ids,
+        cumulative_logprob, score, finish_reason), ...])``, best first."""
     def abort_request(self, request_id: str) -> None: ...
     def finish_sample(self, request_id: str, index: SupportsIndex | None = None) -> bool: ...
     def rollback_step(self, output: SchedulerOutput) -> list[str]: ...

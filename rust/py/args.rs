@@ -20,6 +20,7 @@ use crate::error::CoreError;
 use crate::eviction_queue::MAX_RETENTION_PRIORITY;
 use crate::ids::SeqId;
 use crate::kv_cache_manager::RetentionPolicy;
+use crate::scheduler::BeamParams;
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
@@ -239,4 +240,57 @@ pub fn salt_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<String>> {
             .map(Some)
             .map_err(|_| invalid_type(format!("cache_salt must be a str or None, got {}", type_name(o)))),
     }
+}
+
+/// Optional beam-search parameters of a request: `beam_width` (None: not a beam search) and
+/// `length_penalty` (default 1.0; only with a width).
+pub fn beam_arg(width: Option<&Bound<'_, PyAny>>, length_penalty: Option<&Bound<'_, PyAny>>) -> PyResult<Option<BeamParams>> {
+    let penalty = match length_penalty.filter(|o| !o.is_none()) {
+        Some(o) => Some(float_arg(o, "length_penalty")?),
+        None => None,
+    };
+    match width.filter(|o| !o.is_none()) {
+        Some(o) => Ok(Some(BeamParams { width: count_arg(o, "beam_width")?, length_penalty: penalty.unwrap_or(1.0) })),
+        None if penalty.is_some() => Err(invalid_argument("length_penalty is a beam-search parameter: give beam_width too")),
+        None => Ok(None),
+    }
+}
+
+/// A step's beam candidates: token ids and log-probabilities as two `[R, k]` tables (lists of
+/// rows or 2-D arrays, anything that iterates as rows of numbers), flattened row-major, and
+/// `k`. Both absent: none.
+pub fn beam_candidates_arg(
+    token_ids: Option<&Bound<'_, PyAny>>,
+    logprobs: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(Vec<u32>, Vec<f32>, usize)> {
+    let (token_ids, logprobs) = match (token_ids.filter(|o| !o.is_none()), logprobs.filter(|o| !o.is_none())) {
+        (None, None) => return Ok((Vec::new(), Vec::new(), 0)),
+        (Some(t), Some(l)) => (t, l),
+        _ => return Err(invalid_argument("beam_token_ids and beam_logprobs go together")),
+    };
+    let rows: Vec<Bound<'_, PyAny>> = token_ids
+        .try_iter()
+        .map_err(|_| invalid_type(format!("beam_token_ids must be a 2-D table of ints, got {}", type_name(token_ids))))?
+        .collect::<PyResult<_>>()?;
+    let lp_rows: Vec<Bound<'_, PyAny>> = logprobs
+        .try_iter()
+        .map_err(|_| invalid_type(format!("beam_logprobs must be a 2-D table of floats, got {}", type_name(logprobs))))?
+        .collect::<PyResult<_>>()?;
+    if rows.len() != lp_rows.len() {
+        return Err(invalid_argument(format!("beam_token_ids has {} rows but beam_logprobs {}", rows.len(), lp_rows.len())));
+    }
+    let (mut ids, mut lps, mut k) = (Vec::new(), Vec::new(), None);
+    for (r, (row, lp_row)) in rows.iter().zip(&lp_rows).enumerate() {
+        let row_ids = token_ids_arg(row, "beam_token_ids")?;
+        let row_lps: Vec<f64> = lp_row
+            .extract()
+            .map_err(|_| invalid_type(format!("beam_logprobs row {r} must be a sequence of floats, got {}", type_name(lp_row))))?;
+        if row_ids.len() != row_lps.len() || k.is_some_and(|k| k != row_ids.len()) {
+            return Err(invalid_argument(format!("beam candidate row {r} has {} ids and {} logprobs (rows must all have k entries)", row_ids.len(), row_lps.len())));
+        }
+        k = Some(row_ids.len());
+        ids.extend(row_ids);
+        lps.extend(row_lps.into_iter().map(|x| x as f32));
+    }
+    Ok((ids, lps, k.unwrap_or(0)))
 }

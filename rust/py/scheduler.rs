@@ -12,12 +12,12 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyString};
 
 use super::args::{
-    bool_arg, count_arg, float_arg, hash_mode_arg, index_arg, int_arg, int_list_arg, object_arg, positive_arg, retention_arg, salt_arg,
+    beam_arg, beam_candidates_arg, bool_arg, count_arg, float_arg, hash_mode_arg, index_arg, int_arg, int_list_arg, object_arg, positive_arg, retention_arg, salt_arg,
     str_arg, str_obj_arg, token_ids_arg,
 };
 use super::reuse::{ArrayRing, EmptyLists, ListRing, TableRing};
 use crate::scheduler::{
-    FinishReason, NewRequest, Policy, PreemptionMode, RequestKey, RequestUpdate, Scheduler, SchedulerConfig,
+    BeamCandidates, FinishReason, NewRequest, Policy, PreemptionMode, RequestKey, RequestUpdate, Scheduler, SchedulerConfig,
     SchedulerStats, StatValue, StepOutput,
 };
 
@@ -224,6 +224,8 @@ pub struct PySchedulerOutput {
     #[pyo3(get)]
     sample_indices: Py<PyArray1<i32>>,
     #[pyo3(get)]
+    beam_rows: Py<PyArray1<i64>>,
+    #[pyo3(get)]
     copy_ops: Py<PyArray2<i32>>,
     #[pyo3(get)]
     swap_out: Py<PyArray2<i32>>,
@@ -293,6 +295,12 @@ pub struct PyRequestUpdate {
     /// Prompt tokens served from the prefix cache at the request's first admission.
     #[pyo3(get)]
     num_cached_tokens: usize,
+    /// Beam search: the rank, before this step, of the beam this one continues (else None).
+    #[pyo3(get)]
+    parent: Option<u32>,
+    /// Beam search: the beam's cumulative log-probability (else None).
+    #[pyo3(get)]
+    cumulative_logprob: Option<f64>,
 }
 
 #[pymethods]
@@ -344,7 +352,15 @@ impl PyRequestUpdates {
         let id = self.request_ids.bind(py).get_item(i)?.cast_into::<PyString>()?.unbind();
         Py::new(
             py,
-            PyRequestUpdate { request_id: id, index: u.index, token: u.token, finish: u.finish_reason, num_cached_tokens: u.num_cached_tokens },
+            PyRequestUpdate {
+                request_id: id,
+                index: u.index,
+                token: u.token,
+                finish: u.finish_reason,
+                num_cached_tokens: u.num_cached_tokens,
+                parent: u.parent,
+                cumulative_logprob: u.cumulative_logprob,
+            },
         )
     }
 }
@@ -539,6 +555,7 @@ struct StepObjects {
     slot_mapping: ArrayRing<i64, Ix1>,
     logits_indices: ArrayRing<i64, Ix1>,
     sample_indices: ArrayRing<i32, Ix1>,
+    beam_rows: ArrayRing<i64, Ix1>,
     copy_ops: ArrayRing<i32, Ix2>,
     swap_out: ArrayRing<i32, Ix2>,
     swap_in: ArrayRing<i32, Ix2>,
@@ -593,7 +610,8 @@ impl PyScheduler {
     #[pyo3(signature = (
         request_id, prompt_token_ids, *, max_tokens, min_tokens = None, eos_token_ids = None,
         stop_token_ids = None, ignore_eos = None, priority = None, cache_salt = None, n = None,
-        retention_priority = None, retention_duration = None, retention_tokens = None, hold_kv = None
+        retention_priority = None, retention_duration = None, retention_tokens = None, hold_kv = None,
+        beam_width = None, length_penalty = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -612,6 +630,8 @@ impl PyScheduler {
         retention_duration: Option<&Bound<'_, PyAny>>,
         retention_tokens: Option<&Bound<'_, PyAny>>,
         hold_kv: Option<&Bound<'_, PyAny>>,
+        beam_width: Option<&Bound<'_, PyAny>>,
+        length_penalty: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let id_str = str_obj_arg(request_id, "request_id")?.clone();
         let opt_ids = |o: Option<&Bound<'_, PyAny>>, name: &str| -> PyResult<Vec<u32>> {
@@ -633,6 +653,7 @@ impl PyScheduler {
             cache_salt: salt_arg(cache_salt)?,
             retention: retention_arg(retention_priority, retention_duration, retention_tokens)?,
             hold_kv: hold_kv.map(|o| bool_arg(o, "hold_kv")).transpose()?.unwrap_or(false),
+            beam: beam_arg(beam_width, length_penalty)?,
         };
         let key = self.inner.add_request(req)?;
         self.names.set(key, id_str.unbind());
@@ -650,16 +671,47 @@ impl PyScheduler {
     /// Returns the updates (a sequence of RequestUpdate, one per sampled row of a live
     /// request). Raises, changing nothing, if `output` is not the step in flight or the tokens
     /// are malformed.
-    fn update(&mut self, py: Python<'_>, output: &Bound<'_, PyAny>, sampled_token_ids: &Bound<'_, PyAny>) -> PyResult<PyRequestUpdates> {
+    ///
+    /// A step with beam rows (`output.beam_rows`) needs their candidates: `beam_token_ids`
+    /// and `beam_logprobs`, `[len(beam_rows), k]` (lists of rows, or 2-D arrays), each row a
+    /// beam's candidate next tokens and their log-probabilities (at least `2 * beam_width` of
+    /// them where the vocabulary allows). All beam decisions of the step are applied in this
+    /// call; finished searches' results come from `take_beam_results()`.
+    #[pyo3(signature = (output, sampled_token_ids, beam_token_ids = None, beam_logprobs = None))]
+    fn update(
+        &mut self,
+        py: Python<'_>,
+        output: &Bound<'_, PyAny>,
+        sampled_token_ids: &Bound<'_, PyAny>,
+        beam_token_ids: Option<&Bound<'_, PyAny>>,
+        beam_logprobs: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyRequestUpdates> {
         let out = object_arg::<PySchedulerOutput>(output, "update() needs the SchedulerOutput returned by schedule()")?;
         let step_id = out.get().step_id;
         let tokens = token_ids_arg(sampled_token_ids, "sampled_token_ids")?;
+        let (beam_tokens, beam_lps, k) = beam_candidates_arg(beam_token_ids, beam_logprobs)?;
         let inner = &mut self.inner;
-        let rows = py.detach(|| inner.update(step_id, &tokens))?;
+        let cand = BeamCandidates { token_ids: &beam_tokens, logprobs: &beam_lps, k };
+        let rows = py.detach(|| inner.update_with_beams(step_id, &tokens, cand))?;
         self.names.ensure(py, &self.inner, rows.iter().map(|u| u.request));
         let (names, no_name) = (&self.names, &self.no_name);
         let request_ids = self.objects.update_ids.fill(py, rows.iter().map(|u| names.get_or(u.request, no_name)))?;
         Ok(PyRequestUpdates { request_ids, rows })
+    }
+
+    /// The results of the beam searches that ended since the last call: `(request_id,
+    /// [(token_ids, cumulative_logprob, score, finish_reason), ...])`, the hypotheses best
+    /// first (`token_ids`: the generated tokens; `score`: the length-penalised one).
+    #[allow(clippy::type_complexity)]
+    fn take_beam_results(&mut self) -> Vec<(String, Vec<(Vec<u32>, f64, f64, &'static str)>)> {
+        self.inner
+            .take_beam_results()
+            .into_iter()
+            .map(|r| {
+                let hyps = r.hypotheses.into_iter().map(|h| (h.tokens, h.cumulative_logprob, h.score, h.finish_reason.as_str())).collect();
+                (r.id.to_string(), hyps)
+            })
+            .collect()
     }
 
     /// Undoes the step in flight (`output`) after its forward pass or sampling failed: its
@@ -999,6 +1051,7 @@ impl PyScheduler {
             logits_indices: o.logits_indices.fill(py, Ix1(s), &out.logits_indices)?,
             sampled_req_ids: sampled,
             sample_indices: o.sample_indices.fill(py, Ix1(s), &out.sample_indices)?,
+            beam_rows: o.beam_rows.fill(py, Ix1(out.beam_rows.len()), &out.beam_rows)?,
             copy_ops: o.copy_ops.fill(py, Ix2(k, 2), &out.copy_ops)?,
             swap_out: o.swap_out.fill(py, Ix2(k_out, 2), &out.swap_out)?,
             swap_in: o.swap_in.fill(py, Ix2(k_in, 2), &out.swap_in)?,

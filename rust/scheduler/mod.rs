@@ -26,6 +26,7 @@
 //! [`Scheduler::take_kv_events`] hands them out, one batch per step, in vLLM's wire format
 //! ([`crate::kv_events`]); [`Scheduler::block_hashes`] gives a prompt's wire hashes.
 
+mod beam;
 mod config;
 mod kv_transfer;
 mod output;
@@ -38,6 +39,7 @@ mod tests;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+pub use beam::{BeamCandidates, BeamHypothesis, BeamParams, BeamResult};
 pub use config::{Policy, PreemptionMode, SchedulerConfig};
 pub(crate) use output::BlockTableRows;
 pub use output::{RequestUpdate, StepOutput};
@@ -86,6 +88,8 @@ pub struct Scheduler {
     kv_leases: HashMap<Arc<str>, SeqId>,
     /// Blocks reserved for KV arriving from another engine, by reservation name.
     kv_reservations: HashMap<Arc<str>, SeqId>,
+    /// Results of beam searches that ended, until [`Scheduler::take_beam_results`].
+    beam_results: Vec<BeamResult>,
 }
 
 impl Scheduler {
@@ -114,6 +118,7 @@ impl Scheduler {
             clock_offset_us: 0,
             kv_leases: HashMap::new(),
             kv_reservations: HashMap::new(),
+            beam_results: Vec::new(),
         })
     }
 
@@ -207,6 +212,9 @@ impl Scheduler {
                 r.id, r.n, self.config.max_num_seqs
             )));
         }
+        if let Some(beam) = r.beam {
+            self.check_beam_fits(&r.id, beam.width, r.prompt.len() + r.max_tokens)?;
+        }
         let id: Arc<str> = Arc::from(r.id.as_str());
         let arrival = self.next_arrival;
         self.next_arrival += 1;
@@ -233,6 +241,7 @@ impl Scheduler {
             num_cached_tokens: 0,
             admitted_once: false,
             hold_kv: r.hold_kv,
+            beam: r.beam.map(|p| beam::BeamSearch::new(p, prompt_len)),
         });
         let branch = self.branches.insert(Branch {
             req: key,
@@ -242,6 +251,7 @@ impl Scheduler {
             num_output: 0,
             resumed: false,
             order: (priority, arrival, 0),
+            cum_logprob: 0.0,
         });
         if let Some(req) = self.requests.get_mut(key) {
             req.branches.push(branch);
@@ -277,6 +287,11 @@ impl Scheduler {
     pub fn finish_sample(&mut self, id: &str, index: u32) -> Result<bool> {
         let key = *self.by_id.get(id).ok_or_else(|| CoreError::UnknownRequest(id.to_string()))?;
         let Some(req) = self.requests.get_mut(key) else { return Ok(false) };
+        if req.beam.is_some() {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {id:?} is a beam search: its beams end by the search's own rules (abort it to stop it)"
+            )));
+        }
         // Before the n-way fork only sample 0 exists; ending it ends the request.
         req.forked = true;
         let found = req.branches.iter().copied().find(|&b| self.branches.get(b).is_some_and(|x| x.index == index));
@@ -331,16 +346,17 @@ impl Scheduler {
 
     /// Preempts a running branch (not in this step): swapped to the host tier when the mode
     /// and the cost model say so and the host has room, else recomputed later.
-    fn preempt(&mut self, b: BranchKey, out: &mut StepOutput, plan: &mut StepPlan) {
+    /// `swap`: the choice already made for the branch's whole beam group, if it has one.
+    fn preempt(&mut self, b: BranchKey, out: &mut StepOutput, plan: &mut StepPlan, swap: Option<bool>) {
         let Some(seq) = self.branches.get(b).and_then(|x| x.seq) else { return };
-        let swap = match self.config.preemption_mode {
+        let swap = swap.unwrap_or_else(|| match self.config.preemption_mode {
             PreemptionMode::Recompute => false,
             PreemptionMode::Swap => true,
             PreemptionMode::Auto => match self.kv.swap_out_cost(seq) {
                 Ok(Some((blocks, tokens))) => self.config.swap_is_cheaper(blocks, tokens),
                 _ => false,
             },
-        };
+        });
         let swapped = swap && self.kv.swap_out(seq).unwrap_or(false);
         let Some(branch) = self.branches.get_mut(b) else { return };
         if swapped {
@@ -356,7 +372,9 @@ impl Scheduler {
         branch.resumed = true;
         self.counters.preemptions += 1;
         if let Some(req) = self.requests.get(branch.req) {
-            out.preempted_req_ids.push(req.id.clone());
+            if out.preempted_req_ids.last() != Some(&req.id) {
+                out.preempted_req_ids.push(req.id.clone());
+            }
         }
         self.enqueue_waiting(b, true);
     }
@@ -407,6 +425,24 @@ impl Scheduler {
         let mut preempted_any = false;
         while i < self.running.len() && budget > 0 {
             let b = self.running[i];
+            if let Some(req) = self.beam_request_of(b) {
+                // A beam request's running beams are adjacent: scheduled together or not at all.
+                let mut j = i + 1;
+                while j < self.running.len() && self.branches.get(self.running[j]).is_some_and(|x| x.req == req) {
+                    j += 1;
+                }
+                match self.schedule_beam_group(i, j, &mut budget, &mut scheduled, out, &mut plan)? {
+                    Ok(preempted) => {
+                        preempted_any |= preempted;
+                        i = j;
+                        continue;
+                    }
+                    Err(()) => {
+                        preempted_any = true;
+                        break;
+                    }
+                }
+            }
             let Some(seq) = self.branches.get(b).and_then(|x| x.seq) else {
                 i += 1;
                 continue;
@@ -422,8 +458,12 @@ impl Scheduler {
                 preempted_any = true;
                 // The back of `running` is the lowest priority / latest arrival, and is not
                 // scheduled yet (scheduled ones are in front of index i).
-                let victim = self.running.pop().unwrap_or(b);
-                self.preempt(victim, out, &mut plan);
+                let Some(&victim) = self.running.last() else {
+                    // Cannot happen: b itself is running.
+                    preempted_self = true;
+                    break;
+                };
+                self.preempt_back(out, &mut plan);
                 if victim == b {
                     preempted_self = true;
                     break;
@@ -446,6 +486,7 @@ impl Scheduler {
         self.kv.end_step();
         self.build_rows(&scheduled, out, &mut plan)?;
         plan.scheduled = scheduled.iter().map(|&(b, _)| b).collect();
+        plan.beam_rows.clone_from(&out.beam_rows);
         self.take_copies(out);
         out.finished = std::mem::take(&mut self.finished);
         plan.reported.clone_from(&out.finished);
@@ -523,14 +564,27 @@ impl Scheduler {
                 self.waiting.pop_front();
                 continue;
             };
-            // An unforked request will become n branches: reserve room for all of them.
-            let seats = if req.forked { 1 } else { req.n };
+            // An unforked request will become n branches, a beam request W beams: reserve room
+            // for all of them.
+            let seats = match &req.beam {
+                Some(s) => s.params.width,
+                None if req.forked => 1,
+                None => req.n,
+            };
             if self.running.len() + seats > self.config.max_num_seqs {
                 break;
             }
             // The watermark keeps room for running branches to grow; a lone request may use
             // the whole pool (else a request near max_model_len could never start).
             let reserve = if self.running.is_empty() { 0 } else { self.config.watermark_blocks() };
+            if req.beam.is_some() && req.branches.len() > 1 {
+                // A preempted beam group comes back whole.
+                let req_key = branch.req;
+                if !self.admit_beam_group(req_key, budget, reserve, scheduled) {
+                    break;
+                }
+                continue;
+            }
             if let Some(seq) = branch.seq {
                 // Swapped out: copy it back and continue where it stopped.
                 if !self.resume_swapped(b, seq, budget, reserve, scheduled) {
@@ -679,6 +733,9 @@ impl Scheduler {
                 // Every known token is computed: this row's last logits give the next token,
                 // one sample per branch the request will have after this step.
                 let samples = if req.forked { 1 } else { req.n as u32 };
+                if req.beam.is_some() {
+                    out.beam_rows.push(out.logits_indices.len() as i64);
+                }
                 for k in 0..samples {
                     let index = if req.forked { branch.index } else { k };
                     out.logits_indices.push(out.input_ids.len() as i64 - 1);
@@ -727,8 +784,22 @@ impl Scheduler {
         }
         self.kv.rollback_copies();
         let mut ids: Vec<Arc<str>> = Vec::new();
+        // A beam request goes back whole: its running beams without rows in the step too.
+        let mut undo: Vec<BranchKey> = Vec::with_capacity(plan.scheduled.len());
+        for &b in &plan.scheduled {
+            match self.beam_request_of(b) {
+                Some(req) => {
+                    for &r in &self.running {
+                        if self.branches.get(r).is_some_and(|x| x.req == req) && !undo.contains(&r) {
+                            undo.push(r);
+                        }
+                    }
+                }
+                None => undo.push(b),
+            }
+        }
         // Reverse row order: each branch goes to the front, so the first row ends up first.
-        for &b in plan.scheduled.iter().rev() {
+        for &b in undo.iter().rev() {
             let Some(branch) = self.branches.get_mut(b) else { continue }; // aborted since
             let Some(seq) = branch.seq.take() else { continue };
             branch.tokens = self.kv.free_discarding_window(seq)?;
@@ -750,7 +821,16 @@ impl Scheduler {
 
     /// Applies the sampled tokens of the step in flight (one per logits row of `step`).
     /// Fails, changing nothing, if `step` is not the step in flight or the tokens do not fit.
+    /// A step with beam requests needs [`Self::update_with_beams`].
     pub fn update(&mut self, step_id: u64, sampled: &[u32]) -> Result<Vec<RequestUpdate>> {
+        self.update_with_beams(step_id, sampled, BeamCandidates::NONE)
+    }
+
+    /// [`Self::update`] for a step that may sample beam requests: `beams` holds the candidates
+    /// of its beam rows (`StepOutput::beam_rows`), and every beam request's decisions are
+    /// applied here, in this one call (see [`beam`]). The entries of `sampled` at beam rows
+    /// are ignored. Fails, changing nothing, on malformed candidates.
+    pub fn update_with_beams(&mut self, step_id: u64, sampled: &[u32], beams: BeamCandidates<'_>) -> Result<Vec<RequestUpdate>> {
         let plan = self.plan_in_flight(step_id, "update()")?;
         if sampled.len() != plan.sampled.len() {
             return Err(CoreError::InvalidArgument(format!(
@@ -759,6 +839,8 @@ impl Scheduler {
                 plan.sampled.len()
             )));
         }
+        beams.validate(plan.beam_rows.len())?;
+        self.check_beam_rows(plan)?;
         let plan = self.in_flight.take().unwrap_or_default();
         let mut updates = Vec::with_capacity(sampled.len());
         let mut ended: Vec<(BranchKey, FinishReason)> = Vec::new();
@@ -770,6 +852,18 @@ impl Scheduler {
                 continue;
             };
             let req_key = branch.req;
+            if self.requests.get(req_key).is_some_and(|r| r.beam.is_some()) {
+                // Rows i .. e are this beam request's live beams (checked above).
+                let mut e = i + 1;
+                while e < plan.sampled.len() && self.branches.get(plan.sampled[e].0).is_some_and(|x| x.req == req_key) {
+                    e += 1;
+                }
+                let group: Vec<BranchKey> = plan.sampled[i..e].iter().map(|&(b, _)| b).collect();
+                let ordinals: Vec<usize> = (i..e).map(|row| plan.beam_rows.partition_point(|&r| (r as usize) < row)).collect();
+                self.apply_beam_step(req_key, &group, &ordinals, beams, &mut updates)?;
+                i = e;
+                continue;
+            }
             let forking = index == 0 && self.requests.get(req_key).is_some_and(|r| !r.forked);
             if forking {
                 // Rows i .. i+n are this request's n samples: fork before appending.
@@ -813,6 +907,7 @@ impl Scheduler {
             num_output: 0,
             resumed: false,
             order,
+            cum_logprob: 0.0,
         });
         if let Some(r) = self.requests.get_mut(req) {
             r.branches.push(child);
@@ -848,6 +943,8 @@ impl Scheduler {
             token,
             finish_reason: finish,
             num_cached_tokens: req.num_cached_tokens,
+            parent: None,
+            cumulative_logprob: None,
         });
         if let Some(reason) = finish {
             ended.push((b, reason));
@@ -909,6 +1006,7 @@ impl Scheduler {
             }
         }
         let slots = pool.num_used() * bs;
+        let (beam_blocks_in_use, beam_block_refs, beam_blocks_shared) = self.beam_block_counts();
         let c = &self.counters;
         let host = self.kv.host_pool();
         let disk = self.kv.disk_pool();
@@ -958,6 +1056,10 @@ impl Scheduler {
             num_disk_writes_skipped: t.disk_writes_skipped,
             num_kv_leases: self.kv_leases.len(),
             num_kv_reservations: self.kv_reservations.len(),
+            beam_blocks_in_use,
+            beam_block_refs,
+            beam_blocks_shared,
+            num_beam_forks: c.beam_forks,
         }
     }
 
@@ -1129,6 +1231,16 @@ impl Scheduler {
                 }
             }
             branch_count += req.branches.len();
+        }
+        for (_, req) in self.requests.iter() {
+            let Some(search) = &req.beam else { continue };
+            let running = req.branches.iter().filter(|b| self.running.contains(b)).count();
+            if running != 0 && running != req.branches.len() {
+                return bad(format!("beam request {:?} has {running} of its {} beams running", req.id, req.branches.len()));
+            }
+            if req.branches.len() > search.params.width {
+                return bad(format!("beam request {:?} has {} live beams for a width of {}", req.id, req.branches.len(), search.params.width));
+            }
         }
         if branch_count != self.branches.len() || self.by_id.len() != self.requests.len() {
             return bad("request and branch tables disagree".into());

@@ -44,6 +44,9 @@ pub struct StepOutput {
     pub sampled_requests: Vec<RequestKey>,
     /// Sample index (0 .. n) of each sampled row: int32[S].
     pub sample_indices: Vec<i32>,
+    /// Sampled rows (indices into `logits_indices`) of beam requests: their logits give the
+    /// beam candidates of `Scheduler::update_with_beams`, not a sampled token: int64[R].
+    pub beam_rows: Vec<i64>,
     /// Copy-on-write ops to run before the forward pass: int32[K, 2] as (src, dst) pairs.
     pub copy_ops: Vec<i32>,
     /// Device → host block copies, run after `disk_store`: int32[K, 2] as (device, host) pairs.
@@ -77,6 +80,7 @@ impl StepOutput {
         self.logits_indices.clear();
         self.sampled_requests.clear();
         self.sample_indices.clear();
+        self.beam_rows.clear();
         self.copy_ops.clear();
         self.swap_out.clear();
         self.swap_in.clear();
@@ -176,6 +180,8 @@ pub(crate) struct StepPlan {
     pub step_id: u64,
     /// Branch and sample index of each sampled row.
     pub sampled: Vec<(BranchKey, u32)>,
+    /// The step's beam rows (`StepOutput::beam_rows`).
+    pub beam_rows: Vec<i64>,
     /// Every branch with rows in the step, in row order (what `rollback_step` undoes).
     pub scheduled: Vec<BranchKey>,
     /// Branches swapped out while building the step (their copies run with it).
@@ -184,8 +190,11 @@ pub(crate) struct StepPlan {
     pub reported: Vec<(Arc<str>, FinishReason)>,
 }
 
-/// One sampled token's effect, from `update`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One sampled token's effect, from `update`. For a beam request, one update per live beam
+/// after the step (`index`: its rank, best first; `parent`: the rank of the beam it continues
+/// before the step), or one with `finish_reason` set when the search ended (its result:
+/// `Scheduler::take_beam_results`).
+#[derive(Debug, Clone, PartialEq)]
 pub struct RequestUpdate {
     /// The request; its id is `Scheduler::request_id(request)` (also when it ended in this
     /// update, until the next `schedule`).
@@ -198,4 +207,8 @@ pub struct RequestUpdate {
     pub finish_reason: Option<FinishReason>,
     /// Prompt tokens served from the prefix cache at the request's first admission.
     pub num_cached_tokens: usize,
+    /// Beam search: the rank, before this step, of the beam this one continues.
+    pub parent: Option<u32>,
+    /// Beam search: the beam's cumulative log-probability (the best hypothesis' at the end).
+    pub cumulative_logprob: Option<f64>,
 }

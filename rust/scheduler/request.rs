@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use super::beam::{BeamParams, BeamSearch};
 use crate::block_hash::ExtraKey;
 use crate::error::{CoreError, Result};
 use crate::ids::SeqId;
@@ -65,6 +66,8 @@ pub struct NewRequest {
     /// Keep the KV of the request when it ends, under a lease, for another engine to read
     /// (disaggregated prefill; see `Scheduler::kv_lease`).
     pub hold_kv: bool,
+    /// Beam search instead of sampling (see `scheduler::beam`); needs `n == 1`.
+    pub beam: Option<BeamParams>,
 }
 
 impl NewRequest {
@@ -83,6 +86,7 @@ impl NewRequest {
             cache_salt: None,
             retention: RetentionPolicy::default(),
             hold_kv: false,
+            beam: None,
         }
     }
 
@@ -102,6 +106,23 @@ impl NewRequest {
             CoreError::InvalidArgument(m) => CoreError::InvalidArgument(format!("request {:?}: {m}", self.id)),
             e => e,
         })?;
+        if let Some(beam) = self.beam {
+            if beam.width == 0 {
+                return bad(format!("request {:?}: beam_width must be >= 1, got 0", self.id));
+            }
+            if self.n != 1 {
+                return bad(format!(
+                    "request {:?}: beam search returns beam_width sequences; it cannot be combined with n = {} > 1",
+                    self.id, self.n
+                ));
+            }
+            if !beam.length_penalty.is_finite() {
+                return bad(format!("request {:?}: length_penalty must be finite, got {}", self.id, beam.length_penalty));
+            }
+            if self.hold_kv {
+                return bad(format!("request {:?}: beam search cannot hold its KV for another engine (hold_kv)", self.id));
+            }
+        }
         if self.min_tokens > self.max_tokens {
             return bad(format!(
                 "request {:?}: min_tokens ({}) must not exceed max_tokens ({})",
@@ -138,6 +159,8 @@ pub(crate) struct Request {
     pub admitted_once: bool,
     /// Take a KV lease when the first branch ends (`NewRequest::hold_kv`).
     pub hold_kv: bool,
+    /// The search state of a beam request (its branches are its live beams).
+    pub beam: Option<BeamSearch>,
 }
 
 /// One sample stream of a request.
@@ -154,6 +177,9 @@ pub(crate) struct Branch {
     pub num_output: usize,
     /// Preempted and not yet re-admitted: its prefix hits are re-reads of its own blocks.
     pub resumed: bool,
-    /// Ordering key: (priority under the priority policy else 0, arrival, index).
+    /// Ordering key: (priority under the priority policy else 0, arrival, index; for a beam,
+    /// its fork number).
     pub order: (i64, u64, u32),
+    /// A beam's cumulative log-probability (0 otherwise).
+    pub cum_logprob: f64,
 }

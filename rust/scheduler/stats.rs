@@ -15,6 +15,7 @@ pub(crate) struct Counters {
     pub finished_stop: u64,
     pub finished_length: u64,
     pub aborted: u64,
+    pub beam_forks: u64,
 }
 
 /// A statistic's value: a count or a fraction.
@@ -158,6 +159,15 @@ scheduler_stats! {
         pub num_kv_leases: usize,
         /// Block reservations waiting for KV from another engine (their blocks count as used).
         pub num_kv_reservations: usize,
+        /// Distinct device blocks held by running beams (beam search).
+        pub beam_blocks_in_use: usize,
+        /// Sum of the running beams' block-table lengths: the blocks they would hold with a
+        /// private copy each (`1 - beam_blocks_in_use / beam_block_refs` is the saving).
+        pub beam_block_refs: usize,
+        /// Device blocks held by two or more beams of the same request.
+        pub beam_blocks_shared: usize,
+        /// Beams forked from a parent beam so far (a parent with several survivors).
+        pub num_beam_forks: u64,
     }
 }
 

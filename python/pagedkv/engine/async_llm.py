@@ -41,6 +41,7 @@ from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.prompts import PromptType
 from pagedkv.errors import EngineDeadError, PagedKVError, RequestFailedError, UnknownRequestError
+from pagedkv.sample.beam_search_params import BeamSearchParams
 from pagedkv.sample.sampling_params import SamplingParams
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
@@ -131,7 +132,7 @@ class AsyncLLM:
     async def add_request(
         self,
         prompt: PromptType,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | BeamSearchParams | None = None,
         request_id: str | None = None,
         *,
         priority: int = 0,
@@ -167,7 +168,7 @@ class AsyncLLM:
     async def generate(
         self,
         prompt: PromptType,
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | BeamSearchParams | None = None,
         request_id: str | None = None,
         *,
         priority: int = 0,
@@ -175,7 +176,8 @@ class AsyncLLM:
         kv_transfer_params: dict[str, Any] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream the request's cumulative :class:`RequestOutput` after every step that
-        advances it; the last one has ``finished=True``."""
+        advances it; the last one has ``finished=True``. With :class:`BeamSearchParams` each
+        output holds the current best beam, the last one the ``beam_width`` best sequences."""
         stream = await self.add_request(
             prompt,
             sampling_params,

@@ -15,10 +15,12 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.beam_tracker import to_beam_search_output
 from pagedkv.engine.llm_engine import LLMEngine
-from pagedkv.engine.outputs import RequestOutput
+from pagedkv.engine.outputs import BeamSearchOutput, RequestOutput
 from pagedkv.engine.prompts import PromptType, chat_prompt, is_single_prompt
 from pagedkv.errors import InvalidArgumentError, InvalidTypeError
+from pagedkv.sample.beam_search_params import BeamSearchParams
 from pagedkv.sample.sampling_params import SamplingParams
 
 __all__ = ["LLM"]
@@ -69,14 +71,7 @@ class LLM:
         ``{"prompt_token_ids": ...}``), or a list of those. ``sampling_params``: one for all
         prompts or one per prompt (default: ``SamplingParams()``).
         """
-        if is_single_prompt(prompts):
-            prompt_list: list[PromptType] = [prompts]  # type: ignore[list-item]
-        elif isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
-            prompt_list = list(cast("Sequence[PromptType]", prompts))
-        else:
-            raise InvalidTypeError(
-                f"prompts must be a str, a list of token ids, a dict, or a list of those; got {type(prompts).__name__}"
-            )
+        prompt_list = _prompt_list(prompts)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -91,6 +86,34 @@ class LLM:
             )
         if priority is not None and len(priority) != len(prompt_list):
             raise InvalidArgumentError(f"got {len(priority)} priorities for {len(prompt_list)} prompts")
+        return self._submit(prompt_list, params_list, priority, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (vLLM's ``LLM.beam_search``): one
+        :class:`BeamSearchOutput` per prompt, in input order, holding its ``beam_width`` best
+        sequences (prompt + generated ``tokens``, generated ``text``, ``cum_logprob``), best
+        first. The scheduler runs the beams natively: they share the prompt's KV blocks and
+        their common history, and fork and die at block granularity (copy-on-write).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidTypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompt_list = _prompt_list(prompts)
+        outputs = self._submit(prompt_list, [params] * len(prompt_list), None, use_tqdm)
+        return [to_beam_search_output(o, params) for o in outputs]
+
+    def _submit(
+        self,
+        prompt_list: Sequence[PromptType],
+        params_list: Sequence[SamplingParams | BeamSearchParams],
+        priority: Sequence[int] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        """Adds one request per prompt (all or none) and runs them to the end."""
         engine = self.llm_engine
         ids: list[str] = []
         try:
@@ -171,6 +194,17 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt or a list of prompts, as a list."""
+    if is_single_prompt(prompts):
+        return [prompts]  # type: ignore[list-item]
+    if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
+        return list(cast("Sequence[PromptType]", prompts))
+    raise InvalidTypeError(
+        f"prompts must be a str, a list of token ids, a dict, or a list of those; got {type(prompts).__name__}"
+    )
 
 
 def _progress_bar(total: int) -> Any:

@@ -44,6 +44,7 @@ import torch
 from pagedkv._core import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedkv.distributed.transfer_config import RemotePrefill, parse_kv_transfer_params
 from pagedkv.engine.args import EngineArgs
+from pagedkv.engine.beam_tracker import BeamTracker, beam_candidates
 from pagedkv.engine.outputs import Logprob, RequestOutput
 from pagedkv.engine.prompts import PromptType, to_token_ids
 from pagedkv.engine.request_state import RequestState
@@ -60,6 +61,7 @@ from pagedkv.errors import (
     UnknownRequestError,
 )
 from pagedkv.parallel.executor import MultiprocExecutor, start_workers
+from pagedkv.sample.beam_search_params import BeamSearchParams
 from pagedkv.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedkv.sample.sampling_params import SamplingParams
 from pagedkv.worker.model_runner import ModelRunner
@@ -193,7 +195,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: PromptType,
-        params: SamplingParams | None = None,
+        params: SamplingParams | BeamSearchParams | None = None,
         *,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -213,13 +215,26 @@ class LLMEngine:
 
         Everything the request needs later (token ids, the checks that depend on the model,
         its generators and detokenizers) is built before the scheduler sees it, so a request
-        that is accepted can always be stepped."""
+        that is accepted can always be stepped.
+
+        ``params`` may be :class:`BeamSearchParams`: the request is then a beam search run by
+        the scheduler on copy-on-write blocks. Its outputs stream the current best beam
+        (``outputs[0]``; it may change from step to step) and end with the ``beam_width`` best
+        sequences, best first, each with its ``cumulative_logprob``."""
         if not isinstance(request_id, str):
             raise InvalidTypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        beam: BeamSearchParams | None = None
         if params is None:
             params = SamplingParams()
+        elif isinstance(params, BeamSearchParams):
+            if kv_transfer_params is not None:
+                raise InvalidArgumentError("kv_transfer_params cannot be combined with beam search")
+            beam = params
+            params = SamplingParams(n=1, max_tokens=beam.max_tokens, temperature=0.0, ignore_eos=beam.ignore_eos)
         elif not isinstance(params, SamplingParams):
-            raise InvalidTypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidTypeError(
+                f"params must be a SamplingParams or a BeamSearchParams, got {type(params).__name__}"
+            )
         if arrival_time is not None and not isinstance(arrival_time, (int, float)):
             raise InvalidTypeError(f"arrival_time must be a number or None, got {type(arrival_time).__name__}")
         self._check_params_for_model(params)
@@ -227,6 +242,8 @@ class LLMEngine:
         text, prompt_ids = to_token_ids(prompt, self.tokenizer, self.runner.vocab_size)
         state = RequestState(request_id, text, prompt_ids, params, self.tokenizer, self.runner.device, arrival_time)
         state.hold_kv = transfer is True
+        if beam is not None:
+            state.beam = BeamTracker(beam, self.tokenizer, self.eos_token_ids)
         max_tokens = (
             params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(prompt_ids))
         )
@@ -246,6 +263,8 @@ class LLMEngine:
             retention_tokens=params.retention_tokens,
             cache_salt=cache_salt,
             hold_kv=state.hold_kv,
+            beam_width=None if beam is None else beam.beam_width,
+            length_penalty=None if beam is None else beam.length_penalty,
         )
         with self._lock:
             if isinstance(transfer, RemotePrefill) and self._start_kv_load(state, transfer, cache_salt, add):
@@ -417,7 +436,8 @@ class LLMEngine:
                 logits = self._execute(out)
                 sampled = self._sample(out, logits)
                 tokens = sampled.sampled_token_ids.cpu().numpy()
-                updates = self.scheduler.update(out, tokens)
+                beam_ids, beam_logprobs = self._beam_candidates(out, logits)
+                updates = self.scheduler.update(out, tokens, beam_ids, beam_logprobs)
             except BaseException as exc:
                 self._roll_back(out, exc)
                 if isinstance(exc, EngineDeadError):
@@ -568,15 +588,31 @@ class LLMEngine:
         logger.warning("request %r failed: %s: %s", state.request_id, type(exc).__name__, exc)
         return state.output()
 
+    def _beam_candidates(
+        self, out: SchedulerOutput, logits: torch.Tensor
+    ) -> tuple[list[list[int]] | None, list[list[float]] | None]:
+        """The candidates of the step's beam rows: ``2 * beam_width`` per row (the widest beam
+        request's), or ``(None, None)`` for a step without beam rows."""
+        rows = out.beam_rows.tolist()
+        if not rows:
+            return None, None
+        width = 1
+        for r in rows:
+            state = self.requests.get(out.sampled_req_ids[r])
+            if state is not None and state.beam is not None:
+                width = max(width, state.beam.params.beam_width)
+        return beam_candidates(logits, rows, 2 * width)
+
     def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput:
         params: list[SamplingParams] = []
         generators: list[torch.Generator | None] = []
         banned: dict[int, list[int]] = {}
         for row, (rid, index) in enumerate(zip(out.sampled_req_ids, out.sample_indices.tolist())):
             state = self.requests.get(rid)
-            if state is None:
-                # Cannot happen under the lock (aborts wait for the step); a row of a request
-                # that is gone is sampled greedily and dropped by Scheduler.update.
+            if state is None or state.beam is not None:
+                # A beam row's logits give candidates (_beam_candidates), not a sampled token;
+                # a row of a request that is gone (cannot happen under the lock: aborts wait
+                # for the step) is dropped by Scheduler.update. Both are sampled greedily.
                 params.append(_GREEDY)
                 generators.append(None)
                 continue
@@ -610,9 +646,14 @@ class LLMEngine:
         )
         touched: dict[str, RequestState] = {}
         failed: list[RequestOutput] = []
+        beam_steps: dict[str, list[RequestUpdate]] = {}
         for u in updates:
             state = self.requests.get(u.request_id)
             if state is None:
+                continue
+            if state.beam is not None:
+                beam_steps.setdefault(u.request_id, []).append(u)
+                touched[u.request_id] = state
                 continue
             try:
                 self._apply_update(state, u, rows, sampled, now)
@@ -621,6 +662,8 @@ class LLMEngine:
                 failed.append(self._fail_request(state, exc))
                 continue
             touched[u.request_id] = state
+        if beam_steps:
+            self._apply_beam_steps(beam_steps, now)
         outputs = []
         for rid, state in touched.items():
             if state.finished:
@@ -656,6 +699,26 @@ class LLMEngine:
         elif stop_str is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop_str
             self.scheduler.finish_sample(u.request_id, u.index)
+
+    def _apply_beam_steps(self, steps: dict[str, list[RequestUpdate]], now: float) -> None:
+        """Each beam request's live beams after the step, or its result when the search ended
+        (one update with a finish reason; the result comes from ``take_beam_results``)."""
+        results = {}
+        if any(u.finish_reason is not None for rows in steps.values() for u in rows):
+            results = dict(self.scheduler.take_beam_results())
+        for rid, rows in steps.items():
+            state = self.requests[rid]
+            beam = state.beam
+            assert beam is not None
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+                state.metrics.num_cached_tokens = rows[0].num_cached_tokens
+            reason = rows[0].finish_reason
+            if reason is None:
+                beam.advance(rows)
+                continue
+            beam.finish(results.get(rid, []))
+            state.samples[0].finish_reason = reason
 
     def _record_logprobs(self, state: RequestState, index: int, row: int, sampled: SamplerOutput, token: int) -> None:
         lp = sampled.logprobs

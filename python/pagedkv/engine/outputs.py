@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "CompletionOutput",
     "Logprob",
     "RequestMetrics",
@@ -130,6 +132,45 @@ class RequestOutput:
             f"num_cached_tokens={self.num_cached_tokens}, metrics={self.metrics!r}"
             + (f", error={self.error!r})" if self.error is not None else ")")
         )
+
+
+@dataclass
+class BeamSearchSequence:
+    """One sequence a beam search returns (vLLM's names).
+
+    ``tokens`` holds the prompt's token ids followed by the generated ones (as vLLM does);
+    ``text`` is the generated text (without the eos token's, unless
+    ``include_stop_str_in_output``). ``cum_logprob`` is the sum of the generated tokens'
+    log-probabilities and ``score`` the length-penalised value sequences are ranked by.
+    ``finish_reason`` is ``"stop"`` (eos / a stop token) or ``"length"`` (``max_tokens``).
+    """
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str | None = None
+    finish_reason: str | None = None
+    score: float | None = None
+    num_prompt_tokens: int = 0
+    logprobs: list[dict[int, Logprob]] | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated token ids (``tokens`` without the prompt)."""
+        return self.tokens[self.num_prompt_tokens :]
+
+    def __repr__(self) -> str:
+        return (
+            f"BeamSearchSequence(tokens={_short_ids(self.tokens)}, cum_logprob={self.cum_logprob}, "
+            f"score={self.score}, text={self.text!r}, finish_reason={self.finish_reason})"
+        )
+
+
+@dataclass
+class BeamSearchOutput:
+    """What ``LLM.beam_search`` returns per prompt: its best sequences, best first."""
+
+    sequences: list[BeamSearchSequence]
 
 
 def _short_ids(ids: list[int]) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pagedkv.engine.beam_tracker import BeamTracker
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
 from pagedkv.sample.sampler import make_generator
@@ -72,6 +73,10 @@ class RequestState:
         # params that tell the reader where it is (set when it ends).
         self.hold_kv = False
         self.kv_transfer_params: dict[str, Any] | None = None
+        # A beam search (LLMEngine.add_request with BeamSearchParams): its beams and result.
+        # ``params`` is then the equivalent greedy SamplingParams with n = 1, and ``samples``
+        # holds one sample whose finish_reason is the request's.
+        self.beam: BeamTracker | None = None
         wants_logprobs = params.logprobs is not None
         self.samples = [
             SampleState(
@@ -107,7 +112,11 @@ class RequestState:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.output() for s in self.samples],
+            outputs=(
+                [s.output() for s in self.samples]
+                if self.beam is None
+                else self.beam.outputs(None if self.beam.result is not None else self.samples[0].finish_reason)
+            ),
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.metrics.num_cached_tokens,
