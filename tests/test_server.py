@@ -279,6 +279,12 @@ BAD_REQUESTS = [
     ("unsupported penalty", "/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400),
     ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400),
     ("bad detokenize id", "/detokenize", {"tokens": [-1]}, 400),
+    ("beam search streamed", "/v1/completions", {"prompt": "x", "use_beam_search": True, "n": 2, "stream": True}, 400),
+    ("beam search with temperature", "/v1/completions", {"prompt": "x", "use_beam_search": True, "temperature": 0.7}, 400),
+    ("beam search with logprobs", "/v1/completions", {"prompt": "x", "use_beam_search": True, "logprobs": 2}, 400),
+    ("beam search with stop strings", "/v1/completions", {"prompt": "x", "use_beam_search": True, "stop": ["."]}, 400),
+    ("beam width above max_num_seqs", "/v1/completions", {"prompt": "x", "use_beam_search": True, "n": MAX_NUM_SEQS + 1}, 400),
+    ("nan length_penalty", "/v1/completions", b'{"prompt": "x", "use_beam_search": true, "length_penalty": NaN}', 400),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404),
     ("unknown model chat", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
     ("unknown path", "/v1/embeddings", {"input": "x"}, 404),
@@ -312,6 +318,38 @@ def test_bad_requests_leave_server_serving(server: ServerProcess, client: Any) -
         client.completions.create(model="missing", prompt="x")
     ok = client.completions.create(model=MODEL_NAME, prompt="Still there?", max_tokens=3)
     assert ok.choices[0].text is not None
+    wait_idle(server.url)
+
+
+def test_beam_search_choices_are_the_engines_beams(server: ServerProcess, client: Any) -> None:
+    # vLLM's extra fields: n is the beam width; the choices are the beams, best first.
+    from pagedkv import LLM, BeamSearchParams
+
+    prompt, width, max_tokens = "The three largest cities of Japan are", 3, 8
+    r = client.completions.create(
+        model=MODEL_NAME,
+        prompt=prompt,
+        n=width,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+    )
+    local = LLM(
+        dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN
+    )
+    expected = local.beam_search(prompt, BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True))
+    assert [c.index for c in r.choices] == list(range(width))
+    assert [c.text for c in r.choices] == [s.text for s in expected[0].sequences]
+    assert all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == width * max_tokens
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        messages=[{"role": "user", "content": "Name a fruit."}],
+        n=2,
+        max_tokens=6,
+        extra_body={"use_beam_search": True},
+    )
+    assert len(chat.choices) == 2 and all(c.message.content for c in chat.choices)
     wait_idle(server.url)
 
 

@@ -96,9 +96,21 @@ class _SamplingFields(_Strict):
     # Disaggregated prefill / decode (vLLM's field): {"do_remote_decode": true} on a KV
     # producer, or a producer's answer on a consumer (checked by the engine).
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's beam search: `n` is the beam width, every choice a beam, best first.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(param, message)`` of the first field set to something pagedkv does not implement."""
+        if self.use_beam_search:
+            for name, value, default in (
+                ("stream", self.stream, False),
+                ("stop", self.stop or None, None),
+                ("min_tokens", self.min_tokens, 0),
+                ("kv_transfer_params", self.kv_transfer_params, None),
+            ):
+                if value != default:
+                    return name, f"{name} is not supported with use_beam_search (beam search answers once, whole)"
         if self.presence_penalty != 0.0:
             return "presence_penalty", "presence_penalty is not supported (only 0)"
         if self.frequency_penalty != 0.0:

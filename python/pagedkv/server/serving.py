@@ -32,6 +32,7 @@ from pagedkv.engine.async_llm import AsyncLLM, RequestStream
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedkv.engine.prompts import tokenize
 from pagedkv.errors import PagedKVError, RequestFailedError
+from pagedkv.sample.beam_search_params import BeamSearchParams
 from pagedkv.sample.sampling_params import SamplingParams
 from pagedkv.server.errors import APIError, error_body, from_exception
 from pagedkv.server.metrics import RequestTracker, ServerMetrics
@@ -58,7 +59,7 @@ class EngineRequest:
     """One prompt of an API request, as the engine will see it."""
 
     prompt: dict[str, Any]  # {"prompt": text or None, "prompt_token_ids": [...]}
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -110,8 +111,26 @@ class OpenAIServing:
                 param="kv_transfer_params",
             )
 
-    def sampling_params(self, request: _SamplingFields, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's SamplingParams for ``request`` (a ConfigError on a bad value is a 400)."""
+    def sampling_params(
+        self, request: _SamplingFields, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams | BeamSearchParams:
+        """The engine's SamplingParams for ``request``, or BeamSearchParams with
+        ``use_beam_search`` (vLLM's mapping: the width is ``n``); a ConfigError on a bad value is
+        a 400."""
+        if request.use_beam_search:
+            if logprobs is not None:
+                raise APIError(400, "logprobs are not supported with use_beam_search", param="logprobs")
+            try:
+                return BeamSearchParams(
+                    beam_width=request.n,
+                    max_tokens=max_tokens if max_tokens is not None else self.max_model_len,
+                    ignore_eos=request.ignore_eos,
+                    temperature=request.temperature or 0.0,
+                    length_penalty=request.length_penalty,
+                    include_stop_str_in_output=request.include_stop_str_in_output,
+                )
+            except PagedKVError as exc:
+                raise APIError(400, str(exc), code=type(exc).__name__) from exc
         kwargs: dict[str, Any] = {
             "n": request.n,
             "max_tokens": max_tokens,
