@@ -24,119 +24,33 @@
 //! configurations also reset the prefix cache between steps, and every simulation ends with a
 //! reset that leaves nothing cached (announced as AllBlocksCleared).
 
+mod common;
+
 use std::collections::{HashMap, HashSet};
 
 use pagedkv::block_hash::HashMode;
 use pagedkv::ids::BlockId;
-use pagedkv::kv_cache_manager::{RetentionPolicy, Tier};
+use pagedkv::kv_cache_manager::RetentionPolicy;
 use pagedkv::kv_events::{decode_batch, KvEvent, Medium};
 use pagedkv::scheduler::{FinishReason, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, StepOutput};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const VOCAB: u64 = 997;
-const ROOT: u64 = 0x9E37_79B9_7F4A_7C15;
+use common::{chain, FakeModel, ROOT};
 
-fn chain(prev: u64, token: u32) -> u64 {
-    let mut z = prev ^ (token as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 31)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 29)
-}
+const VOCAB: u64 = 997;
+
 
 fn sample(digest: u64, index: i32) -> u32 {
     (chain(digest, index as u32 + 7) % VOCAB) as u32
 }
 
-/// The fake model: executes copy ops and writes the step's KV, then samples.
-struct FakeModel {
-    bs: usize,
-    kv: Vec<Option<u64>>,
-    /// The host tier's slots.
-    host: Vec<Option<u64>>,
-    /// The disk tier's slots.
-    disk: Vec<Option<u64>>,
+/// A forward of the fake model, then one sampled token per logits row.
+fn execute(model: &mut FakeModel, out: &StepOutput) -> Vec<u32> {
+    model.forward(out).iter().zip(&out.sample_indices).map(|(&v, &index)| sample(v, index)).collect()
 }
 
-impl FakeModel {
-    fn new(num_blocks: usize, num_host_blocks: usize, num_disk_blocks: usize, bs: usize) -> Self {
-        FakeModel {
-            bs,
-            kv: vec![None; num_blocks * bs],
-            host: vec![None; num_host_blocks * bs],
-            disk: vec![None; num_disk_blocks * bs],
-        }
-    }
-
-    /// The slots of one tier.
-    fn slots(&mut self, tier: Tier) -> &mut [Option<u64>] {
-        match tier {
-            Tier::Device => &mut self.kv,
-            Tier::Host => &mut self.host,
-            Tier::Disk => &mut self.disk,
-        }
-    }
-
-    /// Runs the step's block copies in the runner's order (disk stores, swap-outs, disk loads,
-    /// swap-ins, copy-on-write); with `keep`, only the ops it accepts (a failing step).
-    fn copy_blocks(&mut self, out: &StepOutput, mut keep: impl FnMut() -> bool) {
-        let bs = self.bs;
-        let lists = [
-            (&out.disk_store, Tier::Host, Tier::Disk),
-            (&out.swap_out, Tier::Device, Tier::Host),
-            (&out.disk_load, Tier::Disk, Tier::Host),
-            (&out.swap_in, Tier::Host, Tier::Device),
-            (&out.copy_ops, Tier::Device, Tier::Device),
-        ];
-        for (ops, from, to) in lists {
-            for op in ops.chunks(2) {
-                if keep() {
-                    let (src, dst) = (op[0] as usize * bs, op[1] as usize * bs);
-                    let block = self.slots(from)[src..src + bs].to_vec();
-                    self.slots(to)[dst..dst + bs].copy_from_slice(&block);
-                }
-            }
-        }
-    }
-
-    fn read(&self, table: &[i32], pos: usize) -> u64 {
-        let slot = table[pos / self.bs] as usize * self.bs + pos % self.bs;
-        self.kv[slot].expect("attention read a slot that was never written")
-    }
-
-    /// A forward that fails part-way: some copy ops run, some of the step's slots get garbage.
-    fn execute_failing(&mut self, out: &StepOutput, rng: &mut StdRng) {
-        self.copy_blocks(out, || rng.random_bool(0.5));
-        for &slot in &out.slot_mapping {
-            if rng.random_bool(0.5) {
-                self.kv[slot as usize] = Some(rng.random());
-            }
-        }
-    }
-
-    fn execute(&mut self, out: &StepOutput) -> Vec<u32> {
-        self.copy_blocks(out, || true);
-        let w = out.block_table_width;
-        // Positions of one row depend on earlier positions of the same row, so rows are
-        // processed token by token in order (a causal forward).
-        for row in 0..out.num_rows() {
-            let table = &out.block_tables[row * w..(row + 1) * w];
-            let (s, e) = (out.cu_seqlens_q[row] as usize, out.cu_seqlens_q[row + 1] as usize);
-            for t in s..e {
-                let pos = out.positions[t] as usize;
-                let prev = if pos == 0 { ROOT } else { self.read(table, pos - 1) };
-                self.kv[out.slot_mapping[t] as usize] = Some(chain(prev, out.input_ids[t] as u32));
-            }
-            assert_eq!(out.seq_lens[row] as i64, out.positions[e - 1] + 1);
-        }
-        // Logits row -> the value at that token's slot.
-        out.logits_indices
-            .iter()
-            .zip(&out.sample_indices)
-            .map(|(&t, &idx)| sample(self.kv[out.slot_mapping[t as usize] as usize].unwrap(), idx))
-            .collect()
-    }
-}
 
 #[derive(Debug, Clone)]
 struct Expect {
@@ -395,7 +309,7 @@ fn run_sim(spec: &SimSpec) -> SimResult {
             continue;
         }
         reported_finished += out.finished.len();
-        let sampled = model.execute(&out);
+        let sampled = execute(&mut model, &out);
         let updates = sched.update(out.step_id, &sampled).unwrap();
         for u in &updates {
             let id = sched.request_id(u.request).expect("an updated request is named until the next schedule");
@@ -588,7 +502,7 @@ fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
         let mut outputs: HashMap<String, Vec<u32>> = HashMap::new();
         while sched.has_unfinished_requests() {
             let out = sched.schedule().unwrap();
-            let sampled = model.execute(&out);
+            let sampled = execute(model, &out);
             for u in sched.update(out.step_id, &sampled).unwrap() {
                 outputs.entry(sched.request_id(u.request).unwrap().to_string()).or_default().push(u.token);
             }
@@ -611,7 +525,7 @@ fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
     for _ in 0..64 {
         let out = first.schedule_flush().unwrap();
         let empty = out.swap_out.is_empty() && out.disk_store.is_empty();
-        assert!(model.execute(&out).is_empty());
+        assert!(execute(&mut model, &out).is_empty());
         first.update(out.step_id, &[]).unwrap();
         first.check_invariants().unwrap();
         if empty {

@@ -368,7 +368,7 @@ class SchedulerStats:
         """Sum of the running beams' block-table lengths (blocks with a private copy each)."""
     @property
     def beam_blocks_shared(self) -> int:
-        """Device blocks held by two or more beams of the same request."""
+        """Device blocks held by two or more running beams."""
     @property
     def num_beam_forks(self) -> int:
         """Beams forked from a parent beam so far."""

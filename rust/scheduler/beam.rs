@@ -488,13 +488,18 @@ impl Scheduler {
                 _ => return false,
             }
         }
+        // Each distinct device block takes at most one host block over the whole group (a
+        // beam swapped out later shares the copies of the earlier ones): an upper bound, so the
+        // group is swapped whole or not at all.
+        let distinct: std::collections::HashSet<u32> =
+            seqs.iter().filter_map(|&s| self.kv.seq(s).ok()).flat_map(|x| x.table().blocks().iter().map(|b| b.0)).collect();
         let host_free = self.kv.host_pool().map_or(0, |h| h.num_free());
         let wanted = match self.config.preemption_mode {
             PreemptionMode::Recompute => false,
             PreemptionMode::Swap => true,
             PreemptionMode::Auto => self.config.swap_is_cheaper(blocks, tokens),
         };
-        wanted && decoding && blocks <= host_free
+        wanted && decoding && distinct.len() <= host_free
     }
 
     /// Applies one step's decision for beam request `req`, whose live beams had the sampled
@@ -661,9 +666,9 @@ impl Scheduler {
 
     /// Beam-sharing gauges over the running beams: (distinct device blocks they hold, the sum
     /// of their block-table lengths — what private copies would take —, blocks held by two or
-    /// more beams of the same request).
+    /// more running beams).
     pub(super) fn beam_block_counts(&self) -> (usize, usize, usize) {
-        let mut holders: std::collections::HashMap<(RequestKey, u32), u32> = std::collections::HashMap::new();
+        let mut holders: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
         let mut refs = 0usize;
         for &b in &self.running {
             let Some(branch) = self.branches.get(b) else { continue };
@@ -673,7 +678,7 @@ impl Scheduler {
             let Some(seq) = branch.seq.and_then(|s| self.kv.seq(s).ok()) else { continue };
             refs += seq.table().len();
             for blk in seq.table().blocks() {
-                *holders.entry((branch.req, blk.0)).or_insert(0) += 1;
+                *holders.entry(blk.0).or_insert(0) += 1;
             }
         }
         let shared = holders.values().filter(|&&c| c > 1).count();

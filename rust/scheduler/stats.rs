@@ -164,7 +164,7 @@ scheduler_stats! {
         /// Sum of the running beams' block-table lengths: the blocks they would hold with a
         /// private copy each (`1 - beam_blocks_in_use / beam_block_refs` is the saving).
         pub beam_block_refs: usize,
-        /// Device blocks held by two or more beams of the same request.
+        /// Device blocks held by two or more running beams.
         pub beam_blocks_shared: usize,
         /// Beams forked from a parent beam so far (a parent with several survivors).
         pub num_beam_forks: u64,
