@@ -145,7 +145,8 @@ def run_beams(llm: Any, prompts: Prompts, width: int, max_tokens: int, ignore_eo
         prompt_only.append(refs[-1] - (width - 1) * live)
     seconds = time.perf_counter() - start
     cpu_self = cpu_seconds_self() - cpu_self
-    cpu_other = cpu_seconds_machine() - cpu_machine - cpu_self
+    # Clock-tick accounting can leave a small negative difference on an idle machine.
+    cpu_other = max(0.0, cpu_seconds_machine() - cpu_machine - cpu_self)
     after = eng.get_stats()
     best = [list(outputs[rid].outputs[0].token_ids) for rid in ids]
     beams = [[list(c.token_ids) for c in outputs[rid].outputs] for rid in ids]
@@ -268,7 +269,8 @@ def run_hf(model: Any, prompts: Prompts, width: int, max_tokens: int, pad_id: in
                 scores += s
     seconds = time.perf_counter() - start
     cpu_self = cpu_seconds_self() - cpu_self
-    cpu_other = cpu_seconds_machine() - cpu_machine - cpu_self
+    # Clock-tick accounting can leave a small negative difference on an idle machine.
+    cpu_other = max(0.0, cpu_seconds_machine() - cpu_machine - cpu_self)
     return {"seconds": seconds, "beams": beams, "scores": scores, "cpu_other": cpu_other}
 
 
