@@ -245,6 +245,25 @@ def test_a_failed_step_is_retried_with_the_same_beams(reference: dict, monkeypat
     assert_pool_whole(engine)
 
 
+def test_ctrl_c_inside_beam_search_leaves_a_working_engine(reference: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(**ENGINE_ARGS)
+    engine = llm.llm_engine
+    real, calls = engine.runner.execute, {"n": 0}
+
+    def interrupted(*args: object) -> torch.Tensor:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(engine.runner, "execute", interrupted)
+    params = BeamSearchParams(beam_width=4, max_tokens=MAX_NEW, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.beam_search(PROMPTS, params)
+    assert_pool_whole(engine)  # the call's beam requests left the engine, every block is back
+    assert_same_beams(llm.beam_search(PROMPTS, params), reference[4])
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

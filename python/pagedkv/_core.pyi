@@ -248,7 +248,8 @@ class RequestUpdate:
 @final
 class RequestUpdates(Sequence[RequestUpdate]):
     """What ``Scheduler.update`` returns: one update per sampled row of a live request, in
-    logits-row order. A read-only sequence of RequestUpdate (items are built when accessed), with
+    logits-row order (a beam request: one per live beam after the step, or one when its search
+    ended). A read-only sequence of RequestUpdate (items are built when accessed), with
     the same data as columns for bulk reads."""
 
     def __len__(self) -> int: ...

@@ -335,7 +335,7 @@ impl PyRequestUpdate {
 }
 
 /// What `Scheduler.update` returns: one update per sampled row of a live request, in logits-row
-/// order. A read-only sequence of `RequestUpdate` (`len`, indexing, slicing, iteration; each
+/// order (a beam request: one per live beam after the step, or one when its search ended). A read-only sequence of `RequestUpdate` (`len`, indexing, slicing, iteration; each
 /// item is built when accessed), with the same data as columns (`request_ids`, `indices`,
 /// `token_ids`, `finish_reasons`, `num_cached_tokens`) for callers that read it in bulk.
 #[pyclass(module = "pagedkv._core", name = "RequestUpdates", frozen, sequence)]
