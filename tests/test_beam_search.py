@@ -29,7 +29,7 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea",
     "In 1492, Columbus",
 ]
-CHATS = ["Say hi.", "What is 2+2?", "Name a color."]
+CHATS = ["Say hi.", "Name a color."]  # between them: beams ended by eos and by max_tokens
 CHAT_MAX_NEW = 24
 ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "max_model_len": 512, "kv_cache_memory": 64 << 20}
 
