@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -9,6 +10,8 @@ import pytest
 
 
 def test_stubtest_passes(tmp_path) -> None:
+    if os.environ.get("PAGEDKV_STUBTEST_DONE"):
+        pytest.skip("make test ran stubtest in make lint already")
     pytest.importorskip("mypy")
     proc = subprocess.run(
         [sys.executable, "-m", "mypy.stubtest", "pagedkv._core"],
