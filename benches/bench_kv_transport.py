@@ -32,7 +32,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import machine, md_table, write_section  # noqa: E402
 
-from pagedkv.distributed.kv_transport import KVTransport, make_transport, nixl_available  # noqa: E402
+from pagedkv.distributed.kv_transport import KVTransport, nixl_available  # noqa: E402
+from pagedkv.distributed.transports import make_transport  # noqa: E402
 
 SECTION = "kv_transport"
 HEADING = "## KV transfer: NIXL and gloo vs memcpy (issue 13)"
@@ -55,6 +56,9 @@ def transport(kind: str, port: int, rank: int) -> KVTransport:
 def holder(kind: str, port: int, num_blocks: int, conn: Any) -> None:
     t = transport(kind, port, rank=1)
     t.register_kv_cache(cache(num_blocks, seed=1), None)
+    # A holder serves only granted blocks (an engine grants a claimed lease's): all to the reader.
+    reader = "gloo-rank0" if kind == "gloo" else f"bench-{kind}-0-{os.getppid()}"
+    t.allow_reads(reader, "bench", range(num_blocks))
     conn.send(t.local_metadata())
     try:
         conn.recv()  # serve until the reader closes the pipe

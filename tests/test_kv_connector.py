@@ -12,21 +12,17 @@ reservation.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kv_transports import TRANSPORTS
+from kv_transports import TRANSPORTS, assert_idle, make_pair, prefill, run, wait_for_no_leases
 
-import pagedkv.distributed.connector as connector_module
 from pagedkv import LLMEngine, SamplingParams
-from pagedkv.engine.outputs import RequestOutput
 from pagedkv.errors import ConfigError, InvalidArgumentError, KVTransferError
 from pagedkv.server.launch import free_port
 
-TIMEOUT = 60.0
 ENGINE = dict(device="cpu", dtype="float32", num_blocks=64, block_size=16, max_model_len=256)
 TEXT = (
     "Paged attention stores the key and value cache in fixed-size blocks, so that a sequence is "
@@ -34,86 +30,6 @@ TEXT = (
     "list when a request finishes. Blocks can be shared between requests by reference count."
 )
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
-
-
-def make_pair(transport: str, **engine: Any) -> tuple[LLMEngine, LLMEngine]:
-    """A producer and a consumer engine. For gloo the two form one group, so the consumer (rank
-    0, the store) is built in a thread and waits in the group's rendezvous while the producer
-    is built; the producer's model loads only once the consumer's has (transformers' loading
-    is not thread-safe)."""
-    kw = {**ENGINE, **engine}
-    if transport != "gloo":
-        producer = LLMEngine(**kw, kv_transfer_config={"role": "producer", "transport": transport})
-        consumer = LLMEngine(
-            **kw, kv_transfer_config={"role": "consumer", "transport": transport, "transfer_timeout": 20.0}
-        )
-        return producer, consumer
-    gloo = {"gloo_world_size": 2, "gloo_init_method": f"tcp://127.0.0.1:{free_port()}", "connect_timeout": TIMEOUT}
-    at_rendezvous = threading.Event()
-    real_make_transport = connector_module.make_transport
-
-    def make_transport(*args: Any, **kwargs: Any) -> Any:
-        at_rendezvous.set()
-        return real_make_transport(*args, **kwargs)
-
-    box: list[Any] = []
-
-    def build_consumer() -> None:
-        cfg = {"role": "consumer", "transport": "gloo", "transfer_timeout": 20.0, "gloo_rank": 0, **gloo}
-        try:
-            box.append(LLMEngine(**kw, kv_transfer_config=cfg))
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            box.append(e)
-        at_rendezvous.set()
-
-    connector_module.make_transport = make_transport  # type: ignore[assignment]
-    try:
-        thread = threading.Thread(target=build_consumer)
-        thread.start()
-        assert at_rendezvous.wait(TIMEOUT)
-    finally:
-        connector_module.make_transport = real_make_transport  # type: ignore[assignment]
-    producer = LLMEngine(**kw, kv_transfer_config={"role": "producer", "transport": "gloo", "gloo_rank": 1, **gloo})
-    thread.join(TIMEOUT)
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return producer, box[0]
-
-
-def run(engine: LLMEngine, rid: str, prompt: Any, params: SamplingParams, kv: Any = None) -> RequestOutput:
-    """Adds one request and steps until it ends; its final output."""
-    engine.add_request(rid, prompt, params, kv_transfer_params=kv)
-    deadline = time.monotonic() + TIMEOUT
-    final = None
-    while final is None:
-        assert time.monotonic() < deadline, f"{rid} did not finish"
-        for out in engine.step():
-            if out.request_id == rid and out.finished:
-                final = out
-    return final
-
-
-def prefill(producer: LLMEngine, rid: str, prompt: Any) -> dict[str, Any]:
-    out = run(producer, rid, prompt, SamplingParams(max_tokens=1, temperature=0.0), {"do_remote_decode": True})
-    assert out.kv_transfer_params is not None
-    return out.kv_transfer_params
-
-
-def drain(engine: LLMEngine) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    while engine.has_unfinished_requests() or (engine.kv_connector is not None and engine.kv_connector.loads):
-        assert time.monotonic() < deadline
-        engine.step()
-
-
-def assert_idle(*engines: LLMEngine) -> None:
-    for e in engines:
-        drain(e)
-        e.poll_kv_transfer()
-        stats = e.get_stats()
-        assert stats["num_used_blocks"] == 0, stats
-        assert stats["num_kv_leases"] == 0 and stats["num_kv_reservations"] == 0, stats
-        e.scheduler.check_invariants()
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +41,7 @@ def reference() -> Iterator[LLMEngine]:
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[LLMEngine, LLMEngine]]:
-    producer, consumer = make_pair(request.param)
+    producer, consumer = make_pair(request.param, ENGINE)
     yield producer, consumer
     consumer.shutdown()
     producer.shutdown()
@@ -182,10 +98,7 @@ def test_decode_side_prefix_hits_are_not_pulled(clean: Any, reference: LLMEngine
     params = prefill(producer, rid("p"), {"prompt_token_ids": ids})
     out = run(consumer, rid("d"), {"prompt_token_ids": ids}, GREEDY, params)
     assert consumer.get_stats()["kv_blocks_pulled"] - pulled == 2
-    deadline = time.monotonic() + TIMEOUT
-    while producer.get_stats()["num_kv_leases"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for_no_leases(producer)
 
 
 def test_parallel_samples_fork_after_the_pull(clean: Any, reference: LLMEngine) -> None:
@@ -209,10 +122,7 @@ def test_abort_while_the_kv_is_arriving_frees_everything(clean: Any, reference: 
     assert aborted.outputs[0].finish_reason == "abort"
     # Its blocks stay reserved until the read ends, then are freed; the lease is released.
     assert_idle(consumer)
-    deadline = time.monotonic() + TIMEOUT
-    while producer.get_stats()["num_kv_leases"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for_no_leases(producer)
 
 
 def test_expired_lease_recomputes_or_fails(clean: Any, reference: LLMEngine) -> None:
@@ -266,10 +176,13 @@ def test_bad_kv_transfer_params_are_refused(clean: Any, reference: LLMEngine) ->
         LLMEngine(**ENGINE, kv_transfer_config={"role": "producer", "lease_seconds": 0})
     with pytest.raises(ConfigError):
         LLMEngine(**ENGINE, kv_transfer_config={"role": "producer", "leases": 3})
-    # Blocks the producer never held: the read is refused, the prompt is recomputed.
+    # Blocks the lease does not hold: refused at the claim (nothing read), the prompt is
+    # recomputed, and the lease, its token evidently in bad hands, ends.
     forged = {**params, "remote_block_ids": [10_000, 10_001, 10_002]}
     out = run(consumer, rid("d"), prompt, GREEDY, forged)
     assert out.outputs[0].token_ids == run(reference, rid("r"), prompt, GREEDY).outputs[0].token_ids
+    wait_for_no_leases(producer)
+    params = prefill(producer, rid("p"), prompt)
     # Another block size is refused before anything is held.
     consumer.kv_connector.config = dataclasses.replace(  # type: ignore[union-attr]
         consumer.kv_connector.config,  # type: ignore[union-attr]
@@ -283,14 +196,16 @@ def test_bad_kv_transfer_params_are_refused(clean: Any, reference: LLMEngine) ->
             consumer.kv_connector.config,  # type: ignore[union-attr]
             kv_load_failure_policy="recompute",
         )
-    # The real lease is still there and is released by a well-formed pull.
+    # The lease is still there and is released by a well-formed pull.
+    pulled = consumer.get_stats()["kv_blocks_pulled"]
+    consumer.reset_prefix_cache()
     out = run(consumer, rid("d"), prompt, GREEDY, params)
-    assert out.error is None
+    assert out.error is None and consumer.get_stats()["kv_blocks_pulled"] == pulled + 2
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_quantized_kv_and_a_dead_producer(transport: str, reference: LLMEngine) -> None:
-    producer, consumer = make_pair(transport, kv_cache_dtype="int8")
+    producer, consumer = make_pair(transport, {**ENGINE, "kv_cache_dtype": "int8"})
     quantized = LLMEngine(**ENGINE, kv_cache_dtype="int8")
     try:
         prompt = {"prompt_token_ids": prompt_ids(reference, 60)}

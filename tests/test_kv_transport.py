@@ -25,10 +25,10 @@ from pagedkv.distributed.kv_transport import (
     KVLayout,
     KVTransport,
     coalesce_runs,
-    make_transport,
     nixl_available,
     run_regions,
 )
+from pagedkv.distributed.transports import make_transport
 from pagedkv.errors import ConfigError, InvalidBlockError, KVTransferError, PagedKVError
 
 TIMEOUT = 20.0  # seconds; any single wait in this file
@@ -78,6 +78,9 @@ def _holder(kind: str, ports: list[int | None], specs: list[Spec], conn: Any) ->
     for port, spec in zip(ports, specs):
         t = new_transport(kind, port, rank=1)
         t.register_kv_cache(*make_cache(spec))
+        # A holder serves only granted blocks (an engine grants a claimed lease's): all of them
+        # to the reader here; the engine-level grant checks are in test_kv_transfer_security.py.
+        t.allow_reads("gloo-rank0" if kind == "gloo" else f"test-reader-{os.getppid()}", "all", range(spec.num_blocks))
         transports.append(t)
         conn.send(t.local_metadata())
     # Serve until the reader says stop or goes away (EOF when the pytest process ends: no orphan).

@@ -1,7 +1,9 @@
 """Moving KV blocks between engine processes (the data plane of disaggregated prefill/decode).
 
 - ``kv_transport`` — the :class:`KVTransport` interface, :class:`KVLayout` (what two engines
-  must agree on), block-run coalescing and id checks, and :func:`make_transport`.
+  must agree on), block-run coalescing and id checks, read grants.
+- ``transports`` — :func:`make_transport`: a transport by name (the only module that imports
+  the transports).
 - ``nixl_transport`` — :class:`NixlTransport`: one-sided RDMA-style reads through NVIDIA NIXL
   (UCX backend; host DRAM or GPU memory), the holder's CPU is not involved.
 - ``gloo_transport`` — :class:`GlooTransport`: the fallback without NIXL, ``torch.distributed``
@@ -12,6 +14,7 @@ Nothing here imports NIXL or starts a process group until a transport is constru
 
 from __future__ import annotations
 
-from pagedkv.distributed.kv_transport import KVLayout, KVTransport, TransferHandle, coalesce_runs, make_transport
+from pagedkv.distributed.kv_transport import KVLayout, KVTransport, TransferHandle, coalesce_runs
+from pagedkv.distributed.transports import make_transport
 
 __all__ = ["KVLayout", "KVTransport", "TransferHandle", "coalesce_runs", "make_transport"]

@@ -3,13 +3,26 @@
 It joins three parts: the Rust scheduler's leases and reservations
 (``Scheduler.kv_lease`` / ``reserve_kv``, see rust/scheduler/kv_transfer.rs), a
 :class:`~pagedkv.distributed.kv_transport.KVTransport` that moves the bytes (NIXL or gloo),
-and the control plane (:mod:`pagedkv.distributed.control`: handshake and lease release).
+and the control plane (:mod:`pagedkv.distributed.control`: handshake, lease claim and release,
+every message authenticated with the deployment's shared secret).
 
 **Producer** (``role`` producer/both). A request added with ``{"do_remote_decode": true}``
 holds its KV when it ends: :meth:`lease_params` turns the scheduler's lease into the
 ``kv_transfer_params`` of its output (engine id, control address, block ids, number of tokens,
-block size, KV dtype, prompt digest) and starts the lease clock. The lease ends when the reader
-releases it over the control plane, or after ``lease_seconds`` (:meth:`poll`).
+block size, KV dtype, prompt digest, and a fresh unguessable ``remote_lease_token``) and starts
+the lease clock. The lease ends when the reader releases it over the control plane, or after
+``lease_seconds`` (:meth:`poll`).
+
+**Leases are claimed, not named.** The params travel through a client, so a consumer trusts
+nothing in them but the token. Before reading, it *claims* the lease with the token; the
+producer binds the lease to the first consumer engine that claims it (another's claim is
+refused), grants that consumer's transport the lease's blocks (the gloo holder serves nothing
+else), and answers with the lease's own block ids, token count and the digest of the tokens
+whose KV the blocks hold. The consumer reads only if those equal the params' (forged block
+ids are refused, not read) and the vouched digest equals its own prompt's prefix (else the
+KV belongs to other tokens and would enter its prefix cache under the wrong ones); a refusal
+is a failed pull, handled by the policy (recompute: the prompt is computed here, nothing
+foreign enters the cache). An unknown or forged token is refused by the producer.
 
 **Consumer** (``role`` consumer/both). A request added with ``{"do_remote_prefill": true, ...}``
 is not given to the scheduler at once. :meth:`start_load` reserves blocks for the prompt's full
@@ -17,7 +30,7 @@ blocks (sharing what this engine already caches; only the rest is pulled) and ha
 to the connector's thread, which handshakes with the producer when it first meets it (the
 transport refuses another layout; the fingerprint must match), reads the blocks (coalesced
 runs), and releases the lease; a release that finds the lease gone means the blocks may have
-been reused mid-read, so the pull failed. Meanwhile the request is *waiting for remote KV*: not
+been reused mid-read, so the pull failed (a claim happens just before the read). Meanwhile the request is *waiting for remote KV*: not
 scheduled, its blocks outside the prefix cache. :meth:`take_finished_loads`, called by the
 engine before every step, commits the blocks that arrived (they enter the prefix cache, and the
 request added next hits them) or cancels the reservation; the engine then adds the request to
@@ -32,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 import uuid
@@ -40,8 +54,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pagedkv.distributed.control import ControlServer, control_call
-from pagedkv.distributed.kv_transport import KVTransport, TransferHandle, make_transport
-from pagedkv.distributed.transfer_config import KVTransferConfig, RemotePrefill, prompt_digest
+from pagedkv.distributed.kv_transport import KVTransport, TransferHandle
+from pagedkv.distributed.transfer_config import (
+    KVTransferConfig,
+    RemotePrefill,
+    derive_key,
+    prompt_digest,
+    tokens_digest,
+)
+from pagedkv.distributed.transports import make_transport
 from pagedkv.errors import ConfigError, InvalidArgumentError, KVTransferError, PagedKVError
 
 if TYPE_CHECKING:
@@ -56,11 +77,26 @@ _POLL_S = 0.0005  # the transfer thread's poll of reads in flight
 
 
 @dataclass
+class _Lease:
+    """A producer's lease as the control plane sees it: what it vouches for, and who claimed it."""
+
+    request_id: str
+    token: str
+    deadline: float  # monotonic
+    block_ids: list[int]
+    num_tokens: int
+    tokens_digest: str  # of the prompt's first num_tokens tokens
+    consumer: str | None = None  # the consumer engine that claimed it first
+    reader: str | None = None  # that consumer's transport name (granted the blocks)
+
+
+@dataclass
 class _Load:
     """One pull: ``remote_block_ids[num_hit_blocks:]`` of the producer into ``local_block_ids``."""
 
     request_id: str
     remote: RemotePrefill
+    prompt_token_ids: list[int]
     remote_block_ids: list[int]
     local_block_ids: list[int]
     started: float = field(default_factory=time.monotonic)
@@ -108,6 +144,8 @@ class KVConnector:
         self.fingerprint = _fingerprint_for_peers(runner)
         self._lock = lock
         self.wake = wake
+        secret = config.secret()  # ConfigError without one: before anything listens
+        self._control_key = derive_key(secret, "control")
         self.transport: KVTransport = make_transport(
             config.transport,  # type: ignore[arg-type]
             engine_id=self.engine_id,
@@ -115,6 +153,7 @@ class KVConnector:
             world_size=config.gloo_world_size,
             init_method=config.gloo_init_method,
             timeout=config.connect_timeout,
+            auth_key=derive_key(secret, "gloo pull requests"),
         )
         self.transport.register_kv_cache(runner.kv_cache, runner.kv_scale_cache)
         self._metadata = self.transport.local_metadata().decode()
@@ -127,15 +166,17 @@ class KVConnector:
             "kv_blocks_pulled": 0,
             "kv_transfer_seconds": 0.0,
         }
-        # Producer: request id -> monotonic deadline of its lease.
-        self.leases: dict[str, float] = {}
+        # Producer: request id -> its lease; lease token -> request id.
+        self.leases: dict[str, _Lease] = {}
+        self._lease_tokens: dict[str, str] = {}
         self.control: ControlServer | None = None
         if config.is_producer:
             try:
                 self.control = ControlServer(
                     config.control_host,
                     config.control_port,
-                    {"metadata": self._on_metadata, "release": self._on_release},
+                    {"metadata": self._on_metadata, "claim": self._on_claim, "release": self._on_release},
+                    self._control_key,
                 )
             except BaseException:
                 self.transport.close()  # e.g. the control port is taken: leave nothing running
@@ -169,34 +210,86 @@ class KVConnector:
         if lease is None or self.control is None:
             return None
         block_ids, num_tokens = lease
-        self.leases[request_id] = time.monotonic() + self.config.lease_seconds
+        num_tokens = min(num_tokens, len(prompt_token_ids))
+        token = secrets.token_urlsafe(32)  # 256 random bits: the lease's capability
+        self.leases[request_id] = _Lease(
+            request_id=request_id,
+            token=token,
+            deadline=time.monotonic() + self.config.lease_seconds,
+            block_ids=list(block_ids),
+            num_tokens=num_tokens,
+            tokens_digest=tokens_digest(prompt_token_ids[:num_tokens]),
+        )
+        self._lease_tokens[token] = request_id
         self.counters["kv_leases_granted"] += 1
         remote = RemotePrefill(
             remote_engine_id=self.engine_id,
             remote_address=self.control.address,
             remote_request_id=request_id,
             remote_block_ids=tuple(block_ids),
-            remote_num_tokens=min(num_tokens, len(prompt_token_ids)),
+            remote_num_tokens=num_tokens,
             remote_block_size=self.block_size,
             remote_kv_dtype=self.kv_dtype,
             prompt_digest=prompt_digest(prompt_token_ids),
+            remote_lease_token=token,
         )
         return remote.to_params()
 
+    def _end_lease(self, request_id: str) -> bool:
+        """Forgets the lease, revokes its read grant and frees its blocks; False if the
+        scheduler held no lease of that name."""
+        lease = self.leases.pop(request_id, None)
+        if lease is not None:
+            self._lease_tokens.pop(lease.token, None)
+        self.transport.revoke_reads(request_id)
+        return bool(self.scheduler.release_kv_lease(request_id))
+
     def drop_lease(self, request_id: str) -> None:
         """Ends ``request_id``'s lease now, if any (its request failed before reporting it)."""
-        self.leases.pop(request_id, None)
-        self.scheduler.release_kv_lease(request_id)
+        self._end_lease(request_id)
 
     def _on_metadata(self, request: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True, "metadata": self._metadata, "fingerprint": self.fingerprint, "engine_id": self.engine_id}
 
-    def _on_release(self, request: dict[str, Any]) -> dict[str, Any]:
-        request_id = request.get("request_id")
-        if not isinstance(request_id, str):
-            return {"ok": False, "error": "release needs a request_id (str)"}
+    def _claimed_lease(self, request: dict[str, Any]) -> _Lease | str:
+        """The lease ``request`` (a claim or release) names by token, claimed for the consumer
+        it names unless another one claimed it first; else why not. Under the engine lock."""
+        token, consumer, reader = (request.get(k) for k in ("token", "consumer", "reader"))
+        if not all(isinstance(v, str) and v for v in (token, consumer, reader)):
+            return "needs token, consumer and reader (non-empty str)"
+        request_id = self._lease_tokens.get(token)  # type: ignore[arg-type]
+        lease = None if request_id is None else self.leases.get(request_id)
+        if lease is None:
+            return "no lease has this token (forged, or the lease was released or expired)"
+        if lease.consumer is None:
+            lease.consumer, lease.reader = consumer, reader  # type: ignore[assignment]
+            self.transport.allow_reads(lease.reader, lease.request_id, lease.block_ids)  # type: ignore[arg-type]
+        elif (lease.consumer, lease.reader) != (consumer, reader):
+            logger.warning("KV lease of %r: claim by %r refused (claimed by %r)", request_id, consumer, lease.consumer)
+            return "the lease is claimed by another consumer"
+        return lease
+
+    def _on_claim(self, request: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
-            held = self.leases.pop(request_id, None) is not None and self.scheduler.release_kv_lease(request_id)
+            lease = self._claimed_lease(request)
+            if isinstance(lease, str):
+                return {"ok": False, "error": f"claim refused: {lease}"}
+            return {
+                "ok": True,
+                "request_id": lease.request_id,
+                "block_ids": lease.block_ids,
+                "num_tokens": lease.num_tokens,
+                "tokens_digest": lease.tokens_digest,
+            }
+
+    def _on_release(self, request: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            lease = self._claimed_lease(request)
+            if isinstance(lease, str):
+                if lease.startswith("no lease"):  # ended already: the reader must not trust its read
+                    return {"ok": True, "held": False}
+                return {"ok": False, "error": f"release refused: {lease}"}
+            held = self._end_lease(lease.request_id)
             if held:
                 self.counters["kv_leases_released"] += 1
         return {"ok": True, "held": held}
@@ -205,16 +298,15 @@ class KVConnector:
         """Seconds until the next lease expires (0 if one has), None when none is held."""
         if not self.leases:
             return None
-        return max(0.0, min(self.leases.values()) - time.monotonic())
+        return max(0.0, min(lease.deadline for lease in self.leases.values()) - time.monotonic())
 
     def poll(self) -> None:
         """Frees the blocks of expired leases (engine thread, under the engine lock)."""
         if not self.leases:
             return
         now = time.monotonic()
-        for request_id in [r for r, deadline in self.leases.items() if deadline <= now]:
-            del self.leases[request_id]
-            if self.scheduler.release_kv_lease(request_id):
+        for request_id in [r for r, lease in self.leases.items() if lease.deadline <= now]:
+            if self._end_lease(request_id):
                 self.counters["kv_leases_expired"] += 1
                 logger.info("KV lease of %r expired after %.1fs", request_id, self.config.lease_seconds)
 
@@ -245,12 +337,13 @@ class KVConnector:
             else:
                 self.scheduler.commit_kv(request_id)  # all cached here already (or nothing full)
             # Nothing to read: the producer's lease can end now rather than at its expiry.
-            self._jobs.put(_Load(request_id, remote, [], [], release_only=True))
+            self._jobs.put(_Load(request_id, remote, [], [], [], release_only=True))
             return False
         num_hits, fresh = reserved
         load = _Load(
             request_id=request_id,
             remote=remote,
+            prompt_token_ids=list(prompt_token_ids),
             remote_block_ids=list(remote.remote_block_ids[num_hits : num_hits + len(fresh)]),
             local_block_ids=list(fresh),
         )
@@ -308,7 +401,7 @@ class KVConnector:
         peer = self._peers.get(address)
         if peer is not None:
             return peer
-        reply = control_call(address, {"op": "metadata"}, self.config.handshake_timeout)
+        reply = self._call(address, {"op": "metadata"})
         if reply.get("fingerprint") != self.fingerprint:
             raise KVTransferError(
                 f"producer at {address} serves another model or KV format: {reply.get('fingerprint')} "
@@ -324,9 +417,37 @@ class KVConnector:
         self._peers[address] = peer
         return peer
 
+    def _call(self, address: str, request: dict[str, Any]) -> dict[str, Any]:
+        return control_call(address, request, self.config.handshake_timeout, self._control_key)
+
+    def _lease_request(self, op: str, load: _Load) -> dict[str, Any]:
+        return {
+            "op": op,
+            "token": load.remote.remote_lease_token,
+            "consumer": self.engine_id,
+            "reader": self.transport.engine_id,
+        }
+
+    def _claim(self, load: _Load) -> None:
+        """Claims the lease and checks what the producer vouches for against the params and
+        this prompt; KVTransferError (nothing read yet) when they differ."""
+        reply = self._call(load.remote.remote_address, self._lease_request("claim", load))
+        remote, prompt = load.remote, load.prompt_token_ids
+        if (
+            reply.get("block_ids") != list(remote.remote_block_ids)
+            or reply.get("num_tokens") != remote.remote_num_tokens
+        ):
+            raise KVTransferError(
+                "kv_transfer_params name blocks or a length that the producer's lease does not hold (forged params?)"
+            )
+        num_tokens = remote.remote_num_tokens
+        if num_tokens > len(prompt) or reply.get("tokens_digest") != tokens_digest(prompt[:num_tokens]):
+            raise KVTransferError("the producer's lease holds the KV of other tokens than this prompt's")
+
     def _start_read(self, load: _Load) -> None:
         try:
             peer = self._ensure_peer(load.remote.remote_address)
+            self._claim(load)
             load.handle = self.transport.read_blocks(peer, load.remote_block_ids, load.local_block_ids)
         except PagedKVError as e:  # KVTransferError, InvalidBlockError (blocks it never had)...
             self._peers.pop(load.remote.remote_address, None)
@@ -336,11 +457,7 @@ class KVConnector:
         """Ends the producer's lease; a lease that had already ended fails the load (its blocks
         may have been reused while they were read)."""
         try:
-            reply = control_call(
-                load.remote.remote_address,
-                {"op": "release", "request_id": load.remote.remote_request_id},
-                self.config.handshake_timeout,
-            )
+            reply = self._call(load.remote.remote_address, self._lease_request("release", load))
             if load.error is None and not reply.get("held"):
                 load.error = "the producer's lease had ended before the read completed (blocks may have been reused)"
         except KVTransferError as e:

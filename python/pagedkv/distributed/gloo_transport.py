@@ -5,13 +5,21 @@ Gloo has no one-sided reads, so a pull needs the holder's cooperation. The proto
 1. Every engine is one rank of a private gloo process group (``ProcessGroupGloo`` on a
    ``TCPStore`` at ``init_method``; rank 0 hosts the store, so rank 0 should be the engine
    that lives longest, e.g. the decode engine). The default process group is not touched.
+   Rank 0's store listens on the ``init_method`` host only (torch's own would listen on every
+   interface), and each rank's gloo pairs listen on its address towards that host (loopback
+   for a loopback ``init_method``), not on whatever the machine's hostname resolves to.
 2. Reader: ``read_blocks`` posts ``irecv(buffer, src=holder, tag=seq)`` first, then writes the
-   request ``{"runs": [[remote_start, length], ...]}`` to the store key
+   request ``{"runs": "[[remote_start, length], ...]", "mac": ...}`` to the store key
    ``req/<holder>/<reader>/<seq>`` (``seq`` counts this reader's requests to this holder; the
-   tag makes each reply match exactly its request, whatever the order).
-3. Holder: a daemon serving thread polls the store for each peer's next ``seq`` key, gathers
-   the runs (``kv_cache[:, :, ids]``, then the scales) into one contiguous byte buffer and
-   ``send``s it with ``tag=seq``. A request it refuses gets an ``err/<reader>/<seq>`` key.
+   tag makes each reply match exactly its request, whatever the order). With an ``auth_key``
+   the request is signed (HMAC over holder, reader, seq and runs): the store has no
+   authentication, and whoever reaches it could otherwise slip in requests under a reader's
+   name (and so steer which blocks land in that reader's cache).
+3. Holder: a daemon serving thread polls the store for each peer's next ``seq`` key, checks
+   the signature and that every block is granted to that reader (``allow_reads``: the blocks
+   of a lease it claimed), gathers the runs (``kv_cache[:, :, ids]``, then the scales) into
+   one contiguous byte buffer and ``send``s it with ``tag=seq``. A request it refuses gets an
+   ``err/<reader>/<seq>`` key, and nothing is sent.
 4. Reader: a per-transfer thread waits for the receive and scatters the bytes into the local
    blocks (``index_copy_``); ``done``/``wait`` look at its outcome. (A failed gloo receive never
    reports ``is_completed()``, only ``wait()`` raises, hence a thread.) A peer that dies closes
@@ -24,7 +32,10 @@ Everything travels as bytes (``uint8`` views), so int8 / fp8 caches need no gloo
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import json
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -54,21 +65,71 @@ def _run_ids(runs: Sequence[Sequence[int]]) -> torch.Tensor:
     return torch.cat([torch.arange(s, s + n, dtype=torch.long) for s, n in runs])
 
 
+def _rank_name(rank: int) -> str:
+    """A rank's ``engine_id`` (its name in metadata and in read grants)."""
+    return f"gloo-rank{rank}"
+
+
+def _request_mac(key: bytes, holder: int, reader: int, seq: int, runs: str) -> str:
+    return hmac.new(key, f"{holder}/{reader}/{seq}/{runs}".encode(), hashlib.sha256).hexdigest()
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """The store's listening socket, bound to ``host`` only (handed to TCPStore)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ConfigError(f"gloo KV transport: cannot resolve {host}:{port}: {e}") from e
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"gloo KV transport: cannot listen on {host}:{port}: {e}") from e
+    return sock
+
+
+def _local_address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to ``host`` (no packet is sent): where this rank's
+    gloo pairs listen, reachable by the other ranks without listening everywhere."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return str(probe.getsockname()[0])
+    except OSError as e:
+        raise ConfigError(f"gloo KV transport: no route to {host}:{port}: {e}") from e
+
+
 class GlooTransport(KVTransport):
     kind = "gloo"
+    enforces_read_grants = True
 
-    def __init__(self, rank: int, world_size: int, init_method: str, timeout: float = 30.0) -> None:
+    def __init__(
+        self, rank: int, world_size: int, init_method: str, timeout: float = 30.0, auth_key: bytes | None = None
+    ) -> None:
         url = urlparse(init_method)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ConfigError(f"gloo KV transport init_method must be tcp://host:port, got {init_method!r}")
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank {rank} out of range for world_size {world_size}")
         self.rank, self.world_size = rank, world_size
-        self.engine_id = f"gloo-rank{rank}"
+        self.engine_id = _rank_name(rank)
+        self._auth_key = auth_key
         td = datetime.timedelta(seconds=timeout)
+        host, port = url.hostname, url.port
+        # Rank 0 listens on the configured host only: its own socket, handed to the store.
+        listen_fd = _listening_socket(host, port).detach() if rank == 0 else None
         # Blocks until all ranks have connected (or raises after `timeout`).
-        self._store: Any = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=td)
-        self._pg: Any = dist.ProcessGroupGloo(dist.PrefixStore("pagedkv-kv-pg/", self._store), rank, world_size, td)
+        self._store: Any = dist.TCPStore(host, port, world_size, rank == 0, td, master_listen_fd=listen_fd)
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        options._timeout = td
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address_towards(host, port))]
+        self._pg: Any = dist.ProcessGroupGloo(
+            dist.PrefixStore("pagedkv-kv-pg/", self._store), rank, world_size, options
+        )
         self._kv: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None
         self._peers: dict[str, tuple[int, KVLayout]] = {}
@@ -111,23 +172,39 @@ class GlooTransport(KVTransport):
                 try:
                     if not self._store.check([key]):
                         continue
-                    request = json.loads(self._store.get(key))
+                    raw = self._store.get(key)
                     self._store.delete_key(key)
                 except Exception:  # the store (rank 0) is gone: nobody can ask us anything
                     return
                 served[reader] = seq + 1
                 busy = True
-                self._answer(reader, seq, request)
+                self._answer(reader, seq, raw)
             if not busy:
                 time.sleep(_POLL_S)
 
-    def _answer(self, reader: int, seq: int, request: dict[str, Any]) -> None:
+    def _checked_runs(self, reader: int, seq: int, request: Any) -> list[tuple[int, int]]:
+        """The runs of a pull request, after its signature, range and grant checks."""
+        layout = self._require_layout()
+        text = request.get("runs") if isinstance(request, dict) else None
+        if not isinstance(text, str):
+            raise ValueError("malformed request")
+        if self._auth_key is not None:
+            mac = request.get("mac")
+            expected = _request_mac(self._auth_key, self.rank, reader, seq, text)
+            if not isinstance(mac, str) or not hmac.compare_digest(mac, expected):
+                raise ValueError("the request is not signed with this deployment's key")
+        runs = [(int(s), int(n)) for s, n in json.loads(text)]
+        if any(s < 0 or n <= 0 or s + n > layout.num_blocks for s, n in runs):
+            raise ValueError(f"block run out of range [0, {layout.num_blocks})")
+        if not self.reads_allowed(_rank_name(reader), [b for s, n in runs for b in range(s, s + n)]):
+            raise ValueError("blocks outside what this reader was granted (a lease it claimed)")
+        return runs
+
+    def _answer(self, reader: int, seq: int, raw: bytes) -> None:
         layout, kv = self._layout, self._kv
         assert layout is not None and kv is not None
         try:
-            runs = [(int(s), int(n)) for s, n in request["runs"]]
-            if any(s < 0 or n <= 0 or s + n > layout.num_blocks for s, n in runs):
-                raise ValueError(f"block run out of range [0, {layout.num_blocks})")
+            runs = self._checked_runs(reader, seq, json.loads(raw))
             ids = _run_ids(runs).to(kv.device)
             parts = [kv.index_select(2, ids).reshape(-1).view(torch.uint8)]
             if self._scale is not None:
@@ -161,7 +238,11 @@ class GlooTransport(KVTransport):
             self._next_seq[holder] = seq + 1
         try:
             work = self._pg.recv([buf], holder, seq)  # posted before the request: no lost reply
-            self._store.set(f"req/{holder}/{self.rank}/{seq}", json.dumps({"runs": [[r, k] for r, _, k in runs]}))
+            text = json.dumps([[r, k] for r, _, k in runs])
+            request = {"runs": text}
+            if self._auth_key is not None:
+                request["mac"] = _request_mac(self._auth_key, holder, self.rank, seq, text)
+            self._store.set(f"req/{holder}/{self.rank}/{seq}", json.dumps(request))
         except Exception as e:
             raise KVTransferError(f"gloo read from {peer!r} could not start: {e}") from e
         local_ids = torch.tensor(list(local_block_ids), dtype=torch.long)

@@ -12,16 +12,25 @@ Invariants the caller (the scheduler side of disaggregation) guarantees:
   until ``wait()`` returns (or ``done()`` returns True) on the reader;
 - the local target blocks are neither read nor written by anyone else until then;
 - after a :class:`~pagedkv.errors.KVTransferError` the local target blocks hold undefined data.
+
+Read grants (holder side): :meth:`KVTransport.allow_reads` names the blocks a reader may read
+(the connector grants a lease's blocks to the consumer that claimed it, and revokes them when
+the lease ends). A transport whose holder takes part in each read (gloo) serves nothing else;
+a one-sided one (NIXL) cannot check a read, so there the protection is who gets the metadata.
+
+The transports themselves are built by :func:`pagedkv.distributed.transports.make_transport`
+(they import this module; this module imports neither).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -37,7 +46,6 @@ __all__ = [
     "encode_metadata",
     "decode_metadata",
     "nixl_available",
-    "make_transport",
 ]
 
 METADATA_VERSION = 1
@@ -215,14 +223,46 @@ class KVTransport(ABC):
     """
 
     kind: str = ""
+    # This engine's name in its metadata: what a holder calls it in ``allow_reads``.
+    engine_id: str = ""
+    # Whether the holder checks each read against the grants (False: one-sided reads).
+    enforces_read_grants: bool = False
     # This engine's cache layout, set once by register_kv_cache.
     _layout: KVLayout | None = None
+    # Holder side: grant name -> (reader engine id, block ids it may read).
+    _grants: dict[str, tuple[str, frozenset[int]]]
+    _grants_lock: threading.Lock
+
+    def allow_reads(self, reader: str, grant: str, block_ids: Sequence[int]) -> None:
+        """Lets peer ``reader`` (its ``engine_id``) read ``block_ids`` of this engine's cache
+        until ``revoke_reads(grant)``. Reads of anything not granted to the reader are refused
+        where the transport can check them (``enforces_read_grants``)."""
+        self._require_layout()
+        with self._grants_lock:
+            self._grants[grant] = (reader, frozenset(int(b) for b in block_ids))
+
+    def revoke_reads(self, grant: str) -> None:
+        """Ends a grant of :meth:`allow_reads` (unknown names are ignored)."""
+        self._require_layout()
+        with self._grants_lock:
+            self._grants.pop(grant, None)
+
+    def reads_allowed(self, reader: str, block_ids: Sequence[int]) -> bool:
+        """Whether every one of ``block_ids`` is granted to ``reader`` by some grant."""
+        self._require_layout()
+        with self._grants_lock:
+            granted: set[int] = set()
+            for who, blocks in self._grants.values():
+                if who == reader:
+                    granted |= blocks
+        return all(b in granted for b in block_ids)
 
     def register_kv_cache(self, kv_cache: torch.Tensor, kv_scale_cache: torch.Tensor | None) -> None:
         """Makes this engine's cache readable by peers and writable by reads. Call once."""
         if self._layout is not None:
             raise InvalidArgumentError("a KV cache is already registered with this transport")
-        # Set before the transport's registration, which may start a thread that reads it.
+        # Set before the transport's registration, which may start a thread that reads them.
+        self._grants, self._grants_lock = {}, threading.Lock()
         self._layout = KVLayout.from_tensors(kv_cache, kv_scale_cache)
         try:
             self._register(kv_cache, kv_scale_cache)
@@ -273,30 +313,3 @@ class KVTransport(ABC):
 def nixl_available() -> bool:
     """Whether a NIXL wheel is importable (``nixl`` meta package or ``nixl_cu13``/``nixl_cu12``)."""
     return any(importlib.util.find_spec(m) is not None for m in ("nixl", "nixl_cu13", "nixl_cu12"))
-
-
-def make_transport(
-    kind: Literal["nixl", "gloo", "auto"] = "auto",
-    *,
-    engine_id: str | None = None,
-    rank: int | None = None,
-    world_size: int | None = None,
-    init_method: str | None = None,
-    timeout: float = 30.0,
-) -> KVTransport:
-    """``nixl``: NixlTransport(engine_id). ``gloo``: GlooTransport(rank, world_size, init_method,
-    timeout), all three required. ``auto``: NIXL when importable, else gloo. Both ends of a pair
-    must pick the same kind (``add_peer`` refuses a mismatch)."""
-    if kind == "auto":
-        kind = "nixl" if nixl_available() else "gloo"
-    if kind == "nixl":
-        from pagedkv.distributed.nixl_transport import NixlTransport
-
-        return NixlTransport(engine_id=engine_id)
-    if kind == "gloo":
-        if rank is None or world_size is None or init_method is None:
-            raise ConfigError("the gloo KV transport needs rank, world_size and init_method (tcp://host:port)")
-        from pagedkv.distributed.gloo_transport import GlooTransport
-
-        return GlooTransport(rank=rank, world_size=world_size, init_method=init_method, timeout=timeout)
-    raise ConfigError(f"unknown KV transport {kind!r} (expected 'nixl', 'gloo' or 'auto')")

@@ -11,6 +11,13 @@ InfiniBand it picks, by itself, CMA (``process_vm_readv``, zero-copy) for the re
 TCP over ``lo`` for its control messages (seen with ``UCX_PROTO_INFO=y``). Set ``UCX_TLS`` /
 ``UCX_NET_DEVICES`` in the environment to pin transports on other machines.
 
+Security: a read is one-sided, so the holder cannot check it (``allow_reads`` grants are kept
+but not enforced). Whoever has an agent's metadata (its UCX worker address and the registered
+regions' remote keys) can read the whole registered cache; the connector hands it out only
+over the authenticated control plane, and its consumer reads only the blocks a producer
+vouched for. UCX's own listening sockets follow UCX's configuration (``UCX_NET_DEVICES``,
+``UCX_TLS``), not the control host: firewall them like the engines' other ports.
+
 Install: ``pip install 'pagedkv[nixl]'`` (= ``nixl-cu13==1.5.1``, Linux). That wheel provides the
 module ``nixl_cu13``; the ``nixl`` meta package is only an ``import nixl`` shim over it (and pins
 the cu12 and cu13 wheels both), so it is not needed; it is used when present.

@@ -8,14 +8,21 @@ Per request (vLLM's pull flow, the same key names):
   engine to read. The request's output carries the :class:`RemotePrefill` fields to forward.
 - ``{"do_remote_prefill": true, "remote_engine_id": ..., ...}`` on a **consumer**: the prompt's
   KV is on that engine: reserve blocks, pull the ones not cached here, then decode.
+
+The params come from a client, so they are a *claim*, never trusted for what they name: the
+consumer pulls only after the producer, asked over the authenticated control plane with the
+lease's unguessable ``remote_lease_token``, vouched for the blocks and the prompt tokens (see
+``pagedkv.distributed.connector``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +31,19 @@ import numpy as np
 
 from pagedkv.errors import ConfigError, InvalidArgumentError
 
-__all__ = ["KVTransferConfig", "RemotePrefill", "parse_kv_transfer_params", "prompt_digest"]
+__all__ = [
+    "SECRET_ENV",
+    "KVTransferConfig",
+    "RemotePrefill",
+    "parse_kv_transfer_params",
+    "prompt_digest",
+    "tokens_digest",
+]
+
+# Where an engine finds the deployment's shared secret when kv_transfer_config has no
+# ``auth_secret`` (the environment is not shown by ``ps``, a command line is).
+SECRET_ENV = "PAGEDKV_KV_TRANSFER_SECRET"
+MIN_SECRET_BYTES = 16
 
 ROLES = ("producer", "consumer", "both")
 TRANSPORTS = ("nixl", "gloo", "auto")
@@ -54,7 +73,13 @@ class KVTransferConfig:
     - ``handshake_timeout``, ``transfer_timeout``: seconds (> 0) for a control call and for
       one pull; ``connect_timeout``: for a gloo group to form at start (both engines loading).
     - ``gloo_rank``, ``gloo_world_size``, ``gloo_init_method`` (``tcp://host:port``): this
-      engine's place in the private gloo group (rank 0 hosts the store).
+      engine's place in the private gloo group (rank 0 hosts the store, bound to that host only).
+    - ``auth_secret``: the secret every engine of the deployment shares (at least 16 bytes);
+      every control message is authenticated with it (HMAC, per-call nonces), and gloo pull
+      requests are signed with it. Default: the ``PAGEDKV_KV_TRANSFER_SECRET`` environment
+      variable (preferred: a command line is visible in ``ps``). There is no unauthenticated
+      mode: an engine with neither refuses to start (``ConfigError``). ``pagedkv serve
+      --disagg`` generates one per deployment.
     """
 
     role: str = "both"
@@ -71,6 +96,7 @@ class KVTransferConfig:
     gloo_rank: int | None = None
     gloo_world_size: int | None = None
     gloo_init_method: str | None = None
+    auth_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -95,6 +121,26 @@ class KVTransferConfig:
         object.__setattr__(self, "peers", tuple(self.peers))
         if self.engine_id is not None and (not isinstance(self.engine_id, str) or not self.engine_id):
             raise ConfigError(f"kv_transfer_config.engine_id must be a non-empty str, got {self.engine_id!r}")
+        if self.auth_secret is not None:
+            _check_secret(self.auth_secret, "kv_transfer_config.auth_secret")
+
+    def secret(self) -> bytes:
+        """The deployment's shared secret: ``auth_secret``, else ``$PAGEDKV_KV_TRANSFER_SECRET``.
+        ConfigError when neither is set (checked when the engine's connector starts, not when
+        the config is parsed, so a launcher can validate configs that get their secret from
+        the environment of the process it starts)."""
+        if self.auth_secret is not None:
+            return self.auth_secret.encode()
+        value = os.environ.get(SECRET_ENV)
+        if value is None:
+            raise ConfigError(
+                "KV transfer needs a secret shared by the engines of the deployment: set "
+                f"${SECRET_ENV} (or kv_transfer_config.auth_secret) to the same random string of "
+                f"at least {MIN_SECRET_BYTES} bytes on every engine, e.g. from "
+                "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+            )
+        _check_secret(value, f"${SECRET_ENV}")
+        return value.encode()
 
     @property
     def is_producer(self) -> bool:
@@ -123,11 +169,28 @@ class KVTransferConfig:
         return cls(**dict(value))
 
 
+def _check_secret(value: object, name: str) -> None:
+    if not isinstance(value, str) or len(value.encode()) < MIN_SECRET_BYTES:
+        raise ConfigError(f"{name} must be a str of at least {MIN_SECRET_BYTES} bytes")
+
+
+def derive_key(secret: bytes, purpose: str) -> bytes:
+    """A key for one use of the shared secret (the control plane, gloo pull requests), so that
+    a MAC made for one can never pass as the other's."""
+    return hmac.new(secret, f"pagedkv kv-transfer {purpose} v1".encode(), hashlib.sha256).digest()
+
+
+def tokens_digest(token_ids: Sequence[int]) -> str:
+    """sha256 of token ids (int64 bytes): what a producer vouches for when a consumer claims a
+    lease (in an authenticated reply), and what the consumer compares with its own prompt."""
+    return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()
+
+
 def prompt_digest(token_ids: Sequence[int]) -> str:
-    """A short digest of prompt token ids: a consumer checks that the KV it is about to pull
-    belongs to the prompt it was given (a proxy that rewrote the prompt would otherwise get
-    another text's KV)."""
-    return hashlib.sha256(np.asarray(token_ids, dtype=np.int64).tobytes()).hexdigest()[:32]
+    """A short digest of prompt token ids, carried in the params: a consumer refuses at once
+    params of another prompt (a proxy that rewrote the prompt). Anyone can compute it, so it
+    protects nothing against a hostile client: the producer's vouched ``tokens_digest`` does."""
+    return tokens_digest(token_ids)[:32]
 
 
 @dataclass(frozen=True)
@@ -136,7 +199,11 @@ class RemotePrefill:
 
     ``remote_block_ids`` hold the KV of the first ``remote_num_tokens`` prompt tokens (the
     leading ``remote_num_tokens // remote_block_size`` blocks are full); the producer holds
-    them under the lease of ``remote_request_id`` at control address ``remote_address``."""
+    them under the lease of ``remote_request_id`` at control address ``remote_address``.
+    ``remote_lease_token`` (pagedkv's key; the rest are vLLM's) is the lease's unguessable
+    capability: whoever presents it first (a consumer engine) may claim the lease. The ids,
+    counts and digest are informative only; the consumer uses what the producer vouches for.
+    """
 
     remote_engine_id: str
     remote_address: str
@@ -146,6 +213,7 @@ class RemotePrefill:
     remote_block_size: int
     remote_kv_dtype: str
     prompt_digest: str
+    remote_lease_token: str = field(repr=False)
 
     def to_params(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -214,6 +282,7 @@ def parse_kv_transfer_params(params: Any) -> bool | RemotePrefill | None:
         remote_block_size=count("remote_block_size", 1),
         remote_kv_dtype=text("remote_kv_dtype"),
         prompt_digest=text("prompt_digest"),
+        remote_lease_token=text("remote_lease_token"),
     )
     needed = -(-remote.remote_num_tokens // remote.remote_block_size)
     if len(remote.remote_block_ids) < needed:

@@ -17,12 +17,14 @@ and nothing else.
 from __future__ import annotations
 
 import json
+import secrets
 import signal
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pagedkv.distributed.transfer_config import SECRET_ENV
 from pagedkv.errors import ConfigError
 from pagedkv.server.launch import ServerProcess, free_port
 
@@ -142,10 +144,13 @@ def start_disagg(
     ``port`` None: a free one. On any failure (or Ctrl-C) what was started is stopped."""
     prefill_config, decode_config = kv_transfer_configs(kv_transport, kv_transfer_config)
     model_args = [model] if model else []
+    # The engines authenticate each other's KV-transfer messages with a secret of this
+    # deployment's own, passed in their environment (a command line is visible in `ps`).
+    engine_env = {**(env or {}), SECRET_ENV: secrets.token_urlsafe(32)}
 
     def engine(config: dict[str, Any]) -> ServerProcess:
         args = [*model_args, *engine_flags, "--kv-transfer-config", json.dumps(config)]
-        return ServerProcess(args, env=env, start_timeout=start_timeout, keep_log=keep_logs)
+        return ServerProcess(args, env=engine_env, start_timeout=start_timeout, keep_log=keep_logs)
 
     prefill, decode = engine(prefill_config), engine(decode_config)
     router_args = ["--prefill", prefill.url, "--decode", decode.url, *router_flags]
