@@ -126,5 +126,5 @@ def test_router_args_are_checked() -> None:
         RouterArgs(replicas=["localhost:8000"])
     with pytest.raises(ConfigError, match="policy"):
         RouterArgs(replicas=["http://127.0.0.1:1"], policy="random")
-    with pytest.raises(ConfigError, match="did not answer"):
-        create_router_app(RouterArgs(replicas=[f"http://127.0.0.1:{free_port()}"]))
+    with pytest.raises(ConfigError, match="no engine came up within 0.2 s: .* did not answer /health"):
+        create_router_app(RouterArgs(replicas=[f"http://127.0.0.1:{free_port()}"], startup_timeout=0.2))

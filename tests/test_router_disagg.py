@@ -421,13 +421,27 @@ def test_decode_engines_by_load_then_in_turn_and_other_routes(tokenizer: Any) ->
             for _ in range(3):
                 assert (await http.post(COMPLETIONS, json={"prompt": "x"})).headers["x-pagedkv-replica"] == d1.url
             d0.in_flight = 0
-            # Other routes: the decode engines answer /v1/models; /health needs every engine.
+            # Other routes: the decode engines answer /v1/models.
             assert (await http.get("/v1/models")).json()["data"][0]["id"] == "decode0"
-            assert (await http.get("/health")).status_code == 200
-            assert {h for h, p, _ in engines.calls if p == "/health"} == {"prefill0", "decode0", "decode1"}
-            engines.healthy = False
             r = await http.get("/health")
-            assert r.status_code == 503 and "decode0" in r.json()["error"]["message"]
+            assert r.status_code == 200 and r.json()["status"] == "ok"
+            assert [(e["role"], e["url"]) for e in r.json()["engines"]] == [
+                ("prefill", "http://prefill0:8000"),
+                ("decode", d0.url),
+                ("decode", d1.url),
+            ]
+            # A decode engine that is down is routed around; the router is degraded, not down.
+            d0.mark_down("stand-in failure")
+            for _ in range(3):
+                assert (await http.post(COMPLETIONS, json={"prompt": "x"})).headers["x-pagedkv-replica"] == d1.url
+            assert (await http.get("/v1/models")).json()["data"][0]["id"] == "decode1"
+            r = await http.get("/health")
+            assert r.status_code == 200 and r.json()["status"] == "degraded"
+            assert r.json()["engines"][1]["error"] == "stand-in failure"
+            d1.mark_down("stand-in failure")  # no decode engine: nothing can be answered
+            r = await http.get("/health")
+            assert r.status_code == 503 and r.json()["status"] == "unavailable"
+            assert "decode0" in r.json()["error"]["message"]
             assert (await http.post(COMPLETIONS, content=b"[1]")).status_code == 400
 
     run(go())

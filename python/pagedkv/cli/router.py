@@ -12,14 +12,16 @@ prompt's KV from it (``pagedkv serve --disagg`` starts such a pair with this rou
 
 pagedkv router --prefill http://127.0.0.1:8001 --decode http://127.0.0.1:8002 --port 8000
 
-The engines must be up: the router asks each for its block size and event endpoints
-(``/kv_cache_info``) when it starts.
+The router may start before its engines: it waits (``--startup-timeout``) for a first one to
+come up, and adds the others as they do. ``--api-key`` is what the router's clients must send;
+``--engine-api-key`` what the router sends to the engines.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pagedkv.errors import PagedKVError
@@ -52,7 +54,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="sent to the engines when a client sends no Authorization")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("PAGEDKV_ROUTER_API_KEY"),
+        help="the key this router's clients must send (Authorization: Bearer KEY); default "
+        "$PAGEDKV_ROUTER_API_KEY; without one, whoever reaches the router's port uses the engines",
+    )
+    p.add_argument(
+        "--engine-api-key",
+        default=os.environ.get("PAGEDKV_ENGINE_API_KEY"),
+        help="the key the router sends to the engines (their --api-key); default $PAGEDKV_ENGINE_API_KEY. "
+        "A client's Authorization is never passed on",
+    )
+    p.add_argument("--health-interval", type=float, default=2.0, help="seconds between health checks of the engines")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait at start for a first engine to come up (the others join as they do)",
+    )
+    p.add_argument(
+        "--max-tokenize-bytes",
+        type=int,
+        default=1 << 20,
+        help="bodies larger than this are routed by load without being tokenized",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds before running streams end with an error event and [DONE]",
+    )
     p.add_argument(
         "--prefill-timeout",
         type=float,
@@ -67,9 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        import uvicorn
-
-        from pagedkv.router.app import RouterArgs, create_router_app
+        from pagedkv.router.app import RouterArgs, create_router_app, serve_router
     except ImportError as exc:
         print(f"pagedkv router needs the serve extra: pip install 'pagedkv[serve]' ({exc})", file=sys.stderr)
         return 2
@@ -82,12 +112,17 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             policy=args.policy,
             api_key=args.api_key,
+            engine_api_key=args.engine_api_key,
             prefill_timeout=args.prefill_timeout,
             trust_remote_code=args.trust_remote_code,
+            health_interval=args.health_interval,
+            startup_timeout=args.startup_timeout,
+            max_tokenize_bytes=args.max_tokenize_bytes,
+            shutdown_timeout=args.shutdown_timeout,
         )
         app = create_router_app(router_args)
     except PagedKVError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    serve_router(app, args.host, args.port, args.log_level)
     return 0

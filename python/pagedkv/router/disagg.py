@@ -24,7 +24,9 @@ Outcomes of the prefill:
 * No answer (``unreachable``), ``timeout`` (``RouterArgs.prefill_timeout``), 5xx or another
   status (``server_error``), a body that is not JSON (``bad_answer``): the original request is
   decoded without KV (``x-pagedkv-disagg-fallback`` names the reason). A prefill engine that is
-  down slows requests; it does not fail them.
+  down slows requests; it does not fail them. A prefill engine that refuses the connection is
+  marked down (routed around until it passes a health check) and the next one is tried; a
+  decode engine likewise (``pagedkv.router.forward.first_reachable``).
 
 Straight to a decode engine, without a prefill: a completion with several prompts (one
 ``kv_transfer_params`` per request cannot carry several prompts' blocks), and a body that
@@ -42,18 +44,17 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 from fastapi import Request
-from prometheus_client import CollectorRegistry, Counter, Histogram
 from starlette.responses import Response
 
-from pagedkv.router.forward import CLIENT_GONE, relay, upstream_headers
+from pagedkv.router.forward import CLIENT_GONE, EnginesUnreachable, first_reachable, relay, upstream_headers
+from pagedkv.router.metrics import DisaggMetrics
+from pagedkv.router.replica import Replica
+from pagedkv.router.state import Prompt, Router
 from pagedkv.server.serving import cancel_on_disconnect
-
-if TYPE_CHECKING:
-    from pagedkv.router.app import Replica, Router
 
 __all__ = [
     "KV_TRANSFER_PARAMS",
@@ -73,9 +74,6 @@ _CHAT_PATH = "/v1/chat/completions"
 # where the client's request is fine: best_of must equal n, which becomes 1; stop and
 # stream_options only concern generated text and streams.
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "echo", "stop", "best_of")
-
-# Prefill durations: a few ms (short prompt, a GPU) to minutes (long prompt, a CPU).
-_PREFILL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 def prefill_body(path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -109,37 +107,6 @@ def direct_reason(path: str, body: dict[str, Any]) -> str | None:
     return None
 
 
-class DisaggMetrics:
-    """The disaggregated mode's metrics, in the router's registry."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
-        self.requests = Counter(
-            "pagedkv_router:disagg_requests",
-            "Requests sent to a prefill engine before their decode engine.",
-            registry=r,
-        )
-        self.fallbacks = Counter(
-            "pagedkv_router:disagg_fallbacks",
-            "Prefilled requests decoded without the prefill's KV, by reason: unreachable, timeout, "
-            "server_error, bad_answer (the prefill engine failed), no_kv (it answered but holds no KV).",
-            ["reason"],
-            registry=r,
-        )
-        self.direct = Counter(
-            "pagedkv_router:disagg_direct_requests",
-            "Requests sent straight to a decode engine, by reason: multi_prompt, has_kv_params.",
-            ["reason"],
-            registry=r,
-        )
-        self.prefill_seconds = Histogram(
-            "pagedkv_router:prefill_seconds",
-            "Seconds from sending a prefill to its engine's 200 answer.",
-            buckets=_PREFILL_BUCKETS,
-            registry=r,
-        )
-
-
 @dataclass
 class _Prefill:
     """What a prefill came to. Exactly one of: ``answer`` set (a client error, the client's
@@ -151,32 +118,39 @@ class _Prefill:
     engine: str | None = None  # the prefill engine's URL when it answered 200
 
 
-async def _prefill(
-    router: Router, metrics: DisaggMetrics, request: Request, replica: Replica, path: str, body: dict[str, Any]
-) -> _Prefill:
+async def _prefill(router: Router, metrics: DisaggMetrics, prompt: Prompt, path: str, body: dict[str, Any]) -> _Prefill:
     args = router.args
     timeout = args.prefill_timeout if args.prefill_timeout is not None else args.timeout
     content = json.dumps(prefill_body(path, body)).encode()
-    router.metrics.requests.labels(replica.url).inc()
-    replica.in_flight += 1
     start = time.perf_counter()
+
+    async def post(engine: Replica) -> httpx.Response:
+        router.metrics.requests.labels(engine.url).inc()
+        engine.in_flight += 1
+        try:
+            # Not streamed: the answer is one small JSON object. Cancelling this (client gone)
+            # closes the connection, which aborts the request on the engine.
+            return await router.client.post(
+                engine.url + path,
+                content=content,
+                headers=upstream_headers(args),
+                timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
+            )
+        finally:
+            engine.in_flight -= 1
+
     try:
-        # Not streamed: the answer is one small JSON object. Cancelling this (client gone)
-        # closes the connection, which aborts the request on the engine.
-        answer = await router.client.post(
-            replica.url + path,
-            content=content,
-            headers=upstream_headers(request, args),
-            timeout=httpx.Timeout(timeout, connect=min(timeout, 10.0)),
-        )
+        # A prefill engine that refuses connections is marked down and the next one tried.
+        replica, answer = await first_reachable(router, lambda tried: router.choose_for(prompt, tried), post)
+    except EnginesUnreachable as exc:
+        logger.warning("%s: decoding without a prefill's KV", exc)
+        return _Prefill(fallback="unreachable")
     except httpx.TimeoutException as exc:
-        logger.warning("prefill engine %s timed out (%s): decoding without its KV", replica.url, exc)
+        logger.warning("a prefill engine timed out (%s): decoding without its KV", exc)
         return _Prefill(fallback="timeout")
     except httpx.HTTPError as exc:
-        logger.warning("prefill engine %s is unreachable (%s): decoding without its KV", replica.url, exc)
+        logger.warning("a prefill engine failed (%s): decoding without its KV", exc)
         return _Prefill(fallback="unreachable")
-    finally:
-        replica.in_flight -= 1
     elapsed = time.perf_counter() - start
     if 400 <= answer.status_code < 500:
         media_type = answer.headers.get("content-type", "application/json")
@@ -212,10 +186,10 @@ async def forward_disaggregated(
     reason = direct_reason(path, body)
     if reason is not None:
         metrics.direct.labels(reason).inc()
-        return await relay(router, request, router.least_loaded(), path, raw)
+        return await relay(router, request, router.least_loaded, path, raw)
     metrics.requests.inc()
-    replica = router.route(path, body)
-    prefill = await cancel_on_disconnect(request, _prefill(router, metrics, request, replica, path, body))
+    prompt = await router.prompt_of(path, body, len(raw))
+    prefill = await cancel_on_disconnect(request, _prefill(router, metrics, prompt, path, body))
     if prefill is None:  # the client left; cancelling closed the prefill's connection
         return Response(status_code=CLIENT_GONE)
     if prefill.answer is not None:
@@ -230,4 +204,4 @@ async def forward_disaggregated(
         content = raw  # decode from scratch: the client's request as it came
     else:
         content = json.dumps({**body, KV_TRANSFER_PARAMS: prefill.kv_params}).encode()
-    return await relay(router, request, router.least_loaded(), path, content, headers)
+    return await relay(router, request, router.least_loaded, path, content, headers)

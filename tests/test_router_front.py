@@ -1,0 +1,256 @@
+"""`pagedkv router` in replica mode over stand-in engines (``httpx.MockTransport``: they record
+what they receive and fail on demand), the app driven through httpx's ASGI transport: client
+keys (401s) and the separate engine key, failover from an engine that refuses connections,
+tokenizing off the event loop and the size bound, and streams that end with an error event and
+``[DONE]`` when the engine dies mid-stream or the router shuts down. (Real replicas:
+test_router.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+
+from pagedkv.router.app import Replica, Router, RouterArgs, _load_tokenizer, build_router_app  # noqa: E402
+from pagedkv.server.metrics import parse_metrics  # noqa: E402
+
+T = TypeVar("T")
+TIMEOUT = 30.0
+COMPLETIONS = "/v1/completions"
+EVENT = b'data: {"choices": [{"text": "a"}]}\n\n'
+
+
+def run(coro: Awaitable[T]) -> T:
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, 4 * TIMEOUT)
+
+    return asyncio.run(bounded())
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return _load_tokenizer(RouterArgs(["http://127.0.0.1:1"]))
+
+
+class Engines:
+    """Stand-in replicas ``replica0``, ``replica1``...: record (host, path, Authorization);
+    a host in ``refusing`` refuses connections; ``stream_mode`` says how a stream goes."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, str | None]] = []
+        self.refusing: set[str] = set()
+        self.stream_mode = "whole"
+        self.stream_started = asyncio.Event()
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        if host in self.refusing:
+            raise httpx.ConnectError("connection refused", request=request)
+        self.calls.append((host, request.url.path, request.headers.get("authorization")))
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": host}]})
+        body = json.loads(request.content)
+        if not body.get("stream"):
+            return httpx.Response(200, json={"answered_by": host})
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self.events())
+
+    async def events(self) -> AsyncIterator[bytes]:
+        yield EVENT
+        # Half an event: held back by the router, never shown to the client when the rest is lost.
+        yield b'data: {"choices": [{"te'
+        self.stream_started.set()
+        if self.stream_mode == "die":
+            raise httpx.RemoteProtocolError("peer closed connection without sending complete message body")
+        if self.stream_mode == "hang":
+            await asyncio.Event().wait()
+        yield b'xt": "b"}]}\n\ndata: [DONE]\n\n'
+
+    def hosts(self, path: str = COMPLETIONS) -> list[str]:
+        return [h for h, p, _ in self.calls if p == path]
+
+
+def make_router(engines: Engines, tokenizer: Any, n: int = 2, **kwargs: Any) -> tuple[Any, Router]:
+    urls = [f"http://replica{i}:8000" for i in range(n)]
+    router = Router(RouterArgs(replicas=urls, **kwargs), [Replica(u, 16) for u in urls], tokenizer)
+    router.client = httpx.AsyncClient(transport=httpx.MockTransport(engines.handle))
+    return build_router_app(router), router
+
+
+def client_of(app: Any, key: str | None = None) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    transport = httpx.ASGITransport(app=app)
+    return httpx.AsyncClient(transport=transport, base_url="http://router", timeout=TIMEOUT, headers=headers)
+
+
+def metrics_of(router: Router) -> dict[str, float]:
+    from prometheus_client import generate_latest
+
+    router.update_gauges()
+    return parse_metrics(generate_latest(router.metrics.registry).decode())
+
+
+def test_client_keys_are_checked_and_engines_get_the_engine_key(tokenizer: Any) -> None:
+    engines = Engines()
+    app, _ = make_router(engines, tokenizer, api_key="client-key", engine_api_key="engine-key")
+    body = {"prompt": "Hello", "max_tokens": 1}
+
+    async def go() -> None:
+        for key in (None, "wrong", "engine-key", "client-key "):
+            async with client_of(app, key) as http:
+                r = await http.post(COMPLETIONS, json=body)
+                assert r.status_code == 401, key
+                assert r.json()["error"]["code"] == "invalid_api_key"
+                assert (await http.get("/v1/models")).status_code == 401
+        assert engines.calls == [], "a refused client reaches no engine"
+        async with client_of(app, "client-key") as http:
+            assert (await http.post(COMPLETIONS, json=body)).status_code == 200
+            assert (await http.post(COMPLETIONS, json={**body, "stream": True})).status_code == 200
+            assert (await http.get("/v1/models")).status_code == 200
+        async with client_of(app) as http:  # open, as on the engines
+            assert (await http.get("/health")).status_code == 200
+            assert (await http.get("/metrics")).status_code == 200
+
+    run(go())
+    assert [auth for _, _, auth in engines.calls] == ["Bearer engine-key"] * 3
+
+    # Without an engine key the engines get no Authorization at all: never the client's.
+    engines = Engines()
+    app, _ = make_router(engines, tokenizer, api_key="client-key")
+
+    async def again() -> None:
+        async with client_of(app, "client-key") as http:
+            assert (await http.post(COMPLETIONS, json=body)).status_code == 200
+
+    run(again())
+    assert [auth for _, _, auth in engines.calls] == [None]
+
+
+def test_an_engine_that_refuses_connections_is_routed_around(tokenizer: Any) -> None:
+    engines = Engines()
+    engines.refusing.add("replica0")
+    app, router = make_router(engines, tokenizer)
+    r0, r1 = router.replicas
+
+    async def go() -> None:
+        async with client_of(app) as http:
+            for i in range(6):
+                r = await http.post(COMPLETIONS, json={"prompt": f"Question {i}", "max_tokens": 1})
+                assert r.status_code == 200 and r.headers["x-pagedkv-replica"] == r1.url
+            assert not r0.up and "refused" in str(r0.last_error)
+            health = (await http.get("/health")).json()
+            assert health["status"] == "degraded" and [e["up"] for e in health["engines"]] == [False, True]
+            # Every engine refuses: each is tried once, then a 503 (OpenAI's clients retry it).
+            engines.refusing.add("replica1")
+            r = await http.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 1})
+            assert r.status_code == 503 and "no engine is reachable" in r.json()["error"]["message"]
+            assert (await http.get("/health")).status_code == 503
+
+    run(go())
+    assert engines.hosts() == ["replica1"] * 6, "the refused attempts sent nothing"
+    m = metrics_of(router)
+    # replica0: the first request, then the last one (with every engine down, each is tried).
+    assert m["pagedkv_router:failovers_total{replica=http://replica0:8000}"] == 2
+    assert m["pagedkv_router:failovers_total{replica=http://replica1:8000}"] == 1
+    assert m["pagedkv_router:replica_up{replica=http://replica0:8000}"] == 0
+    assert all(v == 0 for k, v in m.items() if k.startswith("pagedkv_router:in_flight"))
+
+
+class GatedTokenizer:
+    """The real tokenizer, but each call waits until the test releases it (a long prompt's
+    tokenization, made as long as the test needs)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        self.entered.set()
+        assert self.release.wait(TIMEOUT), "never released: the event loop was blocked"
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_tokenizing_runs_off_the_event_loop_and_is_bounded(tokenizer: Any) -> None:
+    engines = Engines()
+    gated = GatedTokenizer(tokenizer)
+    app, router = make_router(engines, gated, max_tokenize_bytes=600_000)
+    big = "lorem ipsum dolor sit amet " * 20_000  # 540 kB: tokenized
+
+    async def go() -> None:
+        async with client_of(app) as http:
+            pending = asyncio.ensure_future(http.post(COMPLETIONS, json={"prompt": big, "max_tokens": 1}))
+            await asyncio.to_thread(gated.entered.wait, TIMEOUT)
+            # The big request is being tokenized (and waits): the router still answers.
+            assert (await http.get("/metrics")).status_code == 200
+            assert (await http.get("/health")).status_code == 200
+            assert not pending.done(), "/metrics answered while the big prompt was still being tokenized"
+            gated.release.set()
+            assert (await pending).status_code == 200
+            assert gated.calls == 1
+            # Above the bound: routed by load, never tokenized.
+            r = await http.post(COMPLETIONS, json={"prompt": big * 2, "max_tokens": 1})
+            assert r.status_code == 200 and gated.calls == 1
+            # A client's own chat template is not run by the router (the engine decides).
+            chat = {"messages": [{"role": "user", "content": "Hi"}], "chat_template": "{{ 'A' * 100000000 }}"}
+            assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+            assert gated.calls == 1
+
+    run(go())
+    m = metrics_of(router)
+    assert m["pagedkv_router:routing_decisions_total{reason=too_long}"] == 1
+    assert m["pagedkv_router:routing_decisions_total{reason=unparsed}"] == 1
+    assert m["pagedkv_router:prompt_tokens_total{}"] > 20_000
+
+
+async def _stream(http: httpx.AsyncClient) -> list[bytes]:
+    body = {"prompt": "Hello", "max_tokens": 5, "stream": True}
+    async with http.stream("POST", COMPLETIONS, json=body) as r:
+        assert r.status_code == 200
+        return [line async for line in r.aiter_lines() if line]
+
+
+def _error_of(line: bytes | str) -> dict[str, Any]:
+    text = line.decode() if isinstance(line, bytes) else line
+    assert text.startswith("data: ")
+    return dict(json.loads(text[6:])["error"])
+
+
+def test_a_stream_ends_with_an_error_event_when_the_engine_dies_or_the_router_stops(tokenizer: Any) -> None:
+    engines = Engines()
+    app, router = make_router(engines, tokenizer, n=1)
+
+    async def go() -> None:
+        async with client_of(app) as http:
+            whole = await _stream(http)
+            assert whole == [EVENT.decode().strip(), 'data: {"choices": [{"text": "b"}]}', "data: [DONE]"]
+            engines.stream_mode = "die"
+            lines = await _stream(http)
+            assert lines[0] == EVENT.decode().strip() and lines[-1] == "data: [DONE]" and len(lines) == 3
+            error = _error_of(lines[1])
+            assert error["type"] == "bad_gateway" and "failed mid-stream" in error["message"]
+            # The router shuts down while a stream waits on its engine.
+            engines.stream_mode = "hang"
+            engines.stream_started.clear()
+            pending = asyncio.ensure_future(_stream(http))
+            await engines.stream_started.wait()
+            router.shutting_down.set()
+            lines = await pending
+            assert lines[-1] == "data: [DONE]" and "shutting down" in _error_of(lines[1])["message"]
+
+    run(go())
+    m = metrics_of(router)
+    assert m["pagedkv_router:stream_errors_total{reason=replica}"] == 1
+    assert m["pagedkv_router:stream_errors_total{reason=shutdown}"] == 1
+    assert m["pagedkv_router:in_flight{replica=http://replica0:8000}"] == 0
