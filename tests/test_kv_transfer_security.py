@@ -355,13 +355,17 @@ def test_the_gloo_holder_serves_only_claimed_blocks_to_signed_requests(clean: Pa
     consumer.reset_prefix_cache()
 
 
-def test_gloo_sockets_listen_on_the_configured_host_only(pair: Pair) -> None:
-    if pair.kind != "gloo":
-        pytest.skip("gloo's store and pairs")
-    connector = pair.consumer.kv_connector
-    assert connector is not None and connector.config.gloo_init_method is not None
-    store_port = int(connector.config.gloo_init_method.rsplit(":", 1)[1])
-    assert ("127.0.0.1", store_port) in pair.new_listeners
-    # The store, both ranks' gloo pairs and the control socket: loopback, never a wildcard.
-    assert len(pair.new_listeners) >= 4, pair.new_listeners
+def test_the_transfer_sockets_listen_on_loopback_only(pair: Pair) -> None:
+    # Configured on 127.0.0.1: the control socket, and for gloo the store (which torch's own
+    # TCPStore would open on every interface) and both ranks' pairs; for NIXL, UCX's sockets
+    # (on every device by default; the producer limits UCX to lo, and the consumer built after
+    # it in this process inherits that).
+    assert len(pair.new_listeners) >= 3, pair.new_listeners
     assert {ip for ip, _ in pair.new_listeners} == {"127.0.0.1"}, pair.new_listeners
+    producer = pair.producer.kv_connector
+    assert producer is not None and producer.address is not None
+    assert ("127.0.0.1", int(producer.address.rsplit(":", 1)[1])) in pair.new_listeners
+    if pair.kind == "gloo":
+        init_method = producer.config.gloo_init_method
+        assert init_method is not None
+        assert ("127.0.0.1", int(init_method.rsplit(":", 1)[1])) in pair.new_listeners

@@ -43,6 +43,7 @@ on the engine's thread under its lock. The transport is used only by the connect
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import queue
 import secrets
@@ -117,6 +118,13 @@ class FinishedLoad:
     seconds: float
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def _fingerprint_for_peers(runner: ModelRunner) -> dict[str, Any]:
     # The model's path may differ between machines; its digest and the KV format may not.
     fp = dict(runner.kv_fingerprint())
@@ -154,6 +162,8 @@ class KVConnector:
             init_method=config.gloo_init_method,
             timeout=config.connect_timeout,
             auth_key=derive_key(secret, "gloo pull requests"),
+            # A producer reachable on loopback only keeps NIXL's UCX sockets there too.
+            loopback_only=config.is_producer and _is_loopback(config.control_host),
         )
         self.transport.register_kv_cache(runner.kv_cache, runner.kv_scale_cache)
         self._metadata = self.transport.local_metadata().decode()

@@ -15,8 +15,11 @@ Security: a read is one-sided, so the holder cannot check it (``allow_reads`` gr
 but not enforced). Whoever has an agent's metadata (its UCX worker address and the registered
 regions' remote keys) can read the whole registered cache; the connector hands it out only
 over the authenticated control plane, and its consumer reads only the blocks a producer
-vouched for. UCX's own listening sockets follow UCX's configuration (``UCX_NET_DEVICES``,
-``UCX_TLS``), not the control host: firewall them like the engines' other ports.
+vouched for. UCX listens (TCP, for its wire-up and control messages) on every network device
+it may use, by default all of them: ``loopback_only=True`` (the connector's choice for a
+producer whose control socket is on loopback) sets ``UCX_NET_DEVICES=lo`` for this process
+unless the environment already sets it; otherwise set ``UCX_NET_DEVICES`` / ``UCX_TLS``
+yourself and firewall UCX's ports like the engines' other ones.
 
 Install: ``pip install 'pagedkv[nixl]'`` (= ``nixl-cu13==1.5.1``, Linux). That wheel provides the
 module ``nixl_cu13``; the ``nixl`` meta package is only an ``import nixl`` shim over it (and pins
@@ -27,6 +30,8 @@ from __future__ import annotations
 
 import base64
 import importlib
+import logging
+import os
 import threading
 import time
 import uuid
@@ -50,6 +55,8 @@ from pagedkv.distributed.kv_transport import (
 from pagedkv.errors import ConfigError, InvalidArgumentError, KVTransferError
 
 __all__ = ["NixlTransport", "import_nixl_api"]
+
+logger = logging.getLogger(__name__)
 
 
 def import_nixl_api() -> ModuleType:
@@ -75,8 +82,12 @@ def _mem(t: torch.Tensor) -> tuple[str, int]:
 class NixlTransport(KVTransport):
     kind = "nixl"
 
-    def __init__(self, engine_id: str | None = None) -> None:
+    def __init__(self, engine_id: str | None = None, loopback_only: bool = False) -> None:
         self._api = import_nixl_api()
+        if loopback_only and "UCX_NET_DEVICES" not in os.environ:
+            # Read by UCX when the agent creates its context, just below.
+            os.environ["UCX_NET_DEVICES"] = "lo"
+            logger.info("NIXL: UCX limited to the loopback device (UCX_NET_DEVICES=lo)")
         self.engine_id = engine_id or f"pagedkv-{uuid.uuid4().hex[:12]}"
         # UCX must make progress on both sides (the holder answers the reader's wire-up and, over
         # TCP, serves its reads). NIXL's own progress thread polls with no pause, a whole core

@@ -23,8 +23,9 @@ def make_transport(
     init_method: str | None = None,
     timeout: float = 30.0,
     auth_key: bytes | None = None,
+    loopback_only: bool = False,
 ) -> KVTransport:
-    """``nixl``: NixlTransport(engine_id). ``gloo``: GlooTransport(rank, world_size, init_method,
+    """``nixl``: NixlTransport(engine_id, loopback_only). ``gloo``: GlooTransport(rank, world_size, init_method,
     timeout, auth_key), the first three required. ``auto``: NIXL when importable, else gloo.
     Both ends of a pair must pick the same kind (``add_peer`` refuses a mismatch).
     ``auth_key``: gloo pull requests are signed with it and the holder refuses unsigned ones
@@ -35,7 +36,7 @@ def make_transport(
     if kind == "nixl":
         from pagedkv.distributed.nixl_transport import NixlTransport
 
-        return NixlTransport(engine_id=engine_id)
+        return NixlTransport(engine_id=engine_id, loopback_only=loopback_only)
     if kind == "gloo":
         if rank is None or world_size is None or init_method is None:
             raise ConfigError("the gloo KV transport needs rank, world_size and init_method (tcp://host:port)")
