@@ -6,7 +6,12 @@
   row-parallel O and down with one all-reduce each; embedding and LM head replicated), from
   the model's tensor-parallel plan or pagedkv's Llama plan.
 - ``step_broadcast`` — rank 0 sends each step's arrays to the other ranks in one packed buffer.
-- ``executor`` — the worker ranks as local processes (``"mp"``) and their life cycle.
+- ``spec`` — :class:`TPSpec`, where a rank joins (shared by the executors and the model runner).
+- ``preflight`` — the checks before anything starts (the model's sizes divide, the devices or
+  Ray resources exist).
+- ``executor`` — the worker ranks as local processes (``"mp"``) and their life cycle;
+  ``ray_executor`` — as Ray actors.
+- ``worker`` — a worker rank's life (``python -m pagedkv.parallel.worker`` for ``"mp"``).
 
 One Rust scheduler, on rank 0, decides; every rank's KV cache has the same blocks, each with
 ``num_kv_heads / N`` heads, so the block tables it produces are valid on every rank.
@@ -14,8 +19,9 @@ One Rust scheduler, on rank 0, decides; every rank's KV cache has the same block
 
 from __future__ import annotations
 
-from pagedkv.parallel.executor import MultiprocExecutor, TPSpec
+from pagedkv.parallel.executor import MultiprocExecutor
 from pagedkv.parallel.group import TPGroup
 from pagedkv.parallel.sharding import check_tensor_parallel_size, shard_model
+from pagedkv.parallel.spec import TPSpec
 
 __all__ = ["MultiprocExecutor", "TPGroup", "TPSpec", "check_tensor_parallel_size", "shard_model"]

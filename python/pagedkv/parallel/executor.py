@@ -1,77 +1,75 @@
-"""Running the tensor-parallel ranks other than the engine's own.
+"""Starting and stopping the tensor-parallel ranks other than the engine's own.
 
 ``MultiprocExecutor`` (``distributed_executor_backend="mp"``): ranks 1..N-1 are local
-processes (``spawn``: no forked torch or CUDA state), each running :func:`run_worker`: build
-its shard of the model and its KV cache (a :class:`~pagedkv.worker.model_runner.ModelRunner`
-joined to the group), then execute every step rank 0 broadcasts until told to stop.
+processes, each a fresh interpreter running ``python -m pagedkv.parallel.worker`` (see that
+module): it builds its shard of the model and its KV cache, then executes every step rank 0
+broadcasts until told to stop. A fresh interpreter, not ``multiprocessing``'s ``spawn``: spawn
+re-imports the user's ``__main__``, so a script without an ``if __name__ == "__main__":`` guard
+would build a second engine in every worker (and never start).
 
 Failure handling: a worker that fails leaves (its sockets close, so rank 0's next collective
 fails at once); rank 0 that fails or goes away makes every worker's next receive fail, and
-workers leave then (they are daemon processes of the engine's process besides). The executor
+workers leave then (a worker also leaves when its parent process is gone). The executor
 reports which worker died and how (:meth:`MultiprocExecutor.failures`), and :meth:`shutdown`
-ends them all, killing any that do not stop within the timeout: no orphan processes.
+ends them all, killing any that do not stop within the timeout; the same kill runs at
+interpreter exit for an engine never shut down: no orphan processes.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import os
-import socket
-from dataclasses import dataclass, replace
+import pickle
+import subprocess
+import sys
+import weakref
+from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedkv.errors import ConfigError
+from pagedkv.parallel.group import host_store
+from pagedkv.parallel.preflight import check_model_divides
+from pagedkv.parallel.spec import TPSpec
 
 if TYPE_CHECKING:
     from pagedkv.parallel.ray_executor import RayExecutor
 
-__all__ = ["MultiprocExecutor", "TPSpec", "run_worker", "start_workers"]
+__all__ = ["MultiprocExecutor", "TPSpec", "start_workers"]
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class TPSpec:
-    """Where a rank joins the tensor-parallel group (``ModelRunner(..., tp=TPSpec(...))``)."""
-
-    rank: int
-    world_size: int
-    init_method: str  # tcp://host:port of rank 0's store
-    timeout: float
-    # The CUDA device this rank uses among those visible to its process: the rank for local
-    # processes, 0 for a Ray actor (Ray gives each actor its own CUDA_VISIBLE_DEVICES).
-    device_index: int = 0
+WORKER_MODULE = "pagedkv.parallel.worker"
 
 
-def run_worker(spec: TPSpec, engine_config: Any) -> None:
-    """A worker rank's whole life: join, build its runner, execute broadcast steps, leave."""
-    from pagedkv.parallel.step_broadcast import recv_step
-    from pagedkv.worker.model_runner import ModelRunner
+def _worker_env() -> dict[str, str]:
+    """This process's environment, with the folder that holds this pagedkv first on the
+    worker's import path (so it runs this same code whatever the current directory)."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
 
-    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s tp-rank{spec.rank} %(name)s: %(message)s")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    # The ranks share the machine's cores on the CPU: split them.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
-    torch.manual_seed(engine_config.model.seed)
-    runner = ModelRunner(engine_config.model, engine_config.cache, engine_config.scheduling, tp=spec)
-    group = runner.tp_group
-    assert group is not None
-    while True:
+
+def _stop(processes: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Waits up to ``timeout`` s for each process, then SIGTERM, then SIGKILL for any left."""
+    for p in processes:
         try:
-            step = recv_step(group)
-        except Exception as exc:  # rank 0 failed or is gone: nothing more will come
-            logger.warning("leaving: the engine (rank 0) stopped answering: %s", exc)
-            return
-        if step is None:
-            return
-        try:
-            runner.execute(step)
-        except Exception:  # rank 0 fails the same step and stops the engine
-            logger.exception("a step failed on this rank; leaving")
-            raise
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    for p in processes:
+        for signal_it in (p.terminate, p.kill):
+            if p.poll() is not None:
+                break
+            signal_it()
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 class MultiprocExecutor:
@@ -81,85 +79,77 @@ class MultiprocExecutor:
         world = engine_config.parallel.tensor_parallel_size
         # Workers build only a runner: no KV connector, no disk tier of their own.
         worker_config = replace(engine_config, kv_transfer=None)
-        ctx = mp.get_context("spawn")
         self.timeout = timeout
-        self.processes = [
-            ctx.Process(
-                target=run_worker,
-                args=(TPSpec(rank, world, init_method, timeout, device_index=rank), worker_config),
-                name=f"pagedkv-tp-rank{rank}",
-                daemon=True,
-            )
-            for rank in range(1, world)
-        ]
-        for p in self.processes:
-            p.start()
+        self.processes: list[subprocess.Popen[bytes]] = []
+        # At interpreter exit (or if the executor is dropped) any worker still running is stopped.
+        self._finalizer = weakref.finalize(self, _stop, self.processes, 0.0)
+        env = _worker_env()
+        for rank in range(1, world):
+            spec = TPSpec(rank, world, init_method, timeout, device_index=rank)
+            p = subprocess.Popen([sys.executable, "-m", WORKER_MODULE], stdin=subprocess.PIPE, env=env)
+            self.processes.append(p)
+            assert p.stdin is not None
+            try:
+                with p.stdin:
+                    pickle.dump((spec, worker_config, os.getpid()), p.stdin)
+            except BrokenPipeError:  # it died at once: failures() says how
+                pass
+
+    def alive(self) -> list[bool]:
+        """Whether each worker (rank 1, 2, ...) is still running."""
+        return [p.poll() is None for p in self.processes]
 
     def failures(self) -> list[str]:
         """How each worker that is no longer running ended."""
         return [
-            f"worker rank {rank} (pid {p.pid}) exited with code {p.exitcode}"
+            f"worker rank {rank} (pid {p.pid}) exited with code {p.returncode}"
             for rank, p in enumerate(self.processes, start=1)
-            if not p.is_alive()
+            if p.poll() is not None
         ]
 
     def shutdown(self, group: Any = None) -> None:
         """Stops every worker: a shutdown broadcast when ``group`` is usable, then a join, then
         SIGTERM and SIGKILL for any still running. Idempotent."""
-        if group is not None and all(p.is_alive() for p in self.processes):
+        if group is not None and all(self.alive()):
             from pagedkv.parallel.step_broadcast import send_shutdown
 
             try:
                 send_shutdown(group)
             except Exception:  # a worker is already gone: the others leave on their own
                 pass
-        for p in self.processes:
-            p.join(timeout=self.timeout)
-        for p in self.processes:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        _stop(self.processes, self.timeout)
+
+
+def _on_cuda(config: Any) -> bool:
+    device = str(config.model.device)
+    return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
 def start_workers(config: Any) -> tuple[TPSpec, MultiprocExecutor | RayExecutor]:
     """Starts ranks 1..N-1 with ``distributed_executor_backend`` (``"mp"``: local processes,
     the default; ``"ray"``: Ray actors, joining a running Ray or starting a local one) and
-    returns rank 0's place in the group: a free port on this node, at the address the workers
-    reach it by."""
+    returns rank 0's place in the group: its store, already listening on this node at the
+    address the workers reach it by. The model and the machine are checked first (``preflight``): nothing starts
+    for a size that cannot work."""
     parallel = config.parallel
     n = parallel.tensor_parallel_size
     backend = parallel.distributed_executor_backend or "mp"
-    device = str(config.model.device)
-    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    on_cuda = _on_cuda(config)
+    check_model_divides(config.model, n)
     if backend == "mp" and on_cuda and n > torch.cuda.device_count():
         raise ConfigError(
             f"tensor_parallel_size={n} needs a CUDA device per rank; {torch.cuda.device_count()} visible "
             "(use distributed_executor_backend='ray' for ranks on other nodes)"
         )
-    host = "127.0.0.1"
-    started_ray = False
     if backend == "ray":
-        import ray
+        from pagedkv.parallel.ray_executor import RayExecutor, join_or_start_ray
 
-        from pagedkv.parallel.ray_executor import ray_node_address
-
-        if not ray.is_initialized():
-            # RAY_ADDRESS (e.g. "auto") joins a cluster; without it a local instance starts.
-            started_ray = "RAY_ADDRESS" not in os.environ
-            ray.init(include_dashboard=False, log_to_driver=False)
-        host = ray_node_address(start_local=started_ray)
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
-    init_method = f"tcp://{host}:{port}"
-    executor: MultiprocExecutor | RayExecutor
-    if backend == "ray":
-        from pagedkv.parallel.ray_executor import RayExecutor
-
-        executor = RayExecutor(config, init_method, parallel.timeout, started_ray=started_ray)
+        started_ray, host = join_or_start_ray(n, on_cuda)
+        store, init_method = host_store(host, n, parallel.timeout)
+        executor: MultiprocExecutor | RayExecutor = RayExecutor(
+            config, init_method, parallel.timeout, started_ray=started_ray
+        )
     else:
+        store, init_method = host_store("127.0.0.1", n, parallel.timeout)
         executor = MultiprocExecutor(config, init_method, parallel.timeout)
-    return TPSpec(0, n, init_method, parallel.timeout), executor
+    return TPSpec(0, n, init_method, parallel.timeout, store=store), executor

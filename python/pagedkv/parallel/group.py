@@ -3,7 +3,21 @@ the CPU, NCCL on CUDA), so a user's own default process group is never touched.
 
 Every collective has the group's timeout: a rank that dies closes its sockets and the others'
 collective fails at once; a rank that hangs makes theirs fail after ``timeout`` seconds. Either
-way the engine gets an exception, never a hang.
+way the engine gets an exception, never a hang. The one exception is a worker waiting for the
+next step (:meth:`TPGroup.broadcast` with ``wait_forever``): an engine with no requests sends
+none for as long as it likes, so that wait has no deadline (rank 0 dying still ends it at once:
+its sockets close). With the group's timeout there, an engine idle for ``timeout`` seconds lost
+its workers (the Ray test's flake: the first Ray start on a machine kept the test's other engine
+idle past 60 s).
+
+Two process groups over one store: ``device`` collectives (the all-reduces: gloo on the CPU,
+NCCL on CUDA) and a gloo ``control`` group for CPU tensors (the step broadcast, the pool-size
+agreement), which on the CPU is the same group. Steps are numpy arrays on the host, so they
+travel without a device copy, and NCCL's watchdog never sees an idle wait.
+
+Rank 0's store is created first (:func:`host_store`, on a port the kernel picks and the store
+keeps from then on) and handed to rank 0's :class:`TPGroup`: no port is chosen, released and
+bound again later, which another process could take in between.
 """
 
 from __future__ import annotations
@@ -19,7 +33,18 @@ import torch.distributed as dist
 
 from pagedkv.errors import ConfigError
 
-__all__ = ["TPGroup"]
+__all__ = ["TPGroup", "host_store"]
+
+# A wait for the next step: effectively none (gloo takes a deadline; ten years is none).
+_NO_DEADLINE = datetime.timedelta(days=3650)
+
+
+def host_store(host: str, world_size: int, timeout: float) -> tuple[Any, str]:
+    """Rank 0's store, listening on ``host`` at a port the kernel picks; and its
+    ``tcp://host:port`` init method for the other ranks. It does not wait for them here."""
+    td = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(host, 0, world_size, True, timeout=td, wait_for_workers=False)
+    return store, f"tcp://{host}:{store.port}"
 
 
 @dataclass
@@ -32,27 +57,31 @@ class TPGroup:
     device: torch.device
     _pg: Any
     _store: Any
+    _control: Any  # the gloo group for CPU tensors (``_pg`` itself on the CPU)
     # Time spent in collectives (seconds) and their count, by kind ("all_reduce", "broadcast"):
     # what tensor parallelism costs this rank (benches/bench_tp.py reads them).
     seconds: dict[str, float] = field(default_factory=lambda: {"all_reduce": 0.0, "broadcast": 0.0})
     calls: dict[str, int] = field(default_factory=lambda: {"all_reduce": 0, "broadcast": 0})
 
     @classmethod
-    def create(cls, rank: int, world_size: int, init_method: str, device: torch.device, timeout: float) -> TPGroup:
-        """Joins the group at ``init_method`` (``tcp://host:port``; rank 0 hosts the store).
-        Blocks until every rank has joined, or raises after ``timeout`` seconds."""
+    def create(
+        cls, rank: int, world_size: int, init_method: str, device: torch.device, timeout: float, store: Any = None
+    ) -> TPGroup:
+        """Joins the group at ``init_method`` (``tcp://host:port``; rank 0 hosts the store: pass
+        the one :func:`host_store` made as ``store``). Blocks until every rank has joined, or
+        raises after ``timeout`` seconds."""
         url = urlparse(init_method)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ConfigError(f"a tensor-parallel init_method is tcp://host:port, got {init_method!r}")
         td = datetime.timedelta(seconds=timeout)
-        store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=td)
-        prefixed = dist.PrefixStore("pagedkv-tp/", store)
-        pg: Any
+        if store is None:
+            store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=td)
+        control = dist.ProcessGroupGloo(dist.PrefixStore("pagedkv-tp/", store), rank, world_size, td)
+        pg: Any = control
         if device.type == "cuda":
-            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, dist.ProcessGroupNCCL.Options())
-        else:
-            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, td)
-        return cls(rank=rank, world_size=world_size, device=device, _pg=pg, _store=store)
+            nccl_store = dist.PrefixStore("pagedkv-tp-nccl/", store)
+            pg = dist.ProcessGroupNCCL(nccl_store, rank, world_size, dist.ProcessGroupNCCL.Options())
+        return cls(rank=rank, world_size=world_size, device=device, _pg=pg, _store=store, _control=control)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums ``tensor`` over the ranks, in place (the row-parallel layers' reduction)."""
@@ -61,12 +90,16 @@ class TPGroup:
         self._count("all_reduce", t0)
         return tensor
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        """Overwrites ``tensor`` with rank ``src``'s, in place."""
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, *, wait_forever: bool = False) -> torch.Tensor:
+        """Overwrites ``tensor`` with rank ``src``'s, in place (a CPU tensor over the control
+        group). ``wait_forever``: no deadline (a worker waiting for the next step)."""
         t0 = time.perf_counter()
         opts = dist.BroadcastOptions()
         opts.rootRank = src
-        self._pg.broadcast([tensor], opts).wait()
+        if wait_forever:
+            opts.timeout = _NO_DEADLINE
+        pg = self._control if tensor.device.type == "cpu" else self._pg
+        pg.broadcast([tensor], opts).wait()
         self._count("broadcast", t0)
         return tensor
 
@@ -76,6 +109,6 @@ class TPGroup:
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value`` (the pool is sized by the tightest rank)."""
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        self._pg.allreduce([t], dist.ReduceOp.MIN).wait()
+        t = torch.tensor([value], dtype=torch.int64)
+        self._control.allreduce([t], dist.ReduceOp.MIN).wait()
         return int(t.item())

@@ -4,23 +4,27 @@ ranks on other nodes, as in vLLM's multi-node setup.
 The engine's process stays rank 0 (the scheduler, the sampler, the detokenizer). Ranks
 1..N-1 are actors placed by one placement group — one bundle per rank (``{"GPU": 1}`` on CUDA,
 ``{"CPU": 1}`` otherwise), packed onto as few nodes as fit — and each runs
-:func:`pagedkv.parallel.executor.run_worker` in an actor method until rank 0 broadcasts the
+:func:`pagedkv.parallel.worker.run_worker` in an actor method until rank 0 broadcasts the
 shutdown. The group's store is on rank 0's node at its Ray node address, so the actors reach
 it from any node; the collectives are torch.distributed's (Ray only places and supervises).
 
 Ray is joined if it is running (``RAY_ADDRESS``, or a driver that already called
-``ray.init``); otherwise a local instance is started and stopped with the executor.
+``ray.init``); otherwise a local instance is started and stopped with the executor. Before any
+actor is placed, the cluster must hold a bundle per worker rank (``preflight``): a size it cannot
+place fails at once, not after the placement timeout.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from pagedkv.errors import ConfigError
-from pagedkv.parallel.executor import TPSpec, run_worker
+from pagedkv.parallel.preflight import check_ray_resources, worker_bundle
+from pagedkv.parallel.spec import TPSpec
 
-__all__ = ["RayExecutor", "ray_node_address"]
+__all__ = ["RayExecutor", "join_or_start_ray", "ray_node_address"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +43,30 @@ def ray_node_address(start_local: bool) -> str:
     return "127.0.0.1" if start_local else str(ray.util.get_node_ip_address())
 
 
+def join_or_start_ray(n: int, on_cuda: bool) -> tuple[bool, str]:
+    """Joins the running Ray (``RAY_ADDRESS``, e.g. ``"auto"``, or a driver's ``ray.init``) or
+    starts a local one; checks it can place ``n - 1`` workers. Returns (whether this call
+    started Ray, the address the workers reach this node by)."""
+    ray = _import_ray()
+    started_ray = False
+    if not ray.is_initialized():
+        started_ray = "RAY_ADDRESS" not in os.environ
+        ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        check_ray_resources(ray.cluster_resources(), n, on_cuda)
+    except ConfigError:
+        if started_ray:
+            ray.shutdown()
+        raise
+    return started_ray, ray_node_address(start_local=started_ray)
+
+
 class _Worker:
     """The actor body: one rank for its whole life (``run`` returns at shutdown)."""
 
     def run(self, spec: TPSpec, engine_config: Any) -> None:
+        from pagedkv.parallel.worker import run_worker
+
         run_worker(spec, engine_config)
 
 
@@ -62,7 +86,7 @@ class RayExecutor:
         self.timeout = timeout
         world = engine_config.parallel.tensor_parallel_size
         on_cuda = str(engine_config.model.device).startswith("cuda")
-        bundle = {"GPU": 1} if on_cuda else {"CPU": 1}
+        bundle = worker_bundle(on_cuda)
         self.placement = placement_group([bundle] * (world - 1), strategy="PACK")
         try:
             ray.get(self.placement.ready(), timeout=timeout)

@@ -1,6 +1,7 @@
 """Rank 0 hands each step to the other ranks: every array the runner reads, packed into one
 int64 buffer after a 32-int64 header (the command, the payload's length, each array's shape),
-broadcast once in a fixed-size frame (see ``FRAME``).
+broadcast once in a fixed-size frame (see ``FRAME``), over the group's gloo control group
+(host tensors: no device copy).
 
 The arrays (``SchedulerOutput``'s names): ``input_ids``, ``positions``, ``slot_mapping``,
 ``logits_indices`` (int64), ``cu_seqlens_q``, ``seq_lens`` (int32), ``block_tables`` (int32
@@ -94,27 +95,29 @@ def send_step(group: TPGroup, step: Any) -> None:
     payload = np.concatenate([a.astype(np.int64, copy=False).ravel() for a in arrays]) if total else frame[:0]
     inline = min(total, FRAME - _HEADER)
     frame[_HEADER : _HEADER + inline] = payload[:inline]
-    group.broadcast(torch.from_numpy(frame).to(group.device))
+    group.broadcast(torch.from_numpy(frame))
     if total > inline:
-        group.broadcast(torch.from_numpy(np.ascontiguousarray(payload[inline:])).to(group.device))
+        group.broadcast(torch.from_numpy(np.ascontiguousarray(payload[inline:])))
 
 
 def send_shutdown(group: TPGroup) -> None:
     frame = np.zeros(FRAME, dtype=np.int64)
     frame[0] = CMD_SHUTDOWN
-    group.broadcast(torch.from_numpy(frame).to(group.device))
+    group.broadcast(torch.from_numpy(frame))
 
 
 def recv_step(group: TPGroup) -> StepPacket | None:
     """A worker's side of :func:`send_step`: the next step, or None for shutdown."""
-    frame = group.broadcast(torch.zeros(FRAME, dtype=torch.int64, device=group.device)).cpu().numpy()
+    # No deadline: an engine with no requests sends no step (rank 0 gone still ends it: its
+    # sockets close).
+    frame = group.broadcast(torch.zeros(FRAME, dtype=torch.int64), wait_forever=True).numpy()
     if int(frame[0]) == CMD_SHUTDOWN:
         return None
     total = int(frame[1])
     inline = min(total, FRAME - _HEADER)
     payload = frame[_HEADER : _HEADER + inline]
     if total > inline:
-        rest = group.broadcast(torch.zeros(total - inline, dtype=torch.int64, device=group.device)).cpu().numpy()
+        rest = group.broadcast(torch.zeros(total - inline, dtype=torch.int64)).numpy()
         payload = np.concatenate([payload, rest])
     fields: dict[str, np.ndarray] = {}
     offset = 0

@@ -74,9 +74,9 @@ from pagedkv.config import (
 )
 from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, byte_view, key_rotation, kv_format
-from pagedkv.parallel.executor import TPSpec
 from pagedkv.parallel.group import TPGroup
 from pagedkv.parallel.sharding import check_tensor_parallel_size, shard_model
+from pagedkv.parallel.spec import TPSpec
 from pagedkv.parallel.step_broadcast import send_step
 from pagedkv.worker.attention_backend import (
     ATTENTION_NAME,
@@ -651,7 +651,7 @@ class ModelRunner:
         # On the CPU a rank is a process: any N runs (sharing the cores), which is what tests use.
         if cache.kv_cache_dir is not None:
             raise ConfigError("the disk KV tier (kv_cache_dir) is not supported with tensor_parallel_size > 1")
-        self.tp_group = TPGroup.create(tp.rank, tp.world_size, tp.init_method, self.device, tp.timeout)
+        self.tp_group = TPGroup.create(tp.rank, tp.world_size, tp.init_method, self.device, tp.timeout, tp.store)
 
     def kv_fingerprint(self) -> dict[str, Any]:
         """What must match for KV written by another engine (a disk file, a transferred block)
