@@ -54,8 +54,6 @@ class EngineArgs:
     - ``attention_backend``: ``"triton"``, ``"cpu"``, ``"torch"`` or ``None`` (Triton on CUDA,
       the Rust decode kernel + torch on the CPU).
     - ``seed``: seed of the global generator used by unseeded random sampling.
-    - ``max_logprobs``: the most log-probabilities a request may ask for per token (vLLM's
-      default, 20); a request asking for more is refused when it is added.
     - ``tensor_parallel_size``, ``distributed_executor_backend``: split every layer's attention
       heads, KV heads and MLP over N ranks (N processes on the CPU, N devices on CUDA; the
       heads and KV heads must divide by N), run as ``"mp"`` (local worker processes, the
@@ -96,7 +94,6 @@ class EngineArgs:
     attention_backend: str | None = None
     seed: int = 0
     trust_remote_code: bool = False
-    max_logprobs: int = 20
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     kv_transfer_config: KVTransferConfig | None = None
@@ -130,7 +127,6 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
                 seed=self.seed,
                 trust_remote_code=self.trust_remote_code,
-                max_logprobs=self.max_logprobs,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
