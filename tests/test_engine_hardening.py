@@ -18,7 +18,15 @@ import torch
 import pagedkv
 from pagedkv import LLM, AsyncLLM, SamplingParams
 
-ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "max_model_len": 512, "kv_cache_memory": 64 << 20}
+# max_logprobs past the vocabulary: these tests ask for every token's logprob (vLLM's default, 20,
+# is tested with the server's limits).
+ENGINE_ARGS = {
+    "dtype": "float32",
+    "device": "cpu",
+    "max_model_len": 512,
+    "kv_cache_memory": 64 << 20,
+    "max_logprobs": 1 << 20,
+}
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -107,6 +115,19 @@ def test_requests_that_wedged_the_engine_are_refused_at_add(llm: LLM, params: di
     assert len(out.outputs[0].token_ids) == 2
     engine.add_request("wedge", "Hi", greedy(1))  # the id was never taken
     assert run_all(engine)["wedge"].finished
+    assert_pool_whole(llm)
+
+
+def test_huge_n_and_logprobs_over_max_logprobs_are_refused_before_any_state(llm: LLM) -> None:
+    # n = 10**9 used to build a billion samples' state before the scheduler refused it.
+    engine = llm.llm_engine
+    with pytest.raises(pagedkv.InvalidArgumentError, match="max_num_seqs"):
+        engine.add_request("huge-n", "Hi", SamplingParams(n=10**9, max_tokens=2))
+    with pytest.raises(pagedkv.InvalidArgumentError, match="max_num_seqs"):
+        engine.add_request("huge-beam", "Hi", pagedkv.BeamSearchParams(beam_width=10**9, max_tokens=2))
+    with pytest.raises(pagedkv.ConfigError, match="max_logprobs"):
+        engine.add_request("many-logprobs", "Hi", SamplingParams(logprobs=ENGINE_ARGS["max_logprobs"] + 1))
+    assert not {"huge-n", "huge-beam", "many-logprobs"} & set(engine.requests)
     assert_pool_whole(llm)
 
 

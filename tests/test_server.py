@@ -285,6 +285,8 @@ BAD_REQUESTS = [
     ("beam search with stop strings", "/v1/completions", {"prompt": "x", "use_beam_search": True, "stop": ["."]}, 400),
     ("beam width above max_num_seqs", "/v1/completions", {"prompt": "x", "use_beam_search": True, "n": MAX_NUM_SEQS + 1}, 400),
     ("nan length_penalty", "/v1/completions", b'{"prompt": "x", "use_beam_search": true, "length_penalty": NaN}', 400),
+    ("lone surrogate in stop", "/v1/completions", b'{"prompt": "x", "stop": ["a\\ud800"]}', 400),
+    ("request chat_template not trusted", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 'x' }}"}, 400),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404),
     ("unknown model chat", "/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
     ("unknown path", "/v1/embeddings", {"input": "x"}, 404),
@@ -297,6 +299,9 @@ def test_bad_request_gets_openai_error(server: ServerProcess, name: str, path: s
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["message"] and error["type"], error
+    assert isinstance(error["code"], str), error  # always a string, whatever the path
+    if name == "malformed json":
+        assert error["param"] is None, error  # not a character offset
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}])

@@ -240,6 +240,9 @@ class ModelConfig:
       (``PAGEDKV_ATTENTION_BACKEND`` if set, else Triton on CUDA and the Rust decode kernel +
       torch on the CPU); resolved once, when the runner is built.
     - ``seed``: seed of the global generator used by unseeded random sampling.
+    - ``max_logprobs``: the most log-probabilities a request may ask for per token
+      (``SamplingParams.logprobs``; vLLM's default, 20): more is refused when it is added,
+      before any work (the answer's size grows with it).
     """
 
     model: str | None = None
@@ -250,6 +253,7 @@ class ModelConfig:
     attention_backend: str | None = None
     seed: int = 0
     trust_remote_code: bool = False
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer"):
@@ -276,6 +280,8 @@ class ModelConfig:
         if not _is_int(self.seed):
             raise ConfigError(f"seed must be an int, got {self.seed!r}")
         _bool("trust_remote_code", self.trust_remote_code)
+        if not _is_int(self.max_logprobs) or self.max_logprobs < 0:
+            raise ConfigError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
 
 
 @dataclass(frozen=True)

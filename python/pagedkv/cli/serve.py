@@ -30,6 +30,7 @@ from typing import Any
 from pagedkv.cli.engine_args import add_engine_arguments, engine_args_from
 from pagedkv.engine.args import EngineArgs
 from pagedkv.errors import PagedKVError
+from pagedkv.server.limits import add_limit_arguments, limit_flags, limits_from
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="with --disagg: how the decode engine pulls KV (auto: NIXL when installed, else gloo)",
     )
+    add_limit_arguments(p)
     add_engine_arguments(p)
 
 
@@ -100,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
             kv_events_topic=args.kv_events_topic,
             dashboard_show_prompts=args.dashboard_show_prompts,
+            limits=limits_from(args),
         )
         run_server(
             engine_args,
@@ -144,7 +147,7 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--served-model-name", *args.served_model_name]
     if args.max_queued_requests is not None:
         flags += ["--max-queued-requests", str(args.max_queued_requests)]
-    return flags
+    return flags + limit_flags(args)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:

@@ -96,6 +96,14 @@ class RequestStream:
             rid, stream = self.request_id, self._stream
             self._owner._post(lambda: self._owner._abort_quietly(rid, stream))
 
+    def fail(self, error: BaseException) -> None:
+        """Abort the request (unless it has finished) and raise ``error`` to a reader waiting
+        for its next output (a server shutting down ends its streams this way). Call it from
+        the stream's event loop."""
+        if not self.finished:
+            self.close()
+            self._stream.queue.put_nowait(error)
+
 
 # A command for the loop thread: a function, and the future that gets its result (None for
 # fire-and-forget commands). `None` as a whole asks the loop to stop.

@@ -230,6 +230,7 @@ class LLMEngine:
             if kv_transfer_params is not None:
                 raise InvalidArgumentError("kv_transfer_params cannot be combined with beam search")
             beam = params
+            self._check_num_samples(beam.beam_width, "beam_width")
             params = SamplingParams(n=1, max_tokens=beam.max_tokens, temperature=0.0, ignore_eos=beam.ignore_eos)
         elif not isinstance(params, SamplingParams):
             raise InvalidTypeError(
@@ -350,8 +351,23 @@ class LLMEngine:
         with self._lock:  # the control thread releases leases under it
             return self.kv_connector.next_lease_expiry()
 
+    def _check_num_samples(self, num: int, name: str) -> None:
+        """A request's samples (or beams) all run in one step: more than ``max_num_seqs`` could
+        never be scheduled. Checked before any per-sample state is built (``n = 10**9`` must
+        not allocate a billion detokenizers to be refused)."""
+        limit = self.config.scheduling.max_num_seqs
+        if num > limit:
+            raise InvalidArgumentError(f"{name} = {num} exceeds max_num_seqs = {limit}: its sequences could never run")
+
     def _check_params_for_model(self, params: SamplingParams) -> None:
-        """The checks of ``params`` that need the model (its vocabulary)."""
+        """The checks of ``params`` that need the engine's configuration or the model (its
+        vocabulary), before any per-request state is built."""
+        self._check_num_samples(params.n, "n")
+        max_logprobs = self.config.model.max_logprobs
+        if params.logprobs is not None and params.logprobs > max_logprobs:
+            raise ConfigError(
+                f"logprobs = {params.logprobs} exceeds max_logprobs = {max_logprobs} (an engine argument)"
+            )
         vocab = self.runner.vocab_size
         if params.logprobs is not None and params.logprobs > vocab:
             raise ConfigError(f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -94,15 +94,21 @@ def chat_prompt(
     *,
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
+    render: Callable[[list[dict[str, Any]]], str] | None = None,
 ) -> dict[str, Any]:
     """One conversation rendered with the chat template, as ``{"prompt", "prompt_token_ids"}``.
 
     The rendered text already holds the template's special tokens, so it is tokenized without
     adding any (no second BOS). A message's ``content`` is a str or, as in OpenAI's API, a list
-    of ``{"type": "text", "text": ...}`` parts (joined with newlines)."""
+    of ``{"type": "text", "text": ...}`` parts (joined with newlines). ``render``, when given,
+    renders the normalized messages instead of the tokenizer (a server renders a client's
+    template in a bounded sandbox this way)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidArgumentError("a conversation is a non-empty list of dicts with 'role' and 'content'")
     normalized = [_normalize_message(i, m) for i, m in enumerate(messages)]
+    if render is not None:
+        text = render(normalized)
+        return {"prompt": text, "prompt_token_ids": tokenize(tokenizer, text, add_special_tokens=False)}
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidArgumentError("the tokenizer has no chat template; pass chat_template=...")
     try:

@@ -215,6 +215,10 @@ def _normalize_stop(stop: Any) -> list[str]:
             raise ConfigError(f"stop must be a str or a list of str, got item {item!r}")
         if not item:
             raise ConfigError("stop strings must not be empty")
+        try:  # a lone surrogate ("\ud800", valid JSON) can never match decoded text
+            item.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"stop string {item!r} is not valid Unicode: {exc.reason}") from None
         if item not in strings:
             strings.append(item)
     return strings

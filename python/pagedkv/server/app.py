@@ -15,7 +15,10 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 ``/v1/completions`` and ``/v1/chat/completions`` take ``kv_transfer_params`` on an engine with
 ``--kv-transfer-config`` (disaggregated prefill / decode; see pagedkv.distributed.connector).
 With an API key, every path but ``/health``, ``/metrics`` and ``/version`` needs
-``Authorization: Bearer <key>``.
+``Authorization: Bearer <key>``. Request bodies over ``ServerArgs.limits.max_request_body_bytes``
+get 413 before they are read (pagedkv.server.body_limit); the other limits are in
+pagedkv.server.limits. On start the app logs the model, its dtype and device, and the KV pool
+(dtype, block size, blocks and bytes, tiers) and the limits it serves with.
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.async_llm import AsyncLLM
 from pagedkv.engine.prompts import check_token_ids
 from pagedkv.errors import ConfigError, PagedKVError
+from pagedkv.server.body_limit import BodySizeLimit
 from pagedkv.server.chat import create_chat_completion, render_chat
 from pagedkv.server.completions import create_completion
 from pagedkv.server.dashboard import dashboard_html, encode_state
 from pagedkv.server.errors import APIError, error_response, from_exception
+from pagedkv.server.limits import ServerLimits
 from pagedkv.server.metrics import ServerMetrics
 from pagedkv.server.protocol import (
     ChatCompletionRequest,
@@ -76,6 +81,9 @@ class ServerArgs:
       replay socket; ``dashboard_show_prompts``: ``/dashboard/state`` includes the start of each
       request's prompt text (off: ids and token counts only); ``kv_events_topic``: the topic frame; ``kv_events_buffer_steps``: batches
       kept for replay.
+    - ``limits``: what one request or connection may ask for (:class:`ServerLimits`: body
+      size, prompt characters, prompts per request, header timeout, connections, request chat
+      templates).
     """
 
     served_model_names: list[str] = field(default_factory=list)
@@ -86,6 +94,7 @@ class ServerArgs:
     kv_events_topic: str = ""
     dashboard_show_prompts: bool = False
     kv_events_buffer_steps: int = 10_000
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
     def __post_init__(self) -> None:
         if isinstance(self.served_model_names, str):
@@ -100,6 +109,8 @@ class ServerArgs:
             raise ConfigError("api_key must not be empty")
         if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
             raise ConfigError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if not isinstance(self.limits, ServerLimits):
+            raise ConfigError(f"limits must be a ServerLimits, got {type(self.limits).__name__}")
 
 
 class ServerState:
@@ -112,7 +123,10 @@ class ServerState:
         self.publisher = publisher
         names = args.served_model_names or [_default_model_name(engine)]
         self.metrics = ServerMetrics(names[0], max_model_len=engine.engine.max_model_len)
-        self.serving = OpenAIServing(engine, names, self.metrics, max_queued_requests=args.max_queued_requests)
+        self.serving = OpenAIServing(
+            engine, names, self.metrics, max_queued_requests=args.max_queued_requests, limits=args.limits
+        )
+        _log_startup(self)
 
     def close(self) -> None:
         """Shut the engine down (if the app built it: open streams end, every request is
@@ -135,6 +149,60 @@ class ServerState:
                     self.publisher.publish(final)  # type: ignore[attr-defined]
             self.publisher.close()  # type: ignore[attr-defined]
             self.publisher = None
+
+
+def _log_startup(state: ServerState) -> None:
+    """What an operator needs to know the server serves the right thing, in three lines."""
+    engine = state.engine.engine
+    runner, cache = engine.runner, engine.config.cache
+    serving = state.serving
+    logger.info(
+        "serving model %s (as %s): dtype %s on %s, max_model_len %d, max_num_seqs %d, max_logprobs %d",
+        engine.args.model or _default_model_name(state.engine) + " (embedded)",
+        ", ".join(serving.served_model_names),
+        str(runner.dtype).removeprefix("torch."),
+        runner.device,
+        serving.max_model_len,
+        serving.max_num_seqs,
+        serving.max_logprobs,
+    )
+    pool_bytes = runner.num_blocks * runner.bytes_per_block
+    host = (
+        f"{runner.num_host_blocks} blocks ({_mib(runner.num_host_blocks * runner.bytes_per_block)})"
+        if runner.num_host_blocks
+        else "none"
+    )
+    disk = "none" if cache.kv_cache_dir is None else f"{cache.kv_cache_dir} (max {cache.kv_cache_dir_max_bytes} bytes)"
+    logger.info(
+        "KV cache: dtype %s, block size %d, %d blocks x %d B = %s (%d tokens); prefix caching %s; "
+        "host tier: %s; disk tier: %s",
+        runner.geometry.dtype,
+        runner.block_size,
+        runner.num_blocks,
+        runner.bytes_per_block,
+        _mib(pool_bytes),
+        runner.num_blocks * runner.block_size,
+        "on" if cache.enable_prefix_caching else "off",
+        host,
+        disk,
+    )
+    limits = state.args.limits
+    logger.info(
+        "limits: body %d bytes, %d prompt characters, %d prompts per request, header timeout %g s, "
+        "%d connections, max_queued_requests %s, request chat templates %s, API key %s",
+        limits.max_request_body_bytes,
+        serving.max_prompt_chars,
+        limits.max_prompts_per_request,
+        limits.header_timeout,
+        limits.max_connections,
+        state.args.max_queued_requests,
+        "trusted" if limits.trust_request_chat_template else "refused",
+        "required" if state.args.api_key else "not required",
+    )
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
 
 
 def _default_model_name(engine: AsyncLLM) -> str:
@@ -192,6 +260,10 @@ def create_app(
     app = FastAPI(title="pagedkv", version=pagedkv.__version__, lifespan=lifespan)
     app.state.pagedkv = state
     _add_error_handlers(app)
+    # Added before the auth middleware, so inside it: a client without the key is refused
+    # before its body is read.
+    limits = server_args.limits
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes, idle_timeout=limits.header_timeout)
     _add_auth(app, server_args.api_key)
     _add_routes(app, state)
     return app
@@ -208,6 +280,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            # Its loc holds a character offset, not a field: say where in the message instead.
+            offset = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
+            at = "" if offset is None else f" at character {offset}"
+            ctx = first.get("ctx")
+            detail = f": {ctx['error']}" if isinstance(ctx, dict) and ctx.get("error") else ""
+            return error_response(400, f"the body is not valid JSON{at}{detail}")
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         where = f"{param}: " if param else ""
@@ -297,24 +376,27 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return Response(payload, media_type=content_type)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, object]:
+    async def tokenize(body: TokenizeRequest, raw: Request) -> Response:
         if body.model is not None and body.model not in serving.served_model_names:
             raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         if body.messages is not None:
-            ids = (
-                await render_chat(
-                    serving,
-                    body.messages,
-                    chat_template=body.chat_template,
-                    add_generation_prompt=body.add_generation_prompt,
-                )
-            )["prompt_token_ids"]
+            rendered = await render_chat(
+                serving,
+                body.messages,
+                raw,
+                chat_template=body.chat_template,
+                add_generation_prompt=body.add_generation_prompt,
+            )
+            if rendered is None:  # the client left
+                return Response(status_code=499)
+            ids = rendered["prompt_token_ids"]
         else:
             assert body.prompt is not None
+            serving.check_prompt_chars(len(body.prompt))
             ids = await serving.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids}
+        return JSONResponse({"count": len(ids), "max_model_len": serving.max_model_len, "tokens": ids})
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:

@@ -1,5 +1,10 @@
 """``POST /v1/chat/completions``: the conversation is rendered with the tokenizer's chat
-template (or the request's ``chat_template``), then generated like a completion.
+template, then generated like a completion.
+
+A request's own ``chat_template`` is a 400 unless the server trusts request templates
+(``--trust-request-chat-template``); then it is rendered in a bounded sandbox
+(pagedkv.server.chat_template) that stops when the client leaves. Either way the messages'
+characters are counted against ``max_prompt_chars`` before anything is rendered.
 
 A stream sends, per choice, a first chunk with ``delta.role = "assistant"``, content deltas,
 and ``finish_reason`` on the chunk that ends it; then an optional usage chunk and
@@ -9,6 +14,8 @@ and ``finish_reason`` on the chunk that ends it; then an optional usage chunk an
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +26,8 @@ from starlette.responses import Response
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.prompts import chat_prompt
+from pagedkv.server.chat_template import render_request_template
+from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -47,32 +56,86 @@ __all__ = ["create_chat_completion", "render_chat"]
 async def render_chat(
     serving: OpenAIServing,
     messages: list[ChatMessage],
+    raw: Request,
     *,
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """``{"prompt", "prompt_token_ids"}`` of a conversation (in a worker thread: templates and
-    tokenizers are CPU work). A conversation the template refuses is an InvalidArgumentError."""
+    tokenizers are CPU work), or None when the client left first. A conversation the template
+    refuses is an InvalidArgumentError; a request template the server does not trust, or
+    messages over ``max_prompt_chars``, a 400 before anything is rendered."""
+    serving.check_prompt_chars(sum(_content_chars(m.content) for m in messages), "messages")
+    if chat_template is not None and not serving.limits.trust_request_chat_template:
+        raise APIError(
+            400,
+            "this server does not accept a chat_template in requests (its operator can allow it with "
+            "--trust-request-chat-template)",
+            param="chat_template",
+        )
     dicts = [
         {**m.model_dump(exclude_none=True), "content": m.content if m.content is not None else ""} for m in messages
     ]
-    return await asyncio.to_thread(
-        chat_prompt,
-        serving.tokenizer,
-        dicts,
-        chat_template=chat_template,
-        add_generation_prompt=add_generation_prompt,
-    )
+    cancel = threading.Event()  # set when the client leaves: a request template stops rendering
+    render = None
+    if chat_template is not None:
+        variables = {**_special_tokens(serving.tokenizer), "add_generation_prompt": add_generation_prompt}
+        render = functools.partial(
+            _render_request_template,
+            chat_template,
+            variables,
+            max_size=serving.max_prompt_chars,
+            timeout=serving.limits.chat_template_timeout,
+            cancel=cancel,
+        )
+
+    async def work() -> dict[str, Any]:
+        try:
+            return await asyncio.to_thread(
+                chat_prompt,
+                serving.tokenizer,
+                dicts,
+                add_generation_prompt=add_generation_prompt,
+                render=render,
+            )
+        finally:
+            cancel.set()  # done, or cancelled: a render still running stops at its next line
+
+    return await cancel_on_disconnect(raw, work())
+
+
+def _render_request_template(
+    source: str, variables: dict[str, Any], messages: list[dict[str, Any]], **limits: Any
+) -> str:
+    return render_request_template(source, {**variables, "messages": messages}, **limits)
+
+
+def _content_chars(content: str | list[dict[str, Any]] | None) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
+
+
+def _special_tokens(tokenizer: Any) -> dict[str, str]:
+    """``bos_token``, ``eos_token``, ... as transformers passes them to a chat template."""
+    tokens = getattr(tokenizer, "special_tokens_map", None) or {}
+    return {name: value for name, value in tokens.items() if isinstance(value, str)}
 
 
 async def create_chat_completion(serving: OpenAIServing, request: ChatCompletionRequest, raw: Request) -> Response:
     serving.check_request(request)
+    serving.check_admission(1)
     prompt = await render_chat(
         serving,
         request.messages,
+        raw,
         chat_template=request.chat_template,
         add_generation_prompt=request.add_generation_prompt,
     )
+    if prompt is None:  # the client is gone: nobody reads this
+        return Response(status_code=499)
     ids = serving.check_not_empty(prompt["prompt_token_ids"])
     max_tokens = serving.check_length(len(ids), request.output_limit)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None

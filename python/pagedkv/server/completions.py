@@ -40,7 +40,8 @@ __all__ = ["create_completion"]
 
 async def create_completion(serving: OpenAIServing, request: CompletionRequest, raw: Request) -> Response:
     serving.check_request(request)
-    engine_requests = [await _engine_request(serving, request, p) for p in _prompts(request)]
+    prompts = _prompts(serving, request)  # counted and sized before any is tokenized
+    engine_requests = [await _engine_request(serving, request, p) for p in prompts]
     request_id = new_request_id("cmpl")
     running = await serving.start(request_id, engine_requests, request)
     if request.stream:
@@ -75,16 +76,29 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest, 
     return JSONResponse(body.model_dump())
 
 
-def _prompts(request: CompletionRequest) -> list[str | list[int]]:
-    """The request's prompts: one text, texts, one token list, or token lists."""
+def _prompts(serving: OpenAIServing, request: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts (one text, texts, one token list, or token lists), checked before
+    any work: their number (``max_prompts_per_request``, then room under
+    ``max_queued_requests``) and each text's characters (``max_prompt_chars``)."""
     prompt = request.prompt
     if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
+        prompts: list[str | list[int]] = [prompt]
+    elif not prompt:
         raise APIError(400, "prompt is empty", param="prompt")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
+    elif all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        prompts = list(prompt)  # type: ignore[arg-type]
+    limit = serving.limits.max_prompts_per_request
+    if len(prompts) > limit:
+        raise APIError(
+            400, f"the request has {len(prompts)} prompts, more than max_prompts_per_request = {limit}", param="prompt"
+        )
+    serving.check_admission(len(prompts))
+    for p in prompts:
+        if isinstance(p, str):
+            serving.check_prompt_chars(len(p))
+    return prompts
 
 
 async def _engine_request(serving: OpenAIServing, request: CompletionRequest, prompt: str | list[int]) -> EngineRequest:

@@ -3,8 +3,14 @@
 Every failure a client can cause comes back as ``{"error": {"message", "type", "param",
 "code"}}`` with the status OpenAI's clients map to their exception classes: 400
 (``BadRequestError``), 401 (``AuthenticationError``), 404 (``NotFoundError``), 503 (the server is
-overloaded or shutting down; OpenAI's clients retry it). Nothing a request does can take the
-server down: unexpected exceptions become a 500 with the same body.
+overloaded or shutting down; OpenAI's clients retry it), 413 (the body is too large). Nothing a
+request does can take the server down: unexpected exceptions become a 500 with the same body.
+
+``code`` is always a string, as in OpenAI's API: a specific code where there is one
+(``model_not_found``, ``invalid_api_key``, ``context_length_exceeded``, ``server_overloaded``,
+the pagedkv error's class name, ...), else the HTTP status's name (``bad_request``,
+``not_found``, ``request_entity_too_large``, ``internal_server_error``, ...). ``param`` names the
+request field at fault, or is null.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    413: "invalid_request_error",
     500: "internal_server_error",
     503: "service_unavailable",
 }
@@ -46,13 +53,22 @@ class APIError(Exception):
         self.code = code
 
 
-def error_body(status: int, message: str, *, param: str | None = None, code: str | int | None = None) -> ErrorResponse:
+def _status_name(status: int) -> str:
+    """``"request_entity_too_large"`` for 413: the status's phrase in snake case."""
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:  # a status Python does not name
+        return f"http_{status}"
+    return phrase.lower().replace(" ", "_").replace("-", "_")
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> ErrorResponse:
     return ErrorResponse(
         error=ErrorInfo(
             message=message,
-            type=_TYPES.get(status, HTTPStatus(status).phrase.lower().replace(" ", "_")),
+            type=_TYPES.get(status, _status_name(status)),
             param=param,
-            code=code if code is not None else status,
+            code=code if code is not None else _status_name(status),
         )
     )
 

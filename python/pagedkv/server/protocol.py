@@ -46,7 +46,7 @@ class ErrorInfo(_Response):
     message: str
     type: str
     param: str | None = None
-    code: int | str | None = None
+    code: str | None = None  # always a string here (see pagedkv.server.errors)
 
 
 class ErrorResponse(_Response):

@@ -4,16 +4,22 @@ a stream.
 
 Lifecycle of a request (both endpoints):
 
-1. ``check_model`` / ``unsupported()``: 404 or 400 before any work.
+1. :meth:`OpenAIServing.check_request`: 404 or 400 before any work: unsupported fields, ``n``
+   over the engine's ``max_num_seqs``, ``logprobs`` / ``top_logprobs`` over its
+   ``max_logprobs``, a stop string that is not valid Unicode. Then, still before tokenizing,
+   :meth:`~OpenAIServing.check_admission` (503 when the prompts would not fit under
+   ``max_queued_requests``), the number of prompts (``max_prompts_per_request``) and each
+   prompt's characters (``max_prompt_chars``), 400.
 2. The prompt is tokenized here, off the event loop, so ``prompt + max_tokens`` can be checked
    against ``max_model_len`` (400, as vLLM does) and the engine does not tokenize it again.
-3. ``admit``: over ``max_queued_requests`` requests that have not produced a token yet, 503;
-   otherwise :meth:`AsyncLLM.add_request` (bad parameters: 400, raised before anything
-   streams).
+3. ``start``: admission again (the queue moved while tokenizing), then
+   :meth:`AsyncLLM.add_request` (bad parameters: 400, raised before anything streams).
 4. The outputs are read by :meth:`run` (merged across the request's prompts). Leaving it early
    — the client disconnected (the streaming response is cancelled; a non-streaming handler is
    cancelled by :func:`cancel_on_disconnect`), the server shuts down — closes every engine
-   stream, which aborts its request and frees its blocks at once.
+   stream, which aborts its request and frees its blocks at once. Past the shutdown timeout
+   :meth:`OpenAIServing.end_all` fails every running request with a 503: a stream then ends with
+   an in-band error event and ``data: [DONE]``, not cut mid-body.
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ from starlette.requests import Request
 
 from pagedkv.engine.async_llm import AsyncLLM, RequestStream
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedkv.engine.prompts import tokenize
-from pagedkv.errors import PagedKVError, RequestFailedError
+from pagedkv.engine.prompts import check_text, tokenize
+from pagedkv.errors import InvalidArgumentError, PagedKVError, RequestFailedError
 from pagedkv.sample.beam_search_params import BeamSearchParams
 from pagedkv.sample.sampling_params import SamplingParams
 from pagedkv.server.errors import APIError, error_body, from_exception
+from pagedkv.server.limits import ServerLimits
 from pagedkv.server.metrics import RequestTracker, ServerMetrics
 from pagedkv.server.protocol import PromptTokensDetails, UsageInfo, _SamplingFields
 
@@ -76,17 +83,27 @@ class OpenAIServing:
         metrics: ServerMetrics,
         *,
         max_queued_requests: int | None = None,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
+        self.limits = limits or ServerLimits()
         self.tokenizer = engine.get_tokenizer()
         self.max_model_len: int = engine.engine.max_model_len
         self.vocab_size: int = engine.engine.runner.vocab_size
+        config = engine.engine.config
+        self.max_num_seqs: int = config.scheduling.max_num_seqs
+        self.max_logprobs: int = config.model.max_logprobs
+        self.max_prompt_chars: int = self.limits.max_prompt_chars or self.max_model_len * longest_token_chars(
+            self.tokenizer
+        )
         # Requests admitted that have not produced a token yet (waiting or in prefill): what
         # max_queued_requests bounds. Only the event loop changes it.
         self.num_queued = 0
+        # Every API request between admission and its end (end_all fails them at shutdown).
+        self.running: set[RunningRequest] = set()
 
     @property
     def model_name(self) -> str:
@@ -109,6 +126,48 @@ class OpenAIServing:
                 400,
                 "do_remote_decode needs stream=false: the answer carries the kv_transfer_params",
                 param="kv_transfer_params",
+            )
+        if request.n > self.max_num_seqs:
+            raise APIError(
+                400,
+                f"n = {request.n} exceeds max_num_seqs = {self.max_num_seqs}: its samples could never run together",
+                param="n",
+            )
+        for name in ("logprobs", "top_logprobs"):
+            value = getattr(request, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > self.max_logprobs:
+                raise APIError(400, f"{name} = {value} exceeds max_logprobs = {self.max_logprobs}", param=name)
+        stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        for stop in stops:
+            self.check_text(stop, "stop")
+
+    @staticmethod
+    def check_text(text: str, param: str) -> str:
+        """A 400 for text that is not valid Unicode (a lone surrogate, which JSON allows)."""
+        try:
+            return check_text(text, f"the {param} string")
+        except InvalidArgumentError as exc:
+            raise APIError(400, str(exc), param=param, code=type(exc).__name__) from None
+
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
+        """A 400 for a prompt longer than ``max_prompt_chars``, before it is tokenized."""
+        if num_chars > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"the {param} has {num_chars} characters, more than max_prompt_chars = {self.max_prompt_chars}",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def check_admission(self, num_requests: int) -> None:
+        """503 when ``num_requests`` more would pass ``max_queued_requests`` (checked before
+        any work, and again when they are added)."""
+        if self.max_queued_requests is not None and self.num_queued + num_requests > self.max_queued_requests:
+            raise APIError(
+                503,
+                f"the server has {self.num_queued} requests waiting for their first token and this one "
+                f"adds {num_requests} (max_queued_requests={self.max_queued_requests}); retry later",
+                code="server_overloaded",
             )
 
     def sampling_params(
@@ -192,13 +251,7 @@ class OpenAIServing:
         """Admit and add the engine requests, all or none: 503 over ``max_queued_requests``, a
         typed error (400) for what the engine refuses. Iterate the result for the outputs;
         :meth:`RunningRequest.close` aborts what has not finished."""
-        if self.max_queued_requests is not None and self.num_queued + len(requests) > self.max_queued_requests:
-            raise APIError(
-                503,
-                f"the server has {self.num_queued} requests waiting for their first token "
-                f"(max_queued_requests={self.max_queued_requests}); retry later",
-                code="server_overloaded",
-            )
+        self.check_admission(len(requests))
         if request.kv_transfer_params is not None and len(requests) > 1:
             raise APIError(400, "kv_transfer_params take a single prompt", param="kv_transfer_params")
         running = RunningRequest(self, len(requests))
@@ -222,6 +275,21 @@ class OpenAIServing:
             raise
         return running
 
+    def end_all(self, reason: str) -> int:
+        """Fail every running API request with a 503 saying ``reason`` (the server shuts down
+        and will not wait longer): its engine requests are aborted, a stream ends with an
+        in-band error event and ``data: [DONE]``, a whole answer is the 503. Returns how many."""
+        running = list(self.running)
+        for r in running:
+            r.fail(APIError(503, reason, code="server_shutting_down"))
+        return len(running)
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token of ``tokenizer`` stands for (its longest vocabulary entry:
+    a byte-level entry has one character per byte, so this bounds the decoded text too)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
 
 class RunningRequest:
     """The engine requests of one API request, from admission to the end: yields
@@ -238,6 +306,9 @@ class RunningRequest:
         self.queued = [False] * num_requests
         self.closed = False
         self._unfinished_reason = "abort"
+        # Set by fail(): raised to the reader instead of the outputs that follow.
+        self._error: APIError | None = None
+        serving.running.add(self)
 
     def queue(self, index: int) -> None:
         self.queued[index] = True
@@ -251,6 +322,8 @@ class RunningRequest:
     async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         try:
             async for index, out in _merge(self.streams):
+                if self._error is not None:
+                    raise self._error
                 now = time.time()
                 if any(c.token_ids for c in out.outputs) or out.finished:
                     self._dequeue(index)
@@ -258,16 +331,27 @@ class RunningRequest:
                 if out.finished:
                     self.trackers[index].finish(out, now, _request_finish_reason(out))
                 yield index, out
+            if self._error is not None:
+                raise self._error
         except RequestFailedError:
             self._unfinished_reason = "error"
             raise
         finally:
             self.close()
 
+    def fail(self, error: APIError) -> None:
+        """End the request now with ``error`` for its reader (its engine requests aborted)."""
+        if not self.closed:
+            self._error = error
+            for stream in self.streams:
+                stream.fail(error)  # wakes a reader waiting for the next output
+            self.close()
+
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        self.serving.running.discard(self)
         for stream in self.streams:
             stream.close()  # aborts the request unless it has finished
         now = time.time()

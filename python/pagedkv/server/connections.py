@@ -1,0 +1,105 @@
+"""uvicorn's HTTP/1.1 protocol with two guards against clients that hold connections open
+(slowloris): a header timeout and a cap on open connections.
+
+- Header timeout: a connection must send a request's complete headers within
+  ``header_timeout`` seconds of opening, and again within that time of the end of each
+  response; otherwise it is closed. (A request whose headers arrived is not timed: a long
+  generation or stream is the normal case.)
+- Connection cap: a connection that opens while ``max_connections`` are open is closed at once.
+- Header size: a request line and headers over uvicorn's ``h11_max_incomplete_event_size``
+  (16 KiB by default) get a 400 and the connection is closed; h11 enforces it itself, httptools' parser does not
+  (it would buffer whatever arrives before the header timeout), so it is counted here.
+
+uvicorn alone has neither: its keep-alive timer stops as soon as the first byte of a request
+arrives, so a client that sends a header line now and then holds a socket forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+__all__ = ["guarded_protocol"]
+
+logger = logging.getLogger(__name__)
+
+# h11's default limit on a request's line and headers (uvicorn's when not configured).
+_DEFAULT_MAX_HEADER_BYTES = 16 * 1024
+
+
+def _base_protocol() -> type[Any]:
+    """httptools' protocol where it is installed (the faster parser), else h11's."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        return HttpToolsProtocol
+    except ImportError:  # httptools is optional
+        from uvicorn.protocols.http.h11_impl import H11Protocol
+
+        return H11Protocol
+
+
+def guarded_protocol(header_timeout: float, max_connections: int) -> type[asyncio.Protocol]:
+    """A uvicorn HTTP protocol class (``uvicorn.Config(http=...)``) with both guards."""
+    base = _base_protocol()
+
+    class GuardedHTTPProtocol(base):  # type: ignore[misc, valid-type]
+        _header_timer: asyncio.TimerHandle | None = None
+        _header_bytes = 0
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                logger.warning("%d connections are open (max_connections): closing a new one", len(self.connections))
+                transport.close()
+                return
+            self._arm_header_timer()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm_header_timer()  # the next request's headers are timed afresh
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+        def _arm_header_timer(self) -> None:
+            self._cancel_header_timer()
+            # `cycle` is replaced when a request's headers are complete: if it is still this
+            # one when the timer fires, no request started in time.
+            self._header_timer = self.loop.call_later(header_timeout, self._header_timeout, self.cycle)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        # httptools' callbacks (h11 never calls them): count what the headers hold so far.
+        def on_url(self, url: bytes) -> None:
+            self._count_header_bytes(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count_header_bytes(len(name) + len(value))
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._header_bytes = 0
+            super().on_headers_complete()
+
+        def _count_header_bytes(self, n: int) -> None:
+            self._header_bytes += n
+            limit = self.config.h11_max_incomplete_event_size or _DEFAULT_MAX_HEADER_BYTES
+            if self._header_bytes > limit:
+                # httptools turns a callback's exception into a parser error: uvicorn answers 400
+                # and closes the connection.
+                raise ValueError("request headers too large")
+
+        def _header_timeout(self, cycle_when_armed: object) -> None:
+            self._header_timer = None
+            if self.cycle is cycle_when_armed and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedHTTPProtocol
