@@ -48,9 +48,9 @@ def test_offload_flags_parse_into_engine_args() -> None:
         "kv_cache_dir": "/tmp/kv",
         "kv_cache_dir_max_bytes": 4096,
     }
-    # demo: --host-kv-cache-memory in MiB, like its --kv-cache-memory
-    args = parse(demo_cli, ["--host-kv-cache-memory", "64", "--preemption-mode", "swap"])
-    assert generate_cli.offload_engine_args(args, host_memory_scale=1 << 20) == {
+    # demo: the same unit (bytes) and suffixes as generate
+    args = parse(demo_cli, ["--host-kv-cache-memory", "64MiB", "--preemption-mode", "swap"])
+    assert generate_cli.offload_engine_args(args) == {
         "preemption_mode": "swap",
         "host_kv_cache_memory": 64 << 20,
     }
@@ -127,7 +127,7 @@ def test_generate_swaps_on_a_tiny_pool(monkeypatch: pytest.MonkeyPatch, capsys: 
 
 def test_demo_prints_the_tiers(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["demo", "--device", "cpu", "--num-prompts", "10", "--max-tokens", "16", "--max-prompt-tokens", "160"]
-    argv += ["--max-model-len", "256", "--kv-cache-memory", "12", "--show", "0"]
+    argv += ["--max-model-len", "256", "--kv-cache-memory", "12MiB", "--show", "0"]
     assert main(argv + ["--num-host-blocks", "48", "--preemption-mode", "swap"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^host KV tier: 48 blocks = 768 token slots, 34 MiB; preemption mode swap", out, re.M)
@@ -143,7 +143,7 @@ def test_demo_prints_the_tiers(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_demo_without_a_tier_prints_no_tier_lines(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["demo", "--device", "cpu", "--num-prompts", "2", "--max-tokens", "4", "--max-prompt-tokens", "160"]
-    assert main(argv + ["--max-model-len", "256", "--kv-cache-memory", "12", "--show", "0"]) == 0
+    assert main(argv + ["--max-model-len", "256", "--kv-cache-memory", "12MiB", "--show", "0"]) == 0
     out = capsys.readouterr().out
     summary = out.split("=== pagedkv demo ===", 1)[1].strip().splitlines()
     assert [line.split()[0] for line in summary] == [
@@ -162,7 +162,7 @@ def test_demo_without_a_tier_prints_no_tier_lines(capsys: pytest.CaptureFixture[
 def test_demo_with_a_disk_tier_flushes_to_it(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     folder = tmp_path / "kv"
     argv = ["demo", "--device", "cpu", "--num-prompts", "4", "--max-tokens", "8", "--max-prompt-tokens", "160"]
-    argv += ["--max-model-len", "256", "--kv-cache-memory", "12", "--show", "0", "--num-host-blocks", "16"]
+    argv += ["--max-model-len", "256", "--kv-cache-memory", "12MiB", "--show", "0", "--num-host-blocks", "16"]
     argv += ["--kv-cache-dir", str(folder), "--kv-cache-dir-max-bytes", str(64 << 20)]
     assert main(argv) == 0
     out = capsys.readouterr().out

@@ -8,7 +8,7 @@ and preemption all show), and prints a few completions, the throughput, and what
 did: peak usage, memory utilization (tokens held / slots allocated), prefix-cache hit rate,
 preemptions.
 
-With a host-memory KV tier (``--num-host-blocks`` / ``--host-kv-cache-memory`` MiB /
+With a host-memory KV tier (``--num-host-blocks`` / ``--host-kv-cache-memory`` (a size: ``1GiB``) /
 ``--swap-space`` GiB) and ``--preemption-mode swap|auto``, preempted requests' KV is swapped to
 the host and back instead of recomputed, and the summary adds what the tiers did: host blocks
 and bytes, host usage, swap vs recompute preemptions, blocks and bytes swapped each way,
@@ -28,6 +28,7 @@ from typing import Any
 
 from pagedkv.cli.generate import add_offload_arguments, offload_engine_args
 from pagedkv.errors import PagedKVError
+from pagedkv.sizes import byte_size_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer ShareGPT prompts")
-    p.add_argument("--kv-cache-memory", type=int, default=256, help="KV cache MiB (CPU; default 256)")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=byte_size_arg,
+        default="256MiB",
+        metavar="SIZE",
+        help="KV cache size: bytes or with a unit (CPU; default: 256MiB)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=2048, help="longest sequence (the pool must hold one)")
     p.add_argument(
@@ -49,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show", type=int, default=3, help="completions to print")
     p.add_argument("--device", default="auto")
-    add_offload_arguments(p, host_memory_unit="MiB (like --kv-cache-memory)")
+    add_offload_arguments(p)
 
 
 def _sharegpt_prompts(tokenizer: Any, num: int, max_tokens: int) -> list[tuple[str, list[int]]]:
@@ -81,13 +88,13 @@ def run(args: argparse.Namespace) -> int:
         engine = LLMEngine(
             model=args.model,
             device=args.device,
-            kv_cache_memory=args.kv_cache_memory << 20,
+            kv_cache_memory=args.kv_cache_memory,
             block_size=args.block_size,
             kv_cache_dtype=args.kv_cache_dtype,
             max_num_seqs=args.max_num_seqs,
             max_model_len=args.max_model_len,
             seed=args.seed,
-            **offload_engine_args(args, host_memory_scale=1 << 20),
+            **offload_engine_args(args),
         )
     except PagedKVError as exc:
         print(f"pagedkv demo: {type(exc).__name__}: {exc}", file=sys.stderr)

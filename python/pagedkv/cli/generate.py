@@ -4,7 +4,10 @@ pagedkv generate --prompt "The capital of France is" --max-tokens 32 --temperatu
 pagedkv generate --model Qwen/Qwen2.5-0.5B-Instruct --chat --prompt "Tell me a joke"
 pagedkv generate --prompt "Once upon a time" --swap-space 1 --preemption-mode auto
 
-KV offload: ``--num-host-blocks`` / ``--host-kv-cache-memory`` (bytes) / ``--swap-space`` (GiB)
+Sizes (``--kv-cache-memory``, ``--host-kv-cache-memory``, ``--kv-cache-dir-max-bytes``) are bytes,
+or a size with a unit: ``512MiB``, ``8GiB``, ``1.5GB`` (the same in every command).
+
+KV offload: ``--num-host-blocks`` / ``--host-kv-cache-memory`` / ``--swap-space`` (GiB)
 size the host-memory tier (at most one), ``--preemption-mode`` picks what a preempted request's
 KV does (``swap`` and ``auto`` need a host tier), ``--kv-cache-dir`` /
 ``--kv-cache-dir-max-bytes`` set up the disk tier.
@@ -18,6 +21,7 @@ import sys
 from typing import Any
 
 from pagedkv.errors import PagedKVError
+from pagedkv.sizes import byte_size_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,34 +45,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU)")
+    p.add_argument(
+        "--kv-cache-memory", type=byte_size_arg, default=None, metavar="SIZE", help="KV cache size (e.g. 512MiB; CPU)"
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
         help="KV cache dtype: auto (the model's), int8, fp8 (= fp8_e4m3), fp8_e5m2 (quantized, a scale per token and head)",
     )
-    add_offload_arguments(p, host_memory_unit="bytes")
+    add_offload_arguments(p)
     p.add_argument("--json", action="store_true", help="print the outputs as JSON")
 
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
-def add_offload_arguments(p: argparse.ArgumentParser, *, host_memory_unit: str) -> None:
+def add_offload_arguments(p: argparse.ArgumentParser) -> None:
     """The KV offload tier's flags (EngineArgs' num_host_blocks, host_kv_cache_memory,
-    swap_space, preemption_mode, kv_cache_dir, kv_cache_dir_max_bytes). ``host_memory_unit``:
-    what ``--host-kv-cache-memory`` counts ("bytes" or "MiB", like the command's
-    ``--kv-cache-memory``)."""
+    swap_space, preemption_mode, kv_cache_dir, kv_cache_dir_max_bytes); sizes in bytes or with
+    a unit (``8GiB``)."""
     g = p.add_argument_group("KV offload (host and disk tiers)")
     g.add_argument(
         "--num-host-blocks", type=int, default=None, help="host-memory KV tier size in blocks (0: no host tier)"
     )
     g.add_argument(
         "--host-kv-cache-memory",
-        type=int,
+        type=byte_size_arg,
         default=None,
-        help=f"host-memory KV tier size in {host_memory_unit}",
+        metavar="SIZE",
+        help="host-memory KV tier size (e.g. 2GiB)",
     )
     g.add_argument("--swap-space", type=float, default=None, help="host-memory KV tier size in GiB")
     g.add_argument(
@@ -79,17 +85,22 @@ def add_offload_arguments(p: argparse.ArgumentParser, *, host_memory_unit: str) 
         "(the cheaper per preemption); swap and auto need a host tier (default: recompute)",
     )
     g.add_argument("--kv-cache-dir", default=None, help="folder of the disk KV tier (created if missing)")
-    g.add_argument("--kv-cache-dir-max-bytes", type=int, default=None, help="the most bytes the disk tier may hold")
+    g.add_argument(
+        "--kv-cache-dir-max-bytes",
+        type=byte_size_arg,
+        default=None,
+        metavar="SIZE",
+        help="the most the disk tier may hold (e.g. 20GiB)",
+    )
 
 
-def offload_engine_args(args: argparse.Namespace, *, host_memory_scale: int = 1) -> dict[str, Any]:
-    """The EngineArgs of the offload flags that were given (``host_memory_scale``: bytes per
-    unit of ``--host-kv-cache-memory``)."""
+def offload_engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineArgs of the offload flags that were given."""
     engine_args: dict[str, Any] = {"preemption_mode": args.preemption_mode}
     if args.num_host_blocks is not None:
         engine_args["num_host_blocks"] = args.num_host_blocks
     if args.host_kv_cache_memory is not None:
-        engine_args["host_kv_cache_memory"] = args.host_kv_cache_memory * host_memory_scale
+        engine_args["host_kv_cache_memory"] = args.host_kv_cache_memory
     if args.swap_space is not None:
         engine_args["swap_space"] = args.swap_space
     if args.kv_cache_dir is not None:

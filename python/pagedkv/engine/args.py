@@ -9,8 +9,12 @@ from typing import Any
 from pagedkv.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulingConfig
 from pagedkv.distributed.transfer_config import KVTransferConfig
 from pagedkv.errors import ConfigError
+from pagedkv.sizes import as_byte_count
 
-__all__ = ["EngineArgs"]
+__all__ = ["BYTE_SIZE_FIELDS", "EngineArgs"]
+
+# The fields that are byte counts: an int, or a size string ("8GiB", "512MiB", "1.5GB", "4096").
+BYTE_SIZE_FIELDS = ("kv_cache_memory", "host_kv_cache_memory", "kv_cache_dir_max_bytes")
 
 
 @dataclass
@@ -23,7 +27,8 @@ class EngineArgs:
       ``"float16"``, ``"bfloat16"``.
     - ``device``: ``"auto"`` (CUDA if available), ``"cuda"``, ``"cuda:N"``, ``"cpu"``.
     - ``block_size``: tokens per KV block (power of two, 8 .. 4096).
-    - ``num_blocks`` / ``kv_cache_memory`` (bytes) / ``gpu_memory_utilization``: KV pool size
+    - ``num_blocks`` / ``kv_cache_memory`` (bytes, or a size such as ``"512MiB"``) /
+      ``gpu_memory_utilization``: KV pool size
       (explicit blocks up to 2^24, a byte budget, or on CUDA a fraction of the device after
       profiling; not both ``num_blocks`` and ``kv_cache_memory``). A budget is a ceiling: past
       2^24 blocks the pool is clamped with a warning; a pool larger than the device's memory
@@ -37,7 +42,7 @@ class EngineArgs:
       each token is stored (no calibration); the same memory holds ~3.9x the tokens of a
       float32 cache (head_dim 64). ``kv_cache_scales="checkpoint"`` uses the checkpoint's
       static ``k_scale`` / ``v_scale`` instead.
-    - ``num_host_blocks`` / ``host_kv_cache_memory`` (bytes) / ``swap_space`` (GiB): size of
+    - ``num_host_blocks`` / ``host_kv_cache_memory`` (bytes or a size) / ``swap_space`` (GiB): size of
       the host-memory KV tier (at most one; ``num_host_blocks=0`` or none of them: no host
       tier). A budget is turned into blocks of the device pool's size in bytes by the runner
       (less than one block is an error); a host pool larger than the host's available memory
@@ -54,6 +59,8 @@ class EngineArgs:
     - ``attention_backend``: ``"triton"``, ``"cpu"``, ``"torch"`` or ``None`` (Triton on CUDA,
       the Rust decode kernel + torch on the CPU).
     - ``seed``: seed of the global generator used by unseeded random sampling.
+    - ``trust_remote_code``: run the Python code a model repository ships (transformers'
+      option of the same name); only for repositories you trust.
     - ``tensor_parallel_size``, ``distributed_executor_backend``: split every layer's attention
       heads, KV heads and MLP over N ranks (N processes on the CPU, N devices on CUDA; the
       heads and KV heads must divide by N), run as ``"mp"`` (local worker processes, the
@@ -75,7 +82,7 @@ class EngineArgs:
     device: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_memory: int | None = None
+    kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -84,11 +91,11 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     kv_cache_scales: str = "dynamic"
     num_host_blocks: int | None = None
-    host_kv_cache_memory: int | None = None
+    host_kv_cache_memory: int | str | None = None
     swap_space: float | None = None
     preemption_mode: str = "recompute"
     kv_cache_dir: str | None = None
-    kv_cache_dir_max_bytes: int | None = None
+    kv_cache_dir_max_bytes: int | str | None = None
     enable_kv_cache_events: bool = False
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
@@ -113,6 +120,8 @@ class EngineArgs:
                 setattr(self, name, os.fspath(getattr(self, name)))
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config)
+        for name in BYTE_SIZE_FIELDS:  # "8GiB" -> bytes, once
+            setattr(self, name, as_byte_count(getattr(self, name), name))
         self.create_engine_config()
 
     def create_engine_config(self) -> EngineConfig:
@@ -131,16 +140,16 @@ class EngineArgs:
             cache=CacheConfig(
                 block_size=self.block_size,
                 num_blocks=self.num_blocks,
-                kv_cache_memory=self.kv_cache_memory,
+                kv_cache_memory=as_byte_count(self.kv_cache_memory, "kv_cache_memory"),
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 enable_prefix_caching=self.enable_prefix_caching,
                 kv_cache_dtype=self.kv_cache_dtype,
                 kv_cache_scales=self.kv_cache_scales,
                 num_host_blocks=self.num_host_blocks,
-                host_kv_cache_memory=self.host_kv_cache_memory,
+                host_kv_cache_memory=as_byte_count(self.host_kv_cache_memory, "host_kv_cache_memory"),
                 swap_space=self.swap_space,
                 kv_cache_dir=self.kv_cache_dir,
-                kv_cache_dir_max_bytes=self.kv_cache_dir_max_bytes,
+                kv_cache_dir_max_bytes=as_byte_count(self.kv_cache_dir_max_bytes, "kv_cache_dir_max_bytes"),
                 enable_kv_cache_events=self.enable_kv_cache_events,
             ),
             scheduling=SchedulingConfig(

@@ -21,13 +21,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pagedkv.config import KV_CACHE_DTYPES, KV_DTYPE_BYTES, KVGeometry, kv_dtype_info
 from pagedkv.errors import ConfigError
+from pagedkv.sizes import parse_bytes  # re-exported: the one size parser
 
 __all__ = [
     "DEFAULT_SWAP_BYTES_PER_SECOND",
@@ -212,37 +212,6 @@ def num_blocks_for_budget(budget_bytes: int, geometry: KVGeometry, block_size: i
             f"{block_size} tokens x {geometry.bytes_per_token:,} B/token)"
         )
     return blocks
-
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(text: str, *, name: str = "kv_memory") -> int:
-    """Bytes in ``"8GiB"``, ``"512 MB"``, ``"1.5e9"`` or ``"4096"`` (KB/MB/GB are powers of 10, KiB/MiB/GiB of 2)."""
-    match = _SIZE.match(str(text))
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ConfigError(f"{name} {text!r} is not a size (examples: 8GiB, 512MB, 1.5e9, 4096)")
-    value = float(match.group(1)) * _UNITS[unit]
-    if not math.isfinite(value) or value < 1:
-        raise ConfigError(f"{name} {text!r} must be at least 1 byte")
-    return int(value)
 
 
 def parse_bandwidth(value: float | int | str, *, name: str = "swap_bandwidth") -> float:
