@@ -1,10 +1,12 @@
 """Smoke check of an installed pagedkv (run by `make test-packaging` inside fresh virtual
 environments that hold only the wheel and numpy): the extension imports, the typing files are
-shipped, and the core works end to end."""
+shipped, the core works end to end, and without torch the engine's entry points (``pagedkv.LLM``,
+``pagedkv generate``) say ``pip install 'pagedkv[engine]'``."""
 
 from __future__ import annotations
 
 import importlib.resources
+import importlib.util
 
 import numpy as np
 
@@ -36,4 +38,22 @@ s.check_invariants()
 from importlib import resources
 
 assert resources.files("pagedkv.server").joinpath("static/dashboard.html").is_file(), "dashboard.html not packaged"
+
+# Without the engine extra (no torch here), the engine's entry points say what to install
+# instead of a bare ModuleNotFoundError: the Python API and the command line.
+if importlib.util.find_spec("torch") is None:
+    import subprocess
+    import sys
+
+    try:
+        pagedkv.LLM()
+    except pagedkv.MissingDependencyError as exc:
+        assert isinstance(exc, ImportError) and "pip install 'pagedkv[engine]'" in str(exc), exc
+    else:
+        raise AssertionError("pagedkv.LLM() without torch must raise MissingDependencyError")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedkv", "generate", "--prompt", "hi"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert "pip install 'pagedkv[engine]'" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 print(f"pagedkv {pagedkv.__version__} from {pagedkv.__file__}: OK")

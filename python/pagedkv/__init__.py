@@ -5,7 +5,8 @@ continuous-batching scheduler; the Python side owns tensors and model execution.
 
 The engine classes (``LLM``, ``LLMEngine``, ``AsyncLLM``, ``SamplingParams``, ...) need torch
 and transformers; they are imported on first use, so ``import pagedkv`` for the core alone stays
-light and works without them.
+light and works without them (``pagedkv.LLM`` then raises ``MissingDependencyError``, an
+``ImportError`` that says ``pip install 'pagedkv[engine]'``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pagedkv._core import (
 )
 from pagedkv.errors import *  # noqa: F401,F403  (the exception tree is part of the public API)
 from pagedkv.errors import __all__ as _errors_all
+from pagedkv.extras import needs_extra
 
 if TYPE_CHECKING:
     from pagedkv.engine.args import EngineArgs
@@ -55,7 +57,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'pagedkv' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    with needs_extra(f"pagedkv.{name}"):  # a core-only install: say which extra to install
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

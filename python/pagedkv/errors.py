@@ -30,6 +30,7 @@ __all__ = [
     "RequestFailedError",
     "EngineDeadError",
     "KVTransferError",
+    "MissingDependencyError",
 ]
 
 
@@ -108,3 +109,8 @@ class KVTransferError(PagedKVError, RuntimeError):
     """A KV block transfer between two engines failed: the peer died or disconnected, the
     transfer engine reported an error, or it did not finish within the caller's timeout
     (``pagedkv.distributed``). The local target blocks hold undefined data afterwards."""
+
+
+class MissingDependencyError(PagedKVError, ImportError):
+    """A feature needs a package of an extra that is not installed; the message says which
+    (``pip install 'pagedkv[engine]'`` for the model engine on a core-only install)."""

@@ -16,6 +16,9 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from pagedkv.errors import MissingDependencyError
+from pagedkv.extras import needs_extra
+
 # subcommand -> (module, one-line help). Each module defines add_arguments(parser) and run(args).
 SUBCOMMANDS = {
     "generate": ("pagedkv.cli.generate", "generate text for one or more prompts"),
@@ -41,11 +44,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # Find the subcommand first, then let its module add its own arguments.
     known, _ = parser.parse_known_args(argv)
-    module = importlib.import_module(known._module)
-    sub_parser = argparse.ArgumentParser(prog=f"pagedkv {known.command}", description=SUBCOMMANDS[known.command][1])
-    module.add_arguments(sub_parser)
-    args = sub_parser.parse_args(argv[argv.index(known.command) + 1 :])
-    return int(module.run(args) or 0)
+    try:
+        # A core-only install lacks the engine's packages: say which extra to install.
+        with needs_extra(f"pagedkv {known.command}"):
+            module = importlib.import_module(known._module)
+            sub_parser = argparse.ArgumentParser(
+                prog=f"pagedkv {known.command}", description=SUBCOMMANDS[known.command][1]
+            )
+            module.add_arguments(sub_parser)
+            args = sub_parser.parse_args(argv[argv.index(known.command) + 1 :])
+            return int(module.run(args) or 0)
+    except MissingDependencyError as exc:
+        print(f"pagedkv {known.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
