@@ -28,8 +28,11 @@ $(DEPS_STAMP): pyproject.toml | $(PY)
 deps: $(DEPS_STAMP)
 
 # Builds the extension in release mode into the virtual environment (editable: python/ is used in place).
+# maturin hands pip every Requires-Dist line, the extras' included (`torch; extra == "engine"`), and
+# pip would say "Ignoring ...: markers ... don't match" for each of them: PIP_QUIET keeps pip to
+# warnings and errors, like the -q of every other install here (the extras come from $(DEPS_STAMP)).
 $(BUILD_STAMP): $(DEPS_STAMP) $(RUST_SOURCES) pyproject.toml
-	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH maturin develop --release -q
+	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH PIP_QUIET=1 maturin develop --release -q
 	touch $@
 
 build: $(BUILD_STAMP)
@@ -74,8 +77,8 @@ bench-rust: $(DEPS_STAMP)
 	$(PY) benches/record_cargo_bench.py
 
 bench-python: build
-	$(PY) benches/bench_bindings.py
-	$(PY) benches/bench_scheduler.py
+	$(PY) benches/bench_bindings.py --write
+	$(PY) benches/bench_scheduler.py --write
 
 # Python: ruff (format and lint) over python/ tests/ benches/, mypy on the package (run from
 # python/ so that the repository's `kernels` link is not taken for a second package), the stub

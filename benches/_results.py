@@ -1,9 +1,13 @@
 """Helpers for benchmark scripts: machine description, timing, and writing a section of
 benches/RESULTS.md (between `<!-- BEGIN name -->` and `<!-- END name -->` markers, so each
-benchmark rewrites only its own section)."""
+benchmark rewrites only its own section).
+
+Writing the record is opt-in: a bench updates the tracked RESULTS.md (and its plots) only with
+`--write` (:func:`add_write_flag`); a plain run prints its figures and leaves the tree alone."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -60,6 +64,20 @@ def time_calls(fn: Callable[[], object], *, repeat: int, warmup: int = 3) -> dic
         "p10_us": samples[len(samples) // 10],
         "p90_us": samples[(len(samples) * 9) // 10],
     }
+
+
+def add_write_flag(parser: argparse.ArgumentParser) -> None:
+    """`--write`: record this run in benches/RESULTS.md (and its plot); off by default. The
+    benches read `args.no_write` (True unless `--write`). `--no-write`, the old way to say the
+    default, is still accepted."""
+    parser.add_argument(
+        "--write",
+        dest="no_write",
+        action="store_false",
+        default=True,
+        help="record this run in benches/RESULTS.md (and its plot); default: print only",
+    )
+    parser.add_argument("--no-write", dest="no_write", action="store_true", default=True, help=argparse.SUPPRESS)
 
 
 def write_section(name: str, command: str, body: str, heading: str | None = None) -> None:

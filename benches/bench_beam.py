@@ -22,7 +22,7 @@
    (every beam's tokens) for all of them.
 
     python benches/bench_beam.py [--num-prompts 8] [--max-prompt 256] [--max-tokens 32] \
-        [--widths 2,4,6] [--throughput-width 4] [--rounds 1] [--quick] [--no-write]
+        [--widths 2,4,6] [--throughput-width 4] [--rounds 1] [--quick] [--write]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import cpu_seconds_machine, cpu_seconds_self, machine, md_table, write_section  # noqa: E402
+from _results import add_write_flag, cpu_seconds_machine, cpu_seconds_self, machine, md_table, write_section  # noqa: E402
 
 SECTION = "beam"
 HEADING = "## Beam search: KV sharing and throughput vs transformers"
@@ -323,7 +323,7 @@ def main() -> None:
     )
     ap.add_argument("--no-hf-batched", action="store_true", help="skip transformers with left-padded batches")
     ap.add_argument("--quick", action="store_true", help="2 prompts, 8 tokens, widths 2,4 (smoke run; no write)")
-    ap.add_argument("--no-write", action="store_true", help="do not write RESULTS.md or the plot")
+    add_write_flag(ap)
     args = ap.parse_args()
     if args.quick:
         args.num_prompts, args.max_tokens, args.widths, args.throughput_width = 2, 8, "2,4", 2

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import md_table, time_calls, write_section  # noqa: E402
+from _results import add_write_flag, md_table, time_calls, write_section  # noqa: E402
 
 import pagedkv  # noqa: E402
 
@@ -23,7 +23,7 @@ import pagedkv  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (smoke run)")
-    ap.add_argument("--no-write", action="store_true", help="do not update benches/RESULTS.md")
+    add_write_flag(ap)
     args = ap.parse_args()
     rep = 200 if args.quick else 20_000
     rows = []

@@ -63,6 +63,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import (  # noqa: E402
+    add_write_flag,
     cpu_seconds_machine,
     cpu_seconds_pid,
     cpu_seconds_self,
@@ -474,7 +475,7 @@ def main() -> None:
     ap.add_argument("--start-timeout", type=float, default=300.0, help="seconds for a deployment to become healthy")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 requests, short prompts, no RESULTS.md")
-    ap.add_argument("--no-write", action="store_true")
+    add_write_flag(ap)
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.num_prompts, args.prompt_blocks, args.max_question = 8, 2, 4, 32

@@ -49,7 +49,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import md_table, write_section  # noqa: E402
+from _results import add_write_flag, md_table, write_section  # noqa: E402
 
 Requests = list[tuple[list[int], int]]  # (prompt token ids, output length)
 
@@ -517,7 +517,7 @@ def main() -> None:
         help="with --preemption-modes: run every mode this many times (odd rounds in reverse order); tok/s averaged",
     )
     ap.add_argument("--quick", action="store_true", help="8 short requests (smoke run)")
-    ap.add_argument("--no-write", action="store_true")
+    add_write_flag(ap)
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.max_output, args.no_write = 8, 16, True

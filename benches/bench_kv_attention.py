@@ -16,7 +16,7 @@ Targets (issue 10): int8 at least 2x faster than float32, and at least 60% of th
 bandwidth. The last column is the same kernel on 4 sequences called repeatedly, whose KV stays
 in the last-level cache: the rate its arithmetic allows with memory out of the way.
 
-    python benches/bench_kv_attention.py [--quick] [--no-write] [--repeats N]
+    python benches/bench_kv_attention.py [--quick] [--write] [--repeats N]
 
 `--quick` is a smoke run on tiny shapes; it never writes RESULTS.md.
 """
@@ -37,7 +37,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _results import md_table, write_section
+from _results import add_write_flag, md_table, write_section
 
 from pagedkv.kernels import cpu, kv_quant
 
@@ -166,7 +166,7 @@ def run(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke run); never writes RESULTS.md")
-    ap.add_argument("--no-write", action="store_true", help="do not update benches/RESULTS.md")
+    add_write_flag(ap)
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per dtype (default 40; quick: 3)")
     args = ap.parse_args()
     torch.set_grad_enabled(False)

@@ -9,7 +9,7 @@ and what that does to a serving workload.
    ShareGPT requests under that budget per dtype: peak and mean running sequences,
    preemptions, steps to finish, KV usage. A bfloat16 row (a GPU model's cache) is included.
 
-    python benches/bench_kv_capacity.py [--kv-memory 256MiB] [--num-requests 1000] [--quick] [--no-write]
+    python benches/bench_kv_capacity.py [--kv-memory 256MiB] [--num-requests 1000] [--quick] [--write]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import md_table, write_section  # noqa: E402
+from _results import add_write_flag, md_table, write_section  # noqa: E402
 
 RUNNER_DTYPES = ["auto", "int8", "fp8_e4m3", "fp8_e5m2"]  # auto = float32 on the CPU
 SIM_DTYPES = ["float32", "bfloat16", "int8", "fp8_e4m3", "fp8_e5m2"]
@@ -86,7 +86,7 @@ def main() -> int:
     parser.add_argument("--kv-memory", default="256MiB", help="KV budget (bytes or a size such as 256MiB)")
     parser.add_argument("--num-requests", type=int, default=1000)
     parser.add_argument("--quick", action="store_true", help="smoke run: 128 MiB, 50 requests, no RESULTS.md")
-    parser.add_argument("--no-write", action="store_true")
+    add_write_flag(parser)
     args = parser.parse_args()
     from pagedkv.sim.kv_budget import parse_bytes
 

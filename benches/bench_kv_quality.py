@@ -34,7 +34,7 @@ tokens prefilled in one step and the last N decoded one token per step (query le
 path the cpu backend serves with its Rust decode kernel), per dtype; those logits against the
 one-forward rows and against auto.
 
-    python benches/bench_kv_quality.py [--num-seqs 24] [--seq-len 1024] [--quick] [--no-write]
+    python benches/bench_kv_quality.py [--num-seqs 24] [--seq-len 1024] [--quick] [--write]
 
 ``--quick`` is a smoke run (2 sequences of 160 tokens: a few hundred positions); it never writes
 RESULTS.md. Memory: the logits of one sequence per runner at a time ([T, 49152] float32, 200 MB
@@ -58,7 +58,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import md_table, write_section  # noqa: E402
+from _results import add_write_flag, md_table, write_section  # noqa: E402
 
 SECTION = "KV cache quality: quantized vs full-precision KV (issue 10)"
 QUANT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
@@ -208,7 +208,7 @@ def main() -> None:
         "--decode-check", type=int, default=128, help="last tokens of sequence 1 decoded one per step (0: skip)"
     )
     ap.add_argument("--quick", action="store_true", help="2 sequences of 160 tokens (smoke run; never writes)")
-    ap.add_argument("--no-write", action="store_true")
+    add_write_flag(ap)
     args = ap.parse_args()
     if args.quick:
         args.num_seqs, args.seq_len, args.no_write = 2, 160, True

@@ -9,7 +9,7 @@ cannot coalesce. A run of k blocks is 2 * 30 contiguous regions of k * 12,288 B 
 is a spawned process; the reader (this process) pulls. GB/s = bytes moved / median time of the
 transfers (start to completion, 1 GB = 1e9 B).
 
-    python benches/bench_kv_transport.py [--runs 1,4,16,64] [--blocks 64] [--repeats 7] [--no-write]
+    python benches/bench_kv_transport.py [--runs 1,4,16,64] [--blocks 64] [--repeats 7] [--write]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import machine, md_table, write_section  # noqa: E402
+from _results import add_write_flag, machine, md_table, write_section  # noqa: E402
 
 from pagedkv.distributed.kv_transport import KVTransport, nixl_available  # noqa: E402
 from pagedkv.distributed.transports import make_transport  # noqa: E402
@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--runs", default="1,4,16,64")
     ap.add_argument("--blocks", type=int, default=64, help="blocks per transfer")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--no-write", action="store_true")
+    add_write_flag(ap)
     args = ap.parse_args()
     runs = [int(x) for x in args.runs.split(",")]
     num_blocks = 2 * args.blocks + 1  # room for the gaps between runs of 1

@@ -54,6 +54,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import (  # noqa: E402
+    add_write_flag,
     cpu_seconds_machine,
     cpu_seconds_pid,
     cpu_seconds_self,
@@ -572,7 +573,7 @@ def main() -> None:
     ap.add_argument("--max-minutes", type=float, default=10.0, help="skip later rounds past this budget")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: 16 requests, 4 short prompts, one round")
-    ap.add_argument("--no-write", action="store_true")
+    add_write_flag(ap)
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.num_prompts, args.prompt_blocks, args.max_question = 16, 4, 6, 32

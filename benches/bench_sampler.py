@@ -14,7 +14,7 @@ shows). Target: every setting <= 2x the greedy step.
    same engine (swapped in) for comparison. On a slow-matmul CPU the LM head (256 x 576 x
    49152) dominates the step; the sampling column is the host work this issue is about.
 
-    python benches/bench_sampler.py [--quick] [--no-write] [--skip-old] [--skip-engine]
+    python benches/bench_sampler.py [--quick] [--write] [--skip-old] [--skip-engine]
 
 `--quick` is a smoke run on tiny shapes (a 1024-token vocab, a tiny model); it never writes
 RESULTS.md.
@@ -43,7 +43,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _results import md_table, write_section
+from _results import add_write_flag, md_table, write_section
 
 from pagedkv.sample import sampler as new_sampler
 from pagedkv.sample.sampling_params import SamplingParams
@@ -322,7 +322,7 @@ def bench_engine(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke run); never writes RESULTS.md")
-    ap.add_argument("--no-write", action="store_true", help="do not update benches/RESULTS.md")
+    add_write_flag(ap)
     ap.add_argument("--skip-old", action="store_true", help="do not time the old sampler")
     ap.add_argument("--skip-engine", action="store_true", help="sampler alone only")
     args = ap.parse_args()

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import md_table, write_section  # noqa: E402
+from _results import add_write_flag, md_table, write_section  # noqa: E402
 
 import pagedkv  # noqa: E402
 
@@ -153,7 +153,7 @@ def utilization(num_requests: int) -> tuple[str, list[list[object]]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
-    ap.add_argument("--no-write", action="store_true", help="do not update benches/RESULTS.md")
+    add_write_flag(ap)
     args = ap.parse_args()
     decode_args = (256, 2048, 1000) if not args.quick else (32, 256, 50)
     d = decode_steps(*decode_args)

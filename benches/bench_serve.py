@@ -51,6 +51,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import (  # noqa: E402
+    add_write_flag,
     cpu_seconds_machine,
     cpu_seconds_pid,
     cpu_seconds_self,
@@ -498,7 +499,7 @@ def main() -> None:
     ap.add_argument("--max-minutes", type=float, default=15.0, help="skip later rounds past this budget")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="smoke run: 6 short requests, one rate, one round")
-    ap.add_argument("--no-write", action="store_true")
+    add_write_flag(ap)
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.rate_requests, args.rates, args.max_output = 6, 6, "2", 16

@@ -17,7 +17,7 @@ time of the repeats. The references, same run:
 * on CUDA (when available): pinned host -> device and device -> host ``copy_`` of the large
   tensor, non-blocking and synchronized (the device is then the GPU, the host tier pinned).
 
-    python benches/bench_swap_bandwidth.py [--blocks 1,8,64,256] [--dtypes float32,int8] [--no-write]
+    python benches/bench_swap_bandwidth.py [--blocks 1,8,64,256] [--dtypes float32,int8] [--write]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import md_table, write_section  # noqa: E402
+from _results import add_write_flag, md_table, write_section  # noqa: E402
 
 SECTION = "Swap copy bandwidth (issue 11)"
 
@@ -216,7 +216,7 @@ def main() -> None:
     ap.add_argument("--min-repeats", type=int, default=5)
     ap.add_argument("--min-time", type=float, default=0.3, help="seconds of repeats per measurement, at least")
     ap.add_argument("--device", default="auto", help="auto (CUDA if available), cpu, cuda")
-    ap.add_argument("--no-write", action="store_true")
+    add_write_flag(ap)
     args = ap.parse_args()
     args.blocks = [int(b) for b in args.blocks.split(",") if b.strip()]
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]

@@ -34,7 +34,7 @@ from typing import Any
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import md_table, write_section  # noqa: E402
+from _results import add_write_flag, md_table, write_section  # noqa: E402
 from bench_engine import load_requests  # noqa: E402
 
 from pagedkv.parallel.step_broadcast import empty_step  # noqa: E402
@@ -221,7 +221,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,3", help="TP sizes for SmolLM2 (its 3 KV heads: 1 or 3)")
     ap.add_argument("--llama-sizes", default="1,2", help="TP sizes for the random Llama ('' to skip)")
     ap.add_argument("--repeats", type=int, default=50, help="empty steps timed for the idle broadcast")
-    ap.add_argument("--no-write", action="store_true")
+    add_write_flag(ap)
     args = ap.parse_args()
     t0 = time.perf_counter()
     requests = load_requests(

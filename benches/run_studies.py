@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import write_section  # noqa: E402
+from _results import add_write_flag, write_section  # noqa: E402
 from studies import (  # noqa: E402
     StudyResult,
     block_size_study,
@@ -353,7 +353,7 @@ def main() -> None:
     parser.add_argument("--study", action="append", choices=list(STUDIES), help="run only this study (repeatable)")
     parser.add_argument("--quick", action="store_true", help="small sizes, into a temporary folder, no RESULTS.md")
     parser.add_argument("--out", type=Path, default=None, help=f"output folder [default: {RESULTS_DIR}]")
-    parser.add_argument("--no-write", action="store_true", help="do not update benches/RESULTS.md")
+    add_write_flag(parser)
     args = parser.parse_args()
     out = args.out or (Path(tempfile.mkdtemp(prefix="pagedkv-studies-")) if args.quick else RESULTS_DIR)
     workloads = Workloads(args.quick)
