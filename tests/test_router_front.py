@@ -229,7 +229,7 @@ def _error_of(line: bytes | str) -> dict[str, Any]:
 
 def test_a_stream_ends_with_an_error_event_when_the_engine_dies_or_the_router_stops(tokenizer: Any) -> None:
     engines = Engines()
-    app, router = make_router(engines, tokenizer, n=1)
+    app, router = make_router(engines, tokenizer, n=1, shutdown_timeout=0.05)
 
     async def go() -> None:
         async with client_of(app) as http:
@@ -245,7 +245,7 @@ def test_a_stream_ends_with_an_error_event_when_the_engine_dies_or_the_router_st
             engines.stream_started.clear()
             pending = asyncio.ensure_future(_stream(http))
             await engines.stream_started.wait()
-            router.shutting_down.set()
+            router.begin_shutdown(asyncio.get_running_loop())  # what SIGTERM calls (serve_router)
             lines = await pending
             assert lines[-1] == "data: [DONE]" and "shutting down" in _error_of(lines[1])["message"]
 

@@ -12,15 +12,27 @@ is up. The router (``pagedkv router --prefill URL --decode URL``) starts once bo
 healthy, on the given host and port. Each process runs in its own process group
 (:class:`~pagedkv.server.launch.ServerProcess`): :meth:`DisaggDeployment.stop` ends the three
 and nothing else.
+
+A prefill engine that dies does not end the deployment: the router routes around it (each
+request is then prefilled by the decode engine) and a :class:`ProcessKeeper` starts it again on
+the same port, with growing pauses between failed tries, when its transport lets a new engine
+join (NIXL: the decode engine meets a new producer through its control address). Over gloo the
+decode engine's two-rank group cannot take a new member, so the prefill engine is not
+restarted: the deployment serves without disaggregation until it is restarted (logged). A dead
+decode engine or router ends the deployment (:meth:`DisaggDeployment.exited`): without them
+nothing can be answered, and over gloo a new decode engine would need a new prefill engine too.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,7 +40,16 @@ from pagedkv.distributed.transfer_config import SECRET_ENV
 from pagedkv.errors import ConfigError
 from pagedkv.server.launch import ServerProcess, free_port
 
-__all__ = ["KV_TRANSPORTS", "DisaggDeployment", "RouterProcess", "kv_transfer_configs", "start_disagg"]
+__all__ = [
+    "KV_TRANSPORTS",
+    "DisaggDeployment",
+    "ProcessKeeper",
+    "RouterProcess",
+    "kv_transfer_configs",
+    "start_disagg",
+]
+
+logger = logging.getLogger(__name__)
 
 KV_TRANSPORTS = ("auto", "nixl", "gloo")
 
@@ -36,7 +57,7 @@ KV_TRANSPORTS = ("auto", "nixl", "gloo")
 class RouterProcess(ServerProcess):
     """``python -m pagedkv router ARGS --host HOST --port PORT`` until :meth:`stop`: a
     :class:`ServerProcess` (own process group, log file, SIGTERM then SIGKILL) for the router.
-    Healthy when its ``/health`` is, i.e. when every engine behind it is."""
+    Healthy when its ``/health`` is, i.e. when an engine that answers requests is up."""
 
     def __init__(self, args: Sequence[str] = (), *, host: str = "127.0.0.1", **kwargs: Any) -> None:
         super().__init__(args, **kwargs)
@@ -54,13 +75,113 @@ class RouterProcess(ServerProcess):
         return self.bind_host
 
 
-class DisaggDeployment:
-    """The three processes of :func:`start_disagg`; a context manager that stops them."""
+class ProcessKeeper:
+    """Starts ``proc`` again (same arguments, port and environment) each time it exits, from a
+    thread, until :meth:`stop`. Pauses ``first_pause`` seconds before the first try, doubling
+    after each failed start up to ``max_pause``; back to ``first_pause`` once a restarted
+    process has stayed up ``max_pause`` seconds. ``restart=False``: only logs the exit."""
 
-    def __init__(self, prefill: ServerProcess, decode: ServerProcess, router: RouterProcess) -> None:
-        self.prefill = prefill
+    def __init__(
+        self,
+        proc: ServerProcess,
+        name: str,
+        *,
+        restart: bool = True,
+        why_not: str = "",
+        first_pause: float = 1.0,
+        max_pause: float = 60.0,
+    ) -> None:
+        self.proc = proc
+        self.name = name
+        self.restart = restart
+        self.why_not = why_not
+        self.first_pause = first_pause
+        self.max_pause = max_pause
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards `proc` against a swap during stop
+        self._thread = threading.Thread(target=self._run, name=f"pagedkv-keep-{name}", daemon=True)
+
+    def start(self) -> ProcessKeeper:
+        self._thread.start()
+        return self
+
+    def _exited(self) -> int | None:
+        process = self.proc.process
+        return None if process is None else process.poll()
+
+    def _run(self) -> None:
+        pause = self.first_pause
+        up_since = time.monotonic()
+        while not self._stop.wait(0.2):
+            code = self._exited()
+            if code is None:
+                if time.monotonic() - up_since >= self.max_pause:
+                    pause = self.first_pause
+                continue
+            tail = self.proc.log_tail(2000)
+            if not self.restart:
+                logger.error(
+                    "the %s process exited with %s; %s. Its log ends:\n%s", self.name, code, self.why_not, tail
+                )
+                return
+            logger.warning(
+                "the %s process exited with %s; starting it again in %g s. Its log ends:\n%s",
+                self.name,
+                code,
+                pause,
+                tail,
+            )
+            if self._stop.wait(pause):
+                return
+            old = self.proc
+            with self._lock:
+                if self._stop.is_set():
+                    return
+                self.proc = ServerProcess(
+                    old.args, port=old.port, env=old.env, start_timeout=old.start_timeout, keep_log=old.keep_log
+                )
+            old.stop()  # its log file
+            try:
+                self.proc.start()
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                if self._stop.is_set():
+                    return
+                logger.warning("starting the %s process again failed: %s", self.name, exc)
+                pause = min(2 * pause, self.max_pause)
+                continue
+            self.restarts += 1
+            up_since = time.monotonic()
+            logger.warning("the %s process is back on %s (restart %d)", self.name, self.proc.url, self.restarts)
+
+    def stop(self) -> None:
+        """Stop watching (the process itself is left to the caller), and stop a process the
+        keeper may be starting right now."""
+        self._stop.set()
+        self._thread.join(0.5)  # an idle keeper ends at once
+        while self._thread.is_alive():  # it is starting a process: stop it; its start() raises
+            with self._lock:
+                starting = self.proc
+            starting.stop()
+            self._thread.join(0.2)
+
+
+class DisaggDeployment:
+    """The three processes of :func:`start_disagg`; a context manager that stops them. The
+    prefill engine is watched by a :class:`ProcessKeeper` (restarted where it can rejoin)."""
+
+    def __init__(
+        self, prefill: ServerProcess, decode: ServerProcess, router: RouterProcess, *, restart_prefill: bool = False
+    ) -> None:
         self.decode = decode
         self.router = router
+        why_not = "" if restart_prefill else _NO_GLOO_RESTART
+        self.prefill_keeper = ProcessKeeper(prefill, "prefill", restart=restart_prefill, why_not=why_not).start()
+
+    @property
+    def prefill(self) -> ServerProcess:
+        """The prefill engine's current process (a new one after each restart)."""
+        return self.prefill_keeper.proc
 
     @property
     def url(self) -> str:
@@ -80,8 +201,9 @@ class DisaggDeployment:
         return {"router": self.router, "prefill": self.prefill, "decode": self.decode}
 
     def exited(self) -> str | None:
-        """The name of a process that has exited ("router", "prefill", "decode"), else None."""
-        for name, proc in self.processes.items():
+        """The name of a process whose exit ends the deployment ("router", "decode"), else None
+        (the prefill engine's exit does not: see :class:`ProcessKeeper`)."""
+        for name, proc in (("router", self.router), ("decode", self.decode)):
             if proc.process is not None and proc.process.poll() is not None:
                 return name
         return None
@@ -90,6 +212,7 @@ class DisaggDeployment:
         """The router first (no new requests), then both engines at once (over gloo each may
         wait on the other while it shuts down)."""
         self.router.stop()
+        self.prefill_keeper.stop()
         _stop_together([self.prefill, self.decode])
 
     def __enter__(self) -> DisaggDeployment:
@@ -97,6 +220,22 @@ class DisaggDeployment:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+_NO_GLOO_RESTART = (
+    "over gloo a new prefill engine cannot join the decode engine's group, so it is not restarted: "
+    "the decode engine prefills every request until the deployment is restarted"
+)
+
+
+def _rejoinable(engine: ServerProcess) -> bool:
+    """Whether a restarted ``engine`` can take part again: its transport is not gloo."""
+    try:
+        with urllib.request.urlopen(engine.url + "/kv_cache_info", timeout=10.0) as response:
+            info = json.loads(response.read())
+        return bool((info.get("kv_transfer") or {}).get("transport") not in (None, "gloo"))
+    except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+        return False
 
 
 def kv_transfer_configs(
@@ -164,7 +303,7 @@ def start_disagg(
         router.stop()
         _stop_together([prefill, decode])
         raise
-    return DisaggDeployment(prefill, decode, router)
+    return DisaggDeployment(prefill, decode, router, restart_prefill=_rejoinable(prefill))
 
 
 def _start_together(procs: Sequence[ServerProcess]) -> None:
