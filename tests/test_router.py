@@ -1,14 +1,23 @@
 """`pagedkv router` over two real `pagedkv serve` replicas (subprocesses on loopback, KV events
-on): requests sharing a system prompt land on the replica that cached it (its usage shows the
-prefix-cache hit), round robin alternates whatever is cached, streams pass through, and the
-router's metrics count its decisions. The router app runs in-process (httpx's ASGI transport);
-its forwarding and its event subscriptions are real."""
+on, an API key the router holds as its engine key): requests sharing a system prompt land on
+the replica that cached it (its usage shows the prefix-cache hit), round robin alternates
+whatever is cached, streams pass through, the router's clients need its own key, and the
+router's metrics count its decisions. Last, a replica is SIGKILLed mid-stream: the stream ends
+with an error event, later requests go to the other one, a router started while the replica is
+restarted waits for it, and the first router sees the restart (its index starts over). The
+router app runs in-process (httpx's ASGI transport); its forwarding, health checks and event
+subscriptions are real."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import signal
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -19,11 +28,13 @@ pytest.importorskip("fastapi")
 
 from pagedkv import ConfigError  # noqa: E402
 from pagedkv.router import RouterArgs, create_router_app  # noqa: E402
+from pagedkv.router.launcher import ProcessKeeper  # noqa: E402
 from pagedkv.server.launch import ServerProcess, free_port  # noqa: E402
 from pagedkv.server.metrics import parse_metrics  # noqa: E402
 
 ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu", "--num-blocks", "160", "--max-model-len", "512"]
 TIMEOUT = 60.0
+ENGINE_KEY = "engine-secret"
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +45,7 @@ def replicas() -> Iterator[list[ServerProcess]]:
             events = f"tcp://127.0.0.1:{free_port()}"
             replay = f"tcp://127.0.0.1:{free_port()}"
             args = [*ENGINE_FLAGS, "--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay]
+            args += ["--api-key", ENGINE_KEY]
             procs.append(ServerProcess(args, env={"OMP_NUM_THREADS": "1"}).start())
         yield procs
     finally:
@@ -57,7 +69,7 @@ async def _wait_indexed(app: Any, replica_url: str, prompt: str) -> None:
 
 
 async def _cache_aware(replicas: list[ServerProcess]) -> None:
-    app = create_router_app(RouterArgs(replicas=[p.url for p in replicas]))
+    app = create_router_app(RouterArgs(replicas=[p.url for p in replicas], engine_api_key=ENGINE_KEY))
     try:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=TIMEOUT) as http:
@@ -101,7 +113,9 @@ def test_cache_aware_routing_follows_the_cached_prefix(replicas: list[ServerProc
 
 
 async def _round_robin(replicas: list[ServerProcess]) -> None:
-    app = create_router_app(RouterArgs(replicas=[p.url for p in replicas], policy="round_robin"))
+    app = create_router_app(
+        RouterArgs(replicas=[p.url for p in replicas], policy="round_robin", engine_api_key=ENGINE_KEY)
+    )
     try:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=TIMEOUT) as http:
@@ -128,3 +142,114 @@ def test_router_args_are_checked() -> None:
         RouterArgs(replicas=["http://127.0.0.1:1"], policy="random")
     with pytest.raises(ConfigError, match="no engine came up within 0.2 s: .* did not answer /health"):
         create_router_app(RouterArgs(replicas=[f"http://127.0.0.1:{free_port()}"], startup_timeout=0.2))
+
+
+async def _client_keys(replicas: list[ServerProcess]) -> None:
+    urls = [p.url for p in replicas]
+    app = create_router_app(RouterArgs(replicas=urls, api_key="client-key", engine_api_key=ENGINE_KEY))
+    body = {"prompt": "Hello", "max_tokens": 1}
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router", timeout=TIMEOUT) as http:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {ENGINE_KEY}"}):
+                r = await http.post("/v1/completions", json=body, headers=headers)
+                assert r.status_code == 401, headers
+            r = await http.post("/v1/completions", json=body, headers={"Authorization": "Bearer client-key"})
+            assert r.status_code == 200, r.text  # the replica, which needs ENGINE_KEY, accepted the router's
+    finally:
+        await app.state.router.close()
+    # A router without the engine key cannot use the replicas (and says why), whatever the client sends.
+    with pytest.raises(ConfigError, match="engine key was refused"):
+        create_router_app(RouterArgs(replicas=urls, api_key="client-key", startup_timeout=0.5))
+
+
+def test_clients_need_the_routers_key_and_replicas_get_the_engine_key(replicas: list[ServerProcess]) -> None:
+    asyncio.run(asyncio.wait_for(_client_keys(replicas), 2 * TIMEOUT))
+
+
+@contextmanager
+def served(app: Any) -> Iterator[str]:
+    """``app`` under uvicorn in a thread on a free loopback port (real streaming, which httpx's
+    ASGI transport does not do); its lifespan closes the router at the end."""
+    import uvicorn
+
+    config = uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the router did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+
+
+def test_a_replica_killed_mid_stream_is_routed_around_and_rejoins(
+    replicas: list[ServerProcess], caplog: pytest.LogCaptureFixture
+) -> None:
+    # Last in the module: it kills a replica (and leaves it restarted).
+    caplog.set_level(logging.INFO, logger="pagedkv.router")
+    urls = [p.url for p in replicas]
+    app = create_router_app(RouterArgs(replicas=urls, engine_api_key=ENGINE_KEY, health_interval=0.5))
+    keeper = None
+    try:
+        with served(app) as url, httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+            # A long stream; its replica is SIGKILLed after the first event.
+            body = {"prompt": "Tell me a long story.", "max_tokens": 300, "ignore_eos": True, "stream": True}
+            lines: list[str] = []
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                victim = next(p for p in replicas if p.url == r.headers["x-pagedkv-replica"])
+                survivor = next(p for p in replicas if p is not victim)
+                for line in r.iter_lines():
+                    if line and not lines:
+                        victim.signal(signal.SIGKILL)
+                        victim.wait(TIMEOUT)
+                    if line:
+                        lines.append(line)
+            assert lines[-1] == "data: [DONE]" and "failed mid-stream" in lines[-2], lines[-3:]
+            assert json.loads(lines[-2][6:])["error"]["type"] == "bad_gateway"
+            # Every new request is answered, by the survivor.
+            for i in range(8):
+                r = http.post("/v1/completions", json={"prompt": f"Question {i}?", "max_tokens": 2})
+                assert r.status_code == 200 and r.headers["x-pagedkv-replica"] == survivor.url, r.text
+            health = http.get("/health").json()
+            assert health["status"] == "degraded"
+            assert {e["url"]: e["up"] for e in health["engines"]} == {victim.url: False, survivor.url: True}
+
+            # The victim comes back on the same ports; a router started meanwhile waits for it.
+            keeper = ProcessKeeper(victim, "replica", first_pause=0.1).start()
+            late = create_router_app(RouterArgs(replicas=[victim.url], engine_api_key=ENGINE_KEY, startup_timeout=300))
+            assert "waiting up to 300 s for the engines to come up" in caplog.text
+            assert keeper.restarts == 1
+            with served(late) as late_url:
+                r = httpx.post(late_url + "/v1/completions", json={"prompt": "Hello again", "max_tokens": 2})
+                assert r.status_code == 200 and r.headers["x-pagedkv-replica"] == victim.url, r.text
+
+            # The first router sees it back, follows its new event history from 0, routes to it.
+            health = http.get("/health").json()
+            assert health["status"] == "ok", health
+            prompt = system_prompt("sailing") + "After the restart?"
+            direct = httpx.post(
+                victim.url + "/v1/completions",
+                json={"prompt": prompt, "max_tokens": 1},
+                headers={"Authorization": f"Bearer {ENGINE_KEY}"},
+                timeout=TIMEOUT,
+            )
+            assert direct.status_code == 200, direct.text
+            asyncio.run(asyncio.wait_for(_wait_indexed(app, victim.url, prompt), TIMEOUT))
+            r = http.post("/v1/completions", json={"prompt": prompt + " Again.", "max_tokens": 1})
+            assert r.headers["x-pagedkv-replica"] == victim.url
+            m = parse_metrics(http.get("/metrics").text)
+            assert m[f"pagedkv_router:kv_index_resets_total{{reason=restart,replica={victim.url}}}"] >= 1
+            assert m[f"pagedkv_router:replica_up{{replica={victim.url}}}"] == 1
+            assert m["pagedkv_router:stream_errors_total{reason=replica}"] == 1
+    finally:
+        if keeper is not None:
+            keeper.stop()
+            replicas[replicas.index(victim)] = keeper.proc  # stopped by the fixture
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]  # no ASGI traceback, no failed subscription
