@@ -31,7 +31,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::block_hash::{BlockHash, BlockHasher, ExtraKey, HashMode};
+use crate::block_hash::{index_key, BlockHash, BlockHasher, ExtraKey, HashMode};
 use crate::error::{CoreError, Result};
 use crate::eviction_queue::{EvictionQueue, Retention};
 use crate::ids::BlockId;
@@ -123,14 +123,6 @@ impl Hasher for PassThroughHasher {
 /// fewer cache misses on the decode path. A collision of the folded keys can only cost a
 /// cache hit (the second block is not registered), never a wrong one: every hit is verified.
 type HashIndex = HashMap<u64, BlockId, BuildHasherDefault<PassThroughHasher>>;
-
-/// The index key of a block hash: the 128-bit chained hash folded to 64 bits. It is also the
-/// block's hash on the wire of KV-cache events ([`crate::kv_events`]): a pool never holds two
-/// registered blocks with one key.
-#[inline]
-pub fn index_key(hash: BlockHash) -> u64 {
-    (hash.0 as u64) ^ ((hash.0 >> 64) as u64)
-}
 
 /// Counters of the pool's lifetime.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

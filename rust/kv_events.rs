@@ -25,7 +25,7 @@
 //!
 //! # Block hashes on the wire
 //! A block's wire hash is its pool's 64-bit index key: the 128-bit chained block hash
-//! ([`crate::block_hash`]) folded to 64 bits ([`crate::block_pool::index_key`]). A pool never
+//! ([`crate::block_hash`]) folded to 64 bits ([`crate::block_hash::index_key`]). A pool never
 //! registers two blocks under one key (a duplicate is refused), so a consumer can key its
 //! view of a pool by it; `parent_block_hash` is the key of the parent's 128-bit hash. The
 //! keys of a prompt's full blocks are what a router computes for it
@@ -53,8 +53,7 @@
 use rmp::encode;
 use rmp::Marker;
 
-use crate::block_hash::{BlockHasher, ExtraKey, HashMode};
-use crate::block_pool::index_key;
+use crate::block_hash::{index_key, BlockHasher, ExtraKey, HashMode};
 use crate::error::{CoreError, Result};
 
 /// Most blocks one coalesced event lists; the next block starts a new event. Keeps every
@@ -176,8 +175,9 @@ pub fn coalesce(events: impl IntoIterator<Item = KvEvent>) -> Vec<KvEvent> {
     out
 }
 
-/// The events of one pool since they were last taken, coalesced as they are logged (a
-/// [`crate::block_pool::BlockPool`] keeps one when its events are on).
+/// The events of one pool since they were last taken, coalesced as they are logged (a block
+/// pool, block_pool.rs, keeps one when its events are on: this module sits below the pool and
+/// names nothing of it).
 #[derive(Debug, Clone)]
 pub struct KvEventLog {
     medium: Medium,

@@ -12,14 +12,15 @@
 //! - [`error`]: the crate's one error enum.
 //! - [`eviction_queue`]: the free-block queue: uncached blocks first, then cached ones by
 //!   retention priority and LRU.
-//! - [`block_hash`]: chained 128-bit block hashes and cache salts.
+//! - [`block_hash`]: chained 128-bit block hashes, their 64-bit index keys, cache salts.
 //! - [`token_store`]: token ids of cached blocks, for verifying hits.
-//! - [`block_pool`]: ref counts, free queue, prefix-cache index with verified lookups.
+//! - [`kv_events`]: KV-cache events (blocks stored / removed / all cleared) for KV-aware
+//!   routers, coalesced per step and encoded in vLLM's msgpack wire format.
+//! - [`block_pool`]: ref counts, free queue, prefix-cache index with verified lookups (and,
+//!   when asked, a log of its cache changes as [`kv_events`]).
 //! - [`block_table`]: logical → physical mapping and slot computation.
 //! - [`slab`]: generation-checked slab (sequence and request storage).
 //! - [`kv_cache_manager`]: sequences over the pool: prefix hits, slots, copy-on-write, fork.
-//! - [`kv_events`]: KV-cache events (blocks stored / removed / all cleared) for KV-aware
-//!   routers, coalesced per step and encoded in vLLM's msgpack wire format.
 //! - [`cpu_attention`]: paged decode attention on the CPU, straight from the block cache.
 //! - [`scheduler`]: continuous batching: token budget, chunked prefill, prefix-cache
 //!   admission, preemption, stops, and the flat step output.

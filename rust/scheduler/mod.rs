@@ -27,7 +27,9 @@
 //! ([`crate::kv_events`]); [`Scheduler::block_hashes`] gives a prompt's wire hashes.
 
 mod beam;
+mod beam_search;
 mod config;
+mod finish;
 mod kv_transfer;
 mod output;
 mod request;
@@ -39,11 +41,13 @@ mod tests;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-pub use beam::{BeamCandidates, BeamHypothesis, BeamParams, BeamResult};
+pub use beam::{BeamCandidates, BeamResult};
+pub use beam_search::{BeamHypothesis, BeamParams};
 pub use config::{Policy, PreemptionMode, SchedulerConfig};
 pub(crate) use output::BlockTableRows;
 pub use output::{RequestUpdate, StepOutput};
-pub use request::{BranchKey, FinishReason, NewRequest, RequestKey};
+pub use finish::FinishReason;
+pub use request::{BranchKey, NewRequest, RequestKey};
 pub use snapshot::RequestSummary;
 pub use stats::{SchedulerStats, StatValue};
 
@@ -241,7 +245,7 @@ impl Scheduler {
             num_cached_tokens: 0,
             admitted_once: false,
             hold_kv: r.hold_kv,
-            beam: r.beam.map(|p| beam::BeamSearch::new(p, prompt_len)),
+            beam: r.beam.map(|p| beam_search::BeamSearch::new(p, prompt_len)),
         });
         let branch = self.branches.insert(Branch {
             req: key,

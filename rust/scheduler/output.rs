@@ -2,7 +2,8 @@
 
 use std::sync::Arc;
 
-use super::request::{BranchKey, FinishReason, RequestKey};
+use super::finish::FinishReason;
+use super::request::{BranchKey, RequestKey};
 use crate::ids::SeqId;
 use crate::kv_cache_manager::KvCacheManager;
 

@@ -8,34 +8,12 @@
 
 use std::sync::Arc;
 
-use super::beam::{BeamParams, BeamSearch};
+use super::beam_search::{BeamParams, BeamSearch};
 use crate::block_hash::ExtraKey;
 use crate::error::{CoreError, Result};
 use crate::ids::SeqId;
 use crate::kv_cache_manager::RetentionPolicy;
 use crate::slab::SlabKey;
-
-/// Why a branch stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An eos or stop token id was sampled.
-    Stop,
-    /// `max_tokens` or `max_model_len` was reached.
-    Length,
-    /// The request was aborted.
-    Abort,
-}
-
-impl FinishReason {
-    /// "stop", "length" or "abort".
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Abort => "abort",
-        }
-    }
-}
 
 /// What a caller submits.
 #[derive(Debug, Clone)]
@@ -66,7 +44,7 @@ pub struct NewRequest {
     /// Keep the KV of the request when it ends, under a lease, for another engine to read
     /// (disaggregated prefill; see `Scheduler::kv_lease`).
     pub hold_kv: bool,
-    /// Beam search instead of sampling (see `scheduler::beam`); needs `n == 1`.
+    /// Beam search instead of sampling (see `scheduler::beam_search`); needs `n == 1`.
     pub beam: Option<BeamParams>,
 }
 
