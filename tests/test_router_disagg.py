@@ -9,10 +9,10 @@ Three layers, cheapest first:
   what the client gets back, every prefill outcome (KV, null, 4xx, 5xx, down, timeout, client
   gone), decode load balancing, the metrics;
 * end to end (``test_e2e_*``; ``pytest tests/test_router_disagg.py -k e2e``): real engine
-  servers with ``--kv-transfer-config`` over gloo. Greedy outputs through the router equal a
-  plain server's, a prefill 4xx reaches the client, a dead prefill engine falls back, and
-  `pagedkv serve --disagg` stops its three processes on SIGTERM. Skipped while the engines do
-  not take ``kv_transfer_params``.
+  servers with ``--kv-transfer-config`` over NIXL and gloo. Greedy outputs through the router
+  equal a plain server's, a prefill 4xx reaches the client, a dead prefill engine falls back,
+  a SIGKILLed prefill engine leaves the deployment serving (and comes back over NIXL), and
+  `pagedkv serve --disagg` stops its three processes on SIGTERM.
 """
 
 from __future__ import annotations
@@ -594,6 +594,34 @@ def test_e2e_prefill_engine_down_falls_back(deployment: DisaggDeployment, plain:
             await router.close()
 
     run(go())
+
+
+@pytest.mark.slow
+def test_e2e_a_killed_prefill_engine_does_not_stop_the_deployment(deployment: DisaggDeployment) -> None:
+    # After the other tests on this deployment: it kills the prefill engine.
+    killed = deployment.prefill
+    killed.signal(signal.SIGKILL)  # its whole process group
+    killed.wait(TIMEOUT)
+    with httpx.Client(timeout=TIMEOUT) as http:
+        for i in range(4):
+            r = http.post(deployment.url + COMPLETIONS, json={"prompt": f"{PROMPT} ({i})", "max_tokens": 3})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-pagedkv-disagg-fallback"] == "unreachable"
+        assert deployment.exited() is None, "the decode engine and the router keep serving"
+        health = http.get(deployment.url + "/health")
+        assert health.status_code == 200 and health.json()["status"] == "degraded"
+        keeper = deployment.prefill_keeper
+        if not keeper.restart:  # gloo: a new producer cannot join the decode engine's group
+            assert "gloo" in keeper.why_not and deployment.prefill is killed
+            return
+        # NIXL: the prefill engine comes back on its port and the router prefills with it again.
+        deadline = time.monotonic() + 300
+        while keeper.restarts == 0 or http.get(deployment.url + "/health").json()["status"] != "ok":
+            assert time.monotonic() < deadline, "the prefill engine did not come back"
+            time.sleep(0.5)
+        r = http.post(deployment.url + COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 3})
+        assert r.status_code == 200 and "x-pagedkv-disagg-fallback" not in r.headers, r.headers
+        assert r.headers["x-pagedkv-prefill"] == deployment.prefill_url
 
 
 @pytest.mark.slow
