@@ -10,6 +10,7 @@ send; its last test stops it with SIGTERM. Waits are bounded; nothing asserts a 
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import socket
@@ -23,9 +24,10 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from pagedkv.errors import InvalidArgumentError  # noqa: E402
+from pagedkv.errors import ConfigError, InvalidArgumentError  # noqa: E402
 from pagedkv.server.chat_template import render_request_template  # noqa: E402
 from pagedkv.server.launch import ServerProcess  # noqa: E402
+from pagedkv.server.limits import ServerLimits, add_limit_arguments, limit_flags, limits_from  # noqa: E402
 
 MAX_MODEL_LEN = 256
 MAX_NUM_SEQS = 4
@@ -83,6 +85,30 @@ def chat(content: str = "Hi", **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 2, **extra}
 
 
+# ---------------------------------------------------------------------------- the limits themselves
+
+
+def test_limits_are_checked_and_round_trip_through_their_flags() -> None:
+    for bad in (
+        {"max_request_body_bytes": 0},
+        {"max_prompt_chars": -1},
+        {"max_connections": True},
+        {"header_timeout": 0},
+        {"chat_template_timeout": float("inf")},
+        {"trust_request_chat_template": "yes"},
+    ):
+        with pytest.raises(ConfigError):
+            ServerLimits(**bad)  # type: ignore[arg-type]
+    parser = argparse.ArgumentParser()
+    add_limit_arguments(parser)
+    assert limits_from(parser.parse_args([])) == ServerLimits()
+    given = ["--max-prompt-chars", "99", "--header-timeout", "2.5", "--trust-request-chat-template"]
+    limits = limits_from(parser.parse_args(given))
+    assert (limits.max_prompt_chars, limits.header_timeout, limits.trust_request_chat_template) == (99, 2.5, True)
+    # What `serve --disagg` passes on to each engine: the same limits.
+    assert limits_from(parser.parse_args(limit_flags(parser.parse_args(given)))) == limits
+
+
 # ---------------------------------------------------------------------------- 24: start-up log
 
 
@@ -132,6 +158,10 @@ def test_body_over_the_limit_gets_413_before_it_is_read(server: ServerProcess, c
     head, _, body = response.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413"), head
     assert json.loads(body)["error"]["code"] == "request_entity_too_large"
+    # The same through the openai client: a 5 MB prompt is a 413 it reports.
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(model=None, prompt="A" * 5_000_000, max_tokens=1)
+    assert caught.value.status_code == 413 and "max_request_body_bytes" in str(caught.value)
     still_serving(client)
 
 
@@ -215,11 +245,11 @@ def test_request_chat_template_is_bounded(server: ServerProcess, client: Any, te
 
 
 def test_request_chat_template_renders_like_the_tokenizers(server: ServerProcess) -> None:
-    from transformers import AutoTokenizer
+    from pathlib import Path
 
     from pagedkv.worker.model_files import resolve_model
 
-    own = AutoTokenizer.from_pretrained(resolve_model(None)).chat_template
+    own = (Path(resolve_model(None)) / "chat_template.jinja").read_text()  # the tokenizer's template
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
     default = post(server, "/tokenize", {"messages": messages}).json()
     sent = post(server, "/tokenize", {"messages": messages, "chat_template": own}).json()
@@ -227,21 +257,23 @@ def test_request_chat_template_renders_like_the_tokenizers(server: ServerProcess
 
 
 def test_request_template_stops_when_its_client_leaves() -> None:
-    cancel = threading.Event()
-    endless = "{% for a in range(99999) %}{% for b in range(99999) %}{% endfor %}{% endfor %}"
+    cancel, started = threading.Event(), threading.Event()
+    loops = "{% for a in range(999) %}{% for b in range(999) %}{% for c in range(999) %}{% endfor %}{% endfor %}{% endfor %}"
     result: list[BaseException] = []
 
     def render() -> None:
         try:
-            render_request_template(endless, {"messages": []}, max_size=1000, timeout=3600, cancel=cancel)
+            variables = {"messages": [], "started": lambda: started.set() or ""}
+            render_request_template("{{ started() }}" + loops, variables, max_size=1000, timeout=3600, cancel=cancel)
         except InvalidArgumentError as exc:
             result.append(exc)
 
     worker = threading.Thread(target=render)
     worker.start()
+    assert started.wait(TIMEOUT)  # the template's loops are running
     cancel.set()  # what the handler does when the client disconnects
     worker.join(TIMEOUT)
-    assert not worker.is_alive() and "client left" in str(result[0])
+    assert not worker.is_alive() and "client left" in str(result[0]), result
 
 
 # ---------------------------------------------------------------------------- 9: many prompts

@@ -12,6 +12,11 @@ prometheus_client, pyzmq, msgspec). ``create_app`` is the ASGI app factory
 * ``metrics``      Prometheus metrics with vLLM's names
 * ``kv_events``    KV-cache events (BlockStored / BlockRemoved / AllBlocksCleared) over ZMQ, with replay
 * ``run``          uvicorn with graceful shutdown (what the CLI runs)
+* ``limits``       ``ServerLimits`` (body size, prompt characters, prompts per request, header
+  timeout, connections, request chat templates) and their flags
+* ``body_limit``   the body size limit, enforced while the body is read
+* ``connections``  uvicorn's protocol with a header timeout and a connection cap (slowloris)
+* ``chat_template`` a request's own chat template in a bounded Jinja sandbox
 """
 
 from __future__ import annotations
