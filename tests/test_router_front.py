@@ -2,15 +2,21 @@
 what they receive and fail on demand), the app driven through httpx's ASGI transport: client
 keys (401s) and the separate engine key, failover from an engine that refuses connections,
 tokenizing off the event loop and the size bound, and streams that end with an error event and
-``[DONE]`` when the engine dies mid-stream or the router shuts down. (Real replicas:
-test_router.py.)"""
+``[DONE]`` when the engine dies mid-stream or the router shuts down (also for real: SIGTERM to
+a router process). (Real replicas: test_router.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -19,6 +25,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from pagedkv.router.app import Replica, Router, RouterArgs, _load_tokenizer, build_router_app  # noqa: E402
+from pagedkv.server.launch import free_port  # noqa: E402
 from pagedkv.server.metrics import parse_metrics  # noqa: E402
 
 T = TypeVar("T")
@@ -254,3 +261,68 @@ def test_a_stream_ends_with_an_error_event_when_the_engine_dies_or_the_router_st
     assert m["pagedkv_router:stream_errors_total{reason=replica}"] == 1
     assert m["pagedkv_router:stream_errors_total{reason=shutdown}"] == 1
     assert m["pagedkv_router:in_flight{replica=http://replica0:8000}"] == 0
+
+
+# A router process over a stand-in engine whose stream never ends: SIGTERM must still end the
+# client's stream well-formed (serve_router's signal hook), and the process must exit.
+_SIGTERM_SCRIPT = """
+import asyncio, sys, threading
+import uvicorn
+from fastapi import FastAPI
+from starlette.responses import StreamingResponse
+from pagedkv.router.app import Replica, Router, RouterArgs, build_router_app, serve_router
+
+engine = FastAPI()
+
+@engine.post("/v1/completions")
+async def completions() -> StreamingResponse:
+    async def events():
+        yield b'data: {"choices": [{"text": "a"}]}\\n\\n'
+        await asyncio.Event().wait()
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+engine_port, router_port = int(sys.argv[1]), int(sys.argv[2])
+config = uvicorn.Config(engine, host="127.0.0.1", port=engine_port, log_level="warning")
+threading.Thread(target=uvicorn.Server(config).run, daemon=True).start()
+url = f"http://127.0.0.1:{engine_port}"
+router = Router(RouterArgs(replicas=[url], shutdown_timeout=0.5), [Replica(url, 16)], None)
+serve_router(build_router_app(router), "127.0.0.1", router_port, "info")
+"""
+
+
+def test_sigterm_ends_a_running_stream_with_an_error_event(tmp_path: Path) -> None:
+    engine_port, router_port = free_port(), free_port()
+    log = tmp_path / "router.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SIGTERM_SCRIPT, str(engine_port), str(router_port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{router_port}"
+    try:
+        deadline = time.monotonic() + 4 * TIMEOUT
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                httpx.get(url + "/health", timeout=2).raise_for_status()
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        lines = []
+        body = {"prompt": "Hello", "stream": True}
+        with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if line and not lines:
+                    proc.send_signal(signal.SIGTERM)
+                if line:
+                    lines.append(line)
+        assert lines[0] == EVENT.decode().strip() and lines[-1] == "data: [DONE]", lines
+        assert "shutting down" in _error_of(lines[1])["message"]
+        proc.wait(TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    assert "Traceback" not in log.read_text(), log.read_text()
