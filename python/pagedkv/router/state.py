@@ -19,6 +19,7 @@ import itertools
 import json
 import logging
 from collections.abc import Container, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -40,16 +41,14 @@ CHAT_PATH = "/v1/chat/completions"
 _PARSE_INLINE_BYTES = 64 << 10
 
 
+@dataclass(frozen=True, slots=True)
 class Prompt:
     """A request's prompt as the router sees it: ``token_ids`` (None: not tokenized, for
     ``reason``: ``unparsed`` or ``too_long``) and its ``cache_salt``."""
 
-    __slots__ = ("cache_salt", "reason", "token_ids")
-
-    def __init__(self, token_ids: list[int] | None, cache_salt: str | None, reason: str | None = None) -> None:
-        self.token_ids = token_ids
-        self.cache_salt = cache_salt
-        self.reason = reason
+    token_ids: list[int] | None
+    cache_salt: str | None
+    reason: str | None = None
 
 
 class Router:
