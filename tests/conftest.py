@@ -14,6 +14,23 @@ import os
 # before torch is first imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
+def _cores_per_xdist_worker() -> int | None:
+    """Under pytest-xdist (``make test`` runs ``-n 2``): each worker's share of the usable cores."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if workers <= 1:
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // workers)
+
+
+# N workers each with as many torch/OpenMP threads as there are cores oversubscribe the machine
+# N times over; each takes its share instead. Set before torch is imported; servers and other
+# subprocesses the tests start inherit it. An explicit OMP_NUM_THREADS wins.
+_WORKER_CORES = _cores_per_xdist_worker()
+if _WORKER_CORES is not None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_WORKER_CORES))
+
 import pytest  # noqa: E402
 
 
