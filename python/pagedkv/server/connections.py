@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["guarded_protocol"]
@@ -26,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 # h11's default limit on a request's line and headers (uvicorn's when not configured).
 _DEFAULT_MAX_HEADER_BYTES = 16 * 1024
+# At most one warning per this many seconds about refused connections (a flood must not
+# become a flood of log lines); the counts are in /metrics.
+_WARNING_INTERVAL = 10.0
 
 
 def _base_protocol() -> type[Any]:
@@ -40,9 +45,25 @@ def _base_protocol() -> type[Any]:
         return H11Protocol
 
 
-def guarded_protocol(header_timeout: float, max_connections: int) -> type[asyncio.Protocol]:
-    """A uvicorn HTTP protocol class (``uvicorn.Config(http=...)``) with both guards."""
+def guarded_protocol(
+    header_timeout: float, max_connections: int, on_close: Callable[[str], None] | None = None
+) -> type[asyncio.Protocol]:
+    """A uvicorn HTTP protocol class (``uvicorn.Config(http=...)``) with both guards.
+    ``on_close(reason)`` is told of every connection a guard closes (``"max_connections"``,
+    ``"header_timeout"``: the server's metrics count them)."""
     base = _base_protocol()
+    last_warning = [-_WARNING_INTERVAL]
+
+    def closed(reason: str, open_connections: int) -> None:
+        if on_close is not None:
+            on_close(reason)
+        now = time.monotonic()
+        if reason == "max_connections" and now - last_warning[0] >= _WARNING_INTERVAL:
+            last_warning[0] = now
+            logger.warning(
+                "%d connections are open (max_connections): closing new ones (counted in /metrics)",
+                open_connections,
+            )
 
     class GuardedHTTPProtocol(base):  # type: ignore[misc, valid-type]
         _header_timer: asyncio.TimerHandle | None = None
@@ -51,8 +72,8 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[asynci
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if len(self.connections) > max_connections:
-                logger.warning("%d connections are open (max_connections): closing a new one", len(self.connections))
                 transport.close()
+                closed("max_connections", len(self.connections) - 1)
                 return
             self._arm_header_timer()
 
@@ -101,5 +122,6 @@ def guarded_protocol(header_timeout: float, max_connections: int) -> type[asynci
             self._header_timer = None
             if self.cycle is cycle_when_armed and not self.transport.is_closing():
                 self.transport.close()
+                closed("header_timeout", len(self.connections))
 
     return GuardedHTTPProtocol

@@ -37,13 +37,24 @@ from prometheus_client.registry import Collector
 
 from pagedkv.engine.outputs import RequestOutput
 
-__all__ = ["FINISH_REASONS", "RequestTracker", "ServerMetrics", "finish_reason_of", "parse_metrics"]
+__all__ = [
+    "CONNECTION_CLOSE_REASONS",
+    "FINISH_REASONS",
+    "RequestTracker",
+    "ServerMetrics",
+    "finish_reason_of",
+    "parse_metrics",
+]
 
 # The values of the ``finished_reason`` label of ``vllm:request_success``: pagedkv's
 # ``CompletionOutput.finish_reason`` values. vLLM's are the same strings ("stop", "length",
 # "abort", "error"; recent versions add "repetition", which pagedkv never produces). As in vLLM,
 # the counter counts every finished request, aborted and failed ones included, despite its name.
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
+
+# Why the server closed a connection itself (pagedkv.server.connections): the ``reason`` label of
+# ``pagedkv:http_connections_closed``.
+CONNECTION_CLOSE_REASONS: tuple[str, ...] = ("max_connections", "header_timeout")
 
 # Bucket upper bounds (seconds) as vLLM's, so that dashboards' quantiles read alike.
 _TTFT_BUCKETS = (
@@ -368,6 +379,14 @@ class ServerMetrics:
             registry=reg,
             buckets=_REQUEST_LATENCY_BUCKETS,
         ).labels(model_name)
+        closed = Counter(
+            "pagedkv:http_connections_closed",
+            "Connections the server closed on its own: reason=max_connections (one more than the cap "
+            "opened), header_timeout (request headers not complete in time).",
+            [*labelnames, "reason"],
+            registry=reg,
+        )
+        self._connections_closed = {reason: closed.labels(model_name, reason) for reason in CONNECTION_CLOSE_REASONS}
         token_buckets = _buckets_1_2_5(max_model_len or _DEFAULT_MAX_TOKENS_BUCKET)
         self._request_prompt_tokens = Histogram(
             "vllm:request_prompt_tokens",
@@ -391,6 +410,10 @@ class ServerMetrics:
         never go down from one snapshot to the next, even if snapshots arrive out of order.
         """
         self._engine.update(stats)
+
+    def connection_closed(self, reason: str) -> None:
+        """Count a connection the server closed (``reason``: one of CONNECTION_CLOSE_REASONS)."""
+        self._connections_closed[reason].inc()
 
     def start_request(self, request_id: str, arrival_time: float | None = None) -> RequestTracker:
         """A tracker for one request, owned by its handler. ``arrival_time``: when the server

@@ -53,7 +53,9 @@ def run_server(
         port=port,
         log_level=log_level,
         lifespan="on",
-        http=guarded_protocol(limits.header_timeout, limits.max_connections),
+        http=guarded_protocol(
+            limits.header_timeout, limits.max_connections, app.state.pagedkv.metrics.connection_closed
+        ),
         timeout_graceful_shutdown=max(1, math.ceil(shutdown_timeout + _STREAM_END_GRACE)),
     )
     try:
