@@ -44,8 +44,12 @@ test: export PAGEDKV_STUBTEST_DONE := 1
 test-rust:
 	cargo test --release -q
 
+# Two pytest-xdist worker processes; --dist loadfile gives each module whole to one worker, so a
+# module's server or engine fixture starts once and Ray runs in one process at a time; the
+# slowest modules are handed out first (tests/conftest.py). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
 test-python: build browser
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The dashboard's browser test needs Debian's chromium and chromium-driver: installed here where
 # missing (apt, as root). Without them that one test is skipped, with the reason, not failed.
