@@ -97,10 +97,7 @@ def client_of(app: Any, key: str | None = None) -> httpx.AsyncClient:
 
 
 def metrics_of(router: Router) -> dict[str, float]:
-    from prometheus_client import generate_latest
-
-    router.update_gauges()
-    return parse_metrics(generate_latest(router.metrics.registry).decode())
+    return parse_metrics(router.render_metrics().decode())
 
 
 def test_client_keys_are_checked_and_engines_get_the_engine_key(tokenizer: Any) -> None:

@@ -54,7 +54,7 @@ from types import FrameType
 from typing import Any
 
 from fastapi import FastAPI, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
 
 from pagedkv.router.auth import ClientAuth
@@ -135,8 +135,7 @@ def build_router_app(router: Router) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        router.update_gauges()
-        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(router.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> Response:

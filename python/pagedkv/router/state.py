@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from prometheus_client import generate_latest
 
 from pagedkv._core import block_hashes
 from pagedkv.engine.prompts import chat_prompt, tokenize
@@ -181,11 +182,13 @@ class Router:
             m.predicted_hits.inc(held)
         return replica
 
-    def update_gauges(self) -> None:
+    def render_metrics(self) -> bytes:
+        """This router's metrics in Prometheus' text format (``GET /metrics``)."""
         for r in self.backends:
             self.metrics.in_flight.labels(r.url).set(r.in_flight)
         for r in self.replicas:
             self.metrics.index_blocks.labels(r.url).set(len(r.index))
+        return bytes(generate_latest(self.metrics.registry))
 
     def begin_shutdown(self, loop: asyncio.AbstractEventLoop) -> None:
         """Called on SIGTERM (from the signal handler): streams still running after
