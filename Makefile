@@ -41,15 +41,18 @@ test: lint test-rust test-python test-packaging
 # make lint runs stubtest first; the pytest copy of that check (for pytest run alone) is skipped.
 test: export PAGEDKV_STUBTEST_DONE := 1
 
+# Deterministic: proptest and hypothesis draw their cases from this seed here (cargo test or pytest
+# run alone draw new ones each run); `make test TEST_SEED=N` explores another set.
+TEST_SEED ?= 1
 test-rust:
-	cargo test --release -q
+	PROPTEST_RNG_SEED=$(TEST_SEED) cargo test --release -q
 
 # Two pytest-xdist worker processes; --dist loadfile gives each module whole to one worker, so a
 # module's server or engine fixture starts once and Ray runs in one process at a time; the
 # slowest modules are handed out first (tests/conftest.py). PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 2
 test-python: build browser
-	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -ra -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --hypothesis-seed=$(TEST_SEED)
 
 # The dashboard's browser test needs Debian's chromium and chromium-driver: installed here where
 # missing (apt, as root). Without them that one test is skipped, with the reason, not failed.
