@@ -61,6 +61,8 @@ class EngineArgs:
     - ``seed``: seed of the global generator used by unseeded random sampling.
     - ``trust_remote_code``: run the Python code a model repository ships (transformers'
       option of the same name); only for repositories you trust.
+    - ``max_logprobs``: the most log-probabilities a request may ask for per token (vLLM's
+      default, 20); a request asking for more is refused when it is added.
     - ``tensor_parallel_size``, ``distributed_executor_backend``: split every layer's attention
       heads, KV heads and MLP over N ranks (N processes on the CPU, N devices on CUDA; the
       heads and KV heads must divide by N), run as ``"mp"`` (local worker processes, the
@@ -101,6 +103,7 @@ class EngineArgs:
     attention_backend: str | None = None
     seed: int = 0
     trust_remote_code: bool = False
+    max_logprobs: int = 20
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     kv_transfer_config: KVTransferConfig | None = None
@@ -136,6 +139,7 @@ class EngineArgs:
                 attention_backend=self.attention_backend,
                 seed=self.seed,
                 trust_remote_code=self.trust_remote_code,
+                max_logprobs=self.max_logprobs,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,
