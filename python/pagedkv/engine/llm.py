@@ -46,6 +46,12 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_stats(self) -> dict[str, Any]:
+        """The engine's statistics, as :meth:`LLMEngine.get_stats` gives them: KV usage and
+        utilization, prefix-cache queries and hits (device and host tiers), preemptions, the
+        KV cache's size and dtype, and counters of steps and tokens."""
+        return self.llm_engine.get_stats()
+
     def shutdown(self) -> None:
         """Flush the KV cache to the disk tier (``kv_cache_dir``), if there is one, so that the
         next engine on the same model starts with its prefixes cached."""
