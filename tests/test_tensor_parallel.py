@@ -261,7 +261,7 @@ def test_serve_with_three_ranks_answers_and_leaves_no_process() -> None:
 
     flags = ["--tensor-parallel-size", "3", "--device", "cpu", "--dtype", "float32"]
     flags += ["--num-blocks", "64", "--max-model-len", "256"]
-    server = ServerProcess(flags, env={"OMP_NUM_THREADS": "1"}, start_timeout=TIMEOUT)
+    server = ServerProcess(flags, env={"OMP_NUM_THREADS": "1"}, start_timeout=3 * TIMEOUT)  # 3 ranks load on a busy CPU
     with server:
         r = httpx.post(
             server.url + "/v1/completions",

@@ -152,4 +152,4 @@ def start_workers(config: Any) -> tuple[TPSpec, MultiprocExecutor | RayExecutor]
     else:
         store, init_method = host_store("127.0.0.1", n, parallel.timeout)
         executor = MultiprocExecutor(config, init_method, parallel.timeout)
-    return TPSpec(0, n, init_method, parallel.timeout, store=store), executor
+    return TPSpec(0, n, init_method, parallel.timeout, store=store, peer_failures=executor.failures), executor

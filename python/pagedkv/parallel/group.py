@@ -17,13 +17,19 @@ travel without a device copy, and NCCL's watchdog never sees an idle wait.
 
 Rank 0's store is created first (:func:`host_store`, on a port the kernel picks and the store
 keeps from then on) and handed to rank 0's :class:`TPGroup`: no port is chosen, released and
-bound again later, which another process could take in between.
+bound again later, which another process could take in between. It listens on the group's
+host only (torch's own store listens on every interface); with a loopback host (the ``mp``
+executor) the gloo pairs listen on loopback too, so nothing of a local group is reachable from
+another machine.
 """
 
 from __future__ import annotations
 
 import datetime
+import ipaddress
+import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
@@ -31,20 +37,63 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from pagedkv.errors import ConfigError
+from pagedkv.errors import ConfigError, EngineDeadError
 
 __all__ = ["TPGroup", "host_store"]
 
 # A wait for the next step: effectively none (gloo takes a deadline; ten years is none).
 _NO_DEADLINE = datetime.timedelta(days=3650)
+# Each rank's "ready to join" key, and how often rank 0 checks its workers while waiting.
+_READY = "pagedkv-tp-ready/"
+_READY_POLL_SECONDS = 0.2
 
 
 def host_store(host: str, world_size: int, timeout: float) -> tuple[Any, str]:
     """Rank 0's store, listening on ``host`` at a port the kernel picks; and its
     ``tcp://host:port`` init method for the other ranks. It does not wait for them here."""
     td = datetime.timedelta(seconds=timeout)
-    store = dist.TCPStore(host, 0, world_size, True, timeout=td, wait_for_workers=False)
-    return store, f"tcp://{host}:{store.port}"
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.bind(address)
+        sock.listen(128)
+        port = int(sock.getsockname()[1])
+        # The store takes the socket over (it closes the descriptor when it is destroyed).
+        store = dist.TCPStore(
+            host, port, world_size, True, timeout=td, wait_for_workers=False, master_listen_fd=sock.detach()
+        )
+    return store, f"tcp://{host}:{port}"
+
+
+def _wait_for_every_rank(store: Any, rank: int, world_size: int, peer_failures: Callable[[], list[str]] | None) -> None:
+    """Says this rank is ready to join, then waits until every rank is. Loading the model
+    takes what it takes (a loaded machine, a first Ray start, a large download), so there is no
+    deadline while the others live: rank 0 polls ``peer_failures`` (a worker that died ends
+    the wait with EngineDeadError) and a worker's wait fails at once if rank 0's store goes
+    away. The join itself, with every rank present, then has the group's timeout."""
+    store.set(f"{_READY}{rank}", "1")
+    keys = [f"{_READY}{r}" for r in range(world_size)]
+    while not store.check(keys):  # a lost store raises (DistNetworkError)
+        failures = peer_failures() if peer_failures is not None else []
+        if failures:
+            raise EngineDeadError(f"tensor-parallel workers failed to start: {'; '.join(failures)}")
+        time.sleep(_READY_POLL_SECONDS)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _gloo_group(store: Any, rank: int, world_size: int, host: str, td: datetime.timedelta) -> Any:
+    """A gloo group over ``store``; its pairs listen on loopback when the group's host is."""
+    if not _is_loopback(host):
+        return dist.ProcessGroupGloo(store, rank, world_size, td)
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = td
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
 @dataclass
@@ -65,18 +114,27 @@ class TPGroup:
 
     @classmethod
     def create(
-        cls, rank: int, world_size: int, init_method: str, device: torch.device, timeout: float, store: Any = None
+        cls,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        device: torch.device,
+        timeout: float,
+        store: Any = None,
+        peer_failures: Callable[[], list[str]] | None = None,
     ) -> TPGroup:
         """Joins the group at ``init_method`` (``tcp://host:port``; rank 0 hosts the store: pass
-        the one :func:`host_store` made as ``store``). Blocks until every rank has joined, or
-        raises after ``timeout`` seconds."""
+        the one :func:`host_store` made as ``store``). Waits until every rank is ready to join
+        (:func:`_wait_for_every_rank`; ``peer_failures``: how rank 0 learns that a worker died
+        meanwhile), then joins within ``timeout`` seconds."""
         url = urlparse(init_method)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ConfigError(f"a tensor-parallel init_method is tcp://host:port, got {init_method!r}")
         td = datetime.timedelta(seconds=timeout)
         if store is None:
             store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=td)
-        control = dist.ProcessGroupGloo(dist.PrefixStore("pagedkv-tp/", store), rank, world_size, td)
+        _wait_for_every_rank(store, rank, world_size, peer_failures)
+        control = _gloo_group(dist.PrefixStore("pagedkv-tp/", store), rank, world_size, url.hostname, td)
         pg: Any = control
         if device.type == "cuda":
             nccl_store = dist.PrefixStore("pagedkv-tp-nccl/", store)

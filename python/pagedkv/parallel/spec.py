@@ -8,6 +8,7 @@ runner and the model runner never imports an executor: the import graph has no c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,3 +29,6 @@ class TPSpec:
     # Rank 0 only: the store it hosts, already listening at ``init_method``
     # (``pagedkv.parallel.group.host_store``); never sent to another process.
     store: Any = field(default=None, compare=False, repr=False)
+    # Rank 0 only: how each worker that stopped ended (the executor's ``failures``), so that
+    # waiting for the workers to load ends when one dies.
+    peer_failures: Callable[[], list[str]] | None = field(default=None, compare=False, repr=False)

@@ -651,7 +651,9 @@ class ModelRunner:
         # On the CPU a rank is a process: any N runs (sharing the cores), which is what tests use.
         if cache.kv_cache_dir is not None:
             raise ConfigError("the disk KV tier (kv_cache_dir) is not supported with tensor_parallel_size > 1")
-        self.tp_group = TPGroup.create(tp.rank, tp.world_size, tp.init_method, self.device, tp.timeout, tp.store)
+        self.tp_group = TPGroup.create(
+            tp.rank, tp.world_size, tp.init_method, self.device, tp.timeout, tp.store, tp.peer_failures
+        )
 
     def kv_fingerprint(self) -> dict[str, Any]:
         """What must match for KV written by another engine (a disk file, a transferred block)
