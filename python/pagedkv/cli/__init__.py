@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from pagedkv.errors import MissingDependencyError
 from pagedkv.extras import needs_extra
+from pagedkv.orphan import watch_parent_from_env
 
 # subcommand -> (module, one-line help). Each module defines add_arguments(parser) and run(args).
 SUBCOMMANDS = {
@@ -44,6 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # Find the subcommand first, then let its module add its own arguments.
     known, _ = parser.parse_known_args(argv)
+    # Started by another pagedkv process (ServerProcess): leave when it is gone.
+    watch_parent_from_env(f"pagedkv {known.command}")
     try:
         # A core-only install lacks the engine's packages: say which extra to install.
         with needs_extra(f"pagedkv {known.command}"):

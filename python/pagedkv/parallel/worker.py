@@ -20,12 +20,11 @@ import logging
 import os
 import pickle
 import sys
-import threading
-import time
 from typing import Any
 
 import torch
 
+from pagedkv.orphan import leave_when_orphaned
 from pagedkv.parallel.spec import TPSpec
 from pagedkv.parallel.step_broadcast import recv_step
 from pagedkv.worker.model_runner import ModelRunner
@@ -33,9 +32,6 @@ from pagedkv.worker.model_runner import ModelRunner
 __all__ = ["main", "run_worker"]
 
 logger = logging.getLogger(__name__)
-
-# How often (seconds) a worker process checks that the engine's process is still its parent.
-PARENT_POLL_SECONDS = 1.0
 
 
 def run_worker(spec: TPSpec, engine_config: Any) -> None:
@@ -63,21 +59,13 @@ def run_worker(spec: TPSpec, engine_config: Any) -> None:
             raise
 
 
-def _leave_when_orphaned(parent_pid: int) -> None:
-    """Exits this process once its parent is gone (it is then re-parented: ``getppid`` changes)."""
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_POLL_SECONDS)
-    logging.getLogger(__name__).warning("leaving: the engine's process (pid %d) is gone", parent_pid)
-    os._exit(1)
-
-
 def main() -> int:
     """``python -m pagedkv.parallel.worker``: ``(spec, engine_config, parent_pid)`` from stdin,
     then the rank's life."""
     spec, engine_config, parent_pid = pickle.load(sys.stdin.buffer)
     if not isinstance(spec, TPSpec):
         raise TypeError(f"expected a TPSpec first on stdin, got {type(spec).__name__}")
-    threading.Thread(target=_leave_when_orphaned, args=(parent_pid,), daemon=True).start()
+    leave_when_orphaned(parent_pid, lambda: os._exit(1), f"tensor-parallel rank {spec.rank}")
     run_worker(spec, engine_config)
     return 0
 

@@ -5,7 +5,9 @@ and anything that runs engines as separate processes).
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
 
 The process runs in its own process group, so stopping it (SIGTERM: a graceful shutdown, then
-SIGKILL after ``stop_timeout``) ends it and nothing else. Its output goes to a log file
+SIGKILL after ``stop_timeout``) ends it and nothing else. It also shuts itself down when the
+process that started it is gone (``pagedkv.orphan``): a test run or launcher killed without
+cleaning up leaves no server behind. Its output goes to a log file
 (``log_tail()``; its tail is in the error when it fails to start), deleted by :meth:`stop`
 unless ``keep_log``.
 """
@@ -23,6 +25,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+from pagedkv.orphan import PARENT_PID_ENV
 
 __all__ = ["ServerProcess", "free_port"]
 
@@ -53,6 +57,7 @@ class ServerProcess:
         self.args = list(args)
         self.env = {**os.environ, **(env or {})}
         self.env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        self.env[PARENT_PID_ENV] = str(os.getpid())
         self.start_timeout = start_timeout
         self.stop_timeout = stop_timeout
         self.keep_log = keep_log
