@@ -55,6 +55,7 @@ from pagedkv.distributed.kv_transport import (
     encode_metadata,
 )
 from pagedkv.errors import ConfigError, InvalidArgumentError, KVTransferError
+from pagedkv.listen import listening_socket
 
 __all__ = ["GlooTransport"]
 
@@ -72,23 +73,6 @@ def _rank_name(rank: int) -> str:
 
 def _request_mac(key: bytes, holder: int, reader: int, seq: int, runs: str) -> str:
     return hmac.new(key, f"{holder}/{reader}/{seq}/{runs}".encode(), hashlib.sha256).hexdigest()
-
-
-def _listening_socket(host: str, port: int) -> socket.socket:
-    """The store's listening socket, bound to ``host`` only (handed to TCPStore)."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as e:
-        raise ConfigError(f"gloo KV transport: cannot resolve {host}:{port}: {e}") from e
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(128)
-    except OSError as e:
-        sock.close()
-        raise ConfigError(f"gloo KV transport: cannot listen on {host}:{port}: {e}") from e
-    return sock
 
 
 def _local_address_towards(host: str, port: int) -> str:
@@ -121,7 +105,7 @@ class GlooTransport(KVTransport):
         td = datetime.timedelta(seconds=timeout)
         host, port = url.hostname, url.port
         # Rank 0 listens on the configured host only: its own socket, handed to the store.
-        listen_fd = _listening_socket(host, port).detach() if rank == 0 else None
+        listen_fd = listening_socket(host, port, "gloo KV transport").detach() if rank == 0 else None
         # Blocks until all ranks have connected (or raises after `timeout`).
         self._store: Any = dist.TCPStore(host, port, world_size, rank == 0, td, master_listen_fd=listen_fd)
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from pagedkv.errors import ConfigError, EngineDeadError
+from pagedkv.listen import listening_socket
 
 __all__ = ["TPGroup", "host_store"]
 
@@ -52,10 +52,7 @@ def host_store(host: str, world_size: int, timeout: float) -> tuple[Any, str]:
     """Rank 0's store, listening on ``host`` at a port the kernel picks; and its
     ``tcp://host:port`` init method for the other ranks. It does not wait for them here."""
     td = datetime.timedelta(seconds=timeout)
-    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.bind(address)
-        sock.listen(128)
+    with listening_socket(host, 0, "tensor-parallel store") as sock:
         port = int(sock.getsockname()[1])
         # The store takes the socket over (it closes the descriptor when it is destroyed).
         store = dist.TCPStore(
