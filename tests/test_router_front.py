@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -134,6 +135,21 @@ def test_client_keys_are_checked_and_engines_get_the_engine_key(tokenizer: Any) 
 
     run(again())
     assert [auth for _, _, auth in engines.calls] == [None]
+
+
+def test_a_body_over_the_limit_gets_413_before_any_engine_sees_it(tokenizer: Any) -> None:
+    engines = Engines()
+    app, _ = make_router(engines, tokenizer, max_request_body_bytes=1024)
+
+    async def go() -> None:
+        async with client_of(app) as http:
+            r = await http.post(COMPLETIONS, json={"prompt": "x" * 2000, "max_tokens": 1})
+            assert r.status_code == 413, r.text
+            assert "max_request_body_bytes" in r.json()["error"]["message"]
+            assert engines.calls == []
+            assert (await http.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": 1})).status_code == 200
+
+    run(go())
 
 
 def test_an_engine_that_refuses_connections_is_routed_around(tokenizer: Any) -> None:
@@ -282,9 +298,40 @@ engine_port, router_port = int(sys.argv[1]), int(sys.argv[2])
 config = uvicorn.Config(engine, host="127.0.0.1", port=engine_port, log_level="warning")
 threading.Thread(target=uvicorn.Server(config).run, daemon=True).start()
 url = f"http://127.0.0.1:{engine_port}"
-router = Router(RouterArgs(replicas=[url], shutdown_timeout=0.5), [Replica(url, 16)], None)
+args = RouterArgs(replicas=[url], shutdown_timeout=0.5, header_timeout=1.0, max_connections=8)
+router = Router(args, [Replica(url, 16)], None)
 serve_router(build_router_app(router), "127.0.0.1", router_port, "info")
 """
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the peer closes ``sock`` (reads until EOF; False if it stays open TIMEOUT s)."""
+    sock.settimeout(TIMEOUT)
+    try:
+        while sock.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def _check_connection_guards(port: int) -> None:
+    """The router process's own connection guards (header_timeout=1, max_connections=8): a
+    slowloris client that never finishes its headers is closed, so is a connection past the cap,
+    and a normal request is still served."""
+    slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+    try:
+        for sock in slow:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        with socket.create_connection(("127.0.0.1", port)) as extra:  # the 9th: over the cap
+            assert _closed_by_peer(extra)
+        assert all(_closed_by_peer(sock) for sock in slow), "a partial-header connection stayed open"
+    finally:
+        for sock in slow:
+            sock.close()
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=TIMEOUT).status_code == 200
 
 
 def test_sigterm_ends_a_running_stream_with_an_error_event(tmp_path: Path) -> None:
@@ -307,6 +354,7 @@ def test_sigterm_ends_a_running_stream_with_an_error_event(tmp_path: Path) -> No
                 break
             except httpx.HTTPError:
                 time.sleep(0.2)
+        _check_connection_guards(router_port)
         lines = []
         body = {"prompt": "Hello", "stream": True}
         with httpx.stream("POST", url + COMPLETIONS, json=body, timeout=TIMEOUT) as r:

@@ -64,6 +64,8 @@ from pagedkv.router.forward import EnginesUnreachable, first_reachable, relay, u
 from pagedkv.router.health import HealthMonitor
 from pagedkv.router.replica import Replica
 from pagedkv.router.state import Router, parse_body
+from pagedkv.server.body_limit import BodySizeLimit
+from pagedkv.server.connections import guarded_protocol
 from pagedkv.server.errors import error_body, error_response
 
 __all__ = ["POLICIES", "Replica", "Router", "RouterArgs", "build_router_app", "create_router_app", "serve_router"]
@@ -116,6 +118,8 @@ def build_router_app(router: Router) -> FastAPI:
 
     app = FastAPI(title="pagedkv router", lifespan=lifespan)
     app.state.router = router
+    # The last middleware added runs first: the key is checked before the body is read.
+    app.add_middleware(BodySizeLimit, max_bytes=args.max_request_body_bytes, idle_timeout=args.header_timeout)
     if args.api_key is not None:
         app.add_middleware(ClientAuth, api_key=args.api_key)
 
@@ -190,7 +194,12 @@ def serve_router(app: FastAPI, host: str, port: int, log_level: str = "info") ->
 
     # Past the streams' end (they end themselves), uvicorn cancels what is left.
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=math.ceil(timeout) + 5
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=guarded_protocol(router.args.header_timeout, router.args.max_connections),
+        timeout_graceful_shutdown=math.ceil(timeout) + 5,
     )
     server = RouterServer(config)
     loop = asyncio.new_event_loop()

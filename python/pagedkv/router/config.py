@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 from pagedkv.errors import ConfigError
+from pagedkv.server.limits import ServerLimits
 
 __all__ = ["POLICIES", "RouterArgs"]
 
@@ -41,7 +42,11 @@ class RouterArgs:
       tokenized (tokenizing is the router's only per-request CPU work; the engine still
       decides whether it accepts the prompt).
     - ``shutdown_timeout``: on SIGTERM, seconds the router lets streams run before it ends them
-      with an error event and ``data: [DONE]``."""
+      with an error event and ``data: [DONE]``.
+    - ``max_request_body_bytes``, ``header_timeout``, ``max_connections``: the engines'
+      connection guards (:class:`pagedkv.server.limits.ServerLimits`), at the router's own
+      socket: a bigger body gets 413 before it is read (408 when it stalls), a connection that
+      does not send complete headers in time is closed, and so is one past the cap."""
 
     replicas: list[str] = field(default_factory=list)
     model: str | None = None
@@ -57,6 +62,9 @@ class RouterArgs:
     startup_timeout: float = 600.0
     max_tokenize_bytes: int = 1 << 20
     shutdown_timeout: float = 30.0
+    max_request_body_bytes: int = ServerLimits.max_request_body_bytes
+    header_timeout: float = ServerLimits.header_timeout
+    max_connections: int = ServerLimits.max_connections
 
     def __post_init__(self) -> None:
         if self.replicas and (self.prefill or self.decode):
@@ -75,10 +83,21 @@ class RouterArgs:
                 raise ConfigError(f"an engine is an http(s)://host:port URL, got {url!r}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("timeout", "prefill_timeout", "health_interval", "startup_timeout", "shutdown_timeout"):
+        for name in (
+            "timeout",
+            "prefill_timeout",
+            "health_interval",
+            "startup_timeout",
+            "shutdown_timeout",
+            "header_timeout",
+        ):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
+        for name in ("max_request_body_bytes", "max_connections"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if self.max_tokenize_bytes < 0:
             raise ConfigError(f"max_tokenize_bytes must be >= 0, got {self.max_tokenize_bytes!r}")
         for name in ("api_key", "engine_api_key"):
