@@ -53,7 +53,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,7 @@ class Deployment:
     router: Any | None
     stop: Callable[[], None]
     layout: str  # processes x threads, for the table
+    engine_headers: dict[str, str] = field(default_factory=dict)  # direct requests to the engines
 
     @property
     def pids(self) -> dict[str, int]:
@@ -164,7 +165,8 @@ def start_deployment(name: str, args: argparse.Namespace) -> Deployment:
             start_timeout=args.start_timeout,
         )
         layout = "2 engines (prefill + decode) x 1 thread + router x 1"
-        return Deployment(name, d.url, {"prefill": d.prefill, "decode": d.decode}, d.router, d.stop, layout)
+        engines = {"prefill": d.prefill, "decode": d.decode}
+        return Deployment(name, d.url, engines, d.router, d.stop, layout, d.engine_headers())
     policy = name.split("-", 1)[1]
     replicas = start_replicas(args)
     router_args = ["--policy", policy, "--log-level", "warning"]
@@ -201,12 +203,13 @@ def run_deployment(
     start_s = time.perf_counter() - t
     try:
         engines = list(dep.engines.values())
-        warm_up(engines)
+        warm_up(engines, dep.engine_headers)
         if dep.router is not None:
             warm_up([dep])  # through the router (disagg: a prefill, a pull, a decode)
         transport = None
         if "decode" in dep.engines:
-            info = httpx.get(dep.engines["decode"].url + "/kv_cache_info", timeout=10).json()
+            decode_url = dep.engines["decode"].url
+            info = httpx.get(decode_url + "/kv_cache_info", headers=dep.engine_headers, timeout=10).json()
             transport = (info.get("kv_transfer") or {}).get("transport")
         # What the deployment burns doing nothing (a busy-polling thread shows here).
         pids = dep.pids

@@ -254,15 +254,16 @@ def reset_prefix_caches(replicas: list[Any]) -> list[int]:
     return dropped
 
 
-def warm_up(replicas: list[Any]) -> None:
-    """Two small requests straight to each replica (first-call costs out of the runs)."""
+def warm_up(replicas: list[Any], headers: dict[str, str] | None = None) -> None:
+    """Two small requests straight to each replica (first-call costs out of the runs);
+    ``headers`` authenticate them (a disaggregated deployment's engine key)."""
     import httpx
 
     for p in replicas:
         for n in (20, 40):
             body = {"prompt": list(range(1000, 1000 + n)), "max_tokens": 4, "ignore_eos": True}
             body["cache_salt"] = "warmup"
-            httpx.post(p.url + "/v1/completions", json=body, timeout=120).raise_for_status()
+            httpx.post(p.url + "/v1/completions", json=body, headers=headers, timeout=120).raise_for_status()
 
 
 # ----------------------------------------------------------------------------- load generator

@@ -75,7 +75,11 @@ def settle(url: str, name: str, value: float) -> None:
 
 def test_pull_over_http_then_a_killed_producer(deployment: DisaggDeployment) -> None:
     p, d = deployment.prefill_url, deployment.decode_url
-    with httpx.Client(timeout=TIMEOUT) as http:
+    # The engines answer only the deployment's router (and whoever holds its engine key).
+    for url in (p, d):
+        r = httpx.post(url + COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 1}, timeout=TIMEOUT)
+        assert r.status_code == 401, r.text
+    with httpx.Client(timeout=TIMEOUT, headers=deployment.engine_headers()) as http:
         info = http.get(d + "/kv_cache_info").json()["kv_transfer"]
         assert info["role"] == "consumer"
         assert http.get(p + "/kv_cache_info").json()["kv_transfer"]["control_address"].startswith("tcp://127.0.0.1:")

@@ -573,7 +573,10 @@ def test_e2e_prefill_engine_down_falls_back(deployment: DisaggDeployment, plain:
 
     body = {"prompt": PROMPT + " Second try:", "max_tokens": 8, "temperature": 0}
     expected = _text(httpx.post(plain.url + COMPLETIONS, json=body, timeout=TIMEOUT).json())
-    app = create_router_app(RouterArgs(prefill=[deployment.prefill_url], decode=[deployment.decode_url]))
+    args = RouterArgs(
+        prefill=[deployment.prefill_url], decode=[deployment.decode_url], engine_api_key=deployment.engine_api_key
+    )
+    app = create_router_app(args)
     router = app.state.router
     # The prefill engine stops answering after the router started: nothing listens there now.
     router.replicas[0].url = f"http://127.0.0.1:{free_port()}"
@@ -627,6 +630,7 @@ def test_e2e_serve_disagg_cli_stops_its_processes_on_sigterm() -> None:
     with tempfile.NamedTemporaryFile(prefix="pagedkv-disagg-cli-", suffix=".log", delete=False) as log:
         log_path = Path(log.name)
     cmd = [sys.executable, "-m", "pagedkv", "serve", "--disagg", "--kv-transport", "gloo", "--port", str(port)]
+    cmd += ["--api-key", "client-key"]  # the router's clients' key; the engines get their own
     with log_path.open("wb") as out:
         proc = subprocess.Popen(
             [*cmd, *ENGINE_FLAGS],
@@ -647,9 +651,14 @@ def test_e2e_serve_disagg_cli_stops_its_processes_on_sigterm() -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        r = httpx.post(url + COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 3}, timeout=TIMEOUT)
+        body = {"prompt": PROMPT, "max_tokens": 3}
+        assert httpx.post(url + COMPLETIONS, json=body, timeout=TIMEOUT).status_code == 401
+        key = {"Authorization": "Bearer client-key"}
+        r = httpx.post(url + COMPLETIONS, json=body, headers=key, timeout=TIMEOUT)
         assert r.status_code == 200 and "x-pagedkv-prefill" in r.headers, r.text
         engines = [r.headers["x-pagedkv-prefill"], r.headers["x-pagedkv-replica"]]
+        for engine_url in engines:  # nobody goes around the router, not even with the client's key
+            assert httpx.post(engine_url + COMPLETIONS, json=body, headers=key, timeout=TIMEOUT).status_code == 401
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, log_path.read_text()
         for engine_url in [url, *engines]:

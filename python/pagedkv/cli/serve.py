@@ -162,17 +162,9 @@ def _run_disagg(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"pagedkv serve --disagg needs the serve extra: pip install 'pagedkv[serve]' ({exc})", file=sys.stderr)
         return 2
-    # Both engines cannot publish on one endpoint, and the router does not check API keys (it
-    # would need one to read the engines' /kv_cache_info, then send it for every client).
+    # Both engines cannot publish on one endpoint.
     if args.kv_events_endpoint or args.kv_events_replay_endpoint:
         print("error: --kv-events-endpoint is not supported with --disagg", file=sys.stderr)
-        return 2
-    if args.api_key:
-        print(
-            "error: --api-key (or $PAGEDKV_API_KEY) is not supported with --disagg; "
-            "start the engines with it and `pagedkv router --prefill ... --decode ...` yourself",
-            file=sys.stderr,
-        )
         return 2
     model = args.model_tag or args.model
     kv_config: dict[str, Any] | None = None
@@ -203,6 +195,7 @@ def _run_disagg(args: argparse.Namespace) -> int:
             kv_transfer_config=kv_config,
             router_flags=["--log-level", args.log_level, *(["--trust-remote-code"] if args.trust_remote_code else [])],
             keep_logs=True,
+            api_key=args.api_key,  # the router's clients' key; the engines get one of their own
         )
         print(
             f"pagedkv serve --disagg: {deployment.url} (prefill engine {deployment.prefill_url}, "

@@ -171,9 +171,17 @@ class DisaggDeployment:
     prefill engine is watched by a :class:`ProcessKeeper` (restarted where it can rejoin)."""
 
     def __init__(
-        self, prefill: ServerProcess, decode: ServerProcess, router: RouterProcess, *, restart_prefill: bool = False
+        self,
+        prefill: ServerProcess,
+        decode: ServerProcess,
+        router: RouterProcess,
+        *,
+        restart_prefill: bool = False,
+        engine_api_key: str | None = None,
     ) -> None:
         self.decode = decode
+        # The key the engines require (the router's engine key): for talking to them directly.
+        self.engine_api_key = engine_api_key
         self.router = router
         why_not = "" if restart_prefill else _NO_GLOO_RESTART
         self.prefill_keeper = ProcessKeeper(prefill, "prefill", restart=restart_prefill, why_not=why_not).start()
@@ -195,6 +203,10 @@ class DisaggDeployment:
     @property
     def decode_url(self) -> str:
         return self.decode.url
+
+    def engine_headers(self) -> dict[str, str]:
+        """The headers that authenticate a direct request to either engine."""
+        return {"Authorization": f"Bearer {self.engine_api_key}"} if self.engine_api_key else {}
 
     @property
     def processes(self) -> dict[str, ServerProcess]:
@@ -275,17 +287,29 @@ def start_disagg(
     env: dict[str, str] | None = None,
     start_timeout: float = 300.0,
     keep_logs: bool = False,
+    api_key: str | None = None,
 ) -> DisaggDeployment:
     """Start a prefill engine, a decode engine and the router; return when the router is
     healthy. ``engine_flags`` go to both engines (``pagedkv serve`` flags: engine arguments,
     ``--served-model-name``, ...); ``kv_transfer_config`` holds extra keys for both engines'
     configs (see :func:`kv_transfer_configs`); ``router_flags`` go to ``pagedkv router``.
-    ``port`` None: a free one. On any failure (or Ctrl-C) what was started is stopped."""
+    ``port`` None: a free one. ``api_key``: the key the router's clients must send (None: the
+    router is open to whoever reaches it). The engines always require a key of the
+    deployment's own that only the router holds (``DisaggDeployment.engine_api_key``), so
+    nobody goes around the router to them. On any failure (or Ctrl-C) what was started is
+    stopped."""
     prefill_config, decode_config = kv_transfer_configs(kv_transport, kv_transfer_config)
     model_args = [model] if model else []
     # The engines authenticate each other's KV-transfer messages with a secret of this
     # deployment's own, passed in their environment (a command line is visible in `ps`).
-    engine_env = {**(env or {}), SECRET_ENV: secrets.token_urlsafe(32)}
+    # Likewise the engines' HTTP key (PAGEDKV_API_KEY, read by `pagedkv serve`), which only the
+    # router holds as its engine key; the router's own clients use ``api_key``.
+    engine_api_key = secrets.token_urlsafe(32)
+    engine_env = {**(env or {}), SECRET_ENV: secrets.token_urlsafe(32), "PAGEDKV_API_KEY": engine_api_key}
+    router_env = {**(env or {}), "PAGEDKV_ENGINE_API_KEY": engine_api_key}
+    router_env.pop("PAGEDKV_ROUTER_API_KEY", None)
+    if api_key is not None:
+        router_env["PAGEDKV_ROUTER_API_KEY"] = api_key
 
     def engine(config: dict[str, Any]) -> ServerProcess:
         args = [*model_args, *engine_flags, "--kv-transfer-config", json.dumps(config)]
@@ -295,7 +319,9 @@ def start_disagg(
     router_args = ["--prefill", prefill.url, "--decode", decode.url, *router_flags]
     if model:
         router_args += ["--model", model]
-    router = RouterProcess(router_args, host=host, port=port, env=env, start_timeout=start_timeout, keep_log=keep_logs)
+    router = RouterProcess(
+        router_args, host=host, port=port, env=router_env, start_timeout=start_timeout, keep_log=keep_logs
+    )
     _start_together([decode, prefill])
     try:
         router.start()
@@ -303,7 +329,9 @@ def start_disagg(
         router.stop()
         _stop_together([prefill, decode])
         raise
-    return DisaggDeployment(prefill, decode, router, restart_prefill=_rejoinable(prefill))
+    return DisaggDeployment(
+        prefill, decode, router, restart_prefill=_rejoinable(prefill), engine_api_key=engine_api_key
+    )
 
 
 def _start_together(procs: Sequence[ServerProcess]) -> None:
