@@ -25,7 +25,7 @@ import os
 import sys
 
 from pagedkv.errors import PagedKVError
-from pagedkv.server.limits import ServerLimits
+from pagedkv.server.limits import CONNECTION_LIMITS, add_limit_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -86,25 +86,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM, seconds before running streams end with an error event and [DONE]",
     )
-    limits = p.add_argument_group("connection limits (as on the engines)")
-    limits.add_argument(
-        "--max-request-body-bytes",
-        type=int,
-        default=ServerLimits.max_request_body_bytes,
-        help="largest request body in bytes; a bigger one gets 413 before it is read",
-    )
-    limits.add_argument(
-        "--header-timeout",
-        type=float,
-        default=ServerLimits.header_timeout,
-        help="seconds a connection may take to send complete request headers before it is closed",
-    )
-    limits.add_argument(
-        "--max-connections",
-        type=int,
-        default=ServerLimits.max_connections,
-        help="most open connections; more are closed at once",
-    )
+    add_limit_arguments(p, only=CONNECTION_LIMITS, title="connection limits (as on the engines)")
     p.add_argument(
         "--prefill-timeout",
         type=float,
@@ -139,9 +121,7 @@ def run(args: argparse.Namespace) -> int:
             startup_timeout=args.startup_timeout,
             max_tokenize_bytes=args.max_tokenize_bytes,
             shutdown_timeout=args.shutdown_timeout,
-            max_request_body_bytes=args.max_request_body_bytes,
-            header_timeout=args.header_timeout,
-            max_connections=args.max_connections,
+            **{name: getattr(args, name) for name in CONNECTION_LIMITS},
         )
         app = create_router_app(router_args)
     except PagedKVError as exc:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedkv.errors import ConfigError
 
-__all__ = ["ServerLimits", "add_limit_arguments", "limit_flags", "limits_from"]
+__all__ = ["CONNECTION_LIMITS", "ServerLimits", "add_limit_arguments", "limit_flags", "limits_from"]
 
 
 @dataclass(frozen=True)
@@ -83,10 +84,19 @@ _HELP = {
 }
 
 
-def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per :class:`ServerLimits` field (``--max-request-body-bytes`` ...)."""
-    group = parser.add_argument_group("request limits")
+# The limits that guard a socket, not an engine's work: `pagedkv router` has them too.
+CONNECTION_LIMITS = ("max_request_body_bytes", "header_timeout", "max_connections")
+
+
+def add_limit_arguments(
+    parser: argparse.ArgumentParser, only: Sequence[str] | None = None, title: str = "request limits"
+) -> None:
+    """One flag per :class:`ServerLimits` field (``--max-request-body-bytes`` ...), or per
+    field named in ``only``."""
+    group = parser.add_argument_group(title)
     for f in dataclasses.fields(ServerLimits):
+        if only is not None and f.name not in only:
+            continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in (bool, "bool"):
             group.add_argument(flag, action="store_true", default=False, help=_HELP[f.name])
