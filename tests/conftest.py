@@ -53,17 +53,22 @@ if not HAS_CUDA:
 # alone with a long module at the end. Only a scheduling hint: any module may be missing here.
 _SLOWEST_MODULES = (
     "test_tensor_parallel.py",
+    "test_engine_kv_quant.py",
     "test_router_disagg.py",
-    "test_server.py",
-    "test_readme.py",
-    "test_kv_connector.py",
-    "test_kv_transport.py",
+    "test_kv_quant_triton.py",
     "test_beam_search.py",
     "test_engine.py",
+    "test_engine_greedy.py",
     "test_engine_hardening.py",
-    "test_kv_quant_triton.py",
-    "test_host_kv_cache.py",
-    "test_workloads.py",
+    "test_readme.py",
+    "test_sampler.py",
+    "test_server.py",
+    "test_kernels_compile.py",
+    "test_kv_connector.py",
+    "test_gpu_check_dryrun.py",
+    "test_disagg_server.py",
+    "test_cli_offload.py",
+    "test_dashboard.py",
 )
 
 
