@@ -48,13 +48,18 @@ def events_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(events_port: int) -> Iterator[ServerProcess]:
+def replay_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def server(events_port: int, replay_port: int) -> Iterator[ServerProcess]:
     args = [
         *ENGINE_FLAGS,
         "--served-model-name", MODEL_NAME,
         "--api-key", API_KEY,
         "--kv-events-endpoint", f"tcp://127.0.0.1:{events_port}",
-        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{events_port + 1 if events_port < 65535 else free_port()}",
+        "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
     ]  # fmt: skip
     with ServerProcess(args) as proc:
         yield proc
@@ -426,14 +431,29 @@ def _router_hashes(token_ids: list[int]) -> list[int]:
     return block_hashes(token_ids, BLOCK_SIZE)
 
 
-def test_kv_events_stored_removed_and_replay(server: ServerProcess, client: Any, events_port: int) -> None:
+def _await_subscription(sub: Any, client: Any) -> None:
+    """PUB/SUB drops what is published before a subscription reaches the publisher: send small
+    requests of their own until one batch arrives, then drain what is queued."""
+    deadline = time.monotonic() + TIMEOUT
+    i = 0
+    while not sub.poll(500):
+        assert time.monotonic() < deadline, "no KV event batch reached the subscriber"
+        client.completions.create(model=MODEL_NAME, prompt=f"Subscription probe {i}: " * 8, max_tokens=1)
+        i += 1
+    while sub.poll(200):
+        sub.recv_multipart()
+
+
+def test_kv_events_stored_removed_and_replay(
+    server: ServerProcess, client: Any, events_port: int, replay_port: int
+) -> None:
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.setsockopt(zmq.LINGER, 0)
     sub.connect(f"tcp://127.0.0.1:{events_port}")
     try:
-        time.sleep(0.5)  # PUB/SUB: the subscription must reach the server before events are sent
+        _await_subscription(sub, client)
         prompt = "A unique prompt about kv events and routers, " * 5
         ids = httpx.post(server.url + "/tokenize", json={"prompt": prompt}, headers=auth(), timeout=TIMEOUT).json()[
             "tokens"
@@ -474,7 +494,7 @@ def test_kv_events_stored_removed_and_replay(server: ServerProcess, client: Any,
     # A late subscriber replays everything still buffered from sequence 0.
     replay = ctx.socket(zmq.DEALER)
     replay.setsockopt(zmq.LINGER, 0)
-    replay.connect(f"tcp://127.0.0.1:{events_port + 1}")
+    replay.connect(f"tcp://127.0.0.1:{replay_port}")
     try:
         replay.send_multipart([b"", (0).to_bytes(8, "big")])
         replayed = []
