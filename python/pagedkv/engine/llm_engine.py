@@ -72,6 +72,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LLMEngine"]
 
+# How long a broken tensor-parallel group waits for a dead worker's exit status (to name it).
+_WORKER_EXIT_GRACE_S = 2.0
 logger = logging.getLogger(__name__)
 
 
@@ -532,6 +534,12 @@ class LLMEngine:
         """The tensor-parallel group broke: stop the workers; the error every later step raises
         (naming the workers that died, if any)."""
         failures = [] if self.executor is None else self.executor.failures()
+        # A killed worker's sockets close as it dies, a moment before its exit status can be
+        # read: give it that moment, so the error names it.
+        deadline = time.monotonic() + _WORKER_EXIT_GRACE_S
+        while self.executor is not None and not failures and time.monotonic() < deadline:
+            time.sleep(0.05)
+            failures = self.executor.failures()
         if self.executor is not None:
             self.executor.shutdown()
         message = str(exc) + (f" ({'; '.join(failures)})" if failures else "")
