@@ -289,12 +289,16 @@ def test_async_llm_streams_concurrently_and_abort_frees_blocks() -> None:
                     break  # the consumer leaves: the request is aborted
 
         async def cancel_task() -> None:
+            streaming = asyncio.Event()
+
             async def run() -> None:
                 async for _ in engine.generate("Once upon a time", greedy(200), "cancelled"):
-                    pass
+                    streaming.set()
 
             task = asyncio.ensure_future(run())
-            await asyncio.sleep(0.3)
+            # Cancel once the request streams: a task cancelled while its add still waits for
+            # the loop thread (a busy machine) leaves no request behind, so nothing to abort.
+            await streaming.wait()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
