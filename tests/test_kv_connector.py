@@ -1,8 +1,8 @@
-"""Disaggregated prefill / decode between two real engines (the embedded SmolLM2), per transport.
+"""Disaggregated prefill / decode between two real engines (a tiny random model: the transfer
+does not depend on the weights), per transport.
 
 Both engines live in this process (the engine API is the same as behind a server; the
-server-level flow with separate processes and the router is in test_router_disagg.py and
-test_disagg_server.py). The producer prefills with ``max_tokens=1`` and
+server-level flow with separate processes and the router is in test_router_disagg.py). The producer prefills with ``max_tokens=1`` and
 ``{"do_remote_decode": true}``; its output's ``kv_transfer_params`` go to the consumer, which
 pulls the prompt's KV over NIXL (host memory) or gloo and decodes. Every greedy output is
 compared with a plain engine's, and both engines must end with no block used, no lease and no
@@ -22,8 +22,9 @@ from kv_transports import TRANSPORTS, assert_idle, make_pair, prefill, run, wait
 from pagedkv import LLMEngine, SamplingParams
 from pagedkv.errors import ConfigError, InvalidArgumentError, KVTransferError
 from pagedkv.server.launch import free_port
+from pagedkv.worker.model_files import default_model_dir
 
-ENGINE = dict(device="cpu", dtype="float32", num_blocks=64, block_size=16, max_model_len=256)
+ENGINE_ARGS = dict(device="cpu", dtype="float32", num_blocks=64, block_size=16, max_model_len=256)
 TEXT = (
     "Paged attention stores the key and value cache in fixed-size blocks, so that a sequence is "
     "logically contiguous but physically scattered across the pool, and blocks return to a free "
@@ -33,15 +34,21 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
-def reference() -> Iterator[LLMEngine]:
-    engine = LLMEngine(**ENGINE)
+def engine_kw(tiny_model: str) -> dict[str, Any]:
+    """The engines' keywords: the transfer does not depend on the weights, so a tiny model."""
+    return {**ENGINE_ARGS, "model": tiny_model, "tokenizer": str(default_model_dir())}
+
+
+@pytest.fixture(scope="module")
+def reference(engine_kw: dict[str, Any]) -> Iterator[LLMEngine]:
+    engine = LLMEngine(**engine_kw)
     yield engine
     engine.shutdown()
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[LLMEngine, LLMEngine]]:
-    producer, consumer = make_pair(request.param, ENGINE)
+def pair(request: pytest.FixtureRequest, engine_kw: dict[str, Any]) -> Iterator[tuple[LLMEngine, LLMEngine]]:
+    producer, consumer = make_pair(request.param, engine_kw)
     yield producer, consumer
     consumer.shutdown()
     producer.shutdown()
@@ -152,7 +159,7 @@ def test_expired_lease_recomputes_or_fails(clean: Any, reference: LLMEngine) -> 
         producer.kv_connector.config, consumer.kv_connector.config = p_cfg, c_cfg
 
 
-def test_bad_kv_transfer_params_are_refused(clean: Any, reference: LLMEngine) -> None:
+def test_bad_kv_transfer_params_are_refused(clean: Any, reference: LLMEngine, engine_kw: dict[str, Any]) -> None:
     producer, consumer = clean
     prompt = {"prompt_token_ids": prompt_ids(reference, 40)}
     params = prefill(producer, rid("p"), prompt)
@@ -173,9 +180,9 @@ def test_bad_kv_transfer_params_are_refused(clean: Any, reference: LLMEngine) ->
     with pytest.raises(InvalidArgumentError):
         reference.add_request(rid("bad"), prompt, GREEDY, kv_transfer_params={"do_remote_decode": True})
     with pytest.raises(ConfigError):
-        LLMEngine(**ENGINE, kv_transfer_config={"role": "producer", "lease_seconds": 0})
+        LLMEngine(**engine_kw, kv_transfer_config={"role": "producer", "lease_seconds": 0})
     with pytest.raises(ConfigError):
-        LLMEngine(**ENGINE, kv_transfer_config={"role": "producer", "leases": 3})
+        LLMEngine(**engine_kw, kv_transfer_config={"role": "producer", "leases": 3})
     # Blocks the lease does not hold: refused at the claim (nothing read), the prompt is
     # recomputed, and the lease, its token evidently in bad hands, ends.
     forged = {**params, "remote_block_ids": [10_000, 10_001, 10_002]}
@@ -204,9 +211,9 @@ def test_bad_kv_transfer_params_are_refused(clean: Any, reference: LLMEngine) ->
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_quantized_kv_and_a_dead_producer(transport: str, reference: LLMEngine) -> None:
-    producer, consumer = make_pair(transport, {**ENGINE, "kv_cache_dtype": "int8"})
-    quantized = LLMEngine(**ENGINE, kv_cache_dtype="int8")
+def test_quantized_kv_and_a_dead_producer(transport: str, reference: LLMEngine, engine_kw: dict[str, Any]) -> None:
+    producer, consumer = make_pair(transport, {**engine_kw, "kv_cache_dtype": "int8"})
+    quantized = LLMEngine(**engine_kw, kv_cache_dtype="int8")
     try:
         prompt = {"prompt_token_ids": prompt_ids(reference, 60)}
         expected = run(quantized, rid("r"), prompt, GREEDY).outputs[0].token_ids

@@ -14,14 +14,12 @@ import secrets
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 import torch
 from kv_transports import SECRET, TIMEOUT, TRANSPORTS, assert_idle, make_pair, prefill, run, wait_for_no_leases
-from transformers import AutoModelForCausalLM, Qwen2Config
 
 from pagedkv import LLMEngine, SamplingParams
 from pagedkv.distributed.control import ControlServer, control_call, import_zmq, sign_request
@@ -37,28 +35,7 @@ LENGTH = 48  # three full blocks of 16 on the producer; the consumer pulls two (
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():  # sharp logits: no near-ties in greedy argmax
-        model.get_input_embeddings().weight.mul_(40.0)
-    folder = tmp_path_factory.mktemp("tiny-qwen2-kv-security")
-    model.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def engine_kw(tiny_model: Path) -> dict[str, Any]:
+def engine_kw(tiny_model: str) -> dict[str, Any]:
     return dict(
         model=str(tiny_model),
         tokenizer=str(default_model_dir()),

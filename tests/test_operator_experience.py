@@ -1,5 +1,4 @@
-"""What an operator meets first (issue 24, items 16, 17, 22, 23, 24): the README's
-tensor-parallel snippet as a script without a ``__main__`` guard, idle tensor-parallel workers,
+"""What an operator meets first (issue 24, items 17, 22, 23, 24): idle tensor-parallel workers,
 sizes with units on every command, the benches' opt-in record, clean ``--help`` text, a
 core-only install's error, and a tensor-parallel size refused before anything starts.
 """
@@ -14,7 +13,6 @@ import re
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -41,18 +39,6 @@ def _children_of(pid: int) -> list[int]:
     return out
 
 
-def _processes_with_env(marker: str) -> list[int]:
-    """Processes whose environment holds ``marker`` (a script's workers inherit it)."""
-    found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if marker.encode() in environ.read_bytes():
-                found.append(int(environ.parent.name))
-        except OSError:
-            continue
-    return found
-
-
 def _listening(pid: int) -> set[tuple[str, int]]:
     """(address, port) of the TCP sockets that process ``pid`` listens on (IPv4 and IPv6)."""
     inodes = set()
@@ -76,36 +62,6 @@ def _listening(pid: int) -> set[tuple[str, int]]:
                     ip = ipaddress.IPv6Address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))).compressed
                 found.add((ip, int(hex_port, 16)))
     return found
-
-
-# ---------------------------------------------------------------- 16: the README's TP snippet as a script
-
-
-def _readme_tp_block() -> str:
-    """The README's tensor-parallelism Python block, verbatim."""
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("### Tensor parallelism", 1)[1]
-    block = section.split("```python", 1)[1].split("```", 1)[0]
-    assert "pagedkv.LLM(tensor_parallel_size=3)" in block, block
-    return block
-
-
-def test_the_readme_tp_snippet_runs_as_a_script_without_a_main_guard(tmp_path: Path) -> None:
-    script = tmp_path / "my_script.py"
-    # The block as written, between two prints: the first shows how often the module's top level ran.
-    script.write_text(f"print('MAIN MODULE RUN', flush=True)\n{_readme_tp_block()}\nprint('DONE', flush=True)\n")
-    marker = f"PAGEDKV_TEST_MARK={uuid.uuid4().hex}"
-    env = {**os.environ, "PAGEDKV_TEST_MARK": marker.split("=", 1)[1], "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([PYTHON, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    # The workers never ran the script: its top level printed once, and the LLM was built once.
-    assert proc.stdout.count("MAIN MODULE RUN") == 1, proc.stdout
-    assert proc.stdout.rstrip().endswith("DONE"), proc.stdout
-    # No worker outlives the script.
-    deadline = time.monotonic() + 30
-    while _processes_with_env(marker):
-        assert time.monotonic() < deadline, f"worker processes left: {_processes_with_env(marker)}"
-        time.sleep(0.2)
 
 
 # ---------------------------------------------------------------- 17: idle workers keep waiting

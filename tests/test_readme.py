@@ -40,6 +40,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -158,6 +159,7 @@ class Outcome:
     returncode: int | None  # None: killed at the timeout
     stdout: str
     stderr: str
+    pgid: int  # the process group it ran in (its own)
 
     def check(self) -> str:
         """The output, once the command is known to have exited 0."""
@@ -179,8 +181,8 @@ def run(what: str, cmd: list[str], cwd: Path, timeout: float = TIMEOUT) -> Outco
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         out, err = proc.communicate()
-        return Outcome(what, None, out, err)
-    return Outcome(what, proc.returncode, out, err)
+        return Outcome(what, None, out, err, proc.pid)
+    return Outcome(what, proc.returncode, out, err, proc.pid)
 
 
 class Jobs:
@@ -439,6 +441,17 @@ def check_shell_block(block: Block, ways: tuple[Way, ...], m: Module, monkeypatc
             assert out.count("usage:") == len(cmd) - 3, out[-3000:]
 
 
+def assert_group_ends(pgid: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        assert time.monotonic() < deadline, f"a process of the script's group {pgid} is still running"
+        time.sleep(0.2)
+
+
 # The tests -----------------------------------------------------------------------------------
 
 
@@ -464,8 +477,10 @@ def test_readme_block_runs_as_written(index: int, module: Module, monkeypatch: p
     start, way = BLOCKS[index]
     assert block.first_line.startswith(start), f"README block {index} (line {block.line}) is not {start!r}"
     if way in (SCRIPT, SCRIPT_ALONE):
-        out = module.jobs.outcome(*script_job(block, module.tmp)).check()
-        assert out.strip(), f"README block {index} printed nothing"
+        outcome = module.jobs.outcome(*script_job(block, module.tmp))
+        assert outcome.check().strip(), f"README block {index} printed nothing"
+        # Nothing the script started outlives it (the tensor-parallel block's worker processes).
+        assert_group_ends(outcome.pgid, 30.0)
     elif way is SCRIPT_WITH_SERVER:
         module.server.ready()
         out = run(*script_job(block, module.tmp)).check()

@@ -10,9 +10,11 @@ Three layers, cheapest first:
   gone), decode load balancing, the metrics;
 * end to end (``test_e2e_*``; ``pytest tests/test_router_disagg.py -k e2e``): real engine
   servers with ``--kv-transfer-config`` over NIXL and gloo. Greedy outputs through the router
-  equal a plain server's, a prefill 4xx reaches the client, a dead prefill engine falls back,
-  a SIGKILLed prefill engine leaves the deployment serving (and comes back over NIXL), and
-  `pagedkv serve --disagg` stops its three processes on SIGTERM.
+  equal a plain server's, a prefill 4xx reaches the client, the engines answer only the router
+  (driven directly with its key: the pull, bad ``kv_transfer_params`` as 400s), a dead
+  prefill engine falls back, a prefill engine SIGKILLed while it holds a lease costs the decode
+  engine a recompute, never the request, and leaves the deployment serving (and comes back
+  over NIXL), and `pagedkv serve --disagg` stops its three processes on SIGTERM.
 """
 
 from __future__ import annotations
@@ -510,13 +512,47 @@ def plain() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def deployment(request: pytest.FixtureRequest) -> Iterator[DisaggDeployment]:
-    # A decode engine that cannot pull the KV fails the request instead of computing the prompt
-    # itself: an answer proves the transfer.
-    fail = {"kv_load_failure_policy": "fail"}
+    # A decode engine that cannot pull the KV computes the prompt itself (and counts a failed
+    # load): the tests read the decode engine's load counters to see that the KV came over.
+    config = {"kv_load_failure_policy": "recompute", "handshake_timeout": 2.0, "transfer_timeout": 10.0}
     with start_disagg(
-        engine_flags=ENGINE_FLAGS, kv_transport=request.param, kv_transfer_config=fail, env=ENV, start_timeout=120
+        engine_flags=ENGINE_FLAGS, kv_transport=request.param, kv_transfer_config=config, env=ENV, start_timeout=120
     ) as dep:
         yield dep
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of an engine's metric ``name`` over its labels."""
+    m = parse_metrics(httpx.get(url + "/metrics", timeout=TIMEOUT).text)
+    return sum(v for k, v in m.items() if k.split("{")[0] == name)
+
+
+def settle(url: str, name: str, value: float) -> None:
+    """Waits until the engine's metric reaches ``value`` (stats are read between steps)."""
+    deadline = time.monotonic() + TIMEOUT
+    while metric(url, name) != value:
+        assert time.monotonic() < deadline, f"{name} != {value}"
+        time.sleep(0.05)
+
+
+def engine_prefill(http: httpx.Client, url: str, prompt: str) -> dict[str, Any]:
+    """What the router sends the prefill engine: the KV transfer parameters of its answer."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}
+    r = http.post(url + COMPLETIONS, json=body)
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True
+    return dict(params)
+
+
+def engine_decode(http: httpx.Client, url: str, prompt: str, params: dict[str, Any] | None) -> str:
+    """What the router sends the decode engine (with the prefill's parameters, or none)."""
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": 10, "temperature": 0}
+    if params is not None:
+        body["kv_transfer_params"] = params
+    r = http.post(url + COMPLETIONS, json=body)
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["text"])
 
 
 def _text(answer: dict[str, Any]) -> str:
@@ -544,6 +580,7 @@ def test_e2e_disaggregated_greedy_outputs_equal_a_plain_server(
         (COMPLETIONS, {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}),
         (CHAT, {"messages": MESSAGES, "max_completion_tokens": 12, "temperature": 0}),
     ]
+    loads_before = metric(deployment.decode_url, "pagedkv:kv_loads_ok_total")
     with httpx.Client(timeout=TIMEOUT) as http:
         for path, body in requests:
             expected = http.post(plain.url + path, json=body)
@@ -565,6 +602,51 @@ def test_e2e_disaggregated_greedy_outputs_equal_a_plain_server(
     assert m["pagedkv_router:disagg_requests_total{}"] == 5
     assert m["pagedkv_router:prefill_seconds_count{}"] == 4
     assert not any(k.startswith("pagedkv_router:disagg_fallbacks_total") for k in m)
+    # The decode engine pulled the KV of both prompts (the streamed repeats may hit its own
+    # prefix cache instead) and never had to compute a prompt for a failed pull.
+    assert metric(deployment.decode_url, "pagedkv:kv_loads_ok_total") >= loads_before + 2
+    assert metric(deployment.decode_url, "pagedkv:kv_loads_failed_total") == 0
+
+
+@pytest.mark.slow
+def test_e2e_the_engines_answer_only_the_router_and_pull_over_http(deployment: DisaggDeployment) -> None:
+    """The engines driven directly, the way the router drives them."""
+    p, d = deployment.prefill_url, deployment.decode_url
+    # The engines answer only the deployment's router (and whoever holds its engine key).
+    for url in (p, d):
+        r = httpx.post(url + COMPLETIONS, json={"prompt": PROMPT, "max_tokens": 1}, timeout=TIMEOUT)
+        assert r.status_code == 401, r.text
+    with httpx.Client(timeout=TIMEOUT, headers=deployment.engine_headers()) as http:
+        info = http.get(d + "/kv_cache_info").json()["kv_transfer"]
+        assert info["role"] == "consumer"
+        assert http.get(p + "/kv_cache_info").json()["kv_transfer"]["control_address"].startswith("tcp://127.0.0.1:")
+
+        http.post(d + "/reset_prefix_cache")
+        loads, blocks = metric(d, "pagedkv:kv_loads_ok_total"), metric(d, "pagedkv:kv_blocks_pulled_total")
+        expired = metric(p, "pagedkv:kv_leases_expired_total")
+        prompt = PROMPT + " Direct:"
+        params = engine_prefill(http, p, prompt)
+        pulled = engine_decode(http, d, prompt, params)
+        assert metric(d, "pagedkv:kv_loads_ok_total") == loads + 1
+        # Every full block but one holding the last prompt token (computed here for its logits).
+        assert metric(d, "pagedkv:kv_blocks_pulled_total") == blocks + (params["remote_num_tokens"] - 1) // 16
+        settle(p, "pagedkv:kv_leases", 0)  # released by the reader, not expired
+        assert metric(p, "pagedkv:kv_leases_expired_total") == expired
+        http.post(d + "/reset_prefix_cache")
+        assert engine_decode(http, d, prompt, None) == pulled  # computed here: the same text
+
+        # Bad kv_transfer_params are 400s, on both sides; the engines keep serving.
+        bad = [
+            (p, {"prompt": prompt, "kv_transfer_params": {"do_remote_decode": True}, "stream": True}),
+            (p, {"prompt": [prompt, prompt], "kv_transfer_params": {"do_remote_decode": True}}),
+            (p, {"prompt": prompt, "kv_transfer_params": {"bogus": 1}}),
+            (p, {"prompt": prompt, "kv_transfer_params": "yes"}),
+            (d, {"prompt": prompt, "kv_transfer_params": {"do_remote_decode": True}}),  # not a producer
+            (d, {"prompt": prompt + " other", "kv_transfer_params": params}),  # another prompt's KV
+        ]
+        for url, body in bad:
+            r = http.post(url + COMPLETIONS, json=body)
+            assert r.status_code == 400, (body, r.text)
 
 
 @pytest.mark.slow
@@ -598,11 +680,19 @@ def test_e2e_prefill_engine_down_falls_back(deployment: DisaggDeployment, plain:
 
 @pytest.mark.slow
 def test_e2e_a_killed_prefill_engine_does_not_stop_the_deployment(deployment: DisaggDeployment) -> None:
-    # After the other tests on this deployment: it kills the prefill engine.
-    killed = deployment.prefill
-    killed.signal(signal.SIGKILL)  # its whole process group
-    killed.wait(TIMEOUT)
-    with httpx.Client(timeout=TIMEOUT) as http:
+    # After the other tests on this deployment: it kills the prefill engine while it holds a
+    # lease (SIGKILL to its whole process group).
+    d = deployment.decode_url
+    engine_http = httpx.Client(timeout=TIMEOUT, headers=deployment.engine_headers())
+    with engine_http, httpx.Client(timeout=TIMEOUT) as http:
+        engine_http.post(d + "/reset_prefix_cache")
+        expected = engine_decode(engine_http, d, PROMPT, None)
+        failed = metric(d, "pagedkv:kv_loads_failed_total")
+        params = engine_prefill(engine_http, deployment.prefill_url, PROMPT)
+        killed = deployment.prefill
+        killed.signal(signal.SIGKILL)
+        killed.wait(TIMEOUT)
+        # The router finds the prefill engine gone: requests fall back to the decode engine.
         for i in range(4):
             r = http.post(deployment.url + COMPLETIONS, json={"prompt": f"{PROMPT} ({i})", "max_tokens": 3})
             assert r.status_code == 200, r.text
@@ -610,6 +700,13 @@ def test_e2e_a_killed_prefill_engine_does_not_stop_the_deployment(deployment: Di
         assert deployment.exited() is None, "the decode engine and the router keep serving"
         health = http.get(deployment.url + "/health")
         assert health.status_code == 200 and health.json()["status"] == "degraded"
+        # The lease the dead engine held: the pull fails and the decode engine computes the
+        # prompt; the request gets its answer and no block is left behind.
+        engine_http.post(d + "/reset_prefix_cache")
+        assert engine_decode(engine_http, d, PROMPT, params) == expected
+        assert metric(d, "pagedkv:kv_loads_failed_total") == failed + 1
+        settle(d, "vllm:kv_cache_usage_perc", 0)
+        settle(d, "pagedkv:kv_requests_waiting_for_remote", 0)
         keeper = deployment.prefill_keeper
         if not keeper.restart:  # gloo: a new producer cannot join the decode engine's group
             assert "gloo" in keeper.why_not and deployment.prefill is killed

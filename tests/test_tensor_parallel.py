@@ -1,8 +1,8 @@
 """Tensor parallelism on the CPU (gloo): the same tokens as one rank, KV split by heads,
 clean failures.
 
-Models: a random-weight Llama (4 heads, 2 KV heads, 2 layers) at TP = 2, and the embedded
-SmolLM2-135M (9 heads, 3 KV heads) at TP = 3. Every engine with workers is shut down in a
+Models: a random-weight Llama (4 heads, 2 KV heads, 2 layers) at TP = 2 (engines, a server),
+and the embedded SmolLM2-135M (9 heads, 3 KV heads) at TP = 3. Every engine with workers is shut down in a
 finally / fixture teardown; the worker-death test checks that no worker process is left.
 """
 
@@ -253,19 +253,19 @@ def test_ray_executor_gives_the_same_tokens_as_mp(
         ray.shutdown()
 
 
-def test_serve_with_three_ranks_answers_and_leaves_no_process() -> None:
+def test_serve_with_two_ranks_answers_and_leaves_no_process(random_llama: str) -> None:
     import os
 
     httpx = pytest.importorskip("httpx")
     from pagedkv.server.launch import ServerProcess
 
-    flags = ["--tensor-parallel-size", "3", "--device", "cpu", "--dtype", "float32"]
-    flags += ["--num-blocks", "64", "--max-model-len", "256"]
-    server = ServerProcess(flags, env={"OMP_NUM_THREADS": "1"}, start_timeout=3 * TIMEOUT)  # 3 ranks load on a busy CPU
+    flags = [random_llama, "--tokenizer", resolve_model(None), "--tensor-parallel-size", "2"]
+    flags += ["--device", "cpu", "--dtype", "float32", "--num-blocks", "64", "--max-model-len", "256"]
+    server = ServerProcess(flags, env={"OMP_NUM_THREADS": "1"}, start_timeout=3 * TIMEOUT)  # ranks load on a busy CPU
     with server:
         r = httpx.post(
             server.url + "/v1/completions",
-            json={"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0},
+            json={"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0, "ignore_eos": True},
             timeout=TIMEOUT,
         )
         assert r.status_code == 200, r.text

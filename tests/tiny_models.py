@@ -1,0 +1,44 @@
+"""A tiny random-weight checkpoint for tests about the engine rather than the model.
+
+The scheduler, the KV cache, its tiers and transfers behave the same whatever the weights; a
+two-layer model runs their tests in a fraction of the embedded SmolLM2's time. Its vocabulary is
+the embedded tokenizer's (49,152 ids), so the tests use that tokenizer
+(``tokenizer=default_model_dir()``). Greedy comparisons need an argmax that two correct
+implementations agree on: random logits are nearly flat, so the (tied) embeddings are scaled
+up until the best token stands clear of the next.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 49152  # the embedded SmolLM2 tokenizer's
+
+
+def save_tiny_qwen2(folder: Path, *, hidden_size: int = 128, max_position_embeddings: int = 512) -> Path:
+    """Writes a random Qwen2 (2 layers, 2 heads, 1 KV head, tied embeddings) to ``folder``,
+    the same weights for the same arguments (seeded)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+    )
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    with torch.no_grad():  # sharp logits: no near-ties in greedy argmax
+        model.get_input_embeddings().weight.mul_(40.0)
+    model.save_pretrained(folder)
+    return folder
