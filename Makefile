@@ -37,11 +37,13 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(RUST_SOURCES) pyproject.toml
 
 build: $(BUILD_STAMP)
 
-# The checks that need only the build run side by side first (on two cores: mypy and stubtest
-# are one thread each, cargo and the packaging venvs wait on links and pip), with each one's
-# output kept together; then pytest, which keeps both cores busy, has the machine to itself.
-test: build browser
-	$(MAKE) --no-print-directory -j3 --output-sync=target lint test-rust test-packaging
+# Everything but pytest first, side by side with each one's output kept together: cargo (clippy,
+# cargo test) compiles while pip installs the dependencies (it needs none of them), then mypy,
+# stubtest and the packaging venvs run next to each other (one thread each, or waiting on pip),
+# as does the browser install (apt);
+# then pytest, which keeps both cores busy, has the machine to itself.
+test:
+	$(MAKE) --no-print-directory -j3 --output-sync=target lint test-rust test-packaging browser
 	$(MAKE) --no-print-directory test-python
 # make lint runs stubtest first; the pytest copy of that check (for pytest run alone) is skipped.
 test: export PAGEDKV_STUBTEST_DONE := 1

@@ -61,22 +61,24 @@ if not HAS_CUDA:
 # long ones start first and the many short ones fill in behind them, so neither worker is left
 # alone with a long module at the end. Only a scheduling hint: any module may be missing here.
 _SLOWEST_MODULES = (
-    "test_tensor_parallel.py",
-    "test_engine_kv_quant.py",
-    "test_router_disagg.py",
-    "test_kv_quant_triton.py",
-    "test_beam_search.py",
-    "test_engine.py",
-    "test_engine_greedy.py",
-    "test_engine_hardening.py",
     "test_readme.py",
-    "test_sampler.py",
+    "test_router_disagg.py",
+    "test_tensor_parallel.py",
     "test_server.py",
-    "test_kernels_compile.py",
+    "test_engine_kv_quant.py",
+    "test_sampler.py",
+    "test_beam_search.py",
+    "test_kv_quant_triton.py",
+    "test_engine_greedy.py",
+    "test_model_files.py",
     "test_kv_connector.py",
-    "test_gpu_check_dryrun.py",
     "test_cli_offload.py",
+    "test_router.py",
+    "test_engine_hardening.py",
     "test_dashboard.py",
+    "test_engine.py",
+    "test_gpu_check_dryrun.py",
+    "test_kernels_compile.py",
 )
 
 
