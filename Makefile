@@ -71,9 +71,10 @@ browser:
 	  echo "warning: could not install chromium + chromium-driver: the dashboard browser test will be skipped"
 
 # The wheel (maturin build) and `pip install .` each install and work in a fresh virtual
-# environment that has nothing but numpy. CARGO_TARGET_DIR reuses the compiled dependencies.
+# environment that has nothing but numpy. CARGO_TARGET_DIR reuses the compiled dependencies; after
+# the build, whose maturin stages the library in the same target/ (two at once collide there).
 PKG_DIR := target/packaging
-test-packaging: $(DEPS_STAMP)
+test-packaging: build
 	rm -rf $(PKG_DIR) && mkdir -p $(PKG_DIR)
 	$(VENV)/bin/maturin build --release -q -o $(PKG_DIR)/wheels
 	python3 -m venv $(PKG_DIR)/venv-wheel
