@@ -37,14 +37,13 @@ $(BUILD_STAMP): $(DEPS_STAMP) $(RUST_SOURCES) pyproject.toml
 
 build: $(BUILD_STAMP)
 
-# Everything but pytest first, side by side with each one's output kept together: cargo (clippy,
-# cargo test) compiles while pip installs the dependencies (it needs none of them), then mypy,
-# stubtest and the packaging venvs run next to each other (one thread each, or waiting on pip),
-# as does the browser install (apt);
-# then pytest, which keeps both cores busy, has the machine to itself.
+# Side by side, each one's output kept together: first cargo (clippy, cargo test) compiles while
+# pip installs the dependencies (it needs none of them), mypy checks while the extension builds,
+# then stubtest, and the browser install (apt) beside them all; then pytest, which keeps both
+# cores busy, with only the packaging check (venvs and pip, the build already done) beside it.
 test:
-	$(MAKE) --no-print-directory -j3 --output-sync=target lint test-rust test-packaging browser
-	$(MAKE) --no-print-directory test-python
+	$(MAKE) --no-print-directory -j3 --output-sync=target lint test-rust browser
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-python test-packaging
 # make lint runs stubtest first; the pytest copy of that check (for pytest run alone) is skipped.
 test: export PAGEDKV_STUBTEST_DONE := 1
 
@@ -52,8 +51,10 @@ test: export PAGEDKV_STUBTEST_DONE := 1
 # run alone draw new ones each run); `make test TEST_SEED=N` explores another set.
 TEST_SEED ?= 1
 # The release-test profile (Cargo.toml): release optimizations without the shipped library's LTO.
+# MAKEFLAGS= : cargo would try make's jobserver, whose pipes a recipe that is not marked recursive
+# does not get (a warning under make -j), and uses its own job count instead.
 test-rust:
-	PROPTEST_RNG_SEED=$(TEST_SEED) cargo test --profile release-test -q
+	MAKEFLAGS= PROPTEST_RNG_SEED=$(TEST_SEED) cargo test --profile release-test -q
 
 # Two pytest-xdist worker processes; --dist loadfile gives each module whole to one worker, so a
 # module's server or engine fixture starts once and Ray runs in one process at a time; the
@@ -104,12 +105,12 @@ lint: lint-ruff lint-mypy lint-stubs lint-clippy
 lint-ruff: $(DEPS_STAMP)
 	$(VENV)/bin/ruff format --check python tests benches
 	$(VENV)/bin/ruff check python tests benches
-lint-mypy: build
+lint-mypy: $(DEPS_STAMP)
 	cd python && $(abspath $(PY)) -m mypy --config-file ../pyproject.toml -p pagedkv
 lint-stubs: build
 	cd /tmp && $(abspath $(PY)) -m mypy.stubtest pagedkv._core
 lint-clippy:
-	cargo clippy --all-targets --features python -- -D warnings
+	MAKEFLAGS= cargo clippy --all-targets --features python -- -D warnings
 
 clean:
 	rm -rf target $(VENV) python/pagedkv/*.so
