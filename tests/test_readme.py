@@ -442,6 +442,8 @@ def check_shell_block(block: Block, ways: tuple[Way, ...], m: Module, monkeypatc
 
 
 def assert_group_ends(pgid: int, timeout: float) -> None:
+    """Waits up to ``timeout`` s until no process of the group ``pgid`` is left (the group of a
+    script that has exited: what it started and did not end, such as worker processes)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
