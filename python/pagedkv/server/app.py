@@ -11,10 +11,12 @@ publisher) in its lifespan's end, or when :meth:`ServerState.close` is called.
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health`` (200 while the engine runs, else 503), ``GET /metrics`` (Prometheus),
 ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache``, ``GET /kv_cache_info``
-(block size, KV event endpoints and KV transfer role, for ``pagedkv router``), ``GET /version``.
+(block size, KV event endpoints and KV transfer role, for ``pagedkv router``), ``GET /version``,
+``GET``/``POST /ping`` (vLLM's: ``/health``'s answer), ``GET /tokenizer_info`` (vLLM's: the
+tokenizer's class, special tokens, ``model_max_length``, chat template).
 ``/v1/completions`` and ``/v1/chat/completions`` take ``kv_transfer_params`` on an engine with
 ``--kv-transfer-config`` (disaggregated prefill / decode; see pagedkv.distributed.connector).
-With an API key, every path but ``/health``, ``/metrics`` and ``/version`` needs
+With an API key, every path but ``/health``, ``/ping``, ``/metrics`` and ``/version`` needs
 ``Authorization: Bearer <key>``. Request bodies over ``ServerArgs.limits.max_request_body_bytes``
 get 413 before they are read (pagedkv.server.body_limit); the other limits are in
 pagedkv.server.limits. On start the app logs the model, its dtype and device, and the KV pool
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +59,7 @@ from pagedkv.server.protocol import (
     TokenizeRequest,
 )
 from pagedkv.server.serving import OpenAIServing
+from pagedkv.server.tokenizer_info import tokenizer_info
 
 __all__ = ["ServerArgs", "ServerState", "create_app"]
 
@@ -64,7 +67,7 @@ logger = logging.getLogger(__name__)
 
 # Paths anyone may read when the server has an API key (load balancers, Prometheus).
 # /dashboard is the page only (no data); its data, /dashboard/state, needs the key like the rest.
-_OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/dashboard"})
+_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/dashboard"})
 
 
 @dataclass
@@ -287,8 +290,7 @@ def _add_error_handlers(app: FastAPI) -> None:
             ctx = first.get("ctx")
             detail = f": {ctx['error']}" if isinstance(ctx, dict) and ctx.get("error") else ""
             return error_response(400, f"the body is not valid JSON{at}{detail}")
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
+        param = _param_of(first.get("loc", ()))
         where = f"{param}: " if param else ""
         return error_response(400, f"{where}{first.get('msg', 'invalid value')}", param=param)
 
@@ -310,6 +312,25 @@ def _add_error_handlers(app: FastAPI) -> None:
         logger.exception("unexpected error while serving a request")
         err = from_exception(exc)
         return error_response(err.status, err.message)
+
+
+def _param_of(loc: Sequence[int | str]) -> str | None:
+    """The request field a validation error's ``loc`` points at (``"stream_options.include_usage"``,
+    ``"messages.0.role"``): the path up to the first union member pydantic names (``"str"``,
+    ``"list[int]"``, ...), which is a type tried, not a field. A prompt of garbage is
+    ``"prompt"``, not ``"prompt.list[int].3"``."""
+    parts: list[str] = []
+    for p in loc:
+        if p == "body" and not parts:
+            continue
+        if isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or p.startswith("function-")):
+            break
+        parts.append(str(p))
+    return ".".join(parts) or None
+
+
+# The union members pydantic names in an error's loc without brackets.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
 def _add_auth(app: FastAPI, api_key: str | None) -> None:
@@ -339,6 +360,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": pagedkv.__version__}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness probe: /health's answer."""
+        return await health()
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> dict[str, Any]:
+        return tokenizer_info(serving.tokenizer, max_model_len=serving.max_model_len)
 
     @app.get("/dashboard")
     async def dashboard() -> Response:

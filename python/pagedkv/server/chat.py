@@ -26,6 +26,7 @@ from starlette.responses import Response
 
 from pagedkv.engine.outputs import CompletionOutput, RequestOutput
 from pagedkv.engine.prompts import chat_prompt
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.server.chat_template import render_request_template
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import (
@@ -44,7 +45,9 @@ from pagedkv.server.serving import (
     RunningRequest,
     StreamedChoices,
     cancel_on_disconnect,
+    finite_logprob,
     new_request_id,
+    prompt_logprobs_body,
     sse_stream,
     top_logprobs,
     usage,
@@ -63,8 +66,9 @@ async def render_chat(
 ) -> dict[str, Any] | None:
     """``{"prompt", "prompt_token_ids"}`` of a conversation (in a worker thread: templates and
     tokenizers are CPU work), or None when the client left first. A conversation the template
-    refuses is an InvalidArgumentError; a request template the server does not trust, or
-    messages over ``max_prompt_chars``, a 400 before anything is rendered."""
+    refuses (or a content part that is not text) is a 400 naming ``messages``; a request
+    template the server does not trust, or messages over ``max_prompt_chars``, a 400 before
+    anything is rendered."""
     serving.check_prompt_chars(sum(_content_chars(m.content) for m in messages), "messages")
     if chat_template is not None and not serving.limits.trust_request_chat_template:
         raise APIError(
@@ -98,6 +102,8 @@ async def render_chat(
                 add_generation_prompt=add_generation_prompt,
                 render=render,
             )
+        except InvalidArgumentError as exc:  # a message the template or its checks refuse
+            raise APIError(400, str(exc), param="messages", code=type(exc).__name__) from None
         finally:
             cancel.set()  # done, or cancelled: a render still running stops at its next line
 
@@ -139,7 +145,9 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
     ids = serving.check_not_empty(prompt["prompt_token_ids"])
     max_tokens = serving.check_length(len(ids), request.output_limit)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    engine_request = EngineRequest(prompt, serving.sampling_params(request, max_tokens, logprobs))
+    engine_request = EngineRequest(
+        prompt, serving.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
+    )
     request_id = new_request_id("chatcmpl")
     running = await serving.start(request_id, [engine_request], request)
     if request.stream:
@@ -167,6 +175,7 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
         model=serving.model_name,
         choices=choices,
         usage=usage(outputs),
+        prompt_logprobs=prompt_logprobs_body(out.prompt_logprobs) if request.prompt_logprobs is not None else None,
         kv_transfer_params=out.kv_transfer_params,
     )
     return JSONResponse(body.model_dump())
@@ -184,11 +193,13 @@ def _logprobs(c: CompletionOutput, start: int, k: int | None) -> ChatLogprobs | 
         content.append(
             TokenLogprob(
                 token=chosen.decoded_token or "",
-                logprob=chosen.logprob,
+                logprob=finite_logprob(chosen.logprob),
                 bytes=list((chosen.decoded_token or "").encode("utf-8")),
                 top_logprobs=[
                     TopLogprob(
-                        token=e.decoded_token or "", logprob=e.logprob, bytes=list((e.decoded_token or "").encode())
+                        token=e.decoded_token or "",
+                        logprob=finite_logprob(e.logprob),
+                        bytes=list((e.decoded_token or "").encode()),
                     )
                     for e in top_logprobs(entries, k)
                 ],

@@ -3,6 +3,14 @@
 Choice ``index`` counts across prompts (prompt ``p``, completion ``i``: ``p * n + i``), as in
 OpenAI's API. A stream sends one chunk per choice whose text or tokens advanced, its
 ``finish_reason`` on the chunk that ends it, an optional usage chunk, then ``data: [DONE]``.
+
+``echo`` puts the prompt before each choice's text (in a stream, in the choice's first chunk).
+With ``logprobs`` too, the legacy logprobs cover the prompt's tokens first — the first one has
+no logprob (``None``), each other one its logprob given the tokens before it, from the engine's
+``prompt_logprobs`` — then the generated ones (lm-eval's loglikelihood requests read these).
+``max_tokens: 0`` with ``echo`` answers the prompt alone: the engine needs one token to run, so
+it generates one that is dropped (``completion_tokens`` 0, ``finish_reason`` "length").
+``text_offset`` counts characters of the returned text, the echoed prompt included.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedkv.engine.outputs import CompletionOutput, RequestOutput
+from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import (
     CompletionChoice,
@@ -29,7 +37,9 @@ from pagedkv.server.serving import (
     RunningRequest,
     StreamedChoices,
     cancel_on_disconnect,
+    finite_logprob,
     new_request_id,
+    prompt_logprobs_body,
     sse_stream,
     top_logprobs,
     usage,
@@ -55,22 +65,26 @@ async def create_completion(serving: OpenAIServing, request: CompletionRequest, 
         return Response(status_code=499)
     choices = []
     for p, out in enumerate(outputs):
-        echo = _echo_text(serving, request, engine_requests[p])
         for c in out.outputs:
+            text, logprobs = _piece(serving, request, engine_requests[p], out, c, c.text, 0, first=True, offset=0)
+            finish_reason, stop_reason = _finish(request, c)
             choices.append(
                 CompletionChoice(
                     index=p * request.n + c.index,
-                    text=echo + c.text,
-                    logprobs=_logprobs(c, 0, request.logprobs),
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
+                    text=text,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=stop_reason,
+                    prompt_logprobs=prompt_logprobs_body(out.prompt_logprobs)
+                    if request.prompt_logprobs is not None
+                    else None,
                 )
             )
     body = CompletionResponse(
         id=request_id,
         model=serving.model_name,
         choices=choices,
-        usage=usage(outputs),
+        usage=usage(outputs, generated=not request.echo_only),
         kv_transfer_params=outputs[0].kv_transfer_params,
     )
     return JSONResponse(body.model_dump())
@@ -106,36 +120,89 @@ async def _engine_request(serving: OpenAIServing, request: CompletionRequest, pr
         ids = serving.check_not_empty(await serving.tokenize(prompt))
         text: str | None = prompt
     else:
-        ids = serving.check_not_empty(list(prompt))
+        ids = serving.check_prompt_ids(prompt)
         text = None
-    max_tokens = serving.check_length(len(ids), request.max_tokens)
-    params = serving.sampling_params(request, max_tokens, request.logprobs)
+    # echo with max_tokens 0: one token is generated (the engine's minimum) and dropped.
+    max_tokens = serving.check_length(len(ids), 1 if request.echo_only else request.max_tokens)
+    params = serving.sampling_params(request, max_tokens, request.logprobs, request.engine_prompt_logprobs)
     return EngineRequest({"prompt": text, "prompt_token_ids": ids}, params)
 
 
-def _echo_text(serving: OpenAIServing, request: CompletionRequest, r: EngineRequest) -> str:
-    if not request.echo:
-        return ""
+def _echo_text(serving: OpenAIServing, r: EngineRequest) -> str:
     text = r.prompt["prompt"]
     return text if text is not None else serving.tokenizer.decode(r.prompt["prompt_token_ids"])
 
 
-def _logprobs(c: CompletionOutput, start: int, k: int | None, offset: int = 0) -> CompletionLogprobs | None:
-    """OpenAI's legacy logprobs for ``c``'s tokens from ``start`` on: the chosen token's
-    logprob and the ``k`` most likely tokens at each position. Text offsets count from the
-    start of the completion's text; ``offset`` is that of token ``start``."""
-    if k is None or c.logprobs is None:
-        return None
+def _finish(request: CompletionRequest, c: CompletionOutput) -> tuple[str | None, int | str | None]:
+    """``(finish_reason, stop_reason)`` of a choice: with ``echo`` and ``max_tokens: 0`` the
+    answer ends at the prompt, at the length asked for, whatever ended the dropped token."""
+    if request.echo_only and c.finish_reason is not None:
+        return "length", None
+    return c.finish_reason, c.stop_reason
+
+
+# One position of the legacy logprobs: its token id and the engine's logprobs there (None for
+# the prompt's first token, which has nothing before it).
+Position = tuple[int, dict[int, Logprob] | None]
+
+
+def _piece(
+    serving: OpenAIServing,
+    request: CompletionRequest,
+    r: EngineRequest,
+    out: RequestOutput,
+    c: CompletionOutput,
+    text: str,
+    first_token: int,
+    *,
+    first: bool,
+    offset: int,
+) -> tuple[str, CompletionLogprobs | None]:
+    """The text and logprobs of choice ``c`` to send: its new ``text`` and tokens from
+    ``first_token`` on, the echoed prompt before them in the choice's ``first`` piece.
+    ``offset`` is the text offset of the piece's first token."""
+    if request.echo_only:  # the one generated token is not returned
+        text, first_token = "", len(c.token_ids)
+    positions: list[Position] = []
+    if first and request.echo:
+        text = _echo_text(serving, r) + text
+        if request.logprobs is not None:
+            positions = _prompt_positions(out)
+    if request.logprobs is None:
+        return text, None
+    if c.logprobs is not None:
+        positions += zip(c.token_ids[first_token:], c.logprobs[first_token:])
+    return text, _legacy_logprobs(serving, positions, request.logprobs, offset)
+
+
+def _prompt_positions(out: RequestOutput) -> list[Position]:
+    """The prompt's tokens with their logprobs (vLLM's layout: the first entry None)."""
+    ids, entries = out.prompt_token_ids, out.prompt_logprobs
+    if entries is None or len(entries) != len(ids):
+        raise APIError(500, "the engine returned no prompt logprobs for an echo request with logprobs")
+    return list(zip(ids, entries))
+
+
+def _legacy_logprobs(serving: OpenAIServing, positions: list[Position], k: int, offset: int) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs of ``positions``: each token's text and logprob, the ``k`` most
+    likely tokens there, and its offset in the text (counting from ``offset``)."""
     out = CompletionLogprobs()
-    for i in range(start, len(c.logprobs)):
-        entries = c.logprobs[i]
-        chosen = entries[c.token_ids[i]]
-        text = chosen.decoded_token or ""
+    for token_id, entries in positions:
+        chosen = None if entries is None else entries[token_id]
+        text = chosen.decoded_token if chosen is not None else None
+        if text is None:
+            text = serving.tokenizer.decode([token_id])
         out.tokens.append(text)
-        out.token_logprobs.append(chosen.logprob)
         out.text_offset.append(offset)
         offset += len(text)
-        out.top_logprobs.append({e.decoded_token or "": e.logprob for e in top_logprobs(entries, k)})
+        if entries is None or chosen is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            out.token_logprobs.append(finite_logprob(chosen.logprob))
+            out.top_logprobs.append(
+                {e.decoded_token or "": finite_logprob(e.logprob) for e in top_logprobs(entries, k)}
+            )
     return out
 
 
@@ -160,12 +227,20 @@ async def _chunks(
             delta = choices.advance(index, c)
             if delta is None:
                 continue
-            text = delta.text
-            if delta.first:
-                text = _echo_text(serving, request, engine_requests[p]) + text
-            logprobs = _logprobs(c, delta.first_token, request.logprobs, offsets.get(index, 0))
+            text, logprobs = _piece(
+                serving,
+                request,
+                engine_requests[p],
+                out,
+                c,
+                delta.text,
+                delta.first_token,
+                first=delta.first,
+                offset=offsets.get(index, 0),
+            )
             if logprobs is not None and logprobs.text_offset:
                 offsets[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+            finish_reason, stop_reason = _finish(request, c)
             chunk = {
                 **base,
                 "choices": [
@@ -173,13 +248,13 @@ async def _chunks(
                         "index": index,
                         "text": text,
                         "logprobs": None if logprobs is None else logprobs.model_dump(),
-                        "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
+                        "finish_reason": finish_reason,
+                        "stop_reason": stop_reason,
                     }
                 ],
             }
             if options is not None and options.continuous_usage_stats:
-                chunk["usage"] = usage(list(last.values())).model_dump()
+                chunk["usage"] = usage(list(last.values()), generated=not request.echo_only).model_dump()
             yield chunk
     if options is not None and options.include_usage:
-        yield {**base, "choices": [], "usage": usage(list(last.values())).model_dump()}
+        yield {**base, "choices": [], "usage": usage(list(last.values()), generated=not request.echo_only).model_dump()}

@@ -15,6 +15,8 @@ request field at fault, or is null.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
 from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
@@ -29,7 +31,7 @@ from pagedkv.errors import (
 )
 from pagedkv.server.protocol import ErrorInfo, ErrorResponse
 
-__all__ = ["APIError", "error_body", "error_response", "from_exception"]
+__all__ = ["APIError", "error_body", "error_response", "from_exception", "request_error"]
 
 # OpenAI's error "type" per status.
 _TYPES = {
@@ -95,3 +97,17 @@ def from_exception(exc: BaseException) -> APIError:
         # ConfigError (sampling parameters), PromptTooLongError, InvalidTokenError, ...
         return APIError(400, str(exc), code=type(exc).__name__)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def request_error(exc: BaseException, fields: Collection[str]) -> APIError:
+    """:func:`from_exception` for an error raised on a request's values, with ``param`` set to
+    the request field its message names first (of ``fields``): the engine's checks name the
+    parameter they refuse (``"presence_penalty must be in [-2, 2], got 3"``,
+    ``"logit_bias holds token id 99999, outside the vocabulary ..."``)."""
+    err = from_exception(exc)
+    if err.param is None and err.status == 400:
+        err.param = next((w for w in _WORD.findall(err.message) if w in fields), None)
+    return err

@@ -1,21 +1,33 @@
 """OpenAI's request and response schemas (pydantic), with vLLM's extra sampling fields.
 
-Requests are strict: a field of the wrong type or an unknown field is a 400 naming it (a typo
-such as ``max_token`` never silently falls back to a default). Fields OpenAI defines that
-pagedkv does not implement are accepted only at their neutral value (``presence_penalty=0``,
-no ``tools``, ...) and refused otherwise, so a client never gets output that ignored what it
-asked for.
+Requests are lenient where vLLM is and strict where it matters:
 
-Responses follow OpenAI's shapes, plus vLLM's additions clients already read: ``stop_reason``
-on a choice, ``prompt_tokens_details.cached_tokens`` (prefix-cache hits) in ``usage``.
+- An unknown field is accepted and ignored, as vLLM does (clients send their own extras; a 400
+  on a harmless field would be an outage for them); each unknown name is logged once.
+- ``null`` for a field that has a non-null default means the default (OpenAI's clients send
+  ``"seed": null``, ``"n": null`` for "not set").
+- Known fields keep strict types: a value of the wrong type is a 400 naming it, and values are
+  not coerced (``"5"`` is not an int, ``1`` is not a bool; an int is a float).
+- Known fields set to something pagedkv does not implement (``suffix``, ``best_of != n``,
+  ``tools``, ...) are a 400 naming the field, so a client never gets output that ignored what
+  it asked for.
+
+Responses follow OpenAI's shapes (every one names its ``object``), plus vLLM's additions
+clients already read: ``stop_reason`` on a choice, ``prompt_tokens_details.cached_tokens``
+(prefix-cache hits) in ``usage``, ``prompt_logprobs`` (vLLM's layout) when asked for.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import re
 import time
+import types
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "ChatCompletionRequest",
@@ -28,11 +40,59 @@ __all__ = [
 ]
 
 
-class _Strict(BaseModel):
-    """Unknown request fields are errors, and values are not coerced (``"5"`` is not an int,
-    ``1`` is not a bool; an int is a float): see the module docs."""
+logger = logging.getLogger(__name__)
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+# A logit_bias key: a token id in decimal (the engine checks it is in the vocabulary).
+_TOKEN_ID = re.compile(r"-?[0-9]{1,19}")
+
+# Unknown request field names already logged (each once). Bounded: a client inventing a new
+# name per request must not grow the server's memory; past the bound they are not logged.
+_LOGGED_UNKNOWN_FIELDS: set[str] = set()
+_MAX_LOGGED_UNKNOWN_FIELDS = 256
+
+
+def _log_unknown_field(model: str, name: str) -> None:
+    name = name[:100]
+    if name in _LOGGED_UNKNOWN_FIELDS or len(_LOGGED_UNKNOWN_FIELDS) >= _MAX_LOGGED_UNKNOWN_FIELDS:
+        return
+    _LOGGED_UNKNOWN_FIELDS.add(name)
+    logger.warning("ignoring the unknown request field %r (in %s; logged once per name)", name, model)
+
+
+def _nullable(annotation: Any) -> bool:
+    """Whether a field's type admits None (``X | None``, ``Optional[X]``, ``Any``)."""
+    if annotation is Any or annotation is None or annotation is type(None):
+        return True
+    origin = typing.get_origin(annotation)
+    return origin in (typing.Union, types.UnionType) and type(None) in typing.get_args(annotation)
+
+
+@functools.cache
+def _not_nullable_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``model`` whose type does not admit None (``null`` means their default)."""
+    return frozenset(name for name, f in model.model_fields.items() if not _nullable(f.annotation))
+
+
+class _Strict(BaseModel):
+    """A request body: unknown fields ignored (logged once per name), ``null`` for a
+    non-nullable field taken as "not given", known fields' values not coerced (``"5"`` is not
+    an int, ``1`` is not a bool; an int is a float): see the module docs."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lenient(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # the model's own validation names the error
+        fields, not_nullable = cls.model_fields, _not_nullable_fields(cls)
+        kept = {}
+        for name, value in data.items():
+            if name not in fields:
+                _log_unknown_field(cls.__name__, str(name))
+            elif not (value is None and name in not_nullable):
+                kept[name] = value
+        return kept
 
 
 class _Response(BaseModel):
@@ -75,8 +135,11 @@ class _SamplingFields(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Penalties and biases (vLLM's semantics; the engine checks their ranges: ConfigError, 400).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # JSON keys are strings: each must be a token id (an int); the engine checks the
+    # vocabulary and clamps the values to [-100, 100].
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extra sampling parameters (the openai client sends them through extra_body).
@@ -87,6 +150,11 @@ class _SamplingFields(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # vLLM's prompt logprobs: the top-k at each prompt position (not with stream=true).
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     priority: int = 0
     cache_salt: str | None = None
     # pagedkv's retention hints for the prompt's cached blocks (see SamplingParams).
@@ -108,16 +176,31 @@ class _SamplingFields(_Strict):
                 ("stop", self.stop or None, None),
                 ("min_tokens", self.min_tokens, 0),
                 ("kv_transfer_params", self.kv_transfer_params, None),
+                ("presence_penalty", self.presence_penalty, 0.0),
+                ("frequency_penalty", self.frequency_penalty, 0.0),
+                ("repetition_penalty", self.repetition_penalty, 1.0),
+                ("logit_bias", self.logit_bias or None, None),
+                ("allowed_token_ids", self.allowed_token_ids, None),
+                ("bad_words", self.bad_words or None, None),
+                ("prompt_logprobs", self.prompt_logprobs, None),
             ):
                 if value != default:
                     return name, f"{name} is not supported with use_beam_search (beam search answers once, whole)"
-        if self.presence_penalty != 0.0:
-            return "presence_penalty", "presence_penalty is not supported (only 0)"
-        if self.frequency_penalty != 0.0:
-            return "frequency_penalty", "frequency_penalty is not supported (only 0)"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported"
+        if self.prompt_logprobs is not None and self.stream:
+            return "prompt_logprobs", "prompt_logprobs are not available with stream=true (as in vLLM)"
         return None
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        """``logit_bias`` with its JSON keys parsed as token ids; a key that is not an integer
+        is a ValueError naming it (the handler's 400 names ``logit_bias``)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, value in self.logit_bias.items():
+            if not _TOKEN_ID.fullmatch(key):
+                raise ValueError(f"logit_bias keys must be token ids (integers), got {key[:40]!r}")
+            out[int(key)] = value
+        return out
 
 
 class CompletionRequest(_SamplingFields):
@@ -125,8 +208,10 @@ class CompletionRequest(_SamplingFields):
     or a list of lists of token ids (one choice set per prompt, ``index`` counting across)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 only with echo (the prompt alone, as vLLM answers lm-eval's loglikelihood requests).
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0)
+    # The prompt before each completion; with logprobs, the prompt tokens' logprobs too.
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -136,9 +221,24 @@ class CompletionRequest(_SamplingFields):
             return "suffix", "suffix is not supported"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of", "best_of is not supported (only best_of = n)"
-        if self.echo and self.logprobs is not None:
-            return "echo", "echo with logprobs (prompt logprobs) is not supported"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens must be at least 1 (0 only with echo: the prompt alone)"
+        if self.use_beam_search and self.echo and self.logprobs is not None:
+            return "echo", "echo with logprobs is not supported with use_beam_search"
         return super().unsupported()
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens: 0``: the answer is the prompt alone (the engine runs one
+        token, which is dropped)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The engine's ``prompt_logprobs``: ``prompt_logprobs``, and with ``echo`` the
+        ``logprobs`` of the echoed prompt tokens (the larger of the two when both are set)."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
 
 
 class ChatMessage(BaseModel):
@@ -223,12 +323,25 @@ class CompletionLogprobs(_Response):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """vLLM's Logprob in ``prompt_logprobs``: one token's logprob, rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs layout: per prompt token (the first None), token id -> its Logprob.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Response):
@@ -276,6 +389,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None
     kv_transfer_params: dict[str, Any] | None = None
 
 

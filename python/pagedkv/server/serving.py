@@ -5,11 +5,11 @@ a stream.
 Lifecycle of a request (both endpoints):
 
 1. :meth:`OpenAIServing.check_request`: 404 or 400 before any work: unsupported fields, ``n``
-   over the engine's ``max_num_seqs``, ``logprobs`` / ``top_logprobs`` over its
-   ``max_logprobs``, a stop string that is not valid Unicode. Then, still before tokenizing,
-   :meth:`~OpenAIServing.check_admission` (503 when the prompts would not fit under
-   ``max_queued_requests``), the number of prompts (``max_prompts_per_request``) and each
-   prompt's characters (``max_prompt_chars``), 400.
+   over the engine's ``max_num_seqs``, ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs``
+   over its ``max_logprobs``, a stop string or bad word that is not valid Unicode. Then,
+   still before tokenizing, :meth:`~OpenAIServing.check_admission` (503 when the prompts
+   would not fit under ``max_queued_requests``), the number of prompts
+   (``max_prompts_per_request``) and each prompt's characters (``max_prompt_chars``), 400.
 2. The prompt is tokenized here, off the event loop, so ``prompt + max_tokens`` can be checked
    against ``max_model_len`` (400, as vLLM does) and the engine does not tokenize it again.
 3. ``start``: admission again (the queue moved while tokenizing), then
@@ -36,21 +36,29 @@ from starlette.requests import Request
 
 from pagedkv.engine.async_llm import AsyncLLM, RequestStream
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from pagedkv.engine.prompts import check_text, tokenize
+from pagedkv.engine.prompts import check_text, check_token_ids, tokenize
 from pagedkv.errors import InvalidArgumentError, PagedKVError, RequestFailedError
 from pagedkv.sample.beam_search_params import BeamSearchParams
 from pagedkv.sample.sampling_params import SamplingParams
-from pagedkv.server.errors import APIError, error_body, from_exception
+from pagedkv.server.errors import APIError, error_body, from_exception, request_error
 from pagedkv.server.limits import ServerLimits
 from pagedkv.server.metrics import RequestTracker, ServerMetrics
-from pagedkv.server.protocol import PromptTokensDetails, UsageInfo, _SamplingFields
+from pagedkv.server.protocol import (
+    PromptLogprob,
+    PromptLogprobs,
+    PromptTokensDetails,
+    UsageInfo,
+    _SamplingFields,
+)
 
 __all__ = [
     "EngineRequest",
     "OpenAIServing",
     "RunningRequest",
     "cancel_on_disconnect",
+    "finite_logprob",
     "new_request_id",
+    "prompt_logprobs_body",
     "sse",
     "sse_stream",
     "StreamedChoices",
@@ -133,13 +141,15 @@ class OpenAIServing:
                 f"n = {request.n} exceeds max_num_seqs = {self.max_num_seqs}: its samples could never run together",
                 param="n",
             )
-        for name in ("logprobs", "top_logprobs"):
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
             value = getattr(request, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > self.max_logprobs:
                 raise APIError(400, f"{name} = {value} exceeds max_logprobs = {self.max_logprobs}", param=name)
         stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
         for stop in stops:
             self.check_text(stop, "stop")
+        for word in request.bad_words or []:
+            self.check_text(word, "bad_words")
 
     @staticmethod
     def check_text(text: str, param: str) -> str:
@@ -171,11 +181,15 @@ class OpenAIServing:
             )
 
     def sampling_params(
-        self, request: _SamplingFields, max_tokens: int | None, logprobs: int | None
+        self,
+        request: _SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams | BeamSearchParams:
         """The engine's SamplingParams for ``request``, or BeamSearchParams with
         ``use_beam_search`` (vLLM's mapping: the width is ``n``); a ConfigError on a bad value is
-        a 400."""
+        a 400 naming the field."""
         if request.use_beam_search:
             if logprobs is not None:
                 raise APIError(400, "logprobs are not supported with use_beam_search", param="logprobs")
@@ -189,7 +203,11 @@ class OpenAIServing:
                     include_stop_str_in_output=request.include_stop_str_in_output,
                 )
             except PagedKVError as exc:
-                raise APIError(400, str(exc), code=type(exc).__name__) from exc
+                raise request_error(exc, type(request).model_fields) from exc
+        try:
+            logit_bias = request.logit_bias_ids()
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="logit_bias") from None
         kwargs: dict[str, Any] = {
             "n": request.n,
             "max_tokens": max_tokens,
@@ -210,10 +228,22 @@ class OpenAIServing:
             value = getattr(request, name)
             if value is not None:
                 kwargs[name] = value
+        # Penalties, biases and prompt logprobs: passed when set (their defaults are neutral).
+        for name, value, neutral in (
+            ("presence_penalty", request.presence_penalty, 0.0),
+            ("frequency_penalty", request.frequency_penalty, 0.0),
+            ("repetition_penalty", request.repetition_penalty, 1.0),
+            ("logit_bias", logit_bias, None),
+            ("allowed_token_ids", request.allowed_token_ids, None),
+            ("bad_words", request.bad_words or None, None),
+            ("prompt_logprobs", prompt_logprobs, None),
+        ):
+            if value != neutral:
+                kwargs[name] = value
         try:
             return SamplingParams(**kwargs)
         except PagedKVError as exc:
-            raise APIError(400, str(exc), code=type(exc).__name__) from exc
+            raise request_error(exc, type(request).model_fields) from exc
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
         """The number of tokens to generate at most; 400 when the prompt and ``max_tokens`` do
@@ -243,6 +273,14 @@ class OpenAIServing:
             raise APIError(400, f"the {what} is empty (no tokens)", param=what)
         return ids
 
+    def check_prompt_ids(self, ids: list[int]) -> list[int]:
+        """A prompt given as token ids, checked here so that a bad one is a 400 naming
+        ``prompt``: not empty, every id in the vocabulary."""
+        try:
+            return self.check_not_empty(check_token_ids(ids, self.vocab_size), "prompt")
+        except InvalidArgumentError as exc:
+            raise APIError(400, str(exc), param="prompt", code=type(exc).__name__) from None
+
     # ------------------------------------------------------------------ running requests
 
     async def start(
@@ -270,8 +308,10 @@ class OpenAIServing:
                     )
                 )
                 running.trackers.append(self.metrics.start_request(rid, running.arrival))
-        except BaseException:
+        except BaseException as exc:
             running.close()
+            if isinstance(exc, PagedKVError):  # refused by the engine: a 400 naming the field
+                raise request_error(exc, type(request).model_fields) from exc
             raise
         return running
 
@@ -372,10 +412,12 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(outputs: Sequence[RequestOutput]) -> UsageInfo:
-    """Usage of a whole API request: its prompts counted once each (not once per choice)."""
+def usage(outputs: Sequence[RequestOutput], *, generated: bool = True) -> UsageInfo:
+    """Usage of a whole API request: its prompts counted once each (not once per choice).
+    ``generated=False``: the generated tokens are not returned (``echo`` with ``max_tokens: 0``)
+    and not counted."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if generated else 0
     cached = sum(o.num_cached_tokens for o in outputs)
     return UsageInfo(
         prompt_tokens=prompt,
@@ -454,6 +496,30 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None
     if task.cancelled():
         return None
     return task.result()
+
+
+# JSON has no -inf: a logprob below this (a token masked out) is sent as this, as vLLM does.
+MIN_LOGPROB = -9999.0
+
+
+def finite_logprob(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def prompt_logprobs_body(prompt_logprobs: Sequence[dict[int, Logprob] | None] | None) -> PromptLogprobs | None:
+    """The engine's prompt logprobs as vLLM's response field (per prompt token, the first None:
+    token id -> logprob, rank, text)."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entries is None
+        else {
+            token_id: PromptLogprob(logprob=finite_logprob(e.logprob), rank=e.rank, decoded_token=e.decoded_token)
+            for token_id, e in entries.items()
+        }
+        for entries in prompt_logprobs
+    ]
 
 
 def top_logprobs(entries: dict[int, Logprob], k: int) -> list[Logprob]:
