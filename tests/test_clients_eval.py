@@ -7,7 +7,7 @@ streaming and not).
 One server for the module: the embedded SmolLM2 in float32 on the CPU, so texts and
 loglikelihoods are the real model's (greedy answers such as " Paris" are checked). Each test
 fails if its client raises or parses nothing. Requests are few and short (lm-eval's tasks are
-tests/lm_eval_tasks/, 16 + 5 documents; at most 16 new tokens elsewhere). Nothing is
+tests/lm_eval_tasks/, 12 + 5 documents; at most 8 new tokens elsewhere). Nothing is
 downloaded: the tasks' data, the tokenizer and LiteLLM's model table are local.
 """
 
@@ -42,7 +42,7 @@ ENGINE_FLAGS = [
     "--num-blocks", "160", "--max-model-len", "512", "--max-num-seqs", "8", "--log-level", "warning",
 ]  # fmt: skip
 TIMEOUT = 60.0
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 # Prompts whose greedy continuation by SmolLM2 is known (" Paris.", " Tokyo.", ...).
 FRANCE, JAPAN = "The capital of France is", "The capital of Japan is"
 CHAT_PROMPT = "Name a fruit."
@@ -80,11 +80,11 @@ def test_lm_eval_multiple_choice_through_local_completions(api_base: str) -> Non
     results = evaluate("local-completions", args, MULTIPLE_CHOICE)
 
     loglikelihoods = choice_loglikelihoods(results)
-    assert len(loglikelihoods) == 16 and all(len(row) == 4 for row in loglikelihoods)
+    assert len(loglikelihoods) == 12 and all(len(row) == 3 for row in loglikelihoods)
     assert all_finite(loglikelihoods)
     assert all(v < 0 for row in loglikelihoods for v in row)
-    assert len({round(v, 4) for row in loglikelihoods for v in row}) > 32  # not one value repeated
-    # The real model, not noise: clearly better than chance (0.25) on these easy questions.
+    assert len({round(v, 4) for row in loglikelihoods for v in row}) > 24  # not one value repeated
+    # The real model, not noise: clearly better than chance (1/3) on these easy questions.
     assert accuracy(results) >= 0.5, accuracy(results)
 
 
@@ -102,10 +102,11 @@ def test_lm_eval_generate_until_through_local_completions(api_base: str) -> None
 def test_lm_eval_generate_until_through_local_chat_completions(api_base: str) -> None:
     pytest.importorskip("lm_eval")
     args = {"model": MODEL_NAME, "base_url": api_base + "/chat/completions", "max_retries": 1}
-    results = evaluate("local-chat-completions", args, GENERATION, apply_chat_template=True)
+    # The first 3 documents: a chat answer runs to the token limit (the full stop comes late).
+    results = evaluate("local-chat-completions", args, GENERATION, apply_chat_template=True, limit=3)
 
     texts = [sample["filtered_resps"][0] for sample in samples(results, GENERATION)]
-    assert len(texts) == 5 and all(isinstance(t, str) and t.strip() for t in texts), texts
+    assert len(texts) == 3 and all(isinstance(t, str) and t.strip() for t in texts), texts
 
 
 # ---------------------------------------------------------------------------- LangChain

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 TASKS_DIR = Path(__file__).resolve().parent
-MULTIPLE_CHOICE = "pagedkv_quiz_mc"  # 16 questions x 4 choices: 64 loglikelihood requests
+MULTIPLE_CHOICE = "pagedkv_quiz_mc"  # 12 questions x 3 choices: 36 loglikelihood requests
 GENERATION = "pagedkv_quiz_gen"  # 5 sentences to complete (generate_until)
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 
