@@ -484,6 +484,12 @@ impl KvCacheManager {
         m
     }
 
+    /// A match with no hits, current with the pools' evictions (so `add_sequence` keeps it as
+    /// it is): the sequence computes every token, and its full blocks are still registered.
+    pub fn no_prefix_match(&self) -> PrefixMatch {
+        PrefixMatch { evictions_at_match: self.evictions(), link: ChainLink::Root, ..Default::default() }
+    }
+
     /// Blocks a new sequence takes from the free device pool to get `m`'s cached prefix plus
     /// slots for `num_new_tokens` more tokens: fresh blocks (for new tokens and for host hits),
     /// plus the cached device blocks that are free now (taking them removes them from the

@@ -401,6 +401,7 @@ class Scheduler:
         hold_kv: bool | None = None,
         beam_width: SupportsIndex | None = None,
         length_penalty: float | None = None,
+        skip_prefix_cache: bool | None = None,
     ) -> None: ...
     def schedule(self) -> SchedulerOutput: ...
     def update(

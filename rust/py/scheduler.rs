@@ -611,7 +611,7 @@ impl PyScheduler {
         request_id, prompt_token_ids, *, max_tokens, min_tokens = None, eos_token_ids = None,
         stop_token_ids = None, ignore_eos = None, priority = None, cache_salt = None, n = None,
         retention_priority = None, retention_duration = None, retention_tokens = None, hold_kv = None,
-        beam_width = None, length_penalty = None
+        beam_width = None, length_penalty = None, skip_prefix_cache = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -632,6 +632,7 @@ impl PyScheduler {
         hold_kv: Option<&Bound<'_, PyAny>>,
         beam_width: Option<&Bound<'_, PyAny>>,
         length_penalty: Option<&Bound<'_, PyAny>>,
+        skip_prefix_cache: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let id_str = str_obj_arg(request_id, "request_id")?.clone();
         let opt_ids = |o: Option<&Bound<'_, PyAny>>, name: &str| -> PyResult<Vec<u32>> {
@@ -654,6 +655,7 @@ impl PyScheduler {
             retention: retention_arg(retention_priority, retention_duration, retention_tokens)?,
             hold_kv: hold_kv.map(|o| bool_arg(o, "hold_kv")).transpose()?.unwrap_or(false),
             beam: beam_arg(beam_width, length_penalty)?,
+            skip_prefix_cache: skip_prefix_cache.map(|o| bool_arg(o, "skip_prefix_cache")).transpose()?.unwrap_or(false),
         };
         let key = self.inner.add_request(req)?;
         self.names.set(key, id_str.unbind());

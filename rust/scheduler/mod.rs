@@ -246,6 +246,7 @@ impl Scheduler {
             admitted_once: false,
             hold_kv: r.hold_kv,
             beam: r.beam.map(|p| beam_search::BeamSearch::new(p, prompt_len)),
+            skip_prefix_cache: r.skip_prefix_cache,
         });
         let branch = self.branches.insert(Branch {
             req: key,
@@ -598,10 +599,12 @@ impl Scheduler {
             }
             let extra = req.extra.clone();
             let retention = req.retention;
-            let m = if self.config.enable_prefix_caching {
-                self.kv.match_prefix(&branch.tokens, &extra)
-            } else {
+            let m = if !self.config.enable_prefix_caching {
                 PrefixMatch::default()
+            } else if req.skip_prefix_cache {
+                self.kv.no_prefix_match()
+            } else {
+                self.kv.match_prefix(&branch.tokens, &extra)
             };
             let hit = m.num_tokens(bs);
             let n = (branch.tokens.len() - hit).min(*budget);

@@ -46,6 +46,10 @@ pub struct NewRequest {
     pub hold_kv: bool,
     /// Beam search instead of sampling (see `scheduler::beam_search`); needs `n == 1`.
     pub beam: Option<BeamParams>,
+    /// Compute the whole prompt even where the prefix cache holds it: the caller needs the
+    /// logits of every prompt position (prompt logprobs), which cached blocks do not have.
+    /// The request's own blocks are still registered in the cache for others.
+    pub skip_prefix_cache: bool,
 }
 
 impl NewRequest {
@@ -65,6 +69,7 @@ impl NewRequest {
             retention: RetentionPolicy::default(),
             hold_kv: false,
             beam: None,
+            skip_prefix_cache: false,
         }
     }
 
@@ -139,6 +144,8 @@ pub(crate) struct Request {
     pub hold_kv: bool,
     /// The search state of a beam request (its branches are its live beams).
     pub beam: Option<BeamSearch>,
+    /// Never admitted on prefix-cache hits (`NewRequest::skip_prefix_cache`).
+    pub skip_prefix_cache: bool,
 }
 
 /// One sample stream of a request.

@@ -408,3 +408,29 @@ fn kv_reservation_merges_local_hits_and_commits_into_the_prefix_cache() {
     s.check_invariants().unwrap();
     assert!(matches!(s.reserve_kv("e", Vec::new(), 1, None), Err(CoreError::InvalidArgument(_))));
 }
+
+#[test]
+fn skip_prefix_cache_computes_the_whole_prompt_and_still_caches_it() {
+    let mut s = Scheduler::new(SchedulerConfig::new(4, 32)).unwrap();
+    let prompt: Vec<u32> = (0..18).collect();
+    s.add_request(NewRequest::new("warm", prompt.clone(), 1)).unwrap();
+    run_to_end(&mut s);
+    assert_eq!(s.kv.cached_prefix_blocks(&prompt), 4);
+    // A request that needs every prompt position's logits computes them all, cache or not.
+    let mut skip = NewRequest::new("skip", prompt.clone(), 1);
+    skip.skip_prefix_cache = true;
+    s.add_request(skip).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_tokens(), 18);
+    s.update(out.step_id, &vec![9u32; out.num_sampled()]).unwrap();
+    run_to_end(&mut s);
+    s.check_invariants().unwrap();
+    // The cache still serves the others.
+    s.add_request(NewRequest::new("hit", prompt.clone(), 1)).unwrap();
+    let out = s.schedule().unwrap();
+    assert_eq!(out.num_tokens(), 2);
+    s.update(out.step_id, &vec![9u32; out.num_sampled()]).unwrap();
+    run_to_end(&mut s);
+    assert_eq!(s.stats().num_used_blocks, 0);
+    s.check_invariants().unwrap();
+}

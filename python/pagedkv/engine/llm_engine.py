@@ -39,10 +39,12 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from pagedkv._core import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedkv.distributed.transfer_config import RemotePrefill, parse_kv_transfer_params
+from pagedkv.engine import prompt_logprobs
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_tracker import BeamTracker, beam_candidates
 from pagedkv.engine.outputs import Logprob, RequestOutput
@@ -62,6 +64,7 @@ from pagedkv.errors import (
 )
 from pagedkv.parallel.executor import MultiprocExecutor, start_workers
 from pagedkv.sample.beam_search_params import BeamSearchParams
+from pagedkv.sample.penalties import bad_words_bans, bad_words_token_ids
 from pagedkv.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedkv.sample.sampling_params import SamplingParams
 from pagedkv.worker.model_runner import ModelRunner
@@ -242,8 +245,14 @@ class LLMEngine:
             raise InvalidTypeError(f"arrival_time must be a number or None, got {type(arrival_time).__name__}")
         self._check_params_for_model(params)
         transfer = self._check_kv_transfer_params(kv_transfer_params)
+        if isinstance(transfer, RemotePrefill) and params.prompt_logprobs is not None:
+            raise InvalidArgumentError(
+                "prompt_logprobs cannot be combined with a remote prefill: the prompt's KV arrives without its logits"
+            )
         text, prompt_ids = to_token_ids(prompt, self.tokenizer, self.runner.vocab_size)
         state = RequestState(request_id, text, prompt_ids, params, self.tokenizer, self.runner.device, arrival_time)
+        if params.bad_words:
+            state.bad_word_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.runner.vocab_size)
         state.hold_kv = transfer is True
         if beam is not None:
             state.beam = BeamTracker(beam, self.tokenizer, self.eos_token_ids)
@@ -268,6 +277,8 @@ class LLMEngine:
             hold_kv=state.hold_kv,
             beam_width=None if beam is None else beam.beam_width,
             length_penalty=None if beam is None else beam.length_penalty,
+            # Cached blocks have no logits: a request that wants the prompt's computes it whole.
+            skip_prefix_cache=params.prompt_logprobs is not None,
         )
         with self._lock:
             if isinstance(transfer, RemotePrefill) and self._start_kv_load(state, transfer, cache_salt, add):
@@ -373,9 +384,19 @@ class LLMEngine:
         vocab = self.runner.vocab_size
         if params.logprobs is not None and params.logprobs > vocab:
             raise ConfigError(f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}")
-        for token_id in params.stop_token_ids or []:
-            if token_id >= vocab:
-                raise ConfigError(f"stop_token_ids holds {token_id}, outside the vocabulary [0, {vocab})")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > min(max_logprobs, vocab):
+            raise ConfigError(
+                f"prompt_logprobs = {params.prompt_logprobs} exceeds max_logprobs = {max_logprobs} "
+                "(an engine argument) or the vocabulary"
+            )
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias", params.logit_bias),
+            ("allowed_token_ids", params.allowed_token_ids),
+        ):
+            for token_id in ids or ():
+                if token_id >= vocab:
+                    raise ConfigError(f"{name} holds {token_id}, outside the vocabulary [0, {vocab})")
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
         """End requests now; their blocks are freed at once. Returns their final outputs
@@ -451,7 +472,13 @@ class LLMEngine:
                 return self._take_failed_outputs()
             t0 = time.perf_counter()
             try:
-                logits = self._execute(out)
+                prompt_rows = prompt_logprobs.plan(out, self.requests)
+                logits = self._execute(out, prompt_rows)
+                prompt_found = None
+                if prompt_rows is not None:
+                    num_sampled = len(out.logits_indices)
+                    prompt_found = prompt_logprobs.compute(prompt_rows, logits[num_sampled:])
+                    logits = logits[:num_sampled]
                 sampled = self._sample(out, logits)
                 tokens = sampled.sampled_token_ids.cpu().numpy()
                 beam_ids, beam_logprobs = self._beam_candidates(out, logits)
@@ -471,15 +498,19 @@ class LLMEngine:
             self._counters["steps"] += 1
             self._counters["tokens_computed"] += out.num_tokens
             self._counters["generation_tokens"] += len(updates)
+            if prompt_rows is not None and prompt_found is not None:
+                prompt_logprobs.record(prompt_rows, prompt_found, self.requests, self.tokenizer)
             return self._take_failed_outputs() + self._apply_updates(out, updates, sampled)
 
-    def _execute(self, out: SchedulerOutput) -> torch.Tensor:
+    def _execute(self, out: SchedulerOutput, prompt_rows: prompt_logprobs.PromptRows | None = None) -> torch.Tensor:
         """``runner.execute(out)``, with the identities the runner writes into the files of the
         step's disk stores when there are any (``runner.execute(step)`` stays the whole contract
-        otherwise)."""
+        otherwise). With ``prompt_rows`` the runner also computes those rows' logits, after the
+        sampled ones."""
+        step: Any = out if prompt_rows is None else prompt_logprobs.StepWithPromptRows(out, prompt_rows)
         if len(out.disk_store) == 0:
-            return self.runner.execute(out)
-        return self.runner.execute(out, self.scheduler.disk_block_info(out.disk_store[:, 1].tolist()))
+            return self.runner.execute(step)
+        return self.runner.execute(step, self.scheduler.disk_block_info(out.disk_store[:, 1].tolist()))
 
     def _forget_bad_disk_slots(self) -> None:
         """Disk slots whose file failed to write or read are never served (the KV is recomputed)."""
@@ -631,6 +662,9 @@ class LLMEngine:
         params: list[SamplingParams] = []
         generators: list[torch.Generator | None] = []
         banned: dict[int, list[int]] = {}
+        # Token arrays of the rows with penalties (pagedkv.sample.penalties), None elsewhere.
+        num_rows = len(out.sampled_req_ids)
+        token_arrays: dict[str, list[np.ndarray | None]] = {}
         for row, (rid, index) in enumerate(zip(out.sampled_req_ids, out.sample_indices.tolist())):
             state = self.requests.get(rid)
             if state is None or state.beam is not None:
@@ -644,17 +678,24 @@ class LLMEngine:
             params.append(p)
             sample = state.samples[index]
             generators.append(sample.generator)
+            ban: list[int] = []
             if len(sample.token_ids) < p.min_tokens:
                 # As in vLLM, min_tokens also holds back the model's eos when ignore_eos is set.
                 ban = (p.stop_token_ids or []) + self.eos_token_ids
-                if ban:
-                    banned[row] = ban
+            if state.bad_word_ids:
+                ban = ban + bad_words_bans(state.bad_word_ids, sample.token_ids)
+            if ban:
+                banned[row] = ban
+            if p.has_penalties:
+                token_arrays.setdefault("output_token_ids", [None] * num_rows)[row] = state.output_array(index)
+                token_arrays.setdefault("prompt_token_ids", [None] * num_rows)[row] = state.prompt_array()
         metadata = SamplingMetadata.build(
             params,
             vocab_size=self.runner.vocab_size,
             device=logits.device,
             generators=generators,
             banned_token_ids=banned or None,
+            **token_arrays,  # only in steps with penalties (the bench swaps in an older build())
         )
         return self.sampler(logits, metadata)
 
@@ -709,6 +750,8 @@ class LLMEngine:
         sample = state.samples[u.index]
         token = u.new_token_ids[0]
         sample.token_ids.append(token)
+        if sample.output_buffer is not None:
+            sample.output_buffer.append(token)
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
             state.metrics.num_cached_tokens = u.num_cached_tokens

@@ -123,6 +123,10 @@ class RequestOutput:
     num_cached_tokens: int = field(default=0)
     error: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing
+    # predicts it), each the prompt token's Logprob plus the top ones (vLLM's layout). Filled as
+    # the prompt is computed: complete from the first output with a generated token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def __repr__(self) -> str:
         return (

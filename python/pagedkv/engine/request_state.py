@@ -8,11 +8,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from pagedkv.engine.beam_tracker import BeamTracker
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from pagedkv.sample.penalties import TokenBuffer
 from pagedkv.sample.sampler import make_generator
 from pagedkv.sample.sampling_params import SamplingParams
 
@@ -32,6 +34,8 @@ class SampleState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # The output tokens as an array too, for requests with penalties (the sampler's input).
+    output_buffer: TokenBuffer | None = None
 
     def output(self) -> CompletionOutput:
         return CompletionOutput(
@@ -88,6 +92,16 @@ class RequestState:
             )
             for i in range(params.n)
         ]
+        # Penalties: the prompt as an array (the repetition penalty's input), made on first use;
+        # bad_words: their token sequences (set by the engine, which has the vocabulary size).
+        self._prompt_array: np.ndarray | None = None
+        self.bad_word_ids: list[list[int]] = []
+        # prompt_logprobs: one entry per prompt token (the first None), filled as the prompt's
+        # chunks are computed; positions recorded so far (a recomputed chunk is not recorded twice).
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+        self.num_prompt_logprobs = 1 if params.prompt_logprobs is not None else 0
 
     @property
     def finished(self) -> bool:
@@ -99,6 +113,22 @@ class RequestState:
             if sample.finish_reason is None:
                 sample.finish_reason = reason
         self.metrics.finished_time = time.time()
+
+    def prompt_array(self) -> np.ndarray:
+        """The prompt's token ids as an int64 array (made once)."""
+        if self._prompt_array is None:
+            self._prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int64)
+        return self._prompt_array
+
+    def output_array(self, index: int) -> np.ndarray:
+        """Sample ``index``'s generated token ids as an int64 array: from the first call on, the
+        sample keeps them in a :class:`TokenBuffer` too (requests with penalties)."""
+        sample = self.samples[index]
+        if sample.output_buffer is None:
+            sample.output_buffer = TokenBuffer(2 * len(sample.token_ids) + 16)
+            for token in sample.token_ids:
+                sample.output_buffer.append(token)
+        return sample.output_buffer.array()
 
     def add_logprobs(self, index: int, entries: dict[int, Logprob], chosen: int) -> None:
         sample = self.samples[index]
@@ -122,4 +152,5 @@ class RequestState:
             num_cached_tokens=self.metrics.num_cached_tokens,
             error=None if self.error is None else f"{type(self.error).__name__}: {self.error}",
             kv_transfer_params=self.kv_transfer_params,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
         )

@@ -82,6 +82,18 @@ class Workspace:
             flat = self._buffers[key] = torch.empty(numel, dtype=dtype)
         return flat[:numel].view(shape)
 
+    def zeros(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat tensor that is all zero when handed out; the caller must leave it all zero
+        (write sparsely, then reset what it wrote). Fresh on other devices and in throwaway
+        workspaces."""
+        if device.type != "cpu" or not self._cache:
+            return torch.zeros(numel, dtype=dtype, device=device)
+        key = ("zeros:" + name, dtype)
+        flat = self._buffers.get(key)
+        if flat is None or flat.numel() < numel:
+            flat = self._buffers[key] = torch.zeros(numel, dtype=dtype)
+        return flat[:numel]
+
 
 def chunk_sums(e: torch.Tensor) -> torch.Tensor:
     """``e`` [R, V] -> [R, ceil(V / CHUNK)] sums of consecutive ``CHUNK``-token slices."""

@@ -5,7 +5,9 @@ the same few batched tensor operations; per-row Python work is limited to buildi
 :class:`SamplingMetadata` (list comprehensions and a handful of list-to-tensor conversions) and
 to one small RNG call per *seeded* row.
 
-Order of operations (vLLM's): banned tokens -> temperature -> min-p -> top-k -> top-p -> draw.
+Order of operations (vLLM's): logit bias -> penalties -> allowed tokens
+(:mod:`pagedkv.sample.penalties`, on a copy) -> banned tokens -> temperature -> min-p -> top-k ->
+top-p -> draw.
 Top-p applies to the distribution renormalized over what min-p and top-k kept. Log-probabilities
 are the model's raw ones (``log_softmax`` of the logits as given, before bans, temperature or any
 filter), like vLLM's default ``logprobs_mode="raw_logprobs"``.
@@ -102,6 +104,7 @@ from pagedkv.sample.ops import (
     radix_threshold,
     topk,
 )
+from pagedkv.sample.penalties import LogitsAdjustments
 from pagedkv.sample.sampling_params import SamplingParams
 
 __all__ = [
@@ -165,6 +168,8 @@ class SamplingMetadata:
     # [N] int64 pairs (row, token id) whose logits are set to -inf (e.g. eos before min_tokens).
     banned_rows: torch.Tensor | None
     banned_token_ids: torch.Tensor | None
+    # Penalties, logit_bias and allowed_token_ids (applied before the bans); None when unused.
+    adjustments: LogitsAdjustments | None = None
     # Host copies: row indices by kind, and the per-row filter values (random rows; greedy rows
     # hold the "off" values). top_k_list stores "off" as V.
     greedy_rows: list[int] = field(default_factory=list)
@@ -200,11 +205,15 @@ class SamplingMetadata:
         device: torch.device | str = "cpu",
         generators: Sequence[torch.Generator | None] | None = None,
         banned_token_ids: Mapping[int, Sequence[int]] | None = None,
+        output_token_ids: Sequence[np.ndarray | None] | None = None,
+        prompt_token_ids: Sequence[np.ndarray | None] | None = None,
     ) -> SamplingMetadata:
         """Batch ``params`` (one per logits row).
 
         ``generators[i]`` is row i's private generator (``None`` for unseeded rows; ignored on
         greedy rows). ``banned_token_ids`` maps a row to token ids it must not sample.
+        ``output_token_ids[i]`` / ``prompt_token_ids[i]``: row i's generated and prompt token
+        ids as int64 arrays, needed on rows with penalties (see pagedkv.sample.penalties).
         """
         num_rows = len(params)
         if generators is not None and len(generators) != num_rows:
@@ -258,6 +267,15 @@ class SamplingMetadata:
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         max_num_logprobs = max(wanted) if wanted else None
 
+        no_arrays: list[np.ndarray | None] = [None] * num_rows
+        adjustments = LogitsAdjustments.build(
+            params,
+            vocab_size=vocab_size,
+            output_token_ids=no_arrays if output_token_ids is None else output_token_ids,
+            prompt_token_ids=no_arrays if prompt_token_ids is None else prompt_token_ids,
+            device=device,
+        )
+
         banned_rows = banned_ids = None
         if banned_token_ids:
             rows: list[int] = []
@@ -291,6 +309,7 @@ class SamplingMetadata:
             max_num_logprobs=max_num_logprobs,
             banned_rows=banned_rows,
             banned_token_ids=banned_ids,
+            adjustments=adjustments,
             greedy_rows=greedy_rows,
             random_rows=random_rows,
             top_k_list=top_ks,
@@ -344,17 +363,28 @@ class Sampler:
         try:
             stats = None
             if metadata.max_num_logprobs is not None:
-                stats = _logprob_stats(logits, metadata.max_num_logprobs, workspace)
+                stats = _logprob_stats(logits, metadata.max_num_logprobs, workspace)  # raw logprobs
+            raw = logits
+            if metadata.adjustments is not None:
+                logits = _adjusted(logits, metadata.adjustments, workspace)
             if metadata.all_greedy:
                 sampled = _greedy(logits, metadata, workspace)
             else:
                 sampled = _Step(logits, metadata, method, workspace).run()
             logprobs = None
             if stats is not None:
-                logprobs = _gather_logprobs(logits, stats, sampled, workspace)
+                logprobs = _gather_logprobs(raw, stats, sampled, workspace)
         finally:
             workspace.release()
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def _adjusted(logits: torch.Tensor, adjustments: LogitsAdjustments, workspace: Workspace) -> torch.Tensor:
+    """A copy of ``logits`` [S, V] with the penalties, biases and allowed-token masks applied
+    (in a workspace buffer: the caller's logits are never modified)."""
+    adjusted = workspace.buffer("adjusted", tuple(logits.shape), torch.float32, logits.device).copy_(logits)
+    counts = workspace.zeros("penalty_counts", logits.numel(), torch.float32, logits.device)
+    return adjustments.apply_(adjusted, counts)
 
 
 def _greedy(logits: torch.Tensor, metadata: SamplingMetadata, workspace: Workspace) -> torch.Tensor:

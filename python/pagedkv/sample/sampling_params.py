@@ -23,6 +23,9 @@ SAMPLING_EPS = 1e-5
 
 # Retention priorities of cached KV blocks (the Rust core's range).
 MAX_RETENTION_PRIORITY = 100
+# presence_penalty and frequency_penalty range (OpenAI's), and logit_bias values' clamp.
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
 # torch.Generator.manual_seed accepts this range.
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -58,6 +61,20 @@ class SamplingParams:
     - ``logprobs``: ``None``, or how many top log-probabilities to return per generated token
       besides the chosen token's own (which is always returned when this is not ``None``).
     - ``skip_special_tokens``: leave special tokens out of the detokenized text.
+    - ``presence_penalty``: subtracted from the logit of every token the sample has already
+      generated (once), in [-2, 2]; positive values push towards new tokens.
+    - ``frequency_penalty``: subtracted from a token's logit once per time the sample has
+      generated it, in [-2, 2].
+    - ``repetition_penalty``: > 0; tokens in the prompt or the output so far have positive
+      logits divided by it and negative ones multiplied by it (1 = off).
+    - ``logit_bias``: ``{token_id: bias}`` added to the logits before sampling; biases are
+      clamped to [-100, 100] (OpenAI's range); ids are checked against the vocabulary.
+    - ``allowed_token_ids``: only these tokens may be sampled.
+    - ``bad_words``: words never generated: a word's last token is banned whenever the output
+      ends with the tokens before it (each word is tried with and without a leading space).
+    - ``prompt_logprobs``: ``None``, or how many top log-probabilities to return per prompt
+      token besides the prompt token's own; such a request computes its whole prompt (no
+      prefix-cache hits: cached blocks have no logits).
     - ``retention_priority``: how long the prompt's KV blocks stay in the prefix cache once
       the request is done, 0 .. 100 (TensorRT-LLM's retention priorities): among free cached
       blocks the lowest priority is evicted first, least recently used first within a
@@ -83,6 +100,13 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
     retention_priority: int | None = None
     retention_duration: float | None = None
     retention_tokens: int | None = None
@@ -123,6 +147,24 @@ class SamplingParams:
         self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, minimum=0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ConfigError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+            setattr(self, name, value)
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ConfigError("allowed_token_ids must not be empty (nothing could be sampled)")
+        if self.bad_words is not None:
+            self.bad_words = _check_bad_words(self.bad_words)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         self.include_stop_str_in_output = _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
         if self.retention_priority is not None:
@@ -151,6 +193,11 @@ class SamplingParams:
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the presence, frequency or repetition penalties is on."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def stop_strings(self) -> list[str]:
@@ -233,3 +280,27 @@ def _check_token_ids(name: str, ids: Any) -> list[int]:
         if checked[-1] >= 2**31:
             raise ConfigError(f"{name} entries must fit in int32, got {token_id}")
     return checked
+
+
+def _check_logit_bias(bias: Any) -> dict[int, float]:
+    """``{token_id: bias}`` with int keys (JSON's string keys are the server's to convert) and
+    finite biases clamped to [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI does."""
+    if not isinstance(bias, dict):
+        raise ConfigError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    checked: dict[int, float] = {}
+    for token_id, value in bias.items():
+        token = _check_int("logit_bias", token_id, minimum=0)
+        if token >= 2**31:
+            raise ConfigError(f"logit_bias token ids must fit in int32, got {token}")
+        value = _check_float(f"logit_bias[{token}]", value)
+        checked[token] = min(max(value, -MAX_LOGIT_BIAS), MAX_LOGIT_BIAS)
+    return checked
+
+
+def _check_bad_words(words: Any) -> list[str]:
+    if isinstance(words, str) or not isinstance(words, Sequence):
+        raise ConfigError(f"bad_words must be a list of str, got {words!r}")
+    for word in words:
+        if not isinstance(word, str) or not word.strip():
+            raise ConfigError(f"bad_words entries must be non-empty strings, got {word!r}")
+    return list(words)
