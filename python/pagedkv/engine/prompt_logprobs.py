@@ -104,13 +104,30 @@ def plan(step: Any, requests: Mapping[str, RequestState]) -> PromptRows | None:
     return PromptRows(spans, np.concatenate(indices), np.concatenate(targets), max_k)
 
 
+# Rows per pass of compute(): a block of [32, V] float32 (6 MB at 49k tokens) stays in the
+# cache between its passes (max, exp-sum, rank); whole [E, V] passes ran ~3x slower.
+_BLOCK_ROWS = 32
+
+
 def compute(rows: PromptRows, logits: torch.Tensor) -> PromptLogprobs:
     """``logits``: [E, V] float32, the prompt rows' logits in ``rows`` order (raw logprobs, as
     for generated tokens: ``log_softmax`` of the model's logits)."""
     targets = torch.from_numpy(rows.targets).to(logits.device)
-    normalizer = torch.logsumexp(logits, dim=-1)
-    target_logits = logits.gather(1, targets.unsqueeze(1))
-    ranks = (logits > target_logits).sum(dim=-1) + 1
+    target_logits = logits.gather(1, targets.unsqueeze(1))  # [E, 1]
+    num_rows, vocab = logits.shape
+    normalizer = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    ranks = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    scratch = torch.empty(min(num_rows, _BLOCK_ROWS), vocab, dtype=torch.float32, device=logits.device)
+    for start in range(0, num_rows, _BLOCK_ROWS):
+        block = logits[start : start + _BLOCK_ROWS]
+        work = scratch[: block.shape[0]]
+        peak = block.amax(dim=-1, keepdim=True)
+        torch.sub(block, peak, out=work).exp_()
+        normalizer[start : start + block.shape[0]] = work.sum(dim=-1).log_() + peak.squeeze(1)
+        # Tokens strictly more likely than the target: (x - t)+ > 0; sign() counts them in float
+        # arithmetic (a bool compare and sum is several times slower on the CPU).
+        torch.sub(block, target_logits[start : start + block.shape[0]], out=work).relu_().sign_()
+        ranks[start : start + block.shape[0]] = work.sum(dim=-1).to(torch.int64) + 1
     if rows.max_k > 0:
         top_values, top_ids = topk(logits, rows.max_k)
         top_logprobs = top_values - normalizer.unsqueeze(1)
