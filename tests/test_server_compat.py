@@ -308,8 +308,12 @@ def test_chat_content_parts_and_names(server: ServerProcess, client: Any) -> Non
         client.chat.completions.create(messages=parts, **kwargs).choices[0].message.content
         == client.chat.completions.create(messages=CHAT, **kwargs).choices[0].message.content
     )
-    chunks = list(client.chat.completions.create(messages=parts, stream=True, **kwargs))
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.chat.completions.create(messages=parts, stream=True, stream_options=options, **kwargs))
     assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    # continuous_usage_stats: usage on every chunk, prompt_tokens_details in each.
+    assert all(c.usage is not None and c.usage.prompt_tokens_details is not None for c in chunks)
+    assert chunks[-1].usage.completion_tokens == 4
 
 
 def test_small_endpoints(server: ServerProcess, client: Any) -> None:
