@@ -120,24 +120,18 @@ def test_guidellm_constant_rate(server: ServerProcess, tokenizer_dir: Path, tmp_
 def test_aiperf_constant_rate(server: ServerProcess, tokenizer_dir: Path, tmp_path: Path) -> None:
     require_cli("aiperf")
     env = {**aiperf_tokenizer_cache(tmp_path / "hub", tokenizer_dir), "TMPDIR": str(tmp_path)}
+    synthetic = [
+        "--prompt-input-tokens-mean", str(PROMPT_TOKENS), "--prompt-input-tokens-stddev", "0",
+        "--prompt-output-tokens-mean", str(OUTPUT_TOKENS), "--prompt-output-tokens-stddev", "0",
+        "--num-dataset-entries", str(NUM_REQUESTS),
+    ]  # fmt: skip
     argv = aiperf_argv(
         url=server.url,
         model=MODEL_NAME,
         artifact_dir=tmp_path / "artifacts",
         request_count=NUM_REQUESTS,
         load=["--request-rate", str(RATE), "--arrival-pattern", "constant"],
-        data=[
-            "--prompt-input-tokens-mean",
-            str(PROMPT_TOKENS),
-            "--prompt-input-tokens-stddev",
-            "0",
-            "--prompt-output-tokens-mean",
-            str(OUTPUT_TOKENS),
-            "--prompt-output-tokens-stddev",
-            "0",
-            "--num-dataset-entries",
-            str(NUM_REQUESTS),
-        ],  # fmt: skip
+        data=synthetic,
         extra_inputs={"ignore_eos": "true", "min_tokens": str(OUTPUT_TOKENS)},
     )
     run_tool(server, "aiperf", argv, tmp_path, env)
