@@ -126,7 +126,9 @@ def main() -> None:
         return
     body = (
         f"Task: tests/lm_eval_tasks/pagedkv_quiz_mc.yaml; model folder `{Path(args.model).name}`, float32; "
-        f"lm-eval batch size {args.batch_size}.\n\n{table}\n\n{summary}"
+        f"lm-eval batch size {args.batch_size}.\n\n{table}\n\n{summary}\n\nSeconds: each lm-eval run's wall "
+        "time (transformers' includes loading the model, the server's excludes its start), on a machine "
+        "shared with other jobs: not a speed comparison."
     )
     cmd = "python benches/bench_lm_eval.py " + " ".join(sys.argv[1:])
     write_section(SECTION, cmd.strip(), body, heading=HEADING)
