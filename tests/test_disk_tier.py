@@ -1,7 +1,8 @@
-"""The disk tier (``kv_cache_dir``) on the real SmolLM2 engine: a restarted engine warms its
-prefix cache from the files and generates exactly what it generated the first time; files
-that are corrupt, truncated or written for another model are skipped with a warning, never
-served; a failed write degrades to recompute; bad sizes are typed errors."""
+"""The disk tier (``kv_cache_dir``) on a real engine (the tiny random model of
+tests/tiny_models.py: the tier's files, not the weights, are under test): a restarted engine
+warms its prefix cache from the files and generates exactly what it generated the first time;
+files that are corrupt, truncated or written for another model are skipped with a warning,
+never served; a failed write degrades to recompute; bad sizes are typed errors."""
 
 from __future__ import annotations
 
@@ -24,19 +25,13 @@ TEXTS = [
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
 
-def engine_kwargs(folder: Path, **over: object) -> dict:
-    # 24 device blocks and 8 host blocks: the prompts' blocks spill to disk during the run.
-    kw: dict = {
-        "dtype": "float32",
-        "device": "cpu",
-        "block_size": 16,
-        "num_blocks": 24,
-        "max_model_len": 256,
-        "num_host_blocks": 8,
-        "kv_cache_dir": str(folder),
-    }
-    kw.update(over)
-    return kw
+def engine_kwargs(model: str, folder: Path | None, **over: object) -> dict:
+    """24 device blocks and 8 host blocks: the prompts' blocks spill to disk during the run.
+    ``folder=None``: neither a host nor a disk tier."""
+    kw: dict = dict(model=model, dtype="float32", device="cpu", block_size=16, num_blocks=24, max_model_len=256)
+    if folder is not None:
+        kw |= {"num_host_blocks": 8, "kv_cache_dir": str(folder)}
+    return kw | over
 
 
 def generate(llm: LLM) -> list[list[int]]:
@@ -48,10 +43,10 @@ def block_files(folder: Path) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+def first_run(tmp_path_factory: pytest.TempPathFactory, tiny_model: str) -> tuple[Path, list[list[int]]]:
     """One engine's run, shut down (flushed to disk); the folder is copied by each test."""
     folder = tmp_path_factory.mktemp("kv")
-    with LLM(**engine_kwargs(folder)) as llm:
+    with LLM(**engine_kwargs(tiny_model, folder)) as llm:
         tokens = generate(llm)
         stats = llm.llm_engine.get_stats()
     assert stats["num_disk_blocks"] > 0
@@ -66,9 +61,11 @@ def copy_folder(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_restarted_engine_hits_the_disk_tier(first_run: tuple[Path, list[list[int]]], tmp_path: Path) -> None:
+def test_restarted_engine_hits_the_disk_tier(
+    first_run: tuple[Path, list[list[int]]], tiny_model: str, tmp_path: Path
+) -> None:
     folder = copy_folder(first_run[0], tmp_path / "kv")
-    llm = LLM(**engine_kwargs(folder))
+    llm = LLM(**engine_kwargs(tiny_model, folder))
     stats = llm.llm_engine.get_stats()
     assert stats["num_restored_disk_blocks"] == len(block_files(folder)) > 0
     assert generate(llm) == first_run[1]
@@ -80,7 +77,7 @@ def test_restarted_engine_hits_the_disk_tier(first_run: tuple[Path, list[list[in
 
 @pytest.mark.parametrize("damage", ["payload", "truncate", "fingerprint", "magic", "tokens"])
 def test_damaged_files_are_skipped_never_served(
-    first_run: tuple[Path, list[list[int]]], tmp_path: Path, damage: str
+    first_run: tuple[Path, list[list[int]]], tiny_model: str, tmp_path: Path, damage: str
 ) -> None:
     folder = copy_folder(first_run[0], tmp_path / "kv")
     files = block_files(folder)
@@ -104,20 +101,20 @@ def test_damaged_files_are_skipped_never_served(
         path.write_bytes(bytes(data))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        llm = LLM(**engine_kwargs(folder))
+        llm = LLM(**engine_kwargs(tiny_model, folder))
     assert llm.llm_engine.get_stats()["num_restored_disk_blocks"] == 0
     assert any("KV disk tier" in str(w.message) for w in caught), [str(w.message) for w in caught]
     assert generate(llm) == first_run[1]
     assert llm.llm_engine.get_stats()["prefix_cache_disk_hits"] == 0
 
 
-def test_failed_writes_degrade_to_recompute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_writes_degrade_to_recompute(tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def full_disk(self: DiskKVStore, slot: int, host_block: int, info: object) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(DiskKVStore, "_write", full_disk)
-    reference = generate(LLM(dtype="float32", device="cpu", block_size=16, num_blocks=24, max_model_len=256))
-    llm = LLM(**engine_kwargs(tmp_path / "kv"))
+    reference = generate(LLM(**engine_kwargs(tiny_model, None)))
+    llm = LLM(**engine_kwargs(tiny_model, tmp_path / "kv"))
     with pytest.warns(UserWarning, match="cannot write slot"):
         # Twice: the second round looks the prompts up after the first wrote (failed) to disk.
         assert generate(llm) == reference
@@ -129,17 +126,17 @@ def test_failed_writes_degrade_to_recompute(tmp_path: Path, monkeypatch: pytest.
     llm.llm_engine.scheduler.check_invariants()
 
 
-def test_bad_disk_settings_are_config_errors(tmp_path: Path) -> None:
+def test_bad_disk_settings_are_config_errors(tiny_model: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="host tier"):
-        LLM(dtype="float32", device="cpu", num_blocks=24, max_model_len=256, kv_cache_dir=str(tmp_path / "a"))
+        LLM(**engine_kwargs(tiny_model, None, kv_cache_dir=str(tmp_path / "a")))
     with pytest.raises(ConfigError, match="less than one block file"):
-        LLM(**engine_kwargs(tmp_path / "b", kv_cache_dir_max_bytes=1000))
+        LLM(**engine_kwargs(tiny_model, tmp_path / "b", kv_cache_dir_max_bytes=1000))
     with pytest.raises(ConfigError, match="kv_cache_dir_max_bytes"):
-        LLM(**engine_kwargs(tmp_path / "c", kv_cache_dir_max_bytes=-5))
+        LLM(**engine_kwargs(tiny_model, tmp_path / "c", kv_cache_dir_max_bytes=-5))
     with pytest.raises(ConfigError, match="enable_prefix_caching"):
-        LLM(**engine_kwargs(tmp_path / "d", enable_prefix_caching=False))
+        LLM(**engine_kwargs(tiny_model, tmp_path / "d", enable_prefix_caching=False))
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="kv_cache_dir"):
-        LLM(**engine_kwargs(blocker))
+        LLM(**engine_kwargs(tiny_model, blocker))
     assert not os.path.exists(tmp_path / "a")

@@ -2,10 +2,11 @@
 
 The scheduler, the KV cache, its tiers and transfers behave the same whatever the weights; a
 two-layer model runs their tests in a fraction of the embedded SmolLM2's time. Its vocabulary is
-the embedded tokenizer's (49,152 ids), so the tests use that tokenizer
-(``tokenizer=default_model_dir()``). Greedy comparisons need an argmax that two correct
-implementations agree on: random logits are nearly flat, so the (tied) embeddings are scaled
-up until the best token stands clear of the next.
+the embedded tokenizer's (49,152 ids), whose files are copied into the folder: the folder is a
+whole model for ``--model`` (``pagedkv serve``, ``generate``, ``demo``, the router's tokenizer);
+engine tests may also pass ``tokenizer=default_model_dir()``, the same tokenizer. Greedy
+comparisons need an argmax that two correct implementations agree on: random logits are nearly
+flat, so the (tied) embeddings are scaled up until the best token stands clear of the next.
 """
 
 from __future__ import annotations
@@ -15,12 +16,18 @@ from pathlib import Path
 import torch
 
 VOCAB_SIZE = 49152  # the embedded SmolLM2 tokenizer's
+# The embedded model's tokenizer (and its chat template), copied beside the tiny weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def save_tiny_qwen2(folder: Path, *, hidden_size: int = 128, max_position_embeddings: int = 512) -> Path:
-    """Writes a random Qwen2 (2 layers, 2 heads, 1 KV head, tied embeddings) to ``folder``,
-    the same weights for the same arguments (seeded)."""
+    """Writes a random Qwen2 (2 layers, 2 heads, 1 KV head, tied embeddings) and the embedded
+    tokenizer to ``folder``, the same weights for the same arguments (seeded)."""
+    import shutil
+
     from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from pagedkv.worker.model_files import default_model_dir
 
     config = Qwen2Config(
         vocab_size=VOCAB_SIZE,
@@ -41,4 +48,8 @@ def save_tiny_qwen2(folder: Path, *, hidden_size: int = 128, max_position_embedd
     with torch.no_grad():  # sharp logits: no near-ties in greedy argmax
         model.get_input_embeddings().weight.mul_(40.0)
     model.save_pretrained(folder)
+    tokenizer = default_model_dir()
+    for name in TOKENIZER_FILES:
+        if (tokenizer / name).is_file():
+            shutil.copy(tokenizer / name, folder / name)
     return folder
