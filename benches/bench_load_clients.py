@@ -73,7 +73,8 @@ class CliRun:
 def run_cli(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float) -> CliRun:
     """Runs ``argv`` in its own session (process group) with stdout and stderr in one log file
     under ``cwd``; after ``timeout`` seconds the whole group is killed. The group is killed once
-    the tool exits too, so no helper process it started outlives the run."""
+    the tool exits too, so no helper process it started outlives the run: before the tool is
+    reaped, so its pid (the group's id) cannot have been reused by then."""
     log = cwd / f"{Path(argv[0]).name}-{time.monotonic_ns()}.log"
     cpu0 = _children_cpu_s()
     t0 = time.perf_counter()
@@ -81,11 +82,7 @@ def run_cli(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float) 
         proc = subprocess.Popen(
             argv, cwd=cwd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-        timed_out = False
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+        timed_out = not _wait_unreaped(proc.pid, timeout)
         _kill_group(proc.pid)
         proc.wait(30)
     wall = time.perf_counter() - t0
@@ -97,6 +94,16 @@ def run_cli(argv: list[str], *, cwd: Path, env: dict[str, str], timeout: float) 
         _children_cpu_s() - cpu0,
         timed_out,
     )
+
+
+def _wait_unreaped(pid: int, timeout: float) -> bool:
+    """Whether child ``pid`` exited within ``timeout`` seconds; it is left a zombie (not reaped)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 def _kill_group(pgid: int) -> None:
