@@ -189,7 +189,8 @@ def bench_sampler_alone(
                 elif old is not None:
                     row += ["-", "-"]
                 table.append(row)
-            build_rows.append([rows, vocab, _median_ms(builds) * 1e3])
+            if builds:  # timed on the top_p setting, when it is among the settings
+                build_rows.append([rows, vocab, _median_ms(builds) * 1e3])
             print(f"  sampler alone: {rows} rows x {vocab} done", flush=True)
     return table, build_rows
 
@@ -264,7 +265,12 @@ def set_params(engine: Any, kwargs: dict[str, Any], max_tokens: int) -> None:
 
 
 def bench_engine(
-    quick: bool, old: ModuleType | None, rounds: int, steps_per_round: int, num_seqs: int
+    quick: bool,
+    old: ModuleType | None,
+    rounds: int,
+    steps_per_round: int,
+    num_seqs: int,
+    engine_settings: list[tuple[str, dict[str, Any]]] = ENGINE_SETTINGS,
 ) -> tuple[list[list[object]], str]:
     import pagedkv
 
@@ -272,7 +278,7 @@ def bench_engine(
     try:
         info = build_model(folder, quick)
         prompt_len = 8
-        total_steps = (rounds + 1) * len(ENGINE_SETTINGS) * steps_per_round * (2 if old is not None else 1)
+        total_steps = (rounds + 1) * len(engine_settings) * steps_per_round * (2 if old is not None else 1)
         max_model_len = ((prompt_len + total_steps + 64) // 16 + 1) * 16
         engine = pagedkv.LLMEngine(
             model=str(folder),
@@ -311,7 +317,7 @@ def bench_engine(
         for round_ in range(rounds + 1):  # round 0 warms up every setting and is dropped
             for label, context in variants:
                 with context():
-                    for name, kwargs in ENGINE_SETTINGS:
+                    for name, kwargs in engine_settings:
                         if label == "old" and name == PENALTIES:
                             continue
                         set_params(engine, kwargs, max_tokens)
@@ -325,7 +331,7 @@ def bench_engine(
                             sampling.setdefault((label, name), []).extend(sample_times[-steps_per_round:])
         assert engine.get_num_unfinished_requests() == num_seqs
         table: list[list[object]] = []
-        for name, _ in ENGINE_SETTINGS:
+        for name, _ in engine_settings:
             row: list[object] = [name]
             for label, _ in variants:
                 if (label, name) not in times:
@@ -349,14 +355,53 @@ def bench_engine(
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def penalties_only(no_write: bool) -> None:
+    """Issue 26's figure: one decode step of 256 rows with presence, frequency and repetition
+    penalties and a logit_bias on every row against a greedy step (target <= 1.3x), and the
+    sampler alone at the same shapes."""
+    settings = [s for s in SETTINGS if s[0] in ("greedy", PENALTIES)]
+    alone, _ = bench_sampler_alone([1, 32, 256], [49152, 151936], settings, 15, None)
+    alone_table = md_table(["rows", "vocab", "setting", "ms (median)", "x greedy"], alone)
+    print(alone_table)
+    engine_settings = [s for s in ENGINE_SETTINGS if s[0] in ("greedy", PENALTIES)]
+    rows, desc = bench_engine(False, None, 12, 2, 256, engine_settings)
+    engine_table = md_table(["setting", "step ms", "sampling ms", "x greedy"], rows)
+    print(desc)
+    print(engine_table)
+    penalties = next(r for r in rows if r[0] == PENALTIES)
+    met = "met" if penalties[3] <= 1.3 else "NOT met"
+    verdict = (
+        f"Penalties + logit_bias on every row: the decode step at {penalties[3]:.2f}x greedy (target <= 1.3x: "
+        f"{met}), sampling {penalties[2]:.1f} ms of its step."
+    )
+    print(verdict)
+    if not no_write:
+        body = (
+            f"Penalties: presence 0.5, frequency 0.5, repetition 1.2 and a 10-token logit_bias on every row "
+            f"(greedy); sampler alone: each row with a {HISTORY[0]}-token prompt and {HISTORY[1]} output tokens "
+            f"(median ms per call, metadata build included):\n\n{alone_table}\n\n{desc}\n\n{engine_table}\n\n{verdict}\n"
+        )
+        write_section(
+            "Sampler: penalties and logit_bias (issue 26)", "python benches/bench_sampler.py --penalties-only", body
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny shapes (smoke run); never writes RESULTS.md")
     add_write_flag(ap)
     ap.add_argument("--skip-old", action="store_true", help="do not time the old sampler")
     ap.add_argument("--skip-engine", action="store_true", help="sampler alone only")
+    ap.add_argument(
+        "--penalties-only",
+        action="store_true",
+        help="greedy vs penalties + logit_bias only (issue 26's figure; its own RESULTS.md section)",
+    )
     args = ap.parse_args()
     torch.set_grad_enabled(False)
+    if args.penalties_only:
+        penalties_only(args.no_write)
+        return
 
     old = None if args.skip_old else load_old_sampler()
     if old is None and not args.skip_old:
