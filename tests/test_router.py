@@ -6,7 +6,8 @@ router's metrics count its decisions. Last, a replica is SIGKILLed mid-stream: t
 with an error event, later requests go to the other one, a router started while the replica is
 restarted waits for it, and the first router sees the restart (its index starts over). The
 router app runs in-process (httpx's ASGI transport); its forwarding, health checks and event
-subscriptions are real."""
+subscriptions are real. The replicas serve the tiny random model (tests/tiny_models.py, the
+embedded tokenizer): routing depends on the tokens, not on the weights."""
 
 from __future__ import annotations
 
@@ -38,13 +39,14 @@ ENGINE_KEY = "engine-secret"
 
 
 @pytest.fixture(scope="module")
-def replicas() -> Iterator[list[ServerProcess]]:
+def replicas(tiny_model: str) -> Iterator[list[ServerProcess]]:
     procs = []
     try:
         for _ in range(2):
             events = f"tcp://127.0.0.1:{free_port()}"
             replay = f"tcp://127.0.0.1:{free_port()}"
-            args = [*ENGINE_FLAGS, "--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay]
+            args = ["--model", tiny_model, *ENGINE_FLAGS]
+            args += ["--kv-events-endpoint", events, "--kv-events-replay-endpoint", replay]
             args += ["--api-key", ENGINE_KEY]
             procs.append(ServerProcess(args, env={"OMP_NUM_THREADS": "1"}).start())
         yield procs

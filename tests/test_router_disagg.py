@@ -9,7 +9,8 @@ Three layers, cheapest first:
   what the client gets back, every prefill outcome (KV, null, 4xx, 5xx, down, timeout, client
   gone), decode load balancing, the metrics;
 * end to end (``test_e2e_*``; ``pytest tests/test_router_disagg.py -k e2e``): real engine
-  servers with ``--kv-transfer-config`` over NIXL and gloo. Greedy outputs through the router
+  servers with ``--kv-transfer-config`` over NIXL and gloo, on the tiny random model of
+  tests/tiny_models.py (the KV's way between the engines is under test, not the weights). Greedy outputs through the router
   equal a plain server's, a prefill 4xx reaches the client, the engines answer only the router
   (driven directly with its key: the pull, bad ``kv_transfer_params`` as 400s), a dead
   prefill engine falls back, a prefill engine SIGKILLed while it holds a lease costs the decode
@@ -505,18 +506,23 @@ MESSAGES = [
 
 
 @pytest.fixture(scope="module")
-def plain() -> Iterator[ServerProcess]:
-    with ServerProcess(ENGINE_FLAGS, env=ENV, start_timeout=120) as server:
+def plain(tiny_model: str) -> Iterator[ServerProcess]:
+    with ServerProcess(["--model", tiny_model, *ENGINE_FLAGS], env=ENV, start_timeout=120) as server:
         yield server
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
-def deployment(request: pytest.FixtureRequest) -> Iterator[DisaggDeployment]:
+def deployment(request: pytest.FixtureRequest, tiny_model: str) -> Iterator[DisaggDeployment]:
     # A decode engine that cannot pull the KV computes the prompt itself (and counts a failed
     # load): the tests read the decode engine's load counters to see that the KV came over.
     config = {"kv_load_failure_policy": "recompute", "handshake_timeout": 2.0, "transfer_timeout": 10.0}
     with start_disagg(
-        engine_flags=ENGINE_FLAGS, kv_transport=request.param, kv_transfer_config=config, env=ENV, start_timeout=120
+        model=tiny_model,
+        engine_flags=ENGINE_FLAGS,
+        kv_transport=request.param,
+        kv_transfer_config=config,
+        env=ENV,
+        start_timeout=120,
     ) as dep:
         yield dep
 
@@ -722,12 +728,13 @@ def test_e2e_a_killed_prefill_engine_does_not_stop_the_deployment(deployment: Di
 
 
 @pytest.mark.slow
-def test_e2e_serve_disagg_cli_stops_its_processes_on_sigterm() -> None:
+def test_e2e_serve_disagg_cli_stops_its_processes_on_sigterm(tiny_model: str) -> None:
     port = free_port()
     with tempfile.NamedTemporaryFile(prefix="pagedkv-disagg-cli-", suffix=".log", delete=False) as log:
         log_path = Path(log.name)
     cmd = [sys.executable, "-m", "pagedkv", "serve", "--disagg", "--kv-transport", "gloo", "--port", str(port)]
     cmd += ["--api-key", "client-key"]  # the router's clients' key; the engines get their own
+    cmd += ["--model", tiny_model]
     with log_path.open("wb") as out:
         proc = subprocess.Popen(
             [*cmd, *ENGINE_FLAGS],
