@@ -1,6 +1,7 @@
 """The live KV-cache page's data (``GET /dashboard/state``) against the scheduler, in-process
 (``create_app(engine=...)`` behind httpx's ASGI transport), polled while a workload with shared
-prefixes, parallel samples, preemption and an abort runs."""
+prefixes, parallel samples, preemption and an abort runs. The engine serves the tiny random
+model (tests/tiny_models.py): the page shows blocks, not text."""
 
 from __future__ import annotations
 
@@ -56,9 +57,9 @@ async def poll_during_workload(engine: AsyncLLM, server_args: ServerArgs) -> lis
     return states
 
 
-def test_state_agrees_with_the_scheduler_under_a_workload(tmp_path: Any) -> None:
+def test_state_agrees_with_the_scheduler_under_a_workload(tiny_model: str, tmp_path: Any) -> None:
     disk = {"kv_cache_dir": str(tmp_path), "kv_cache_dir_max_bytes": 20 << 20}
-    with AsyncLLM(**ENGINE_ARGS, **disk) as engine:
+    with AsyncLLM(tiny_model, **ENGINE_ARGS, **disk) as engine:
         states = asyncio.run(poll_during_workload(engine, ServerArgs()))
         engine.engine.scheduler.check_invariants()
     busy = [s for s in states if s["stats"]["num_used_blocks"] > 0]
@@ -92,8 +93,8 @@ def test_state_agrees_with_the_scheduler_under_a_workload(tmp_path: Any) -> None
     assert all(p["id"].startswith("cmpl-") and p["time"] > 0 for p in recent)
 
 
-def test_page_auth_and_prompt_text() -> None:
-    with AsyncLLM(**ENGINE_ARGS) as engine:
+def test_page_auth_and_prompt_text(tiny_model: str) -> None:
+    with AsyncLLM(tiny_model, **ENGINE_ARGS) as engine:
         app = create_app(engine=engine, server_args=ServerArgs(api_key="k", dashboard_show_prompts=True))
 
         async def go() -> None:
