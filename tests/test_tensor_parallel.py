@@ -2,8 +2,10 @@
 clean failures.
 
 Models: a random-weight Llama (4 heads, 2 KV heads, 2 layers) at TP = 2 (engines, a server),
-and the embedded SmolLM2-135M (9 heads, 3 KV heads) at TP = 3. Every engine with workers is shut down in a
-finally / fixture teardown; the worker-death test checks that no worker process is left.
+and one shaped like the embedded SmolLM2-135M (9 heads, 3 KV heads, tied embeddings, 2 layers)
+at TP = 3; the README's tensor-parallel example runs SmolLM2 itself at TP = 3
+(tests/test_readme.py). Every engine with workers is shut down in a finally / fixture teardown;
+the worker-death tests check that no worker process is left.
 """
 
 from __future__ import annotations
@@ -58,24 +60,33 @@ def assert_same(a: dict[str, Any], b: dict[str, Any], tol: float = 1e-3) -> None
                         assert tok in py and abs(lp.logprob - py[tok].logprob) < tol, rid
 
 
-@pytest.fixture(scope="module")
-def random_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+def save_random_llama(path: Path, *, heads: int, kv_heads: int, tied: bool) -> str:
+    """A 2-layer Llama with head_dim 16 and the embedded tokenizer's vocabulary (seeded). Tied
+    embeddings are scaled up, as in tests/tiny_models.py: no near-ties in greedy argmax."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=49152,  # the embedded tokenizer's
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=16 * heads,
+        intermediate_size=32 * heads,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=512,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
-    path = tmp_path_factory.mktemp("random-llama")
-    LlamaForCausalLM(config).save_pretrained(path)
+    model = LlamaForCausalLM(config)
+    if tied:
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(40.0)
+    model.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def random_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_random_llama(tmp_path_factory.mktemp("random-llama"), heads=4, kv_heads=2, tied=False)
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +128,12 @@ def test_preemption_prefix_hits_and_parallel_samples_under_tp(llama_engines: tup
         engine.scheduler.check_invariants()
 
 
-def test_smollm2_at_three_ranks() -> None:
-    # 9 heads, 3 KV heads: one KV head per rank.
-    one = LLMEngine(**ENGINE)
-    three = LLMEngine(**ENGINE, tensor_parallel_size=3)
+def test_three_ranks_of_a_smollm2_shaped_model(tmp_path: Path) -> None:
+    # 9 heads, 3 KV heads, tied embeddings (SmolLM2-135M's shape): one KV head per rank.
+    model = save_random_llama(tmp_path / "llama-9-3", heads=9, kv_heads=3, tied=True)
+    kw = {**ENGINE, "model": model, "tokenizer": resolve_model(None)}
+    one = LLMEngine(**kw)
+    three = LLMEngine(**kw, tensor_parallel_size=3)
     try:
         assert three.runner.num_kv_heads == 1 and three.runner.kv_cache_bytes * 3 == one.runner.kv_cache_bytes
         assert_same(run(one, PROMPTS), run(three, PROMPTS))
@@ -166,31 +179,6 @@ def test_ray_requested_but_not_installed(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     with pytest.raises(ConfigError, match=r"pagedkv\[ray\]"):
         ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="ray")
-
-
-def test_a_worker_killed_mid_generation_stops_the_engine_cleanly(random_llama: str, tmp_path: Path) -> None:
-    kw = {**ENGINE, "model": random_llama, "tokenizer": resolve_model(None)}
-    engine = LLMEngine(**kw, tensor_parallel_size=2)
-    executor = engine.executor
-    assert executor is not None
-    try:
-        for i, p in enumerate(PROMPTS):
-            engine.add_request(f"k{i}", p, SamplingParams(max_tokens=100, ignore_eos=True))
-        engine.step()
-        engine.step()
-        executor.processes[0].kill()
-        executor.processes[0].wait(10)
-        t0 = time.monotonic()
-        with pytest.raises(EngineDeadError, match="worker rank 1"):
-            for _ in range(5):
-                engine.step()
-        assert time.monotonic() - t0 < 60
-        with pytest.raises(EngineDeadError):  # every later step too
-            engine.step()
-        assert not any(executor.alive())
-    finally:
-        engine.shutdown()
-    assert not any(executor.alive())
 
 
 def test_async_streams_end_with_engine_dead_when_a_worker_dies(random_llama: str) -> None:
@@ -251,6 +239,33 @@ def test_ray_executor_gives_the_same_tokens_as_mp(
         assert not any(executor.alive())
     finally:
         ray.shutdown()
+
+
+def test_a_worker_killed_mid_generation_stops_the_engine_cleanly(
+    llama_engines: tuple[LLMEngine, LLMEngine],
+) -> None:
+    # The last user of llama_engines (after the Ray test): it kills the TP = 2 engine's worker.
+    engine = llama_engines[1]
+    executor = engine.executor
+    assert executor is not None
+    try:
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(f"k{i}", p, SamplingParams(max_tokens=100, ignore_eos=True))
+        engine.step()
+        engine.step()
+        executor.processes[0].kill()
+        executor.processes[0].wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="worker rank 1"):
+            for _ in range(5):
+                engine.step()
+        assert time.monotonic() - t0 < 60
+        with pytest.raises(EngineDeadError):  # every later step too
+            engine.step()
+        assert not any(executor.alive())
+    finally:
+        engine.shutdown()
+    assert not any(executor.alive())
 
 
 def test_serve_with_two_ranks_answers_and_leaves_no_process(random_llama: str) -> None:
