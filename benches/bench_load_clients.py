@@ -17,7 +17,7 @@ The module also holds what ``tests/test_clients_load.py`` shares with it: runnin
 bounded in its own process group, the offline tokenizer for aiperf, each tool's configuration
 and report reader.
 
-    python benches/bench_load_clients.py [--num-requests 32] [--concurrency 1,16] [--write]
+    python benches/bench_load_clients.py [--num-requests 32] [--requests-at-1 8] [--concurrency 1,16] [--rounds 2] [--write]
 """
 
 from __future__ import annotations
@@ -377,10 +377,70 @@ def run_bench_serve_client(server: Any, model: str, reqs: list[Any], concurrency
     )
 
 
+TOOLS = ("bench_serve", "guidellm", "aiperf")
+
+
+@dataclass
+class Session:
+    """What every run of one benchmark shares: the server, its model name, the work folder."""
+
+    server: Any
+    model: str
+    tokenizer: Path
+    work: Path
+    hub_env: dict[str, str]
+
+
+def measured_run(session: Session, name: str, reqs: list[Any], concurrency: int) -> tuple[LoadReport, dict[str, float]]:
+    """One tool's run, with the wall time including its start-up and the CPU seconds of the
+    server, of the tool (its processes, or this one for bench_serve's client) and of the rest
+    of the machine (other jobs) over it."""
+    from _results import cpu_seconds_machine, cpu_seconds_pid
+
+    pid = session.server.process.pid
+    s0, c0, m0, t0 = cpu_seconds_pid(pid), _children_cpu_s() + _self_cpu_s(), cpu_seconds_machine(), time.perf_counter()
+    if name == "bench_serve":
+        rep = run_bench_serve_client(session.server, session.model, reqs, concurrency)
+    elif name == "guidellm":
+        rep = run_guidellm(session.work, session.server.url, session.model, session.tokenizer, reqs, concurrency)
+    else:
+        rep = run_aiperf(session.work, session.server.url, session.model, session.hub_env, reqs, concurrency)
+    wall = time.perf_counter() - t0
+    server_cpu, tool_cpu = cpu_seconds_pid(pid) - s0, _children_cpu_s() + _self_cpu_s() - c0
+    others = max(0.0, cpu_seconds_machine() - m0 - server_cpu - tool_cpu)  # clock ticks can round below 0
+    return rep, {"wall_s": wall, "server_cpu_s": server_cpu, "tool_cpu_s": tool_cpu, "others_cpu_s": others}
+
+
+def _self_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def ratio_lines(rows: list[dict[str, Any]], concurrencies: list[int]) -> list[str]:
+    """Each tool's output tok/s over bench_serve's at each concurrency: of the means over the
+    rounds, and per round."""
+
+    def tps(concurrency: int, tool: str) -> list[float]:
+        return [r["output_tok_s"] for r in rows if r["concurrency"] == concurrency and r["tool"] == tool]
+
+    lines = []
+    for c in concurrencies:
+        base = tps(c, "bench_serve")
+        for tool in TOOLS[1:]:
+            mine = tps(c, tool)
+            per_round = ", ".join(f"{a / b:.2f}" for a, b in zip(mine, base))
+            lines.append(
+                f"{tool} / bench_serve at concurrency {c}: {sum(mine) / sum(base):.2f} (per round {per_round})"
+            )
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-requests", type=int, default=32, help="ShareGPT requests per run")
+    ap.add_argument("--num-requests", type=int, default=32, help="ShareGPT requests per run (concurrency > 1)")
+    ap.add_argument("--requests-at-1", type=int, default=8, help="the first N of them in the concurrency-1 runs")
     ap.add_argument("--concurrency", default="1,16", help="comma-separated concurrencies (one run per tool each)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of every run; even rounds run the tools in reverse")
     ap.add_argument("--max-prompt", type=int, default=512)
     ap.add_argument(
         "--max-output", type=int, default=64, help="cap on the recorded reply lengths (max_tokens; bench_serve: 128)"
@@ -390,13 +450,13 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work-dir", type=Path, default=None, help="where the tools' reports go (default: a temp dir)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 4 short requests, concurrency 2")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 4 short requests, concurrency 2, one round")
     from _results import add_write_flag, machine, md_table, write_section
 
     add_write_flag(ap)
     args = ap.parse_args()
     if args.quick:
-        args.num_requests, args.concurrency, args.max_output, args.no_write = 4, "2", 16, True
+        args.num_requests, args.concurrency, args.max_output, args.rounds, args.no_write = 4, "2", 16, 1, True
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import tempfile
 
@@ -408,80 +468,77 @@ def main() -> None:
 
     args.num_blocks = args.max_num_seqs * -(-args.max_model_len // 16) + 16
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    reqs = load_requests(args.num_requests, args.max_prompt, args.max_output, args.seed)
-    prompt_lens, output_lens = [r.prompt_len for r in reqs], [r.output_len for r in reqs]
+    all_reqs = load_requests(args.num_requests, args.max_prompt, args.max_output, args.seed)
     eargs = engine_args(args)
-    tokenizer = default_model_dir()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-load-clients-"))
     work.mkdir(parents=True, exist_ok=True)
+    tokenizer = default_model_dir()
     hub_env = aiperf_tokenizer_cache(work / "hub", tokenizer)
-    print(f"{len(reqs)} requests: {sum(prompt_lens)} prompt / {sum(output_lens)} output tokens; work dir {work}")
+    print(f"{len(all_reqs)} requests; work dir {work}", flush=True)
     t_start = time.perf_counter()
-    rows: list[list[object]] = []
+    rows: list[dict[str, Any]] = []
     problems: list[str] = []
     with ServerProcess(server_argv(eargs), start_timeout=600) as server:
         model = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
-        run_bench_serve_client(server, model, reqs[:2], 2)  # warm-up (first-call costs)
-        for c in concurrencies:
-            for name in ("bench_serve", "guidellm", "aiperf"):
-                print(f"concurrency {c}: {name} ...", flush=True)
-                t = time.perf_counter()
-                if name == "bench_serve":
-                    rep = run_bench_serve_client(server, model, reqs, c)
-                elif name == "guidellm":
-                    rep = run_guidellm(work, server.url, model, tokenizer, reqs, c)
-                else:
-                    rep = run_aiperf(work, server.url, model, hub_env, reqs, c)
-                wall = time.perf_counter() - t
-                problems += [f"{name}, concurrency {c}: {p}" for p in _check(rep, prompt_lens, output_lens)]
-                rows.append(
-                    [
-                        c,
-                        name,
-                        f"{rep.succeeded}/{len(reqs)}",
-                        rep.seconds,
-                        rep.req_s,
-                        rep.output_tok_s,
-                        rep.ttft_p50_ms,
-                        rep.itl_p50_ms,
-                        wall,
-                    ]
-                )
-                print(f"  {rep.output_tok_s:.1f} output tok/s, {rep.req_s:.2f} req/s ({wall:.0f} s with start-up)")
+        session = Session(server, model, tokenizer, work, hub_env)
+        run_bench_serve_client(server, model, all_reqs[:2], 2)  # warm-up (first-call costs)
+        for round_no in range(1, args.rounds + 1):
+            order = TOOLS if round_no % 2 else TOOLS[::-1]
+            for c in concurrencies:
+                reqs = all_reqs[: args.requests_at_1] if c == 1 else all_reqs
+                for name in order:
+                    print(f"round {round_no}, concurrency {c}: {name} ...", flush=True)
+                    rep, cost = measured_run(session, name, reqs, c)
+                    lens = ([r.prompt_len for r in reqs], [r.output_len for r in reqs])
+                    problems += [f"{name}, round {round_no}, concurrency {c}: {p}" for p in _check(rep, *lens)]
+                    rows.append({"round": round_no, "concurrency": c, "tool": name, "requests": len(reqs), **cost})
+                    rows[-1].update(vars(rep))
+                    print(f"  {rep.output_tok_s:.1f} output tok/s ({cost['wall_s']:.0f} s with start-up)", flush=True)
     total_s = time.perf_counter() - t_start
+    rows.sort(key=lambda r: (r["concurrency"], r["round"], TOOLS.index(r["tool"])))
     headers = [
-        "concurrency",
-        "load generator",
-        "requests ok",
-        "seconds (tool's)",
-        "req/s",
-        "output tok/s",
-        "TTFT p50 ms",
-        "ITL p50 ms",
-        "wall s incl. start-up",
-    ]
-    table = md_table(headers, rows)
-    ratios = []
-    for c in concurrencies:
-        base = next(r[5] for r in rows if r[0] == c and r[1] == "bench_serve")
-        for r in rows:
-            if r[0] == c and r[1] != "bench_serve":
-                ratios.append(f"{r[1]} / bench_serve at concurrency {c}: {float(r[5]) / float(base):.2f}")  # type: ignore[arg-type]
-    desc = (
-        f"The first {len(reqs)} ShareGPT first turns of bench_serve (seed {args.seed}; prompt <= {args.max_prompt} "
-        f"tokens, replies capped at {args.max_output}: {sum(prompt_lens)} prompt / {sum(output_lens)} output tokens), "
-        f"text prompts on streaming `/v1/completions`, `max_tokens` = the reply's length, `ignore_eos` (aiperf: and "
-        f"`min_tokens`), each run its own `cache_salt`; one `pagedkv serve` (embedded SmolLM2-135M-Instruct, float32, "
-        f"CPU, engine arguments {eargs}) driven in turn by bench_serve's client (`openai.AsyncOpenAI` in the bench's "
-        f"process), guidellm (`guidellm run`, profile `concurrent`, one worker process) and aiperf (`aiperf profile "
-        f"--concurrency`, one worker, token counts from the server's usage), each tool as its CLI. Each tool's own "
-        f"figures: seconds = its run's duration, req/s and output tok/s over it, TTFT and ITL medians; the last "
-        f"column is the run's wall time with the tool's start-up. Checks on every run: every request succeeded, "
-        f"output tokens = `max_tokens` and prompt tokens = the loader's count for each request. The machine is shared "
-        f"with 3 other agents' jobs (2 cores): absolute figures move with their load; the ratios between tools in the "
-        f"same run are what this measures."
+        "concurrency", "round", "load generator", "requests ok", "seconds (tool's)", "req/s", "output tok/s",
+        "TTFT p50 ms", "ITL p50 ms", "wall s incl. start-up", "CPU s server / tool", "other jobs' CPU s",
+    ]  # fmt: skip
+    table = md_table(
+        headers,
+        [
+            [
+                r["concurrency"],
+                r["round"],
+                r["tool"],
+                f"{r['succeeded']}/{r['requests']}",
+                r["seconds"],
+                r["req_s"],
+                r["output_tok_s"],
+                r["ttft_p50_ms"],
+                r["itl_p50_ms"],
+                r["wall_s"],
+                f"{r['server_cpu_s']:.0f} / {r['tool_cpu_s']:.0f}",
+                round(r["others_cpu_s"]),
+            ]  # fmt: skip
+            for r in rows
+        ],
     )
-    verdict = "Output tok/s ratios: " + "; ".join(ratios) + "."
+    n_at_1 = min(args.requests_at_1, len(all_reqs))
+    desc = (
+        f"The first {len(all_reqs)} ShareGPT first turns of bench_serve (seed {args.seed}; prompt <= {args.max_prompt} "
+        f"tokens, replies capped at {args.max_output}: {sum(r.prompt_len for r in all_reqs)} prompt / "
+        f"{sum(r.output_len for r in all_reqs)} output tokens; the concurrency-1 runs send the first {n_at_1}), text "
+        f"prompts on streaming `/v1/completions`, `max_tokens` = the reply's length, `ignore_eos` (aiperf: and "
+        f"`min_tokens`), each run its own `cache_salt`. One `pagedkv serve` (embedded SmolLM2-135M-Instruct, float32, "
+        f"CPU, engine arguments {eargs}) driven in turn by bench_serve's client (`openai.AsyncOpenAI` in the bench's "
+        f"process, as bench_serve's saturation run), guidellm (`guidellm run`, profile `concurrent`, one worker "
+        f"process) and aiperf (`aiperf profile --concurrency`, one worker, token counts from the server's usage), each "
+        f"tool as its CLI; {args.rounds} rounds, the tools in reverse order in even rounds. Each tool's own figures: "
+        f"seconds = its run's duration, req/s and output tok/s over it, TTFT and ITL medians; then the run's wall time "
+        f"with the tool's start-up, the CPU seconds of the server and of the tool's processes, and the rest of the "
+        f"machine's busy CPU seconds (/proc/stat) over it. Checks on every run: every request succeeded, output tokens "
+        f"= `max_tokens` and prompt tokens = the loader's count for each request. The machine (2 cores) is shared with "
+        f"3 other agents' jobs: absolute figures move with their load (the last column); the ratios between tools "
+        f"measured side by side are what this records."
+    )
+    verdict = "Output tok/s, tool / bench_serve's client: " + "; ".join(ratio_lines(rows, concurrencies)) + "."
     notes = "\n".join(f"- {p}" for p in problems) if problems else "- none"
     print(desc, table, verdict, f"Problems:\n{notes}", f"Run time: {total_s:.0f} s", sep="\n\n")
     if args.no_write:
