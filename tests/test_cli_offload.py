@@ -1,5 +1,6 @@
 """The KV offload flags of `pagedkv generate` and `pagedkv demo`: parsing, the errors the CLI
-prints for a bad combination, and small runs on a tiny KV pool with a host tier that swap."""
+prints for a bad combination, and small runs on a tiny KV pool with a host tier that swap
+(on the tiny random model of tests/tiny_models.py: the tiers' bookkeeping is under test)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,11 @@ from pagedkv.cli import demo as demo_cli
 from pagedkv.cli import generate as generate_cli
 from pagedkv.cli import main
 
-BLOCK_BYTES = 737_280  # SmolLM2-135M float32, block size 16
+# The tiny random model's KV block in float32, block size 16: K and V x 2 layers x 16 tokens x
+# 1 KV head x 64 dims x 4 bytes.
+TINY_BLOCK_BYTES = 2 * 2 * 16 * 64 * 4
+# 17 blocks, as 12 MiB holds of SmolLM2's (whose block is 45 times larger).
+DEMO_KV = ["--max-prompt-tokens", "160", "--max-model-len", "256", "--kv-cache-memory", str(17 * TINY_BLOCK_BYTES)]
 
 
 def parse(module: Any, argv: list[str]) -> argparse.Namespace:
@@ -92,7 +97,9 @@ def test_two_host_sizes_print_config_error(capsys: pytest.CaptureFixture[str]) -
 # ---------------------------------------------------------------- runs
 
 
-def _generate(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], extra: list[str]) -> tuple:
+def _generate(
+    model: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], extra: list[str]
+) -> tuple:
     """`pagedkv generate --json` on 6 prompts in an 8-block pool; (outputs, engine stats)."""
     from pagedkv.engine import llm as llm_module
 
@@ -105,8 +112,9 @@ def _generate(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str
 
     monkeypatch.setattr(llm_module.LLM, "__init__", spy)
     prompts = [f"Write a story about the number {i}. Once upon a time" for i in range(6)]
-    argv = ["generate", "--json", "--device", "cpu", "--dtype", "float32", "--temperature", "0", "--ignore-eos"]
-    argv += ["--max-tokens", "24", "--max-model-len", "128", "--kv-cache-memory", str(8 * BLOCK_BYTES)]
+    argv = ["generate", "--model", model, "--json", "--device", "cpu", "--dtype", "float32", "--temperature", "0"]
+    argv += ["--ignore-eos", "--max-tokens", "24", "--max-model-len", "128"]
+    argv += ["--kv-cache-memory", str(8 * TINY_BLOCK_BYTES)]
     for p in prompts:
         argv += ["--prompt", p]
     assert main(argv + extra) == 0, capsys.readouterr().err
@@ -114,26 +122,29 @@ def _generate(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str
     return [c["token_ids"] for o in out for c in o["completions"]], engines[-1].get_stats()
 
 
-def test_generate_swaps_on_a_tiny_pool(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    swapped, st = _generate(monkeypatch, capsys, ["--num-host-blocks", "32", "--preemption-mode", "swap"])
+def test_generate_swaps_on_a_tiny_pool(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    swapped, st = _generate(tiny_model, monkeypatch, capsys, ["--num-host-blocks", "32", "--preemption-mode", "swap"])
     assert st["num_blocks"] == 8 and st["num_host_blocks"] == 32
     assert st["num_swap_preemptions"] > 0 and st["num_swap_preemptions"] == st["num_preemptions"]
     assert st["blocks_swapped_out"] > 0 and st["blocks_swapped_in"] > 0
     assert all(len(ids) == 24 for ids in swapped)
-    recomputed, st = _generate(monkeypatch, capsys, [])
+    recomputed, st = _generate(tiny_model, monkeypatch, capsys, [])
     assert st["num_preemptions"] > 0 and st["num_swap_preemptions"] == 0
     assert swapped == recomputed  # greedy: swapping back the KV changes no token
 
 
-def test_demo_prints_the_tiers(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["demo", "--device", "cpu", "--num-prompts", "10", "--max-tokens", "16", "--max-prompt-tokens", "160"]
-    argv += ["--max-model-len", "256", "--kv-cache-memory", "12MiB", "--show", "0"]
+def test_demo_prints_the_tiers(tiny_model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["demo", "--model", tiny_model, "--device", "cpu", "--num-prompts", "10", "--max-tokens", "16"]
+    argv += [*DEMO_KV, "--show", "0"]
     assert main(argv + ["--num-host-blocks", "48", "--preemption-mode", "swap"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^host KV tier: 48 blocks = 768 token slots, 34 MiB; preemption mode swap", out, re.M)
+    mib = f"{48 * TINY_BLOCK_BYTES / 2**20:.0f} MiB"
+    assert re.search(rf"^host KV tier: 48 blocks = 768 token slots, {mib}; preemption mode swap", out, re.M), out
     m = re.search(r"^preemptions\s+(\d+): (\d+) swap, 0 recompute \(mode swap;", out, re.M)
     assert m and int(m.group(1)) == int(m.group(2)) > 0, out
-    assert re.search(r"^host tier\s+48 blocks in 34 MiB; usage peak \d+%", out, re.M)
+    assert re.search(rf"^host tier\s+48 blocks in {mib}; usage peak \d+%", out, re.M)
     m = re.search(r"^swapped\s+out (\d+) blocks \([\d.]+ MiB\), in (\d+) blocks", out, re.M)
     assert m and int(m.group(1)) > 0 and int(m.group(2)) > 0, out
     for label in ("write-backs", "host prefix hits", "swap bandwidth"):
@@ -141,9 +152,9 @@ def test_demo_prints_the_tiers(capsys: pytest.CaptureFixture[str]) -> None:
     assert re.search(r"^swap bandwidth\s+[\d.]+ GB/s", out, re.M)
 
 
-def test_demo_without_a_tier_prints_no_tier_lines(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["demo", "--device", "cpu", "--num-prompts", "2", "--max-tokens", "4", "--max-prompt-tokens", "160"]
-    assert main(argv + ["--max-model-len", "256", "--kv-cache-memory", "12MiB", "--show", "0"]) == 0
+def test_demo_without_a_tier_prints_no_tier_lines(tiny_model: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["demo", "--model", tiny_model, "--device", "cpu", "--num-prompts", "2", "--max-tokens", "4"]
+    assert main(argv + [*DEMO_KV, "--show", "0"]) == 0
     out = capsys.readouterr().out
     summary = out.split("=== pagedkv demo ===", 1)[1].strip().splitlines()
     assert [line.split()[0] for line in summary] == [
@@ -159,10 +170,12 @@ def test_demo_without_a_tier_prints_no_tier_lines(capsys: pytest.CaptureFixture[
     assert "host" not in out and "swap" not in out
 
 
-def test_demo_with_a_disk_tier_flushes_to_it(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_with_a_disk_tier_flushes_to_it(
+    tiny_model: str, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     folder = tmp_path / "kv"
-    argv = ["demo", "--device", "cpu", "--num-prompts", "4", "--max-tokens", "8", "--max-prompt-tokens", "160"]
-    argv += ["--max-model-len", "256", "--kv-cache-memory", "12MiB", "--show", "0", "--num-host-blocks", "16"]
+    argv = ["demo", "--model", tiny_model, "--device", "cpu", "--num-prompts", "4", "--max-tokens", "8"]
+    argv += [*DEMO_KV, "--show", "0", "--num-host-blocks", "16"]
     argv += ["--kv-cache-dir", str(folder), "--kv-cache-dir-max-bytes", str(64 << 20)]
     assert main(argv) == 0
     out = capsys.readouterr().out
