@@ -4,6 +4,9 @@ The sequences `LLM.beam_search` returns equal transformers' `generate(num_beams=
 do_sample=False)` — the whole beam set, tokens and scores — for W in {2, 4}: with fixed-length
 outputs (no eos), under a pool small enough to force preemption (recompute, and swap to a
 host tier), with chunked prefill, and with eos allowed (transformers' early-stopping rule).
+The cache configurations other than the default one (no prefix cache, preemption, swap,
+chunks: block bookkeeping) run on the tiny random model of tests/tiny_models.py, against
+transformers on the same weights (its beam scores stand apart by more than 2e-3).
 The embedding API streams the best beam; the stats count the blocks beams share; aborts and
 bad input leave the engine whole.
 """
@@ -34,12 +37,15 @@ CHAT_MAX_NEW = 24
 ENGINE_ARGS = {"dtype": "float32", "device": "cpu", "max_model_len": 512, "kv_cache_memory": 64 << 20}
 
 
-@pytest.fixture(scope="module")
-def hf() -> tuple[AutoModelForCausalLM, AutoTokenizer]:
-    folder = default_model_dir()
+def load_hf(folder: str) -> tuple[AutoModelForCausalLM, AutoTokenizer]:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.eval()
     return model, AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def hf() -> tuple[AutoModelForCausalLM, AutoTokenizer]:
+    return load_hf(str(default_model_dir()))
 
 
 def hf_beams(hf: tuple, text: str, width: int, max_new: int, eos: list[int] | None) -> list[tuple[list[int], float]]:
@@ -68,9 +74,19 @@ def hf_beams(hf: tuple, text: str, width: int, max_new: int, eos: list[int] | No
     return out
 
 
+def fixed_length_beams(hf: tuple) -> dict[int, list[list[tuple[list[int], float]]]]:
+    """transformers' beam sets of PROMPTS, by width."""
+    return {w: [hf_beams(hf, p, w, MAX_NEW, None) for p in PROMPTS] for w in (2, 4)}
+
+
 @pytest.fixture(scope="module")
 def reference(hf: tuple) -> dict[int, list[list[tuple[list[int], float]]]]:
-    return {w: [hf_beams(hf, p, w, MAX_NEW, None) for p in PROMPTS] for w in (2, 4)}
+    return fixed_length_beams(hf)
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_model: str) -> dict[int, list[list[tuple[list[int], float]]]]:
+    return fixed_length_beams(load_hf(tiny_model))
 
 
 def assert_pool_whole(engine: LLMEngine) -> None:
@@ -91,28 +107,32 @@ def assert_same_beams(outs: list, expected: list[list[tuple[list[int], float]]])
 
 
 @pytest.mark.parametrize(
-    "engine_args",
+    ("model", "engine_args"),
     [
-        pytest.param({}, id="prefix-cache"),
-        pytest.param({"enable_prefix_caching": False}, id="no-prefix-cache"),
+        pytest.param("smollm2", {}, id="prefix-cache"),
+        pytest.param("tiny", {"enable_prefix_caching": False}, id="no-prefix-cache"),
         # 12 blocks of 8 slots: W = 4 beams of 4 requests cannot all stay resident; an 8-token
         # budget: prompts and recomputed beams are prefilled in chunks (the all-or-none barrier).
         pytest.param(
+            "tiny",
             {"block_size": 8, "num_blocks": 12, "max_model_len": 64, "max_num_batched_tokens": 8},
             id="preemption-recompute-chunked",
         ),
         pytest.param(
+            "tiny",
             {"block_size": 8, "num_blocks": 12, "max_model_len": 64, "num_host_blocks": 64, "preemption_mode": "swap"},
             id="preemption-swap",
         ),
     ],
 )
-def test_beam_sets_equal_transformers(reference: dict, engine_args: dict) -> None:
+def test_beam_sets_equal_transformers(request: pytest.FixtureRequest, model: str, engine_args: dict) -> None:
     kwargs = dict(ENGINE_ARGS)
     kwargs.update(engine_args)
     if "num_blocks" in engine_args:
         kwargs.pop("kv_cache_memory")
-    llm = LLM(**kwargs)
+    tiny = model == "tiny"
+    reference = request.getfixturevalue("tiny_reference" if tiny else "reference")
+    llm = LLM(request.getfixturevalue("tiny_model") if tiny else None, **kwargs)
     for width in (2, 4):
         outs = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=width, max_tokens=MAX_NEW, ignore_eos=True))
         assert len(outs) == len(PROMPTS) and all(len(o.sequences) == width for o in outs)
