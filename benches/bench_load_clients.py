@@ -23,14 +23,16 @@ and report reader.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,6 +136,16 @@ def aiperf_tokenizer_cache(root: Path, tokenizer_dir: Path) -> dict[str, str]:
         if src.is_file() and src.suffix != ".safetensors" and not dst.exists():
             dst.symlink_to(src.resolve())
     return {"HF_HUB_CACHE": str(root), "HF_HUB_OFFLINE": "1"}
+
+
+@contextlib.contextmanager
+def aiperf_tmpdir() -> Iterator[dict[str, str]]:
+    """``TMPDIR`` for one aiperf run: a new folder directly under the system's temp folder,
+    removed afterwards. aiperf binds its ZMQ IPC sockets (and writes its dataset memory maps)
+    there; a Unix socket path holds at most 107 bytes, which one under a deep folder such as
+    pytest's ``tmp_path`` exceeds — and aiperf then exits with status 0 having sent nothing."""
+    with tempfile.TemporaryDirectory(prefix="aiperf-") as folder:
+        yield {"TMPDIR": folder}
 
 
 def guidellm_scenario(
@@ -350,7 +362,8 @@ def run_aiperf(
         ],
         extra_inputs={"ignore_eos": "true", "cache_salt": f"aiperf-c{concurrency}-{time.time_ns()}"},
     )
-    run = run_cli(argv, cwd=work, env={**hub_env, "TMPDIR": str(work)}, timeout=1800)
+    with aiperf_tmpdir() as tmp_env:
+        run = run_cli(argv, cwd=work, env={**hub_env, **tmp_env}, timeout=1800)
     return _tool_run("aiperf", run, read_aiperf_report, artifacts)
 
 
@@ -458,8 +471,6 @@ def main() -> None:
     if args.quick:
         args.num_requests, args.concurrency, args.max_output, args.rounds, args.no_write = 4, "2", 16, 1, True
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import tempfile
-
     import httpx
     from bench_serve import engine_args, load_requests, server_argv
 
@@ -470,7 +481,8 @@ def main() -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
     all_reqs = load_requests(args.num_requests, args.max_prompt, args.max_output, args.seed)
     eargs = engine_args(args)
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-load-clients-"))
+    scratch = tempfile.TemporaryDirectory(prefix="bench-load-clients-")  # removed at the end
+    work = args.work_dir or Path(scratch.name)
     work.mkdir(parents=True, exist_ok=True)
     tokenizer = default_model_dir()
     hub_env = aiperf_tokenizer_cache(work / "hub", tokenizer)
@@ -538,7 +550,17 @@ def main() -> None:
         f"3 other agents' jobs: absolute figures move with their load (the last column); the ratios between tools "
         f"measured side by side are what this records."
     )
+    scratch.cleanup()
     verdict = "Output tok/s, tool / bench_serve's client: " + "; ".join(ratio_lines(rows, concurrencies)) + "."
+    cores = {
+        t: sum(r["tool_cpu_s"] for r in rows if r["tool"] == t) / sum(r["wall_s"] for r in rows if r["tool"] == t)
+        for t in TOOLS
+    }
+    verdict += (
+        " The load generators' own CPU over their runs (start-up included), in cores: "
+        + ", ".join(f"{t} {c:.2f}" for t, c in cores.items())
+        + "; on this 2-core machine what a tool uses is taken from the server."
+    )
     notes = "\n".join(f"- {p}" for p in problems) if problems else "- none"
     print(desc, table, verdict, f"Problems:\n{notes}", f"Run time: {total_s:.0f} s", sep="\n\n")
     if args.no_write:

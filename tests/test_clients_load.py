@@ -27,6 +27,7 @@ from bench_load_clients import (  # noqa: E402  (benches/ is on pytest's path: p
     CliRun,
     LoadReport,
     aiperf_argv,
+    aiperf_tmpdir,
     aiperf_tokenizer_cache,
     cli_path,
     guidellm_argv,
@@ -119,7 +120,7 @@ def test_guidellm_constant_rate(server: ServerProcess, tokenizer_dir: Path, tmp_
 
 def test_aiperf_constant_rate(server: ServerProcess, tokenizer_dir: Path, tmp_path: Path) -> None:
     require_cli("aiperf")
-    env = {**aiperf_tokenizer_cache(tmp_path / "hub", tokenizer_dir), "TMPDIR": str(tmp_path)}
+    hub_env = aiperf_tokenizer_cache(tmp_path / "hub", tokenizer_dir)
     synthetic = [
         "--prompt-input-tokens-mean", str(PROMPT_TOKENS), "--prompt-input-tokens-stddev", "0",
         "--prompt-output-tokens-mean", str(OUTPUT_TOKENS), "--prompt-output-tokens-stddev", "0",
@@ -134,5 +135,6 @@ def test_aiperf_constant_rate(server: ServerProcess, tokenizer_dir: Path, tmp_pa
         data=synthetic,
         extra_inputs={"ignore_eos": "true", "min_tokens": str(OUTPUT_TOKENS)},
     )
-    run_tool(server, "aiperf", argv, tmp_path, env)
+    with aiperf_tmpdir() as tmp_env:
+        run_tool(server, "aiperf", argv, tmp_path, {**hub_env, **tmp_env})
     check_report(read_aiperf_report(tmp_path / "artifacts"))
