@@ -234,6 +234,10 @@ class LoadReport:
     # bench_serve's client checks each response's usage itself and reports only the counts of
     # mismatches (its `usage_problems`); the tools' reports give the token counts.
     usage_problems: dict[str, int] | None = None
+    # Requests the tool had sent but not yet recorded when it wrote its report: guidellm's
+    # scheduler can stop with the last response still "processing" (on a busy machine); the
+    # server answered it all the same. 0 for the other clients.
+    unrecorded: int = 0
 
 
 def read_guidellm_report(path: Path) -> LoadReport:
@@ -254,6 +258,7 @@ def read_guidellm_report(path: Path) -> LoadReport:
         ttft_p50_ms=metrics["time_to_first_token_ms"]["successful"]["median"],
         itl_p50_ms=metrics["inter_token_latency_ms"]["successful"]["median"],
         errors=[str(r["info"].get("error")) for r in requests["errored"]][:5],
+        unrecorded=int(bench.get("scheduler_state", {}).get("processing_requests", 0)),
     )
 
 
