@@ -34,16 +34,12 @@ def soft_model(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> str
 @pytest.fixture(scope="module")
 def llm(soft_model: str) -> LLM:
     # An 8-token budget: every prompt is prefilled in several chunks.
-    return LLM(
-        model=soft_model,
-        tokenizer=str(default_model_dir()),
-        dtype="float32",
-        max_model_len=256,
-        num_blocks=64,
-        block_size=8,
-        max_num_batched_tokens=8,
-        max_num_seqs=8,
-    )
+    return engine_on(soft_model, max_model_len=256, num_blocks=64, max_num_batched_tokens=8, max_num_seqs=8)
+
+
+def engine_on(model: str, **engine_args: object) -> LLM:
+    """An LLM on ``model`` (float32, 8-token blocks) with the embedded tokenizer."""
+    return LLM(model=model, tokenizer=str(default_model_dir()), dtype="float32", block_size=8, **engine_args)
 
 
 @pytest.fixture(scope="module")
@@ -166,17 +162,10 @@ def test_prompt_logprobs_match_transformers_through_chunks_and_a_warm_cache(llm:
 
 
 def test_prompt_logprobs_survive_recompute_preemption(soft_model: str, hf: torch.nn.Module) -> None:
-    # A pool of 8 blocks of 8 for four 40-token prompts: requests are preempted (recomputed)
+    # A pool of 12 blocks of 8 for four 40-token prompts: requests are preempted (recomputed)
     # while prompts are prefilled; their entries are recorded once, in order.
-    small = LLM(
-        model=soft_model,
-        tokenizer=str(default_model_dir()),
-        dtype="float32",
-        max_model_len=64,
-        num_blocks=12,
-        block_size=8,
-        max_num_batched_tokens=16,
-        preemption_mode="recompute",
+    small = engine_on(
+        soft_model, max_model_len=64, num_blocks=12, max_num_batched_tokens=16, preemption_mode="recompute"
     )
     prompts = [[100 + 7 * i + j for j in range(40)] for i in range(4)]
     outs = small.generate(
