@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from pagedkv.kernels import reference
+from pagedkv.kernels.layer_attention import LayerAttention
 
-__all__ = ["PagedBatch", "make_paged_batch", "causal_reference"]
+__all__ = ["PagedBatch", "causal_reference", "layer_reference", "make_paged_batch", "poison_blocks_before"]
 
 
 @dataclass
@@ -145,3 +146,68 @@ def causal_reference(batch: PagedBatch, scale: float | None = None) -> torch.Ten
             out[row : row + q_len] = o.transpose(0, 1)
         row += q_len
     return out
+
+
+def layer_reference(batch: PagedBatch, layer: LayerAttention, scale: float | None = None) -> torch.Tensor:  # [T, H, D]
+    """Attention of one layer variant (window, chunk, soft-cap, sinks) from the contiguous
+    ground truth, written the way transformers' eager attention computes it, independent of
+    :mod:`pagedkv.kernels`: transformers' own mask functions (``sliding_window_causal_mask_function``,
+    ``chunked_causal_mask_function``) evaluated over every (query, key) position, scores scaled then
+    soft-capped (Gemma 2), masked, and a softmax over the scores and the head's sink (gpt-oss).
+    Rows that see no key are zero."""
+    from transformers.masking_utils import (
+        and_masks,
+        causal_mask_function,
+        chunked_causal_mask_function,
+        sliding_window_causal_mask_function,
+    )
+
+    rules = [causal_mask_function]
+    if layer.sliding_window is not None:
+        rules.append(sliding_window_causal_mask_function(layer.sliding_window))
+    if layer.chunk_size is not None:
+        rules.append(chunked_causal_mask_function(layer.chunk_size, torch.zeros(1, dtype=torch.long)))
+    allowed = and_masks(*rules)
+    num_heads, head_dim = batch.query.shape[1:]
+    scale = head_dim**-0.5 if scale is None else scale
+    out = torch.zeros_like(batch.query)
+    row = 0
+    for q_len, k, v in zip(batch.q_lens, batch.keys, batch.values):
+        seq_len = k.shape[0]
+        group = num_heads // k.shape[1]
+        q = batch.query[row : row + q_len].transpose(0, 1)  # [H, q_len, D]
+        k_heads = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, seq_len, D]
+        v_heads = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        # The mask functions broadcast over index tensors (as transformers' vmap-free path calls them).
+        query_pos = torch.arange(q_len)[:, None] + (seq_len - q_len)
+        mask = allowed(0, 0, query_pos, torch.arange(seq_len)[None, :]).expand(q_len, seq_len)
+        scores = q @ k_heads.transpose(-1, -2) * scale  # [H, q_len, seq_len]
+        if layer.logits_soft_cap is not None:
+            scores = torch.tanh(scores / layer.logits_soft_cap) * layer.logits_soft_cap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if layer.sinks is not None:
+            sinks = layer.sinks.to(scores.dtype).reshape(num_heads, 1, 1).expand(num_heads, q_len, 1)
+            combined = torch.cat([scores, sinks], dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            weights = torch.softmax(combined, dim=-1)[..., :-1]
+        else:
+            weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: zeros
+        out[row : row + q_len] = (weights @ v_heads).transpose(0, 1)
+        row += q_len
+    return out
+
+
+def poison_blocks_before(batch: PagedBatch, layer: LayerAttention) -> int:
+    """NaN into every block that holds no key any query of its sequence sees (the blocks a
+    sliding-window or chunked group gives back): a kernel that reads one returns NaN. Returns
+    how many blocks were poisoned."""
+    block_size = batch.key_cache.shape[1]
+    poisoned = 0
+    for b, (q_len, seq_len) in enumerate(zip(batch.q_lens, batch.seq_lens.tolist())):
+        first_block = layer.first_visible(max(0, seq_len - q_len)) // block_size
+        for column in range(first_block):
+            block = int(batch.block_tables[b, column])
+            batch.key_cache[block] = float("nan")
+            batch.value_cache[block] = float("nan")
+            poisoned += 1
+    return poisoned

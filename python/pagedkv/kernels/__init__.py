@@ -70,6 +70,7 @@ import torch
 from pagedkv.errors import ConfigError, InvalidArgumentError
 from pagedkv.kernels import reference, validation
 from pagedkv.kernels.kv_quant import KVScales, rotate
+from pagedkv.kernels.layer_attention import FULL_ATTENTION, LayerAttention
 from pagedkv.kernels.validation import TRITON_DTYPES, TRITON_HEAD_DIMS
 
 __all__ = [
@@ -78,6 +79,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "KVScales",
+    "LayerAttention",
     "get_backend",
     "resolve_backend",
     "store_kv",
@@ -172,8 +174,10 @@ def paged_attention(
     backend: str | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    layer: LayerAttention = FULL_ATTENTION,  # sliding window, chunk, soft-cap, sinks
 ) -> torch.Tensor:  # [T, H, D]
-    """Causal (bottom-right) varlen attention of packed queries over a paged KV cache.
+    """Causal (bottom-right) varlen attention of packed queries over a paged KV cache, with
+    the layer's window, chunk, soft-cap and sinks (:class:`LayerAttention`; default none).
 
     Rows of ``out`` that belong to no sequence (past ``cu_seqlens_q[-1]``) are not written;
     a freshly allocated ``out`` has zeros there.
@@ -182,6 +186,7 @@ def paged_attention(
     validation.check_paged_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, chosen, kv_scales
     )
+    validation.check_layer(layer, query.shape[1], chosen)
     if scale is None:
         scale = query.shape[2] ** -0.5
     if kv_scales is not None:
@@ -197,6 +202,7 @@ def paged_attention(
             scale=scale,
             out=out,
             kv_scales=kv_scales,
+            layer=layer,
         )
     if chosen == "cpu":
         from pagedkv.kernels import cpu
@@ -211,6 +217,7 @@ def paged_attention(
             scale=float(scale),
             out=out,
             kv_scales=kv_scales,
+            layer=layer,
         )
     if out is None:
         out = torch.zeros_like(query)
@@ -375,9 +382,12 @@ class AttentionBackend:
         scale: float | None = None,
         out: torch.Tensor | None = None,
         kv_scales: KVScales | None = None,  # a quantized cache's scales
+        layer: LayerAttention = FULL_ATTENTION,  # sliding window, chunk, soft-cap, sinks
     ) -> torch.Tensor:  # [T, H, D]
         """:func:`paged_attention` for one layer of the step ``meta`` describes."""
         validation.check_layer_attention(query, key_cache, value_cache, meta, scale, out, kv_scales)
+        if layer is not FULL_ATTENTION:
+            validation.check_layer(layer, query.shape[1], self.name)
         if scale is None:
             scale = query.shape[2] ** -0.5
         if kv_scales is not None:
@@ -386,7 +396,7 @@ class AttentionBackend:
             from pagedkv.kernels import cpu
 
             return cpu.paged_attention_prepared(
-                query, key_cache, value_cache, meta, scale=float(scale), out=out, kv_scales=kv_scales
+                query, key_cache, value_cache, meta, scale=float(scale), out=out, kv_scales=kv_scales, layer=layer
             )
         if self.name in ("cpu", "torch"):
             if meta.host_cu_seqlens_q is None or meta.host_seq_lens is None:
@@ -400,6 +410,7 @@ class AttentionBackend:
                     scale=scale,
                     out=out,
                     kv_scales=kv_scales,
+                    layer=layer,
                 )
             if out is None:
                 out = torch.zeros_like(query)
@@ -414,6 +425,7 @@ class AttentionBackend:
                 scale=scale,
                 out=out,
                 kv_scales=kv_scales,
+                layer=layer,
             )
             return out
         if out is None:

@@ -16,6 +16,9 @@ caches cross as their bytes, ``view(torch.uint8)``, the scales as their bits,
 ``view(torch.int16)``). Anything else (other dtypes, strided caches or scales) goes entirely
 through the torch path, which dequantizes gathered blocks.
 
+The Rust kernel computes full causal attention: a layer with a window, a chunk, soft-capping
+or sinks (:class:`~.layer_attention.LayerAttention`) goes entirely through the torch path.
+
 Two entry points: :func:`paged_attention` (one call, converts the index tensors itself) and
 :func:`paged_attention_prepared` (a serving step: the index tensors' numpy views and host
 copies come from the step's :class:`pagedkv.kernels.AttentionMetadata`, made once for all
@@ -32,6 +35,7 @@ import torch
 from pagedkv._core import paged_decode_attention_cpu
 from pagedkv.kernels import reference
 from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, byte_view, format_of
+from pagedkv.kernels.layer_attention import FULL_ATTENTION, LayerAttention
 
 if TYPE_CHECKING:
     from pagedkv.kernels import AttentionMetadata
@@ -99,9 +103,10 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,  # [T, H, D]
     kv_scales: KVScales | None = None,  # a quantized cache's scales
+    layer: LayerAttention = FULL_ATTENTION,
 ) -> torch.Tensor:  # [T, H, D]
     """Same contract as :func:`reference.paged_attention` (validated by the dispatcher)."""
-    if not supports(query, key_cache, value_cache, kv_scales):
+    if not (layer.is_full and supports(query, key_cache, value_cache, kv_scales)):
         return reference.paged_attention(
             query,
             key_cache,
@@ -112,6 +117,7 @@ def paged_attention(
             scale=scale,
             out=out,
             kv_scales=kv_scales,
+            layer=layer,
         )
     result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else torch.zeros_like(query)
     tables = block_tables.to(torch.int32).contiguous()
@@ -149,11 +155,12 @@ def paged_attention_prepared(
     scale: float,
     out: torch.Tensor | None = None,
     kv_scales: KVScales | None = None,  # a quantized cache's scales
+    layer: LayerAttention = FULL_ATTENTION,
 ) -> torch.Tensor:  # [T, H, D]
     """:func:`paged_attention` for one layer of a step whose metadata was prepared once."""
     assert meta.cpu_views is not None and meta.host_cu_seqlens_q is not None and meta.host_seq_lens is not None
     result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else torch.zeros_like(query)
-    fast = supports(query, key_cache, value_cache, kv_scales)
+    fast = layer.is_full and supports(query, key_cache, value_cache, kv_scales)
     if fast and meta.num_decodes:
         tables, lens, cu = meta.cpu_views
         keys, values, quant = _kernel_caches(key_cache, value_cache, kv_scales)
@@ -182,6 +189,7 @@ def paged_attention_prepared(
             out=result,
             decodes=not fast,
             kv_scales=kv_scales,
+            layer=layer,
         )
     if out is not None and result is not out:
         out.copy_(result)

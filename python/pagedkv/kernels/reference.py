@@ -25,6 +25,12 @@ Semantics of ``paged_attention`` (identical in every backend):
   untouched in ``out`` (zeros when ``out`` is allocated here);
 * grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
 
+Layers that see less than the whole context or change the softmax (``layer``, a
+:class:`~.layer_attention.LayerAttention`: sliding window, chunked local, soft-capping, sinks)
+mask by the layer's rule on top of the causal one and gather a sequence's KV from the block of
+its first visible key: the blocks before it are never read. Soft-capping and sinks change the
+scores themselves, so those layers compute the softmax explicitly instead of calling SDPA.
+
 Precision: float64 inputs are computed in float64 (the oracle); on the CPU, float16/bfloat16
 inputs are computed in float32 (the CPU has no fast half-precision matmul and the GPU kernels
 accumulate in float32 too); on a GPU the input dtype is kept (SDPA accumulates in float32).
@@ -51,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.kernels.kv_quant import KVScales, byte_view, format_of, quantize_kv
+from pagedkv.kernels.layer_attention import FULL_ATTENTION, LayerAttention
 
 __all__ = ["attend_decode_rows", "attend_extend_rows", "attend_host", "paged_attention", "store_kv", "write_slots"]
 
@@ -129,6 +136,7 @@ def paged_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,  # [T, H, D], query's dtype
     kv_scales: KVScales | None = None,  # required for a quantized cache
+    layer: LayerAttention = FULL_ATTENTION,
 ) -> torch.Tensor:  # [T, H, D]
     """Varlen causal attention of packed queries over a paged KV cache (see module docstring)."""
     if scale is None:
@@ -147,6 +155,7 @@ def paged_attention(
         scale=scale,
         out=out,
         kv_scales=kv_scales,
+        layer=layer,
     )
     return out
 
@@ -165,13 +174,14 @@ def attend_host(
     decodes: bool = True,
     extends: bool = True,
     kv_scales: KVScales | None = None,
+    layer: LayerAttention = FULL_ATTENTION,
 ) -> None:
     """:func:`paged_attention` with the index arrays already on the host (read once per step
     by the caller, not once per layer); ``decodes`` / ``extends`` select the parts."""
     if decodes:
-        _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, scale, out, kv_scales)
+        _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, scale, out, kv_scales, layer)
     if extends:
-        _extend_rows(query, key_cache, value_cache, block_tables, cu, lens, scale, out, kv_scales)
+        _extend_rows(query, key_cache, value_cache, block_tables, cu, lens, scale, out, kv_scales, layer)
 
 
 def attend_decode_rows(
@@ -185,10 +195,11 @@ def attend_decode_rows(
     scale: float,
     out: torch.Tensor,  # [T, H, D], written in place for the decode sequences only
     kv_scales: KVScales | None = None,
+    layer: LayerAttention = FULL_ATTENTION,
 ) -> None:
     """The part of :func:`paged_attention` for sequences with one query row (decodes)."""
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, scale, out, kv_scales)
+    _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, scale, out, kv_scales, layer)
 
 
 def _decode_rows(
@@ -202,13 +213,17 @@ def _decode_rows(
     scale: float,
     out: torch.Tensor,
     kv_scales: KVScales | None,
+    layer: LayerAttention,
 ) -> None:
     compute_dtype = _compute_dtype(query)
     decodes = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
     if not decodes:
         return
     head_dim = query.shape[2]
-    for chunk in _decode_chunks(decodes, lens, key_cache.shape[1], key_cache.shape[2] * head_dim):
+    block_size = key_cache.shape[1]
+    # Tokens gathered per sequence: from the block of its first visible key to its end.
+    spans = [n - layer.first_visible(n - 1) // block_size * block_size for n in lens]
+    for chunk in _decode_chunks(decodes, spans, block_size, key_cache.shape[2] * head_dim):
         rows = torch.tensor([cu[b] for b in chunk], device=query.device)
         out[rows] = _attend_decodes(
             query[rows],
@@ -219,6 +234,7 @@ def _decode_rows(
             scale,
             compute_dtype,
             kv_scales,
+            layer,
         ).to(out.dtype)
 
 
@@ -233,11 +249,12 @@ def attend_extend_rows(
     scale: float,
     out: torch.Tensor,  # [T, H, D], written in place for the extend sequences only
     kv_scales: KVScales | None = None,
+    layer: LayerAttention = FULL_ATTENTION,
 ) -> None:
     """The part of :func:`paged_attention` for sequences with several query rows (prefill
     chunks, extends), one sequence at a time."""
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
-    _extend_rows(query, key_cache, value_cache, block_tables, cu, lens, scale, out, kv_scales)
+    _extend_rows(query, key_cache, value_cache, block_tables, cu, lens, scale, out, kv_scales, layer)
 
 
 def _extend_rows(
@@ -250,6 +267,7 @@ def _extend_rows(
     scale: float,
     out: torch.Tensor,
     kv_scales: KVScales | None,
+    layer: LayerAttention,
 ) -> None:
     compute_dtype = _compute_dtype(query)
     for b in range(len(lens)):
@@ -264,6 +282,7 @@ def _extend_rows(
                 scale,
                 compute_dtype,
                 kv_scales,
+                layer,
             ).to(out.dtype)
 
 
@@ -276,7 +295,8 @@ def _compute_dtype(query: torch.Tensor) -> torch.dtype:
 
 
 def _decode_chunks(decodes: list[int], lens: list[int], block_size: int, elements_per_token: int) -> list[list[int]]:
-    """Cut the decode sequences, sorted by length, into chunks within the gather budget.
+    """Cut the decode sequences, sorted by ``lens`` (the tokens each one gathers), into chunks
+    within the gather budget.
 
     Sorting keeps the padding of each chunk small (a chunk pads to its longest sequence,
     rounded up to whole blocks).
@@ -336,18 +356,28 @@ def _gather_kv(
     seq_lens: torch.Tensor,  # [N]
     compute_dtype: torch.dtype,
     scales: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] bfloat16 of a quantized cache
+    start_blocks: torch.Tensor | None = None,  # [N] int64: first block-table column read (default 0)
 ) -> torch.Tensor:  # [N, Hkv, num_blocks * block_size, D]
-    """The KV of N sequences, contiguous per sequence, padded to ``num_blocks`` blocks.
+    """The KV of N sequences, contiguous per sequence, padded to ``num_blocks`` blocks: the
+    block-table columns ``start_blocks[i] .. start_blocks[i] + num_blocks - 1`` of sequence i.
 
     Block-table entries past a sequence's last block may be padding (-1, stale ids): they are
     replaced by block 0 so that the gather stays in bounds. Every position at or past
     ``seq_len`` is then zeroed: the cache may hold anything there (stale KV, or NaN bit
     patterns of never-written memory), and a NaN would survive the mask (0 * NaN = NaN).
+    The columns before ``start_blocks`` are never read (a sliding-window group frees them).
     """
     n, block_size, num_kv_heads, head_dim = (block_tables.shape[0], *cache.shape[1:])
-    table = block_tables[:, :num_blocks].long()
     blocks_used = torch.div(seq_lens.long() + block_size - 1, block_size, rounding_mode="floor")
-    in_use = torch.arange(num_blocks, device=table.device) < blocks_used[:, None]
+    columns = torch.arange(num_blocks, device=block_tables.device)
+    if start_blocks is None:
+        table = block_tables[:, :num_blocks].long()
+        in_use = columns < blocks_used[:, None]
+    else:
+        columns = start_blocks[:, None] + columns[None, :]  # [N, num_blocks]
+        in_use = columns < blocks_used[:, None]
+        columns = torch.where(in_use, columns, torch.zeros_like(columns))
+        table = torch.gather(block_tables.long(), 1, columns)
     table = torch.where(in_use, table, torch.zeros_like(table))
     shape = (n * num_blocks, block_size, num_kv_heads, head_dim)
     gathered = torch.index_select(cache, 0, table.reshape(-1), out=_scratch.get(name, shape, cache.dtype, cache.device))
@@ -356,8 +386,10 @@ def _gather_kv(
     if scales is not None:  # dequantize: one scale per (token, head) vector
         gathered.mul_(torch.index_select(scales, 0, table.reshape(-1)).to(compute_dtype)[..., None])
     gathered = gathered.view(n, num_blocks * block_size, num_kv_heads, head_dim)
-    positions = torch.arange(num_blocks * block_size, device=table.device)
-    past_end = positions[None, :] >= seq_lens.long()[:, None]  # [N, L]
+    positions = torch.arange(num_blocks * block_size, device=table.device)[None, :]  # [1, L]
+    if start_blocks is not None:  # gathered row -> position in the sequence, [N, L]
+        positions = positions + start_blocks[:, None] * block_size
+    past_end = positions >= seq_lens.long()[:, None]  # [N, L]
     # Integer indices: only the rows past the end are written (a boolean mask would become a
     # masked_fill over the whole tensor).
     seqs, rows = past_end.nonzero(as_tuple=True)
@@ -365,14 +397,17 @@ def _gather_kv(
     return gathered.transpose(1, 2)
 
 
-def _sdpa(
+def _attend(
     q: torch.Tensor,  # [N, H, Lq, D]
     k: torch.Tensor,  # [N, Hkv, Lk, D]
     v: torch.Tensor,  # [N, Hkv, Lk, D]
     visible: torch.Tensor,  # bool, broadcastable to [N, H, Lq, Lk]; True = may attend
     scale: float,
+    layer: LayerAttention,
 ) -> torch.Tensor:  # [N, H, Lq, D]
-    """SDPA with GQA and an explicit mask; rows that see no key come out as zeros."""
+    """Attention with GQA and an explicit mask; rows that see no key come out as zeros."""
+    if not layer.is_plain_softmax:
+        return _attend_explicit(q, k, v, visible, scale, layer)
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and not _SDPA_HAS_GQA:
         k = k.repeat_interleave(groups, dim=1)
@@ -384,6 +419,36 @@ def _sdpa(
     return result.masked_fill(sees_nothing, 0.0)
 
 
+def _attend_explicit(
+    q: torch.Tensor,  # [N, H, Lq, D]
+    k: torch.Tensor,  # [N, Hkv, Lk, D]
+    v: torch.Tensor,  # [N, Hkv, Lk, D]
+    visible: torch.Tensor,  # bool, broadcastable to [N, H, Lq, Lk]
+    scale: float,
+    layer: LayerAttention,
+) -> torch.Tensor:  # [N, H, Lq, D]
+    """Scores, soft-cap, mask, softmax (with the sinks as one more column), weighted sum:
+    what SDPA cannot do. A row that sees no key gets zeros (with sinks too: the sink takes
+    the whole weight and attends to nothing)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [N, H, Lq, Lk]
+    if layer.logits_soft_cap is not None:
+        scores = torch.tanh(scores / layer.logits_soft_cap) * layer.logits_soft_cap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if layer.sinks is not None:
+        n, heads, q_len, _ = scores.shape
+        sinks = layer.sinks.to(device=scores.device, dtype=scores.dtype).view(1, heads, 1, 1)
+        scores = torch.cat([scores, sinks.expand(n, heads, q_len, 1)], dim=-1)
+        weights = torch.softmax(scores, dim=-1)[..., :-1]
+    else:
+        weights = torch.softmax(scores, dim=-1)
+        weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)  # all -inf: NaN rows
+    return torch.matmul(weights, v)
+
+
 def _attend_decodes(
     query: torch.Tensor,  # [N, H, D], one query row per sequence
     key_cache: torch.Tensor,
@@ -393,18 +458,32 @@ def _attend_decodes(
     scale: float,
     compute_dtype: torch.dtype,
     kv_scales: KVScales | None,
+    layer: LayerAttention,
 ) -> torch.Tensor:  # [N, H, D]
     block_size = key_cache.shape[1]
-    max_len = int(seq_lens.max())
-    num_blocks = max(1, -(-max_len // block_size))
+    lens = seq_lens.to(query.device).long()
     k_scales, v_scales = (kv_scales.key, kv_scales.value) if kv_scales is not None else (None, None)
-    k = _gather_kv("k", key_cache, block_tables, num_blocks, seq_lens, compute_dtype, k_scales)
-    v = _gather_kv("v", value_cache, block_tables, num_blocks, seq_lens, compute_dtype, v_scales)
-    # The single query of a decode is the last token: it sees every key of its sequence.
-    positions = torch.arange(num_blocks * block_size, device=query.device)
-    visible = positions[None, :] < seq_lens.to(query.device).long()[:, None]  # [N, Lk]
+    if layer.limits_context:
+        # The single query of a decode is the last token (position seq_len - 1); it sees the
+        # keys from first_visible on: read from that key's block.
+        first = layer.first_visible_tensor(lens - 1)  # [N]
+        start_blocks = torch.div(first, block_size, rounding_mode="floor")
+        last_blocks = torch.div(lens - 1, block_size, rounding_mode="floor")
+        num_blocks = max(1, int((last_blocks - start_blocks).max()) + 1)
+        positions = (
+            torch.arange(num_blocks * block_size, device=query.device)[None, :] + start_blocks[:, None] * block_size
+        )
+        visible = (positions < lens[:, None]) & (positions >= first[:, None])  # [N, Lk]
+    else:
+        # The single query of a decode is the last token: it sees every key of its sequence.
+        start_blocks = None
+        num_blocks = max(1, -(-int(lens.max()) // block_size))
+        positions = torch.arange(num_blocks * block_size, device=query.device)
+        visible = positions[None, :] < lens[:, None]  # [N, Lk]
+    k = _gather_kv("k", key_cache, block_tables, num_blocks, seq_lens, compute_dtype, k_scales, start_blocks)
+    v = _gather_kv("v", value_cache, block_tables, num_blocks, seq_lens, compute_dtype, v_scales, start_blocks)
     q = query.to(compute_dtype)[:, :, None, :]  # [N, H, 1, D]
-    return _sdpa(q, k, v, visible[:, None, None, :], scale)[:, :, 0, :]
+    return _attend(q, k, v, visible[:, None, None, :], scale, layer)[:, :, 0, :]
 
 
 def _attend_one_sequence(
@@ -416,17 +495,24 @@ def _attend_one_sequence(
     scale: float,
     compute_dtype: torch.dtype,
     kv_scales: KVScales | None,
+    layer: LayerAttention,
 ) -> torch.Tensor:  # [q_len, H, D]
     q_len = query.shape[0]
     block_size = key_cache.shape[1]
-    num_blocks = max(1, -(-seq_len // block_size))
+    # The first query (position seq_len - q_len) sees the lowest key: read from its block.
+    start_block = layer.first_visible(max(0, seq_len - q_len)) // block_size
+    num_blocks = max(1, -(-seq_len // block_size) - start_block)
     lens = torch.tensor([seq_len], device=block_table.device)
+    starts = None if start_block == 0 else torch.tensor([start_block], device=block_table.device)
     k_scales, v_scales = (kv_scales.key, kv_scales.value) if kv_scales is not None else (None, None)
-    k = _gather_kv("k", key_cache, block_table[None], num_blocks, lens, compute_dtype, k_scales)
-    v = _gather_kv("v", value_cache, block_table[None], num_blocks, lens, compute_dtype, v_scales)
-    # Bottom-right causal mask: query i sees keys 0 .. seq_len - q_len + i.
-    key_pos = torch.arange(num_blocks * block_size, device=query.device)
-    last_visible = seq_len - q_len + torch.arange(q_len, device=query.device)
-    visible = (key_pos[None, :] <= last_visible[:, None]) & (key_pos[None, :] < seq_len)
+    k = _gather_kv("k", key_cache, block_table[None], num_blocks, lens, compute_dtype, k_scales, starts)
+    v = _gather_kv("v", value_cache, block_table[None], num_blocks, lens, compute_dtype, v_scales, starts)
+    # Bottom-right causal mask: query i (position seq_len - q_len + i) sees keys up to its own
+    # position, and from the layer's first visible key on.
+    key_pos = start_block * block_size + torch.arange(num_blocks * block_size, device=query.device)
+    query_pos = seq_len - q_len + torch.arange(q_len, device=query.device)
+    visible = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] < seq_len)
+    if layer.limits_context:
+        visible &= key_pos[None, :] >= layer.first_visible_tensor(query_pos)[:, None]
     q = query.to(compute_dtype).transpose(0, 1)[None]  # [1, H, q_len, D]
-    return _sdpa(q, k, v, visible, scale)[0].transpose(0, 1)
+    return _attend(q, k, v, visible, scale, layer)[0].transpose(0, 1)

@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.errors import InvalidArgumentError, InvalidTypeError
 from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, format_of
+from pagedkv.kernels.layer_attention import LayerAttention
 
 if TYPE_CHECKING:
     from pagedkv.kernels import AttentionMetadata
@@ -42,6 +43,7 @@ __all__ = [
     "check_step_metadata",
     "check_layer_store",
     "check_layer_attention",
+    "check_layer",
     "check_backend_supports",
 ]
 
@@ -481,3 +483,17 @@ def check_layer_attention(
         or out.device != query.device
     ):
         raise InvalidArgumentError(f"out must match query ({tuple(query.shape)}, {query.dtype}), got {_describe(out)}")
+
+
+def check_layer(layer: object, num_heads: int, backend: str) -> None:
+    """``layer`` is a :class:`LayerAttention` whose sinks fit the query's heads, and the
+    backend runs it: the Triton kernels compute full causal attention only (issue 25 gives them
+    windows, chunks, soft-capping and sinks); the torch and cpu backends run every variant."""
+    if not isinstance(layer, LayerAttention):
+        raise InvalidTypeError(f"layer must be a pagedkv.kernels.LayerAttention, got {type(layer).__name__}")
+    layer.check_heads(num_heads)
+    if backend == "triton" and not layer.is_full:
+        raise InvalidArgumentError(
+            "the triton backend runs full causal attention only: a layer with a sliding window, a chunk, "
+            "soft-capping or sinks needs the torch or cpu backend"
+        )

@@ -1,0 +1,141 @@
+"""Sliding-window, chunked-local, soft-capped and sink layers in the torch path (the oracle
+and the CPU backend) against transformers' own mask functions and eager formulas
+(``paged_batches.layer_reference``), with the blocks no query can see filled with NaN: they
+must never be read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_batches import causal_reference, layer_reference, make_paged_batch, poison_blocks_before
+
+from pagedkv.errors import InvalidArgumentError, InvalidTypeError
+from pagedkv.kernels import paged_attention, reference
+from pagedkv.kernels.layer_attention import FULL_ATTENTION, LayerAttention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
+
+
+def _sinks(seed: int = 0) -> torch.Tensor:
+    return torch.randn(NUM_HEADS, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
+
+
+LAYERS = {
+    # windows smaller and larger than a block (8), edges on and off block boundaries
+    "window-3": LayerAttention(sliding_window=3),
+    "window-8": LayerAttention(sliding_window=8),
+    "window-13": LayerAttention(sliding_window=13),
+    "window-1": LayerAttention(sliding_window=1),
+    "chunk-8": LayerAttention(chunk_size=8),
+    "chunk-12": LayerAttention(chunk_size=12),
+    "window-5-and-chunk-16": LayerAttention(sliding_window=5, chunk_size=16),
+    "soft-cap": LayerAttention(logits_soft_cap=0.5),
+    "sinks": LayerAttention(sinks=_sinks()),
+    "window-7-soft-cap-sinks": LayerAttention(sliding_window=7, logits_soft_cap=1.5, sinks=_sinks(1)),
+}
+
+# (q_lens, seq_lens): decodes at and around block edges, a long prefill, extends whose first
+# query starts mid-block, a sequence shorter than every window, more queries than keys.
+BATCHES = {
+    "decodes": ([1, 1, 1, 1, 1, 1], [1, 7, 8, 9, 23, 61]),
+    "mixed": ([1, 37, 1, 9, 5], [40, 37, 2, 50, 21]),
+    "short-and-empty-rows": ([6, 1], [4, 8]),
+}
+
+
+@pytest.mark.parametrize("batch_name", list(BATCHES))
+@pytest.mark.parametrize("layer_name", list(LAYERS))
+def test_torch_path_equals_transformers_masks_and_formulas(layer_name: str, batch_name: str) -> None:
+    layer = LAYERS[layer_name]
+    q_lens, seq_lens = BATCHES[batch_name]
+    batch = make_paged_batch(
+        q_lens, seq_lens, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=8,
+        dtype=torch.float64, seed=len(layer_name),
+    )  # fmt: skip
+    expected = layer_reference(batch, layer)
+    poisoned = poison_blocks_before(batch, layer)
+    if layer.limits_context and batch_name != "short-and-empty-rows":
+        assert poisoned > 0, "the batch has no block behind a window: the test would not see a stray read"
+    got = reference.paged_attention(*batch.attention_args(), layer=layer)
+    assert torch.isfinite(got).all(), "a block no query sees was read"
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_window_wider_than_every_sequence_is_full_attention() -> None:
+    batch = make_paged_batch(
+        [1, 9, 1], [5, 30, 31], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, dtype=torch.float64
+    )
+    wide = reference.paged_attention(*batch.attention_args(), layer=LayerAttention(sliding_window=1000))
+    torch.testing.assert_close(wide, causal_reference(batch), rtol=1e-12, atol=1e-12)
+
+
+def test_decode_chunks_count_only_the_window() -> None:
+    """Decode sequences are batched by what they gather: with a window, long sequences cost
+    their window, not their length (the gather budget packs them together)."""
+    batch = make_paged_batch(
+        [1] * 6, [300, 290, 280, 270, 260, 250], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
+        dtype=torch.float64, seed=2,
+    )  # fmt: skip
+    layer = LayerAttention(sliding_window=16)
+    expected = layer_reference(batch, layer)
+    poison_blocks_before(batch, layer)
+    got = reference.paged_attention(*batch.attention_args(), layer=layer)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_public_dispatch_takes_the_layer(backend: str) -> None:
+    """``kernels.paged_attention(..., layer=...)`` on the CPU backends, float32 (the engine's
+    dtype): the Rust decode kernel knows only full attention, so such layers take the torch path."""
+    batch = make_paged_batch(
+        [1, 11, 1],
+        [26, 30, 17],
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        block_size=8,
+        seed=4,
+    )
+    layer = LayerAttention(sliding_window=6, logits_soft_cap=2.0, sinks=_sinks(2).float())
+    expected = layer_reference(
+        batch.as_dtype(torch.float64), LayerAttention(sliding_window=6, logits_soft_cap=2.0, sinks=_sinks(2))
+    )
+    poison_blocks_before(batch, layer)
+    got = paged_attention(*batch.attention_args(), layer=layer, backend=backend)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_full_attention_is_the_default_and_unchanged() -> None:
+    batch = make_paged_batch(
+        [1, 7, 1], [30, 20, 9], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8, dtype=torch.float64
+    )
+    assert FULL_ATTENTION.is_full and not FULL_ATTENTION.limits_context
+    default = reference.paged_attention(*batch.attention_args())
+    explicit = reference.paged_attention(*batch.attention_args(), layer=FULL_ATTENTION)
+    torch.testing.assert_close(default, explicit, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"sliding_window": 0}, InvalidArgumentError, "sliding_window must be >= 1"),
+        ({"chunk_size": -4}, InvalidArgumentError, "chunk_size must be >= 1"),
+        ({"sliding_window": True}, InvalidTypeError, "sliding_window must be an int"),
+        ({"sliding_window": 4.0}, InvalidTypeError, "sliding_window must be an int"),
+        ({"logits_soft_cap": 0.0}, InvalidArgumentError, "logits_soft_cap must be a finite number > 0"),
+        ({"logits_soft_cap": float("inf")}, InvalidArgumentError, "logits_soft_cap must be a finite number > 0"),
+        ({"logits_soft_cap": "30"}, InvalidTypeError, "logits_soft_cap must be a float"),
+        ({"sinks": torch.zeros(2, 3)}, InvalidArgumentError, "sinks must be a 1-D floating tensor"),
+        ({"sinks": torch.zeros(4, dtype=torch.int64)}, InvalidArgumentError, "sinks must be a 1-D floating tensor"),
+        ({"sinks": [0.0, 1.0]}, InvalidTypeError, "sinks must be a torch.Tensor"),
+    ],
+)
+def test_bad_layer_values_are_typed_errors(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        LayerAttention(**kwargs)
+
+
+def test_sinks_of_the_wrong_head_count_are_refused() -> None:
+    batch = make_paged_batch([1], [5], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    with pytest.raises(InvalidArgumentError, match="sinks has 3 logits but the query has 4 heads"):
+        paged_attention(*batch.attention_args(), layer=LayerAttention(sinks=torch.zeros(3)), backend="torch")
