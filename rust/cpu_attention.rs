@@ -38,6 +38,12 @@
 //! (Subnormal f32 values can only arise from scales near bfloat16's smallest normal, 2^-126,
 //! i.e. vectors whose largest magnitude is below ~1e-35.)
 //!
+//! Layer variants (issue 25, python/pagedkv/kernels/layer_attention.py; [`LayerVariant`]): a
+//! sliding window or a chunk makes a row start at its first visible position, so the blocks
+//! before it are never read (their table entries are not even looked at); soft-capping maps
+//! each scaled score `s` to `cap * tanh(s / cap)`; a sink is one more logit per query head in
+//! the softmax, attending to nothing: it joins the max and the normaliser, not the sum over V.
+//!
 //! Work is split across threads by rows, balanced by sequence length; each thread writes its
 //! own rows into a private buffer that is copied into `out` after the join, so no two threads
 //! ever hold the same output memory. Every length and index is checked before any work starts:
@@ -70,6 +76,43 @@ pub struct DecodeRow<'a> {
     pub seq_len: usize,
     /// The sequence's block table (at least `ceil(seq_len / block_size)` entries).
     pub table: &'a [i32],
+}
+
+/// What a layer's attention does besides full causal attention (all `None`: full attention).
+/// Conventions of transformers: the query at position `p` sees keys `p - w < k <= p` under a
+/// sliding window `w`, and `k // C == p // C` under chunked local attention `C`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LayerVariant<'a> {
+    /// Sliding window `w >= 1`: the last `w` positions, the query's own included.
+    pub sliding_window: Option<usize>,
+    /// Chunk size `C >= 1`: the positions of the query's own chunk.
+    pub chunk_size: Option<usize>,
+    /// Soft-cap `cap > 0`: scaled scores `s -> cap * tanh(s / cap)`.
+    pub logits_soft_cap: Option<f32>,
+    /// One sink logit per query head (`num_heads` values).
+    pub sinks: Option<&'a [f32]>,
+}
+
+impl LayerVariant<'_> {
+    /// Full causal attention over the whole context.
+    pub const FULL: LayerVariant<'static> = LayerVariant {
+        sliding_window: None,
+        chunk_size: None,
+        logits_soft_cap: None,
+        sinks: None,
+    };
+
+    /// The lowest key position the query at `position` sees.
+    pub fn first_visible(&self, position: usize) -> usize {
+        let mut first = 0;
+        if let Some(w) = self.sliding_window {
+            first = first.max((position + 1).saturating_sub(w));
+        }
+        if let Some(c) = self.chunk_size {
+            first = first.max(position / c * c);
+        }
+        first
+    }
 }
 
 /// One quantized K or V cache: the stored codes and their scales.
@@ -129,13 +172,22 @@ impl KvCaches<'_> {
 
     /// Lengths of (key data, value data, key scales, value scales); no scales for float32.
     fn lengths(&self) -> (usize, usize, Option<(usize, usize)>) {
-        fn quant<T>(k: &Quantized<'_, T>, v: &Quantized<'_, T>) -> (usize, usize, Option<(usize, usize)>) {
-            (k.data.len(), v.data.len(), Some((k.scales.len(), v.scales.len())))
+        fn quant<T>(
+            k: &Quantized<'_, T>,
+            v: &Quantized<'_, T>,
+        ) -> (usize, usize, Option<(usize, usize)>) {
+            (
+                k.data.len(),
+                v.data.len(),
+                Some((k.scales.len(), v.scales.len())),
+            )
         }
         match self {
             KvCaches::F32 { key, value } => (key.len(), value.len(), None),
             KvCaches::Int8 { key, value } => quant(key, value),
-            KvCaches::Fp8E4M3 { key, value } | KvCaches::Fp8E5M2 { key, value } => quant(key, value),
+            KvCaches::Fp8E4M3 { key, value } | KvCaches::Fp8E5M2 { key, value } => {
+                quant(key, value)
+            }
         }
     }
 }
@@ -186,7 +238,11 @@ const fn fp8_table(e4m3: bool) -> [f32; 256] {
     let mut table = [0f32; 256];
     let mut i = 0;
     while i < 256 {
-        table[i] = if e4m3 { fp8_e4m3_to_f32(i as u8) } else { fp8_e5m2_to_f32(i as u8) };
+        table[i] = if e4m3 {
+            fp8_e4m3_to_f32(i as u8)
+        } else {
+            fp8_e5m2_to_f32(i as u8)
+        };
         i += 1;
     }
     table
@@ -209,7 +265,10 @@ pub fn paged_decode_attention(
     out: &mut [f32],
     num_threads: usize,
 ) -> Result<()> {
-    let caches = KvCaches::F32 { key: key_cache, value: value_cache };
+    let caches = KvCaches::F32 {
+        key: key_cache,
+        value: value_cache,
+    };
     paged_decode_attention_kv(query, caches, dims, rows, scale, out, num_threads)
 }
 
@@ -228,31 +287,71 @@ pub fn paged_decode_attention_kv(
     out: &mut [f32],
     num_threads: usize,
 ) -> Result<()> {
-    validate(query, &caches, dims, rows, out)?;
+    paged_decode_attention_layer(
+        query,
+        caches,
+        dims,
+        rows,
+        scale,
+        LayerVariant::FULL,
+        out,
+        num_threads,
+    )
+}
+
+/// [`paged_decode_attention_kv`] for a layer with a sliding window, a chunk, soft-capping or
+/// sinks ([`LayerVariant`]). A row reads only the blocks from its first visible position on:
+/// the block-table entries before that block are neither read nor checked (a sliding-window
+/// group gives those blocks back). Errors, besides the shapes: a window or chunk of 0, a
+/// soft-cap that is not finite and positive, sinks that are not one per query head.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_decode_attention_layer(
+    query: &[f32],
+    caches: KvCaches<'_>,
+    dims: AttentionDims,
+    rows: &[DecodeRow<'_>],
+    scale: f32,
+    variant: LayerVariant<'_>,
+    out: &mut [f32],
+    num_threads: usize,
+) -> Result<()> {
+    validate_variant(&variant, dims)?;
+    validate(query, &caches, dims, rows, &variant, out)?;
     let row_elems = dims.num_heads * dims.head_dim;
-    let chunks = balance(rows, num_threads.max(1));
+    let chunks = balance(rows, &variant, num_threads.max(1));
     let results: Vec<Vec<f32>> = if chunks.len() <= 1 {
-        vec![attend_rows_dispatch(query, caches, dims, rows, scale)]
+        vec![attend_rows_dispatch(
+            query, caches, dims, rows, scale, &variant,
+        )]
     } else {
         // The calling thread takes the first chunk itself (one thread fewer to start and
         // schedule; it would only wait in `join` otherwise).
         std::thread::scope(|s| {
             let handles: Vec<_> = chunks[1..]
                 .iter()
-                .map(|&(a, b)| s.spawn(move || attend_rows_dispatch(query, caches, dims, &rows[a..b], scale)))
+                .map(|&(a, b)| {
+                    s.spawn(move || {
+                        attend_rows_dispatch(query, caches, dims, &rows[a..b], scale, &variant)
+                    })
+                })
                 .collect();
             let (a, b) = chunks[0];
-            let first = attend_rows_dispatch(query, caches, dims, &rows[a..b], scale);
-            std::iter::once(first).chain(handles.into_iter().map(|h| h.join().unwrap_or_default())).collect()
+            let first = attend_rows_dispatch(query, caches, dims, &rows[a..b], scale, &variant);
+            std::iter::once(first)
+                .chain(handles.into_iter().map(|h| h.join().unwrap_or_default()))
+                .collect()
         })
     };
     let mut produced = 0;
     for ((a, b), buf) in chunks.iter().zip(&results) {
         if buf.len() != (b - a) * row_elems {
-            return Err(CoreError::InvariantViolation("a CPU attention worker failed".into()));
+            return Err(CoreError::InvariantViolation(
+                "a CPU attention worker failed".into(),
+            ));
         }
         for (k, r) in rows[*a..*b].iter().enumerate() {
-            out[r.row * row_elems..(r.row + 1) * row_elems].copy_from_slice(&buf[k * row_elems..(k + 1) * row_elems]);
+            out[r.row * row_elems..(r.row + 1) * row_elems]
+                .copy_from_slice(&buf[k * row_elems..(k + 1) * row_elems]);
         }
         produced += b - a;
     }
@@ -260,14 +359,55 @@ pub fn paged_decode_attention_kv(
     Ok(())
 }
 
-fn validate(query: &[f32], caches: &KvCaches<'_>, d: AttentionDims, rows: &[DecodeRow<'_>], out: &[f32]) -> Result<()> {
+fn validate_variant(v: &LayerVariant<'_>, d: AttentionDims) -> Result<()> {
     let bad = |m: String| Err(CoreError::InvalidArgument(m));
-    if d.num_kv_heads == 0 || d.head_dim == 0 || d.block_size == 0 || d.num_heads % d.num_kv_heads != 0 {
+    if v.sliding_window == Some(0) || v.chunk_size == Some(0) {
+        return bad(format!(
+            "sliding_window and chunk_size must be >= 1, got {:?} / {:?}",
+            v.sliding_window, v.chunk_size
+        ));
+    }
+    if let Some(cap) = v.logits_soft_cap {
+        if !(cap.is_finite() && cap > 0.0) {
+            return bad(format!(
+                "logits_soft_cap must be a finite number > 0, got {cap}"
+            ));
+        }
+    }
+    if let Some(sinks) = v.sinks {
+        if sinks.len() != d.num_heads {
+            return bad(format!(
+                "sinks has {} logits but the query has {} heads: one per query head",
+                sinks.len(),
+                d.num_heads
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn validate(
+    query: &[f32],
+    caches: &KvCaches<'_>,
+    d: AttentionDims,
+    rows: &[DecodeRow<'_>],
+    variant: &LayerVariant<'_>,
+    out: &[f32],
+) -> Result<()> {
+    let bad = |m: String| Err(CoreError::InvalidArgument(m));
+    if d.num_kv_heads == 0
+        || d.head_dim == 0
+        || d.block_size == 0
+        || d.num_heads % d.num_kv_heads != 0
+    {
         return bad(format!("invalid attention shape {d:?}"));
     }
     // Checked products: the lengths come from the caller, an overflow must not wrap to a
     // length that happens to match.
-    let slots = d.num_blocks.checked_mul(d.block_size).and_then(|n| n.checked_mul(d.num_kv_heads));
+    let slots = d
+        .num_blocks
+        .checked_mul(d.block_size)
+        .and_then(|n| n.checked_mul(d.num_kv_heads));
     let Some(cache_len) = slots.and_then(|n| n.checked_mul(d.head_dim)) else {
         return bad(format!("attention shape {d:?} is too large"));
     };
@@ -275,7 +415,9 @@ fn validate(query: &[f32], caches: &KvCaches<'_>, d: AttentionDims, rows: &[Deco
     let (k_len, v_len, scales) = caches.lengths();
     let format = caches.format_name();
     if k_len != cache_len || v_len != cache_len {
-        return bad(format!("{format} caches hold {k_len} / {v_len} values, expected {cache_len}"));
+        return bad(format!(
+            "{format} caches hold {k_len} / {v_len} values, expected {cache_len}"
+        ));
     }
     if let Some((ks, vs)) = scales {
         if ks != num_scales || vs != num_scales {
@@ -288,12 +430,21 @@ fn validate(query: &[f32], caches: &KvCaches<'_>, d: AttentionDims, rows: &[Deco
     }
     let row_elems = d.num_heads * d.head_dim;
     if row_elems == 0 || query.len() % row_elems != 0 || out.len() != query.len() {
-        return bad(format!("query ({}) and out ({}) must be [T, {}, {}]", query.len(), out.len(), d.num_heads, d.head_dim));
+        return bad(format!(
+            "query ({}) and out ({}) must be [T, {}, {}]",
+            query.len(),
+            out.len(),
+            d.num_heads,
+            d.head_dim
+        ));
     }
     let num_rows = query.len() / row_elems;
     for r in rows {
         if r.row >= num_rows {
-            return bad(format!("decode row {} is outside the {num_rows} query rows", r.row));
+            return bad(format!(
+                "decode row {} is outside the {num_rows} query rows",
+                r.row
+            ));
         }
         let blocks = r.seq_len.div_ceil(d.block_size);
         if r.seq_len == 0 || blocks > r.table.len() {
@@ -304,22 +455,35 @@ fn validate(query: &[f32], caches: &KvCaches<'_>, d: AttentionDims, rows: &[Deco
                 r.table.len()
             ));
         }
-        if let Some(&b) = r.table[..blocks].iter().find(|&&b| b < 0 || b as usize >= d.num_blocks) {
-            return bad(format!("row {}: block id {b} is outside the cache's {} blocks", r.row, d.num_blocks));
+        // The blocks before the first visible position are never read.
+        let first_block = variant.first_visible(r.seq_len - 1) / d.block_size;
+        if let Some(&b) = r.table[first_block..blocks]
+            .iter()
+            .find(|&&b| b < 0 || b as usize >= d.num_blocks)
+        {
+            return bad(format!(
+                "row {}: block id {b} is outside the cache's {} blocks",
+                r.row, d.num_blocks
+            ));
         }
     }
     Ok(())
 }
 
-/// Contiguous row ranges, one per thread, with about equal total sequence length.
-fn balance(rows: &[DecodeRow<'_>], threads: usize) -> Vec<(usize, usize)> {
-    let total: usize = rows.iter().map(|r| r.seq_len).sum();
+/// Contiguous row ranges, one per thread, with about equal total work (positions attended).
+fn balance(
+    rows: &[DecodeRow<'_>],
+    variant: &LayerVariant<'_>,
+    threads: usize,
+) -> Vec<(usize, usize)> {
+    let work = |r: &DecodeRow<'_>| r.seq_len - variant.first_visible(r.seq_len - 1);
+    let total: usize = rows.iter().map(work).sum();
     let threads = threads.min(rows.len()).max(1);
     let target = total.div_ceil(threads).max(1);
     let mut out = Vec::with_capacity(threads);
     let (mut start, mut acc) = (0, 0);
     for (i, r) in rows.iter().enumerate() {
-        acc += r.seq_len;
+        acc += work(r);
         if acc >= target && out.len() + 1 < threads {
             out.push((start, i + 1));
             start = i + 1;
@@ -345,7 +509,14 @@ trait KvRows: Copy + Send + Sync {
     /// The unscaled f32 rows `[Hkv * D]` (`row_len` values) of the tile's positions
     /// `slots[..n]`: the cache itself for float32, else the codes converted into `buf`
     /// (`TILE * row_len` long, one row per position); positions `n..` are `zeros`.
-    fn rows<'s>(&'s self, slots: &[usize; TILE], n: usize, row_len: usize, buf: &'s mut [f32], zeros: &'s [f32]) -> [&'s [f32]; TILE];
+    fn rows<'s>(
+        &'s self,
+        slots: &[usize; TILE],
+        n: usize,
+        row_len: usize,
+        buf: &'s mut [f32],
+        zeros: &'s [f32],
+    ) -> [&'s [f32]; TILE];
     /// The scale of the vector at (slot, KV head) index `slot * Hkv + g`.
     fn scale(&self, index: usize) -> f32;
     /// Hint the CPU to fetch the row (and scales) of `slot` into the cache.
@@ -378,7 +549,14 @@ struct F32Rows<'a>(&'a [f32]);
 
 impl KvRows for F32Rows<'_> {
     #[inline(always)]
-    fn rows<'s>(&'s self, slots: &[usize; TILE], n: usize, row_len: usize, _buf: &'s mut [f32], zeros: &'s [f32]) -> [&'s [f32]; TILE] {
+    fn rows<'s>(
+        &'s self,
+        slots: &[usize; TILE],
+        n: usize,
+        row_len: usize,
+        _buf: &'s mut [f32],
+        zeros: &'s [f32],
+    ) -> [&'s [f32]; TILE] {
         let mut rows = [zeros; TILE];
         for (row, &slot) in rows.iter_mut().zip(slots).take(n) {
             *row = &self.0[slot * row_len..(slot + 1) * row_len];
@@ -448,18 +626,32 @@ impl<F: Format, I: Isa> Copy for ScaledRows<'_, F, I> {}
 
 impl<'a, F: Format, I: Isa> ScaledRows<'a, F, I> {
     fn new(q: Quantized<'a, F::Code>, isa: I) -> Self {
-        ScaledRows { data: q.data, scales: q.scales, _isa: isa }
+        ScaledRows {
+            data: q.data,
+            scales: q.scales,
+            _isa: isa,
+        }
     }
 }
 
 impl<F: Format, I: Isa> KvRows for ScaledRows<'_, F, I> {
     #[inline(always)]
-    fn rows<'s>(&'s self, slots: &[usize; TILE], n: usize, row_len: usize, buf: &'s mut [f32], zeros: &'s [f32]) -> [&'s [f32]; TILE] {
+    fn rows<'s>(
+        &'s self,
+        slots: &[usize; TILE],
+        n: usize,
+        row_len: usize,
+        buf: &'s mut [f32],
+        zeros: &'s [f32],
+    ) -> [&'s [f32]; TILE] {
         let buf = &mut buf[..TILE * row_len];
         // The common case (a full tile inside one block, or across physically adjacent
         // blocks): the tile's slots are consecutive, its codes one run.
         if n == TILE && slots.windows(2).all(|w| w[1] == w[0] + 1) {
-            F::decode::<I>(&self.data[slots[0] * row_len..(slots[0] + TILE) * row_len], buf);
+            F::decode::<I>(
+                &self.data[slots[0] * row_len..(slots[0] + TILE) * row_len],
+                buf,
+            );
         } else {
             for (dst, &slot) in buf.chunks_exact_mut(row_len).zip(slots).take(n) {
                 F::decode::<I>(&self.data[slot * row_len..(slot + 1) * row_len], dst);
@@ -574,7 +766,12 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     #[inline(always)]
-    pub(super) unsafe fn dot_tile(q: &[f32], rows: &[&[f32]; TILE], at: usize, dim: usize) -> [f32; TILE] {
+    pub(super) unsafe fn dot_tile(
+        q: &[f32],
+        rows: &[&[f32]; TILE],
+        at: usize,
+        dim: usize,
+    ) -> [f32; TILE] {
         if q.len() < dim || rows.iter().any(|r| r.len() < at + dim) {
             return Portable::dot_tile(q, rows, at, dim);
         }
@@ -591,22 +788,41 @@ mod avx2 {
             c += 8;
         }
         // Transpose-reduce the 8 accumulators into one vector of their 8 sums.
-        let u0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-        let u1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-        let sums = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(u0, u1), _mm256_permute2f128_ps::<0x31>(u0, u1));
+        let u0 = _mm256_hadd_ps(
+            _mm256_hadd_ps(acc[0], acc[1]),
+            _mm256_hadd_ps(acc[2], acc[3]),
+        );
+        let u1 = _mm256_hadd_ps(
+            _mm256_hadd_ps(acc[4], acc[5]),
+            _mm256_hadd_ps(acc[6], acc[7]),
+        );
+        let sums = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(u0, u1),
+            _mm256_permute2f128_ps::<0x31>(u0, u1),
+        );
         let mut out = [0f32; TILE];
         // SAFETY: `out` holds 8 floats.
         _mm256_storeu_ps(out.as_mut_ptr(), sums);
         if full < dim {
             for (o, r) in out.iter_mut().zip(rows) {
-                *o += q[full..dim].iter().zip(&r[at + full..at + dim]).map(|(a, b)| a * b).sum::<f32>();
+                *o += q[full..dim]
+                    .iter()
+                    .zip(&r[at + full..at + dim])
+                    .map(|(a, b)| a * b)
+                    .sum::<f32>();
             }
         }
         out
     }
 
     #[inline(always)]
-    pub(super) unsafe fn axpy_tile(w: &[f32; TILE], rows: &[&[f32]; TILE], at: usize, acc: &mut [f32], dim: usize) {
+    pub(super) unsafe fn axpy_tile(
+        w: &[f32; TILE],
+        rows: &[&[f32]; TILE],
+        at: usize,
+        acc: &mut [f32],
+        dim: usize,
+    ) {
         if acc.len() < dim || rows.iter().any(|r| r.len() < at + dim) {
             return Portable::axpy_tile(w, rows, at, acc, dim);
         }
@@ -695,40 +911,75 @@ mod avx2 {
 /// [`attend_rows`] compiled for AVX2 + FMA + F16C when the CPU has them (runtime check),
 /// else for the baseline target. The wheel targets baseline x86-64, whose SSE2 has no vector
 /// `floor` (the exp), no FMA and no half conversion.
-fn attend_rows_dispatch(q: &[f32], caches: KvCaches<'_>, d: AttentionDims, rows: &[DecodeRow<'_>], scale: f32) -> Vec<f32> {
+fn attend_rows_dispatch(
+    q: &[f32],
+    caches: KvCaches<'_>,
+    d: AttentionDims,
+    rows: &[DecodeRow<'_>],
+    scale: f32,
+    variant: &LayerVariant<'_>,
+) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c")
+        if std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
         {
             // SAFETY: the features this function is compiled for were just detected at runtime.
-            return unsafe { attend_rows_avx2(q, caches, d, rows, scale) };
+            return unsafe { attend_rows_avx2(q, caches, d, rows, scale, variant) };
         }
     }
-    attend_rows_with(Portable, q, caches, d, rows, scale)
+    attend_rows_with(Portable, q, caches, d, rows, scale, variant)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn attend_rows_avx2(q: &[f32], caches: KvCaches<'_>, d: AttentionDims, rows: &[DecodeRow<'_>], scale: f32) -> Vec<f32> {
-    attend_rows_with(Avx2, q, caches, d, rows, scale)
+fn attend_rows_avx2(
+    q: &[f32],
+    caches: KvCaches<'_>,
+    d: AttentionDims,
+    rows: &[DecodeRow<'_>],
+    scale: f32,
+    variant: &LayerVariant<'_>,
+) -> Vec<f32> {
+    attend_rows_with(Avx2, q, caches, d, rows, scale, variant)
 }
 
 /// [`attend_rows`] for the format of `caches`, with the inner loops of `isa`.
 #[inline(always)]
-fn attend_rows_with<I: Isa>(isa: I, q: &[f32], caches: KvCaches<'_>, d: AttentionDims, rows: &[DecodeRow<'_>], scale: f32) -> Vec<f32> {
+fn attend_rows_with<I: Isa>(
+    isa: I,
+    q: &[f32],
+    caches: KvCaches<'_>,
+    d: AttentionDims,
+    rows: &[DecodeRow<'_>],
+    scale: f32,
+    variant: &LayerVariant<'_>,
+) -> Vec<f32> {
     match caches {
-        KvCaches::F32 { key, value } => attend_rows::<I, _, _>(q, F32Rows(key), F32Rows(value), d, rows, scale),
+        KvCaches::F32 { key, value } => {
+            attend_rows::<I, _, _>(q, F32Rows(key), F32Rows(value), d, rows, scale, variant)
+        }
         KvCaches::Int8 { key, value } => {
-            let (k, v) = (ScaledRows::<Int8, I>::new(key, isa), ScaledRows::<Int8, I>::new(value, isa));
-            attend_rows::<I, _, _>(q, k, v, d, rows, scale)
+            let (k, v) = (
+                ScaledRows::<Int8, I>::new(key, isa),
+                ScaledRows::<Int8, I>::new(value, isa),
+            );
+            attend_rows::<I, _, _>(q, k, v, d, rows, scale, variant)
         }
         KvCaches::Fp8E4M3 { key, value } => {
-            let (k, v) = (ScaledRows::<Fp8<true>, I>::new(key, isa), ScaledRows::<Fp8<true>, I>::new(value, isa));
-            attend_rows::<I, _, _>(q, k, v, d, rows, scale)
+            let (k, v) = (
+                ScaledRows::<Fp8<true>, I>::new(key, isa),
+                ScaledRows::<Fp8<true>, I>::new(value, isa),
+            );
+            attend_rows::<I, _, _>(q, k, v, d, rows, scale, variant)
         }
         KvCaches::Fp8E5M2 { key, value } => {
-            let (k, v) = (ScaledRows::<Fp8<false>, I>::new(key, isa), ScaledRows::<Fp8<false>, I>::new(value, isa));
-            attend_rows::<I, _, _>(q, k, v, d, rows, scale)
+            let (k, v) = (
+                ScaledRows::<Fp8<false>, I>::new(key, isa),
+                ScaledRows::<Fp8<false>, I>::new(value, isa),
+            );
+            attend_rows::<I, _, _>(q, k, v, d, rows, scale, variant)
         }
     }
 }
@@ -751,6 +1002,7 @@ fn attend_rows<I: Isa, K: KvRows, V: KvRows>(
     d: AttentionDims,
     rows: &[DecodeRow<'_>],
     scale: f32,
+    variant: &LayerVariant<'_>,
 ) -> Vec<f32> {
     let (h_all, dim) = (d.num_heads, d.head_dim);
     let row_elems = h_all * dim;
@@ -763,50 +1015,99 @@ fn attend_rows<I: Isa, K: KvRows, V: KvRows>(
     let mut tile = vec![0f32; TILE * row_len];
     let zeros = vec![0f32; row_len];
     for (k, r) in rows.iter().enumerate() {
-        let len = r.seq_len;
+        // Positions first .. seq_len: the row's visible keys; scores[h][p - first].
+        let first = variant.first_visible(r.seq_len - 1);
+        let span = Span {
+            first,
+            len: r.seq_len - first,
+        };
         scores.clear();
-        scores.resize(h_all * len, 0.0);
+        scores.resize(h_all * span.len, 0.0);
         let qr = &q[r.row * row_elems..(r.row + 1) * row_elems];
         // 1. Scores: stream K tile by tile; the K scale joins the softmax scale.
-        for p0 in (0..len).step_by(TILE) {
-            let n = TILE.min(len - p0);
+        for p0 in (first..r.seq_len).step_by(TILE) {
+            let n = TILE.min(r.seq_len - p0);
             // A full tile gets its own copy of the body, with `n` a constant.
             if n == TILE {
-                score_tile::<I, K>(kc, qr, r, d, p0, TILE, scale, &mut scores, &mut tile, &zeros);
+                score_tile::<I, K>(
+                    kc,
+                    qr,
+                    r,
+                    d,
+                    span,
+                    p0,
+                    TILE,
+                    scale,
+                    &mut scores,
+                    &mut tile,
+                    &zeros,
+                );
             } else {
-                score_tile::<I, K>(kc, qr, r, d, p0, n, scale, &mut scores, &mut tile, &zeros);
+                score_tile::<I, K>(
+                    kc,
+                    qr,
+                    r,
+                    d,
+                    span,
+                    p0,
+                    n,
+                    scale,
+                    &mut scores,
+                    &mut tile,
+                    &zeros,
+                );
             }
         }
-        // 2. Softmax numerators and normalisers per query head.
+        if let Some(cap) = variant.logits_soft_cap {
+            scores.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
+        }
+        // 2. Softmax numerators and normalisers per query head; a sink joins the max and the
+        // normaliser (its numerator weighs no value).
         for (h, z) in norms.iter_mut().enumerate() {
-            let s = &mut scores[h * len..(h + 1) * len];
-            let m = max_lanes(s);
+            let s = &mut scores[h * span.len..(h + 1) * span.len];
+            let sink = variant.sinks.map(|sinks| sinks[h]);
+            let m = max_lanes(s).max(sink.unwrap_or(f32::NEG_INFINITY));
             s.iter_mut().for_each(|x| *x = fast_exp(*x - m));
-            *z = sum_lanes(s);
+            *z = sum_lanes(s) + sink.map_or(0.0, |x| fast_exp(x - m));
         }
         // 3. Weighted sum: stream V tile by tile; the V scale joins the weight.
         let acc = &mut out[k * row_elems..(k + 1) * row_elems];
-        for p0 in (0..len).step_by(TILE) {
-            let n = TILE.min(len - p0);
+        for p0 in (first..r.seq_len).step_by(TILE) {
+            let n = TILE.min(r.seq_len - p0);
             if n == TILE {
-                value_tile::<I, V>(vc, r, d, p0, TILE, &scores, acc, &mut tile, &zeros);
+                value_tile::<I, V>(vc, r, d, span, p0, TILE, &scores, acc, &mut tile, &zeros);
             } else {
-                value_tile::<I, V>(vc, r, d, p0, n, &scores, acc, &mut tile, &zeros);
+                value_tile::<I, V>(vc, r, d, span, p0, n, &scores, acc, &mut tile, &zeros);
             }
         }
         for (h, z) in norms.iter().enumerate() {
             let inv = 1.0 / z;
-            acc[h * dim..(h + 1) * dim].iter_mut().for_each(|x| *x *= inv);
+            acc[h * dim..(h + 1) * dim]
+                .iter_mut()
+                .for_each(|x| *x *= inv);
         }
     }
     out
+}
+
+/// The positions a row attends: `first .. first + len`; its scores are `scores[h * len + p - first]`.
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    first: usize,
+    len: usize,
 }
 
 /// The cache slots of positions `p0 .. p0 + n` of row `r` (0 past `n`), and a prefetch of the
 /// rows `PREFETCH_AHEAD` positions further. In bounds: `validate` checked that the table
 /// covers `seq_len` positions and that its ids are below `num_blocks`.
 #[inline(always)]
-fn tile_slots<R: KvRows>(kv: &R, r: &DecodeRow<'_>, d: AttentionDims, p0: usize, n: usize) -> [usize; TILE] {
+fn tile_slots<R: KvRows>(
+    kv: &R,
+    r: &DecodeRow<'_>,
+    d: AttentionDims,
+    p0: usize,
+    n: usize,
+) -> [usize; TILE] {
     let bs = d.block_size;
     // One division per tile (not per position: a 64-bit division costs tens of cycles).
     let (mut block, mut offset) = (p0 / bs, p0 % bs);
@@ -821,7 +1122,11 @@ fn tile_slots<R: KvRows>(kv: &R, r: &DecodeRow<'_>, d: AttentionDims, p0: usize,
     let ahead = p0 + PREFETCH_AHEAD;
     let (mut block, mut offset) = (ahead / bs, ahead % bs);
     for _ in ahead..(ahead + n).min(r.seq_len) {
-        kv.prefetch(r.table[block] as usize * bs + offset, d.num_kv_heads, d.head_dim);
+        kv.prefetch(
+            r.table[block] as usize * bs + offset,
+            d.num_kv_heads,
+            d.head_dim,
+        );
         offset += 1;
         if offset == bs {
             (block, offset) = (block + 1, 0);
@@ -840,6 +1145,7 @@ fn score_tile<I: Isa, K: KvRows>(
     qr: &[f32],
     r: &DecodeRow<'_>,
     d: AttentionDims,
+    span: Span,
     p0: usize,
     n: usize,
     scale: f32,
@@ -847,7 +1153,7 @@ fn score_tile<I: Isa, K: KvRows>(
     tile: &mut [f32],
     zeros: &[f32],
 ) {
-    let (hkv, dim, len) = (d.num_kv_heads, d.head_dim, r.seq_len);
+    let (hkv, dim, len, at) = (d.num_kv_heads, d.head_dim, span.len, p0 - span.first);
     let groups = d.num_heads / hkv;
     let slots = tile_slots(&kc, r, d, p0, n);
     let rows = kc.rows(&slots, n, hkv * dim, tile, zeros);
@@ -858,7 +1164,11 @@ fn score_tile<I: Isa, K: KvRows>(
         }
         for h in g * groups..(g + 1) * groups {
             let s = I::dot_tile(&qr[h * dim..(h + 1) * dim], &rows, g * dim, dim);
-            for ((dst, si), f) in scores[h * len + p0..h * len + p0 + n].iter_mut().zip(s).zip(factors) {
+            for ((dst, si), f) in scores[h * len + at..h * len + at + n]
+                .iter_mut()
+                .zip(s)
+                .zip(factors)
+            {
                 *dst = si * f;
             }
         }
@@ -874,6 +1184,7 @@ fn value_tile<I: Isa, V: KvRows>(
     vc: V,
     r: &DecodeRow<'_>,
     d: AttentionDims,
+    span: Span,
     p0: usize,
     n: usize,
     scores: &[f32],
@@ -881,7 +1192,7 @@ fn value_tile<I: Isa, V: KvRows>(
     tile: &mut [f32],
     zeros: &[f32],
 ) {
-    let (hkv, dim, len) = (d.num_kv_heads, d.head_dim, r.seq_len);
+    let (hkv, dim, len, at) = (d.num_kv_heads, d.head_dim, span.len, p0 - span.first);
     let groups = d.num_heads / hkv;
     let slots = tile_slots(&vc, r, d, p0, n);
     let rows = vc.rows(&slots, n, hkv * dim, tile, zeros);
@@ -892,7 +1203,11 @@ fn value_tile<I: Isa, V: KvRows>(
         }
         for h in g * groups..(g + 1) * groups {
             let mut w = [0f32; TILE];
-            for ((wi, &e), vs) in w.iter_mut().zip(&scores[h * len + p0..h * len + p0 + n]).zip(v_scales) {
+            for ((wi, &e), vs) in w
+                .iter_mut()
+                .zip(&scores[h * len + at..h * len + at + n])
+                .zip(v_scales)
+            {
                 *wi = e * vs;
             }
             I::axpy_tile(&w, &rows, g * dim, &mut acc[h * dim..(h + 1) * dim], dim);
@@ -927,7 +1242,9 @@ fn max_lanes(x: &[f32]) -> f32 {
             lanes[l] = if c[l] > lanes[l] { c[l] } else { lanes[l] };
         }
     }
-    tail.iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+    tail.iter()
+        .chain(&lanes)
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
 }
 
 /// The sum, in 8 independent lanes (a single running float sum is one long dependency chain).
@@ -1003,25 +1320,47 @@ mod tests {
 
     /// Naive attention over contiguous K/V for one row.
     fn naive(q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], scale: f32) -> Vec<f32> {
-        let s: Vec<f32> = k.iter().map(|kr| q.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale).collect();
+        let s: Vec<f32> = k
+            .iter()
+            .map(|kr| q.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale)
+            .collect();
         let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
         let z: f32 = e.iter().sum();
-        (0..q.len()).map(|j| e.iter().zip(v).map(|(w, vr)| w * vr[j]).sum::<f32>() / z).collect()
+        (0..q.len())
+            .map(|j| e.iter().zip(v).map(|(w, vr)| w * vr[j]).sum::<f32>() / z)
+            .collect()
     }
 
     #[test]
     fn matches_naive_attention_through_shuffled_blocks() {
-        let d = AttentionDims { num_heads: 6, num_kv_heads: 2, head_dim: 8, block_size: 4, num_blocks: 10 };
+        let d = AttentionDims {
+            num_heads: 6,
+            num_kv_heads: 2,
+            head_dim: 8,
+            block_size: 4,
+            num_blocks: 10,
+        };
         let cache_len = d.num_blocks * d.block_size * d.num_kv_heads * d.head_dim;
-        let val = |i: usize, salt: usize| (((i * 2654435761 + salt * 97) % 1000) as f32 / 500.0) - 1.0;
+        let val =
+            |i: usize, salt: usize| (((i * 2654435761 + salt * 97) % 1000) as f32 / 500.0) - 1.0;
         let kc: Vec<f32> = (0..cache_len).map(|i| val(i, 1)).collect();
         let vc: Vec<f32> = (0..cache_len).map(|i| val(i, 2)).collect();
-        let q: Vec<f32> = (0..3 * d.num_heads * d.head_dim).map(|i| val(i, 3)).collect();
+        let q: Vec<f32> = (0..3 * d.num_heads * d.head_dim)
+            .map(|i| val(i, 3))
+            .collect();
         let tables: [Vec<i32>; 2] = [vec![7, 2, 9], vec![4]];
         let rows = [
-            DecodeRow { row: 2, seq_len: 10, table: &tables[0] },
-            DecodeRow { row: 0, seq_len: 3, table: &tables[1] },
+            DecodeRow {
+                row: 2,
+                seq_len: 10,
+                table: &tables[0],
+            },
+            DecodeRow {
+                row: 0,
+                seq_len: 3,
+                table: &tables[1],
+            },
         ];
         for threads in [1, 2, 3] {
             let mut out = vec![f32::NAN; q.len()];
@@ -1031,7 +1370,8 @@ mod tests {
                     let kvh = h / (d.num_heads / d.num_kv_heads);
                     let pick = |c: &[f32], p: usize| {
                         let b = r.table[p / d.block_size] as usize;
-                        let base = ((b * d.block_size + p % d.block_size) * d.num_kv_heads + kvh) * d.head_dim;
+                        let base = ((b * d.block_size + p % d.block_size) * d.num_kv_heads + kvh)
+                            * d.head_dim;
                         c[base..base + d.head_dim].to_vec()
                     };
                     let ks: Vec<Vec<f32>> = (0..r.seq_len).map(|p| pick(&kc, p)).collect();
@@ -1045,22 +1385,273 @@ mod tests {
                 }
             }
             // Row 1 was not a decode row: untouched.
-            assert!(out[d.num_heads * d.head_dim..2 * d.num_heads * d.head_dim].iter().all(|x| x.is_nan()));
+            assert!(out[d.num_heads * d.head_dim..2 * d.num_heads * d.head_dim]
+                .iter()
+                .all(|x| x.is_nan()));
+        }
+    }
+
+    /// Naive attention of one row under a layer variant: the positions `first .. len` of
+    /// contiguous K/V, soft-capped scores, and the head's sink in the softmax.
+    fn naive_variant(
+        q: &[f32],
+        k: &[Vec<f32>],
+        v: &[Vec<f32>],
+        scale: f32,
+        cap: Option<f32>,
+        sink: Option<f32>,
+    ) -> Vec<f32> {
+        let s: Vec<f32> = k
+            .iter()
+            .map(|kr| q.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale)
+            .map(|x| cap.map_or(x, |c| c * (x / c).tanh()))
+            .collect();
+        let m = s
+            .iter()
+            .copied()
+            .chain(sink)
+            .fold(f32::NEG_INFINITY, f32::max);
+        let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
+        let z: f32 = e.iter().sum::<f32>() + sink.map_or(0.0, |x| (x - m).exp());
+        (0..q.len())
+            .map(|j| e.iter().zip(v).map(|(w, vr)| w * vr[j]).sum::<f32>() / z)
+            .collect()
+    }
+
+    #[test]
+    fn layer_variants_match_naive_attention_and_never_read_behind_the_window() {
+        let d = AttentionDims {
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+            block_size: 4,
+            num_blocks: 12,
+        };
+        let cache_len = d.num_blocks * d.block_size * d.num_kv_heads * d.head_dim;
+        let row_len = d.num_kv_heads * d.head_dim;
+        let val =
+            |i: usize, salt: usize| (((i * 2654435761 + salt * 97) % 1000) as f32 / 500.0) - 1.0;
+        let mut kc: Vec<f32> = (0..cache_len).map(|i| val(i, 1)).collect();
+        let mut vc: Vec<f32> = (0..cache_len).map(|i| val(i, 2)).collect();
+        let q: Vec<f32> = (0..3 * d.num_heads * d.head_dim)
+            .map(|i| val(i, 3))
+            .collect();
+        // Row 0: 21 tokens over 6 blocks; row 2: 9 tokens over 3 blocks.
+        let full_tables: [Vec<i32>; 2] = [vec![7, 2, 9, 0, 11, 5], vec![4, 1, 10]];
+        let sinks = [0.5f32, -1.0, 2.0, 0.0];
+        let variants = [
+            LayerVariant {
+                sliding_window: Some(6),
+                ..LayerVariant::FULL
+            },
+            LayerVariant {
+                sliding_window: Some(4),
+                ..LayerVariant::FULL
+            },
+            LayerVariant {
+                sliding_window: Some(1),
+                ..LayerVariant::FULL
+            },
+            LayerVariant {
+                chunk_size: Some(8),
+                ..LayerVariant::FULL
+            },
+            LayerVariant {
+                logits_soft_cap: Some(0.7),
+                ..LayerVariant::FULL
+            },
+            LayerVariant {
+                sinks: Some(&sinks),
+                ..LayerVariant::FULL
+            },
+            LayerVariant {
+                sliding_window: Some(7),
+                logits_soft_cap: Some(1.5),
+                sinks: Some(&sinks),
+                chunk_size: None,
+            },
+        ];
+        for variant in variants {
+            // The table entries before a row's first visible block are -1 (given back) and the
+            // blocks they named hold NaN: reading either is an error or a NaN output.
+            let mut tables = full_tables.clone();
+            let (pristine_k, pristine_v) = (kc.clone(), vc.clone());
+            for (table, len) in tables.iter_mut().zip([21usize, 9]) {
+                for entry in table
+                    .iter_mut()
+                    .take(variant.first_visible(len - 1) / d.block_size)
+                {
+                    let b = *entry as usize;
+                    let block = b * d.block_size * row_len..(b + 1) * d.block_size * row_len;
+                    kc[block.clone()].iter_mut().for_each(|x| *x = f32::NAN);
+                    vc[block].iter_mut().for_each(|x| *x = f32::NAN);
+                    *entry = -1;
+                }
+            }
+            let rows = [
+                DecodeRow {
+                    row: 0,
+                    seq_len: 21,
+                    table: &tables[0],
+                },
+                DecodeRow {
+                    row: 2,
+                    seq_len: 9,
+                    table: &tables[1],
+                },
+            ];
+            for threads in [1, 2] {
+                let mut out = vec![0f32; q.len()];
+                let caches = KvCaches::F32 {
+                    key: &kc,
+                    value: &vc,
+                };
+                paged_decode_attention_layer(&q, caches, d, &rows, 0.4, variant, &mut out, threads)
+                    .unwrap();
+                for (r, full_table) in rows.iter().zip(&full_tables) {
+                    let first = variant.first_visible(r.seq_len - 1);
+                    for h in 0..d.num_heads {
+                        let kvh = h / (d.num_heads / d.num_kv_heads);
+                        let pick = |c: &[f32], p: usize| {
+                            let b = full_table[p / d.block_size] as usize;
+                            let base = ((b * d.block_size + p % d.block_size) * d.num_kv_heads
+                                + kvh)
+                                * d.head_dim;
+                            c[base..base + d.head_dim].to_vec()
+                        };
+                        let ks: Vec<Vec<f32>> =
+                            (first..r.seq_len).map(|p| pick(&pristine_k, p)).collect();
+                        let vs: Vec<Vec<f32>> =
+                            (first..r.seq_len).map(|p| pick(&pristine_v, p)).collect();
+                        let qh = &q[(r.row * d.num_heads + h) * d.head_dim..][..d.head_dim];
+                        let want = naive_variant(
+                            qh,
+                            &ks,
+                            &vs,
+                            0.4,
+                            variant.logits_soft_cap,
+                            variant.sinks.map(|s| s[h]),
+                        );
+                        let got = &out[(r.row * d.num_heads + h) * d.head_dim..][..d.head_dim];
+                        for (g, w) in got.iter().zip(&want) {
+                            assert!((g - w).abs() < 1e-5, "{variant:?}: {g} vs {w}");
+                        }
+                    }
+                }
+            }
+            (kc, vc) = (pristine_k, pristine_v);
         }
     }
 
     #[test]
+    fn bad_layer_variants_are_errors() {
+        let d = AttentionDims {
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 4,
+            block_size: 2,
+            num_blocks: 2,
+        };
+        let cache = vec![0f32; 2 * 2 * 4];
+        let (q, mut out) = (vec![0f32; 8], vec![0f32; 8]);
+        let table = [0i32, 1];
+        let rows = [DecodeRow {
+            row: 0,
+            seq_len: 3,
+            table: &table,
+        }];
+        let caches = KvCaches::F32 {
+            key: &cache,
+            value: &cache,
+        };
+        let three_sinks = [0f32; 3];
+        for variant in [
+            LayerVariant {
+                sliding_window: Some(0),
+                ..LayerVariant::FULL
+            },
+            LayerVariant {
+                chunk_size: Some(0),
+                ..LayerVariant::FULL
+            },
+            LayerVariant {
+                logits_soft_cap: Some(0.0),
+                ..LayerVariant::FULL
+            },
+            LayerVariant {
+                logits_soft_cap: Some(f32::NAN),
+                ..LayerVariant::FULL
+            },
+            LayerVariant {
+                sinks: Some(&three_sinks),
+                ..LayerVariant::FULL
+            },
+        ] {
+            assert!(
+                paged_decode_attention_layer(&q, caches, d, &rows, 1.0, variant, &mut out, 1)
+                    .is_err(),
+                "{variant:?}"
+            );
+        }
+        // A -1 entry inside the window is still an error; before it, it is never looked at.
+        let behind = [-1i32, 1];
+        let window = LayerVariant {
+            sliding_window: Some(1),
+            ..LayerVariant::FULL
+        };
+        let rows = [DecodeRow {
+            row: 0,
+            seq_len: 3,
+            table: &behind,
+        }];
+        assert!(
+            paged_decode_attention_layer(&q, caches, d, &rows, 1.0, window, &mut out, 1).is_ok()
+        );
+        assert!(paged_decode_attention_layer(
+            &q,
+            caches,
+            d,
+            &rows,
+            1.0,
+            LayerVariant::FULL,
+            &mut out,
+            1
+        )
+        .is_err());
+    }
+
+    #[test]
     fn bad_input_is_an_error() {
-        let d = AttentionDims { num_heads: 2, num_kv_heads: 1, head_dim: 4, block_size: 2, num_blocks: 2 };
+        let d = AttentionDims {
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 4,
+            block_size: 2,
+            num_blocks: 2,
+        };
         let cache = vec![0f32; 2 * 2 * 4];
         let q = vec![0f32; 8];
         let mut out = vec![0f32; 8];
         let table = [0i32, 5];
-        let bad_block = [DecodeRow { row: 0, seq_len: 3, table: &table }];
-        assert!(paged_decode_attention(&q, &cache, &cache, d, &bad_block, 1.0, &mut out, 1).is_err());
-        let short = [DecodeRow { row: 0, seq_len: 5, table: &table }];
+        let bad_block = [DecodeRow {
+            row: 0,
+            seq_len: 3,
+            table: &table,
+        }];
+        assert!(
+            paged_decode_attention(&q, &cache, &cache, d, &bad_block, 1.0, &mut out, 1).is_err()
+        );
+        let short = [DecodeRow {
+            row: 0,
+            seq_len: 5,
+            table: &table,
+        }];
         assert!(paged_decode_attention(&q, &cache, &cache, d, &short, 1.0, &mut out, 1).is_err());
-        let bad_row = [DecodeRow { row: 1, seq_len: 1, table: &table }];
+        let bad_row = [DecodeRow {
+            row: 1,
+            seq_len: 1,
+            table: &table,
+        }];
         assert!(paged_decode_attention(&q, &cache, &cache, d, &bad_row, 1.0, &mut out, 1).is_err());
     }
 
@@ -1128,7 +1719,11 @@ mod tests {
     impl QuantCaches {
         fn new(fmt: Fmt, d: AttentionDims, rng: &mut StdRng) -> Self {
             let slots = d.num_blocks * d.block_size * d.num_kv_heads;
-            let codes = |rng: &mut StdRng| (0..slots * d.head_dim).map(|_| fmt.code(rng)).collect::<Vec<u8>>();
+            let codes = |rng: &mut StdRng| {
+                (0..slots * d.head_dim)
+                    .map(|_| fmt.code(rng))
+                    .collect::<Vec<u8>>()
+            };
             let scales = |rng: &mut StdRng| {
                 (0..slots)
                     .map(|i| {
@@ -1145,37 +1740,76 @@ mod tests {
             let (ks, vs) = (scales(rng), scales(rng));
             let as_i8 = |c: &[u8]| c.iter().map(|&x| x as i8).collect::<Vec<i8>>();
             let (k_i8, v_i8) = (as_i8(&k), as_i8(&v));
-            QuantCaches { fmt, k, v, k_i8, v_i8, ks, vs }
+            QuantCaches {
+                fmt,
+                k,
+                v,
+                k_i8,
+                v_i8,
+                ks,
+                vs,
+            }
         }
 
         fn caches(&self) -> KvCaches<'_> {
             match self.fmt {
                 Fmt::Int8 => KvCaches::Int8 {
-                    key: Quantized { data: &self.k_i8, scales: &self.ks },
-                    value: Quantized { data: &self.v_i8, scales: &self.vs },
+                    key: Quantized {
+                        data: &self.k_i8,
+                        scales: &self.ks,
+                    },
+                    value: Quantized {
+                        data: &self.v_i8,
+                        scales: &self.vs,
+                    },
                 },
                 Fmt::E4M3 => KvCaches::Fp8E4M3 {
-                    key: Quantized { data: &self.k, scales: &self.ks },
-                    value: Quantized { data: &self.v, scales: &self.vs },
+                    key: Quantized {
+                        data: &self.k,
+                        scales: &self.ks,
+                    },
+                    value: Quantized {
+                        data: &self.v,
+                        scales: &self.vs,
+                    },
                 },
                 Fmt::E5M2 => KvCaches::Fp8E5M2 {
-                    key: Quantized { data: &self.k, scales: &self.ks },
-                    value: Quantized { data: &self.v, scales: &self.vs },
+                    key: Quantized {
+                        data: &self.k,
+                        scales: &self.ks,
+                    },
+                    value: Quantized {
+                        data: &self.v,
+                        scales: &self.vs,
+                    },
                 },
             }
         }
 
         /// The dequantized head vector `float(code) * float(scale)` in f64.
         fn vector(&self, value: bool, slot: usize, g: usize, d: AttentionDims) -> Vec<f64> {
-            let (codes, scales) = if value { (&self.v, &self.vs) } else { (&self.k, &self.ks) };
+            let (codes, scales) = if value {
+                (&self.v, &self.vs)
+            } else {
+                (&self.k, &self.ks)
+            };
             let scale = bf16_to_f32(scales[slot * d.num_kv_heads + g]) as f64;
             let base = (slot * d.num_kv_heads + g) * d.head_dim;
-            codes[base..base + d.head_dim].iter().map(|&c| self.fmt.value(c) * scale).collect()
+            codes[base..base + d.head_dim]
+                .iter()
+                .map(|&c| self.fmt.value(c) * scale)
+                .collect()
         }
     }
 
     /// Dequantize, then attend, in f64: the reference of a quantized decode row.
-    fn naive_quantized(qc: &QuantCaches, q: &[f32], d: AttentionDims, r: &DecodeRow<'_>, scale: f32) -> Vec<f64> {
+    fn naive_quantized(
+        qc: &QuantCaches,
+        q: &[f32],
+        d: AttentionDims,
+        r: &DecodeRow<'_>,
+        scale: f32,
+    ) -> Vec<f64> {
         let mut out = vec![0f64; d.num_heads * d.head_dim];
         let groups = d.num_heads / d.num_kv_heads;
         let slot = |p: usize| r.table[p / d.block_size] as usize * d.block_size + p % d.block_size;
@@ -1183,13 +1817,23 @@ mod tests {
             let g = h / groups;
             let qh = &q[(r.row * d.num_heads + h) * d.head_dim..][..d.head_dim];
             let s: Vec<f64> = (0..r.seq_len)
-                .map(|p| qc.vector(false, slot(p), g, d).iter().zip(qh).map(|(k, &x)| k * x as f64).sum::<f64>() * scale as f64)
+                .map(|p| {
+                    qc.vector(false, slot(p), g, d)
+                        .iter()
+                        .zip(qh)
+                        .map(|(k, &x)| k * x as f64)
+                        .sum::<f64>()
+                        * scale as f64
+                })
                 .collect();
             let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
             let z: f64 = e.iter().sum();
             for (p, w) in e.iter().enumerate() {
-                for (o, v) in out[h * d.head_dim..(h + 1) * d.head_dim].iter_mut().zip(qc.vector(true, slot(p), g, d)) {
+                for (o, v) in out[h * d.head_dim..(h + 1) * d.head_dim]
+                    .iter_mut()
+                    .zip(qc.vector(true, slot(p), g, d))
+                {
                     *o += w / z * v;
                 }
             }
@@ -1202,14 +1846,32 @@ mod tests {
         assert_eq!(bf16_to_f32(0x3F80), 1.0);
         assert_eq!(bf16_to_f32(0xC000), -2.0);
         assert_eq!(bf16_to_f32(0x0080), f32::MIN_POSITIVE);
-        let e4m3 = [(0x00, 0.0), (0x01, 2f32.powi(-9)), (0x07, 7.0 * 2f32.powi(-9)), (0x08, 2f32.powi(-6)), (0x38, 1.0)];
-        for (code, want) in e4m3.into_iter().chain([(0x7E, 448.0), (0xFE, -448.0), (0xB8, -1.0), (0x3A, 1.25)]) {
+        let e4m3 = [
+            (0x00, 0.0),
+            (0x01, 2f32.powi(-9)),
+            (0x07, 7.0 * 2f32.powi(-9)),
+            (0x08, 2f32.powi(-6)),
+            (0x38, 1.0),
+        ];
+        for (code, want) in
+            e4m3.into_iter()
+                .chain([(0x7E, 448.0), (0xFE, -448.0), (0xB8, -1.0), (0x3A, 1.25)])
+        {
             assert_eq!(fp8_e4m3_to_f32(code), want, "e4m3 {code:#x}");
         }
         assert!(fp8_e4m3_to_f32(0x80) == 0.0 && fp8_e4m3_to_f32(0x80).is_sign_negative());
         assert!(fp8_e4m3_to_f32(0x7F).is_nan() && fp8_e4m3_to_f32(0xFF).is_nan());
-        let e5m2 = [(0x00, 0.0), (0x01, 2f32.powi(-16)), (0x03, 3.0 * 2f32.powi(-16)), (0x04, 2f32.powi(-14)), (0x3C, 1.0)];
-        for (code, want) in e5m2.into_iter().chain([(0x7B, 57344.0), (0xFB, -57344.0), (0x3D, 1.25)]) {
+        let e5m2 = [
+            (0x00, 0.0),
+            (0x01, 2f32.powi(-16)),
+            (0x03, 3.0 * 2f32.powi(-16)),
+            (0x04, 2f32.powi(-14)),
+            (0x3C, 1.0),
+        ];
+        for (code, want) in
+            e5m2.into_iter()
+                .chain([(0x7B, 57344.0), (0xFB, -57344.0), (0x3D, 1.25)])
+        {
             assert_eq!(fp8_e5m2_to_f32(code), want, "e5m2 {code:#x}");
         }
         assert_eq!(fp8_e5m2_to_f32(0x7C), f32::INFINITY);
@@ -1218,7 +1880,10 @@ mod tests {
         // Every finite fp8 value is a normal f32 (or zero): no subnormal operand downstream.
         for code in 0..=255u8 {
             for v in [fp8_e4m3_to_f32(code), fp8_e5m2_to_f32(code)] {
-                assert!(v == 0.0 || !v.is_finite() || v.is_normal(), "{code:#x} -> {v}");
+                assert!(
+                    v == 0.0 || !v.is_finite() || v.is_normal(),
+                    "{code:#x} -> {v}"
+                );
             }
         }
     }
@@ -1234,7 +1899,10 @@ mod tests {
                 let table = if e4m3 { &E4M3_TABLE } else { &E5M2_TABLE };
                 let mut got = vec![f32::NAN; len];
                 #[cfg(target_arch = "x86_64")]
-                if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c") {
+                if std::is_x86_feature_detected!("avx2")
+                    && std::is_x86_feature_detected!("fma")
+                    && std::is_x86_feature_detected!("f16c")
+                {
                     // SAFETY: the features were just detected.
                     unsafe {
                         if e4m3 {
@@ -1244,7 +1912,11 @@ mod tests {
                         }
                     }
                     for (&c, &g) in src.iter().zip(&got) {
-                        assert!(same(g, table[c as usize]), "e4m3={e4m3} code {c:#x}: {g} vs {}", table[c as usize]);
+                        assert!(
+                            same(g, table[c as usize]),
+                            "e4m3={e4m3} code {c:#x}: {g} vs {}",
+                            table[c as usize]
+                        );
                     }
                 }
                 if e4m3 {
@@ -1253,7 +1925,11 @@ mod tests {
                     Portable::fp8_to_f32::<false>(src, &mut got);
                 }
                 for (&c, &g) in src.iter().zip(&got) {
-                    let want = if e4m3 { fp8_e4m3_to_f32(c) } else { fp8_e5m2_to_f32(c) };
+                    let want = if e4m3 {
+                        fp8_e4m3_to_f32(c)
+                    } else {
+                        fp8_e5m2_to_f32(c)
+                    };
                     assert!(same(g, want));
                 }
             }
@@ -1272,23 +1948,37 @@ mod tests {
         let qc = QuantCaches::new(fmt, d, &mut rng);
         let caches = qc.caches();
         let num_rows = lens.len() + 1;
-        let q: Vec<f32> = (0..num_rows * d.num_heads * d.head_dim).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let q: Vec<f32> = (0..num_rows * d.num_heads * d.head_dim)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
         // Rows in reverse order, leaving row 0 to no sequence.
-        let rows: Vec<DecodeRow<'_>> =
-            lens.iter().zip(tables).enumerate().map(|(i, (&seq_len, t))| DecodeRow { row: num_rows - 1 - i, seq_len, table: t }).collect();
+        let rows: Vec<DecodeRow<'_>> = lens
+            .iter()
+            .zip(tables)
+            .enumerate()
+            .map(|(i, (&seq_len, t))| DecodeRow {
+                row: num_rows - 1 - i,
+                seq_len,
+                table: t,
+            })
+            .collect();
         let scale = 0.7;
         let row_elems = d.num_heads * d.head_dim;
         let mut results = Vec::new();
         for threads in [1, 2, 3] {
             let mut out = vec![f32::NAN; q.len()];
             paged_decode_attention_kv(&q, caches, d, &rows, scale, &mut out, threads).unwrap();
-            assert!(out[..row_elems].iter().all(|x| x.is_nan()), "row 0 must stay untouched");
+            assert!(
+                out[..row_elems].iter().all(|x| x.is_nan()),
+                "row 0 must stay untouched"
+            );
             results.push(("dispatch", out));
         }
-        let portable = attend_rows_with(Portable, &q, caches, d, &rows, scale);
+        let portable = attend_rows_with(Portable, &q, caches, d, &rows, scale, &LayerVariant::FULL);
         let mut out = vec![f32::NAN; q.len()];
         for (k, r) in rows.iter().enumerate() {
-            out[r.row * row_elems..(r.row + 1) * row_elems].copy_from_slice(&portable[k * row_elems..(k + 1) * row_elems]);
+            out[r.row * row_elems..(r.row + 1) * row_elems]
+                .copy_from_slice(&portable[k * row_elems..(k + 1) * row_elems]);
         }
         results.push(("portable", out));
         for r in &rows {
@@ -1313,12 +2003,33 @@ mod tests {
         // Head dims: a multiple of 16 (whole SIMD steps), of 8 only, and of neither (tails);
         // block sizes that split tiles across blocks; tables with adjacent and scattered blocks.
         for fmt in Fmt::ALL {
-            for (heads, kv_heads, head_dim, block_size) in [(6, 2, 64, 4), (4, 4, 40, 8), (3, 1, 20, 16), (8, 2, 128, 16), (2, 1, 16, 2)] {
-                let d = AttentionDims { num_heads: heads, num_kv_heads: kv_heads, head_dim, block_size, num_blocks: 12 };
+            for (heads, kv_heads, head_dim, block_size) in [
+                (6, 2, 64, 4),
+                (4, 4, 40, 8),
+                (3, 1, 20, 16),
+                (8, 2, 128, 16),
+                (2, 1, 16, 2),
+            ] {
+                let d = AttentionDims {
+                    num_heads: heads,
+                    num_kv_heads: kv_heads,
+                    head_dim,
+                    block_size,
+                    num_blocks: 12,
+                };
                 // [0, 5, 7, 3]: with 2-token blocks, a tile whose first and last slots are 7
                 // apart although its middle is elsewhere.
-                let tables = vec![vec![3, 4, 5, 9, 0, 1], vec![11], vec![0, 5, 7, 3, 8, 1], vec![5, 6]];
-                let lens: Vec<usize> = tables.iter().zip([23, 1, 41, 9]).map(|(t, n)| n.min(t.len() * block_size)).collect();
+                let tables = vec![
+                    vec![3, 4, 5, 9, 0, 1],
+                    vec![11],
+                    vec![0, 5, 7, 3, 8, 1],
+                    vec![5, 6],
+                ];
+                let lens: Vec<usize> = tables
+                    .iter()
+                    .zip([23, 1, 41, 9])
+                    .map(|(t, n)| n.min(t.len() * block_size))
+                    .collect();
                 check_quantized(fmt, d, &tables, &lens, head_dim as u64);
             }
         }
@@ -1326,50 +2037,162 @@ mod tests {
 
     #[test]
     fn quantized_bad_input_is_an_error() {
-        let d = AttentionDims { num_heads: 2, num_kv_heads: 1, head_dim: 16, block_size: 2, num_blocks: 3 };
+        let d = AttentionDims {
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 16,
+            block_size: 2,
+            num_blocks: 3,
+        };
         let slots = d.num_blocks * d.block_size * d.num_kv_heads;
         let (codes, scales) = (vec![0i8; slots * d.head_dim], vec![0x3F80u16; slots]);
         let bytes = vec![0u8; slots * d.head_dim];
         let q = vec![0f32; 2 * d.head_dim];
         let mut out = vec![0f32; q.len()];
         let table = [0i32, 2];
-        let rows = [DecodeRow { row: 0, seq_len: 3, table: &table }];
-        let ok = Quantized { data: &codes[..], scales: &scales[..] };
-        let run = |caches: KvCaches<'_>, out: &mut [f32]| paged_decode_attention_kv(&q, caches, d, &rows, 1.0, out, 1);
+        let rows = [DecodeRow {
+            row: 0,
+            seq_len: 3,
+            table: &table,
+        }];
+        let ok = Quantized {
+            data: &codes[..],
+            scales: &scales[..],
+        };
+        let run = |caches: KvCaches<'_>, out: &mut [f32]| {
+            paged_decode_attention_kv(&q, caches, d, &rows, 1.0, out, 1)
+        };
         assert!(run(KvCaches::Int8 { key: ok, value: ok }, &mut out).is_ok());
-        let short_scales = Quantized { data: &codes[..], scales: &scales[1..] };
-        let err = run(KvCaches::Int8 { key: ok, value: short_scales }, &mut out).unwrap_err();
+        let short_scales = Quantized {
+            data: &codes[..],
+            scales: &scales[1..],
+        };
+        let err = run(
+            KvCaches::Int8 {
+                key: ok,
+                value: short_scales,
+            },
+            &mut out,
+        )
+        .unwrap_err();
         assert!(err.to_string().contains("scale"), "{err}");
-        assert!(run(KvCaches::Int8 { key: short_scales, value: ok }, &mut out).is_err());
-        let short_data = Quantized { data: &codes[1..], scales: &scales[..] };
-        assert!(run(KvCaches::Int8 { key: short_data, value: ok }, &mut out).is_err());
-        let fp8 = Quantized { data: &bytes[..], scales: &scales[..] };
-        let fp8_long_scales = Quantized { data: &bytes[..], scales: &[0u16; 100][..] };
-        assert!(run(KvCaches::Fp8E4M3 { key: fp8, value: fp8 }, &mut out).is_ok());
-        assert!(run(KvCaches::Fp8E5M2 { key: fp8, value: fp8_long_scales }, &mut out).is_err());
-        assert!(run(KvCaches::Fp8E4M3 { key: Quantized { data: &bytes[3..], scales: &scales[..] }, value: fp8 }, &mut out).is_err());
+        assert!(run(
+            KvCaches::Int8 {
+                key: short_scales,
+                value: ok
+            },
+            &mut out
+        )
+        .is_err());
+        let short_data = Quantized {
+            data: &codes[1..],
+            scales: &scales[..],
+        };
+        assert!(run(
+            KvCaches::Int8 {
+                key: short_data,
+                value: ok
+            },
+            &mut out
+        )
+        .is_err());
+        let fp8 = Quantized {
+            data: &bytes[..],
+            scales: &scales[..],
+        };
+        let fp8_long_scales = Quantized {
+            data: &bytes[..],
+            scales: &[0u16; 100][..],
+        };
+        assert!(run(
+            KvCaches::Fp8E4M3 {
+                key: fp8,
+                value: fp8
+            },
+            &mut out
+        )
+        .is_ok());
+        assert!(run(
+            KvCaches::Fp8E5M2 {
+                key: fp8,
+                value: fp8_long_scales
+            },
+            &mut out
+        )
+        .is_err());
+        assert!(run(
+            KvCaches::Fp8E4M3 {
+                key: Quantized {
+                    data: &bytes[3..],
+                    scales: &scales[..]
+                },
+                value: fp8
+            },
+            &mut out
+        )
+        .is_err());
         let bad_table = [0i32, 3];
-        let rows = [DecodeRow { row: 0, seq_len: 3, table: &bad_table }];
-        assert!(paged_decode_attention_kv(&q, KvCaches::Int8 { key: ok, value: ok }, d, &rows, 1.0, &mut out, 1).is_err());
+        let rows = [DecodeRow {
+            row: 0,
+            seq_len: 3,
+            table: &bad_table,
+        }];
+        assert!(paged_decode_attention_kv(
+            &q,
+            KvCaches::Int8 { key: ok, value: ok },
+            d,
+            &rows,
+            1.0,
+            &mut out,
+            1
+        )
+        .is_err());
         // Shapes whose product overflows are refused, not wrapped.
-        let huge = AttentionDims { num_blocks: usize::MAX / 2, ..d };
-        assert!(paged_decode_attention_kv(&q, KvCaches::Int8 { key: ok, value: ok }, huge, &[], 1.0, &mut out, 1).is_err());
+        let huge = AttentionDims {
+            num_blocks: usize::MAX / 2,
+            ..d
+        };
+        assert!(paged_decode_attention_kv(
+            &q,
+            KvCaches::Int8 { key: ok, value: ok },
+            huge,
+            &[],
+            1.0,
+            &mut out,
+            1
+        )
+        .is_err());
     }
 
     #[test]
     fn float32_avx2_and_portable_builds_agree() {
-        let d = AttentionDims { num_heads: 8, num_kv_heads: 2, head_dim: 72, block_size: 8, num_blocks: 9 };
+        let d = AttentionDims {
+            num_heads: 8,
+            num_kv_heads: 2,
+            head_dim: 72,
+            block_size: 8,
+            num_blocks: 9,
+        };
         let mut rng = StdRng::seed_from_u64(5);
         let n = d.num_blocks * d.block_size * d.num_kv_heads * d.head_dim;
         let kc: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
         let vc: Vec<f32> = (0..n).map(|_| rng.random_range(-2.0..2.0)).collect();
-        let q: Vec<f32> = (0..d.num_heads * d.head_dim).map(|_| rng.random_range(-1.0..1.0)).collect();
+        let q: Vec<f32> = (0..d.num_heads * d.head_dim)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
         let table = [8, 0, 4, 5, 1, 2, 7];
-        let rows = [DecodeRow { row: 0, seq_len: 53, table: &table }];
-        let caches = KvCaches::F32 { key: &kc, value: &vc };
+        let rows = [DecodeRow {
+            row: 0,
+            seq_len: 53,
+            table: &table,
+        }];
+        let caches = KvCaches::F32 {
+            key: &kc,
+            value: &vc,
+        };
         let mut out = vec![0f32; q.len()];
         paged_decode_attention_kv(&q, caches, d, &rows, 0.2, &mut out, 1).unwrap();
-        let portable = attend_rows_with(Portable, &q, caches, d, &rows, 0.2);
+        let portable = attend_rows_with(Portable, &q, caches, d, &rows, 0.2, &LayerVariant::FULL);
         for (a, b) in out.iter().zip(&portable) {
             assert!((a - b).abs() < 1e-5, "{a} vs {b}");
         }

@@ -86,7 +86,7 @@ def test_decode_chunks_count_only_the_window() -> None:
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_public_dispatch_takes_the_layer(backend: str) -> None:
     """``kernels.paged_attention(..., layer=...)`` on the CPU backends, float32 (the engine's
-    dtype): the Rust decode kernel knows only full attention, so such layers take the torch path."""
+    dtype): the cpu backend's decodes run in the Rust kernel, its extends in the torch path."""
     batch = make_paged_batch(
         [1, 11, 1],
         [26, 30, 17],
@@ -139,3 +139,52 @@ def test_sinks_of_the_wrong_head_count_are_refused() -> None:
     batch = make_paged_batch([1], [5], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
     with pytest.raises(InvalidArgumentError, match="sinks has 3 logits but the query has 4 heads"):
         paged_attention(*batch.attention_args(), layer=LayerAttention(sinks=torch.zeros(3)), backend="torch")
+
+
+@pytest.mark.parametrize("layer_name", list(LAYERS))
+def test_rust_decode_kernel_equals_the_oracle(layer_name: str) -> None:
+    """The Rust decode kernel (``_core.paged_decode_attention_cpu``) under every variant, on
+    decodes whose blocks behind the window are NaN and whose table entries there are -1 (what
+    a sliding-window group leaves): it reads neither."""
+    from pagedkv._core import paged_decode_attention_cpu
+    from pagedkv.kernels.cpu import _variant
+
+    oracle_layer = LAYERS[layer_name]
+    layer = LayerAttention(
+        sliding_window=oracle_layer.sliding_window,
+        chunk_size=oracle_layer.chunk_size,
+        logits_soft_cap=oracle_layer.logits_soft_cap,
+        sinks=None if oracle_layer.sinks is None else oracle_layer.sinks.float(),
+    )
+    q_lens, seq_lens = BATCHES["decodes"]
+    batch = make_paged_batch(
+        q_lens, seq_lens, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=8, seed=9
+    )
+    expected = layer_reference(batch.as_dtype(torch.float64), oracle_layer)
+    poison_blocks_before(batch, layer)
+    tables = batch.block_tables.clone()
+    for b, seq_len in enumerate(seq_lens):
+        tables[b, : layer.first_visible(seq_len - 1) // 8] = -1
+    out = torch.zeros_like(batch.query)
+    written = paged_decode_attention_cpu(
+        batch.query.numpy(), batch.key_cache.numpy(), batch.value_cache.numpy(), tables.numpy(),
+        batch.seq_lens.numpy(), batch.cu_seqlens_q.numpy(), out.numpy(), HEAD_DIM**-0.5, 2, **_variant(layer),
+    )  # fmt: skip
+    assert written == len(seq_lens)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rust_kernel_refuses_bad_variants() -> None:
+    from pagedkv._core import paged_decode_attention_cpu
+
+    batch = make_paged_batch([1], [5], num_heads=4, num_kv_heads=2, head_dim=16, block_size=8)
+    args = (
+        batch.query.numpy(), batch.key_cache.numpy(), batch.value_cache.numpy(), batch.block_tables.numpy(),
+        batch.seq_lens.numpy(), batch.cu_seqlens_q.numpy(), torch.zeros_like(batch.query).numpy(), 0.25, 1,
+    )  # fmt: skip
+    with pytest.raises(InvalidArgumentError, match="sinks has 3 logits but the query has 4 heads"):
+        paged_decode_attention_cpu(*args, sinks=torch.zeros(3).numpy())
+    with pytest.raises(InvalidArgumentError, match="sliding_window and chunk_size must be >= 1"):
+        paged_decode_attention_cpu(*args, sliding_window=0)
+    with pytest.raises(InvalidArgumentError, match="logits_soft_cap must be a finite number > 0"):
+        paged_decode_attention_cpu(*args, logits_soft_cap=-1.0)

@@ -477,10 +477,16 @@ def paged_decode_attention_cpu(
     kv_format: Literal["float32", "int8", "fp8_e4m3", "fp8_e5m2"] = "float32",
     key_scales: npt.NDArray[np.int16] | None = None,  # [num_blocks, block_size, Hkv] bfloat16 bits
     value_scales: npt.NDArray[np.int16] | None = None,  # [num_blocks, block_size, Hkv] bfloat16 bits
+    sliding_window: SupportsIndex | None = None,
+    chunk_size: SupportsIndex | None = None,
+    logits_soft_cap: float | None = None,
+    sinks: npt.NDArray[np.float32] | None = None,  # [H]
 ) -> int:
     """Decode attention straight from the paged caches (pagedkv.kernels.cpu uses it).
 
     Caches: float32 for ``kv_format="float32"``, int8 for ``"int8"``, uint8 (the fp8 bytes,
     ``tensor.view(torch.uint8).numpy()``) for ``"fp8_e4m3"`` / ``"fp8_e5m2"``; the quantized
     formats need ``key_scales`` / ``value_scales`` (``scales.view(torch.int16).numpy()``).
+    A layer variant (pagedkv.kernels.LayerAttention): ``sliding_window`` / ``chunk_size`` (a row
+    reads only the blocks from its first visible position on), ``logits_soft_cap``, ``sinks``.
     Returns the number of decode rows written."""

@@ -4,14 +4,16 @@
 //! `scales.view(torch.int16).numpy()`).
 
 use numpy::{
-    Element, PyArray3, PyArray4, PyArrayMethods, PyReadonlyArray, PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArray3,
-    PyReadwriteArray3, PyUntypedArray, PyUntypedArrayMethods,
+    Element, PyArray3, PyArray4, PyArrayMethods, PyReadonlyArray, PyReadonlyArray1,
+    PyReadonlyArray2, PyReadonlyArray3, PyReadwriteArray3, PyUntypedArray, PyUntypedArrayMethods,
 };
 use pyo3::prelude::*;
 
 use super::args::{contiguous_arg as contiguous, contiguous_mut_arg as contiguous_mut};
 use super::errors::{invalid_argument, invalid_type};
-use crate::cpu_attention::{paged_decode_attention_kv, AttentionDims, DecodeRow, KvCaches, Quantized};
+use crate::cpu_attention::{
+    paged_decode_attention_layer, AttentionDims, DecodeRow, KvCaches, LayerVariant, Quantized,
+};
 
 /// The storage formats `kv_format` names (python/pagedkv/kernels/kv_quant.py spells them alike).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,7 +25,12 @@ enum KvFormat {
 }
 
 impl KvFormat {
-    const ALL: [KvFormat; 4] = [KvFormat::Float32, KvFormat::Int8, KvFormat::Fp8E4M3, KvFormat::Fp8E5M2];
+    const ALL: [KvFormat; 4] = [
+        KvFormat::Float32,
+        KvFormat::Int8,
+        KvFormat::Fp8E4M3,
+        KvFormat::Fp8E5M2,
+    ];
 
     fn name(self) -> &'static str {
         match self {
@@ -44,10 +51,13 @@ impl KvFormat {
     }
 
     fn parse(name: &str) -> PyResult<KvFormat> {
-        KvFormat::ALL.into_iter().find(|f| f.name() == name).ok_or_else(|| {
-            let names: Vec<&str> = KvFormat::ALL.iter().map(|f| f.name()).collect();
-            invalid_argument(format!("kv_format must be one of {names:?}, got {name:?}"))
-        })
+        KvFormat::ALL
+            .into_iter()
+            .find(|f| f.name() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = KvFormat::ALL.iter().map(|f| f.name()).collect();
+                invalid_argument(format!("kv_format must be one of {names:?}, got {name:?}"))
+            })
     }
 }
 
@@ -57,12 +67,15 @@ impl KvFormat {
 /// `"int8"`, uint8 (the fp8 bytes) for `"fp8_e4m3"` / `"fp8_e5m2"`; `key_scales` /
 /// `value_scales`: int16 `[num_blocks, block_size, Hkv]` holding bfloat16 bit patterns,
 /// required for a quantized format and refused for float32; `block_tables` int32 `[B, W]`;
-/// `seq_lens` int32 `[B]`; `cu_seqlens_q` int32 `[B + 1]`. Returns the number of rows written.
+/// `seq_lens` int32 `[B]`; `cu_seqlens_q` int32 `[B + 1]`. A layer variant (issue 25):
+/// `sliding_window` / `chunk_size` (a row reads only the blocks from its first visible position
+/// on), `logits_soft_cap`, `sinks` (float32 `[H]`). Returns the number of rows written.
 /// The GIL is released while the kernel runs.
 #[pyfunction]
 #[pyo3(signature = (
     query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, out, scale, num_threads,
-    kv_format = "float32", key_scales = None, value_scales = None
+    kv_format = "float32", key_scales = None, value_scales = None,
+    sliding_window = None, chunk_size = None, logits_soft_cap = None, sinks = None
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn paged_decode_attention_cpu(
@@ -79,12 +92,18 @@ pub fn paged_decode_attention_cpu(
     kv_format: &str,
     key_scales: Option<&Bound<'_, PyAny>>,
     value_scales: Option<&Bound<'_, PyAny>>,
+    sliding_window: Option<usize>,
+    chunk_size: Option<usize>,
+    logits_soft_cap: Option<f32>,
+    sinks: Option<PyReadonlyArray1<'_, f32>>,
 ) -> PyResult<usize> {
     let format = KvFormat::parse(kv_format)?;
     let key_scales = key_scales.filter(|s| !s.is_none());
     let value_scales = value_scales.filter(|s| !s.is_none());
     if format == KvFormat::Float32 && (key_scales.is_some() || value_scales.is_some()) {
-        return Err(invalid_argument("float32 caches take no key_scales / value_scales"));
+        return Err(invalid_argument(
+            "float32 caches take no key_scales / value_scales",
+        ));
     }
     let qs = query.shape().to_vec();
     let ks = untyped(key_cache, "key_cache")?.shape().to_vec();
@@ -95,7 +114,13 @@ pub fn paged_decode_attention_cpu(
             out.shape()
         )));
     }
-    let dims = AttentionDims { num_heads: qs[1], num_kv_heads: ks[2], head_dim: qs[2], block_size: ks[1], num_blocks: ks[0] };
+    let dims = AttentionDims {
+        num_heads: qs[1],
+        num_kv_heads: ks[2],
+        head_dim: qs[2],
+        block_size: ks[1],
+        num_blocks: ks[0],
+    };
 
     // Every array is borrowed (read-only, or read-write for `out`) for the whole call, so the
     // slices below stay valid while the GIL is released.
@@ -114,9 +139,16 @@ pub fn paged_decode_attention_cpu(
     for i in 0..b {
         if cu[i + 1] - cu[i] == 1 {
             if cu[i] < 0 || lens[i] < 1 {
-                return Err(invalid_argument(format!("sequence {i}: bad cu_seqlens_q {} or seq_len {}", cu[i], lens[i])));
+                return Err(invalid_argument(format!(
+                    "sequence {i}: bad cu_seqlens_q {} or seq_len {}",
+                    cu[i], lens[i]
+                )));
             }
-            rows.push(DecodeRow { row: cu[i] as usize, seq_len: lens[i] as usize, table: &tables[i * w..(i + 1) * w] });
+            rows.push(DecodeRow {
+                row: cu[i] as usize,
+                seq_len: lens[i] as usize,
+                table: &tables[i * w..(i + 1) * w],
+            });
         }
     }
     let q = contiguous(query.as_slice(), "query")?;
@@ -135,18 +167,33 @@ pub fn paged_decode_attention_cpu(
         let expected_scales = [ks[0], ks[1], ks[2]];
         k_scales = scales_array(key_scales, "key_scales", format, expected_scales)?;
         v_scales = scales_array(value_scales, "value_scales", format, expected_scales)?;
-        let (k_bits, v_bits) = (bf16_bits(&k_scales, "key_scales")?, bf16_bits(&v_scales, "value_scales")?);
+        let (k_bits, v_bits) = (
+            bf16_bits(&k_scales, "key_scales")?,
+            bf16_bits(&v_scales, "value_scales")?,
+        );
         if format == KvFormat::Int8 {
             kc_i8 = cache_array::<i8>(key_cache, "key_cache", format)?;
             vc_i8 = cache_array::<i8>(value_cache, "value_cache", format)?;
-            let key = Quantized { data: contiguous(kc_i8.as_slice(), "key_cache")?, scales: k_bits };
-            let value = Quantized { data: contiguous(vc_i8.as_slice(), "value_cache")?, scales: v_bits };
+            let key = Quantized {
+                data: contiguous(kc_i8.as_slice(), "key_cache")?,
+                scales: k_bits,
+            };
+            let value = Quantized {
+                data: contiguous(vc_i8.as_slice(), "value_cache")?,
+                scales: v_bits,
+            };
             KvCaches::Int8 { key, value }
         } else {
             kc_u8 = cache_array::<u8>(key_cache, "key_cache", format)?;
             vc_u8 = cache_array::<u8>(value_cache, "value_cache", format)?;
-            let key = Quantized { data: contiguous(kc_u8.as_slice(), "key_cache")?, scales: k_bits };
-            let value = Quantized { data: contiguous(vc_u8.as_slice(), "value_cache")?, scales: v_bits };
+            let key = Quantized {
+                data: contiguous(kc_u8.as_slice(), "key_cache")?,
+                scales: k_bits,
+            };
+            let value = Quantized {
+                data: contiguous(vc_u8.as_slice(), "value_cache")?,
+                scales: v_bits,
+            };
             if format == KvFormat::Fp8E4M3 {
                 KvCaches::Fp8E4M3 { key, value }
             } else {
@@ -154,15 +201,31 @@ pub fn paged_decode_attention_cpu(
             }
         }
     };
+    let sinks = match &sinks {
+        Some(array) => Some(contiguous(array.as_slice(), "sinks")?),
+        None => None,
+    };
+    let variant = LayerVariant {
+        sliding_window,
+        chunk_size,
+        logits_soft_cap,
+        sinks,
+    };
     let o = contiguous_mut(out.as_slice_mut(), "out")?;
     let n = rows.len();
-    py.detach(|| paged_decode_attention_kv(q, caches, dims, &rows, scale, o, num_threads))?;
+    py.detach(|| {
+        paged_decode_attention_layer(q, caches, dims, &rows, scale, variant, o, num_threads)
+    })?;
     Ok(n)
 }
 
 /// `obj` as a numpy array of any dtype (InvalidTypeError otherwise).
-fn untyped<'a, 'py>(obj: &'a Bound<'py, PyAny>, name: &str) -> PyResult<&'a Bound<'py, PyUntypedArray>> {
-    obj.cast::<PyUntypedArray>().map_err(|_| invalid_type(format!("{name} must be a numpy array")))
+fn untyped<'a, 'py>(
+    obj: &'a Bound<'py, PyAny>,
+    name: &str,
+) -> PyResult<&'a Bound<'py, PyUntypedArray>> {
+    obj.cast::<PyUntypedArray>()
+        .map_err(|_| invalid_type(format!("{name} must be a numpy array")))
 }
 
 /// The numpy dtype's name (`float32`, `int16`, ...).
@@ -175,7 +238,11 @@ fn dtype_name(obj: &Bound<'_, PyAny>) -> String {
 
 /// A 4-D cache array of element type `T` (InvalidTypeError, a kind of InvalidArgumentError,
 /// for another dtype).
-fn cache_array<'py, T: Element>(obj: &Bound<'py, PyAny>, name: &str, format: KvFormat) -> PyResult<PyReadonlyArray<'py, T, numpy::Ix4>> {
+fn cache_array<'py, T: Element>(
+    obj: &Bound<'py, PyAny>,
+    name: &str,
+    format: KvFormat,
+) -> PyResult<PyReadonlyArray<'py, T, numpy::Ix4>> {
     let arr = obj.cast::<PyArray4<T>>().map_err(|_| {
         invalid_type(format!(
             "{name} must have dtype {} for kv_format {:?}, got {}",
@@ -185,7 +252,8 @@ fn cache_array<'py, T: Element>(obj: &Bound<'py, PyAny>, name: &str, format: KvF
         ))
     })?;
     // Not `readonly()`, which panics when the array is already borrowed mutably (`out`).
-    arr.try_readonly().map_err(|e| invalid_argument(format!("{name}: {e}")))
+    arr.try_readonly()
+        .map_err(|e| invalid_argument(format!("{name}: {e}")))
 }
 
 /// The scales of a quantized cache: a C-contiguous int16 `[num_blocks, block_size, Hkv]`
@@ -204,12 +272,18 @@ fn scales_array<'py>(
     };
     let shape = untyped(obj, name)?.shape();
     if shape != expected {
-        return Err(invalid_argument(format!("{name} must have shape {expected:?} (one per slot and KV head), got {shape:?}")));
+        return Err(invalid_argument(format!(
+            "{name} must have shape {expected:?} (one per slot and KV head), got {shape:?}"
+        )));
     }
-    let arr = obj
-        .cast::<PyArray3<i16>>()
-        .map_err(|_| invalid_type(format!("{name} must have dtype int16 (bfloat16 bits), got {}", dtype_name(obj))))?;
-    arr.try_readonly().map_err(|e| invalid_argument(format!("{name}: {e}")))
+    let arr = obj.cast::<PyArray3<i16>>().map_err(|_| {
+        invalid_type(format!(
+            "{name} must have dtype int16 (bfloat16 bits), got {}",
+            dtype_name(obj)
+        ))
+    })?;
+    arr.try_readonly()
+        .map_err(|e| invalid_argument(format!("{name}: {e}")))
 }
 
 /// The bfloat16 bit patterns of an int16 scales array, as `u16`.

@@ -16,8 +16,9 @@ caches cross as their bytes, ``view(torch.uint8)``, the scales as their bits,
 ``view(torch.int16)``). Anything else (other dtypes, strided caches or scales) goes entirely
 through the torch path, which dequantizes gathered blocks.
 
-The Rust kernel computes full causal attention: a layer with a window, a chunk, soft-capping
-or sinks (:class:`~.layer_attention.LayerAttention`) goes entirely through the torch path.
+Layers with a window, a chunk, soft-capping or sinks (:class:`~.layer_attention.LayerAttention`)
+take the same Rust kernel, which starts each row at its first visible position (the blocks
+before it are never read) and applies the soft-cap and the sinks in its softmax.
 
 Two entry points: :func:`paged_attention` (one call, converts the index tensors itself) and
 :func:`paged_attention_prepared` (a serving step: the index tensors' numpy views and host
@@ -92,6 +93,21 @@ def _kernel_caches(
     )
 
 
+def _variant(layer: LayerAttention) -> dict[str, Any]:
+    """The Rust kernel's keyword arguments for ``layer`` (none for full attention)."""
+    if layer.is_full:
+        return {}
+    sinks = (
+        None if layer.sinks is None else layer.sinks.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    )
+    return {
+        "sliding_window": layer.sliding_window,
+        "chunk_size": layer.chunk_size,
+        "logits_soft_cap": layer.logits_soft_cap,
+        "sinks": sinks,
+    }
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, H, D] float32
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] float32, int8 or float8
@@ -106,7 +122,7 @@ def paged_attention(
     layer: LayerAttention = FULL_ATTENTION,
 ) -> torch.Tensor:  # [T, H, D]
     """Same contract as :func:`reference.paged_attention` (validated by the dispatcher)."""
-    if not (layer.is_full and supports(query, key_cache, value_cache, kv_scales)):
+    if not supports(query, key_cache, value_cache, kv_scales):
         return reference.paged_attention(
             query,
             key_cache,
@@ -135,10 +151,11 @@ def paged_attention(
         float(scale),
         torch.get_num_threads(),
         **quant,
+        **_variant(layer),
     )
     if decoded < lens.shape[0]:
         reference.attend_extend_rows(
-            query, key_cache, value_cache, tables, lens, cu, scale=scale, out=result, kv_scales=kv_scales
+            query, key_cache, value_cache, tables, lens, cu, scale=scale, out=result, kv_scales=kv_scales, layer=layer
         )
     if out is not None and result is not out:
         out.copy_(result)
@@ -160,7 +177,7 @@ def paged_attention_prepared(
     """:func:`paged_attention` for one layer of a step whose metadata was prepared once."""
     assert meta.cpu_views is not None and meta.host_cu_seqlens_q is not None and meta.host_seq_lens is not None
     result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else torch.zeros_like(query)
-    fast = layer.is_full and supports(query, key_cache, value_cache, kv_scales)
+    fast = supports(query, key_cache, value_cache, kv_scales)
     if fast and meta.num_decodes:
         tables, lens, cu = meta.cpu_views
         keys, values, quant = _kernel_caches(key_cache, value_cache, kv_scales)
@@ -175,6 +192,7 @@ def paged_attention_prepared(
             float(scale),
             torch.get_num_threads(),
             **quant,
+            **_variant(layer),
         )
     if not fast or meta.num_extends:
         reference.attend_host(
