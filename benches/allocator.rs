@@ -42,17 +42,22 @@ fn pool_ops(c: &mut Criterion) {
 fn prefix_lookup(c: &mut Criterion) {
     let mut g = c.benchmark_group("prefix cache");
     let mut m = KvCacheManager::new(4096, 16, true, HashMode::Xxh3).unwrap();
-    let prompt: Vec<u32> = (0..2048u32).map(|i| i.wrapping_mul(2654435761) % 50_000).collect();
+    let prompt: Vec<u32> = (0..2048u32)
+        .map(|i| i.wrapping_mul(2654435761) % 50_000)
+        .collect();
     let (s, _) = m.add_sequence_cached(prompt.clone(), ExtraKey::new(None));
     assert!(m.allocate_slots(s, prompt.len()).unwrap());
     let key = ExtraKey::new(None);
     g.throughput(Throughput::Elements(prompt.len() as u64));
-    g.bench_function("lookup 2k-token prompt (127 cached blocks, hash + verify)", |b| {
-        b.iter(|| {
-            let hit = m.match_prefix(black_box(&prompt), &key);
-            assert_eq!(hit.num_blocks(), 127);
-        })
-    });
+    g.bench_function(
+        "lookup 2k-token prompt (127 cached blocks, hash + verify)",
+        |b| {
+            b.iter(|| {
+                let hit = m.match_prefix(black_box(&prompt), &key);
+                assert_eq!(hit.num_blocks(), 127);
+            })
+        },
+    );
     g.finish();
 }
 
@@ -65,7 +70,13 @@ fn decode_append(c: &mut Criterion) {
     // sequences are recreated (untimed) so the pool never runs out. Token vectors are created
     // with room for the whole cycle, as the scheduler does (prompt + max_tokens).
     let setup = || {
-        let mut m = KvCacheManager::new(num_seqs * ((ctx + steps_per_cycle) / bs + 1), bs, true, HashMode::Xxh3).unwrap();
+        let mut m = KvCacheManager::new(
+            num_seqs * ((ctx + steps_per_cycle) / bs + 1),
+            bs,
+            true,
+            HashMode::Xxh3,
+        )
+        .unwrap();
         let ids: Vec<_> = (0..num_seqs)
             .map(|i| {
                 let mut tokens: Vec<u32> = Vec::with_capacity(ctx + steps_per_cycle);
@@ -79,26 +90,30 @@ fn decode_append(c: &mut Criterion) {
     };
     let tokens: Vec<u32> = (0..num_seqs as u32).collect();
     g.throughput(Throughput::Elements(num_seqs as u64));
-    g.bench_function("append 1 token to each of 256 sequences (2k context)", |b| {
-        let mut ok = Vec::with_capacity(num_seqs);
-        b.iter_custom(|iters| {
-            let mut total = std::time::Duration::ZERO;
-            let mut state = setup();
-            let mut steps = 0;
-            for _ in 0..iters {
-                if steps == steps_per_cycle {
-                    state = setup();
-                    steps = 0;
+    g.bench_function(
+        "append 1 token to each of 256 sequences (2k context)",
+        |b| {
+            let mut ok = Vec::with_capacity(num_seqs);
+            b.iter_custom(|iters| {
+                let mut total = std::time::Duration::ZERO;
+                let mut state = setup();
+                let mut steps = 0;
+                for _ in 0..iters {
+                    if steps == steps_per_cycle {
+                        state = setup();
+                        steps = 0;
+                    }
+                    let (m, ids) = &mut state;
+                    let t = Instant::now();
+                    m.append_tokens_with_slots(black_box(ids), &tokens, &mut ok)
+                        .unwrap();
+                    total += t.elapsed();
+                    steps += 1;
                 }
-                let (m, ids) = &mut state;
-                let t = Instant::now();
-                m.append_tokens_with_slots(black_box(ids), &tokens, &mut ok).unwrap();
-                total += t.elapsed();
-                steps += 1;
-            }
-            total
-        })
-    });
+                total
+            })
+        },
+    );
     g.finish();
 }
 

@@ -14,7 +14,9 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use pagedkv::scheduler::{NewRequest, Scheduler, SchedulerConfig, StepOutput};
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
-    (0..len as u32).map(|i| (i.wrapping_mul(2654435761) ^ seed.wrapping_mul(40503)) % 50_000).collect()
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(2654435761) ^ seed.wrapping_mul(40503)) % 50_000)
+        .collect()
 }
 
 fn decode_scheduler(num_seqs: usize, ctx: usize, steps: usize) -> Scheduler {
@@ -68,27 +70,30 @@ fn decode_step(c: &mut Criterion) {
 fn decode_step_reused(c: &mut Criterion) {
     let (num_seqs, ctx, steps_per_setup) = (256, 2048, 1000);
     let sampled = vec![0u32; num_seqs];
-    c.bench_function("schedule_into+update: 256 decodes, 2k contexts, 2 outputs reused", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            let mut s = decode_scheduler(num_seqs, ctx, steps_per_setup);
-            let mut outs = [StepOutput::default(), StepOutput::default()];
-            let mut n = 0;
-            for _ in 0..iters {
-                if n == steps_per_setup {
-                    s = decode_scheduler(num_seqs, ctx, steps_per_setup);
-                    n = 0;
+    c.bench_function(
+        "schedule_into+update: 256 decodes, 2k contexts, 2 outputs reused",
+        |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                let mut s = decode_scheduler(num_seqs, ctx, steps_per_setup);
+                let mut outs = [StepOutput::default(), StepOutput::default()];
+                let mut n = 0;
+                for _ in 0..iters {
+                    if n == steps_per_setup {
+                        s = decode_scheduler(num_seqs, ctx, steps_per_setup);
+                        n = 0;
+                    }
+                    let out = &mut outs[n % 2];
+                    let t = Instant::now();
+                    s.schedule_into(out).unwrap();
+                    black_box(s.update(out.step_id, &sampled).unwrap());
+                    total += t.elapsed();
+                    n += 1;
                 }
-                let out = &mut outs[n % 2];
-                let t = Instant::now();
-                s.schedule_into(out).unwrap();
-                black_box(s.update(out.step_id, &sampled).unwrap());
-                total += t.elapsed();
-                n += 1;
-            }
-            total
-        })
-    });
+                total
+            })
+        },
+    );
 }
 
 fn mixed_step(c: &mut Criterion) {
@@ -100,7 +105,11 @@ fn mixed_step(c: &mut Criterion) {
     let mut next = 0u32;
     let mut feed = |s: &mut Scheduler| {
         while s.num_waiting() < 4 {
-            let mut r = NewRequest::new(format!("m{next}"), prompt(next, 1024), 100 + (next as usize * 37) % 300);
+            let mut r = NewRequest::new(
+                format!("m{next}"),
+                prompt(next, 1024),
+                100 + (next as usize * 37) % 300,
+            );
             r.ignore_eos = true;
             s.add_request(r).unwrap();
             next += 1;
@@ -115,18 +124,21 @@ fn mixed_step(c: &mut Criterion) {
         feed(&mut s);
         step(&mut s);
     }
-    c.bench_function("schedule+update: mixed decodes + 1024-token prompt chunks, budget 2048", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                feed(&mut s);
-                let t = Instant::now();
-                step(&mut s);
-                total += t.elapsed();
-            }
-            total
-        })
-    });
+    c.bench_function(
+        "schedule+update: mixed decodes + 1024-token prompt chunks, budget 2048",
+        |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    feed(&mut s);
+                    let t = Instant::now();
+                    step(&mut s);
+                    total += t.elapsed();
+                }
+                total
+            })
+        },
+    );
 }
 
 criterion_group!(benches, decode_step, decode_step_reused, mixed_step);
