@@ -16,7 +16,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _cores_per_xdist_worker() -> int | None:
-    """Under pytest-xdist (``make test`` runs ``-n 2``): each worker's share of the usable cores."""
+    """Under pytest-xdist (``make test`` runs ``-n 3``): each worker's share of the usable cores."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
     if workers <= 1:
         return None
@@ -57,8 +57,8 @@ if not HAS_CUDA:
 
 
 # The modules that take longest (measured on 2 cores), slowest first. `make test` hands whole
-# modules to its two workers in collection order (--dist loadfile --no-loadscope-reorder): the
-# long ones start first and the many short ones fill in behind them, so neither worker is left
+# modules to its workers in collection order (--dist loadfile --no-loadscope-reorder): the
+# long ones start first and the many short ones fill in behind them, so no worker is left
 # alone with a long module at the end. Only a scheduling hint: any module may be missing here.
 _SLOWEST_MODULES = (
     "test_readme.py",
