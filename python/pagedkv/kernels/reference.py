@@ -222,7 +222,9 @@ def _decode_rows(
     head_dim = query.shape[2]
     block_size = key_cache.shape[1]
     # Tokens gathered per sequence: from the block of its first visible key to its end.
-    spans = [n - layer.first_visible(n - 1) // block_size * block_size for n in lens]
+    spans = lens
+    if layer.limits_context:
+        spans = [n - layer.first_visible(n - 1) // block_size * block_size for n in lens]
     for chunk in _decode_chunks(decodes, spans, block_size, key_cache.shape[2] * head_dim):
         rows = torch.tensor([cu[b] for b in chunk], device=query.device)
         out[rows] = _attend_decodes(
