@@ -42,10 +42,7 @@ impl ExtraKey {
             None => ExtraKey::default(),
             // Salted keys hash their bytes; the unsalted key hashes to 0. A salt whose hash is 0
             // is still told apart by verification, which compares the strings.
-            Some(s) => ExtraKey {
-                salt: Some(Arc::from(s)),
-                hash: xxh3_64(s.as_bytes()) | 1,
-            },
+            Some(s) => ExtraKey { salt: Some(Arc::from(s)), hash: xxh3_64(s.as_bytes()) | 1 },
         }
     }
 
@@ -84,10 +81,7 @@ pub struct BlockHasher {
 impl BlockHasher {
     /// A hasher in the given mode.
     pub fn new(mode: HashMode) -> Self {
-        BlockHasher {
-            mode,
-            scratch: Vec::new(),
-        }
+        BlockHasher { mode, scratch: Vec::new() }
     }
 
     /// The mode in use.
@@ -96,12 +90,7 @@ impl BlockHasher {
     }
 
     /// Hash of one full block given its parent's hash (`None` for the first block).
-    pub fn hash_block(
-        &mut self,
-        parent: Option<BlockHash>,
-        extra: &ExtraKey,
-        tokens: &[u32],
-    ) -> BlockHash {
+    pub fn hash_block(&mut self, parent: Option<BlockHash>, extra: &ExtraKey, tokens: &[u32]) -> BlockHash {
         let buf = &mut self.scratch;
         buf.clear();
         buf.reserve(25 + 4 * tokens.len());
@@ -179,10 +168,7 @@ mod tests {
         let mut hashes = Vec::new();
         h.extend_chain(&mut hashes, &tokens, 4, &key, usize::MAX);
         assert_eq!(hashes.len(), 2);
-        assert_eq!(
-            hashes[1],
-            h.hash_block(Some(hashes[0]), &key, &[4, 5, 6, 7])
-        );
+        assert_eq!(hashes[1], h.hash_block(Some(hashes[0]), &key, &[4, 5, 6, 7]));
         let mut capped = Vec::new();
         h.extend_chain(&mut capped, &tokens, 4, &key, 1);
         assert_eq!(capped, hashes[..1]);
@@ -192,9 +178,6 @@ mod tests {
     fn truncated_mode_collides() {
         let mut h = BlockHasher::new(HashMode::Truncated(0));
         let key = ExtraKey::new(None);
-        assert_eq!(
-            h.hash_block(None, &key, &[1]),
-            h.hash_block(None, &key, &[2])
-        );
+        assert_eq!(h.hash_block(None, &key, &[1]), h.hash_block(None, &key, &[2]));
     }
 }

@@ -177,12 +177,7 @@ pub struct BlockPool {
 
 impl BlockPool {
     /// A pool of `num_blocks` free blocks of `block_size` tokens.
-    pub fn new(
-        num_blocks: usize,
-        block_size: usize,
-        enable_prefix_caching: bool,
-        hash_mode: HashMode,
-    ) -> Result<Self> {
+    pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool, hash_mode: HashMode) -> Result<Self> {
         if num_blocks == 0 || num_blocks > MAX_NUM_BLOCKS {
             return Err(CoreError::Config(format!(
                 "num_blocks must be in 1..={MAX_NUM_BLOCKS}, got {num_blocks}"
@@ -193,11 +188,7 @@ impl BlockPool {
                 "block_size must be in 1..={MAX_BLOCK_SIZE}, got {block_size}"
             )));
         }
-        let oom = |_| {
-            CoreError::Config(format!(
-                "cannot allocate bookkeeping for {num_blocks} blocks"
-            ))
-        };
+        let oom = |_| CoreError::Config(format!("cannot allocate bookkeeping for {num_blocks} blocks"));
         let mut ref_counts = Vec::new();
         ref_counts.try_reserve_exact(num_blocks).map_err(oom)?;
         ref_counts.resize(num_blocks, 0);
@@ -206,9 +197,7 @@ impl BlockPool {
         let mut index = HashIndex::default();
         if enable_prefix_caching {
             index.try_reserve(num_blocks.min(1 << 20)).map_err(|_| {
-                CoreError::Config(format!(
-                    "cannot allocate a prefix-cache index for {num_blocks} blocks"
-                ))
+                CoreError::Config(format!("cannot allocate a prefix-cache index for {num_blocks} blocks"))
             })?;
         }
         let (cached, cached_tokens) = if enable_prefix_caching {
@@ -301,20 +290,14 @@ impl BlockPool {
         if block.index() < self.num_blocks() {
             Ok(())
         } else {
-            Err(CoreError::BlockOutOfRange {
-                block: block.0 as i64,
-                num_blocks: self.num_blocks(),
-            })
+            Err(CoreError::BlockOutOfRange { block: block.0 as i64, num_blocks: self.num_blocks() })
         }
     }
 
     /// Converts a caller's integer to a valid block id.
     pub fn block_id(&self, raw: i64) -> Result<BlockId> {
         if raw < 0 || raw as u64 >= self.num_blocks() as u64 {
-            return Err(CoreError::BlockOutOfRange {
-                block: raw,
-                num_blocks: self.num_blocks(),
-            });
+            return Err(CoreError::BlockOutOfRange { block: raw, num_blocks: self.num_blocks() });
         }
         Ok(BlockId(raw as u32))
     }
@@ -444,9 +427,7 @@ impl BlockPool {
     /// Takes the KV events logged since the last call, in order (coalesced: see
     /// [`KvEventLog`]); empty when the log is off.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
-        self.events
-            .as_deref_mut()
-            .map_or_else(Vec::new, KvEventLog::take)
+        self.events.as_deref_mut().map_or_else(Vec::new, KvEventLog::take)
     }
 
     /// True when KV events are logged and not yet taken.
@@ -559,9 +540,7 @@ impl BlockPool {
         for (i, &b) in blocks.iter().enumerate() {
             let err = match self.check_id(b) {
                 Err(e) => Some(e),
-                Ok(()) if self.ref_counts[b.index()] == 0 => {
-                    Some(CoreError::BlockNotAllocated(b.0))
-                }
+                Ok(()) if self.ref_counts[b.index()] == 0 => Some(CoreError::BlockNotAllocated(b.0)),
                 Ok(()) => None,
             };
             if let Some(e) = err {
@@ -628,11 +607,7 @@ impl BlockPool {
         if self.log_evictions {
             let tokens = self.cached_tokens.get(block).to_vec();
             if let Some(identity) = self.identity(block) {
-                self.evicted.push(Evicted {
-                    block,
-                    identity,
-                    tokens,
-                });
+                self.evicted.push(Evicted { block, identity, tokens });
             }
         }
         self.drop_identity(block);
@@ -641,9 +616,7 @@ impl BlockPool {
 
     /// Removes the cached identity of `block` (if any) from the block and the index.
     fn drop_identity(&mut self, block: BlockId) {
-        let Some(meta) = self.cached.get_mut(block.index()).and_then(Option::take) else {
-            return;
-        };
+        let Some(meta) = self.cached.get_mut(block.index()).and_then(Option::take) else { return };
         if self.index.get(&meta.key) == Some(&block) {
             self.index.remove(&meta.key);
             if let Some(log) = self.events.as_deref_mut() {
@@ -689,12 +662,7 @@ impl BlockPool {
     /// Registers the allocated `block` as a copy of a block registered elsewhere (another
     /// tier), keeping its node id. False (no change) when caching is off, the block is
     /// registered already, or another block holds the hash.
-    pub fn register_copy(
-        &mut self,
-        block: BlockId,
-        identity: BlockIdentity,
-        tokens: &[u32],
-    ) -> bool {
+    pub fn register_copy(&mut self, block: BlockId, identity: BlockIdentity, tokens: &[u32]) -> bool {
         if !self.caching || self.cached[block.index()].is_some() {
             return false;
         }
@@ -782,9 +750,7 @@ impl BlockPool {
                         count += 1;
                         Some(n)
                     }
-                    None => self
-                        .lookup_verified(hashes[k], parent, t, extra)
-                        .map(|(_, n)| n),
+                    None => self.lookup_verified(hashes[k], parent, t, extra).map(|(_, n)| n),
                 },
             };
             link = node.map_or(ChainLink::Broken, ChainLink::Node);
@@ -951,22 +917,10 @@ mod tests {
 
     #[test]
     fn rejects_bad_sizes() {
-        assert!(matches!(
-            BlockPool::new(0, 16, true, HashMode::Xxh3),
-            Err(CoreError::Config(_))
-        ));
-        assert!(matches!(
-            BlockPool::new(4, 0, true, HashMode::Xxh3),
-            Err(CoreError::Config(_))
-        ));
-        assert!(matches!(
-            BlockPool::new(MAX_NUM_BLOCKS + 1, 16, true, HashMode::Xxh3),
-            Err(CoreError::Config(_))
-        ));
-        assert!(matches!(
-            BlockPool::new(4, MAX_BLOCK_SIZE + 1, true, HashMode::Xxh3),
-            Err(CoreError::Config(_))
-        ));
+        assert!(matches!(BlockPool::new(0, 16, true, HashMode::Xxh3), Err(CoreError::Config(_))));
+        assert!(matches!(BlockPool::new(4, 0, true, HashMode::Xxh3), Err(CoreError::Config(_))));
+        assert!(matches!(BlockPool::new(MAX_NUM_BLOCKS + 1, 16, true, HashMode::Xxh3), Err(CoreError::Config(_))));
+        assert!(matches!(BlockPool::new(4, MAX_BLOCK_SIZE + 1, true, HashMode::Xxh3), Err(CoreError::Config(_))));
     }
 
     #[test]
@@ -1000,21 +954,12 @@ mod tests {
         let mut p = pool(4, 4);
         let a = p.allocate(2).unwrap();
         // Second entry duplicates the first: ref 1 cannot be dropped twice.
-        assert_eq!(
-            p.free(&[a[0], a[1], a[0]]),
-            Err(CoreError::BlockNotAllocated(0))
-        );
+        assert_eq!(p.free(&[a[0], a[1], a[0]]), Err(CoreError::BlockNotAllocated(0)));
         assert_eq!(p.ref_count(a[0]).unwrap(), 1);
         assert_eq!(p.ref_count(a[1]).unwrap(), 1);
-        assert!(matches!(
-            p.free(&[a[0], BlockId(99)]),
-            Err(CoreError::BlockOutOfRange { .. })
-        ));
+        assert!(matches!(p.free(&[a[0], BlockId(99)]), Err(CoreError::BlockOutOfRange { .. })));
         assert_eq!(p.num_free(), 2);
-        assert!(matches!(
-            p.fork(&[a[0], BlockId(3)]),
-            Err(CoreError::BlockNotAllocated(3))
-        ));
+        assert!(matches!(p.fork(&[a[0], BlockId(3)]), Err(CoreError::BlockNotAllocated(3))));
         assert_eq!(p.ref_count(a[0]).unwrap(), 1);
         p.check_invariants().unwrap();
     }
@@ -1036,22 +981,13 @@ mod tests {
         p.free(&[blocks[2], blocks[3]]).unwrap();
         p.check_invariants().unwrap();
         // Uncached blocks come first, then cached ones least recently freed first.
-        assert_eq!(
-            p.free_blocks(),
-            vec![BlockId(3), BlockId(2), BlockId(1), BlockId(0)]
-        );
+        assert_eq!(p.free_blocks(), vec![BlockId(3), BlockId(2), BlockId(1), BlockId(0)]);
         // Freed cached blocks remain findable until reused.
-        assert_eq!(
-            p.lookup_verified(h0, None, &[1, 2], &key).map(|x| x.0),
-            Some(BlockId(0))
-        );
+        assert_eq!(p.lookup_verified(h0, None, &[1, 2], &key).map(|x| x.0), Some(BlockId(0)));
         let got = p.allocate(3).unwrap();
         assert_eq!(got, vec![BlockId(3), BlockId(2), BlockId(1)]);
         assert_eq!(p.lookup_verified(h1, None, &[3, 4], &key), None);
-        assert_eq!(
-            p.lookup_verified(h0, None, &[1, 2], &key).map(|x| x.0),
-            Some(BlockId(0))
-        );
+        assert_eq!(p.lookup_verified(h0, None, &[1, 2], &key).map(|x| x.0), Some(BlockId(0)));
         assert_eq!(p.counters().evictions, 1);
         p.check_invariants().unwrap();
     }
@@ -1085,15 +1021,9 @@ mod tests {
         let other = h.hash_block(None, &key, &[2, 2]);
         assert_eq!(hash, other);
         assert_eq!(p.lookup_verified(other, None, &[2, 2], &key), None);
-        assert_eq!(
-            p.lookup_verified(hash, None, &[1, 1], &key).map(|x| x.0),
-            Some(b)
-        );
+        assert_eq!(p.lookup_verified(hash, None, &[1, 1], &key).map(|x| x.0), Some(b));
         // Same tokens, another salt: no hit either.
-        assert_eq!(
-            p.lookup_verified(hash, None, &[1, 1], &ExtraKey::new(Some("s"))),
-            None
-        );
+        assert_eq!(p.lookup_verified(hash, None, &[1, 1], &ExtraKey::new(Some("s"))), None);
     }
 
     #[test]
@@ -1138,29 +1068,14 @@ mod tests {
             nodes.push(p.register(b, hash, None, &t, &key).unwrap());
         }
         // Block 0 kept longest (priority 90), block 1 shortest (10), block 2 default.
-        p.release_with_retention(
-            bl[0],
-            Retention {
-                priority: 90,
-                expires_at_us: None,
-            },
-        );
-        p.release_with_retention(
-            bl[1],
-            Retention {
-                priority: 10,
-                expires_at_us: None,
-            },
-        );
+        p.release_with_retention(bl[0], Retention { priority: 90, expires_at_us: None });
+        p.release_with_retention(bl[1], Retention { priority: 10, expires_at_us: None });
         p.release_with_retention(bl[2], Retention::DEFAULT);
         p.check_invariants().unwrap();
         assert_eq!(p.next_eviction_priority(), Some(10));
         assert_eq!(p.allocate(2).unwrap(), vec![bl[1], bl[2]]);
         let ev = p.take_evicted();
-        assert_eq!(
-            ev.iter().map(|e| e.block).collect::<Vec<_>>(),
-            vec![bl[1], bl[2]]
-        );
+        assert_eq!(ev.iter().map(|e| e.block).collect::<Vec<_>>(), vec![bl[1], bl[2]]);
         assert_eq!(ev[0].identity.node, nodes[1]);
         assert_eq!(ev[0].identity.retention.priority, 10);
         assert_eq!(ev[0].tokens, vec![1]);
@@ -1265,9 +1180,6 @@ mod tests {
                 medium: Medium::Cpu,
             }]
         );
-        assert_eq!(
-            host.registered_keys().collect::<Vec<_>>(),
-            vec![index_key(h1)]
-        );
+        assert_eq!(host.registered_keys().collect::<Vec<_>>(), vec![index_key(h1)]);
     }
 }

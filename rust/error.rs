@@ -14,9 +14,7 @@ pub enum CoreError {
     #[error("invalid configuration: {0}")]
     Config(String),
     /// A block id outside `0 .. num_blocks`.
-    #[error(
-        "block id {block} is out of range: the pool has {num_blocks} blocks (ids 0..{num_blocks})"
-    )]
+    #[error("block id {block} is out of range: the pool has {num_blocks} blocks (ids 0..{num_blocks})")]
     BlockOutOfRange {
         /// The id as given.
         block: i64,

@@ -89,10 +89,7 @@ pub struct Retention {
 
 impl Retention {
     /// The default retention: [`DEFAULT_RETENTION_PRIORITY`], no expiry.
-    pub const DEFAULT: Retention = Retention {
-        priority: DEFAULT_RETENTION_PRIORITY,
-        expires_at_us: None,
-    };
+    pub const DEFAULT: Retention = Retention { priority: DEFAULT_RETENTION_PRIORITY, expires_at_us: None };
 }
 
 impl Default for Retention {
@@ -129,13 +126,7 @@ struct Node {
 }
 
 impl Node {
-    const DETACHED: Node = Node {
-        prev: DETACHED,
-        next: DETACHED,
-        stamp: 0,
-        priority: D,
-        place: Place::Out,
-    };
+    const DETACHED: Node = Node { prev: DETACHED, next: DETACHED, stamp: 0, priority: D, place: Place::Out };
 }
 
 /// Entry of the expiry heap: `(expires_at_us, stamp, block)`, smallest expiry on top.
@@ -174,35 +165,20 @@ impl EvictionQueue {
         let mut nodes = Vec::new();
         nodes
             .try_reserve_exact(n + NUM_SENTINELS as usize)
-            .map_err(|_| {
-                CoreError::Config(format!("cannot allocate an eviction queue of {n} blocks"))
-            })?;
+            .map_err(|_| CoreError::Config(format!("cannot allocate an eviction queue of {n} blocks")))?;
         let un = n as u32 + UNCACHED;
         // Blocks: the uncached list in id order, wrapping through its sentinel.
         for i in 0..n as u32 {
             let prev = if i == 0 { un } else { i - 1 };
             let next = if i + 1 == n as u32 { un } else { i + 1 };
-            nodes.push(Node {
-                prev,
-                next,
-                place: Place::Uncached,
-                ..Node::DETACHED
-            });
+            nodes.push(Node { prev, next, place: Place::Uncached, ..Node::DETACHED });
         }
         // Sentinels: empty buckets link to themselves.
         for s in n as u32..un {
-            nodes.push(Node {
-                prev: s,
-                next: s,
-                ..Node::DETACHED
-            });
+            nodes.push(Node { prev: s, next: s, ..Node::DETACHED });
         }
         let (head, tail) = if n == 0 { (un, un) } else { (0, n as u32 - 1) };
-        nodes.push(Node {
-            prev: tail,
-            next: head,
-            ..Node::DETACHED
-        });
+        nodes.push(Node { prev: tail, next: head, ..Node::DETACHED });
         Ok(EvictionQueue {
             nodes,
             nonempty: 0,
@@ -347,11 +323,7 @@ impl EvictionQueue {
         self.demote_expired(now_us);
         let s = self.uncached_sentinel();
         let head = self.nodes[s as usize].next;
-        let block = if head != s {
-            BlockId(head)
-        } else {
-            self.first_evictable()?
-        };
+        let block = if head != s { BlockId(head) } else { self.first_evictable()? };
         self.remove(block);
         Some(block)
     }
@@ -369,10 +341,7 @@ impl EvictionQueue {
     /// `pop_front` / `peek_evictable`); `None` for an uncached, unqueued or out-of-range block.
     #[inline]
     pub fn priority_of(&self, block: BlockId) -> Option<u8> {
-        let node = self
-            .nodes
-            .get(block.index())
-            .filter(|_| block.0 < self.num_blocks())?;
+        let node = self.nodes.get(block.index()).filter(|_| block.0 < self.num_blocks())?;
         matches!(node.place, Place::Bucket | Place::Demoted).then_some(node.priority)
     }
 
@@ -383,11 +352,7 @@ impl EvictionQueue {
             // Bucket `p`, merged by stamp with the demoted blocks when `p` is the default.
             let s = self.bucket(p);
             let mut cur = self.nodes[s as usize].next;
-            let mut demoted = (p == D)
-                .then(|| self.demoted.iter())
-                .into_iter()
-                .flatten()
-                .peekable();
+            let mut demoted = (p == D).then(|| self.demoted.iter()).into_iter().flatten().peekable();
             std::iter::from_fn(move || {
                 let listed = (cur != s).then(|| self.nodes[cur as usize].stamp);
                 match (listed, demoted.peek()) {
@@ -430,9 +395,7 @@ impl EvictionQueue {
             loop {
                 let nxt = self.nodes[cur as usize].next;
                 if nxt as usize >= total || self.nodes[nxt as usize].prev != cur {
-                    return fail(format!(
-                        "eviction queue link broken between nodes {cur} and {nxt}"
-                    ));
+                    return fail(format!("eviction queue link broken between nodes {cur} and {nxt}"));
                 }
                 if nxt == s {
                     break;
@@ -447,10 +410,7 @@ impl EvictionQueue {
                 let node = &self.nodes[i];
                 match bucket {
                     None if node.place != Place::Uncached => {
-                        return fail(format!(
-                            "block {i} is on the uncached list but marked {:?}",
-                            node.place
-                        ));
+                        return fail(format!("block {i} is on the uncached list but marked {:?}", node.place));
                     }
                     None => listed[0] += 1,
                     Some(p) => {
@@ -460,9 +420,7 @@ impl EvictionQueue {
                                 node.place, node.priority
                             ));
                         }
-                        if last_stamp.is_some_and(|l| l >= node.stamp)
-                            || node.stamp >= self.next_stamp
-                        {
+                        if last_stamp.is_some_and(|l| l >= node.stamp) || node.stamp >= self.next_stamp {
                             return fail(format!("bucket {p} is out of stamp order at block {i}"));
                         }
                         last_stamp = Some(node.stamp);
@@ -474,30 +432,20 @@ impl EvictionQueue {
             if let Some(p) = bucket {
                 let bit = self.nonempty & (1u128 << p) != 0;
                 if bit != last_stamp.is_some() {
-                    return fail(format!(
-                        "bucket {p} non-empty mask bit {bit} disagrees with its list"
-                    ));
+                    return fail(format!("bucket {p} non-empty mask bit {bit} disagrees with its list"));
                 }
             }
         }
         if self.nonempty >> NUM_BUCKETS != 0 {
-            return fail(format!(
-                "non-empty mask {:#x} has bits above the last bucket",
-                self.nonempty
-            ));
+            return fail(format!("non-empty mask {:#x} has bits above the last bucket", self.nonempty));
         }
         for &(stamp, raw) in &self.demoted {
             let ok = (raw as usize) < n && {
                 let node = &self.nodes[raw as usize];
-                node.place == Place::Demoted
-                    && node.stamp == stamp
-                    && node.priority == D
-                    && stamp < self.next_stamp
+                node.place == Place::Demoted && node.stamp == stamp && node.priority == D && stamp < self.next_stamp
             };
             if !ok {
-                return fail(format!(
-                    "demoted entry (stamp {stamp}, block {raw}) disagrees with the block"
-                ));
+                return fail(format!("demoted entry (stamp {stamp}, block {raw}) disagrees with the block"));
             }
         }
         // Every block off the lists is out or demoted, detached; the counts add up.
@@ -539,9 +487,7 @@ impl EvictionQueue {
                 continue; // stale: the block was removed, demoted or pushed again since
             }
             if node.priority == D {
-                return fail(format!(
-                    "block {raw} has a pending expiry but is already at the default priority"
-                ));
+                return fail(format!("block {raw} has a pending expiry but is already at the default priority"));
             }
             if std::mem::replace(&mut live_expiry[raw as usize], true) {
                 return fail(format!("block {raw} has two pending expiries"));
@@ -643,10 +589,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn ret(priority: u8, expires_at_us: Option<u64>) -> Retention {
-        Retention {
-            priority,
-            expires_at_us,
-        }
+        Retention { priority, expires_at_us }
     }
 
     fn ids(q: &EvictionQueue) -> Vec<u32> {
@@ -838,13 +781,7 @@ mod tests {
     }
 
     fn op() -> impl Strategy<Value = Op> {
-        let priority = prop_oneof![
-            Just(D),
-            Just(0u8),
-            Just(MAX_RETENTION_PRIORITY),
-            Just(50u8),
-            0u8..=100
-        ];
+        let priority = prop_oneof![Just(D), Just(0u8), Just(MAX_RETENTION_PRIORITY), Just(50u8), 0u8..=100];
         prop_oneof![
             2 => any::<usize>().prop_map(Op::PushUncached),
             5 => (any::<usize>(), priority, prop::option::of(0u8..40)).prop_map(|(i, p, e)| Op::PushCached(i, p, e)),
@@ -876,11 +813,8 @@ mod tests {
             self.uncached.contains(&b) || self.cached.iter().any(|c| c.0 == b)
         }
         fn cached_order(&self, now: u64) -> Vec<(u32, u8)> {
-            let mut v: Vec<(u8, u64, u32)> = self
-                .cached
-                .iter()
-                .map(|&(b, p, e, s)| (Self::effective(p, e, now), s, b))
-                .collect();
+            let mut v: Vec<(u8, u64, u32)> =
+                self.cached.iter().map(|&(b, p, e, s)| (Self::effective(p, e, now), s, b)).collect();
             v.sort();
             v.into_iter().map(|(p, _, b)| (b, p)).collect()
         }

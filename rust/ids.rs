@@ -44,10 +44,7 @@ impl SeqId {
     /// The slab key this id packs.
     #[inline]
     pub fn key(self) -> SlabKey {
-        SlabKey {
-            slot: (self.0 & 0xFFFF_FFFF) as u32,
-            generation: (self.0 >> 32) as u32,
-        }
+        SlabKey { slot: (self.0 & 0xFFFF_FFFF) as u32, generation: (self.0 >> 32) as u32 }
     }
 }
 

@@ -95,11 +95,7 @@ pub struct RetentionPolicy {
 
 impl Default for RetentionPolicy {
     fn default() -> Self {
-        RetentionPolicy {
-            priority: DEFAULT_RETENTION_PRIORITY,
-            duration_us: None,
-            num_tokens: None,
-        }
+        RetentionPolicy { priority: DEFAULT_RETENTION_PRIORITY, duration_us: None, num_tokens: None }
     }
 }
 
@@ -321,12 +317,7 @@ pub struct KvCacheManager {
 
 impl KvCacheManager {
     /// A manager over a fresh device pool, without a host tier.
-    pub fn new(
-        num_blocks: usize,
-        block_size: usize,
-        enable_prefix_caching: bool,
-        hash_mode: HashMode,
-    ) -> Result<Self> {
+    pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool, hash_mode: HashMode) -> Result<Self> {
         let pool = BlockPool::new(num_blocks, block_size, enable_prefix_caching, hash_mode)?;
         let hasher = pool.new_hasher();
         Ok(KvCacheManager {
@@ -360,16 +351,11 @@ impl KvCacheManager {
             self.pool.set_log_evictions(false);
             return Ok(self);
         }
-        let host = BlockPool::new(
-            num_host_blocks,
-            self.pool.block_size(),
-            self.pool.prefix_caching(),
-            self.pool.hash_mode(),
-        )
-        .map_err(|e| match e {
-            CoreError::Config(m) => CoreError::Config(format!("host tier: {m}")),
-            e => e,
-        })?;
+        let host = BlockPool::new(num_host_blocks, self.pool.block_size(), self.pool.prefix_caching(), self.pool.hash_mode())
+            .map_err(|e| match e {
+                CoreError::Config(m) => CoreError::Config(format!("host tier: {m}")),
+                e => e,
+            })?;
         let mut host = host;
         host.keep_full_hashes();
         host.set_record_events(self.record_events, Medium::Cpu);
@@ -387,21 +373,13 @@ impl KvCacheManager {
             return Ok(self);
         }
         let Some(host) = self.host.as_mut() else {
-            return Err(CoreError::Config(
-                "a disk tier needs a host tier (num_host_blocks > 0)".into(),
-            ));
+            return Err(CoreError::Config("a disk tier needs a host tier (num_host_blocks > 0)".into()));
         };
         if !self.pool.prefix_caching() {
             return Err(CoreError::Config("a disk tier needs prefix caching".into()));
         }
         host.set_log_evictions(true);
-        let disk = BlockPool::new(
-            num_disk_blocks,
-            self.pool.block_size(),
-            true,
-            self.pool.hash_mode(),
-        )
-        .map_err(|e| match e {
+        let disk = BlockPool::new(num_disk_blocks, self.pool.block_size(), true, self.pool.hash_mode()).map_err(|e| match e {
             CoreError::Config(m) => CoreError::Config(format!("disk tier: {m}")),
             e => e,
         })?;
@@ -463,16 +441,12 @@ impl KvCacheManager {
     /// The live sequence `id`.
     #[inline]
     pub fn seq(&self, id: SeqId) -> Result<&Sequence> {
-        self.seqs
-            .get(id.key())
-            .ok_or(CoreError::UnknownSequence(id.0))
+        self.seqs.get(id.key()).ok_or(CoreError::UnknownSequence(id.0))
     }
 
     #[inline]
     fn seq_mut(&mut self, id: SeqId) -> Result<&mut Sequence> {
-        self.seqs
-            .get_mut(id.key())
-            .ok_or(CoreError::UnknownSequence(id.0))
+        self.seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))
     }
 
     fn insert(&mut self, seq: Sequence) -> SeqId {
@@ -480,41 +454,28 @@ impl KvCacheManager {
     }
 
     fn evictions(&self) -> u64 {
-        [Some(&self.pool), self.host.as_ref(), self.disk.as_ref()]
-            .into_iter()
-            .flatten()
-            .map(|p| p.counters().evictions)
-            .sum()
+        [Some(&self.pool), self.host.as_ref(), self.disk.as_ref()].into_iter().flatten().map(|p| p.counters().evictions).sum()
     }
 
     /// The longest verified cached prefix of `tokens` under `extra`, leaving at least one token
     /// to compute: device hits first at each position, then host hits. Changes nothing.
     pub fn match_prefix(&mut self, tokens: &[u32], extra: &ExtraKey) -> PrefixMatch {
-        let mut m = PrefixMatch {
-            evictions_at_match: self.evictions(),
-            link: ChainLink::Root,
-            ..Default::default()
-        };
+        let mut m = PrefixMatch { evictions_at_match: self.evictions(), link: ChainLink::Root, ..Default::default() };
         if !self.pool.prefix_caching() || tokens.is_empty() {
             return m;
         }
         let bs = self.block_size();
         let max_blocks = (tokens.len() - 1) / bs;
-        self.hasher
-            .extend_chain(&mut m.hashes, tokens, bs, extra, max_blocks);
+        self.hasher.extend_chain(&mut m.hashes, tokens, bs, extra, max_blocks);
         let mut parent = None;
         for (k, &h) in m.hashes.iter().take(max_blocks).enumerate() {
             let t = &tokens[k * bs..(k + 1) * bs];
-            let found = [
-                (Tier::Device, Some(&self.pool)),
-                (Tier::Host, self.host.as_ref()),
-                (Tier::Disk, self.disk.as_ref()),
-            ]
-            .into_iter()
-            .find_map(|(tier, pool)| {
-                let (block, node) = pool?.lookup_verified(h, parent, t, extra)?;
-                Some((TierBlock { tier, block }, node))
-            });
+            let found = [(Tier::Device, Some(&self.pool)), (Tier::Host, self.host.as_ref()), (Tier::Disk, self.disk.as_ref())]
+                .into_iter()
+                .find_map(|(tier, pool)| {
+                    let (block, node) = pool?.lookup_verified(h, parent, t, extra)?;
+                    Some((TierBlock { tier, block }, node))
+                });
             let Some((hit, node)) = found else { break };
             m.hits.push(hit);
             parent = Some(node);
@@ -526,11 +487,7 @@ impl KvCacheManager {
     /// A match with no hits, current with the pools' evictions (so `add_sequence` keeps it as
     /// it is): the sequence computes every token, and its full blocks are still registered.
     pub fn no_prefix_match(&self) -> PrefixMatch {
-        PrefixMatch {
-            evictions_at_match: self.evictions(),
-            link: ChainLink::Root,
-            ..Default::default()
-        }
+        PrefixMatch { evictions_at_match: self.evictions(), link: ChainLink::Root, ..Default::default() }
     }
 
     /// Blocks a new sequence takes from the free device pool to get `m`'s cached prefix plus
@@ -554,12 +511,7 @@ impl KvCacheManager {
     /// reference on each device hit; host hits are loaded into fresh device blocks, as many as
     /// the free pool allows, and the prefix ends before the first that does not fit). Returns
     /// the id and the number of cached tokens; those tokens count as computed.
-    pub fn add_sequence(
-        &mut self,
-        tokens: Vec<u32>,
-        extra: ExtraKey,
-        m: PrefixMatch,
-    ) -> (SeqId, usize) {
+    pub fn add_sequence(&mut self, tokens: Vec<u32>, extra: ExtraKey, m: PrefixMatch) -> (SeqId, usize) {
         self.add_sequence_with_retention(tokens, extra, m, RetentionPolicy::default())
     }
 
@@ -579,16 +531,10 @@ impl KvCacheManager {
         // of the free queue first, so they do not count as room). The prefix ends before the
         // first hit that does not fit.
         let revived = |pool: &BlockPool, tier: Tier| {
-            m.hits
-                .iter()
-                .filter(|h| h.tier == tier && pool.ref_count_unchecked(h.block) == 0)
-                .count()
+            m.hits.iter().filter(|h| h.tier == tier && pool.ref_count_unchecked(h.block) == 0).count()
         };
         let mut device_room = self.pool.num_free() - revived(&self.pool, Tier::Device);
-        let mut host_room = self
-            .host
-            .as_ref()
-            .map_or(0, |h| h.num_free() - revived(h, Tier::Host));
+        let mut host_room = self.host.as_ref().map_or(0, |h| h.num_free() - revived(h, Tier::Host));
         let mut keep = m.hits.len();
         for (k, hit) in m.hits.iter().enumerate() {
             let needs_host = hit.tier == Tier::Disk;
@@ -642,8 +588,7 @@ impl KvCacheManager {
                 }
                 Tier::Disk => {
                     from_disk += 1;
-                    self.load_from_disk(hit.block)
-                        .and_then(|h| self.load_from_host(h))
+                    self.load_from_disk(hit.block).and_then(|h| self.load_from_host(h))
                 }
             };
             match loaded {
@@ -727,9 +672,7 @@ impl KvCacheManager {
     fn write_back_evicted(&mut self) {
         // The common case (nothing evicted, or no tier below) stays a couple of loads on the
         // decode path.
-        if self.host.is_some()
-            && (self.pool.has_evicted() || self.host.as_ref().is_some_and(BlockPool::has_evicted))
-        {
+        if self.host.is_some() && (self.pool.has_evicted() || self.host.as_ref().is_some_and(BlockPool::has_evicted)) {
             self.spill_evicted();
         }
     }
@@ -782,22 +725,12 @@ impl KvCacheManager {
     ///
     /// Until one of those calls the fresh blocks are in the sequence's write window: not in
     /// the prefix cache, so no other request can hit them while their KV is arriving.
-    pub fn reserve_prefix(
-        &mut self,
-        tokens: Vec<u32>,
-        extra: ExtraKey,
-        num_blocks: usize,
-    ) -> Option<(SeqId, usize)> {
+    pub fn reserve_prefix(&mut self, tokens: Vec<u32>, extra: ExtraKey, num_blocks: usize) -> Option<(SeqId, usize)> {
         let bs = self.block_size();
         let num_blocks = num_blocks.min(tokens.len().saturating_sub(1) / bs);
         let mut m = self.match_prefix(&tokens, &extra);
         // Host and disk hits would need copies that only a scheduled step runs: stop there.
-        let keep = m
-            .hits
-            .iter()
-            .take(num_blocks)
-            .take_while(|h| h.tier == Tier::Device)
-            .count();
+        let keep = m.hits.iter().take(num_blocks).take_while(|h| h.tier == Tier::Device).count();
         if keep < m.hits.len() {
             m.hits.truncate(keep);
             m.link = match m.hits.last() {
@@ -805,11 +738,7 @@ impl KvCacheManager {
                 Some(h) => self.node_of(*h).map_or(ChainLink::Broken, ChainLink::Node),
             };
         }
-        let revived = m
-            .hits
-            .iter()
-            .filter(|h| self.pool.ref_count_unchecked(h.block) == 0)
-            .count();
+        let revived = m.hits.iter().filter(|h| self.pool.ref_count_unchecked(h.block) == 0).count();
         if num_blocks - keep + revived > self.pool.num_free() {
             return None;
         }
@@ -866,16 +795,8 @@ impl KvCacheManager {
     /// become full in the prefix cache. All-or-nothing: `Ok(false)` and no change when the pool
     /// has too few free blocks. The sequence must be on the device.
     pub fn allocate_slots(&mut self, id: SeqId, n: usize) -> Result<bool> {
-        let KvCacheManager {
-            pool,
-            hasher,
-            seqs,
-            copy_ops,
-            ..
-        } = self;
-        let seq = seqs
-            .get_mut(id.key())
-            .ok_or(CoreError::UnknownSequence(id.0))?;
+        let KvCacheManager { pool, hasher, seqs, copy_ops, .. } = self;
+        let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         if n > seq.num_pending() {
             return Err(CoreError::InvalidArgument(format!(
                 "cannot allocate slots for {n} tokens: sequence {id} has only {} tokens without a slot \
@@ -929,12 +850,7 @@ impl KvCacheManager {
 
     /// Offers the sequence's full blocks within its first `upto` computed tokens, not offered
     /// yet, to the prefix cache (device sequences only).
-    fn register_full_blocks(
-        pool: &mut BlockPool,
-        hasher: &mut BlockHasher,
-        seq: &mut Sequence,
-        upto: usize,
-    ) {
+    fn register_full_blocks(pool: &mut BlockPool, hasher: &mut BlockHasher, seq: &mut Sequence, upto: usize) {
         if !pool.prefix_caching() || seq.tier != Tier::Device {
             return;
         }
@@ -944,15 +860,8 @@ impl KvCacheManager {
             return;
         }
         hasher.extend_chain(&mut seq.hashes, &seq.tokens, bs, &seq.extra, full);
-        let (_, link) = pool.register_chain(
-            seq.table.blocks(),
-            &seq.hashes,
-            &seq.tokens,
-            &seq.extra,
-            seq.num_registered,
-            full,
-            seq.link,
-        );
+        let (_, link) =
+            pool.register_chain(seq.table.blocks(), &seq.hashes, &seq.tokens, &seq.extra, seq.num_registered, full, seq.link);
         seq.link = link;
         seq.num_registered = full;
     }
@@ -974,20 +883,10 @@ impl KvCacheManager {
     /// Decode step for one sequence: appends `token` and gives it a slot. All-or-nothing:
     /// `Ok(false)` and no change when no block is free.
     pub fn append_token_with_slot(&mut self, id: SeqId, token: u32) -> Result<bool> {
-        let KvCacheManager {
-            pool,
-            hasher,
-            seqs,
-            copy_ops,
-            ..
-        } = self;
-        let seq = seqs
-            .get_mut(id.key())
-            .ok_or(CoreError::UnknownSequence(id.0))?;
+        let KvCacheManager { pool, hasher, seqs, copy_ops, .. } = self;
+        let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         if seq.tier != Tier::Device {
-            return Err(CoreError::InvalidArgument(format!(
-                "sequence {id} is swapped out to the host"
-            )));
+            return Err(CoreError::InvalidArgument(format!("sequence {id} is swapped out to the host")));
         }
         seq.tokens.push(token);
         // One slot for the new token, plus any earlier pending ones (all of them, in order).
@@ -1003,12 +902,7 @@ impl KvCacheManager {
     /// Decode step for a batch: appends `tokens[i]` to `ids[i]` and gives it a slot, each
     /// sequence all-or-nothing; `ok[i]` says which succeeded (the others need preemption).
     /// Fails, changing nothing, if any id is unknown or the lengths differ.
-    pub fn append_tokens_with_slots(
-        &mut self,
-        ids: &[SeqId],
-        tokens: &[u32],
-        ok: &mut Vec<bool>,
-    ) -> Result<()> {
+    pub fn append_tokens_with_slots(&mut self, ids: &[SeqId], tokens: &[u32], ok: &mut Vec<bool>) -> Result<()> {
         if ids.len() != tokens.len() {
             return Err(CoreError::InvalidArgument(format!(
                 "got {} sequence ids but {} token ids",
@@ -1018,9 +912,7 @@ impl KvCacheManager {
         }
         for &id in ids {
             if self.seq(id)?.tier != Tier::Device {
-                return Err(CoreError::InvalidArgument(format!(
-                    "sequence {id} is swapped out to the host"
-                )));
+                return Err(CoreError::InvalidArgument(format!("sequence {id} is swapped out to the host")));
             }
         }
         ok.clear();
@@ -1039,14 +931,8 @@ impl KvCacheManager {
         let child = parent.clone();
         let pool = match child.tier {
             Tier::Device => &mut self.pool,
-            Tier::Host => self.host.as_mut().ok_or_else(|| {
-                CoreError::InvariantViolation("host sequence without a host tier".into())
-            })?,
-            Tier::Disk => {
-                return Err(CoreError::InvariantViolation(
-                    "a sequence on the disk tier".into(),
-                ))
-            }
+            Tier::Host => self.host.as_mut().ok_or_else(|| CoreError::InvariantViolation("host sequence without a host tier".into()))?,
+            Tier::Disk => return Err(CoreError::InvariantViolation("a sequence on the disk tier".into())),
         };
         for &b in child.table.blocks() {
             pool.acquire_unchecked(b);
@@ -1062,23 +948,13 @@ impl KvCacheManager {
     /// blocks come first, so that rule only matters past them: there a block gets the lower
     /// of the default and the prompt's retention.
     fn release_blocks(pool: &mut BlockPool, seq: &Sequence, blocks: &[BlockId]) {
-        let covered_tokens = seq
-            .retention
-            .num_tokens
-            .map_or(seq.prompt_len, |n| n.min(seq.prompt_len));
+        let covered_tokens = seq.retention.num_tokens.map_or(seq.prompt_len, |n| n.min(seq.prompt_len));
         let covered = covered_tokens / pool.block_size();
         let prompt = Retention {
             priority: seq.retention.priority,
-            expires_at_us: seq
-                .retention
-                .duration_us
-                .map(|d| pool.now_us().saturating_add(d)),
+            expires_at_us: seq.retention.duration_us.map(|d| pool.now_us().saturating_add(d)),
         };
-        let tail = if covered > 0 && prompt.priority < DEFAULT_RETENTION_PRIORITY {
-            prompt
-        } else {
-            Retention::DEFAULT
-        };
+        let tail = if covered > 0 && prompt.priority < DEFAULT_RETENTION_PRIORITY { prompt } else { Retention::DEFAULT };
         for (k, &b) in blocks.iter().enumerate().rev() {
             pool.release_with_retention(b, if k < covered { prompt } else { tail });
         }
@@ -1093,10 +969,7 @@ impl KvCacheManager {
     /// Ends sequence `id` like [`Self::free`] and hands back its token ids (a preempted
     /// request keeps them to be recomputed later).
     pub fn free_take_tokens(&mut self, id: SeqId) -> Result<Vec<u32>> {
-        let mut seq = self
-            .seqs
-            .remove(id.key())
-            .ok_or(CoreError::UnknownSequence(id.0))?;
+        let mut seq = self.seqs.remove(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         // Blocks filled by decoding become findable now (see `Sequence::prompt_len`).
         let upto = seq.num_computed;
         Self::register_full_blocks(&mut self.pool, &mut self.hasher, &mut seq, upto);
@@ -1118,10 +991,7 @@ impl KvCacheManager {
     /// and blocks holding any of them lose their prefix-cache identity (the step may have
     /// registered them before writing them), so nothing unwritten is ever served as a hit.
     pub fn free_discarding_window(&mut self, id: SeqId) -> Result<Vec<u32>> {
-        let seq = self
-            .seqs
-            .get_mut(id.key())
-            .ok_or(CoreError::UnknownSequence(id.0))?;
+        let seq = self.seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         if seq.tier == Tier::Device {
             let first_unsure = seq.write_start / self.pool.block_size();
             for k in first_unsure..seq.num_registered.min(seq.table.len()) {
@@ -1139,9 +1009,7 @@ impl KvCacheManager {
     /// cached on the device). `None` without a host tier or for a host sequence.
     pub fn swap_out_cost(&self, id: SeqId) -> Result<Option<(usize, usize)>> {
         let seq = self.seq(id)?;
-        let Some(host) = self.host.as_ref() else {
-            return Ok(None);
-        };
+        let Some(host) = self.host.as_ref() else { return Ok(None) };
         if seq.tier != Tier::Device {
             return Ok(None);
         }
@@ -1164,26 +1032,11 @@ impl KvCacheManager {
     /// `Ok(false)` and no change without a host tier or with too few free host blocks (the
     /// caller recomputes instead). The sequence's window must be closed (its last step ran).
     pub fn swap_out(&mut self, id: SeqId) -> Result<bool> {
-        let KvCacheManager {
-            pool,
-            host,
-            hasher,
-            seqs,
-            swap_out,
-            step_host_written,
-            tiers,
-            ..
-        } = self;
-        let seq = seqs
-            .get_mut(id.key())
-            .ok_or(CoreError::UnknownSequence(id.0))?;
-        let Some(host) = host.as_mut() else {
-            return Ok(false);
-        };
+        let KvCacheManager { pool, host, hasher, seqs, swap_out, step_host_written, tiers, .. } = self;
+        let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
+        let Some(host) = host.as_mut() else { return Ok(false) };
         if seq.tier != Tier::Device {
-            return Err(CoreError::InvalidArgument(format!(
-                "sequence {id} is already on the host"
-            )));
+            return Err(CoreError::InvalidArgument(format!("sequence {id} is already on the host")));
         }
         // Blocks filled by decoding get their identity now, so their content can be found on
         // either tier later (as when a sequence is freed).
@@ -1202,12 +1055,7 @@ impl KvCacheManager {
             return Ok(false);
         }
         // Shared host blocks first, so the fresh allocations below cannot evict them.
-        let mut targets: Vec<Option<BlockId>> = seq
-            .table
-            .blocks()
-            .iter()
-            .map(|&b| resident(b, host))
-            .collect();
+        let mut targets: Vec<Option<BlockId>> = seq.table.blocks().iter().map(|&b| resident(b, host)).collect();
         for h in targets.iter().flatten() {
             host.acquire_unchecked(*h);
         }
@@ -1217,9 +1065,7 @@ impl KvCacheManager {
             }
             let d = seq.table.blocks()[k];
             let Some(h) = host.allocate_one() else {
-                return Err(CoreError::InvariantViolation(
-                    "host pool ran out during a checked swap-out".into(),
-                ));
+                return Err(CoreError::InvariantViolation("host pool ran out during a checked swap-out".into()));
             };
             if let Some(identity) = pool.identity(d) {
                 host.register_copy(h, identity, pool.cached_tokens(d));
@@ -1244,9 +1090,7 @@ impl KvCacheManager {
     /// plus cached ones that are free now).
     pub fn swap_in_cost(&self, id: SeqId) -> Result<usize> {
         let seq = self.seq(id)?;
-        let Some(host) = self.host.as_ref() else {
-            return Ok(0);
-        };
+        let Some(host) = self.host.as_ref() else { return Ok(0) };
         if seq.tier != Tier::Host {
             return Ok(0);
         }
@@ -1268,9 +1112,7 @@ impl KvCacheManager {
     /// when too few device blocks are free.
     pub fn swap_in(&mut self, id: SeqId) -> Result<bool> {
         if self.seq(id)?.tier != Tier::Host {
-            return Err(CoreError::InvalidArgument(format!(
-                "sequence {id} is not swapped out"
-            )));
+            return Err(CoreError::InvalidArgument(format!("sequence {id} is not swapped out")));
         }
         if self.swap_in_cost(id)? > self.pool.num_free() {
             return Ok(false);
@@ -1280,9 +1122,7 @@ impl KvCacheManager {
             None => return Err(CoreError::UnknownSequence(id.0)),
         };
         let Some(host) = self.host.as_ref() else {
-            return Err(CoreError::InvariantViolation(
-                "host sequence without a host tier".into(),
-            ));
+            return Err(CoreError::InvariantViolation("host sequence without a host tier".into()));
         };
         // Device blocks still holding the content first (out of the free queue), then fresh
         // ones, so the fresh allocations cannot evict them.
@@ -1297,18 +1137,13 @@ impl KvCacheManager {
             if t.is_none() {
                 *t = self.load_from_host(host_blocks[k]);
                 if t.is_none() {
-                    return Err(CoreError::InvariantViolation(
-                        "device pool ran out during a checked swap-in".into(),
-                    ));
+                    return Err(CoreError::InvariantViolation("device pool ran out during a checked swap-in".into()));
                 }
             }
         }
         // The host blocks stay referenced until the step's copies are planned (end_step).
         self.pinned_host.extend_from_slice(&host_blocks);
-        let seq = self
-            .seqs
-            .get_mut(id.key())
-            .ok_or(CoreError::UnknownSequence(id.0))?;
+        let seq = self.seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         seq.table = BlockTable::from_blocks(targets.into_iter().flatten().collect());
         seq.tier = Tier::Device;
         seq.write_start = seq.num_computed;
@@ -1375,36 +1210,18 @@ impl KvCacheManager {
             (0..upper.num_blocks() as u32)
                 .map(BlockId)
                 .filter(|&b| upper.find_copy_in(b, lower).is_none())
-                .filter_map(|b| {
-                    Some(Evicted {
-                        block: b,
-                        identity: upper.identity(b)?,
-                        tokens: upper.cached_tokens(b).to_vec(),
-                    })
-                })
+                .filter_map(|b| Some(Evicted { block: b, identity: upper.identity(b)?, tokens: upper.cached_tokens(b).to_vec() }))
                 .collect()
         };
         if let (Some(host), Some(disk)) = (self.host.as_ref(), self.disk.as_mut()) {
             let todo = cached_missing_below(host, disk);
-            let (written, skipped) = spill(
-                todo,
-                disk,
-                &mut self.disk_store,
-                &mut self.step_disk_written,
-                &mut self.pinned_disk,
-            );
+            let (written, skipped) = spill(todo, disk, &mut self.disk_store, &mut self.step_disk_written, &mut self.pinned_disk);
             self.tiers.blocks_to_disk += written;
             self.tiers.disk_writes_skipped += skipped;
         }
         if let Some(host) = self.host.as_mut() {
             let todo = cached_missing_below(&self.pool, host);
-            let (written, skipped) = spill(
-                todo,
-                host,
-                &mut self.swap_out,
-                &mut self.step_host_written,
-                &mut self.pinned_host,
-            );
+            let (written, skipped) = spill(todo, host, &mut self.swap_out, &mut self.step_host_written, &mut self.pinned_host);
             self.tiers.blocks_to_host += written;
             self.tiers.write_backs += written;
             self.tiers.write_backs_skipped += skipped;
@@ -1416,10 +1233,7 @@ impl KvCacheManager {
     /// Takes the disk copies recorded since the last call: `(host, slot)` writes and
     /// `(slot, host)` reads, each in order (module docs for where they run in a step).
     pub fn take_disk_ops(&mut self) -> (Vec<BlockPair>, Vec<BlockPair>) {
-        (
-            std::mem::take(&mut self.disk_store),
-            std::mem::take(&mut self.disk_load),
-        )
+        (std::mem::take(&mut self.disk_store), std::mem::take(&mut self.disk_load))
     }
 
     /// What disk slot `slot` holds: its identity and token ids (`None`: no disk tier, a bad
@@ -1445,9 +1259,7 @@ impl KvCacheManager {
         tokens: &[u32],
         extra: &ExtraKey,
     ) -> Restore {
-        let Some(disk) = self.disk.as_mut() else {
-            return Restore::Rejected;
-        };
+        let Some(disk) = self.disk.as_mut() else { return Restore::Rejected };
         if disk.hash_mode() != HashMode::Xxh3
             || tokens.len() != disk.block_size()
             || self.hasher.hash_block(parent_hash, extra, tokens) != hash
@@ -1464,9 +1276,7 @@ impl KvCacheManager {
         if disk.find_hash(hash).is_some() || disk.num_free_uncached() == 0 {
             return Restore::Rejected;
         }
-        let Some(slot) = disk.allocate_one() else {
-            return Restore::Rejected;
-        };
+        let Some(slot) = disk.allocate_one() else { return Restore::Rejected };
         let identity = BlockIdentity {
             hash,
             node: self.pool.mint_node(),
@@ -1499,12 +1309,7 @@ impl KvCacheManager {
     /// True when the host sequence `id` holds a block written by the step being planned.
     pub fn holds_step_host_written(&self, id: SeqId) -> Result<bool> {
         let seq = self.seq(id)?;
-        Ok(seq.tier == Tier::Host
-            && seq
-                .table
-                .blocks()
-                .iter()
-                .any(|b| self.step_host_written.contains(b)))
+        Ok(seq.tier == Tier::Host && seq.table.blocks().iter().any(|b| self.step_host_written.contains(b)))
     }
 
     /// Takes the copy-on-write ops recorded since the last call, in order.
@@ -1515,10 +1320,7 @@ impl KvCacheManager {
     /// Takes the swap copies recorded since the last call: `(device, host)` swap-outs and
     /// `(host, device)` swap-ins, each in order (run all swap-outs first).
     pub fn take_swap_ops(&mut self) -> (Vec<BlockPair>, Vec<BlockPair>) {
-        (
-            std::mem::take(&mut self.swap_out),
-            std::mem::take(&mut self.swap_in),
-        )
+        (std::mem::take(&mut self.swap_out), std::mem::take(&mut self.swap_in))
     }
 
     /// Drops the cached identity of every free cached block on every tier (device, host,
@@ -1543,15 +1345,11 @@ impl KvCacheManager {
 
     /// The pools that exist: device, host, disk.
     fn pools(&self) -> impl Iterator<Item = &BlockPool> {
-        [Some(&self.pool), self.host.as_ref(), self.disk.as_ref()]
-            .into_iter()
-            .flatten()
+        [Some(&self.pool), self.host.as_ref(), self.disk.as_ref()].into_iter().flatten()
     }
 
     fn pools_mut(&mut self) -> impl Iterator<Item = &mut BlockPool> {
-        [Some(&mut self.pool), self.host.as_mut(), self.disk.as_mut()]
-            .into_iter()
-            .flatten()
+        [Some(&mut self.pool), self.host.as_mut(), self.disk.as_mut()].into_iter().flatten()
     }
 
     /// Turns KV-cache events on or off on every pool (device, host and disk: see
@@ -1603,9 +1401,7 @@ impl KvCacheManager {
     /// in vLLM's wire format with timestamp `ts` (seconds; see
     /// [`crate::kv_events::encode_batch`]), or `None` when there are none.
     pub fn take_kv_events(&mut self, ts: f64) -> Option<Vec<u8>> {
-        if !self.record_events
-            || (self.pending_events.is_empty() && !self.pools().any(BlockPool::has_events))
-        {
+        if !self.record_events || (self.pending_events.is_empty() && !self.pools().any(BlockPool::has_events)) {
             return None;
         }
         let events = self.take_events();
@@ -1678,9 +1474,7 @@ impl KvCacheManager {
             for (i, &p) in pins.iter().enumerate() {
                 let rc = disk.ref_count_unchecked(BlockId(i as u32));
                 if rc != p {
-                    return Err(CoreError::InvariantViolation(format!(
-                        "disk slot {i} has ref count {rc} but {p} pins"
-                    )));
+                    return Err(CoreError::InvariantViolation(format!("disk slot {i} has ref count {rc} but {p} pins")));
                 }
             }
         }
@@ -1739,16 +1533,11 @@ fn spill(
 ) -> (u64, u64) {
     let (mut n_written, mut n_skipped) = (0, 0);
     for ev in evicted {
-        if lower
-            .find_node(ev.identity.hash, ev.identity.node)
-            .is_some()
-        {
+        if lower.find_node(ev.identity.hash, ev.identity.node).is_some() {
             continue; // resident there already
         }
-        let room = lower.num_free_uncached() > 0
-            || lower
-                .next_eviction_priority()
-                .is_some_and(|p| p <= ev.identity.retention.priority);
+        let room =
+            lower.num_free_uncached() > 0 || lower.next_eviction_priority().is_some_and(|p| p <= ev.identity.retention.priority);
         let Some(dst) = room.then(|| lower.allocate_one()).flatten() else {
             n_skipped += 1;
             continue;
@@ -1817,16 +1606,10 @@ mod tests {
         assert!(!m.allocate_slots(s, 12).unwrap());
         assert_eq!(m.seq(s).unwrap().num_computed(), 0);
         assert!(m.allocate_slots(s, 8).unwrap());
-        assert!(
-            !m.append_token_with_slot(s, 99).unwrap_or(true)
-                || m.seq(s).unwrap().num_tokens() == 12
-        );
+        assert!(!m.append_token_with_slot(s, 99).unwrap_or(true) || m.seq(s).unwrap().num_tokens() == 12);
         assert_eq!(m.pool().num_free(), 0);
         m.check_invariants().unwrap();
-        assert!(matches!(
-            m.allocate_slots(s, 5),
-            Err(CoreError::InvalidArgument(_))
-        ));
+        assert!(matches!(m.allocate_slots(s, 5), Err(CoreError::InvalidArgument(_))));
     }
 
     #[test]
@@ -1839,10 +1622,7 @@ mod tests {
         // Same prompt: two full blocks (8 tokens) cached, 2 left to compute.
         let (b, hit) = m.add_sequence_cached(prompt.clone(), ExtraKey::new(None));
         assert_eq!(hit, 8);
-        assert_eq!(
-            m.seq(b).unwrap().table().blocks(),
-            &m.seq(a).unwrap().table().blocks()[..2]
-        );
+        assert_eq!(m.seq(b).unwrap().table().blocks(), &m.seq(a).unwrap().table().blocks()[..2]);
         // A prompt of exactly 8 tokens: at most 1 block may hit (one token must be computed).
         let (c, hit) = m.add_sequence_cached(toks(0..8), ExtraKey::new(None));
         assert_eq!(hit, 4);
@@ -1855,15 +1635,7 @@ mod tests {
         }
         assert_eq!(m.pool().num_free(), 16);
         m.check_invariants().unwrap();
-        assert_eq!(
-            m.prefix_counters(),
-            PrefixCounters {
-                queries: 38,
-                hits: 12,
-                host_hits: 0,
-                disk_hits: 0
-            }
-        );
+        assert_eq!(m.prefix_counters(), PrefixCounters { queries: 38, hits: 12, host_hits: 0, disk_hits: 0 });
     }
 
     #[test]
@@ -1897,12 +1669,7 @@ mod tests {
         assert_eq!(m.seq(b).unwrap().table().blocks()[1], shared_last);
         assert!(m.take_copy_ops().is_empty());
         // The first (full) block stays shared.
-        assert_eq!(
-            m.pool()
-                .ref_count(m.seq(a).unwrap().table().blocks()[0])
-                .unwrap(),
-            2
-        );
+        assert_eq!(m.pool().ref_count(m.seq(a).unwrap().table().blocks()[0]).unwrap(), 2);
         m.check_invariants().unwrap();
         m.free(a).unwrap();
         m.free(b).unwrap();

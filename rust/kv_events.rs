@@ -128,13 +128,7 @@ impl KvEvent {
     pub fn merge(&mut self, next: KvEvent) -> Option<KvEvent> {
         match (self, next) {
             (
-                KvEvent::BlockStored {
-                    block_hashes,
-                    token_ids,
-                    block_size,
-                    medium,
-                    ..
-                },
+                KvEvent::BlockStored { block_hashes, token_ids, block_size, medium, .. },
                 KvEvent::BlockStored {
                     block_hashes: more,
                     parent_block_hash: Some(parent),
@@ -151,16 +145,9 @@ impl KvEvent {
                 token_ids.extend_from_slice(&more_tokens);
                 None
             }
-            (
-                KvEvent::BlockRemoved {
-                    block_hashes,
-                    medium,
-                },
-                KvEvent::BlockRemoved {
-                    block_hashes: more,
-                    medium: m,
-                },
-            ) if *medium == m && block_hashes.len() + more.len() <= MAX_BLOCKS_PER_EVENT => {
+            (KvEvent::BlockRemoved { block_hashes, medium }, KvEvent::BlockRemoved { block_hashes: more, medium: m })
+                if *medium == m && block_hashes.len() + more.len() <= MAX_BLOCKS_PER_EVENT =>
+            {
                 block_hashes.extend_from_slice(&more);
                 None
             }
@@ -172,21 +159,10 @@ impl KvEvent {
 /// The wire hashes of the full blocks of `tokens` (blocks of `block_size` tokens) under the
 /// cache `salt`: what a pool hashing in `mode` names them in its events, so what a KV-aware
 /// router computes for a prompt. A trailing partial block has none.
-pub fn wire_block_hashes(
-    tokens: &[u32],
-    block_size: usize,
-    salt: Option<&str>,
-    mode: HashMode,
-) -> Vec<u64> {
+pub fn wire_block_hashes(tokens: &[u32], block_size: usize, salt: Option<&str>, mode: HashMode) -> Vec<u64> {
     let mut hasher = BlockHasher::new(mode);
     let mut hashes = Vec::with_capacity(tokens.len() / block_size.max(1));
-    hasher.extend_chain(
-        &mut hashes,
-        tokens,
-        block_size,
-        &ExtraKey::new(salt),
-        usize::MAX,
-    );
+    hasher.extend_chain(&mut hashes, tokens, block_size, &ExtraKey::new(salt), usize::MAX);
     hashes.into_iter().map(index_key).collect()
 }
 
@@ -212,11 +188,7 @@ pub struct KvEventLog {
 impl KvEventLog {
     /// An empty log of a pool of `block_size`-token blocks in `medium`.
     pub fn new(medium: Medium, block_size: usize) -> Self {
-        KvEventLog {
-            medium,
-            block_size,
-            events: Vec::new(),
-        }
+        KvEventLog { medium, block_size, events: Vec::new() }
     }
 
     /// The pool's medium.
@@ -228,15 +200,7 @@ impl KvEventLog {
     /// (`None`: a first block), holding `tokens`, entered the cache.
     pub fn stored(&mut self, hash: u64, parent: Option<u64>, tokens: &[u32]) {
         // Coalescing in place: no event (and no vector) per block along a chain.
-        if let (
-            Some(KvEvent::BlockStored {
-                block_hashes,
-                token_ids,
-                ..
-            }),
-            Some(p),
-        ) = (self.events.last_mut(), parent)
-        {
+        if let (Some(KvEvent::BlockStored { block_hashes, token_ids, .. }), Some(p)) = (self.events.last_mut(), parent) {
             if block_hashes.last() == Some(&p) && block_hashes.len() < MAX_BLOCKS_PER_EVENT {
                 block_hashes.push(hash);
                 token_ids.extend_from_slice(tokens);
@@ -260,10 +224,7 @@ impl KvEventLog {
                 return;
             }
         }
-        self.events.push(KvEvent::BlockRemoved {
-            block_hashes: vec![hash],
-            medium: self.medium,
-        });
+        self.events.push(KvEvent::BlockRemoved { block_hashes: vec![hash], medium: self.medium });
     }
 
     /// The events logged and not yet taken, in order.
@@ -298,9 +259,7 @@ pub fn order_parents_first(events: Vec<KvEvent>) -> Vec<KvEvent> {
     let mut run: Vec<KvEvent> = Vec::new();
     for e in events {
         let joins = match (&e, run.first()) {
-            (KvEvent::BlockStored { medium, .. }, Some(KvEvent::BlockStored { medium: m, .. })) => {
-                medium == m
-            }
+            (KvEvent::BlockStored { medium, .. }, Some(KvEvent::BlockStored { medium: m, .. })) => medium == m,
             (KvEvent::BlockStored { .. }, None) => true,
             _ => false,
         };
@@ -339,9 +298,7 @@ fn flush_run(run: &mut Vec<KvEvent>, out: &mut Vec<KvEvent>) {
         }
     }
     let parent_of = |e: &KvEvent| match e {
-        KvEvent::BlockStored {
-            parent_block_hash, ..
-        } => *parent_block_hash,
+        KvEvent::BlockStored { parent_block_hash, .. } => *parent_block_hash,
         _ => None,
     };
     let mut owner: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
@@ -406,13 +363,7 @@ fn encode_batch_into(buf: &mut Vec<u8>, ts: f64, events: &[KvEvent]) -> std::io:
     encode::write_array_len(buf, len32(events.len()))?;
     for e in events {
         match e {
-            KvEvent::BlockStored {
-                block_hashes,
-                parent_block_hash,
-                token_ids,
-                block_size,
-                medium,
-            } => {
+            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium } => {
                 encode::write_array_len(buf, 7)?;
                 encode::write_str(buf, "BlockStored")?;
                 write_hashes(buf, block_hashes)?;
@@ -430,10 +381,7 @@ fn encode_batch_into(buf: &mut Vec<u8>, ts: f64, events: &[KvEvent]) -> std::io:
                 encode::write_nil(buf)?; // lora_id
                 encode::write_str(buf, medium.as_str())?;
             }
-            KvEvent::BlockRemoved {
-                block_hashes,
-                medium,
-            } => {
+            KvEvent::BlockRemoved { block_hashes, medium } => {
                 encode::write_array_len(buf, 3)?;
                 encode::write_str(buf, "BlockRemoved")?;
                 write_hashes(buf, block_hashes)?;
@@ -474,10 +422,7 @@ pub fn decode_batch(bytes: &[u8]) -> Result<(f64, Vec<KvEvent>)> {
         rd.uint()?; // data_parallel_rank
     }
     if !rd.rest.is_empty() {
-        return Err(malformed(format!(
-            "{} bytes after the batch",
-            rd.rest.len()
-        )));
+        return Err(malformed(format!("{} bytes after the batch", rd.rest.len())));
     }
     Ok((ts, events))
 }
@@ -493,21 +438,16 @@ struct Reader<'a> {
 
 impl<'a> Reader<'a> {
     fn array_len(&mut self) -> Result<u32> {
-        rmp::decode::read_array_len(&mut self.rest)
-            .map_err(|e| malformed(format!("expected an array: {e}")))
+        rmp::decode::read_array_len(&mut self.rest).map_err(|e| malformed(format!("expected an array: {e}")))
     }
 
     fn uint(&mut self) -> Result<u64> {
-        rmp::decode::read_int(&mut self.rest)
-            .map_err(|e| malformed(format!("expected an unsigned integer: {e}")))
+        rmp::decode::read_int(&mut self.rest).map_err(|e| malformed(format!("expected an unsigned integer: {e}")))
     }
 
     /// A float64 (or float32) value.
     fn float(&mut self) -> Result<f64> {
-        let (&marker, rest) = self
-            .rest
-            .split_first()
-            .ok_or_else(|| malformed("expected a float, got the end".into()))?;
+        let (&marker, rest) = self.rest.split_first().ok_or_else(|| malformed("expected a float, got the end".into()))?;
         let width = match Marker::from_u8(marker) {
             Marker::F64 => 8,
             Marker::F32 => 4,
@@ -541,8 +481,7 @@ impl<'a> Reader<'a> {
     }
 
     fn str(&mut self) -> Result<&'a str> {
-        let n = rmp::decode::read_str_len(&mut self.rest)
-            .map_err(|e| malformed(format!("expected a string: {e}")))? as usize;
+        let n = rmp::decode::read_str_len(&mut self.rest).map_err(|e| malformed(format!("expected a string: {e}")))? as usize;
         if self.rest.len() < n {
             return Err(malformed("truncated string".into()));
         }
@@ -580,38 +519,22 @@ impl<'a> Reader<'a> {
         Ok(match fields {
             7 => {
                 let block_hashes = self.uints()?;
-                let parent_block_hash = if self.nil()? {
-                    None
-                } else {
-                    Some(self.uint()?)
-                };
+                let parent_block_hash = if self.nil()? { None } else { Some(self.uint()?) };
                 let token_ids = self
                     .uints()?
                     .into_iter()
-                    .map(|t| {
-                        u32::try_from(t)
-                            .map_err(|_| malformed(format!("token id {t} out of range")))
-                    })
+                    .map(|t| u32::try_from(t).map_err(|_| malformed(format!("token id {t} out of range"))))
                     .collect::<Result<Vec<u32>>>()?;
                 let block_size = self.uint()? as usize;
                 if !self.nil()? {
                     return Err(malformed("lora_id must be nil".into()));
                 }
                 let medium = self.medium()?;
-                KvEvent::BlockStored {
-                    block_hashes,
-                    parent_block_hash,
-                    token_ids,
-                    block_size,
-                    medium,
-                }
+                KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium }
             }
             3 => {
                 let block_hashes = self.uints()?;
-                KvEvent::BlockRemoved {
-                    block_hashes,
-                    medium: self.medium()?,
-                }
+                KvEvent::BlockRemoved { block_hashes, medium: self.medium()? }
             }
             _ => KvEvent::AllBlocksCleared,
         })
@@ -655,10 +578,7 @@ mod tests {
                     block_size: 2,
                     medium: Medium::Cpu
                 },
-                KvEvent::BlockRemoved {
-                    block_hashes: vec![10, 11],
-                    medium: Medium::Cpu
-                },
+                KvEvent::BlockRemoved { block_hashes: vec![10, 11], medium: Medium::Cpu },
                 KvEvent::BlockStored {
                     block_hashes: vec![30],
                     parent_block_hash: None,
@@ -666,10 +586,7 @@ mod tests {
                     block_size: 2,
                     medium: Medium::Cpu
                 },
-                KvEvent::BlockRemoved {
-                    block_hashes: vec![12],
-                    medium: Medium::Cpu
-                },
+                KvEvent::BlockRemoved { block_hashes: vec![12], medium: Medium::Cpu },
                 KvEvent::BlockStored {
                     block_hashes: vec![31],
                     parent_block_hash: Some(30),
@@ -693,10 +610,7 @@ mod tests {
 
     #[test]
     fn coalesce_merges_only_continuations_of_one_pool() {
-        let removed = |h: &[u64], m| KvEvent::BlockRemoved {
-            block_hashes: h.to_vec(),
-            medium: m,
-        };
+        let removed = |h: &[u64], m| KvEvent::BlockRemoved { block_hashes: h.to_vec(), medium: m };
         let events = vec![
             stored(&[1], None, Medium::Gpu),
             stored(&[2, 3], Some(1), Medium::Gpu),
@@ -738,19 +652,12 @@ mod tests {
             stored(&[1, 2, 3, 4], None, Medium::Cpu),
             stored(&[5], Some(2), Medium::Cpu),
             stored(&[10, 11], Some(77), Medium::Cpu),
-            KvEvent::BlockRemoved {
-                block_hashes: vec![3],
-                medium: Medium::Cpu,
-            },
+            KvEvent::BlockRemoved { block_hashes: vec![3], medium: Medium::Cpu },
             stored(&[3], Some(2), Medium::Cpu),
         ];
         assert_eq!(log.take(), want);
         // Colliding hashes may form a cycle: every event is still kept once.
-        let cyc = vec![
-            stored(&[1], Some(2), Medium::Gpu),
-            stored(&[2], Some(1), Medium::Gpu),
-            stored(&[3], Some(3), Medium::Gpu),
-        ];
+        let cyc = vec![stored(&[1], Some(2), Medium::Gpu), stored(&[2], Some(1), Medium::Gpu), stored(&[3], Some(3), Medium::Gpu)];
         let got = order_parents_first(cyc);
         let mut blocks: Vec<u64> = got
             .iter()
@@ -762,10 +669,7 @@ mod tests {
         blocks.sort_unstable();
         assert_eq!(blocks, vec![1, 2, 3]);
         // Different media are separate runs, kept in their order.
-        let mixed = vec![
-            stored(&[2], Some(1), Medium::Gpu),
-            stored(&[1], None, Medium::Cpu),
-        ];
+        let mixed = vec![stored(&[2], Some(1), Medium::Gpu), stored(&[1], None, Medium::Cpu)];
         assert_eq!(order_parents_first(mixed.clone()), mixed);
     }
 
@@ -778,11 +682,7 @@ mod tests {
         let events = log.take();
         assert_eq!(events.len(), 2);
         match &events[1] {
-            KvEvent::BlockStored {
-                block_hashes,
-                parent_block_hash,
-                ..
-            } => {
+            KvEvent::BlockStored { block_hashes, parent_block_hash, .. } => {
                 assert_eq!(block_hashes.len(), 3);
                 assert_eq!(*parent_block_hash, Some(MAX_BLOCKS_PER_EVENT as u64));
             }
@@ -802,10 +702,7 @@ mod tests {
                 block_size: 1,
                 medium: Medium::Gpu,
             },
-            KvEvent::BlockRemoved {
-                block_hashes: vec![7],
-                medium: Medium::Disk,
-            },
+            KvEvent::BlockRemoved { block_hashes: vec![7], medium: Medium::Disk },
             KvEvent::AllBlocksCleared,
         ];
         let bytes = encode_batch(1.5, &events);
@@ -840,30 +737,18 @@ mod tests {
     fn decode_round_trips_and_refuses_garbage() {
         let events = vec![
             stored(&[1, 2], Some(u64::MAX - 1), Medium::Cpu),
-            KvEvent::BlockRemoved {
-                block_hashes: (0..300).collect(),
-                medium: Medium::Gpu,
-            },
+            KvEvent::BlockRemoved { block_hashes: (0..300).collect(), medium: Medium::Gpu },
         ];
         let bytes = encode_batch(-0.25, &events);
         assert_eq!(decode_batch(&bytes).unwrap(), (-0.25, events));
-        assert_eq!(
-            decode_batch(&encode_batch(0.0, &[])).unwrap(),
-            (0.0, vec![])
-        );
+        assert_eq!(decode_batch(&encode_batch(0.0, &[])).unwrap(), (0.0, vec![]));
         for cut in 0..bytes.len() {
-            assert!(
-                decode_batch(&bytes[..cut]).is_err(),
-                "a batch cut at {cut} bytes decoded"
-            );
+            assert!(decode_batch(&bytes[..cut]).is_err(), "a batch cut at {cut} bytes decoded");
         }
         let mut extra = bytes.clone();
         extra.push(0);
         assert!(decode_batch(&extra).is_err());
         assert!(decode_batch(&[0x92, 0xCB]).is_err());
-        assert!(matches!(
-            decode_batch(b"\x92\x00\x90"),
-            Err(CoreError::InvalidArgument(_))
-        ));
+        assert!(matches!(decode_batch(b"\x92\x00\x90"), Err(CoreError::InvalidArgument(_))));
     }
 }

@@ -30,11 +30,7 @@ pub struct Slab<T> {
 
 impl<T> Default for Slab<T> {
     fn default() -> Self {
-        Slab {
-            entries: Vec::new(),
-            free: Vec::new(),
-            len: 0,
-        }
+        Slab { entries: Vec::new(), free: Vec::new(), len: 0 }
     }
 }
 
@@ -57,19 +53,10 @@ impl<T> Slab<T> {
         if let Some(slot) = self.free.pop() {
             let e = &mut self.entries[slot as usize];
             e.value = Some(value);
-            SlabKey {
-                slot,
-                generation: e.generation,
-            }
+            SlabKey { slot, generation: e.generation }
         } else {
-            self.entries.push(Entry {
-                generation: 0,
-                value: Some(value),
-            });
-            SlabKey {
-                slot: (self.entries.len() - 1) as u32,
-                generation: 0,
-            }
+            self.entries.push(Entry { generation: 0, value: Some(value) });
+            SlabKey { slot: (self.entries.len() - 1) as u32, generation: 0 }
         }
     }
 
@@ -77,10 +64,7 @@ impl<T> Slab<T> {
     #[inline]
     pub fn get(&self, key: SlabKey) -> Option<&T> {
         match self.entries.get(key.slot as usize) {
-            Some(Entry {
-                generation,
-                value: Some(v),
-            }) if *generation == key.generation => Some(v),
+            Some(Entry { generation, value: Some(v) }) if *generation == key.generation => Some(v),
             _ => None,
         }
     }
@@ -89,10 +73,7 @@ impl<T> Slab<T> {
     #[inline]
     pub fn get_mut(&mut self, key: SlabKey) -> Option<&mut T> {
         match self.entries.get_mut(key.slot as usize) {
-            Some(Entry {
-                generation,
-                value: Some(v),
-            }) if *generation == key.generation => Some(v),
+            Some(Entry { generation, value: Some(v) }) if *generation == key.generation => Some(v),
             _ => None,
         }
     }
@@ -113,15 +94,7 @@ impl<T> Slab<T> {
     /// Live entries with their keys, in slot order.
     pub fn iter(&self) -> impl Iterator<Item = (SlabKey, &T)> + '_ {
         self.entries.iter().enumerate().filter_map(|(i, e)| {
-            e.value.as_ref().map(|v| {
-                (
-                    SlabKey {
-                        slot: i as u32,
-                        generation: e.generation,
-                    },
-                    v,
-                )
-            })
+            e.value.as_ref().map(|v| (SlabKey { slot: i as u32, generation: e.generation }, v))
         })
     }
 }

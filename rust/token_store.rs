@@ -20,10 +20,7 @@ pub struct TokenStore {
 impl TokenStore {
     /// An empty store for `num_blocks` blocks of `block_size` tokens.
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        TokenStore {
-            block_size,
-            pages: vec![Vec::new(); num_blocks.div_ceil(PAGE_BLOCKS)],
-        }
+        TokenStore { block_size, pages: vec![Vec::new(); num_blocks.div_ceil(PAGE_BLOCKS)] }
     }
 
     #[inline]

@@ -37,8 +37,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use pagedkv::block_hash::HashMode;
 use pagedkv::ids::BlockId;
 use pagedkv::scheduler::{
-    BeamCandidates, BeamHypothesis, BeamParams, FinishReason, NewRequest, Policy, PreemptionMode,
-    Scheduler, SchedulerConfig, StepOutput,
+    BeamCandidates, BeamHypothesis, BeamParams, FinishReason, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig,
+    StepOutput,
 };
 use proptest::prelude::*;
 use proptest::test_runner::RngSeed;
@@ -53,6 +53,7 @@ const VOCAB: u64 = 997;
 const CAND_VOCAB: u64 = 40;
 /// Candidates the model computes per beam row (a step gives `k` of them, `2W <= k <= K_MAX`).
 const K_MAX: usize = 10;
+
 
 fn digest_of(tokens: &[u32]) -> u64 {
     tokens.iter().fold(ROOT, |d, &t| chain(d, t))
@@ -86,6 +87,7 @@ fn candidates(digest: u64) -> Vec<(u32, f32)> {
     }
     out
 }
+
 
 // ---------------------------------------------------------------------------------------------
 // References.
@@ -172,10 +174,7 @@ fn reference_beam(s: &BeamSpec, max_model_len: usize) -> RefBeam {
         // two may break it differently. Candidates of one row never tie, but sums over
         // different beams can (f32 logprobs): rare (about one search in 10^5), and such a
         // search is left out of the comparison.
-        tied |= cands
-            .windows(2)
-            .take(2 * w)
-            .any(|p| p[0].0 == p[1].0 && p[0].0 != f64::NEG_INFINITY);
+        tied |= cands.windows(2).take(2 * w).any(|p| p[0].0 == p[1].0 && p[0].0 != f64::NEG_INFINITY);
         let is_stop = |t: u32| new_len >= s.min_tokens && s.stops.contains(&t);
         let mut survivors: Vec<(Vec<u32>, f64)> = Vec::new();
         let mut new_hyps: Vec<(Vec<u32>, f64, FinishReason)> = Vec::new();
@@ -201,27 +200,15 @@ fn reference_beam(s: &BeamSpec, max_model_len: usize) -> RefBeam {
         }
         for (tokens, cum, reason) in new_hyps {
             let sc = score(cum, tokens.len());
-            hyps.push(BeamHypothesis {
-                tokens,
-                cumulative_logprob: cum,
-                score: sc,
-                finish_reason: reason,
-            });
+            hyps.push(BeamHypothesis { tokens, cumulative_logprob: cum, score: sc, finish_reason: reason });
             // Stable: an equal score keeps the earlier hypothesis ahead.
             hyps.sort_by(|a, b| b.score.partial_cmp(&a.score).unwrap());
             hyps.truncate(w);
         }
         tied |= hyps.windows(2).any(|p| p[0].score == p[1].score);
-        let early = hyps.len() >= w
-            && survivors
-                .first()
-                .is_none_or(|(_, cum)| score(*cum, new_len) <= hyps[w - 1].score);
+        let early = hyps.len() >= w && survivors.first().is_none_or(|(_, cum)| score(*cum, new_len) <= hyps[w - 1].score);
         // (At the length limit the survivors are hypotheses themselves: no decision is left.)
-        tied |= !at_length
-            && hyps.len() >= w
-            && survivors
-                .first()
-                .is_some_and(|(_, cum)| score(*cum, new_len) == hyps[w - 1].score);
+        tied |= !at_length && hyps.len() >= w && survivors.first().is_some_and(|(_, cum)| score(*cum, new_len) == hyps[w - 1].score);
         let ended_by = if new_len >= s.max_tokens {
             Some(Ending::MaxTokens)
         } else if at_length {
@@ -234,12 +221,7 @@ fn reference_beam(s: &BeamSpec, max_model_len: usize) -> RefBeam {
             None
         };
         if let Some(ended_by) = ended_by {
-            return RefBeam {
-                hypotheses: hyps,
-                history,
-                ended_by,
-                tied,
-            };
+            return RefBeam { hypotheses: hyps, history, ended_by, tied };
         }
         history.push(survivors.iter().map(|(t, _)| t.clone()).collect());
         beams = survivors;
@@ -248,39 +230,13 @@ fn reference_beam(s: &BeamSpec, max_model_len: usize) -> RefBeam {
 }
 
 fn assert_same_result(id: &str, got: &[BeamHypothesis], want: &[BeamHypothesis]) {
-    let show = |h: &[BeamHypothesis]| {
-        h.iter()
-            .map(|x| format!("{:?} {:.6} {:?}", x.tokens, x.score, x.finish_reason))
-            .collect::<Vec<_>>()
-    };
-    assert_eq!(
-        got.len(),
-        want.len(),
-        "{id}: hypothesis count\n got  {:?}\n want {:?}",
-        show(got),
-        show(want)
-    );
+    let show = |h: &[BeamHypothesis]| h.iter().map(|x| format!("{:?} {:.6} {:?}", x.tokens, x.score, x.finish_reason)).collect::<Vec<_>>();
+    assert_eq!(got.len(), want.len(), "{id}: hypothesis count\n got  {:?}\n want {:?}", show(got), show(want));
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert_eq!(
-            g.tokens,
-            w.tokens,
-            "{id} #{i}: tokens\n got  {:?}\n want {:?}",
-            show(got),
-            show(want)
-        );
+        assert_eq!(g.tokens, w.tokens, "{id} #{i}: tokens\n got  {:?}\n want {:?}", show(got), show(want));
         assert_eq!(g.finish_reason, w.finish_reason, "{id} #{i}: finish reason");
-        assert!(
-            (g.cumulative_logprob - w.cumulative_logprob).abs() <= 1e-9,
-            "{id} #{i}: cumulative logprob {} vs {}",
-            g.cumulative_logprob,
-            w.cumulative_logprob
-        );
-        assert!(
-            (g.score - w.score).abs() <= 1e-9 * w.score.abs().max(1.0),
-            "{id} #{i}: score {} vs {}",
-            g.score,
-            w.score
-        );
+        assert!((g.cumulative_logprob - w.cumulative_logprob).abs() <= 1e-9, "{id} #{i}: cumulative logprob {} vs {}", g.cumulative_logprob, w.cumulative_logprob);
+        assert!((g.score - w.score).abs() <= 1e-9 * w.score.abs().max(1.0), "{id} #{i}: score {} vs {}", g.score, w.score);
     }
 }
 
@@ -334,14 +290,7 @@ struct Spec {
 }
 
 impl Spec {
-    fn new(
-        seed: u64,
-        num_requests: usize,
-        num_blocks: usize,
-        block_size: usize,
-        max_model_len: usize,
-        budget: usize,
-    ) -> Self {
+    fn new(seed: u64, num_requests: usize, num_blocks: usize, block_size: usize, max_model_len: usize, budget: usize) -> Self {
         Spec {
             seed,
             num_requests,
@@ -408,25 +357,12 @@ struct Entry {
 fn make_requests(spec: &Spec, rng: &mut StdRng) -> Vec<(usize, String, Kind, NewRequest)> {
     let mml = spec.max_model_len;
     let bs = spec.block_size;
-    let systems: Vec<Vec<u32>> = (0..4)
-        .map(|_| {
-            (0..rng.random_range(2..(mml / 2).max(3)))
-                .map(|_| rng.random_range(0..VOCAB as u32))
-                .collect()
-        })
-        .collect();
+    let systems: Vec<Vec<u32>> =
+        (0..4).map(|_| (0..rng.random_range(2..(mml / 2).max(3))).map(|_| rng.random_range(0..VOCAB as u32)).collect()).collect();
     (0..spec.num_requests)
         .map(|i| {
-            let mut prompt = if rng.random_bool(0.5) {
-                systems[rng.random_range(0..systems.len())].clone()
-            } else {
-                Vec::new()
-            };
-            let own_max = if spec.long_prompts {
-                mml
-            } else {
-                (mml / 3).max(2)
-            };
+            let mut prompt = if rng.random_bool(0.5) { systems[rng.random_range(0..systems.len())].clone() } else { Vec::new() };
+            let own_max = if spec.long_prompts { mml } else { (mml / 3).max(2) };
             let own = rng.random_range(1..own_max.max(2));
             prompt.extend((0..own).map(|_| rng.random_range(0..VOCAB as u32)));
             prompt.truncate(mml);
@@ -444,81 +380,33 @@ fn make_requests(spec: &Spec, rng: &mut StdRng) -> Vec<(usize, String, Kind, New
                     prompt.truncate(cap - max_tokens);
                 }
                 let length_penalty = [0.0, 0.5, 1.0, 1.3, 2.0][rng.random_range(0..5)];
-                let eos: Vec<u32> = if rng.random_bool(0.7) {
-                    vec![rng.random_range(0..CAND_VOCAB as u32)]
-                } else {
-                    vec![]
-                };
-                let stop: Vec<u32> = if rng.random_bool(0.3) {
-                    vec![rng.random_range(0..CAND_VOCAB as u32)]
-                } else {
-                    vec![]
-                };
+                let eos: Vec<u32> = if rng.random_bool(0.7) { vec![rng.random_range(0..CAND_VOCAB as u32)] } else { vec![] };
+                let stop: Vec<u32> = if rng.random_bool(0.3) { vec![rng.random_range(0..CAND_VOCAB as u32)] } else { vec![] };
                 let ignore_eos = rng.random_bool(0.2);
-                let min_tokens = if rng.random_bool(0.2) {
-                    rng.random_range(0..=max_tokens)
-                } else {
-                    0
-                };
+                let min_tokens = if rng.random_bool(0.2) { rng.random_range(0..=max_tokens) } else { 0 };
                 let mut r = NewRequest::new(id.clone(), prompt.clone(), max_tokens);
                 r.eos_token_ids = eos.clone();
                 r.stop_token_ids = stop.clone();
                 r.ignore_eos = ignore_eos;
                 r.min_tokens = min_tokens;
                 r.priority = rng.random_range(-2..3);
-                r.beam = Some(BeamParams {
-                    width,
-                    length_penalty,
-                });
+                r.beam = Some(BeamParams { width, length_penalty });
                 let mut stops = if ignore_eos { Vec::new() } else { eos };
                 stops.extend(stop);
-                let bspec = BeamSpec {
-                    prompt,
-                    width,
-                    length_penalty,
-                    max_tokens,
-                    min_tokens,
-                    stops,
-                };
-                let track = BeamTrack {
-                    spec: bspec,
-                    live: vec![(Vec::new(), 0.0)],
-                    history: Vec::new(),
-                    end: None,
-                    result: None,
-                };
+                let bspec = BeamSpec { prompt, width, length_penalty, max_tokens, min_tokens, stops };
+                let track = BeamTrack { spec: bspec, live: vec![(Vec::new(), 0.0)], history: Vec::new(), end: None, result: None };
                 (arrival, id, Kind::Beam(track), r)
             } else {
                 let max_tokens = rng.random_range(1..=24usize);
-                let min_tokens = if rng.random_bool(0.2) {
-                    rng.random_range(0..=max_tokens)
-                } else {
-                    0
-                };
-                let eos: Vec<u32> = if rng.random_bool(0.7) {
-                    vec![rng.random_range(0..VOCAB as u32)]
-                } else {
-                    vec![]
-                };
-                let n = if rng.random_bool(0.3) {
-                    2usize.min(spec.max_num_seqs)
-                } else {
-                    1
-                };
+                let min_tokens = if rng.random_bool(0.2) { rng.random_range(0..=max_tokens) } else { 0 };
+                let eos: Vec<u32> = if rng.random_bool(0.7) { vec![rng.random_range(0..VOCAB as u32)] } else { vec![] };
+                let n = if rng.random_bool(0.3) { 2usize.min(spec.max_num_seqs) } else { 1 };
                 let mut r = NewRequest::new(id.clone(), prompt.clone(), max_tokens);
                 r.min_tokens = min_tokens;
                 r.eos_token_ids = eos.clone();
                 r.n = n;
                 r.priority = rng.random_range(-2..3);
-                let e = Plain {
-                    prompt,
-                    max_tokens,
-                    min_tokens,
-                    eos,
-                    n,
-                    outputs: vec![Vec::new(); n],
-                    reasons: vec![None; n],
-                };
+                let e = Plain { prompt, max_tokens, min_tokens, eos, n, outputs: vec![Vec::new(); n], reasons: vec![None; n] };
                 (arrival, id, Kind::Plain(e), r)
             }
         })
@@ -547,12 +435,7 @@ fn run_sim(spec: &Spec) -> SimResult {
     cfg.swap_bytes_per_second = 1000.0;
     cfg.recompute_tokens_per_second = 1.0;
     let mut sched = Scheduler::new(cfg).unwrap();
-    let mut model = FakeModel::new(
-        spec.num_blocks,
-        spec.num_host_blocks,
-        spec.num_disk_blocks,
-        spec.block_size,
-    );
+    let mut model = FakeModel::new(spec.num_blocks, spec.num_host_blocks, spec.num_disk_blocks, spec.block_size);
     let mut rng = StdRng::seed_from_u64(spec.seed);
     let mut arrivals = make_requests(spec, &mut rng);
     arrivals.sort_by_key(|a| std::cmp::Reverse(a.0));
@@ -570,14 +453,7 @@ fn run_sim(spec: &Spec) -> SimResult {
             if matches!(kind, Kind::Beam(_)) {
                 beam_ids.insert(id.clone());
             }
-            entries.insert(
-                id,
-                Entry {
-                    kind,
-                    aborted: false,
-                    reported: None,
-                },
-            );
+            entries.insert(id, Entry { kind, aborted: false, reported: None });
         }
         if spec.reuse_output {
             // The engine's path: one output refilled in place (block-table rows only extended).
@@ -586,20 +462,10 @@ fn run_sim(spec: &Spec) -> SimResult {
             out_buf = sched.schedule().unwrap();
         }
         let out = &out_buf;
-        sched
-            .check_invariants()
-            .unwrap_or_else(|e| panic!("{}: after schedule: {e}", ctx(step)));
+        sched.check_invariants().unwrap_or_else(|e| panic!("{}: after schedule: {e}", ctx(step)));
         check_stats(&sched, spec, &beam_ids, &ctx(step));
-        let ids: Vec<String> = out
-            .sampled_requests
-            .iter()
-            .map(|&k| sched.request_id(k).unwrap().to_string())
-            .collect();
-        let row_ids: Vec<String> = out
-            .row_requests
-            .iter()
-            .map(|&k| sched.request_id(k).unwrap().to_string())
-            .collect();
+        let ids: Vec<String> = out.sampled_requests.iter().map(|&k| sched.request_id(k).unwrap().to_string()).collect();
+        let row_ids: Vec<String> = out.row_requests.iter().map(|&k| sched.request_id(k).unwrap().to_string()).collect();
 
         if spec.fail_prob > 0.0 && rng.random_bool(spec.fail_prob) {
             model.execute_failing(out, &mut rng);
@@ -610,35 +476,19 @@ fn run_sim(spec: &Spec) -> SimResult {
                 }
             }
             let back = sched.rollback_step(out.step_id).unwrap();
-            assert!(sched
-                .update_with_beams(out.step_id, &[], BeamCandidates::NONE)
-                .is_err());
-            sched
-                .check_invariants()
-                .unwrap_or_else(|e| panic!("{}: after a rollback: {e}", ctx(step)));
+            assert!(sched.update_with_beams(out.step_id, &[], BeamCandidates::NONE).is_err());
+            sched.check_invariants().unwrap_or_else(|e| panic!("{}: after a rollback: {e}", ctx(step)));
             // Beam requests go back whole: none of their beams still runs or sits on the host.
             let summaries = sched.request_summaries();
             for id in &back {
-                let Some(e) = entries.get(&**id) else {
-                    panic!("rollback named an unknown request {id}")
-                };
+                let Some(e) = entries.get(&**id) else { panic!("rollback named an unknown request {id}") };
                 if let Kind::Beam(t) = &e.kind {
                     if t.live.len() > 1 {
                         res.group_rollbacks += 1;
                     }
                     if let Some(s) = summaries.iter().find(|s| &s.id == id) {
-                        assert_eq!(
-                            s.state,
-                            "waiting",
-                            "{}: beam request {id} after a rollback",
-                            ctx(step)
-                        );
-                        assert_eq!(
-                            s.num_branches,
-                            t.live.len(),
-                            "{}: beam request {id} lost beams in a rollback",
-                            ctx(step)
-                        );
+                        assert_eq!(s.state, "waiting", "{}: beam request {id} after a rollback", ctx(step));
+                        assert_eq!(s.num_branches, t.live.len(), "{}: beam request {id} lost beams in a rollback", ctx(step));
                     }
                 }
             }
@@ -650,10 +500,7 @@ fn run_sim(spec: &Spec) -> SimResult {
         // The beam rows: exactly the sampled rows of beam requests; each beam request's rows
         // are contiguous and one per live beam (the update stream says how many live).
         let is_beam = |id: &str| matches!(entries.get(id).map(|e| &e.kind), Some(Kind::Beam(_)));
-        let want_rows: Vec<i64> = (0..ids.len())
-            .filter(|&r| is_beam(&ids[r]))
-            .map(|r| r as i64)
-            .collect();
+        let want_rows: Vec<i64> = (0..ids.len()).filter(|&r| is_beam(&ids[r])).map(|r| r as i64).collect();
         assert_eq!(out.beam_rows, want_rows, "{}: beam_rows", ctx(step));
         let digests = model.forward(out);
         let mut step_beams: HashMap<String, StepBeamRows> = HashMap::new();
@@ -663,63 +510,31 @@ fn run_sim(spec: &Spec) -> SimResult {
                 continue;
             }
             if order.last() != Some(id) {
-                assert!(
-                    !order.contains(id),
-                    "{}: rows of {id} are not contiguous",
-                    ctx(step)
-                );
+                assert!(!order.contains(id), "{}: rows of {id} are not contiguous", ctx(step));
                 order.push(id.clone());
             }
-            let e = step_beams.entry(id.clone()).or_insert(StepBeamRows {
-                digests: Vec::new(),
-                prev_index: Vec::new(),
-            });
+            let e = step_beams.entry(id.clone()).or_insert(StepBeamRows { digests: Vec::new(), prev_index: Vec::new() });
             e.digests.push(digests[r]);
             e.prev_index.push(out.sample_indices[r] as u32);
         }
         for (id, rows) in &step_beams {
-            let Kind::Beam(t) = &entries[id].kind else {
-                unreachable!()
-            };
+            let Kind::Beam(t) = &entries[id].kind else { unreachable!() };
             let mut idx = rows.prev_index.clone();
             idx.sort_unstable();
-            assert_eq!(
-                idx,
-                (0..t.live.len() as u32).collect::<Vec<_>>(),
-                "{}: {id}'s rows are not its live beams",
-                ctx(step)
-            );
+            assert_eq!(idx, (0..t.live.len() as u32).collect::<Vec<_>>(), "{}: {id}'s rows are not its live beams", ctx(step));
         }
         // A beam request of several live beams (so: recomputing after a preemption) with rows
         // but no sampled row: the barrier held every last token back.
         for id in &row_ids {
-            if let Some(Entry {
-                kind: Kind::Beam(t),
-                ..
-            }) = entries.get(id)
-            {
+            if let Some(Entry { kind: Kind::Beam(t), .. }) = entries.get(id) {
                 if t.live.len() > 1 && !step_beams.contains_key(id) {
                     res.barrier_seen = true;
                 }
             }
         }
         // Candidates: k between the widest 2W of the step and K_MAX.
-        let min_k = step_beams
-            .keys()
-            .map(|id| {
-                if let Kind::Beam(t) = &entries[id].kind {
-                    2 * t.spec.width
-                } else {
-                    0
-                }
-            })
-            .max()
-            .unwrap_or(0);
-        let k = if min_k == 0 {
-            0
-        } else {
-            rng.random_range(min_k..=K_MAX)
-        };
+        let min_k = step_beams.keys().map(|id| if let Kind::Beam(t) = &entries[id].kind { 2 * t.spec.width } else { 0 }).max().unwrap_or(0);
+        let k = if min_k == 0 { 0 } else { rng.random_range(min_k..=K_MAX) };
         let mut cand_tokens = Vec::new();
         let mut cand_lps = Vec::new();
         let mut sampled = Vec::with_capacity(ids.len());
@@ -734,34 +549,17 @@ fn run_sim(spec: &Spec) -> SimResult {
                 sampled.push(sample(d, out.sample_indices[r]));
             }
         }
-        if spec.abort_in_flight_prob > 0.0
-            && rng.random_bool(spec.abort_in_flight_prob)
-            && !ids.is_empty()
-        {
+        if spec.abort_in_flight_prob > 0.0 && rng.random_bool(spec.abort_in_flight_prob) && !ids.is_empty() {
             let id = &ids[rng.random_range(0..ids.len())];
             if sched.abort_request(id).is_ok() {
                 entries.get_mut(id).unwrap().aborted = true;
             }
         }
-        let beams = if k == 0 {
-            BeamCandidates::NONE
-        } else {
-            BeamCandidates {
-                token_ids: &cand_tokens,
-                logprobs: &cand_lps,
-                k,
-            }
-        };
-        let updates = sched
-            .update_with_beams(out.step_id, &sampled, beams)
-            .unwrap_or_else(|e| panic!("{}: update: {e}", ctx(step)));
+        let beams = if k == 0 { BeamCandidates::NONE } else { BeamCandidates { token_ids: &cand_tokens, logprobs: &cand_lps, k } };
+        let updates = sched.update_with_beams(out.step_id, &sampled, beams).unwrap_or_else(|e| panic!("{}: update: {e}", ctx(step)));
         for (id, reason) in &out.finished {
             let e = entries.get_mut(&**id).unwrap();
-            assert!(
-                e.reported.is_none(),
-                "{}: {id} reported finished twice",
-                ctx(step)
-            );
+            assert!(e.reported.is_none(), "{}: {id} reported finished twice", ctx(step));
             e.reported = Some(*reason);
             reported += 1;
         }
@@ -770,10 +568,7 @@ fn run_sim(spec: &Spec) -> SimResult {
         let mut new_live: HashMap<String, Vec<Option<Beam>>> = HashMap::new();
         let mut updated: HashSet<String> = HashSet::new();
         for u in &updates {
-            let id = sched
-                .request_id(u.request)
-                .expect("an updated request is named until the next schedule")
-                .to_string();
+            let id = sched.request_id(u.request).expect("an updated request is named until the next schedule").to_string();
             updated.insert(id.clone());
             let e = entries.get_mut(&id).unwrap();
             assert!(!e.aborted, "{}: update for aborted {id}", ctx(step));
@@ -781,23 +576,13 @@ fn run_sim(spec: &Spec) -> SimResult {
                 Kind::Plain(p) => {
                     assert_eq!(u.parent, None);
                     let i = u.index as usize;
-                    assert!(
-                        p.reasons[i].is_none(),
-                        "{}: token after finish for {id} #{i}",
-                        ctx(step)
-                    );
+                    assert!(p.reasons[i].is_none(), "{}: token after finish for {id} #{i}", ctx(step));
                     p.outputs[i].push(u.token);
                     p.reasons[i] = u.finish_reason;
                 }
                 Kind::Beam(t) => {
-                    let rows = step_beams
-                        .get(&id)
-                        .unwrap_or_else(|| panic!("{}: update for {id} without rows", ctx(step)));
-                    assert!(
-                        t.end.is_none(),
-                        "{}: update for {id} after its end",
-                        ctx(step)
-                    );
+                    let rows = step_beams.get(&id).unwrap_or_else(|| panic!("{}: update for {id} without rows", ctx(step)));
+                    assert!(t.end.is_none(), "{}: update for {id} after its end", ctx(step));
                     match (u.parent, u.finish_reason) {
                         (Some(x), None) => {
                             let x = x as usize;
@@ -809,88 +594,45 @@ fn run_sim(spec: &Spec) -> SimResult {
                                 .find(|c| c.0 == u.token)
                                 .unwrap_or_else(|| panic!("{}: {id} continues beam {prev} with {} which is not a candidate", ctx(step), u.token));
                             let want = cum + f64::from(lp);
-                            assert_eq!(
-                                u.cumulative_logprob,
-                                Some(want),
-                                "{}: {id} cumulative logprob",
-                                ctx(step)
-                            );
+                            assert_eq!(u.cumulative_logprob, Some(want), "{}: {id} cumulative logprob", ctx(step));
                             let mut nt = toks.clone();
                             nt.push(u.token);
-                            let slots = new_live
-                                .entry(id.clone())
-                                .or_insert_with(|| vec![None; t.spec.width]);
-                            assert!(
-                                slots[u.index as usize].is_none(),
-                                "{}: {id} beam index {} twice",
-                                ctx(step),
-                                u.index
-                            );
+                            let slots = new_live.entry(id.clone()).or_insert_with(|| vec![None; t.spec.width]);
+                            assert!(slots[u.index as usize].is_none(), "{}: {id} beam index {} twice", ctx(step), u.index);
                             slots[u.index as usize] = Some((nt, want));
                         }
-                        (None, Some(reason)) => {
-                            t.end = Some((u.token, reason, u.cumulative_logprob))
-                        }
+                        (None, Some(reason)) => t.end = Some((u.token, reason, u.cumulative_logprob)),
                         other => panic!("{}: beam update {other:?}", ctx(step)),
                     }
                 }
             }
         }
         for (id, slots) in new_live {
-            let Kind::Beam(t) = &mut entries.get_mut(&id).unwrap().kind else {
-                unreachable!()
-            };
-            assert!(
-                t.end.is_none(),
-                "{}: {id} both continued and ended",
-                ctx(step)
-            );
+            let Kind::Beam(t) = &mut entries.get_mut(&id).unwrap().kind else { unreachable!() };
+            assert!(t.end.is_none(), "{}: {id} both continued and ended", ctx(step));
             let n = slots.iter().take_while(|s| s.is_some()).count();
-            assert!(
-                slots[n..].iter().all(Option::is_none),
-                "{}: {id} beam indices not 0..n",
-                ctx(step)
-            );
+            assert!(slots[n..].iter().all(Option::is_none), "{}: {id} beam indices not 0..n", ctx(step));
             t.live = slots.into_iter().flatten().collect();
-            t.history
-                .push(t.live.iter().map(|(x, _)| x.clone()).collect());
+            t.history.push(t.live.iter().map(|(x, _)| x.clone()).collect());
         }
         // Every beam request sampled in this step continued or ended (unless aborted).
         for id in step_beams.keys() {
             if !entries[id].aborted {
-                assert!(
-                    updated.contains(id),
-                    "{}: beam request {id} was sampled but got no update",
-                    ctx(step)
-                );
+                assert!(updated.contains(id), "{}: beam request {id} was sampled but got no update", ctx(step));
             }
         }
         for r in sched.take_beam_results() {
             let id = r.id.to_string();
-            let e = entries
-                .get_mut(&id)
-                .unwrap_or_else(|| panic!("result for unknown {id}"));
+            let e = entries.get_mut(&id).unwrap_or_else(|| panic!("result for unknown {id}"));
             assert!(!e.aborted, "{}: result for aborted {id}", ctx(step));
-            let Kind::Beam(t) = &mut e.kind else {
-                panic!("{}: beam result for ordinary {id}", ctx(step))
-            };
+            let Kind::Beam(t) = &mut e.kind else { panic!("{}: beam result for ordinary {id}", ctx(step)) };
             assert!(t.result.is_none(), "{}: {id} has two results", ctx(step));
-            let (token, reason, cum) = t
-                .end
-                .unwrap_or_else(|| panic!("{}: {id} has a result but no final update", ctx(step)));
+            let (token, reason, cum) = t.end.unwrap_or_else(|| panic!("{}: {id} has a result but no final update", ctx(step)));
             match r.hypotheses.first() {
                 Some(best) => {
-                    assert_eq!(
-                        token,
-                        *best.tokens.last().unwrap(),
-                        "{id}: final update token"
-                    );
+                    assert_eq!(token, *best.tokens.last().unwrap(), "{id}: final update token");
                     assert_eq!(reason, best.finish_reason, "{id}: final update reason");
-                    assert_eq!(
-                        cum,
-                        Some(best.cumulative_logprob),
-                        "{id}: final update cumulative"
-                    );
+                    assert_eq!(cum, Some(best.cumulative_logprob), "{id}: final update cumulative");
                 }
                 None => assert_eq!(reason, FinishReason::Length),
             }
@@ -899,12 +641,7 @@ fn run_sim(spec: &Spec) -> SimResult {
         }
         for (id, e) in &entries {
             if let Kind::Beam(t) = &e.kind {
-                assert_eq!(
-                    t.end.is_some(),
-                    t.result.is_some(),
-                    "{}: {id} ended without a result (or the reverse)",
-                    ctx(step)
-                );
+                assert_eq!(t.end.is_some(), t.result.is_some(), "{}: {id} ended without a result (or the reverse)", ctx(step));
             }
         }
         // Random aborts between steps.
@@ -918,24 +655,11 @@ fn run_sim(spec: &Spec) -> SimResult {
                 }
             }
         }
-        sched
-            .check_invariants()
-            .unwrap_or_else(|e| panic!("{}: after update: {e}", ctx(step)));
+        sched.check_invariants().unwrap_or_else(|e| panic!("{}: after update: {e}", ctx(step)));
         // Every live beam request holds exactly the beams the update stream says.
         for summary in sched.request_summaries() {
-            if let Some(Entry {
-                kind: Kind::Beam(t),
-                ..
-            }) = entries.get(&*summary.id)
-            {
-                assert_eq!(
-                    summary.num_branches,
-                    t.live.len(),
-                    "{}: {} holds {} beams",
-                    ctx(step),
-                    summary.id,
-                    summary.num_branches
-                );
+            if let Some(Entry { kind: Kind::Beam(t), .. }) = entries.get(&*summary.id) {
+                assert_eq!(summary.num_branches, t.live.len(), "{}: {} holds {} beams", ctx(step), summary.id, summary.num_branches);
             }
         }
         let st = check_stats(&sched, spec, &beam_ids, &ctx(step));
@@ -944,11 +668,7 @@ fn run_sim(spec: &Spec) -> SimResult {
         }
         res.max_shared = res.max_shared.max(st.beam_blocks_shared);
         step += 1;
-        assert!(
-            step < 100_000,
-            "seed {}: the simulation does not terminate",
-            spec.seed
-        );
+        assert!(step < 100_000, "seed {}: the simulation does not terminate", spec.seed);
     }
     // One more (empty) step reports the last ends.
     let out = sched.schedule().unwrap();
@@ -959,11 +679,7 @@ fn run_sim(spec: &Spec) -> SimResult {
         reported += 1;
     }
     sched.update(out.step_id, &[]).unwrap();
-    assert_eq!(
-        reported, spec.num_requests,
-        "seed {}: every request is reported finished once",
-        spec.seed
-    );
+    assert_eq!(reported, spec.num_requests, "seed {}: every request is reported finished once", spec.seed);
     assert!(sched.take_beam_results().is_empty());
 
     // Results against the references.
@@ -977,98 +693,45 @@ fn run_sim(spec: &Spec) -> SimResult {
                     continue;
                 }
                 let n = t.history.len().min(want.history.len());
-                assert_eq!(
-                    t.history[..n],
-                    want.history[..n],
-                    "seed {}: {id}: live beams differ from the reference",
-                    spec.seed
-                );
+                assert_eq!(t.history[..n], want.history[..n], "seed {}: {id}: live beams differ from the reference", spec.seed);
                 if e.aborted {
                     assert!(t.result.is_none(), "{id}: aborted, yet a result");
                     assert_eq!(e.reported, Some(FinishReason::Abort), "{id}");
                     assert!(t.history.len() <= want.history.len());
                 } else {
-                    let got = t
-                        .result
-                        .as_ref()
-                        .unwrap_or_else(|| panic!("seed {}: {id} has no result", spec.seed));
-                    assert_same_result(
-                        &format!("seed {} {id} (W={})", spec.seed, t.spec.width),
-                        got,
-                        &want.hypotheses,
-                    );
-                    assert_eq!(
-                        t.history, want.history,
-                        "seed {}: {id}: live beams",
-                        spec.seed
-                    );
-                    let reason = got
-                        .first()
-                        .map_or(FinishReason::Length, |h| h.finish_reason);
+                    let got = t.result.as_ref().unwrap_or_else(|| panic!("seed {}: {id} has no result", spec.seed));
+                    assert_same_result(&format!("seed {} {id} (W={})", spec.seed, t.spec.width), got, &want.hypotheses);
+                    assert_eq!(t.history, want.history, "seed {}: {id}: live beams", spec.seed);
+                    let reason = got.first().map_or(FinishReason::Length, |h| h.finish_reason);
                     assert_eq!(e.reported, Some(reason), "{id}: reported reason");
                     res.beam_results += 1;
                     *res.endings.entry(want.ended_by).or_default() += 1;
-                    res.stop_hypotheses += got
-                        .iter()
-                        .filter(|h| h.finish_reason == FinishReason::Stop)
-                        .count();
+                    res.stop_hypotheses += got.iter().filter(|h| h.finish_reason == FinishReason::Stop).count();
                 }
             }
             Kind::Plain(p) => {
                 for i in 0..p.n {
                     let (want, reason) = reference_plain(p, i, mml);
                     if e.aborted {
-                        assert!(
-                            want.starts_with(&p.outputs[i]),
-                            "seed {}: {id} #{i}: aborted output is not a prefix of the reference",
-                            spec.seed
-                        );
+                        assert!(want.starts_with(&p.outputs[i]), "seed {}: {id} #{i}: aborted output is not a prefix of the reference", spec.seed);
                     } else {
-                        assert_eq!(
-                            p.outputs[i], want,
-                            "seed {}: {id} #{i}: tokens differ from the reference",
-                            spec.seed
-                        );
-                        assert_eq!(
-                            p.reasons[i],
-                            Some(reason),
-                            "seed {}: {id} #{i}: finish reason",
-                            spec.seed
-                        );
+                        assert_eq!(p.outputs[i], want, "seed {}: {id} #{i}: tokens differ from the reference", spec.seed);
+                        assert_eq!(p.reasons[i], Some(reason), "seed {}: {id} #{i}: finish reason", spec.seed);
                     }
                 }
             }
         }
     }
-    assert!(
-        res.ties <= 1 + res.beam_results / 100,
-        "seed {}: too many searches left out for ties ({res:?})",
-        spec.seed
-    );
+    assert!(res.ties <= 1 + res.beam_results / 100, "seed {}: too many searches left out for ties ({res:?})", spec.seed);
     let st = sched.stats();
-    assert_eq!(
-        st.num_used_blocks, 0,
-        "seed {}: device blocks still in use",
-        spec.seed
-    );
+    assert_eq!(st.num_used_blocks, 0, "seed {}: device blocks still in use", spec.seed);
     assert_eq!(st.num_free_blocks, spec.num_blocks);
     for b in 0..spec.num_blocks {
         assert_eq!(sched.kv().pool().ref_count(BlockId(b as u32)).unwrap(), 0);
     }
-    assert_eq!(
-        st.num_host_used_blocks, 0,
-        "seed {}: host blocks still in use",
-        spec.seed
-    );
+    assert_eq!(st.num_host_used_blocks, 0, "seed {}: host blocks still in use", spec.seed);
     assert_eq!(st.num_host_free_blocks, spec.num_host_blocks);
-    assert_eq!(
-        (
-            st.beam_blocks_in_use,
-            st.beam_block_refs,
-            st.beam_blocks_shared
-        ),
-        (0, 0, 0)
-    );
+    assert_eq!((st.beam_blocks_in_use, st.beam_block_refs, st.beam_blocks_shared), (0, 0, 0));
     assert_eq!(st.num_running + st.num_waiting + st.num_swapped, 0);
     sched.check_invariants().unwrap();
     res.steps = step;
@@ -1081,23 +744,10 @@ fn run_sim(spec: &Spec) -> SimResult {
 }
 
 /// Block accounting that must hold after every schedule / update.
-fn check_stats(
-    sched: &Scheduler,
-    spec: &Spec,
-    beam_ids: &HashSet<String>,
-    ctx: &str,
-) -> pagedkv::scheduler::SchedulerStats {
+fn check_stats(sched: &Scheduler, spec: &Spec, beam_ids: &HashSet<String>, ctx: &str) -> pagedkv::scheduler::SchedulerStats {
     let st = sched.stats();
-    assert_eq!(
-        st.num_free_blocks + st.num_used_blocks,
-        spec.num_blocks,
-        "{ctx}: device blocks"
-    );
-    assert_eq!(
-        st.num_host_free_blocks + st.num_host_used_blocks,
-        spec.num_host_blocks,
-        "{ctx}: host blocks"
-    );
+    assert_eq!(st.num_free_blocks + st.num_used_blocks, spec.num_blocks, "{ctx}: device blocks");
+    assert_eq!(st.num_host_free_blocks + st.num_host_used_blocks, spec.num_host_blocks, "{ctx}: host blocks");
     // `beam_blocks_in_use` counts each device block held by a running beam once (a prompt
     // block that two beam requests share through the prefix cache too): at least any one
     // request's blocks, at most their sum and the blocks in use.
@@ -1109,22 +759,10 @@ fn check_stats(
         .collect();
     let sum: usize = per_request.iter().sum();
     let max = per_request.iter().copied().max().unwrap_or(0);
-    assert!(
-        st.beam_blocks_in_use <= sum && st.beam_blocks_in_use >= max,
-        "{ctx}: beam_blocks_in_use {} not within [{max}, {sum}]",
-        st.beam_blocks_in_use
-    );
-    assert!(
-        st.beam_blocks_in_use <= st.num_used_blocks,
-        "{ctx}: {} beam blocks in use, {} used",
-        st.beam_blocks_in_use,
-        st.num_used_blocks
-    );
+    assert!(st.beam_blocks_in_use <= sum && st.beam_blocks_in_use >= max, "{ctx}: beam_blocks_in_use {} not within [{max}, {sum}]", st.beam_blocks_in_use);
+    assert!(st.beam_blocks_in_use <= st.num_used_blocks, "{ctx}: {} beam blocks in use, {} used", st.beam_blocks_in_use, st.num_used_blocks);
     // Every shared block is counted at least twice in the refs.
-    assert!(
-        st.beam_block_refs >= st.beam_blocks_in_use + st.beam_blocks_shared,
-        "{ctx}: beam block gauges {st:?}"
-    );
+    assert!(st.beam_block_refs >= st.beam_blocks_in_use + st.beam_blocks_shared, "{ctx}: beam block gauges {st:?}");
     assert!(st.beam_blocks_shared <= st.beam_blocks_in_use);
     st
 }
@@ -1135,24 +773,14 @@ fn check_stats(
 #[test]
 fn reference_beam_search_sanity() {
     // Width 1 without stops is greedy over the best candidate.
-    let s = BeamSpec {
-        prompt: vec![1, 2, 3],
-        width: 1,
-        length_penalty: 1.0,
-        max_tokens: 6,
-        min_tokens: 0,
-        stops: vec![],
-    };
+    let s = BeamSpec { prompt: vec![1, 2, 3], width: 1, length_penalty: 1.0, max_tokens: 6, min_tokens: 0, stops: vec![] };
     let r = reference_beam(&s, 1000);
     assert_eq!(r.hypotheses.len(), 1);
     let mut toks = s.prompt.clone();
     let mut cum = 0.0;
     for _ in 0..6 {
         let c: Vec<_> = candidates(digest_of(&toks)).into_iter().take(2).collect();
-        let &(t, lp) = c
-            .iter()
-            .max_by(|a, b| a.1.partial_cmp(&b.1).unwrap())
-            .unwrap();
+        let &(t, lp) = c.iter().max_by(|a, b| a.1.partial_cmp(&b.1).unwrap()).unwrap();
         toks.push(t);
         cum += f64::from(lp);
     }
@@ -1162,22 +790,11 @@ fn reference_beam_search_sanity() {
     // A width-4 search with a stop id finds some stopped hypotheses over a few prompts.
     let mut stopped = 0;
     for p in 0..20u32 {
-        let s = BeamSpec {
-            prompt: vec![p, p + 1],
-            width: 4,
-            length_penalty: 1.0,
-            max_tokens: 12,
-            min_tokens: 0,
-            stops: vec![3, 7],
-        };
+        let s = BeamSpec { prompt: vec![p, p + 1], width: 4, length_penalty: 1.0, max_tokens: 12, min_tokens: 0, stops: vec![3, 7] };
         let r = reference_beam(&s, 1000);
         assert!(!r.hypotheses.is_empty() && r.hypotheses.len() <= 4);
         assert!(r.hypotheses.windows(2).all(|w| w[0].score >= w[1].score));
-        stopped += r
-            .hypotheses
-            .iter()
-            .filter(|h| h.finish_reason == FinishReason::Stop)
-            .count();
+        stopped += r.hypotheses.iter().filter(|h| h.finish_reason == FinishReason::Stop).count();
     }
     assert!(stopped > 0);
 }
@@ -1204,17 +821,11 @@ fn beam_requests_under_recompute_preemption_match_reference() {
         let r = run_sim(&s);
         // Small budgets limit how many branches grow at once: fewer preemptions.
         let min_preemptions = if budget < 8 { 0 } else { 20 };
-        assert!(
-            r.preemptions > min_preemptions,
-            "{seed}: the pool must force preemption ({r:?})"
-        );
+        assert!(r.preemptions > min_preemptions, "{seed}: the pool must force preemption ({r:?})");
         assert!(r.beam_forks > 0 && r.beam_results > 40, "{seed}: {r:?}");
         assert!(r.sharing_seen, "{seed}: beams never shared a block ({r:?})");
         if budget < 8 {
-            assert!(
-                r.barrier_seen,
-                "{seed}: the barrier never held a beam back ({r:?})"
-            );
+            assert!(r.barrier_seen, "{seed}: the barrier never held a beam back ({r:?})");
         }
         if caching {
             assert!(r.prefix_hits > 0, "{seed}: {r:?}");
@@ -1226,10 +837,7 @@ fn beam_requests_under_recompute_preemption_match_reference() {
     }
     // Every way a search ends was exercised (max_model_len: see the long-prompt test).
     for e in [Ending::MaxTokens, Ending::NoSurvivor, Ending::EarlyStop] {
-        assert!(
-            endings.get(&e).copied().unwrap_or(0) > 0,
-            "no search ended by {e:?}: {endings:?}"
-        );
+        assert!(endings.get(&e).copied().unwrap_or(0) > 0, "no search ended by {e:?}: {endings:?}");
     }
     assert!(stop_hyps > 100, "few stopped hypotheses: {stop_hyps}");
 }
@@ -1255,14 +863,8 @@ fn beam_requests_under_swap_preemption_match_reference() {
         s.abort_in_flight_prob = 0.02;
         let r = run_sim(&s);
         let min_preemptions = if budget < 8 { 0 } else { 20 };
-        assert!(
-            r.preemptions > min_preemptions,
-            "{seed}: the pool must force preemption ({r:?})"
-        );
-        assert!(
-            r.swap_preemptions > 0,
-            "{seed}: nothing was swapped ({r:?})"
-        );
+        assert!(r.preemptions > min_preemptions, "{seed}: the pool must force preemption ({r:?})");
+        assert!(r.swap_preemptions > 0, "{seed}: nothing was swapped ({r:?})");
         assert!(r.beam_forks > 0 && r.beam_results > 40, "{seed}: {r:?}");
         assert!(r.sharing_seen, "{seed}: {r:?}");
     }
@@ -1277,19 +879,9 @@ fn wide_beams_share_the_prompt_blocks() {
     let mut sched = Scheduler::new(cfg).unwrap();
     let mut model = FakeModel::new(64, 0, 0, bs);
     let prompt: Vec<u32> = (0..41).map(|i| (i * 37 % VOCAB as u32) + 1).collect();
-    let spec = BeamSpec {
-        prompt: prompt.clone(),
-        width: 4,
-        length_penalty: 1.0,
-        max_tokens: 8,
-        min_tokens: 0,
-        stops: vec![],
-    };
+    let spec = BeamSpec { prompt: prompt.clone(), width: 4, length_penalty: 1.0, max_tokens: 8, min_tokens: 0, stops: vec![] };
     let mut r = NewRequest::new("wide", prompt, 8);
-    r.beam = Some(BeamParams {
-        width: 4,
-        length_penalty: 1.0,
-    });
+    r.beam = Some(BeamParams { width: 4, length_penalty: 1.0 });
     sched.add_request(r).unwrap();
     let (mut max_shared, mut saving_seen, mut result) = (0, false, None);
     while sched.has_unfinished_requests() {
@@ -1306,11 +898,7 @@ fn wide_beams_share_the_prompt_blocks() {
         let sampled = vec![0; digests.len()];
         if digests.is_empty() {
             // Candidates for a step without beam rows are refused.
-            let bad = BeamCandidates {
-                token_ids: &[1, 2],
-                logprobs: &[-1.0, -2.0],
-                k: 2,
-            };
+            let bad = BeamCandidates { token_ids: &[1, 2], logprobs: &[-1.0, -2.0], k: 2 };
             assert!(sched.update_with_beams(out.step_id, &sampled, bad).is_err());
         } else {
             // Malformed candidates are refused, changing nothing (the search still ends as the
@@ -1322,58 +910,21 @@ fn wide_beams_share_the_prompt_blocks() {
             let mut pinf = lps.clone();
             pinf[0] = f32::INFINITY;
             let bad = [
-                BeamCandidates {
-                    token_ids: &toks[..n - 8],
-                    logprobs: &lps[..n - 8],
-                    k: 8,
-                },
-                BeamCandidates {
-                    token_ids: &toks,
-                    logprobs: &lps,
-                    k: 0,
-                },
-                BeamCandidates {
-                    token_ids: &toks,
-                    logprobs: &nan,
-                    k: 8,
-                },
-                BeamCandidates {
-                    token_ids: &toks,
-                    logprobs: &pinf,
-                    k: 8,
-                },
-                BeamCandidates {
-                    token_ids: &toks,
-                    logprobs: &lps[..n - 1],
-                    k: 8,
-                },
-                BeamCandidates {
-                    token_ids: &toks,
-                    logprobs: &lps,
-                    k: 7,
-                },
+                BeamCandidates { token_ids: &toks[..n - 8], logprobs: &lps[..n - 8], k: 8 },
+                BeamCandidates { token_ids: &toks, logprobs: &lps, k: 0 },
+                BeamCandidates { token_ids: &toks, logprobs: &nan, k: 8 },
+                BeamCandidates { token_ids: &toks, logprobs: &pinf, k: 8 },
+                BeamCandidates { token_ids: &toks, logprobs: &lps[..n - 1], k: 8 },
+                BeamCandidates { token_ids: &toks, logprobs: &lps, k: 7 },
                 BeamCandidates::NONE,
             ];
             for b in bad {
-                assert!(
-                    sched.update_with_beams(out.step_id, &sampled, b).is_err(),
-                    "{b:?} accepted"
-                );
+                assert!(sched.update_with_beams(out.step_id, &sampled, b).is_err(), "{b:?} accepted");
                 sched.check_invariants().unwrap();
             }
         }
-        let beams = if digests.is_empty() {
-            BeamCandidates::NONE
-        } else {
-            BeamCandidates {
-                token_ids: &toks,
-                logprobs: &lps,
-                k: 8,
-            }
-        };
-        sched
-            .update_with_beams(out.step_id, &sampled, beams)
-            .unwrap();
+        let beams = if digests.is_empty() { BeamCandidates::NONE } else { BeamCandidates { token_ids: &toks, logprobs: &lps, k: 8 } };
+        sched.update_with_beams(out.step_id, &sampled, beams).unwrap();
         sched.check_invariants().unwrap();
         let st = sched.stats();
         max_shared = max_shared.max(st.beam_blocks_shared);
@@ -1405,10 +956,7 @@ fn beam_requests_that_cannot_run_are_refused() {
     let mut sched = Scheduler::new(cfg).unwrap();
     let beam = |id: &str, prompt_len: usize, max_tokens: usize, width: usize| {
         let mut r = NewRequest::new(id, vec![5; prompt_len], max_tokens);
-        r.beam = Some(BeamParams {
-            width,
-            length_penalty: 1.0,
-        });
+        r.beam = Some(BeamParams { width, length_penalty: 1.0 });
         r
     };
     // Wider than max_num_seqs.
@@ -1423,10 +971,7 @@ fn beam_requests_that_cannot_run_are_refused() {
     r.n = 2;
     assert!(sched.add_request(r).is_err());
     let mut r = beam("lp", 4, 4, 2);
-    r.beam = Some(BeamParams {
-        width: 2,
-        length_penalty: f64::NAN,
-    });
+    r.beam = Some(BeamParams { width: 2, length_penalty: f64::NAN });
     assert!(sched.add_request(r).is_err());
     let mut r = beam("hold", 4, 4, 2);
     r.hold_kv = true;
@@ -1451,10 +996,7 @@ fn wide_beams_with_long_prompts_share_under_pressure() {
     s.long_prompts = true;
     let r = run_sim(&s);
     assert!(r.sharing_seen && r.max_shared >= 4, "{r:?}");
-    assert!(
-        r.endings.get(&Ending::MaxModelLen).copied().unwrap_or(0) > 0,
-        "no search reached max_model_len: {r:?}"
-    );
+    assert!(r.endings.get(&Ending::MaxModelLen).copied().unwrap_or(0) > 0, "no search reached max_model_len: {r:?}");
     assert!(r.preemptions > 0, "{r:?}");
 }
 
@@ -1571,10 +1113,7 @@ fn beam_blocks_in_use_counts_blocks_shared_across_requests_once() {
     let mut model = FakeModel::new(32, 0, 0, 4);
     for id in ["a", "b"] {
         let mut r = NewRequest::new(id, (1..=16).collect(), 4);
-        r.beam = Some(BeamParams {
-            width: 2,
-            length_penalty: 1.0,
-        });
+        r.beam = Some(BeamParams { width: 2, length_penalty: 1.0 });
         sched.add_request(r).unwrap();
     }
     for _ in 0..3 {
@@ -1587,25 +1126,9 @@ fn beam_blocks_in_use_counts_blocks_shared_across_requests_once() {
                 lps.push(lp);
             }
         }
-        let beams = if digests.is_empty() {
-            BeamCandidates::NONE
-        } else {
-            BeamCandidates {
-                token_ids: &toks,
-                logprobs: &lps,
-                k: 4,
-            }
-        };
-        sched
-            .update_with_beams(out.step_id, &vec![0; digests.len()], beams)
-            .unwrap();
+        let beams = if digests.is_empty() { BeamCandidates::NONE } else { BeamCandidates { token_ids: &toks, logprobs: &lps, k: 4 } };
+        sched.update_with_beams(out.step_id, &vec![0; digests.len()], beams).unwrap();
         let st = sched.stats();
-        assert!(
-            st.beam_blocks_in_use <= st.num_used_blocks,
-            "step {}: {} beam blocks in use, {} blocks used",
-            out.step_id,
-            st.beam_blocks_in_use,
-            st.num_used_blocks
-        );
+        assert!(st.beam_blocks_in_use <= st.num_used_blocks, "step {}: {} beam blocks in use, {} blocks used", out.step_id, st.beam_blocks_in_use, st.num_used_blocks);
     }
 }

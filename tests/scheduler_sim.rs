@@ -32,9 +32,7 @@ use pagedkv::block_hash::HashMode;
 use pagedkv::ids::BlockId;
 use pagedkv::kv_cache_manager::RetentionPolicy;
 use pagedkv::kv_events::{decode_batch, KvEvent, Medium};
-use pagedkv::scheduler::{
-    FinishReason, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, StepOutput,
-};
+use pagedkv::scheduler::{FinishReason, NewRequest, Policy, PreemptionMode, Scheduler, SchedulerConfig, StepOutput};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -43,19 +41,16 @@ use common::{chain, FakeModel, ROOT};
 
 const VOCAB: u64 = 997;
 
+
 fn sample(digest: u64, index: i32) -> u32 {
     (chain(digest, index as u32 + 7) % VOCAB) as u32
 }
 
 /// A forward of the fake model, then one sampled token per logits row.
 fn execute(model: &mut FakeModel, out: &StepOutput) -> Vec<u32> {
-    model
-        .forward(out)
-        .iter()
-        .zip(&out.sample_indices)
-        .map(|(&v, &index)| sample(v, index))
-        .collect()
+    model.forward(out).iter().zip(&out.sample_indices).map(|(&v, &index)| sample(v, index)).collect()
 }
+
 
 #[derive(Debug, Clone)]
 struct Expect {
@@ -135,33 +130,17 @@ impl EventReplay {
             self.batches += 1;
             for e in events {
                 match e {
-                    KvEvent::BlockStored {
-                        block_hashes,
-                        token_ids,
-                        block_size,
-                        medium,
-                        ..
-                    } => {
-                        assert_eq!(
-                            token_ids.len(),
-                            block_hashes.len() * block_size,
-                            "{when}: tokens of a stored event"
-                        );
+                    KvEvent::BlockStored { block_hashes, token_ids, block_size, medium, .. } => {
+                        assert_eq!(token_ids.len(), block_hashes.len() * block_size, "{when}: tokens of a stored event");
                         let set = self.pools.entry(medium).or_default();
                         for h in block_hashes {
                             assert!(set.insert(h), "{when}: {h} stored twice in {medium:?}");
                         }
                     }
-                    KvEvent::BlockRemoved {
-                        block_hashes,
-                        medium,
-                    } => {
+                    KvEvent::BlockRemoved { block_hashes, medium } => {
                         let set = self.pools.entry(medium).or_default();
                         for h in block_hashes {
-                            assert!(
-                                set.remove(&h),
-                                "{when}: {h} removed from {medium:?} but never stored"
-                            );
+                            assert!(set.remove(&h), "{when}: {h} removed from {medium:?} but never stored");
                         }
                     }
                     KvEvent::AllBlocksCleared => {
@@ -172,21 +151,10 @@ impl EventReplay {
             }
         }
         let kv = sched.kv();
-        for (medium, pool) in [
-            (Medium::Gpu, Some(kv.pool())),
-            (Medium::Cpu, kv.host_pool()),
-            (Medium::Disk, kv.disk_pool()),
-        ] {
-            let want: HashSet<u64> = pool
-                .map(|p| p.registered_keys().collect())
-                .unwrap_or_default();
+        for (medium, pool) in [(Medium::Gpu, Some(kv.pool())), (Medium::Cpu, kv.host_pool()), (Medium::Disk, kv.disk_pool())] {
+            let want: HashSet<u64> = pool.map(|p| p.registered_keys().collect()).unwrap_or_default();
             let got = self.pools.get(&medium).cloned().unwrap_or_default();
-            assert!(
-                got == want,
-                "{when}: the events of {medium:?} replay to {} blocks, the pool holds {}",
-                got.len(),
-                want.len()
-            );
+            assert!(got == want, "{when}: the events of {medium:?} replay to {} blocks, the pool holds {}", got.len(), want.len());
         }
     }
 }
@@ -276,47 +244,20 @@ fn run_sim(spec: &SimSpec) -> SimResult {
     cfg.enable_kv_events = true;
     let mut sched = Scheduler::new(cfg).unwrap();
     let mut replay = EventReplay::default();
-    let mut model = FakeModel::new(
-        spec.num_blocks,
-        spec.num_host_blocks,
-        spec.num_disk_blocks,
-        spec.block_size,
-    );
+    let mut model = FakeModel::new(spec.num_blocks, spec.num_host_blocks, spec.num_disk_blocks, spec.block_size);
     let mut rng = StdRng::seed_from_u64(spec.seed);
     // A few shared system prompts so that the prefix cache gets hits.
-    let systems: Vec<Vec<u32>> = (0..4)
-        .map(|_| {
-            (0..rng.random_range(8..80))
-                .map(|_| rng.random_range(0..VOCAB as u32))
-                .collect()
-        })
-        .collect();
+    let systems: Vec<Vec<u32>> = (0..4).map(|_| (0..rng.random_range(8..80)).map(|_| rng.random_range(0..VOCAB as u32)).collect()).collect();
     let mut arrivals: Vec<(usize, String, Expect, NewRequest)> = (0..spec.num_requests)
         .map(|i| {
-            let mut prompt = if rng.random_bool(0.5) {
-                systems[rng.random_range(0..systems.len())].clone()
-            } else {
-                Vec::new()
-            };
+            let mut prompt = if rng.random_bool(0.5) { systems[rng.random_range(0..systems.len())].clone() } else { Vec::new() };
             let own = rng.random_range(1..(spec.max_model_len / 3).max(2));
             prompt.extend((0..own).map(|_| rng.random_range(0..VOCAB as u32)));
             prompt.truncate(spec.max_model_len);
             let max_tokens = rng.random_range(1..120);
-            let min_tokens = if rng.random_bool(0.2) {
-                rng.random_range(0..=max_tokens)
-            } else {
-                0
-            };
-            let eos: Vec<u32> = if rng.random_bool(0.7) {
-                vec![rng.random_range(0..VOCAB as u32)]
-            } else {
-                vec![]
-            };
-            let n = if rng.random_bool(0.1) {
-                rng.random_range(2..4usize).min(spec.max_num_seqs)
-            } else {
-                1
-            };
+            let min_tokens = if rng.random_bool(0.2) { rng.random_range(0..=max_tokens) } else { 0 };
+            let eos: Vec<u32> = if rng.random_bool(0.7) { vec![rng.random_range(0..VOCAB as u32)] } else { vec![] };
+            let n = if rng.random_bool(0.1) { rng.random_range(2..4usize).min(spec.max_num_seqs) } else { 1 };
             let id = format!("req-{i}");
             let mut r = NewRequest::new(id.clone(), prompt.clone(), max_tokens);
             r.min_tokens = min_tokens;
@@ -330,16 +271,7 @@ fn run_sim(spec: &SimSpec) -> SimResult {
                     num_tokens: rng.random_bool(0.5).then(|| rng.random_range(0..80)),
                 };
             }
-            let e = Expect {
-                prompt,
-                max_tokens,
-                min_tokens,
-                eos,
-                n,
-                outputs: vec![Vec::new(); n],
-                reasons: vec![None; n],
-                aborted: false,
-            };
+            let e = Expect { prompt, max_tokens, min_tokens, eos, n, outputs: vec![Vec::new(); n], reasons: vec![None; n], aborted: false };
             (rng.random_range(0..spec.num_requests / 4 + 1), id, e, r)
         })
         .collect();
@@ -370,10 +302,7 @@ fn run_sim(spec: &SimSpec) -> SimResult {
             }
             let ids = sched.rollback_step(out.step_id).unwrap();
             assert!(ids.len() <= out.num_rows());
-            assert!(
-                sched.update(out.step_id, &[]).is_err(),
-                "a rolled-back step cannot be updated"
-            );
+            assert!(sched.update(out.step_id, &[]).is_err(), "a rolled-back step cannot be updated");
             sched.check_invariants().unwrap();
             replay.sync(&mut sched, "after a rollback");
             step += 1;
@@ -383,9 +312,7 @@ fn run_sim(spec: &SimSpec) -> SimResult {
         let sampled = execute(&mut model, &out);
         let updates = sched.update(out.step_id, &sampled).unwrap();
         for u in &updates {
-            let id = sched
-                .request_id(u.request)
-                .expect("an updated request is named until the next schedule");
+            let id = sched.request_id(u.request).expect("an updated request is named until the next schedule");
             let e = expect.get_mut(&**id).unwrap();
             let i = u.index as usize;
             assert!(e.reasons[i].is_none(), "token after finish for {id} #{i}");
@@ -394,11 +321,7 @@ fn run_sim(spec: &SimSpec) -> SimResult {
         }
         // Random aborts of live requests.
         if spec.abort_prob > 0.0 && rng.random_bool(spec.abort_prob) {
-            let live: Vec<String> = expect
-                .iter()
-                .filter(|(_, e)| !e.aborted && e.reasons.iter().any(|r| r.is_none()))
-                .map(|(k, _)| k.clone())
-                .collect();
+            let live: Vec<String> = expect.iter().filter(|(_, e)| !e.aborted && e.reasons.iter().any(|r| r.is_none())).map(|(k, _)| k.clone()).collect();
             if !live.is_empty() {
                 let id = &live[rng.random_range(0..live.len())];
                 if sched.abort_request(id).is_ok() {
@@ -419,23 +342,14 @@ fn run_sim(spec: &SimSpec) -> SimResult {
     let out = sched.schedule().unwrap();
     reported_finished += out.finished.len();
     sched.update(out.step_id, &[]).unwrap();
-    assert_eq!(
-        reported_finished, spec.num_requests,
-        "every request is reported finished once"
-    );
+    assert_eq!(reported_finished, spec.num_requests, "every request is reported finished once");
     for (id, e) in &expect {
         for i in 0..e.n {
             let (want, reason) = reference_outputs(e, i, spec.max_model_len);
             if e.aborted {
-                assert!(
-                    want.starts_with(&e.outputs[i]),
-                    "{id} #{i}: aborted output is not a prefix of the reference"
-                );
+                assert!(want.starts_with(&e.outputs[i]), "{id} #{i}: aborted output is not a prefix of the reference");
             } else {
-                assert_eq!(
-                    e.outputs[i], want,
-                    "{id} #{i}: tokens differ from the contiguous reference"
-                );
+                assert_eq!(e.outputs[i], want, "{id} #{i}: tokens differ from the contiguous reference");
                 assert_eq!(e.reasons[i], Some(reason), "{id} #{i}: finish reason");
             }
         }
@@ -445,10 +359,7 @@ fn run_sim(spec: &SimSpec) -> SimResult {
     for b in 0..spec.num_blocks {
         assert_eq!(sched.kv().pool().ref_count(BlockId(b as u32)).unwrap(), 0);
     }
-    assert_eq!(
-        stats.num_host_free_blocks, spec.num_host_blocks,
-        "a host block leaked"
-    );
+    assert_eq!(stats.num_host_free_blocks, spec.num_host_blocks, "a host block leaked");
     assert_eq!(stats.num_swapped, 0);
     // Nothing in use: a reset leaves nothing cached, announced as one AllBlocksCleared.
     replay.sync(&mut sched, "at the end");
@@ -456,11 +367,7 @@ fn run_sim(spec: &SimSpec) -> SimResult {
     sched.reset_prefix_cache();
     replay.sync(&mut sched, "after the final reset");
     if spec.caching {
-        assert_eq!(
-            replay.cleared,
-            cleared + 1,
-            "the final reset was not announced"
-        );
+        assert_eq!(replay.cleared, cleared + 1, "the final reset was not announced");
         assert!(replay.batches > 1);
     } else {
         assert_eq!(replay.batches, 0, "no prefix cache, no events");
@@ -477,78 +384,24 @@ fn run_sim(spec: &SimSpec) -> SimResult {
 
 #[test]
 fn thousands_of_requests_under_preemption_match_contiguous_reference() {
-    for (seed, policy, caching) in [
-        (1, Policy::Fcfs, true),
-        (2, Policy::Priority, true),
-        (3, Policy::Fcfs, false),
-    ] {
-        let r = run_sim(&SimSpec::basic(
-            seed,
-            2000,
-            96,
-            16,
-            512,
-            256,
-            64,
-            policy,
-            caching,
-            HashMode::Xxh3,
-            0.02,
-            0.0,
-        ));
-        assert!(
-            r.preemptions > 100,
-            "the pool must be small enough to force preemption (got {})",
-            r.preemptions
-        );
+    for (seed, policy, caching) in [(1, Policy::Fcfs, true), (2, Policy::Priority, true), (3, Policy::Fcfs, false)] {
+        let r = run_sim(&SimSpec::basic(seed, 2000, 96, 16, 512, 256, 64, policy, caching, HashMode::Xxh3, 0.02, 0.0));
+        assert!(r.preemptions > 100, "the pool must be small enough to force preemption (got {})", r.preemptions);
         if caching {
-            assert!(
-                r.prefix_hits > 0,
-                "shared prompts must hit the prefix cache"
-            );
+            assert!(r.prefix_hits > 0, "shared prompts must hit the prefix cache");
         }
     }
 }
 
 #[test]
 fn hash_collisions_do_not_change_tokens() {
-    run_sim(&SimSpec::basic(
-        9,
-        400,
-        64,
-        8,
-        256,
-        64,
-        32,
-        Policy::Fcfs,
-        true,
-        HashMode::Truncated(2),
-        0.05,
-        0.0,
-    ));
+    run_sim(&SimSpec::basic(9, 400, 64, 8, 256, 64, 32, Policy::Fcfs, true, HashMode::Truncated(2), 0.05, 0.0));
 }
 
 #[test]
 fn failed_steps_rolled_back_never_serve_unwritten_kv() {
-    for (seed, policy, caching, bs) in [
-        (11, Policy::Fcfs, true, 16),
-        (12, Policy::Priority, true, 4),
-        (13, Policy::Fcfs, false, 8),
-    ] {
-        let r = run_sim(&SimSpec::basic(
-            seed,
-            600,
-            512usize.div_ceil(bs) + 40,
-            bs,
-            512,
-            128,
-            32,
-            policy,
-            caching,
-            HashMode::Xxh3,
-            0.02,
-            0.15,
-        ));
+    for (seed, policy, caching, bs) in [(11, Policy::Fcfs, true, 16), (12, Policy::Priority, true, 4), (13, Policy::Fcfs, false, 8)] {
+        let r = run_sim(&SimSpec::basic(seed, 600, 512usize.div_ceil(bs) + 40, bs, 512, 128, 32, policy, caching, HashMode::Xxh3, 0.02, 0.15));
         assert!(r.preemptions > 0);
         if caching {
             assert!(r.prefix_hits > 0);
@@ -573,46 +426,21 @@ fn swap_and_host_tier_match_contiguous_reference() {
         let hash_mode = bits.map_or(HashMode::Xxh3, HashMode::Truncated);
         // A disk tier below every host tier that caches (some cases fail steps mid-copy).
         let disk = if caching { 512 } else { 0 };
-        let spec = SimSpec::basic(
-            seed,
-            1500,
-            96,
-            16,
-            512,
-            256,
-            64,
-            Policy::Fcfs,
-            caching,
-            hash_mode,
-            0.02,
-            fail,
-        )
-        .with_host(host, mode, retention)
-        .with_disk(disk)
-        .with_resets(if seed == 26 { 0.01 } else { 0.0 });
+        let spec = SimSpec::basic(seed, 1500, 96, 16, 512, 256, 64, Policy::Fcfs, caching, hash_mode, 0.02, fail)
+            .with_host(host, mode, retention)
+            .with_disk(disk)
+            .with_resets(if seed == 26 { 0.01 } else { 0.0 });
         let r = run_sim(&spec);
-        assert!(
-            r.preemptions > 50,
-            "{seed}: the device pool must force preemption ({r:?})"
-        );
+        assert!(r.preemptions > 50, "{seed}: the device pool must force preemption ({r:?})");
         if mode == PreemptionMode::Swap {
-            assert!(
-                r.swap_preemptions > 0,
-                "{seed}: nothing was swapped ({r:?})"
-            );
+            assert!(r.swap_preemptions > 0, "{seed}: nothing was swapped ({r:?})");
             assert!(r.blocks_swapped_in > 0, "{seed}: nothing came back ({r:?})");
         }
         if caching && bits.is_none() {
-            assert!(
-                r.host_hits > 0,
-                "{seed}: the host tier never served a prefix hit ({r:?})"
-            );
+            assert!(r.host_hits > 0, "{seed}: the host tier never served a prefix hit ({r:?})");
         }
         if caching && bits.is_none() && host <= 64 {
-            assert!(
-                r.disk_hits > 0,
-                "{seed}: the disk tier never served a prefix hit ({r:?})"
-            );
+            assert!(r.disk_hits > 0, "{seed}: the disk tier never served a prefix hit ({r:?})");
         }
     }
 }
@@ -653,6 +481,7 @@ proptest! {
     }
 }
 
+
 /// A restarted scheduler restores the disk tier's entries (as a restarted engine reads its
 /// files) and serves prefix hits from them; the tokens stay those of the reference.
 #[test]
@@ -665,61 +494,33 @@ fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
     cfg.num_disk_blocks = 256;
     cfg.enable_kv_events = true;
     let mut rng = StdRng::seed_from_u64(5);
-    let prompts: Vec<Vec<u32>> = (0..24)
-        .map(|_| {
-            (0..rng.random_range(20..100))
-                .map(|_| rng.random_range(0..VOCAB as u32))
-                .collect()
-        })
-        .collect();
-    let run =
-        |sched: &mut Scheduler, model: &mut FakeModel, tag: &str| -> HashMap<String, Vec<u32>> {
-            for (i, p) in prompts.iter().enumerate() {
-                sched
-                    .add_request(NewRequest::new(format!("{tag}-{i}"), p.clone(), 4))
-                    .unwrap();
+    let prompts: Vec<Vec<u32>> = (0..24).map(|_| (0..rng.random_range(20..100)).map(|_| rng.random_range(0..VOCAB as u32)).collect()).collect();
+    let run = |sched: &mut Scheduler, model: &mut FakeModel, tag: &str| -> HashMap<String, Vec<u32>> {
+        for (i, p) in prompts.iter().enumerate() {
+            sched.add_request(NewRequest::new(format!("{tag}-{i}"), p.clone(), 4)).unwrap();
+        }
+        let mut outputs: HashMap<String, Vec<u32>> = HashMap::new();
+        while sched.has_unfinished_requests() {
+            let out = sched.schedule().unwrap();
+            let sampled = execute(model, &out);
+            for u in sched.update(out.step_id, &sampled).unwrap() {
+                outputs.entry(sched.request_id(u.request).unwrap().to_string()).or_default().push(u.token);
             }
-            let mut outputs: HashMap<String, Vec<u32>> = HashMap::new();
-            while sched.has_unfinished_requests() {
-                let out = sched.schedule().unwrap();
-                let sampled = execute(model, &out);
-                for u in sched.update(out.step_id, &sampled).unwrap() {
-                    outputs
-                        .entry(sched.request_id(u.request).unwrap().to_string())
-                        .or_default()
-                        .push(u.token);
-                }
-                sched.check_invariants().unwrap();
-            }
-            outputs
-        };
+            sched.check_invariants().unwrap();
+        }
+        outputs
+    };
     let check = |outputs: &HashMap<String, Vec<u32>>, tag: &str| {
         for (i, p) in prompts.iter().enumerate() {
-            let e = Expect {
-                prompt: p.clone(),
-                max_tokens: 4,
-                min_tokens: 0,
-                eos: vec![],
-                n: 1,
-                outputs: vec![],
-                reasons: vec![],
-                aborted: false,
-            };
-            assert_eq!(
-                outputs[&format!("{tag}-{i}")],
-                reference_outputs(&e, 0, 128).0,
-                "{tag}-{i}"
-            );
+            let e = Expect { prompt: p.clone(), max_tokens: 4, min_tokens: 0, eos: vec![], n: 1, outputs: vec![], reasons: vec![], aborted: false };
+            assert_eq!(outputs[&format!("{tag}-{i}")], reference_outputs(&e, 0, 128).0, "{tag}-{i}");
         }
     };
     let mut first = Scheduler::new(cfg.clone()).unwrap();
     let mut model = FakeModel::new(24, 8, 256, bs);
     let outputs = run(&mut first, &mut model, "a");
     check(&outputs, "a");
-    assert!(
-        first.stats().blocks_written_to_disk > 0,
-        "the small host tier must spill to disk"
-    );
+    assert!(first.stats().blocks_written_to_disk > 0, "the small host tier must spill to disk");
     // Shutdown: flush what the device and host tiers cache down to disk.
     for _ in 0..64 {
         let out = first.schedule_flush().unwrap();
@@ -732,9 +533,7 @@ fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
         }
     }
     // "Files": every cached disk slot's identity and KV, as the runner writes them.
-    let entries: Vec<_> = (0..256u32)
-        .filter_map(|s| first.disk_block_info(s).map(|info| (s, info)))
-        .collect();
+    let entries: Vec<_> = (0..256u32).filter_map(|s| first.disk_block_info(s).map(|info| (s, info))).collect();
     assert!(!entries.is_empty());
     let (slots, infos): (Vec<u32>, Vec<_>) = entries.into_iter().rev().unzip(); // children first: order must not matter
     let mut second = Scheduler::new(cfg).unwrap();
@@ -742,22 +541,12 @@ fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
     // An entry whose parent never reached the disk (evicted from the device in a step whose
     // write-backs had filled the small host tier) cannot be linked, and is left out.
     let n_restored = restored.iter().filter(|s| s.is_some()).count();
-    assert!(
-        n_restored * 4 >= restored.len() * 3,
-        "{n_restored} of {} entries restored",
-        restored.len()
-    );
+    assert!(n_restored * 4 >= restored.len() * 3, "{n_restored} of {} entries restored", restored.len());
     // The restored entries are announced as stored on DISK (and nothing else).
     let mut replay = EventReplay::default();
     replay.sync(&mut second, "after the restore");
-    assert_eq!(
-        replay.pools.get(&Medium::Disk).map_or(0, HashSet::len),
-        n_restored
-    );
-    assert_eq!(
-        replay.pools.values().map(HashSet::len).sum::<usize>(),
-        n_restored
-    );
+    assert_eq!(replay.pools.get(&Medium::Disk).map_or(0, HashSet::len), n_restored);
+    assert_eq!(replay.pools.values().map(HashSet::len).sum::<usize>(), n_restored);
     let mut model2 = FakeModel::new(24, 8, 256, bs);
     for (old, new) in slots.iter().zip(&restored) {
         if let Some(new) = new {
@@ -772,8 +561,5 @@ fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
     let outputs = run(&mut second, &mut model2, "b");
     check(&outputs, "b");
     replay.sync(&mut second, "after the second run");
-    assert!(
-        second.stats().prefix_cache_disk_hits > 0,
-        "the restarted scheduler never hit the disk tier"
-    );
+    assert!(second.stats().prefix_cache_disk_hits > 0, "the restarted scheduler never hit the disk tier");
 }

@@ -97,32 +97,15 @@ proptest! {
 #[derive(Debug, Clone)]
 enum SeqOp {
     /// New sequence: base prompt index, extra suffix length, salt choice.
-    Add {
-        base: usize,
-        suffix: usize,
-        salt: u8,
-    },
+    Add { base: usize, suffix: usize, salt: u8 },
     /// Give slots to up to `n` pending tokens of a sequence.
-    Allocate {
-        seq: usize,
-        n: usize,
-    },
+    Allocate { seq: usize, n: usize },
     /// Append a token and give it a slot (decode step).
-    Decode {
-        seq: usize,
-        token: u32,
-    },
+    Decode { seq: usize, token: u32 },
     /// Append tokens without slots (e.g. a user message of a multi-turn chat).
-    Extend {
-        seq: usize,
-        len: usize,
-    },
-    Fork {
-        seq: usize,
-    },
-    Free {
-        seq: usize,
-    },
+    Extend { seq: usize, len: usize },
+    Fork { seq: usize },
+    Free { seq: usize },
     ResetCache,
 }
 
@@ -144,9 +127,7 @@ fn prefix_digests(tokens: &[u32]) -> Vec<u64> {
     tokens
         .iter()
         .map(|&t| {
-            h = (h ^ t as u64)
-                .wrapping_mul(0x0100_0000_01b3)
-                .rotate_left(17);
+            h = (h ^ t as u64).wrapping_mul(0x0100_0000_01b3).rotate_left(17);
             h
         })
         .collect()
@@ -184,13 +165,7 @@ impl Model {
             let digests = prefix_digests(s.tokens());
             for pos in 0..s.num_computed() {
                 let slot = s.table().slot(pos, self.bs) as usize;
-                prop_assert_eq!(
-                    self.kv[slot],
-                    Some(digests[pos]),
-                    "sequence {} position {}",
-                    id,
-                    pos
-                );
+                prop_assert_eq!(self.kv[slot], Some(digests[pos]), "sequence {} position {}", id, pos);
             }
         }
         Ok(())
@@ -200,12 +175,7 @@ impl Model {
 fn run_manager_machine(ops: Vec<SeqOp>, hash_mode: HashMode) -> Result<(), TestCaseError> {
     let (n, bs) = (24, 4);
     let mut m = KvCacheManager::new(n, bs, true, hash_mode).unwrap();
-    let mut model = Model {
-        bs,
-        kv: vec![None; n * bs],
-        seqs: Vec::new(),
-        next_token: 1000,
-    };
+    let mut model = Model { bs, kv: vec![None; n * bs], seqs: Vec::new(), next_token: 1000 };
     // Base prompts: three share a first block, so hits of different depths happen; the
     // fourth starts differently, so a wrong first-block hit would be visible.
     let bases: [Vec<u32>; 4] = [
@@ -249,9 +219,7 @@ fn run_manager_machine(ops: Vec<SeqOp>, hash_mode: HashMode) -> Result<(), TestC
             }
             SeqOp::Decode { seq, token } if !model.seqs.is_empty() => {
                 let id = model.seqs[seq % model.seqs.len()];
-                if m.seq(id).unwrap().num_pending() == 0
-                    && m.append_token_with_slot(id, token).unwrap()
-                {
+                if m.seq(id).unwrap().num_pending() == 0 && m.append_token_with_slot(id, token).unwrap() {
                     model.apply_copies(&mut m);
                     model.write_window(&m, id);
                 }
@@ -276,8 +244,7 @@ fn run_manager_machine(ops: Vec<SeqOp>, hash_mode: HashMode) -> Result<(), TestC
             }
             _ => {}
         }
-        m.check_invariants()
-            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        m.check_invariants().map_err(|e| TestCaseError::fail(e.to_string()))?;
         model.check_reads(&m)?;
     }
     for id in model.seqs.drain(..) {

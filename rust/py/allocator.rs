@@ -3,10 +3,7 @@
 
 use pyo3::prelude::*;
 
-use super::args::{
-    bool_arg, count_arg, hash_mode_arg, int_arg, int_list_arg, positive_arg, salt_arg,
-    token_ids_arg,
-};
+use super::args::{bool_arg, count_arg, hash_mode_arg, int_arg, int_list_arg, positive_arg, salt_arg, token_ids_arg};
 use crate::block_hash::{ExtraKey, HashMode};
 use crate::block_pool::{BlockPool, ChainLink};
 use crate::error::CoreError;
@@ -36,10 +33,7 @@ impl PoolArgs {
                 .map(|o| bool_arg(o, "enable_prefix_caching"))
                 .transpose()?
                 .unwrap_or(true),
-            hash_mode: hash_bits
-                .map(hash_mode_arg)
-                .transpose()?
-                .unwrap_or_default(),
+            hash_mode: hash_bits.map(hash_mode_arg).transpose()?.unwrap_or_default(),
         })
     }
 }
@@ -53,9 +47,7 @@ pub struct PyBlockAllocator {
 impl PyBlockAllocator {
     fn block_ids(&self, obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<BlockId>> {
         let raw = int_list_arg(obj, name)?;
-        raw.into_iter()
-            .map(|b| self.pool.block_id(b).map_err(PyErr::from))
-            .collect()
+        raw.into_iter().map(|b| self.pool.block_id(b).map_err(PyErr::from)).collect()
     }
 }
 
@@ -70,24 +62,14 @@ impl PyBlockAllocator {
         hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let a = PoolArgs::parse(num_blocks, block_size, enable_prefix_caching, hash_bits)?;
-        Ok(PyBlockAllocator {
-            pool: BlockPool::new(
-                a.num_blocks,
-                a.block_size,
-                a.enable_prefix_caching,
-                a.hash_mode,
-            )?,
-        })
+        Ok(PyBlockAllocator { pool: BlockPool::new(a.num_blocks, a.block_size, a.enable_prefix_caching, a.hash_mode)? })
     }
 
     /// Allocates `n` blocks (ref count 1 each), or returns None and changes nothing when fewer
     /// than `n` are free.
     fn allocate(&mut self, n: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u32>>> {
         let n = count_arg(n, "n")?;
-        Ok(self
-            .pool
-            .allocate(n)
-            .map(|v| v.into_iter().map(|b| b.0).collect()))
+        Ok(self.pool.allocate(n).map(|v| v.into_iter().map(|b| b.0).collect()))
     }
 
     /// Drops one reference from each block; all-or-nothing.
@@ -139,8 +121,7 @@ impl PyBlockAllocator {
             let mut hasher = pool.new_hasher();
             let mut hashes = Vec::new();
             hasher.extend_chain(&mut hashes, &tokens, bs, &extra, full);
-            pool.register_chain(&ids, &hashes, &tokens, &extra, 0, full, ChainLink::Root)
-                .0
+            pool.register_chain(&ids, &hashes, &tokens, &extra, 0, full, ChainLink::Root).0
         }))
     }
 
@@ -159,10 +140,7 @@ impl PyBlockAllocator {
         Ok(py.detach(|| {
             let mut hasher = pool.new_hasher();
             let mut hashes = Vec::new();
-            pool.match_prefix(&mut hasher, &tokens, &extra, &mut hashes)
-                .into_iter()
-                .map(|b| b.0)
-                .collect()
+            pool.match_prefix(&mut hasher, &tokens, &extra, &mut hashes).into_iter().map(|b| b.0).collect()
         }))
     }
 

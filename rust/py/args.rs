@@ -23,10 +23,7 @@ use crate::kv_cache_manager::RetentionPolicy;
 use crate::scheduler::BeamParams;
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type()
-        .name()
-        .map(|n| n.to_string())
-        .unwrap_or_else(|_| "?".into())
+    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
 }
 
 /// A Python integer (or numpy integer scalar) as `i64`.
@@ -68,8 +65,7 @@ pub fn positive_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<usize> {
 /// A sample index (`0 ..= u32::MAX`).
 pub fn index_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<u32> {
     let v = count_arg(obj, name)?;
-    u32::try_from(v)
-        .map_err(|_| CoreError::InvalidArgument(format!("{name} {v} is out of range")).into())
+    u32::try_from(v).map_err(|_| CoreError::InvalidArgument(format!("{name} {v} is out of range")).into())
 }
 
 /// A float (a Python float or int, or a numpy scalar that converts).
@@ -79,10 +75,7 @@ pub fn float_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
 }
 
 /// A `str`, kept as the Python object (interned ids are reused as they are).
-pub fn str_obj_arg<'a, 'py>(
-    obj: &'a Bound<'py, PyAny>,
-    name: &str,
-) -> PyResult<&'a Bound<'py, PyString>> {
+pub fn str_obj_arg<'a, 'py>(obj: &'a Bound<'py, PyAny>, name: &str) -> PyResult<&'a Bound<'py, PyString>> {
     obj.cast::<PyString>()
         .map_err(|_| invalid_type(format!("{name} must be a str, got {}", type_name(obj))))
 }
@@ -94,12 +87,8 @@ pub fn str_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
 
 /// An instance of the pagedkv class `T`; `what` says what was expected (e.g.
 /// "update() needs the SchedulerOutput returned by schedule()").
-pub fn object_arg<'a, 'py, T: PyTypeCheck>(
-    obj: &'a Bound<'py, PyAny>,
-    what: &str,
-) -> PyResult<&'a Bound<'py, T>> {
-    obj.cast::<T>()
-        .map_err(|_| invalid_type(format!("{what}, got {}", type_name(obj))))
+pub fn object_arg<'a, 'py, T: PyTypeCheck>(obj: &'a Bound<'py, PyAny>, what: &str) -> PyResult<&'a Bound<'py, T>> {
+    obj.cast::<T>().map_err(|_| invalid_type(format!("{what}, got {}", type_name(obj))))
 }
 
 /// `hash_bits` → hash mode (128: full xxh3; fewer: test hook forcing collisions).
@@ -116,36 +105,24 @@ pub fn hash_mode_arg(hash_bits: &Bound<'_, PyAny>) -> PyResult<HashMode> {
 /// UnknownSequenceError, like a stale one).
 pub fn seq_id_arg(obj: &Bound<'_, PyAny>) -> PyResult<SeqId> {
     let v = int_arg(obj, "seq_id")?;
-    u64::try_from(v)
-        .map(SeqId)
-        .map_err(|_| CoreError::UnknownSequence(v as u64).into())
+    u64::try_from(v).map(SeqId).map_err(|_| CoreError::UnknownSequence(v as u64).into())
 }
 
 /// Sequence ids: a 1-D integer sequence (see [`int_list_arg`] and [`seq_id_arg`]).
 pub fn seq_ids_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<SeqId>> {
     int_list_arg(obj, name)?
         .into_iter()
-        .map(|v| {
-            u64::try_from(v)
-                .map(SeqId)
-                .map_err(|_| CoreError::UnknownSequence(v as u64).into())
-        })
+        .map(|v| u64::try_from(v).map(SeqId).map_err(|_| CoreError::UnknownSequence(v as u64).into()))
         .collect()
 }
 
 /// The data of a numpy array that must be C-contiguous.
-pub fn contiguous_arg<'a, T>(
-    s: Result<&'a [T], numpy::AsSliceError>,
-    name: &str,
-) -> PyResult<&'a [T]> {
+pub fn contiguous_arg<'a, T>(s: Result<&'a [T], numpy::AsSliceError>, name: &str) -> PyResult<&'a [T]> {
     s.map_err(|_| invalid_argument(format!("{name} must be C-contiguous")))
 }
 
 /// The data of a numpy array written in place, which must be C-contiguous.
-pub fn contiguous_mut_arg<'a, T>(
-    s: Result<&'a mut [T], numpy::AsSliceError>,
-    name: &str,
-) -> PyResult<&'a mut [T]> {
+pub fn contiguous_mut_arg<'a, T>(s: Result<&'a mut [T], numpy::AsSliceError>, name: &str) -> PyResult<&'a mut [T]> {
     s.map_err(|_| invalid_argument(format!("{name} must be C-contiguous")))
 }
 
@@ -154,10 +131,7 @@ pub fn contiguous_mut_arg<'a, T>(
 pub fn int_list_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
     if let Ok(arr) = obj.cast::<PyUntypedArray>() {
         if arr.ndim() != 1 {
-            return Err(invalid_argument(format!(
-                "{name} must be a 1-D array, got shape {:?}",
-                arr.shape()
-            )));
+            return Err(invalid_argument(format!("{name} must be a 1-D array, got shape {:?}", arr.shape())));
         }
         if let Ok(a) = obj.cast::<PyArray1<i64>>() {
             let ro = a.readonly();
@@ -169,36 +143,21 @@ pub fn int_list_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
             let s = ro.as_slice().map_err(|_| not_contiguous(name))?;
             return Ok(s.iter().map(|&v| v as i64).collect());
         }
-        let dtype = arr
-            .dtype()
-            .str()
-            .map(|s| s.to_string())
-            .unwrap_or_else(|_| "?".into());
-        return Err(invalid_type(format!(
-            "{name} must have dtype int32 or int64, got {dtype}"
-        )));
+        let dtype = arr.dtype().str().map(|s| s.to_string()).unwrap_or_else(|_| "?".into());
+        return Err(invalid_type(format!("{name} must have dtype int32 or int64, got {dtype}")));
     }
     if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(invalid_type(format!(
-            "{name} must be a sequence of integers, got {}",
-            type_name(obj)
-        )));
+        return Err(invalid_type(format!("{name} must be a sequence of integers, got {}", type_name(obj))));
     }
     // Fast path for lists/tuples of plain ints; on failure redo item by item for a precise error.
     if let Ok(v) = obj.extract::<Vec<i64>>() {
-        if !obj
-            .try_iter()?
-            .any(|x| x.map(|x| x.is_instance_of::<PyBool>()).unwrap_or(false))
-        {
+        if !obj.try_iter()?.any(|x| x.map(|x| x.is_instance_of::<PyBool>()).unwrap_or(false)) {
             return Ok(v);
         }
     }
-    let iter = obj.try_iter().map_err(|_| {
-        invalid_type(format!(
-            "{name} must be a sequence of integers, got {}",
-            type_name(obj)
-        ))
-    })?;
+    let iter = obj
+        .try_iter()
+        .map_err(|_| invalid_type(format!("{name} must be a sequence of integers, got {}", type_name(obj))))?;
     let mut out = Vec::new();
     for (i, item) in iter.enumerate() {
         out.push(int_arg(&item?, &format!("{name}[{i}]"))?);
@@ -207,9 +166,7 @@ pub fn int_list_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
 }
 
 fn not_contiguous(name: &str) -> PyErr {
-    invalid_argument(format!(
-        "{name} must be C-contiguous (pass numpy.ascontiguousarray(...))"
-    ))
+    invalid_argument(format!("{name} must be C-contiguous (pass numpy.ascontiguousarray(...))"))
 }
 
 /// Token ids: a 1-D integer sequence with every id in `0 ..= i32::MAX`. A C-contiguous
@@ -217,9 +174,7 @@ fn not_contiguous(name: &str) -> PyErr {
 pub fn token_ids_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
     if let Ok(a) = obj.cast::<PyArray1<i64>>() {
         let ro = a.readonly();
-        return Ok(check_token_ids(
-            ro.as_slice().map_err(|_| not_contiguous(name))?,
-        )?);
+        return Ok(check_token_ids(ro.as_slice().map_err(|_| not_contiguous(name))?)?);
     }
     if let Ok(a) = obj.cast::<PyArray1<i32>>() {
         let ro = a.readonly();
@@ -260,11 +215,7 @@ pub fn retention_arg(
         r.priority = u8::try_from(p)
             .ok()
             .filter(|&p| p <= MAX_RETENTION_PRIORITY)
-            .ok_or_else(|| {
-                CoreError::InvalidArgument(format!(
-                    "retention_priority must be in 0..={MAX_RETENTION_PRIORITY}, got {p}"
-                ))
-            })?;
+            .ok_or_else(|| CoreError::InvalidArgument(format!("retention_priority must be in 0..={MAX_RETENTION_PRIORITY}, got {p}")))?;
     }
     if let Some(o) = duration.filter(|o| !o.is_none()) {
         let secs = float_arg(o, "retention_duration")?;
@@ -284,33 +235,23 @@ pub fn salt_arg(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<String>> {
     match obj {
         None => Ok(None),
         Some(o) if o.is_none() => Ok(None),
-        Some(o) => o.extract::<String>().map(Some).map_err(|_| {
-            invalid_type(format!(
-                "cache_salt must be a str or None, got {}",
-                type_name(o)
-            ))
-        }),
+        Some(o) => o
+            .extract::<String>()
+            .map(Some)
+            .map_err(|_| invalid_type(format!("cache_salt must be a str or None, got {}", type_name(o)))),
     }
 }
 
 /// Optional beam-search parameters of a request: `beam_width` (None: not a beam search) and
 /// `length_penalty` (default 1.0; only with a width).
-pub fn beam_arg(
-    width: Option<&Bound<'_, PyAny>>,
-    length_penalty: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Option<BeamParams>> {
+pub fn beam_arg(width: Option<&Bound<'_, PyAny>>, length_penalty: Option<&Bound<'_, PyAny>>) -> PyResult<Option<BeamParams>> {
     let penalty = match length_penalty.filter(|o| !o.is_none()) {
         Some(o) => Some(float_arg(o, "length_penalty")?),
         None => None,
     };
     match width.filter(|o| !o.is_none()) {
-        Some(o) => Ok(Some(BeamParams {
-            width: count_arg(o, "beam_width")?,
-            length_penalty: penalty.unwrap_or(1.0),
-        })),
-        None if penalty.is_some() => Err(invalid_argument(
-            "length_penalty is a beam-search parameter: give beam_width too",
-        )),
+        Some(o) => Ok(Some(BeamParams { width: count_arg(o, "beam_width")?, length_penalty: penalty.unwrap_or(1.0) })),
+        None if penalty.is_some() => Err(invalid_argument("length_penalty is a beam-search parameter: give beam_width too")),
         None => Ok(None),
     }
 }
@@ -322,58 +263,30 @@ pub fn beam_candidates_arg(
     token_ids: Option<&Bound<'_, PyAny>>,
     logprobs: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(Vec<u32>, Vec<f32>, usize)> {
-    let (token_ids, logprobs) = match (
-        token_ids.filter(|o| !o.is_none()),
-        logprobs.filter(|o| !o.is_none()),
-    ) {
+    let (token_ids, logprobs) = match (token_ids.filter(|o| !o.is_none()), logprobs.filter(|o| !o.is_none())) {
         (None, None) => return Ok((Vec::new(), Vec::new(), 0)),
         (Some(t), Some(l)) => (t, l),
-        _ => {
-            return Err(invalid_argument(
-                "beam_token_ids and beam_logprobs go together",
-            ))
-        }
+        _ => return Err(invalid_argument("beam_token_ids and beam_logprobs go together")),
     };
     let rows: Vec<Bound<'_, PyAny>> = token_ids
         .try_iter()
-        .map_err(|_| {
-            invalid_type(format!(
-                "beam_token_ids must be a 2-D table of ints, got {}",
-                type_name(token_ids)
-            ))
-        })?
+        .map_err(|_| invalid_type(format!("beam_token_ids must be a 2-D table of ints, got {}", type_name(token_ids))))?
         .collect::<PyResult<_>>()?;
     let lp_rows: Vec<Bound<'_, PyAny>> = logprobs
         .try_iter()
-        .map_err(|_| {
-            invalid_type(format!(
-                "beam_logprobs must be a 2-D table of floats, got {}",
-                type_name(logprobs)
-            ))
-        })?
+        .map_err(|_| invalid_type(format!("beam_logprobs must be a 2-D table of floats, got {}", type_name(logprobs))))?
         .collect::<PyResult<_>>()?;
     if rows.len() != lp_rows.len() {
-        return Err(invalid_argument(format!(
-            "beam_token_ids has {} rows but beam_logprobs {}",
-            rows.len(),
-            lp_rows.len()
-        )));
+        return Err(invalid_argument(format!("beam_token_ids has {} rows but beam_logprobs {}", rows.len(), lp_rows.len())));
     }
     let (mut ids, mut lps, mut k) = (Vec::new(), Vec::new(), None);
     for (r, (row, lp_row)) in rows.iter().zip(&lp_rows).enumerate() {
         let row_ids = token_ids_arg(row, "beam_token_ids")?;
-        let row_lps: Vec<f64> = lp_row.extract().map_err(|_| {
-            invalid_type(format!(
-                "beam_logprobs row {r} must be a sequence of floats, got {}",
-                type_name(lp_row)
-            ))
-        })?;
+        let row_lps: Vec<f64> = lp_row
+            .extract()
+            .map_err(|_| invalid_type(format!("beam_logprobs row {r} must be a sequence of floats, got {}", type_name(lp_row))))?;
         if row_ids.len() != row_lps.len() || k.is_some_and(|k| k != row_ids.len()) {
-            return Err(invalid_argument(format!(
-                "beam candidate row {r} has {} ids and {} logprobs (rows must all have k entries)",
-                row_ids.len(),
-                row_lps.len()
-            )));
+            return Err(invalid_argument(format!("beam candidate row {r} has {} ids and {} logprobs (rows must all have k entries)", row_ids.len(), row_lps.len())));
         }
         k = Some(row_ids.len());
         ids.extend(row_ids);

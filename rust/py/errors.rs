@@ -16,8 +16,7 @@ static ERRORS_MODULE: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
 /// The `pagedkv.errors` class called `name`, falling back to `RuntimeError` only if the
 /// Python package itself is broken (the module cannot be imported).
 fn error_class<'py>(py: Python<'py>, name: &str) -> Bound<'py, PyType> {
-    let module =
-        ERRORS_MODULE.get_or_try_init(py, || py.import("pagedkv.errors").map(Bound::unbind));
+    let module = ERRORS_MODULE.get_or_try_init(py, || py.import("pagedkv.errors").map(Bound::unbind));
     module
         .ok()
         .and_then(|m| m.bind(py).getattr(name).ok())

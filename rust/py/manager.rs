@@ -12,12 +12,7 @@ use crate::ids::SeqId;
 use crate::kv_cache_manager::KvCacheManager;
 
 /// `rows` × `cols` int32 array from a row-major vector.
-pub(crate) fn array2_i32<'py>(
-    py: Python<'py>,
-    data: Vec<i32>,
-    rows: usize,
-    cols: usize,
-) -> PyResult<Bound<'py, PyArray2<i32>>> {
+pub(crate) fn array2_i32<'py>(py: Python<'py>, data: Vec<i32>, rows: usize, cols: usize) -> PyResult<Bound<'py, PyArray2<i32>>> {
     PyArray1::from_vec(py, data).reshape([rows, cols])
 }
 
@@ -45,16 +40,8 @@ impl PyKvCacheManager {
         hash_bits: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let a = PoolArgs::parse(num_blocks, block_size, enable_prefix_caching, hash_bits)?;
-        let inner = KvCacheManager::new(
-            a.num_blocks,
-            a.block_size,
-            a.enable_prefix_caching,
-            a.hash_mode,
-        )?;
-        Ok(PyKvCacheManager {
-            inner,
-            ok_scratch: Vec::new(),
-        })
+        let inner = KvCacheManager::new(a.num_blocks, a.block_size, a.enable_prefix_caching, a.hash_mode)?;
+        Ok(PyKvCacheManager { inner, ok_scratch: Vec::new() })
     }
 
     /// Creates a sequence over `token_ids`, reusing its longest verified cached prefix.
@@ -75,22 +62,14 @@ impl PyKvCacheManager {
 
     /// Gives slots to the next `num_tokens` tokens without one (copy-on-write as needed).
     /// Returns False, changing nothing, when too few blocks are free.
-    fn allocate_slots(
-        &mut self,
-        seq_id: &Bound<'_, PyAny>,
-        num_tokens: &Bound<'_, PyAny>,
-    ) -> PyResult<bool> {
+    fn allocate_slots(&mut self, seq_id: &Bound<'_, PyAny>, num_tokens: &Bound<'_, PyAny>) -> PyResult<bool> {
         let id = seq_id_arg(seq_id)?;
         let n = count_arg(num_tokens, "num_tokens")?;
         Ok(self.inner.allocate_slots(id, n)?)
     }
 
     /// Appends token ids (e.g. sampled ones) without giving them slots.
-    fn append_token_ids(
-        &mut self,
-        seq_id: &Bound<'_, PyAny>,
-        token_ids: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+    fn append_token_ids(&mut self, seq_id: &Bound<'_, PyAny>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = seq_id_arg(seq_id)?;
         let tokens = token_ids_arg(token_ids, "token_ids")?;
         Ok(self.inner.append_tokens(id, &tokens)?)
@@ -106,8 +85,7 @@ impl PyKvCacheManager {
     ) -> PyResult<Bound<'py, PyArray1<bool>>> {
         let ids = self.seq_ids(seq_ids)?;
         let tokens = token_ids_arg(token_ids, "token_ids")?;
-        self.inner
-            .append_tokens_with_slots(&ids, &tokens, &mut self.ok_scratch)?;
+        self.inner.append_tokens_with_slots(&ids, &tokens, &mut self.ok_scratch)?;
         Ok(PyArray1::from_slice(py, &self.ok_scratch))
     }
 
@@ -124,22 +102,14 @@ impl PyKvCacheManager {
     }
 
     /// The block table of one sequence: int32[num_blocks].
-    fn block_table<'py>(
-        &self,
-        py: Python<'py>,
-        seq_id: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    fn block_table<'py>(&self, py: Python<'py>, seq_id: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let s = self.inner.seq(seq_id_arg(seq_id)?)?;
         let v: Vec<i32> = s.table().blocks().iter().map(|b| b.0 as i32).collect();
         Ok(PyArray1::from_vec(py, v))
     }
 
     /// Block tables of several sequences: int32[B, max_blocks], rows padded with 0.
-    fn block_tables<'py>(
-        &self,
-        py: Python<'py>,
-        seq_ids: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    fn block_tables<'py>(&self, py: Python<'py>, seq_ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let ids = self.seq_ids(seq_ids)?;
         let mut width = 0;
         for &id in &ids {
@@ -165,14 +135,8 @@ impl PyKvCacheManager {
         end: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let s = self.inner.seq(seq_id_arg(seq_id)?)?;
-        let start = start
-            .map(|o| count_arg(o, "start"))
-            .transpose()?
-            .unwrap_or(s.write_start());
-        let end = end
-            .map(|o| count_arg(o, "end"))
-            .transpose()?
-            .unwrap_or(s.num_computed());
+        let start = start.map(|o| count_arg(o, "start")).transpose()?.unwrap_or(s.write_start());
+        let end = end.map(|o| count_arg(o, "end")).transpose()?.unwrap_or(s.num_computed());
         if start > end || end > s.num_computed() {
             return Err(CoreError::InvalidArgument(format!(
                 "slot range {start}..{end} is outside the {} tokens holding slots",
@@ -181,22 +145,14 @@ impl PyKvCacheManager {
             .into());
         }
         let mut out = Vec::new();
-        s.table()
-            .extend_slots(start, end, self.inner.block_size(), &mut out);
+        s.table().extend_slots(start, end, self.inner.block_size(), &mut out);
         Ok(PyArray1::from_vec(py, out))
     }
 
     /// All token ids of a sequence: int32[num_tokens].
-    fn token_ids<'py>(
-        &self,
-        py: Python<'py>,
-        seq_id: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    fn token_ids<'py>(&self, py: Python<'py>, seq_id: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let s = self.inner.seq(seq_id_arg(seq_id)?)?;
-        Ok(PyArray1::from_vec(
-            py,
-            s.tokens().iter().map(|&t| t as i32).collect(),
-        ))
+        Ok(PyArray1::from_vec(py, s.tokens().iter().map(|&t| t as i32).collect()))
     }
 
     /// Number of known tokens of a sequence.
@@ -214,10 +170,7 @@ impl PyKvCacheManager {
     fn take_copy_ops<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let ops = self.inner.take_copy_ops();
         let k = ops.len();
-        let data = ops
-            .into_iter()
-            .flat_map(|(s, d)| [s.0 as i32, d.0 as i32])
-            .collect();
+        let data = ops.into_iter().flat_map(|(s, d)| [s.0 as i32, d.0 as i32]).collect();
         array2_i32(py, data, k, 2)
     }
 

@@ -4,8 +4,8 @@
 //! are validated in `args`; errors map to the `pagedkv.errors` tree in `errors`.
 
 mod allocator;
-mod args;
 mod attention;
+mod args;
 mod errors;
 mod manager;
 mod reuse;
@@ -28,10 +28,7 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(scheduler::block_hashes, m)?)?;
     m.add("MAX_NUM_BLOCKS", crate::block_pool::MAX_NUM_BLOCKS)?;
     m.add("MAX_BLOCK_SIZE", crate::block_pool::MAX_BLOCK_SIZE)?;
-    m.add(
-        "ERROR_CLASS_NAMES",
-        pyo3::types::PyTuple::new(m.py(), errors::ERROR_CLASS_NAMES)?,
-    )?;
+    m.add("ERROR_CLASS_NAMES", pyo3::types::PyTuple::new(m.py(), errors::ERROR_CLASS_NAMES)?)?;
     // `RequestUpdates` is a read-only sequence: make isinstance(x, Sequence) say so.
     let sequence = m.py().import("collections.abc")?.getattr("Sequence")?;
     sequence.call_method1("register", (m.getattr("RequestUpdates")?,))?;

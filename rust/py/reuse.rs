@@ -46,10 +46,7 @@ fn refcnt<T>(_py: Python<'_>, obj: &Py<T>) -> isize {
 /// True when array `a`'s writeable flag is set.
 fn writeable<T: Element, D: Dimension>(py: Python<'_>, a: &Py<PyArray<T, D>>) -> bool {
     // SAFETY: a valid array object, with the GIL held.
-    unsafe {
-        (*npyffi::_PyArray_GET_ITEM_DATA(a.bind(py).as_array_ptr())).flags & NPY_ARRAY_WRITEABLE
-            != 0
-    }
+    unsafe { (*npyffi::_PyArray_GET_ITEM_DATA(a.bind(py).as_array_ptr())).flags & NPY_ARRAY_WRITEABLE != 0 }
 }
 
 /// A ring of up to `cap` items: `keep` overwrites the oldest once full.
@@ -61,11 +58,7 @@ struct Ring<T> {
 
 impl<T> Default for Ring<T> {
     fn default() -> Self {
-        Ring {
-            slots: Vec::new(),
-            next: 0,
-            cap: RING,
-        }
+        Ring { slots: Vec::new(), next: 0, cap: RING }
     }
 }
 
@@ -150,9 +143,7 @@ struct BufferRing<T: Element, D: Dimension, Tag> {
 
 impl<T: Element, D: Dimension, Tag: Default> Default for BufferRing<T, D, Tag> {
     fn default() -> Self {
-        BufferRing {
-            ring: Ring::default(),
-        }
+        BufferRing { ring: Ring::default() }
     }
 }
 
@@ -163,21 +154,12 @@ impl<T: Element, D: Dimension, Tag: Default> BufferRing<T, D, Tag> {
         let size = dims.size();
         let slots = &self.ring.slots;
         let same_shape = slots.iter().position(|(b, _)| {
-            b.is_free(py)
-                && b.view
-                    .as_ref()
-                    .is_some_and(|v| v.bind(py).shape() == dims.slice())
+            b.is_free(py) && b.view.as_ref().is_some_and(|v| v.bind(py).shape() == dims.slice())
         });
-        let found = same_shape.or_else(|| {
-            slots
-                .iter()
-                .position(|(b, _)| b.is_free(py) && b.capacity(py) >= size)
-        });
+        let found = same_shape.or_else(|| slots.iter().position(|(b, _)| b.is_free(py) && b.capacity(py) >= size));
         match found {
             Some(i) => i,
-            None => self
-                .ring
-                .keep((Buffer::new(py, capacity.max(size)), Tag::default())),
+            None => self.ring.keep((Buffer::new(py, capacity.max(size)), Tag::default())),
         }
     }
 }
@@ -194,20 +176,13 @@ pub(crate) struct ArrayRing<T: Element, D: Dimension> {
 
 impl<T: Element, D: Dimension> Default for ArrayRing<T, D> {
     fn default() -> Self {
-        ArrayRing {
-            buffers: BufferRing::default(),
-        }
+        ArrayRing { buffers: BufferRing::default() }
     }
 }
 
 impl<T: Element + Copy, D: Dimension> ArrayRing<T, D> {
     /// An array of shape `dims` holding `data` (row-major).
-    pub(crate) fn fill(
-        &mut self,
-        py: Python<'_>,
-        dims: D,
-        data: &[T],
-    ) -> PyResult<Py<PyArray<T, D>>> {
+    pub(crate) fn fill(&mut self, py: Python<'_>, dims: D, data: &[T]) -> PyResult<Py<PyArray<T, D>>> {
         debug_assert_eq!(dims.size(), data.len());
         let i = self.buffers.pick(py, &dims, grow(data.len()));
         let (buf, _) = &mut self.buffers.ring.slots[i];
@@ -226,12 +201,7 @@ pub(crate) struct TableRing {
 
 impl TableRing {
     /// The block tables of `out` (just scheduled by `sched`).
-    pub(crate) fn fill(
-        &mut self,
-        py: Python<'_>,
-        sched: &Scheduler,
-        out: &StepOutput,
-    ) -> PyResult<Py<PyArray<i32, Ix2>>> {
+    pub(crate) fn fill(&mut self, py: Python<'_>, sched: &Scheduler, out: &StepOutput) -> PyResult<Py<PyArray<i32, Ix2>>> {
         let (rows, width) = (out.num_rows(), out.block_table_width);
         let cfg = sched.config();
         // Room for every row the step can have, and for the width to grow a while (up to the
@@ -262,13 +232,7 @@ pub(crate) struct EmptyLists(ListRing);
 
 impl Default for EmptyLists {
     fn default() -> Self {
-        EmptyLists(ListRing {
-            ring: Ring {
-                slots: Vec::new(),
-                next: 0,
-                cap: EMPTY_LISTS,
-            },
-        })
+        EmptyLists(ListRing { ring: Ring { slots: Vec::new(), next: 0, cap: EMPTY_LISTS } })
     }
 }
 
@@ -283,17 +247,9 @@ impl ListRing {
     /// A list holding `items` (the very string objects): a free list whose items already are
     /// those objects costs no allocation and no reference-count traffic; a free list of the
     /// same length is patched where it differs.
-    pub(crate) fn fill<'a>(
-        &mut self,
-        py: Python<'_>,
-        items: impl ExactSizeIterator<Item = &'a Py<PyString>>,
-    ) -> PyResult<Py<PyList>> {
+    pub(crate) fn fill<'a>(&mut self, py: Python<'_>, items: impl ExactSizeIterator<Item = &'a Py<PyString>>) -> PyResult<Py<PyList>> {
         let n = items.len();
-        let reuse = self
-            .ring
-            .slots
-            .iter()
-            .find(|l| refcnt(py, l) == 1 && l.bind(py).len() == n);
+        let reuse = self.ring.slots.iter().find(|l| refcnt(py, l) == 1 && l.bind(py).len() == n);
         let Some(list) = reuse else {
             let list = PyList::new(py, items.map(|s| s.clone_ref(py)))?.unbind();
             self.ring.keep(list.clone_ref(py));

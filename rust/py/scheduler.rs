@@ -12,23 +12,17 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyString};
 
 use super::args::{
-    beam_arg, beam_candidates_arg, bool_arg, count_arg, float_arg, hash_mode_arg, index_arg,
-    int_arg, int_list_arg, object_arg, positive_arg, retention_arg, salt_arg, str_arg, str_obj_arg,
-    token_ids_arg,
+    beam_arg, beam_candidates_arg, bool_arg, count_arg, float_arg, hash_mode_arg, index_arg, int_arg, int_list_arg, object_arg, positive_arg, retention_arg, salt_arg,
+    str_arg, str_obj_arg, token_ids_arg,
 };
 use super::reuse::{ArrayRing, EmptyLists, ListRing, TableRing};
 use crate::scheduler::{
-    BeamCandidates, FinishReason, NewRequest, Policy, PreemptionMode, RequestKey, RequestUpdate,
-    Scheduler, SchedulerConfig, SchedulerStats, StatValue, StepOutput,
+    BeamCandidates, FinishReason, NewRequest, Policy, PreemptionMode, RequestKey, RequestUpdate, Scheduler, SchedulerConfig,
+    SchedulerStats, StatValue, StepOutput,
 };
 
 /// Scheduler configuration, validated on construction.
-#[pyclass(
-    module = "pagedkv._core",
-    name = "SchedulerConfig",
-    frozen,
-    from_py_object
-)]
+#[pyclass(module = "pagedkv._core", name = "SchedulerConfig", frozen, from_py_object)]
 #[derive(Clone)]
 pub struct PySchedulerConfig {
     inner: SchedulerConfig,
@@ -63,10 +57,7 @@ impl PySchedulerConfig {
         manual_clock: Option<&Bound<'_, PyAny>>,
         enable_kv_events: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let bs = block_size
-            .map(|o| positive_arg(o, "block_size"))
-            .transpose()?
-            .unwrap_or(16);
+        let bs = block_size.map(|o| positive_arg(o, "block_size")).transpose()?.unwrap_or(16);
         let mut c = SchedulerConfig::new(bs, positive_arg(num_blocks, "num_blocks")?);
         if let Some(o) = max_num_seqs {
             c.max_num_seqs = positive_arg(o, "max_num_seqs")?;
@@ -338,9 +329,7 @@ impl PyRequestUpdate {
             self.request_id.bind(py).to_string(),
             self.index,
             self.token,
-            self.finish
-                .map(|f| format!("{:?}", f.as_str()))
-                .unwrap_or_else(|| "None".into())
+            self.finish.map(|f| format!("{:?}", f.as_str())).unwrap_or_else(|| "None".into())
         )
     }
 }
@@ -360,12 +349,7 @@ pub struct PyRequestUpdates {
 impl PyRequestUpdates {
     fn item(&self, py: Python<'_>, i: usize) -> PyResult<Py<PyRequestUpdate>> {
         let u = &self.rows[i];
-        let id = self
-            .request_ids
-            .bind(py)
-            .get_item(i)?
-            .cast_into::<PyString>()?
-            .unbind();
+        let id = self.request_ids.bind(py).get_item(i)?.cast_into::<PyString>()?.unbind();
         Py::new(
             py,
             PyRequestUpdate {
@@ -402,18 +386,13 @@ impl PyRequestUpdates {
         let i = int_arg(key, "index")?;
         let j = if i < 0 { i + n } else { i };
         if !(0..n).contains(&j) {
-            return Err(pyo3::exceptions::PyIndexError::new_err(format!(
-                "update index {i} out of range for {n} updates"
-            )));
+            return Err(pyo3::exceptions::PyIndexError::new_err(format!("update index {i} out of range for {n} updates")));
         }
         Ok(self.item(py, j as usize)?.into_any())
     }
 
     fn __iter__(slf: Bound<'_, Self>) -> PyRequestUpdatesIter {
-        PyRequestUpdatesIter {
-            updates: slf.unbind(),
-            next: std::sync::atomic::AtomicUsize::new(0),
-        }
+        PyRequestUpdatesIter { updates: slf.unbind(), next: std::sync::atomic::AtomicUsize::new(0) }
     }
 
     /// Request id of each update (a new list each time).
@@ -438,10 +417,7 @@ impl PyRequestUpdates {
     /// "stop", "length" or "abort" where the branch ended with the update's token, else None.
     #[getter]
     fn finish_reasons(&self) -> Vec<Option<&'static str>> {
-        self.rows
-            .iter()
-            .map(|u| u.finish_reason.map(FinishReason::as_str))
-            .collect()
+        self.rows.iter().map(|u| u.finish_reason.map(FinishReason::as_str)).collect()
     }
 
     /// Prompt tokens served from the prefix cache at each update's request's first admission.
@@ -451,11 +427,7 @@ impl PyRequestUpdates {
     }
 
     fn __repr__(&self) -> String {
-        let ended = self
-            .rows
-            .iter()
-            .filter(|u| u.finish_reason.is_some())
-            .count();
+        let ended = self.rows.iter().filter(|u| u.finish_reason.is_some()).count();
         format!("RequestUpdates(len={}, finished={ended})", self.rows.len())
     }
 }
@@ -477,8 +449,7 @@ impl PyRequestUpdatesIter {
         let ups = self.updates.get();
         let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if i >= ups.rows.len() {
-            self.next
-                .store(ups.rows.len(), std::sync::atomic::Ordering::Relaxed);
+            self.next.store(ups.rows.len(), std::sync::atomic::Ordering::Relaxed);
             return Ok(None);
         }
         ups.item(py, i).map(Some)
@@ -556,12 +527,7 @@ impl IdStrings {
 
     /// Caches the strings of `keys` not cached yet, from the scheduler's ids (every request
     /// is cached by `add_request`, so this is a fallback only).
-    fn ensure(
-        &mut self,
-        py: Python<'_>,
-        sched: &Scheduler,
-        keys: impl IntoIterator<Item = RequestKey>,
-    ) {
+    fn ensure(&mut self, py: Python<'_>, sched: &Scheduler, keys: impl IntoIterator<Item = RequestKey>) {
         for k in keys {
             if self.get(k).is_none() {
                 let id = sched.request_id(k).map(|s| &**s).unwrap_or("");
@@ -621,10 +587,7 @@ pub struct PyScheduler {
 impl PyScheduler {
     #[new]
     fn new(py: Python<'_>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let cfg = object_arg::<PySchedulerConfig>(
-            config,
-            "Scheduler(config) needs a pagedkv.SchedulerConfig",
-        )?;
+        let cfg = object_arg::<PySchedulerConfig>(config, "Scheduler(config) needs a pagedkv.SchedulerConfig")?;
         let inner = Scheduler::new(cfg.get().inner.clone())?;
         Ok(PyScheduler {
             inner,
@@ -683,31 +646,16 @@ impl PyScheduler {
             prompt: token_ids_arg(prompt_token_ids, "prompt_token_ids")?,
             n: n.map(|o| count_arg(o, "n")).transpose()?.unwrap_or(1),
             max_tokens: count_arg(max_tokens, "max_tokens")?,
-            min_tokens: min_tokens
-                .map(|o| count_arg(o, "min_tokens"))
-                .transpose()?
-                .unwrap_or(0),
+            min_tokens: min_tokens.map(|o| count_arg(o, "min_tokens")).transpose()?.unwrap_or(0),
             eos_token_ids: opt_ids(eos_token_ids, "eos_token_ids")?,
             stop_token_ids: opt_ids(stop_token_ids, "stop_token_ids")?,
-            ignore_eos: ignore_eos
-                .map(|o| bool_arg(o, "ignore_eos"))
-                .transpose()?
-                .unwrap_or(false),
-            priority: priority
-                .map(|o| int_arg(o, "priority"))
-                .transpose()?
-                .unwrap_or(0),
+            ignore_eos: ignore_eos.map(|o| bool_arg(o, "ignore_eos")).transpose()?.unwrap_or(false),
+            priority: priority.map(|o| int_arg(o, "priority")).transpose()?.unwrap_or(0),
             cache_salt: salt_arg(cache_salt)?,
             retention: retention_arg(retention_priority, retention_duration, retention_tokens)?,
-            hold_kv: hold_kv
-                .map(|o| bool_arg(o, "hold_kv"))
-                .transpose()?
-                .unwrap_or(false),
+            hold_kv: hold_kv.map(|o| bool_arg(o, "hold_kv")).transpose()?.unwrap_or(false),
             beam: beam_arg(beam_width, length_penalty)?,
-            skip_prefix_cache: skip_prefix_cache
-                .map(|o| bool_arg(o, "skip_prefix_cache"))
-                .transpose()?
-                .unwrap_or(false),
+            skip_prefix_cache: skip_prefix_cache.map(|o| bool_arg(o, "skip_prefix_cache")).transpose()?.unwrap_or(false),
         };
         let key = self.inner.add_request(req)?;
         self.names.set(key, id_str.unbind());
@@ -740,27 +688,16 @@ impl PyScheduler {
         beam_token_ids: Option<&Bound<'_, PyAny>>,
         beam_logprobs: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyRequestUpdates> {
-        let out = object_arg::<PySchedulerOutput>(
-            output,
-            "update() needs the SchedulerOutput returned by schedule()",
-        )?;
+        let out = object_arg::<PySchedulerOutput>(output, "update() needs the SchedulerOutput returned by schedule()")?;
         let step_id = out.get().step_id;
         let tokens = token_ids_arg(sampled_token_ids, "sampled_token_ids")?;
         let (beam_tokens, beam_lps, k) = beam_candidates_arg(beam_token_ids, beam_logprobs)?;
         let inner = &mut self.inner;
-        let cand = BeamCandidates {
-            token_ids: &beam_tokens,
-            logprobs: &beam_lps,
-            k,
-        };
+        let cand = BeamCandidates { token_ids: &beam_tokens, logprobs: &beam_lps, k };
         let rows = py.detach(|| inner.update_with_beams(step_id, &tokens, cand))?;
-        self.names
-            .ensure(py, &self.inner, rows.iter().map(|u| u.request));
+        self.names.ensure(py, &self.inner, rows.iter().map(|u| u.request));
         let (names, no_name) = (&self.names, &self.no_name);
-        let request_ids = self
-            .objects
-            .update_ids
-            .fill(py, rows.iter().map(|u| names.get_or(u.request, no_name)))?;
+        let request_ids = self.objects.update_ids.fill(py, rows.iter().map(|u| names.get_or(u.request, no_name)))?;
         Ok(PyRequestUpdates { request_ids, rows })
     }
 
@@ -773,18 +710,7 @@ impl PyScheduler {
             .take_beam_results()
             .into_iter()
             .map(|r| {
-                let hyps = r
-                    .hypotheses
-                    .into_iter()
-                    .map(|h| {
-                        (
-                            h.tokens,
-                            h.cumulative_logprob,
-                            h.score,
-                            h.finish_reason.as_str(),
-                        )
-                    })
-                    .collect();
+                let hyps = r.hypotheses.into_iter().map(|h| (h.tokens, h.cumulative_logprob, h.score, h.finish_reason.as_str())).collect();
                 (r.id.to_string(), hyps)
             })
             .collect()
@@ -795,46 +721,25 @@ impl PyScheduler {
     /// the step, and the blocks the step registered leave the prefix cache. Returns the ids of
     /// the requests that had rows in the step. Raises StaleOutputError, changing nothing, if
     /// `output` is not the step in flight.
-    fn rollback_step(
-        &mut self,
-        py: Python<'_>,
-        output: &Bound<'_, PyAny>,
-    ) -> PyResult<Vec<Py<PyString>>> {
-        let out = object_arg::<PySchedulerOutput>(
-            output,
-            "rollback_step() needs the SchedulerOutput returned by schedule()",
-        )?;
+    fn rollback_step(&mut self, py: Python<'_>, output: &Bound<'_, PyAny>) -> PyResult<Vec<Py<PyString>>> {
+        let out = object_arg::<PySchedulerOutput>(output, "rollback_step() needs the SchedulerOutput returned by schedule()")?;
         let ids = self.inner.rollback_step(out.get().step_id)?;
-        Ok(ids
-            .iter()
-            .map(|id| PyString::new(py, id).unbind())
-            .collect())
+        Ok(ids.iter().map(|id| PyString::new(py, id).unbind()).collect())
     }
 
     /// Ends a request now, freeing its blocks; it is reported with reason "abort" in the
     /// next output's finished ids.
     fn abort_request(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
-        Ok(self
-            .inner
-            .abort_request(str_obj_arg(request_id, "request_id")?.to_str()?)?)
+        Ok(self.inner.abort_request(str_obj_arg(request_id, "request_id")?.to_str()?)?)
     }
 
     /// Ends one sample of a request with reason "stop" (e.g. a stop string matched), freeing
     /// its blocks; the request ends when its last sample does. Returns False if that sample had
     /// already ended.
     #[pyo3(signature = (request_id, index = None))]
-    fn finish_sample(
-        &mut self,
-        request_id: &Bound<'_, PyAny>,
-        index: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<bool> {
-        let index = index
-            .map(|o| index_arg(o, "index"))
-            .transpose()?
-            .unwrap_or(0);
-        Ok(self
-            .inner
-            .finish_sample(str_obj_arg(request_id, "request_id")?.to_str()?, index)?)
+    fn finish_sample(&mut self, request_id: &Bound<'_, PyAny>, index: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+        let index = index.map(|o| index_arg(o, "index")).transpose()?.unwrap_or(0);
+        Ok(self.inner.finish_sample(str_obj_arg(request_id, "request_id")?.to_str()?, index)?)
     }
 
     /// True while any request is waiting or running.
@@ -893,23 +798,12 @@ impl PyScheduler {
         &self,
         py: Python<'py>,
         slots: &Bound<'py, PyAny>,
-    ) -> PyResult<
-        Vec<
-            Option<(
-                Bound<'py, PyBytes>,
-                Option<Bound<'py, PyBytes>>,
-                Vec<u32>,
-                Option<String>,
-            )>,
-        >,
-    > {
+    ) -> PyResult<Vec<Option<(Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>, Vec<u32>, Option<String>)>>> {
         let slots = int_list_arg(slots, "slots")?;
         Ok(slots
             .into_iter()
             .map(|s| {
-                let info = u32::try_from(s)
-                    .ok()
-                    .and_then(|s| self.inner.disk_block_info(s))?;
+                let info = u32::try_from(s).ok().and_then(|s| self.inner.disk_block_info(s))?;
                 let (hash, parent, tokens, salt) = info;
                 Some((
                     PyBytes::new(py, &hash.0.to_le_bytes()),
@@ -945,22 +839,14 @@ impl PyScheduler {
                 })?;
             let hash = hash_bytes(&hash)?;
             let parent = parent.map(|p| hash_bytes(&p)).transpose()?;
-            parsed.push((
-                hash,
-                parent,
-                token_ids_arg(&tokens, "token_ids")?,
-                salt_arg(salt.as_ref())?,
-            ));
+            parsed.push((hash, parent, token_ids_arg(&tokens, "token_ids")?, salt_arg(salt.as_ref())?));
         }
         Ok(self.inner.restore_disk_blocks(&parsed))
     }
 
     /// Forgets disk slots whose files could not be written or read: they are never served.
     fn invalidate_disk_blocks(&mut self, slots: &Bound<'_, PyAny>) -> PyResult<()> {
-        let slots: Vec<u32> = int_list_arg(slots, "slots")?
-            .into_iter()
-            .filter_map(|s| u32::try_from(s).ok())
-            .collect();
+        let slots: Vec<u32> = int_list_arg(slots, "slots")?.into_iter().filter_map(|s| u32::try_from(s).ok()).collect();
         self.inner.invalidate_disk_blocks(&slots);
         Ok(())
     }
@@ -970,10 +856,7 @@ impl PyScheduler {
     fn advance_clock(&mut self, seconds: &Bound<'_, PyAny>) -> PyResult<()> {
         let s = float_arg(seconds, "seconds")?;
         if !(s.is_finite() && s >= 0.0) {
-            return Err(crate::error::CoreError::InvalidArgument(format!(
-                "seconds must be finite and >= 0, got {s}"
-            ))
-            .into());
+            return Err(crate::error::CoreError::InvalidArgument(format!("seconds must be finite and >= 0, got {s}")).into());
         }
         self.inner.advance_clock((s * 1e6) as u64);
         Ok(())
@@ -986,17 +869,9 @@ impl PyScheduler {
     fn tier_map<'py>(
         &self,
         py: Python<'py>,
-    ) -> (
-        Bound<'py, PyArray1<bool>>,
-        Bound<'py, PyArray1<i32>>,
-        Bound<'py, PyArray1<bool>>,
-    ) {
+    ) -> (Bound<'py, PyArray1<bool>>, Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<bool>>) {
         let (on_host, refs, cached) = self.inner.tier_map();
-        (
-            PyArray1::from_vec(py, on_host),
-            PyArray1::from_vec(py, refs),
-            PyArray1::from_vec(py, cached),
-        )
+        (PyArray1::from_vec(py, on_host), PyArray1::from_vec(py, refs), PyArray1::from_vec(py, cached))
     }
 
     /// The KV-cache events since the last call as one msgpack batch in vLLM's wire format
@@ -1005,17 +880,10 @@ impl PyScheduler {
     /// or None when events are off (`SchedulerConfig(enable_kv_events=True)`) or nothing
     /// happened. Call it once per step, after `update` or `rollback_step`; events are kept
     /// until taken. `timestamp` is seconds (e.g. `time.time()`), finite.
-    fn take_kv_events<'py>(
-        &mut self,
-        py: Python<'py>,
-        timestamp: &Bound<'py, PyAny>,
-    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    fn take_kv_events<'py>(&mut self, py: Python<'py>, timestamp: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let ts = float_arg(timestamp, "timestamp")?;
         if !ts.is_finite() {
-            return Err(crate::error::CoreError::InvalidArgument(format!(
-                "timestamp must be finite, got {ts}"
-            ))
-            .into());
+            return Err(crate::error::CoreError::InvalidArgument(format!("timestamp must be finite, got {ts}")).into());
         }
         Ok(self.inner.take_kv_events(ts).map(|b| PyBytes::new(py, &b)))
     }
@@ -1030,11 +898,7 @@ impl PyScheduler {
     /// The hashes KV events give the full blocks of `token_ids` under `cache_salt` (what a
     /// KV-aware router computes for a prompt): one unsigned 64-bit int per full block.
     #[pyo3(signature = (token_ids, cache_salt = None))]
-    fn block_hashes(
-        &self,
-        token_ids: &Bound<'_, PyAny>,
-        cache_salt: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Vec<u64>> {
+    fn block_hashes(&self, token_ids: &Bound<'_, PyAny>, cache_salt: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<u64>> {
         let tokens = token_ids_arg(token_ids, "token_ids")?;
         let salt = salt_arg(cache_salt)?;
         Ok(self.inner.block_hashes(&tokens, salt.as_deref()))
@@ -1044,26 +908,18 @@ impl PyScheduler {
     /// num_tokens)` — the blocks it held, in order, and how many leading tokens' KV they hold
     /// (the first `num_tokens // block_size` blocks are full) — or None if there is none.
     fn kv_lease(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Option<(Vec<u32>, usize)>> {
-        Ok(self
-            .inner
-            .kv_lease(str_obj_arg(request_id, "request_id")?.to_str()?))
+        Ok(self.inner.kv_lease(str_obj_arg(request_id, "request_id")?.to_str()?))
     }
 
     /// Ends the KV lease of `request_id`, freeing its blocks (cached ones stay findable).
     /// Returns False if there was none (already released, or never taken).
     fn release_kv_lease(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self
-            .inner
-            .release_kv_lease(str_obj_arg(request_id, "request_id")?.to_str()?))
+        Ok(self.inner.release_kv_lease(str_obj_arg(request_id, "request_id")?.to_str()?))
     }
 
     /// The request ids whose KV leases are held.
     fn kv_lease_ids(&self) -> Vec<String> {
-        self.inner
-            .kv_lease_ids()
-            .iter()
-            .map(|s| s.to_string())
-            .collect()
+        self.inner.kv_lease_ids().iter().map(|s| s.to_string()).collect()
     }
 
     /// Reserves device blocks for KV of `prompt_token_ids`' first `max_blocks` full blocks
@@ -1080,39 +936,28 @@ impl PyScheduler {
         max_blocks: &Bound<'_, PyAny>,
         cache_salt: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<(usize, Vec<u32>)>> {
-        let id = str_obj_arg(reservation_id, "reservation_id")?
-            .to_str()?
-            .to_string();
+        let id = str_obj_arg(reservation_id, "reservation_id")?.to_str()?.to_string();
         let prompt = token_ids_arg(prompt_token_ids, "prompt_token_ids")?;
         let max_blocks = count_arg(max_blocks, "max_blocks")?;
         let salt = salt_arg(cache_salt)?;
-        Ok(self
-            .inner
-            .reserve_kv(&id, prompt, max_blocks, salt.as_deref())?)
+        Ok(self.inner.reserve_kv(&id, prompt, max_blocks, salt.as_deref())?)
     }
 
     /// Ends reservation `reservation_id` once its KV arrived: its blocks enter the prefix
     /// cache (a request for the prompt added now hits them). False for an unknown name.
     fn commit_kv(&mut self, reservation_id: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self
-            .inner
-            .commit_kv(str_obj_arg(reservation_id, "reservation_id")?.to_str()?))
+        Ok(self.inner.commit_kv(str_obj_arg(reservation_id, "reservation_id")?.to_str()?))
     }
 
     /// Ends reservation `reservation_id` without its KV: the reserved blocks are freed
     /// uncached. False for an unknown name.
     fn cancel_kv(&mut self, reservation_id: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self
-            .inner
-            .cancel_kv(str_obj_arg(reservation_id, "reservation_id")?.to_str()?))
+        Ok(self.inner.cancel_kv(str_obj_arg(reservation_id, "reservation_id")?.to_str()?))
     }
 
     /// The disk tier slot by slot: `(ref_counts int32[D], cached bool[D])`, D = 0 without one.
     #[allow(clippy::type_complexity)]
-    fn disk_map<'py>(
-        &self,
-        py: Python<'py>,
-    ) -> (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<bool>>) {
+    fn disk_map<'py>(&self, py: Python<'py>) -> (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<bool>>) {
         let (refs, cached) = self.inner.disk_map();
         (PyArray1::from_vec(py, refs), PyArray1::from_vec(py, cached))
     }
@@ -1122,9 +967,7 @@ impl PyScheduler {
     /// "running", "swapped" or "waiting", `arrival` what `memory_map`'s owners name, and
     /// `num_blocks` the distinct device blocks its branches hold. No token ids.
     #[allow(clippy::type_complexity)]
-    fn request_summaries(
-        &self,
-    ) -> Vec<(String, u64, &'static str, usize, usize, usize, usize, usize)> {
+    fn request_summaries(&self) -> Vec<(String, u64, &'static str, usize, usize, usize, usize, usize)> {
         self.inner
             .request_summaries()
             .into_iter()
@@ -1155,17 +998,9 @@ impl PyScheduler {
     fn memory_map<'py>(
         &self,
         py: Python<'py>,
-    ) -> (
-        Bound<'py, PyArray1<i32>>,
-        Bound<'py, PyArray1<bool>>,
-        Bound<'py, PyArray1<i64>>,
-    ) {
+    ) -> (Bound<'py, PyArray1<i32>>, Bound<'py, PyArray1<bool>>, Bound<'py, PyArray1<i64>>) {
         let (refs, cached, owner) = self.inner.memory_map();
-        (
-            PyArray1::from_vec(py, refs),
-            PyArray1::from_vec(py, cached),
-            PyArray1::from_vec(py, owner),
-        )
+        (PyArray1::from_vec(py, refs), PyArray1::from_vec(py, cached), PyArray1::from_vec(py, owner))
     }
 
     fn __repr__(&self) -> String {
@@ -1184,41 +1019,17 @@ impl PyScheduler {
     fn step_objects(&mut self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
         let out = &self.step;
         let o = &mut self.objects;
-        let (rows, t, s, k) = (
-            out.num_rows(),
-            out.num_tokens(),
-            out.num_sampled(),
-            out.copy_ops.len() / 2,
-        );
+        let (rows, t, s, k) = (out.num_rows(), out.num_tokens(), out.num_sampled(), out.copy_ops.len() / 2);
         let (k_out, k_in) = (out.swap_out.len() / 2, out.swap_in.len() / 2);
         let (k_store, k_load) = (out.disk_store.len() / 2, out.disk_load.len() / 2);
-        self.names.ensure(
-            py,
-            &self.inner,
-            out.row_requests
-                .iter()
-                .chain(&out.sampled_requests)
-                .copied(),
-        );
+        self.names.ensure(py, &self.inner, out.row_requests.iter().chain(&out.sampled_requests).copied());
         let (names, no_name) = (&self.names, &self.no_name);
-        let req_ids = o.req_ids.fill(
-            py,
-            out.row_requests.iter().map(|&k| names.get_or(k, no_name)),
-        )?;
-        let sampled = o.sampled_req_ids.fill(
-            py,
-            out.sampled_requests
-                .iter()
-                .map(|&k| names.get_or(k, no_name)),
-        )?;
+        let req_ids = o.req_ids.fill(py, out.row_requests.iter().map(|&k| names.get_or(k, no_name)))?;
+        let sampled = o.sampled_req_ids.fill(py, out.sampled_requests.iter().map(|&k| names.get_or(k, no_name)))?;
         let preempted = if out.preempted_req_ids.is_empty() {
             o.empty.get(py)?
         } else {
-            PyList::new(
-                py,
-                out.preempted_req_ids.iter().map(|id| PyString::new(py, id)),
-            )?
-            .unbind()
+            PyList::new(py, out.preempted_req_ids.iter().map(|id| PyString::new(py, id)))?.unbind()
         };
         let (finished, reasons) = if out.finished.is_empty() {
             (o.empty.get(py)?, o.empty.get(py)?)
@@ -1232,11 +1043,7 @@ impl PyScheduler {
             step_id: out.step_id,
             num_tokens: t,
             req_ids,
-            num_scheduled_tokens: o.num_scheduled_tokens.fill(
-                py,
-                Ix1(rows),
-                &out.num_scheduled_tokens,
-            )?,
+            num_scheduled_tokens: o.num_scheduled_tokens.fill(py, Ix1(rows), &out.num_scheduled_tokens)?,
             input_ids: o.input_ids.fill(py, Ix1(t), &out.input_ids)?,
             positions: o.positions.fill(py, Ix1(t), &out.positions)?,
             cu_seqlens_q: o.cu_seqlens_q.fill(py, Ix1(rows + 1), &out.cu_seqlens_q)?,
@@ -1246,9 +1053,7 @@ impl PyScheduler {
             logits_indices: o.logits_indices.fill(py, Ix1(s), &out.logits_indices)?,
             sampled_req_ids: sampled,
             sample_indices: o.sample_indices.fill(py, Ix1(s), &out.sample_indices)?,
-            beam_rows: o
-                .beam_rows
-                .fill(py, Ix1(out.beam_rows.len()), &out.beam_rows)?,
+            beam_rows: o.beam_rows.fill(py, Ix1(out.beam_rows.len()), &out.beam_rows)?,
             copy_ops: o.copy_ops.fill(py, Ix2(k, 2), &out.copy_ops)?,
             swap_out: o.swap_out.fill(py, Ix2(k_out, 2), &out.swap_out)?,
             swap_in: o.swap_in.fill(py, Ix2(k_in, 2), &out.swap_in)?,
@@ -1263,12 +1068,9 @@ impl PyScheduler {
 
 /// A block hash from its 16 little-endian bytes.
 fn hash_bytes(b: &[u8]) -> PyResult<crate::block_hash::BlockHash> {
-    let arr: [u8; 16] = b.try_into().map_err(|_| {
-        crate::error::CoreError::InvalidArgument(format!(
-            "a block hash is 16 bytes, got {}",
-            b.len()
-        ))
-    })?;
+    let arr: [u8; 16] = b
+        .try_into()
+        .map_err(|_| crate::error::CoreError::InvalidArgument(format!("a block hash is 16 bytes, got {}", b.len())))?;
     Ok(crate::block_hash::BlockHash(u128::from_le_bytes(arr)))
 }
 
@@ -1293,10 +1095,5 @@ pub fn block_hashes(
     }
     let tokens = token_ids_arg(token_ids, "token_ids")?;
     let salt = salt_arg(cache_salt)?;
-    Ok(crate::kv_events::wire_block_hashes(
-        &tokens,
-        bs,
-        salt.as_deref(),
-        crate::block_hash::HashMode::Xxh3,
-    ))
+    Ok(crate::kv_events::wire_block_hashes(&tokens, bs, salt.as_deref(), crate::block_hash::HashMode::Xxh3))
 }

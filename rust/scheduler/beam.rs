@@ -63,11 +63,7 @@ pub struct BeamCandidates<'a> {
 
 impl BeamCandidates<'_> {
     /// No candidates (a step without beam rows).
-    pub const NONE: BeamCandidates<'static> = BeamCandidates {
-        token_ids: &[],
-        logprobs: &[],
-        k: 0,
-    };
+    pub const NONE: BeamCandidates<'static> = BeamCandidates { token_ids: &[], logprobs: &[], k: 0 };
 
     /// Rows given.
     pub fn num_rows(&self) -> usize {
@@ -84,11 +80,7 @@ impl BeamCandidates<'_> {
             ));
         }
         if rows == 0 {
-            return if self.token_ids.is_empty() {
-                Ok(())
-            } else {
-                bad("beam candidates given for a step without beam rows".into())
-            };
+            return if self.token_ids.is_empty() { Ok(()) } else { bad("beam candidates given for a step without beam rows".into()) };
         }
         if self.k == 0 || self.token_ids.len() != rows * self.k {
             return bad(format!(
@@ -97,11 +89,7 @@ impl BeamCandidates<'_> {
                 self.k
             ));
         }
-        if self
-            .logprobs
-            .iter()
-            .any(|x| x.is_nan() || *x == f32::INFINITY)
-        {
+        if self.logprobs.iter().any(|x| x.is_nan() || *x == f32::INFINITY) {
             return bad("beam candidate logprobs must be finite or -inf".into());
         }
         Ok(())
@@ -122,16 +110,10 @@ impl Scheduler {
         let c = &self.config;
         let bad = |m: String| Err(CoreError::InvalidArgument(format!("request {id:?}: {m}")));
         if width > c.max_num_seqs {
-            return bad(format!(
-                "beam_width = {width} exceeds max_num_seqs = {}",
-                c.max_num_seqs
-            ));
+            return bad(format!("beam_width = {width} exceeds max_num_seqs = {}", c.max_num_seqs));
         }
         if width > c.max_num_batched_tokens {
-            return bad(format!(
-                "beam_width = {width} exceeds max_num_batched_tokens = {}",
-                c.max_num_batched_tokens
-            ));
+            return bad(format!("beam_width = {width} exceeds max_num_batched_tokens = {}", c.max_num_batched_tokens));
         }
         let blocks = crate::block_table::blocks_for(max_len.min(c.max_model_len), c.block_size);
         if width.saturating_mul(blocks) > c.num_blocks {
@@ -155,12 +137,7 @@ impl Scheduler {
                 continue;
             };
             let mut e = i + 1;
-            while e < plan.sampled.len()
-                && self
-                    .branches
-                    .get(plan.sampled[e].0)
-                    .is_some_and(|x| x.req == req)
-            {
+            while e < plan.sampled.len() && self.branches.get(plan.sampled[e].0).is_some_and(|x| x.req == req) {
                 e += 1;
             }
             let live = self.requests.get(req).map_or(0, |r| r.branches.len());
@@ -194,27 +171,13 @@ impl Scheduler {
         reserve: usize,
         scheduled: &mut Vec<(BranchKey, SeqId)>,
     ) -> bool {
-        let group: Vec<BranchKey> = self
-            .waiting
-            .iter()
-            .copied()
-            .filter(|&w| self.branches.get(w).is_some_and(|x| x.req == req))
-            .collect();
-        let Some(request) = self.requests.get(req) else {
-            return false;
-        };
+        let group: Vec<BranchKey> = self.waiting.iter().copied().filter(|&w| self.branches.get(w).is_some_and(|x| x.req == req)).collect();
+        let Some(request) = self.requests.get(req) else { return false };
         let (extra, retention) = (request.extra.clone(), request.retention);
-        let seqs: Vec<Option<SeqId>> = group
-            .iter()
-            .map(|&b| self.branches.get(b).and_then(|x| x.seq))
-            .collect();
+        let seqs: Vec<Option<SeqId>> = group.iter().map(|&b| self.branches.get(b).and_then(|x| x.seq)).collect();
         let all_swapped = seqs.iter().all(Option::is_some);
         if all_swapped {
-            let pending: Vec<usize> = seqs
-                .iter()
-                .flatten()
-                .map(|&s| self.kv.seq(s).map_or(0, |x| x.num_pending()))
-                .collect();
+            let pending: Vec<usize> = seqs.iter().flatten().map(|&s| self.kv.seq(s).map_or(0, |x| x.num_pending())).collect();
             let total: usize = pending.iter().sum();
             let bs = self.config.block_size;
             // Each beam's blocks counted as if none were shared: an upper bound.
@@ -223,9 +186,7 @@ impl Scheduler {
                 .flatten()
                 .zip(&pending)
                 .map(|(&s, &p)| {
-                    let grow = self.kv.seq(s).map_or(0, |x| {
-                        crate::block_table::blocks_for(x.num_computed() + p, bs) - x.table().len()
-                    });
+                    let grow = self.kv.seq(s).map_or(0, |x| crate::block_table::blocks_for(x.num_computed() + p, bs) - x.table().len());
                     self.kv.swap_in_cost(s).unwrap_or(usize::MAX / 4) + grow
                 })
                 .sum();
@@ -233,8 +194,7 @@ impl Scheduler {
                 return false;
             }
             for (&b, (&s, &p)) in group.iter().zip(seqs.iter().flatten().zip(&pending)) {
-                let ok = matches!(self.kv.swap_in(s), Ok(true))
-                    && matches!(self.kv.allocate_slots(s, p), Ok(true));
+                let ok = matches!(self.kv.swap_in(s), Ok(true)) && matches!(self.kv.allocate_slots(s, p), Ok(true));
                 if !ok {
                     // Cannot happen (an upper bound was checked).
                     return false;
@@ -253,9 +213,7 @@ impl Scheduler {
         for (&b, &s) in group.iter().zip(&seqs) {
             let Some(s) = s else { continue };
             debug_assert_eq!(self.kv.seq(s).map(|x| x.tier()).ok(), Some(Tier::Host));
-            if let (Ok(tokens), Some(branch)) =
-                (self.kv.free_take_tokens(s), self.branches.get_mut(b))
-            {
+            if let (Ok(tokens), Some(branch)) = (self.kv.free_take_tokens(s), self.branches.get_mut(b)) {
                 branch.tokens = tokens;
                 branch.seq = None;
             }
@@ -263,31 +221,16 @@ impl Scheduler {
         // Add every beam (taking its prefix hits, which protects them), then give slots.
         let mut added: Vec<(BranchKey, SeqId, usize, usize)> = Vec::with_capacity(group.len());
         for &b in &group {
-            let Some(branch) = self.branches.get_mut(b) else {
-                continue;
-            };
+            let Some(branch) = self.branches.get_mut(b) else { continue };
             let tokens = std::mem::take(&mut branch.tokens);
             let num_tokens = tokens.len();
-            let m = if self.config.enable_prefix_caching {
-                self.kv.match_prefix(&tokens, &extra)
-            } else {
-                PrefixMatch::default()
-            };
-            let (seq, hit) =
-                self.kv
-                    .add_sequence_with_retention(tokens, extra.clone(), m, retention);
+            let m = if self.config.enable_prefix_caching { self.kv.match_prefix(&tokens, &extra) } else { PrefixMatch::default() };
+            let (seq, hit) = self.kv.add_sequence_with_retention(tokens, extra.clone(), m, retention);
             added.push((b, seq, num_tokens, hit));
         }
-        let pending: Vec<usize> = added
-            .iter()
-            .map(|&(_, s, _, _)| self.kv.seq(s).map_or(0, |x| x.num_pending()))
-            .collect();
+        let pending: Vec<usize> = added.iter().map(|&(_, s, _, _)| self.kv.seq(s).map_or(0, |x| x.num_pending())).collect();
         let shares = barrier_shares(&pending, *budget);
-        let need: usize = added
-            .iter()
-            .zip(&shares)
-            .map(|(&(_, s, _, _), &n)| self.kv.blocks_needed(s, n).unwrap_or(usize::MAX / 4))
-            .sum();
+        let need: usize = added.iter().zip(&shares).map(|(&(_, s, _, _), &n)| self.kv.blocks_needed(s, n).unwrap_or(usize::MAX / 4)).sum();
         let fits = need + reserve <= self.kv.pool().num_free() && shares.iter().any(|&n| n > 0);
         if fits {
             for (&(_, s, _, _), &n) in added.iter().zip(&shares) {
@@ -348,19 +291,11 @@ impl Scheduler {
     ) -> Result<std::result::Result<bool, ()>> {
         let group: Vec<BranchKey> = self.running[i..j].to_vec();
         let req = self.branches.get(group[0]).map(|x| x.req);
-        let seqs: Vec<SeqId> = group
-            .iter()
-            .filter_map(|&b| self.branches.get(b).and_then(|x| x.seq))
-            .collect();
+        let seqs: Vec<SeqId> = group.iter().filter_map(|&b| self.branches.get(b).and_then(|x| x.seq)).collect();
         if seqs.len() != group.len() {
-            return Err(CoreError::InvariantViolation(
-                "a running beam has no sequence".into(),
-            ));
+            return Err(CoreError::InvariantViolation("a running beam has no sequence".into()));
         }
-        let pending: Vec<usize> = seqs
-            .iter()
-            .map(|&s| self.kv.seq(s).map_or(0, |x| x.num_pending()))
-            .collect();
+        let pending: Vec<usize> = seqs.iter().map(|&s| self.kv.seq(s).map_or(0, |x| x.num_pending())).collect();
         let shares = barrier_shares(&pending, *budget);
         let mut allocated: Vec<usize> = Vec::with_capacity(group.len());
         let mut preempted = false;
@@ -391,34 +326,17 @@ impl Scheduler {
     /// Preempts a running beam group that could not get its slots in the step being built:
     /// every beam is recomputed later; the ones that got slots in this step (`allocated`) drop
     /// that window unwritten.
-    fn preempt_beam_group_in_step(
-        &mut self,
-        group: &[BranchKey],
-        allocated: &[SeqId],
-        out: &mut StepOutput,
-    ) -> Result<()> {
+    fn preempt_beam_group_in_step(&mut self, group: &[BranchKey], allocated: &[SeqId], out: &mut StepOutput) -> Result<()> {
         for &b in group.iter().rev() {
             self.running.retain(|&k| k != b);
-            let Some(branch) = self.branches.get_mut(b) else {
-                continue;
-            };
-            let Some(seq) = branch.seq.take() else {
-                continue;
-            };
-            branch.tokens = if allocated.contains(&seq) {
-                self.kv.free_discarding_window(seq)?
-            } else {
-                self.kv.free_take_tokens(seq)?
-            };
+            let Some(branch) = self.branches.get_mut(b) else { continue };
+            let Some(seq) = branch.seq.take() else { continue };
+            branch.tokens = if allocated.contains(&seq) { self.kv.free_discarding_window(seq)? } else { self.kv.free_take_tokens(seq)? };
             branch.resumed = true;
             self.counters.preemptions += 1;
             self.enqueue_waiting(b, true);
         }
-        if let Some(req) = group
-            .first()
-            .and_then(|&b| self.branches.get(b))
-            .and_then(|x| self.requests.get(x.req))
-        {
+        if let Some(req) = group.first().and_then(|&b| self.branches.get(b)).and_then(|x| self.requests.get(x.req)) {
             out.preempted_req_ids.push(req.id.clone());
         }
         Ok(())
@@ -428,9 +346,7 @@ impl Scheduler {
     /// beam request it belongs to (swapped as a whole when the mode chooses a swap, every beam
     /// is decoding and the host holds them all on a conservative count; else recomputed).
     pub(super) fn preempt_back(&mut self, out: &mut StepOutput, plan: &mut StepPlan) {
-        let Some(&victim) = self.running.last() else {
-            return;
-        };
+        let Some(&victim) = self.running.last() else { return };
         let Some(req) = self.beam_request_of(victim) else {
             self.running.pop();
             self.preempt(victim, out, plan, None);
@@ -455,13 +371,8 @@ impl Scheduler {
     /// Whether a beam group being preempted is swapped (see [`Self::preempt_back`]).
     fn beam_group_swaps(&self, group: &[BranchKey]) -> bool {
         use super::PreemptionMode;
-        let seqs: Vec<SeqId> = group
-            .iter()
-            .filter_map(|&b| self.branches.get(b).and_then(|x| x.seq))
-            .collect();
-        let decoding = seqs
-            .iter()
-            .all(|&s| self.kv.seq(s).is_ok_and(|x| x.num_pending() <= 1));
+        let seqs: Vec<SeqId> = group.iter().filter_map(|&b| self.branches.get(b).and_then(|x| x.seq)).collect();
+        let decoding = seqs.iter().all(|&s| self.kv.seq(s).is_ok_and(|x| x.num_pending() <= 1));
         let (mut blocks, mut tokens) = (0usize, 0usize);
         for &s in &seqs {
             match self.kv.swap_out_cost(s) {
@@ -475,11 +386,8 @@ impl Scheduler {
         // Each distinct device block takes at most one host block over the whole group (a
         // beam swapped out later shares the copies of the earlier ones): an upper bound, so the
         // group is swapped whole or not at all.
-        let distinct: std::collections::HashSet<u32> = seqs
-            .iter()
-            .filter_map(|&s| self.kv.seq(s).ok())
-            .flat_map(|x| x.table().blocks().iter().map(|b| b.0))
-            .collect();
+        let distinct: std::collections::HashSet<u32> =
+            seqs.iter().filter_map(|&s| self.kv.seq(s).ok()).flat_map(|x| x.table().blocks().iter().map(|b| b.0)).collect();
         let host_free = self.kv.host_pool().map_or(0, |h| h.num_free());
         let wanted = match self.config.preemption_mode {
             PreemptionMode::Recompute => false,
@@ -500,18 +408,11 @@ impl Scheduler {
         updates: &mut Vec<RequestUpdate>,
     ) -> Result<()> {
         let max_model_len = self.config.max_model_len;
-        let Some(request) = self.requests.get(req) else {
-            return Ok(());
-        };
-        let Some(search) = request.beam.as_ref() else {
-            return Ok(());
-        };
+        let Some(request) = self.requests.get(req) else { return Ok(()) };
+        let Some(search) = request.beam.as_ref() else { return Ok(()) };
         let width = search.params.width;
         let take = cand.k.min(2 * width);
-        let num_output = beams
-            .first()
-            .and_then(|&b| self.branches.get(b))
-            .map_or(0, |x| x.num_output);
+        let num_output = beams.first().and_then(|&b| self.branches.get(b)).map_or(0, |x| x.num_output);
         let new_len = num_output + 1;
         let past_min = new_len >= request.min_tokens;
         let (eos, stop) = (&request.eos_token_ids, &request.stop_token_ids);
@@ -526,13 +427,8 @@ impl Scheduler {
         let decision = decide(width, candidates, is_stop);
         let (num_cached, prompt_len) = (request.num_cached_tokens, search.prompt_len);
         let output_of = |s: &Self, x: usize| -> Vec<u32> {
-            let seq = beams
-                .get(x)
-                .and_then(|&b| s.branches.get(b))
-                .and_then(|b| b.seq)
-                .and_then(|q| s.kv.seq(q).ok());
-            seq.map(|q| q.tokens()[prompt_len..].to_vec())
-                .unwrap_or_default()
+            let seq = beams.get(x).and_then(|&b| s.branches.get(b)).and_then(|b| b.seq).and_then(|q| s.kv.seq(q).ok());
+            seq.map(|q| q.tokens()[prompt_len..].to_vec()).unwrap_or_default()
         };
         // Finished hypotheses of this step.
         let mut hyps = Vec::new();
@@ -549,22 +445,13 @@ impl Scheduler {
                 hyps.push((tokens, cum, FinishReason::Length));
             }
         }
-        let Some(search) = self.requests.get_mut(req).and_then(|r| r.beam.as_mut()) else {
-            return Ok(());
-        };
+        let Some(search) = self.requests.get_mut(req).and_then(|r| r.beam.as_mut()) else { return Ok(()) };
         for (tokens, cum, reason) in hyps {
             let score = search.score(cum, tokens.len());
-            search.offer(BeamHypothesis {
-                tokens,
-                cumulative_logprob: cum,
-                score,
-                finish_reason: reason,
-            });
+            search.offer(BeamHypothesis { tokens, cumulative_logprob: cum, score, finish_reason: reason });
         }
         let early_stop = search.finished.len() >= width
-            && decision.survivors.first().is_none_or(|&(cum, _, _)| {
-                search.score(cum, new_len) <= search.finished[width - 1].score
-            });
+            && decision.survivors.first().is_none_or(|&(cum, _, _)| search.score(cum, new_len) <= search.finished[width - 1].score);
         if at_length || decision.survivors.is_empty() || early_stop {
             self.end_beam_request(req, updates);
             return Ok(());
@@ -590,9 +477,7 @@ impl Scheduler {
             }
         }
         for (k, (&t, &(cum, x, token))) in targets.iter().zip(&decision.survivors).enumerate() {
-            let Some(branch) = self.branches.get_mut(t) else {
-                continue;
-            };
+            let Some(branch) = self.branches.get_mut(t) else { continue };
             let Some(seq) = branch.seq else { continue };
             self.kv.append_token(seq, token)?;
             branch.index = k as u32;
@@ -613,13 +498,8 @@ impl Scheduler {
 
     /// A new running beam sharing every block of `parent` (a survivor of the same parent).
     fn fork_beam(&mut self, parent: BranchKey, req: RequestKey) -> Result<BranchKey> {
-        let p = self
-            .branches
-            .get(parent)
-            .ok_or_else(|| CoreError::InvariantViolation("fork of a missing beam".into()))?;
-        let seq = p
-            .seq
-            .ok_or_else(|| CoreError::InvariantViolation("fork of a waiting beam".into()))?;
+        let p = self.branches.get(parent).ok_or_else(|| CoreError::InvariantViolation("fork of a missing beam".into()))?;
+        let seq = p.seq.ok_or_else(|| CoreError::InvariantViolation("fork of a waiting beam".into()))?;
         let (num_output, cum, (prio, arrival, _)) = (p.num_output, p.cum_logprob, p.order);
         let order = match self.requests.get_mut(req).and_then(|r| r.beam.as_mut()) {
             Some(s) => {
@@ -651,23 +531,15 @@ impl Scheduler {
     /// [`Self::take_beam_results`], and one update (sample 0, the best hypothesis' last token
     /// and reason) reports the end.
     fn end_beam_request(&mut self, req: RequestKey, updates: &mut Vec<RequestUpdate>) {
-        let branches = self
-            .requests
-            .get(req)
-            .map(|r| r.branches.clone())
-            .unwrap_or_default();
+        let branches = self.requests.get(req).map(|r| r.branches.clone()).unwrap_or_default();
         for b in branches {
             self.running.retain(|&k| k != b);
             self.waiting.retain(|&k| k != b);
             self.drop_branch(b);
         }
-        let Some(mut request) = self.requests.remove(req) else {
-            return;
-        };
+        let Some(mut request) = self.requests.remove(req) else { return };
         let hypotheses = request.beam.take().map(|s| s.finished).unwrap_or_default();
-        let reason = hypotheses
-            .first()
-            .map_or(FinishReason::Length, |h| h.finish_reason);
+        let reason = hypotheses.first().map_or(FinishReason::Length, |h| h.finish_reason);
         match reason {
             FinishReason::Stop => self.counters.finished_stop += 1,
             _ => self.counters.finished_length += 1,
@@ -675,10 +547,7 @@ impl Scheduler {
         updates.push(RequestUpdate {
             request: req,
             index: 0,
-            token: hypotheses
-                .first()
-                .and_then(|h| h.tokens.last().copied())
-                .unwrap_or(0),
+            token: hypotheses.first().and_then(|h| h.tokens.last().copied()).unwrap_or(0),
             finish_reason: Some(reason),
             num_cached_tokens: request.num_cached_tokens,
             parent: None,
@@ -687,10 +556,7 @@ impl Scheduler {
         self.by_id.remove(&request.id);
         self.ended.push((req, request.id.clone()));
         self.finished.push((request.id.clone(), reason));
-        self.beam_results.push(BeamResult {
-            id: request.id,
-            hypotheses,
-        });
+        self.beam_results.push(BeamResult { id: request.id, hypotheses });
     }
 
     /// Beam-sharing gauges over the running beams: (distinct device blocks they hold, the sum
@@ -700,19 +566,11 @@ impl Scheduler {
         let mut holders: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
         let mut refs = 0usize;
         for &b in &self.running {
-            let Some(branch) = self.branches.get(b) else {
-                continue;
-            };
-            if self
-                .requests
-                .get(branch.req)
-                .is_none_or(|r| r.beam.is_none())
-            {
+            let Some(branch) = self.branches.get(b) else { continue };
+            if self.requests.get(branch.req).is_none_or(|r| r.beam.is_none()) {
                 continue;
             }
-            let Some(seq) = branch.seq.and_then(|s| self.kv.seq(s).ok()) else {
-                continue;
-            };
+            let Some(seq) = branch.seq.and_then(|s| self.kv.seq(s).ok()) else { continue };
             refs += seq.table().len();
             for blk in seq.table().blocks() {
                 *holders.entry(blk.0).or_insert(0) += 1;

@@ -48,12 +48,7 @@ pub(crate) struct BeamSearch {
 impl BeamSearch {
     /// A search that has not stepped yet, over a prompt of `prompt_len` tokens.
     pub fn new(params: BeamParams, prompt_len: usize) -> Self {
-        BeamSearch {
-            params,
-            prompt_len,
-            finished: Vec::with_capacity(params.width),
-            next_order: 1,
-        }
+        BeamSearch { params, prompt_len, finished: Vec::with_capacity(params.width), next_order: 1 }
     }
 
     /// A hypothesis' score: `cumulative_logprob / len ** length_penalty` (`len` at least 1).
@@ -64,12 +59,7 @@ impl BeamSearch {
     /// Keeps `h` if it is among the best `W` (ties: the earlier one stays ahead).
     pub(super) fn offer(&mut self, h: BeamHypothesis) {
         let w = self.params.width;
-        if self.finished.len() >= w
-            && self
-                .finished
-                .last()
-                .is_some_and(|worst| h.score <= worst.score)
-        {
+        if self.finished.len() >= w && self.finished.last().is_some_and(|worst| h.score <= worst.score) {
             return;
         }
         let pos = self.finished.partition_point(|x| x.score >= h.score);
@@ -93,11 +83,7 @@ pub(crate) struct Decision {
 /// Ranks the candidates of all beams (`candidates`: (cumulative logprob, parent, token), any
 /// order) and walks the best `2W` (see beam.rs's module docs). `is_stop(token)`: whether the token
 /// ends a hypothesis at this length.
-pub(crate) fn decide(
-    width: usize,
-    mut candidates: Vec<Candidate>,
-    is_stop: impl Fn(u32) -> bool,
-) -> Decision {
+pub(crate) fn decide(width: usize, mut candidates: Vec<Candidate>, is_stop: impl Fn(u32) -> bool) -> Decision {
     // Best first; equal scores keep their (parent, candidate) order (a stable sort).
     candidates.sort_by(|a, b| b.0.total_cmp(&a.0));
     let mut d = Decision::default();
@@ -142,14 +128,7 @@ mod tests {
     #[test]
     fn decide_keeps_the_best_and_finishes_top_ranked_stops() {
         // Two beams; token 9 is eos.
-        let c = vec![
-            (-1.0, 0, 1),
-            (-0.5, 1, 9),
-            (-2.0, 0, 2),
-            (-0.7, 1, 3),
-            (-3.0, 1, 4),
-            (-0.9, 0, 9),
-        ];
+        let c = vec![(-1.0, 0, 1), (-0.5, 1, 9), (-2.0, 0, 2), (-0.7, 1, 3), (-3.0, 1, 4), (-0.9, 0, 9)];
         let d = decide(2, c, |t| t == 9);
         assert_eq!(d.stopped, vec![(-0.5, 1, 9)]); // rank 0; the other eos is rank 2 >= W
         assert_eq!(d.survivors, vec![(-0.7, 1, 3), (-1.0, 0, 1)]);
@@ -171,19 +150,11 @@ mod tests {
 
     #[test]
     fn hypotheses_keep_the_best_width() {
-        let p = BeamParams {
-            width: 2,
-            length_penalty: 1.0,
-        };
+        let p = BeamParams { width: 2, length_penalty: 1.0 };
         let mut s = BeamSearch::new(p, 3);
         for (cum, len) in [(-4.0, 2), (-3.0, 3), (-1.0, 4), (-9.0, 1)] {
             let score = s.score(cum, len);
-            s.offer(BeamHypothesis {
-                tokens: vec![0; len],
-                cumulative_logprob: cum,
-                score,
-                finish_reason: FinishReason::Stop,
-            });
+            s.offer(BeamHypothesis { tokens: vec![0; len], cumulative_logprob: cum, score, finish_reason: FinishReason::Stop });
         }
         let scores: Vec<f64> = s.finished.iter().map(|h| h.score).collect();
         assert_eq!(scores, vec![-0.25, -1.0]);

@@ -20,9 +20,7 @@ impl Policy {
         match s {
             "fcfs" => Ok(Policy::Fcfs),
             "priority" => Ok(Policy::Priority),
-            _ => Err(CoreError::Config(format!(
-                "policy must be \"fcfs\" or \"priority\", got {s:?}"
-            ))),
+            _ => Err(CoreError::Config(format!("policy must be \"fcfs\" or \"priority\", got {s:?}"))),
         }
     }
 
@@ -146,16 +144,10 @@ impl SchedulerConfig {
     pub fn validate(&self) -> Result<()> {
         let err = |m: String| Err(CoreError::Config(m));
         if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
-            return err(format!(
-                "block_size must be in 1..={MAX_BLOCK_SIZE}, got {}",
-                self.block_size
-            ));
+            return err(format!("block_size must be in 1..={MAX_BLOCK_SIZE}, got {}", self.block_size));
         }
         if self.num_blocks == 0 || self.num_blocks > MAX_NUM_BLOCKS {
-            return err(format!(
-                "num_blocks must be in 1..={MAX_NUM_BLOCKS}, got {}",
-                self.num_blocks
-            ));
+            return err(format!("num_blocks must be in 1..={MAX_NUM_BLOCKS}, got {}", self.num_blocks));
         }
         if self.max_num_seqs == 0 {
             return err("max_num_seqs must be >= 1".into());
@@ -167,22 +159,13 @@ impl SchedulerConfig {
             return err("max_model_len must be >= 1".into());
         }
         if !(0.0..1.0).contains(&self.watermark) {
-            return err(format!(
-                "watermark must be in [0, 1), got {}",
-                self.watermark
-            ));
+            return err(format!("watermark must be in [0, 1), got {}", self.watermark));
         }
         if self.num_host_blocks > MAX_NUM_BLOCKS {
-            return err(format!(
-                "num_host_blocks must be in 0..={MAX_NUM_BLOCKS}, got {}",
-                self.num_host_blocks
-            ));
+            return err(format!("num_host_blocks must be in 0..={MAX_NUM_BLOCKS}, got {}", self.num_host_blocks));
         }
         if self.num_disk_blocks > MAX_NUM_BLOCKS {
-            return err(format!(
-                "num_disk_blocks must be in 0..={MAX_NUM_BLOCKS}, got {}",
-                self.num_disk_blocks
-            ));
+            return err(format!("num_disk_blocks must be in 0..={MAX_NUM_BLOCKS}, got {}", self.num_disk_blocks));
         }
         if self.num_disk_blocks > 0 && (self.num_host_blocks == 0 || !self.enable_prefix_caching) {
             return err("a disk tier (num_disk_blocks > 0) needs a host tier (num_host_blocks > 0) and prefix caching".into());
@@ -195,10 +178,7 @@ impl SchedulerConfig {
         }
         for (name, v) in [
             ("swap_bytes_per_second", self.swap_bytes_per_second),
-            (
-                "recompute_tokens_per_second",
-                self.recompute_tokens_per_second,
-            ),
+            ("recompute_tokens_per_second", self.recompute_tokens_per_second),
         ] {
             if !(v.is_finite() && v > 0.0) {
                 return err(format!("{name} must be a positive finite number, got {v}"));

@@ -39,10 +39,7 @@ impl Scheduler {
     /// that name (never taken, released, or the request has not ended yet).
     pub fn kv_lease(&self, id: &str) -> Option<(Vec<u32>, usize)> {
         let seq = self.kv.seq(*self.kv_leases.get(id)?).ok()?;
-        Some((
-            seq.table().blocks().iter().map(|b| b.0).collect(),
-            seq.num_computed(),
-        ))
+        Some((seq.table().blocks().iter().map(|b| b.0).collect(), seq.num_computed()))
     }
 
     /// Ends lease `id`: its blocks lose the lease's reference (cached ones stay findable).
@@ -73,9 +70,7 @@ impl Scheduler {
         cache_salt: Option<&str>,
     ) -> Result<Option<(usize, Vec<u32>)>> {
         if prompt.is_empty() {
-            return Err(CoreError::InvalidArgument(format!(
-                "reservation {id:?}: the prompt is empty"
-            )));
+            return Err(CoreError::InvalidArgument(format!("reservation {id:?}: the prompt is empty")));
         }
         if prompt.len() > self.config.max_model_len {
             return Err(CoreError::PromptTooLong(format!(
@@ -87,16 +82,10 @@ impl Scheduler {
         if self.kv_reservations.contains_key(id) {
             return Err(CoreError::DuplicateRequest(id.to_string()));
         }
-        let Some((seq, hits)) =
-            self.kv
-                .reserve_prefix(prompt, ExtraKey::new(cache_salt), max_blocks)
-        else {
+        let Some((seq, hits)) = self.kv.reserve_prefix(prompt, ExtraKey::new(cache_salt), max_blocks) else {
             return Ok(None);
         };
-        let fresh = self.kv.seq(seq)?.table().blocks()[hits..]
-            .iter()
-            .map(|b| b.0)
-            .collect();
+        let fresh = self.kv.seq(seq)?.table().blocks()[hits..].iter().map(|b| b.0).collect();
         self.kv_reservations.insert(std::sync::Arc::from(id), seq);
         Ok(Some((hits, fresh)))
     }

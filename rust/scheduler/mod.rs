@@ -44,9 +44,9 @@ use std::sync::Arc;
 pub use beam::{BeamCandidates, BeamResult};
 pub use beam_search::{BeamHypothesis, BeamParams};
 pub use config::{Policy, PreemptionMode, SchedulerConfig};
-pub use finish::FinishReason;
 pub(crate) use output::BlockTableRows;
 pub use output::{RequestUpdate, StepOutput};
+pub use finish::FinishReason;
 pub use request::{BranchKey, NewRequest, RequestKey};
 pub use snapshot::RequestSummary;
 pub use stats::{SchedulerStats, StatValue};
@@ -100,14 +100,9 @@ impl Scheduler {
     /// A scheduler over a fresh pool.
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
-        let mut kv = KvCacheManager::new(
-            config.num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            config.hash_mode,
-        )?
-        .with_host_tier(config.num_host_blocks)?
-        .with_disk_tier(config.num_disk_blocks)?;
+        let mut kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching, config.hash_mode)?
+            .with_host_tier(config.num_host_blocks)?
+            .with_disk_tier(config.num_disk_blocks)?;
         kv.set_record_events(config.enable_kv_events);
         Ok(Scheduler {
             config,
@@ -137,11 +132,7 @@ impl Scheduler {
         if self.config.manual_clock {
             return self.clock_offset_us;
         }
-        let elapsed = self
-            .clock_origin
-            .elapsed()
-            .as_micros()
-            .min(u64::MAX as u128) as u64;
+        let elapsed = self.clock_origin.elapsed().as_micros().min(u64::MAX as u128) as u64;
         elapsed.saturating_add(self.clock_offset_us)
     }
 
@@ -155,12 +146,7 @@ impl Scheduler {
     /// [`SchedulerConfig::swap_is_cheaper`]): copy bandwidth between the tiers in bytes per
     /// second, forward throughput in tokens per second, and bytes per block. Fails, changing
     /// nothing, unless the rates are positive and finite.
-    pub fn set_cost_model(
-        &mut self,
-        swap_bytes_per_second: f64,
-        recompute_tokens_per_second: f64,
-        bytes_per_block: usize,
-    ) -> Result<()> {
+    pub fn set_cost_model(&mut self, swap_bytes_per_second: f64, recompute_tokens_per_second: f64, bytes_per_block: usize) -> Result<()> {
         let mut c = self.config.clone();
         c.swap_bytes_per_second = swap_bytes_per_second;
         c.recompute_tokens_per_second = recompute_tokens_per_second;
@@ -250,11 +236,7 @@ impl Scheduler {
             n: r.n,
             max_tokens: r.max_tokens,
             min_tokens: r.min_tokens,
-            eos_token_ids: if r.ignore_eos {
-                Vec::new()
-            } else {
-                r.eos_token_ids
-            },
+            eos_token_ids: if r.ignore_eos { Vec::new() } else { r.eos_token_ids },
             stop_token_ids: r.stop_token_ids,
             extra: ExtraKey::new(r.cache_salt.as_deref()),
             retention: r.retention,
@@ -287,15 +269,8 @@ impl Scheduler {
     /// Ends a request now: its blocks are freed and it is reported with reason "abort" in the
     /// next step's finished ids.
     pub fn abort_request(&mut self, id: &str) -> Result<()> {
-        let key = *self
-            .by_id
-            .get(id)
-            .ok_or_else(|| CoreError::UnknownRequest(id.to_string()))?;
-        let branches = self
-            .requests
-            .get(key)
-            .map(|r| r.branches.clone())
-            .unwrap_or_default();
+        let key = *self.by_id.get(id).ok_or_else(|| CoreError::UnknownRequest(id.to_string()))?;
+        let branches = self.requests.get(key).map(|r| r.branches.clone()).unwrap_or_default();
         for b in branches {
             self.running.retain(|&k| k != b);
             self.waiting.retain(|&k| k != b);
@@ -315,13 +290,8 @@ impl Scheduler {
     /// (reported in the next step's finished ids) when its last sample does. Returns false if
     /// that sample had already ended.
     pub fn finish_sample(&mut self, id: &str, index: u32) -> Result<bool> {
-        let key = *self
-            .by_id
-            .get(id)
-            .ok_or_else(|| CoreError::UnknownRequest(id.to_string()))?;
-        let Some(req) = self.requests.get_mut(key) else {
-            return Ok(false);
-        };
+        let key = *self.by_id.get(id).ok_or_else(|| CoreError::UnknownRequest(id.to_string()))?;
+        let Some(req) = self.requests.get_mut(key) else { return Ok(false) };
         if req.beam.is_some() {
             return Err(CoreError::InvalidArgument(format!(
                 "request {id:?} is a beam search: its beams end by the search's own rules (abort it to stop it)"
@@ -329,11 +299,7 @@ impl Scheduler {
         }
         // Before the n-way fork only sample 0 exists; ending it ends the request.
         req.forked = true;
-        let found = req
-            .branches
-            .iter()
-            .copied()
-            .find(|&b| self.branches.get(b).is_some_and(|x| x.index == index));
+        let found = req.branches.iter().copied().find(|&b| self.branches.get(b).is_some_and(|x| x.index == index));
         let Some(b) = found else { return Ok(false) };
         self.running.retain(|&k| k != b);
         self.waiting.retain(|&k| k != b);
@@ -349,24 +315,14 @@ impl Scheduler {
                 // A branch with rows in the step in flight (aborted mid-step) may never get its
                 // window written, if that step fails: its window is not offered to the prefix
                 // cache. The sequence is live by construction; nothing to report otherwise.
-                let in_flight = self
-                    .in_flight
-                    .as_ref()
-                    .is_some_and(|p| p.scheduled.contains(&b));
-                let _ = if in_flight {
-                    self.kv.free_discarding_window(seq).map(drop)
-                } else {
-                    self.kv.free(seq)
-                };
+                let in_flight = self.in_flight.as_ref().is_some_and(|p| p.scheduled.contains(&b));
+                let _ = if in_flight { self.kv.free_discarding_window(seq).map(drop) } else { self.kv.free(seq) };
             }
         }
     }
 
     fn order_of(&self, b: BranchKey) -> (i64, u64, u32) {
-        self.branches
-            .get(b)
-            .map(|x| x.order)
-            .unwrap_or((i64::MAX, u64::MAX, u32::MAX))
+        self.branches.get(b).map(|x| x.order).unwrap_or((i64::MAX, u64::MAX, u32::MAX))
     }
 
     /// Puts a branch in the waiting queue: new ones at their place in policy order (the back,
@@ -378,8 +334,7 @@ impl Scheduler {
             (Policy::Fcfs, true) => self.waiting.push_front(b),
             (Policy::Priority, _) => {
                 let pos = if preempted {
-                    self.waiting
-                        .partition_point(|&w| self.order_of(w).0 < key.0)
+                    self.waiting.partition_point(|&w| self.order_of(w).0 < key.0)
                 } else {
                     self.waiting.partition_point(|&w| self.order_of(w) <= key)
                 };
@@ -397,16 +352,8 @@ impl Scheduler {
     /// Preempts a running branch (not in this step): swapped to the host tier when the mode
     /// and the cost model say so and the host has room, else recomputed later.
     /// `swap`: the choice already made for the branch's whole beam group, if it has one.
-    fn preempt(
-        &mut self,
-        b: BranchKey,
-        out: &mut StepOutput,
-        plan: &mut StepPlan,
-        swap: Option<bool>,
-    ) {
-        let Some(seq) = self.branches.get(b).and_then(|x| x.seq) else {
-            return;
-        };
+    fn preempt(&mut self, b: BranchKey, out: &mut StepOutput, plan: &mut StepPlan, swap: Option<bool>) {
+        let Some(seq) = self.branches.get(b).and_then(|x| x.seq) else { return };
         let swap = swap.unwrap_or_else(|| match self.config.preemption_mode {
             PreemptionMode::Recompute => false,
             PreemptionMode::Swap => true,
@@ -416,9 +363,7 @@ impl Scheduler {
             },
         });
         let swapped = swap && self.kv.swap_out(seq).unwrap_or(false);
-        let Some(branch) = self.branches.get_mut(b) else {
-            return;
-        };
+        let Some(branch) = self.branches.get_mut(b) else { return };
         if swapped {
             plan.swapped_out.push(b);
             self.counters.swap_preemptions += 1;
@@ -460,12 +405,7 @@ impl Scheduler {
         let rows = out.num_rows();
         let width = out.block_table_width;
         out.block_tables.resize(rows * width, 0);
-        let StepOutput {
-            row_seqs,
-            table_rows,
-            block_tables,
-            ..
-        } = out;
+        let StepOutput { row_seqs, table_rows, block_tables, .. } = out;
         table_rows.write(&self.kv, row_seqs, width, block_tables)
     }
 
@@ -473,12 +413,7 @@ impl Scheduler {
     /// (`out.num_rows() * out.block_table_width` entries, row-major), which holds what `rows`
     /// says (see [`BlockTableRows`]).
     #[cfg_attr(not(feature = "python"), allow(dead_code))]
-    pub(crate) fn write_block_tables(
-        &self,
-        out: &StepOutput,
-        dst: &mut [i32],
-        rows: &mut BlockTableRows,
-    ) -> Result<()> {
+    pub(crate) fn write_block_tables(&self, out: &StepOutput, dst: &mut [i32], rows: &mut BlockTableRows) -> Result<()> {
         rows.write(&self.kv, &out.row_seqs, out.block_table_width, dst)
     }
 
@@ -486,10 +421,7 @@ impl Scheduler {
     /// `out` (their width and each row's sequence included), for [`Self::write_block_tables`].
     pub(crate) fn schedule_rows(&mut self, out: &mut StepOutput) -> Result<()> {
         let step_id = self.open_step(out)?;
-        let mut plan = StepPlan {
-            step_id,
-            ..StepPlan::default()
-        };
+        let mut plan = StepPlan { step_id, ..StepPlan::default() };
         let mut budget = self.config.max_num_batched_tokens;
         let mut scheduled: Vec<(BranchKey, SeqId)> = Vec::with_capacity(self.running.len() + 1);
 
@@ -501,12 +433,7 @@ impl Scheduler {
             if let Some(req) = self.beam_request_of(b) {
                 // A beam request's running beams are adjacent: scheduled together or not at all.
                 let mut j = i + 1;
-                while j < self.running.len()
-                    && self
-                        .branches
-                        .get(self.running[j])
-                        .is_some_and(|x| x.req == req)
-                {
+                while j < self.running.len() && self.branches.get(self.running[j]).is_some_and(|x| x.req == req) {
                     j += 1;
                 }
                 match self.schedule_beam_group(i, j, &mut budget, &mut scheduled, out, &mut plan)? {
@@ -583,11 +510,7 @@ impl Scheduler {
         self.kv.end_step();
         self.take_copies(out);
         out.finished = std::mem::take(&mut self.finished);
-        let plan = StepPlan {
-            step_id,
-            reported: out.finished.clone(),
-            ..StepPlan::default()
-        };
+        let plan = StepPlan { step_id, reported: out.finished.clone(), ..StepPlan::default() };
         self.in_flight = Some(plan);
         out.block_tables.clear();
         Ok(())
@@ -627,29 +550,17 @@ impl Scheduler {
             out.copy_ops.push(dst.0 as i32);
         }
         let (disk_store, disk_load) = self.kv.take_disk_ops();
-        out.disk_store.extend(
-            disk_store
-                .iter()
-                .flat_map(|&(h, s)| [h.0 as i32, s.0 as i32]),
-        );
-        out.disk_load.extend(
-            disk_load
-                .iter()
-                .flat_map(|&(s, h)| [s.0 as i32, h.0 as i32]),
-        );
+        out.disk_store.extend(disk_store.iter().flat_map(|&(h, s)| [h.0 as i32, s.0 as i32]));
+        out.disk_load.extend(disk_load.iter().flat_map(|&(s, h)| [s.0 as i32, h.0 as i32]));
         let (swap_out, swap_in) = self.kv.take_swap_ops();
-        out.swap_out
-            .extend(swap_out.iter().flat_map(|&(d, h)| [d.0 as i32, h.0 as i32]));
-        out.swap_in
-            .extend(swap_in.iter().flat_map(|&(h, d)| [h.0 as i32, d.0 as i32]));
+        out.swap_out.extend(swap_out.iter().flat_map(|&(d, h)| [d.0 as i32, h.0 as i32]));
+        out.swap_in.extend(swap_in.iter().flat_map(|&(h, d)| [h.0 as i32, d.0 as i32]));
     }
 
     fn admit_waiting(&mut self, budget: &mut usize, scheduled: &mut Vec<(BranchKey, SeqId)>) {
         let bs = self.config.block_size;
         while *budget > 0 {
-            let Some(&b) = self.waiting.front() else {
-                break;
-            };
+            let Some(&b) = self.waiting.front() else { break };
             let Some(branch) = self.branches.get(b) else {
                 self.waiting.pop_front();
                 continue;
@@ -670,11 +581,7 @@ impl Scheduler {
             }
             // The watermark keeps room for running branches to grow; a lone request may use
             // the whole pool (else a request near max_model_len could never start).
-            let reserve = if self.running.is_empty() {
-                0
-            } else {
-                self.config.watermark_blocks()
-            };
+            let reserve = if self.running.is_empty() { 0 } else { self.config.watermark_blocks() };
             if req.beam.is_some() && req.branches.len() > 1 {
                 // A preempted beam group comes back whole.
                 let req_key = branch.req;
@@ -706,15 +613,11 @@ impl Scheduler {
                 break;
             }
             self.waiting.pop_front();
-            let Some(branch) = self.branches.get_mut(b) else {
-                continue;
-            };
+            let Some(branch) = self.branches.get_mut(b) else { continue };
             let tokens = std::mem::take(&mut branch.tokens);
             let num_tokens = tokens.len();
             let before = self.kv.prefix_counters();
-            let (seq, hit) = self
-                .kv
-                .add_sequence_with_retention(tokens, extra, m, retention);
+            let (seq, hit) = self.kv.add_sequence_with_retention(tokens, extra, m, retention);
             let after = self.kv.prefix_counters();
             match self.kv.allocate_slots(seq, n) {
                 Ok(true) => {}
@@ -762,9 +665,7 @@ impl Scheduler {
         reserve: usize,
         scheduled: &mut Vec<(BranchKey, SeqId)>,
     ) -> bool {
-        let (Ok(s), Ok(cost)) = (self.kv.seq(seq), self.kv.swap_in_cost(seq)) else {
-            return false;
-        };
+        let (Ok(s), Ok(cost)) = (self.kv.seq(seq), self.kv.swap_in_cost(seq)) else { return false };
         let n = s.num_pending().min(*budget);
         if n == 0 {
             // A swapped branch always has a token to compute (its last sampled one) and the
@@ -774,8 +675,7 @@ impl Scheduler {
         }
         // After the swap-in the partial last block is private (a fresh copy), so no
         // copy-on-write: only the blocks for new slots.
-        let grow = crate::block_table::blocks_for(s.num_computed() + n, self.config.block_size)
-            - s.table().len();
+        let grow = crate::block_table::blocks_for(s.num_computed() + n, self.config.block_size) - s.table().len();
         if cost + grow + reserve > self.kv.pool().num_free() {
             return false;
         }
@@ -799,12 +699,7 @@ impl Scheduler {
         true
     }
 
-    fn build_rows(
-        &self,
-        scheduled: &[(BranchKey, SeqId)],
-        out: &mut StepOutput,
-        plan: &mut StepPlan,
-    ) -> Result<()> {
+    fn build_rows(&self, scheduled: &[(BranchKey, SeqId)], out: &mut StepOutput, plan: &mut StepPlan) -> Result<()> {
         let bs = self.config.block_size;
         let vanished = || CoreError::InvariantViolation("a scheduled branch vanished".into());
         let mut rows = Vec::with_capacity(scheduled.len());
@@ -836,11 +731,9 @@ impl Scheduler {
             out.row_seqs.push(seq_id);
             out.row_requests.push(branch.req);
             out.num_scheduled_tokens.push((end - start) as i32);
-            out.input_ids
-                .extend(seq.tokens()[start..end].iter().map(|&t| t as i64));
+            out.input_ids.extend(seq.tokens()[start..end].iter().map(|&t| t as i64));
             out.positions.extend((start as i64)..(end as i64));
-            seq.table()
-                .extend_slots(start, end, bs, &mut out.slot_mapping);
+            seq.table().extend_slots(start, end, bs, &mut out.slot_mapping);
             out.cu_seqlens_q.push(out.input_ids.len() as i32);
             out.seq_lens.push(end as i32);
             if end == seq.num_tokens() {
@@ -892,12 +785,8 @@ impl Scheduler {
         // instead (their host blocks are not trusted), and every block a copy targeted loses
         // its cached identity.
         for &b in &plan.swapped_out {
-            let Some(branch) = self.branches.get_mut(b) else {
-                continue;
-            }; // aborted since
-            let Some(seq) = branch.seq.take() else {
-                continue;
-            };
+            let Some(branch) = self.branches.get_mut(b) else { continue }; // aborted since
+            let Some(seq) = branch.seq.take() else { continue };
             branch.tokens = self.kv.free_take_tokens(seq)?;
         }
         self.kv.rollback_copies();
@@ -908,8 +797,7 @@ impl Scheduler {
             match self.beam_request_of(b) {
                 Some(req) => {
                     for &r in &self.running {
-                        if self.branches.get(r).is_some_and(|x| x.req == req) && !undo.contains(&r)
-                        {
+                        if self.branches.get(r).is_some_and(|x| x.req == req) && !undo.contains(&r) {
                             undo.push(r);
                         }
                     }
@@ -919,12 +807,8 @@ impl Scheduler {
         }
         // Reverse row order: each branch goes to the front, so the first row ends up first.
         for &b in undo.iter().rev() {
-            let Some(branch) = self.branches.get_mut(b) else {
-                continue;
-            }; // aborted since
-            let Some(seq) = branch.seq.take() else {
-                continue;
-            };
+            let Some(branch) = self.branches.get_mut(b) else { continue }; // aborted since
+            let Some(seq) = branch.seq.take() else { continue };
             branch.tokens = self.kv.free_discarding_window(seq)?;
             branch.resumed = true;
             if let Some(req) = self.requests.get(branch.req) {
@@ -953,12 +837,7 @@ impl Scheduler {
     /// of its beam rows (`StepOutput::beam_rows`), and every beam request's decisions are
     /// applied here, in this one call (see [`beam`]). The entries of `sampled` at beam rows
     /// are ignored. Fails, changing nothing, on malformed candidates.
-    pub fn update_with_beams(
-        &mut self,
-        step_id: u64,
-        sampled: &[u32],
-        beams: BeamCandidates<'_>,
-    ) -> Result<Vec<RequestUpdate>> {
+    pub fn update_with_beams(&mut self, step_id: u64, sampled: &[u32], beams: BeamCandidates<'_>) -> Result<Vec<RequestUpdate>> {
         let plan = self.plan_in_flight(step_id, "update()")?;
         if sampled.len() != plan.sampled.len() {
             return Err(CoreError::InvalidArgument(format!(
@@ -983,18 +862,11 @@ impl Scheduler {
             if self.requests.get(req_key).is_some_and(|r| r.beam.is_some()) {
                 // Rows i .. e are this beam request's live beams (checked above).
                 let mut e = i + 1;
-                while e < plan.sampled.len()
-                    && self
-                        .branches
-                        .get(plan.sampled[e].0)
-                        .is_some_and(|x| x.req == req_key)
-                {
+                while e < plan.sampled.len() && self.branches.get(plan.sampled[e].0).is_some_and(|x| x.req == req_key) {
                     e += 1;
                 }
                 let group: Vec<BranchKey> = plan.sampled[i..e].iter().map(|&(b, _)| b).collect();
-                let ordinals: Vec<usize> = (i..e)
-                    .map(|row| plan.beam_rows.partition_point(|&r| (r as usize) < row))
-                    .collect();
+                let ordinals: Vec<usize> = (i..e).map(|row| plan.beam_rows.partition_point(|&r| (r as usize) < row)).collect();
                 self.apply_beam_step(req_key, &group, &ordinals, beams, &mut updates)?;
                 i = e;
                 continue;
@@ -1030,13 +902,8 @@ impl Scheduler {
 
     /// A new running branch sharing all of `parent`'s blocks.
     fn fork_branch(&mut self, parent: BranchKey, index: u32) -> Result<BranchKey> {
-        let p = self
-            .branches
-            .get(parent)
-            .ok_or_else(|| CoreError::InvariantViolation("fork of a missing branch".into()))?;
-        let seq = p
-            .seq
-            .ok_or_else(|| CoreError::InvariantViolation("fork of a waiting branch".into()))?;
+        let p = self.branches.get(parent).ok_or_else(|| CoreError::InvariantViolation("fork of a missing branch".into()))?;
+        let seq = p.seq.ok_or_else(|| CoreError::InvariantViolation("fork of a waiting branch".into()))?;
         let (req, order) = (p.req, (p.order.0, p.order.1, index));
         let child_seq = self.kv.fork(seq)?;
         let child = self.branches.insert(Branch {
@@ -1064,19 +931,13 @@ impl Scheduler {
         ended: &mut Vec<(BranchKey, FinishReason)>,
     ) -> Result<()> {
         let max_model_len = self.config.max_model_len;
-        let Some(branch) = self.branches.get_mut(b) else {
-            return Ok(());
-        };
-        let Some(req) = self.requests.get(branch.req) else {
-            return Ok(());
-        };
+        let Some(branch) = self.branches.get_mut(b) else { return Ok(()) };
+        let Some(req) = self.requests.get(branch.req) else { return Ok(()) };
         let Some(seq) = branch.seq else { return Ok(()) };
         let num_tokens = self.kv.append_token(seq, token)?;
         branch.num_output += 1;
         let past_min = branch.num_output >= req.min_tokens;
-        let finish = if past_min
-            && (req.eos_token_ids.contains(&token) || req.stop_token_ids.contains(&token))
-        {
+        let finish = if past_min && (req.eos_token_ids.contains(&token) || req.stop_token_ids.contains(&token)) {
             Some(FinishReason::Stop)
         } else if branch.num_output >= req.max_tokens || num_tokens >= max_model_len {
             Some(FinishReason::Length)
@@ -1142,12 +1003,7 @@ impl Scheduler {
         let mut seen = vec![false; pool.num_blocks()];
         let mut tokens_held = 0usize;
         for &b in &self.running {
-            if let Some(seq) = self
-                .branches
-                .get(b)
-                .and_then(|x| x.seq)
-                .and_then(|s| self.kv.seq(s).ok())
-            {
+            if let Some(seq) = self.branches.get(b).and_then(|x| x.seq).and_then(|s| self.kv.seq(s).ok()) {
                 let n = seq.num_computed();
                 for (j, blk) in seq.table().blocks().iter().enumerate() {
                     if !std::mem::replace(&mut seen[blk.index()], true) {
@@ -1169,11 +1025,7 @@ impl Scheduler {
             num_used_blocks: pool.num_used(),
             num_cached_blocks: pool.num_cached_blocks(),
             kv_usage: pool.usage(),
-            kv_utilization: if slots == 0 {
-                0.0
-            } else {
-                tokens_held as f64 / slots as f64
-            },
+            kv_utilization: if slots == 0 { 0.0 } else { tokens_held as f64 / slots as f64 },
             tokens_held,
             slots_allocated: slots,
             num_running: self.running.len(),
@@ -1194,11 +1046,7 @@ impl Scheduler {
             num_host_cached_blocks: host.map_or(0, |h| h.num_cached_blocks()),
             host_kv_usage: host.map_or(0.0, |h| h.usage()),
             num_host_evictions: host.map_or(0, |h| h.counters().evictions),
-            num_swapped: self
-                .waiting
-                .iter()
-                .filter(|&&b| self.branches.get(b).is_some_and(|x| x.seq.is_some()))
-                .count(),
+            num_swapped: self.waiting.iter().filter(|&&b| self.branches.get(b).is_some_and(|x| x.seq.is_some())).count(),
             num_swap_preemptions: c.swap_preemptions,
             prefix_cache_host_hits: c.host_prefix_hits,
             blocks_swapped_out: t.blocks_to_host,
@@ -1230,12 +1078,8 @@ impl Scheduler {
         let n = pool.num_blocks();
         let mut owner = vec![-1i64; n];
         for &b in &self.running {
-            let Some(branch) = self.branches.get(b) else {
-                continue;
-            };
-            let Some(seq) = branch.seq.and_then(|s| self.kv.seq(s).ok()) else {
-                continue;
-            };
+            let Some(branch) = self.branches.get(b) else { continue };
+            let Some(seq) = branch.seq.and_then(|s| self.kv.seq(s).ok()) else { continue };
             let arrival = branch.order.1 as i64;
             for blk in seq.table().blocks() {
                 let o = &mut owner[blk.index()];
@@ -1244,9 +1088,7 @@ impl Scheduler {
                 }
             }
         }
-        let refs = (0..n)
-            .map(|i| pool.ref_count_unchecked(BlockId(i as u32)) as i32)
-            .collect();
+        let refs = (0..n).map(|i| pool.ref_count_unchecked(BlockId(i as u32)) as i32).collect();
         let cached = (0..n).map(|i| pool.is_cached(BlockId(i as u32))).collect();
         (refs, cached, owner)
     }
@@ -1255,12 +1097,7 @@ impl Scheduler {
     /// (`None`: no disk tier, a bad slot, or nothing cached there).
     pub fn disk_block_info(&self, slot: u32) -> Option<DiskEntry> {
         let (id, tokens) = self.kv.disk_block(BlockId(slot))?;
-        Some((
-            id.hash,
-            id.parent_hash,
-            tokens.to_vec(),
-            id.extra.salt().map(str::to_string),
-        ))
+        Some((id.hash, id.parent_hash, tokens.to_vec(), id.extra.salt().map(str::to_string)))
     }
 
     /// Restores disk entries written by an earlier process (see
@@ -1275,12 +1112,7 @@ impl Scheduler {
             let before = pending.len();
             pending.retain(|&i| {
                 let (hash, parent, tokens, salt) = &entries[i];
-                match self.kv.restore_disk_block(
-                    *hash,
-                    *parent,
-                    tokens,
-                    &ExtraKey::new(salt.as_deref()),
-                ) {
+                match self.kv.restore_disk_block(*hash, *parent, tokens, &ExtraKey::new(salt.as_deref())) {
                     Restore::Done(slot) => {
                         slots[i] = Some(slot.0);
                         false
@@ -1324,12 +1156,7 @@ impl Scheduler {
     /// hashes, equal to the hashes KV events give the same blocks ([`crate::kv_events`]). A
     /// partial last block has none.
     pub fn block_hashes(&self, tokens: &[u32], salt: Option<&str>) -> Vec<u64> {
-        crate::kv_events::wire_block_hashes(
-            tokens,
-            self.config.block_size,
-            salt,
-            self.config.hash_mode,
-        )
+        crate::kv_events::wire_block_hashes(tokens, self.config.block_size, salt, self.config.hash_mode)
     }
 
     /// The tiers block by block: for each device block whether its cached content is also
@@ -1344,9 +1171,7 @@ impl Scheduler {
             .map(|i| pool.find_copy_in(BlockId(i as u32), host).is_some())
             .collect();
         let n = host.num_blocks();
-        let refs = (0..n)
-            .map(|i| host.ref_count_unchecked(BlockId(i as u32)) as i32)
-            .collect();
+        let refs = (0..n).map(|i| host.ref_count_unchecked(BlockId(i as u32)) as i32).collect();
         let cached = (0..n).map(|i| host.is_cached(BlockId(i as u32))).collect();
         (on_host, refs, cached)
     }
@@ -1361,11 +1186,7 @@ impl Scheduler {
         for &b in &self.running {
             match self.branches.get(b) {
                 Some(x) if x.seq.is_some() && x.tokens.is_empty() => seen += 1,
-                _ => {
-                    return bad(format!(
-                        "running branch {b:?} is missing or has no sequence"
-                    ))
-                }
+                _ => return bad(format!("running branch {b:?} is missing or has no sequence")),
             }
         }
         for w in self.running.windows(2) {
@@ -1378,38 +1199,20 @@ impl Scheduler {
             match self.branches.get(b) {
                 Some(x) if x.seq.is_none() && !x.tokens.is_empty() => seen += 1,
                 // Swapped out: its host sequence holds its tokens.
-                Some(x)
-                    if x.tokens.is_empty()
-                        && x.seq
-                            .and_then(|s| self.kv.seq(s).ok())
-                            .is_some_and(|s| s.tier() == Tier::Host) =>
-                {
+                Some(x) if x.tokens.is_empty() && x.seq.and_then(|s| self.kv.seq(s).ok()).is_some_and(|s| s.tier() == Tier::Host) => {
                     seen += 1;
                     swapped += 1;
                 }
-                _ => {
-                    return bad(format!(
-                        "waiting branch {b:?} is missing, has a device sequence, or has no tokens"
-                    ))
-                }
+                _ => return bad(format!("waiting branch {b:?} is missing, has a device sequence, or has no tokens")),
             }
         }
         for &b in &self.running {
-            if self
-                .branches
-                .get(b)
-                .and_then(|x| x.seq)
-                .and_then(|s| self.kv.seq(s).ok())
-                .is_some_and(|s| s.tier() != Tier::Device)
-            {
+            if self.branches.get(b).and_then(|x| x.seq).and_then(|s| self.kv.seq(s).ok()).is_some_and(|s| s.tier() != Tier::Device) {
                 return bad(format!("running branch {b:?} is not on the device"));
             }
         }
         if seen != self.branches.len() {
-            return bad(format!(
-                "{} branches exist but {seen} are queued",
-                self.branches.len()
-            ));
+            return bad(format!("{} branches exist but {seen} are queued", self.branches.len()));
         }
         let held = self.kv_leases.len() + self.kv_reservations.len();
         if self.kv.num_sequences() != self.running.len() + swapped + held {
@@ -1421,9 +1224,7 @@ impl Scheduler {
         }
         for &seq in self.kv_leases.values().chain(self.kv_reservations.values()) {
             if self.kv.seq(seq).map_or(true, |s| s.tier() != Tier::Device) {
-                return bad(format!(
-                    "KV lease or reservation {seq} is not a device sequence"
-                ));
+                return bad(format!("KV lease or reservation {seq} is not a device sequence"));
             }
         }
         let mut branch_count = 0;
@@ -1433,35 +1234,19 @@ impl Scheduler {
             }
             for &b in &req.branches {
                 if self.branches.get(b).map(|x| x.req) != Some(key) {
-                    return bad(format!(
-                        "request {:?} lists a branch that is not its own",
-                        req.id
-                    ));
+                    return bad(format!("request {:?} lists a branch that is not its own", req.id));
                 }
             }
             branch_count += req.branches.len();
         }
         for (_, req) in self.requests.iter() {
             let Some(search) = &req.beam else { continue };
-            let running = req
-                .branches
-                .iter()
-                .filter(|b| self.running.contains(b))
-                .count();
+            let running = req.branches.iter().filter(|b| self.running.contains(b)).count();
             if running != 0 && running != req.branches.len() {
-                return bad(format!(
-                    "beam request {:?} has {running} of its {} beams running",
-                    req.id,
-                    req.branches.len()
-                ));
+                return bad(format!("beam request {:?} has {running} of its {} beams running", req.id, req.branches.len()));
             }
             if req.branches.len() > search.params.width {
-                return bad(format!(
-                    "beam request {:?} has {} live beams for a width of {}",
-                    req.id,
-                    req.branches.len(),
-                    search.params.width
-                ));
+                return bad(format!("beam request {:?} has {} live beams for a width of {}", req.id, req.branches.len(), search.params.width));
             }
         }
         if branch_count != self.branches.len() || self.by_id.len() != self.requests.len() {

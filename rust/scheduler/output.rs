@@ -135,13 +135,7 @@ impl BlockTableRows {
     /// `dst` (`seqs.len() * width` entries, row-major), which holds what `self` says; rows that
     /// already hold a prefix of the right table are only extended. Fails on an unknown
     /// sequence or a table wider than `width` (leaving `self` consistent with `dst`).
-    pub(crate) fn write(
-        &mut self,
-        kv: &KvCacheManager,
-        seqs: &[SeqId],
-        width: usize,
-        dst: &mut [i32],
-    ) -> crate::error::Result<()> {
+    pub(crate) fn write(&mut self, kv: &KvCacheManager, seqs: &[SeqId], width: usize, dst: &mut [i32]) -> crate::error::Result<()> {
         debug_assert_eq!(dst.len(), seqs.len() * width);
         if width != self.width {
             // Another row stride: nothing in the buffer is where a row would read it.
@@ -160,15 +154,9 @@ impl BlockTableRows {
                 )));
             }
             let row = &mut dst[r * width..(r + 1) * width];
-            let tag = RowTag {
-                seq,
-                version: table.version(),
-                len: blocks.len() as u32,
-            };
+            let tag = RowTag { seq, version: table.version(), len: blocks.len() as u32 };
             let from = match self.rows.get(r) {
-                Some(old) if old.seq == seq && old.version == tag.version && old.len <= tag.len => {
-                    old.len as usize
-                }
+                Some(old) if old.seq == seq && old.version == tag.version && old.len <= tag.len => old.len as usize,
                 _ => {
                     row[blocks.len()..].fill(0);
                     0

@@ -83,23 +83,15 @@ impl NewRequest {
             return bad(format!("request {:?}: n must be >= 1, got 0", self.id));
         }
         if self.max_tokens == 0 {
-            return bad(format!(
-                "request {:?}: max_tokens must be >= 1, got 0",
-                self.id
-            ));
+            return bad(format!("request {:?}: max_tokens must be >= 1, got 0", self.id));
         }
         self.retention.validate().map_err(|e| match e {
-            CoreError::InvalidArgument(m) => {
-                CoreError::InvalidArgument(format!("request {:?}: {m}", self.id))
-            }
+            CoreError::InvalidArgument(m) => CoreError::InvalidArgument(format!("request {:?}: {m}", self.id)),
             e => e,
         })?;
         if let Some(beam) = self.beam {
             if beam.width == 0 {
-                return bad(format!(
-                    "request {:?}: beam_width must be >= 1, got 0",
-                    self.id
-                ));
+                return bad(format!("request {:?}: beam_width must be >= 1, got 0", self.id));
             }
             if self.n != 1 {
                 return bad(format!(
@@ -108,16 +100,10 @@ impl NewRequest {
                 ));
             }
             if !beam.length_penalty.is_finite() {
-                return bad(format!(
-                    "request {:?}: length_penalty must be finite, got {}",
-                    self.id, beam.length_penalty
-                ));
+                return bad(format!("request {:?}: length_penalty must be finite, got {}", self.id, beam.length_penalty));
             }
             if self.hold_kv {
-                return bad(format!(
-                    "request {:?}: beam search cannot hold its KV for another engine (hold_kv)",
-                    self.id
-                ));
+                return bad(format!("request {:?}: beam search cannot hold its KV for another engine (hold_kv)", self.id));
             }
         }
         if self.min_tokens > self.max_tokens {

@@ -42,9 +42,7 @@ impl Scheduler {
                 let (mut tokens, mut output) = (0usize, 0usize);
                 let mut blocks = HashSet::new();
                 for &b in &req.branches {
-                    let Some(branch) = self.branches.get(b) else {
-                        continue;
-                    };
+                    let Some(branch) = self.branches.get(b) else { continue };
                     arrival = arrival.min(branch.order.1);
                     output = output.max(branch.num_output);
                     let seq = branch.seq.and_then(|s| self.kv.seq(s).ok());
@@ -77,13 +75,9 @@ impl Scheduler {
     /// The disk tier slot by slot: `(ref_counts, cached)` (a slot is pinned only while a step
     /// copies it); empty without a disk tier.
     pub fn disk_map(&self) -> (Vec<i32>, Vec<bool>) {
-        let Some(disk) = self.kv.disk_pool() else {
-            return (Vec::new(), Vec::new());
-        };
+        let Some(disk) = self.kv.disk_pool() else { return (Vec::new(), Vec::new()) };
         let n = disk.num_blocks();
-        let refs = (0..n)
-            .map(|i| disk.ref_count_unchecked(BlockId(i as u32)) as i32)
-            .collect();
+        let refs = (0..n).map(|i| disk.ref_count_unchecked(BlockId(i as u32)) as i32).collect();
         let cached = (0..n).map(|i| disk.is_cached(BlockId(i as u32))).collect();
         (refs, cached)
     }

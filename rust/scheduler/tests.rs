@@ -22,18 +22,10 @@ fn reused_outputs_match_fresh_ones(seed: u64, ring: usize, block_size: usize) {
     let mut widths_seen = std::collections::HashSet::new();
     for step in 0..1500 {
         if s.num_waiting() < 3 && next < 300 {
-            let mut prompt = if rng.random_bool(0.5) {
-                system.clone()
-            } else {
-                Vec::new()
-            };
+            let mut prompt = if rng.random_bool(0.5) { system.clone() } else { Vec::new() };
             prompt.extend((0..rng.random_range(1..60)).map(|_| rng.random_range(0..500u32)));
             let mut r = NewRequest::new(format!("q{next}"), prompt, rng.random_range(1..80));
-            r.n = if rng.random_bool(0.2) {
-                rng.random_range(2..4)
-            } else {
-                1
-            };
+            r.n = if rng.random_bool(0.2) { rng.random_range(2..4) } else { 1 };
             r.eos_token_ids = vec![7];
             s.add_request(r).unwrap();
             next += 1;
@@ -46,17 +38,8 @@ fn reused_outputs_match_fresh_ones(seed: u64, ring: usize, block_size: usize) {
         for (r, &seq) in out.row_seqs.iter().enumerate() {
             let blocks = s.kv.seq(seq).unwrap().table().blocks();
             let row = &out.block_tables[r * w..(r + 1) * w];
-            assert!(
-                row[..blocks.len()]
-                    .iter()
-                    .zip(blocks)
-                    .all(|(&d, b)| d == b.0 as i32),
-                "step {step} row {r}"
-            );
-            assert!(
-                row[blocks.len()..].iter().all(|&d| d == 0),
-                "step {step} row {r}: padding"
-            );
+            assert!(row[..blocks.len()].iter().zip(blocks).all(|(&d, b)| d == b.0 as i32), "step {step} row {r}");
+            assert!(row[blocks.len()..].iter().all(|&d| d == 0), "step {step} row {r}: padding");
         }
         // The other arrays: a fresh build of the same rows gives the same values.
         let mut fresh = StepOutput::default();
@@ -80,22 +63,11 @@ fn reused_outputs_match_fresh_ones(seed: u64, ring: usize, block_size: usize) {
         assert_eq!(fresh.logits_indices, out.logits_indices);
         assert_eq!(fresh.sample_indices, out.sample_indices);
         assert_eq!(fresh.row_requests, out.row_requests);
-        let sampled: Vec<u32> = (0..out.num_sampled())
-            .map(|_| {
-                if rng.random_bool(0.03) {
-                    7
-                } else {
-                    rng.random_range(0..500)
-                }
-            })
-            .collect();
+        let sampled: Vec<u32> = (0..out.num_sampled()).map(|_| if rng.random_bool(0.03) { 7 } else { rng.random_range(0..500) }).collect();
         let step_id = out.step_id;
         let ups = s.update(step_id, &sampled).unwrap();
         for u in &ups {
-            assert!(
-                s.request_id(u.request).is_some(),
-                "every updated request is named"
-            );
+            assert!(s.request_id(u.request).is_some(), "every updated request is named");
         }
         if rng.random_bool(0.05) {
             if let Some(u) = ups.first() {
@@ -109,10 +81,7 @@ fn reused_outputs_match_fresh_ones(seed: u64, ring: usize, block_size: usize) {
         }
         s.check_invariants().unwrap();
     }
-    assert!(
-        s.counters.preemptions > 0,
-        "the pool must be small enough to preempt"
-    );
+    assert!(s.counters.preemptions > 0, "the pool must be small enough to preempt");
     assert!(widths_seen.len() > 3);
 }
 
@@ -143,12 +112,7 @@ fn schedule_into_equals_schedule() {
             } else {
                 s.schedule().unwrap()
             };
-            tables.push((
-                out.block_tables.clone(),
-                out.block_table_width,
-                out.input_ids.clone(),
-                out.finished.clone(),
-            ));
+            tables.push((out.block_tables.clone(), out.block_table_width, out.input_ids.clone(), out.finished.clone()));
             let toks: Vec<u32> = (0..out.num_sampled() as u32).collect();
             s.update(out.step_id, &toks).unwrap();
         }
@@ -160,15 +124,11 @@ fn schedule_into_equals_schedule() {
 #[test]
 fn schedule_into_a_stale_step_leaves_no_rows() {
     let mut s = Scheduler::new(SchedulerConfig::new(4, 16)).unwrap();
-    s.add_request(NewRequest::new("a", vec![1, 2, 3], 2))
-        .unwrap();
+    s.add_request(NewRequest::new("a", vec![1, 2, 3], 2)).unwrap();
     let mut out = StepOutput::default();
     s.schedule_into(&mut out).unwrap();
     assert_eq!(out.num_rows(), 1);
-    assert!(matches!(
-        s.schedule_into(&mut out),
-        Err(CoreError::StaleOutput(_))
-    ));
+    assert!(matches!(s.schedule_into(&mut out), Err(CoreError::StaleOutput(_))));
     assert_eq!((out.num_rows(), out.block_tables.len()), (0, 0));
 }
 
@@ -176,14 +136,10 @@ fn schedule_into_a_stale_step_leaves_no_rows() {
 fn kv_utilization_is_zero_with_nothing_in_use() {
     let mut s = Scheduler::new(SchedulerConfig::new(4, 16)).unwrap();
     let st = s.stats();
-    assert_eq!(
-        (st.num_used_blocks, st.slots_allocated, st.tokens_held),
-        (0, 0, 0)
-    );
+    assert_eq!((st.num_used_blocks, st.slots_allocated, st.tokens_held), (0, 0, 0));
     assert_eq!(st.kv_utilization, 0.0);
     // 3 tokens in one block of 4: 0.75 while running; 0 again once finished.
-    s.add_request(NewRequest::new("a", vec![1, 2, 3], 1))
-        .unwrap();
+    s.add_request(NewRequest::new("a", vec![1, 2, 3], 1)).unwrap();
     let out = s.schedule().unwrap();
     assert_eq!(s.stats().kv_utilization, 0.75);
     s.update(out.step_id, &[9]).unwrap();
@@ -231,8 +187,7 @@ mod kv_events {
         let mut s = sched(8, 0, 0);
         assert_eq!(s.take_kv_events(0.0), None, "nothing happened yet");
         let prompt: Vec<u32> = (100..110).collect(); // two full blocks and a partial one
-        s.add_request(NewRequest::new("a", prompt.clone(), 1))
-            .unwrap();
+        s.add_request(NewRequest::new("a", prompt.clone(), 1)).unwrap();
         let out = s.schedule().unwrap();
         let hashes = s.block_hashes(&prompt, None);
         assert_eq!(hashes.len(), 2);
@@ -247,29 +202,17 @@ mod kv_events {
             }]
         );
         s.update(out.step_id, &[5]).unwrap();
-        assert_eq!(
-            s.take_kv_events(0.0),
-            None,
-            "the partial block is never stored"
-        );
+        assert_eq!(s.take_kv_events(0.0), None, "the partial block is never stored");
         // Other prompts fill the pool: the cached blocks are reused, and removed.
         for i in 0..2u32 {
-            s.add_request(NewRequest::new(
-                format!("b{i}"),
-                (0..16).map(|t| 1000 * (i + 1) + t).collect(),
-                1,
-            ))
-            .unwrap();
+            s.add_request(NewRequest::new(format!("b{i}"), (0..16).map(|t| 1000 * (i + 1) + t).collect(), 1)).unwrap();
         }
         drain(&mut s);
         let ev = events(&mut s);
         let removed: Vec<u64> = ev
             .iter()
             .filter_map(|e| match e {
-                KvEvent::BlockRemoved {
-                    block_hashes,
-                    medium: Medium::Gpu,
-                } => Some(block_hashes.clone()),
+                KvEvent::BlockRemoved { block_hashes, medium: Medium::Gpu } => Some(block_hashes.clone()),
                 _ => None,
             })
             .flatten()
@@ -289,23 +232,15 @@ mod kv_events {
     #[test]
     fn a_reset_with_blocks_in_use_removes_only_the_free_ones() {
         let mut s = sched(16, 0, 0);
-        s.add_request(NewRequest::new("done", (0..8).collect(), 1))
-            .unwrap();
+        s.add_request(NewRequest::new("done", (0..8).collect(), 1)).unwrap();
         drain(&mut s);
         let done = s.block_hashes(&(0..8).collect::<Vec<u32>>(), None);
-        s.add_request(NewRequest::new("live", (50..59).collect(), 5))
-            .unwrap();
+        s.add_request(NewRequest::new("live", (50..59).collect(), 5)).unwrap();
         let out = s.schedule().unwrap();
         events(&mut s);
         assert_eq!(s.reset_prefix_cache(), 2);
         // Only the finished request's blocks were free; the running one keeps its blocks.
-        assert_eq!(
-            events(&mut s),
-            vec![KvEvent::BlockRemoved {
-                block_hashes: vec![done[1], done[0]],
-                medium: Medium::Gpu
-            }]
-        );
+        assert_eq!(events(&mut s), vec![KvEvent::BlockRemoved { block_hashes: vec![done[1], done[0]], medium: Medium::Gpu }]);
         s.update(out.step_id, &[1]).unwrap();
     }
 
@@ -314,8 +249,7 @@ mod kv_events {
         let mut cfg = SchedulerConfig::new(4, 8);
         cfg.max_model_len = 32;
         let mut s = Scheduler::new(cfg).unwrap();
-        s.add_request(NewRequest::new("a", (0..9).collect(), 2))
-            .unwrap();
+        s.add_request(NewRequest::new("a", (0..9).collect(), 2)).unwrap();
         drain(&mut s);
         assert_eq!(s.reset_prefix_cache(), 2);
         assert_eq!(s.take_kv_events(1.0), None);
@@ -325,8 +259,7 @@ mod kv_events {
     fn a_rolled_back_step_stores_then_removes() {
         let mut s = sched(8, 0, 0);
         let prompt: Vec<u32> = (0..9).collect();
-        s.add_request(NewRequest::new("a", prompt.clone(), 1))
-            .unwrap();
+        s.add_request(NewRequest::new("a", prompt.clone(), 1)).unwrap();
         let out = s.schedule().unwrap();
         s.rollback_step(out.step_id).unwrap();
         let hashes = s.block_hashes(&prompt, None);
@@ -340,32 +273,25 @@ mod kv_events {
                     block_size: 4,
                     medium: Medium::Gpu,
                 },
-                KvEvent::BlockRemoved {
-                    block_hashes: hashes.clone(),
-                    medium: Medium::Gpu
-                },
+                KvEvent::BlockRemoved { block_hashes: hashes.clone(), medium: Medium::Gpu },
             ]
         );
         assert_eq!(s.kv().pool().num_cached_blocks(), 0);
         // Re-admitted and computed again: stored again.
         drain(&mut s);
-        assert!(
-            matches!(&events(&mut s)[..], [KvEvent::BlockStored { block_hashes, .. }] if *block_hashes == hashes)
-        );
+        assert!(matches!(&events(&mut s)[..], [KvEvent::BlockStored { block_hashes, .. }] if *block_hashes == hashes));
     }
 
     #[test]
     fn host_write_backs_and_disk_restores_are_stored_in_their_medium() {
         let mut s = sched(8, 8, 16);
         let prompt: Vec<u32> = (0..17).collect();
-        s.add_request(NewRequest::new("a", prompt.clone(), 1))
-            .unwrap();
+        s.add_request(NewRequest::new("a", prompt.clone(), 1)).unwrap();
         drain(&mut s);
         let hashes = s.block_hashes(&prompt, None);
         events(&mut s);
         // Another prompt reuses the device blocks: they are written back to the host.
-        s.add_request(NewRequest::new("b", (500..532).collect(), 1))
-            .unwrap();
+        s.add_request(NewRequest::new("b", (500..532).collect(), 1)).unwrap();
         drain(&mut s);
         let ev = events(&mut s);
         // Evicted leaves first, announced parents first as one chain, after the device's
@@ -381,27 +307,13 @@ mod kv_events {
             }),
             "{ev:?}"
         );
-        assert!(ev[..ev.len() - 1].iter().all(|e| !matches!(
-            e,
-            KvEvent::BlockStored {
-                medium: Medium::Cpu,
-                ..
-            }
-        )));
+        assert!(ev[..ev.len() - 1].iter().all(|e| !matches!(e, KvEvent::BlockStored { medium: Medium::Cpu, .. })));
         // A restarted scheduler restores disk entries: stored with medium DISK.
         let mut hasher = BlockHasher::new(crate::block_hash::HashMode::Xxh3);
         let mut full = Vec::new();
         hasher.extend_chain(&mut full, &prompt, 4, &ExtraKey::new(None), usize::MAX);
-        let entries: Vec<DiskEntry> = (0..4)
-            .map(|k| {
-                (
-                    full[k],
-                    k.checked_sub(1).map(|p| full[p]),
-                    prompt[k * 4..(k + 1) * 4].to_vec(),
-                    None,
-                )
-            })
-            .collect();
+        let entries: Vec<DiskEntry> =
+            (0..4).map(|k| (full[k], k.checked_sub(1).map(|p| full[p]), prompt[k * 4..(k + 1) * 4].to_vec(), None)).collect();
         let mut t = sched(8, 8, 16);
         assert!(t.restore_disk_blocks(&entries).iter().all(Option::is_some));
         assert_eq!(
@@ -434,18 +346,14 @@ fn kv_lease_holds_the_prompt_blocks_until_released() {
     let mut r = NewRequest::new("p", prompt.clone(), 1);
     r.hold_kv = true;
     s.add_request(r).unwrap();
-    assert!(
-        s.kv_lease("p").is_none(),
-        "no lease before the request ends"
-    );
+    assert!(s.kv_lease("p").is_none(), "no lease before the request ends");
     run_to_end(&mut s);
     let (blocks, num_tokens) = s.kv_lease("p").unwrap();
     assert_eq!((blocks.len(), num_tokens), (3, 10));
     assert_eq!(s.stats().num_used_blocks, 3);
     assert_eq!(s.stats().num_kv_leases, 1);
     // Memory pressure cannot take them: a request needing every other block still runs.
-    s.add_request(NewRequest::new("q", (100..150).collect(), 1))
-        .unwrap();
+    s.add_request(NewRequest::new("q", (100..150).collect(), 1)).unwrap();
     run_to_end(&mut s);
     assert_eq!(s.kv_lease("p").unwrap().0, blocks);
     assert!(s.release_kv_lease("p"));
@@ -457,8 +365,7 @@ fn kv_lease_holds_the_prompt_blocks_until_released() {
     r.hold_kv = true;
     s.add_request(r).unwrap();
     let out = s.schedule().unwrap();
-    s.update(out.step_id, &vec![9u32; out.num_sampled()])
-        .unwrap();
+    s.update(out.step_id, &vec![9u32; out.num_sampled()]).unwrap();
     s.abort_request("a").unwrap();
     assert!(s.kv_lease("a").is_none());
     assert_eq!(s.stats().num_used_blocks, 0);
@@ -469,36 +376,23 @@ fn kv_reservation_merges_local_hits_and_commits_into_the_prefix_cache() {
     let mut s = Scheduler::new(SchedulerConfig::new(4, 32)).unwrap();
     let prompt: Vec<u32> = (0..18).collect();
     // This pool already caches the first block.
-    s.add_request(NewRequest::new("warm", prompt[..6].to_vec(), 1))
-        .unwrap();
+    s.add_request(NewRequest::new("warm", prompt[..6].to_vec(), 1)).unwrap();
     run_to_end(&mut s);
-    let (hits, fresh) = s
-        .reserve_kv("r", prompt.clone(), 10, None)
-        .unwrap()
-        .unwrap();
+    let (hits, fresh) = s.reserve_kv("r", prompt.clone(), 10, None).unwrap().unwrap();
     // (18 - 1) / 4 = 4 blocks at most; the first is a local hit.
     assert_eq!((hits, fresh.len()), (1, 3));
     assert_eq!(s.stats().num_kv_reservations, 1);
     s.check_invariants().unwrap();
-    assert!(matches!(
-        s.reserve_kv("r", prompt.clone(), 1, None),
-        Err(CoreError::DuplicateRequest(_))
-    ));
+    assert!(matches!(s.reserve_kv("r", prompt.clone(), 1, None), Err(CoreError::DuplicateRequest(_))));
     // Not findable while the KV is arriving.
     assert_eq!(s.kv.cached_prefix_blocks(&prompt), 1);
     assert!(s.commit_kv("r"));
     assert!(!s.commit_kv("r"));
     assert_eq!(s.kv.cached_prefix_blocks(&prompt), 4);
-    s.add_request(NewRequest::new("d", prompt.clone(), 2))
-        .unwrap();
+    s.add_request(NewRequest::new("d", prompt.clone(), 2)).unwrap();
     let out = s.schedule().unwrap();
-    assert_eq!(
-        out.num_tokens(),
-        2,
-        "16 of 18 prompt tokens come from the reservation"
-    );
-    s.update(out.step_id, &vec![9u32; out.num_sampled()])
-        .unwrap();
+    assert_eq!(out.num_tokens(), 2, "16 of 18 prompt tokens come from the reservation");
+    s.update(out.step_id, &vec![9u32; out.num_sampled()]).unwrap();
     run_to_end(&mut s);
     // A cancelled reservation leaves nothing cached past the hits.
     let other: Vec<u32> = (200..218).collect();
@@ -512,18 +406,14 @@ fn kv_reservation_merges_local_hits_and_commits_into_the_prefix_cache() {
     assert_eq!(s.kv.cached_prefix_blocks(&other), 0);
     assert_eq!(s.stats().num_used_blocks, 0);
     s.check_invariants().unwrap();
-    assert!(matches!(
-        s.reserve_kv("e", Vec::new(), 1, None),
-        Err(CoreError::InvalidArgument(_))
-    ));
+    assert!(matches!(s.reserve_kv("e", Vec::new(), 1, None), Err(CoreError::InvalidArgument(_))));
 }
 
 #[test]
 fn skip_prefix_cache_computes_the_whole_prompt_and_still_caches_it() {
     let mut s = Scheduler::new(SchedulerConfig::new(4, 32)).unwrap();
     let prompt: Vec<u32> = (0..18).collect();
-    s.add_request(NewRequest::new("warm", prompt.clone(), 1))
-        .unwrap();
+    s.add_request(NewRequest::new("warm", prompt.clone(), 1)).unwrap();
     run_to_end(&mut s);
     assert_eq!(s.kv.cached_prefix_blocks(&prompt), 4);
     // A request that needs every prompt position's logits computes them all, cache or not.
@@ -532,17 +422,14 @@ fn skip_prefix_cache_computes_the_whole_prompt_and_still_caches_it() {
     s.add_request(skip).unwrap();
     let out = s.schedule().unwrap();
     assert_eq!(out.num_tokens(), 18);
-    s.update(out.step_id, &vec![9u32; out.num_sampled()])
-        .unwrap();
+    s.update(out.step_id, &vec![9u32; out.num_sampled()]).unwrap();
     run_to_end(&mut s);
     s.check_invariants().unwrap();
     // The cache still serves the others.
-    s.add_request(NewRequest::new("hit", prompt.clone(), 1))
-        .unwrap();
+    s.add_request(NewRequest::new("hit", prompt.clone(), 1)).unwrap();
     let out = s.schedule().unwrap();
     assert_eq!(out.num_tokens(), 2);
-    s.update(out.step_id, &vec![9u32; out.num_sampled()])
-        .unwrap();
+    s.update(out.step_id, &vec![9u32; out.num_sampled()]).unwrap();
     run_to_end(&mut s);
     assert_eq!(s.stats().num_used_blocks, 0);
     s.check_invariants().unwrap();

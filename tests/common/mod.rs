@@ -32,18 +32,8 @@ pub struct FakeModel {
 }
 
 impl FakeModel {
-    pub fn new(
-        num_blocks: usize,
-        num_host_blocks: usize,
-        num_disk_blocks: usize,
-        bs: usize,
-    ) -> Self {
-        FakeModel {
-            bs,
-            kv: vec![None; num_blocks * bs],
-            host: vec![None; num_host_blocks * bs],
-            disk: vec![None; num_disk_blocks * bs],
-        }
+    pub fn new(num_blocks: usize, num_host_blocks: usize, num_disk_blocks: usize, bs: usize) -> Self {
+        FakeModel { bs, kv: vec![None; num_blocks * bs], host: vec![None; num_host_blocks * bs], disk: vec![None; num_disk_blocks * bs] }
     }
 
     /// The slots of one tier.
@@ -102,24 +92,14 @@ impl FakeModel {
         // processed token by token in order (a causal forward).
         for row in 0..out.num_rows() {
             let table = &out.block_tables[row * w..(row + 1) * w];
-            let (s, e) = (
-                out.cu_seqlens_q[row] as usize,
-                out.cu_seqlens_q[row + 1] as usize,
-            );
+            let (s, e) = (out.cu_seqlens_q[row] as usize, out.cu_seqlens_q[row + 1] as usize);
             for t in s..e {
                 let pos = out.positions[t] as usize;
-                let prev = if pos == 0 {
-                    ROOT
-                } else {
-                    self.read(table, pos - 1)
-                };
+                let prev = if pos == 0 { ROOT } else { self.read(table, pos - 1) };
                 self.kv[out.slot_mapping[t] as usize] = Some(chain(prev, out.input_ids[t] as u32));
             }
             assert_eq!(out.seq_lens[row] as i64, out.positions[e - 1] + 1);
         }
-        out.logits_indices
-            .iter()
-            .map(|&t| self.kv[out.slot_mapping[t as usize] as usize].unwrap())
-            .collect()
+        out.logits_indices.iter().map(|&t| self.kv[out.slot_mapping[t as usize] as usize].unwrap()).collect()
     }
 }
