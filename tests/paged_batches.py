@@ -17,6 +17,7 @@ Query rows are packed in batch order; ``cu_seqlens_q`` and ``seq_lens`` follow t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -120,6 +121,21 @@ def make_paged_batch(
     )
 
 
+def _per_sequence(batch: PagedBatch) -> Iterator[tuple[slice, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per sequence of the batch: its query rows, their positions ([q_len, 1], bottom-right:
+    the last row is the last key), and its query, K and V per query head ([H, q_len, D],
+    [H, seq_len, D] x 2: the KV heads repeated for GQA), from the contiguous ground truth."""
+    num_heads = batch.query.shape[1]
+    row = 0
+    for q_len, k, v in zip(batch.q_lens, batch.keys, batch.values):
+        seq_len, group = k.shape[0], num_heads // k.shape[1]
+        q = batch.query[row : row + q_len].transpose(0, 1)
+        k_heads = k.transpose(0, 1).repeat_interleave(group, dim=0)
+        v_heads = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        yield slice(row, row + q_len), torch.arange(q_len)[:, None] + (seq_len - q_len), q, k_heads, v_heads
+        row += q_len
+
+
 def causal_reference(batch: PagedBatch, scale: float | None = None) -> torch.Tensor:  # [T, H, D]
     """Attention computed from the contiguous ground truth with SDPA and an explicit mask.
 
@@ -128,23 +144,15 @@ def causal_reference(batch: PagedBatch, scale: float | None = None) -> torch.Ten
     (never ``is_causal``, which is top-left when ``q_len != kv_len``) and an explicit repeat of
     the KV heads. Rows that see no key are set to zero.
     """
-    num_heads = batch.query.shape[1]
     out = torch.zeros_like(batch.query)
-    row = 0
-    for q_len, k, v in zip(batch.q_lens, batch.keys, batch.values):
-        seq_len = k.shape[0]
-        group = num_heads // k.shape[1]
-        q = batch.query[row : row + q_len].transpose(0, 1)  # [H, q_len, D]
-        k_heads = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, seq_len, D]
-        v_heads = v.transpose(0, 1).repeat_interleave(group, dim=0)
-        query_pos = torch.arange(q_len)[:, None] + (seq_len - q_len)
+    for rows, query_pos, q, k_heads, v_heads in _per_sequence(batch):
+        seq_len = k_heads.shape[1]
         key_pos = torch.arange(seq_len)[None, :]
         mask = (key_pos <= query_pos).to(q.device)  # [q_len, seq_len]
         if seq_len > 0:
             o = torch.nn.functional.scaled_dot_product_attention(q, k_heads, v_heads, attn_mask=mask, scale=scale)
             o = o.masked_fill(~mask.any(dim=-1)[None, :, None], 0.0)
-            out[row : row + q_len] = o.transpose(0, 1)
-        row += q_len
+            out[rows] = o.transpose(0, 1)
     return out
 
 
@@ -171,15 +179,9 @@ def layer_reference(batch: PagedBatch, layer: LayerAttention, scale: float | Non
     num_heads, head_dim = batch.query.shape[1:]
     scale = head_dim**-0.5 if scale is None else scale
     out = torch.zeros_like(batch.query)
-    row = 0
-    for q_len, k, v in zip(batch.q_lens, batch.keys, batch.values):
-        seq_len = k.shape[0]
-        group = num_heads // k.shape[1]
-        q = batch.query[row : row + q_len].transpose(0, 1)  # [H, q_len, D]
-        k_heads = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [H, seq_len, D]
-        v_heads = v.transpose(0, 1).repeat_interleave(group, dim=0)
+    for rows, query_pos, q, k_heads, v_heads in _per_sequence(batch):
+        q_len, seq_len = q.shape[1], k_heads.shape[1]
         # The mask functions broadcast over index tensors (as transformers' vmap-free path calls them).
-        query_pos = torch.arange(q_len)[:, None] + (seq_len - q_len)
         mask = allowed(0, 0, query_pos, torch.arange(seq_len)[None, :]).expand(q_len, seq_len)
         scores = q @ k_heads.transpose(-1, -2) * scale  # [H, q_len, seq_len]
         if layer.logits_soft_cap is not None:
@@ -192,8 +194,7 @@ def layer_reference(batch: PagedBatch, layer: LayerAttention, scale: float | Non
             weights = torch.softmax(combined, dim=-1)[..., :-1]
         else:
             weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # all-masked rows: zeros
-        out[row : row + q_len] = (weights @ v_heads).transpose(0, 1)
-        row += q_len
+        out[rows] = (weights @ v_heads).transpose(0, 1)
     return out
 
 
