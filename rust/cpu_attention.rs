@@ -1320,16 +1320,7 @@ mod tests {
 
     /// Naive attention over contiguous K/V for one row.
     fn naive(q: &[f32], k: &[Vec<f32>], v: &[Vec<f32>], scale: f32) -> Vec<f32> {
-        let s: Vec<f32> = k
-            .iter()
-            .map(|kr| q.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale)
-            .collect();
-        let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let e: Vec<f32> = s.iter().map(|x| (x - m).exp()).collect();
-        let z: f32 = e.iter().sum();
-        (0..q.len())
-            .map(|j| e.iter().zip(v).map(|(w, vr)| w * vr[j]).sum::<f32>() / z)
-            .collect()
+        naive_variant(q, k, v, scale, None, None)
     }
 
     #[test]
