@@ -69,8 +69,8 @@ test-rust:
 	MAKEFLAGS= PROPTEST_RNG_SEED=$(TEST_SEED) cargo test --profile release-test -q
 
 # Three pytest-xdist worker processes on the 2-core machine: the tests wait on servers, peers
-# and timeouts often enough that a third worker fills the idle time (12:16 against 13:19 with
-# two, at 182% CPU). --dist loadfile gives each module whole to one worker, so a module's server
+# and timeouts often enough that a third worker fills some idle time (pytest took 12:16 and
+# 13:23 with three, 13:19 with two: a small gain, within the machine's noise; benches/RESULTS.md). --dist loadfile gives each module whole to one worker, so a module's server
 # or engine fixture starts once; the slowest modules are handed out first (tests/conftest.py),
 # and the slowest tests are listed at the end. PYTEST_WORKERS=0: one process.
 PYTEST_WORKERS ?= 3
