@@ -168,30 +168,6 @@ def test_bad_models_and_budgets(tmp_path: Path) -> None:
         LLM(dtype="float32", device="cpu", max_model_len=512, num_blocks=8)
     with pytest.raises(pagedkv.ConfigError):
         LLM(**ENGINE_ARGS, not_an_engine_arg=1)
-    # A sliding-window model whose window is in use cannot be served correctly: refused at load.
-    from transformers import MistralConfig
-
-    cfg = MistralConfig(
-        vocab_size=49152,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        sliding_window=64,
-        max_position_embeddings=512,
-    )
-    folder = tmp_path / "mistral-sw"
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
-    with pytest.raises(pagedkv.UnsupportedModelError, match="sliding"):
-        LLM(
-            str(folder),
-            tokenizer=str(default_model_dir()),
-            dtype="float32",
-            device="cpu",
-            max_model_len=512,
-            kv_cache_memory=8 << 20,
-        )
 
 
 # ---------------------------------------------------------------- another architecture, Triton

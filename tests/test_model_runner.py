@@ -17,7 +17,7 @@ from pagedkv.config import CacheConfig, KVGeometry, ModelConfig
 from pagedkv.errors import ConfigError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from pagedkv.worker.attention_backend import AttentionCall
 from pagedkv.worker.model_runner import ModelRunner
-from pagedkv.worker.model_support import check_config, check_probe
+from pagedkv.worker.model_support import check_config, check_probe, layer_attentions
 
 BLOCK_SIZE = 16
 
@@ -281,22 +281,22 @@ def test_tiny_models_match_transformers(tmp_path_factory, model_type: str) -> No
         assert_greedy_matches(reference, prompt, out)
 
 
-def test_sliding_window_in_use_is_refused(tmp_path_factory) -> None:
+def test_a_window_as_long_as_the_context_is_full_attention(tmp_path_factory) -> None:
     from transformers import AutoConfig
 
     config = AutoConfig.for_model("mistral", **_TINY, sliding_window=32)
     path = _save_tiny(tmp_path_factory, "mistral_swa", config)
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
-        ModelRunner(ModelConfig(path, dtype="float32", device="cpu"), CacheConfig(num_blocks=8))
-    # When the served context fits in the window, the window never slides: full attention.
+    runner = ModelRunner(ModelConfig(path, dtype="float32", device="cpu"), CacheConfig(num_blocks=16))
+    assert [layer.sliding_window for layer in runner.layer_attention] == [32, 32]
+    # When the served context fits in the window, the window never slides: the plain kernels.
     runner = ModelRunner(ModelConfig(path, dtype="float32", device="cpu", max_model_len=32), CacheConfig(num_blocks=8))
-    assert runner.max_model_len == 32
+    assert all(layer.is_full for layer in runner.layer_attention)
 
 
 @pytest.mark.parametrize(
     ("model_type", "overrides", "fragment"),
     [
-        ("gemma2", {"head_dim": 16}, "soft-capping"),
+        ("qwen3_next", {"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
         ("bloom", {"n_embed": 64, "n_layer": 2, "n_head": 4}, "ALiBi"),
         ("t5", {"d_model": 64, "num_layers": 1, "num_heads": 2, "d_kv": 16, "d_ff": 64}, "encoder-decoder"),
     ],
@@ -346,8 +346,7 @@ def test_check_probe_accepts_plain_attention() -> None:
         ([_call(0), _call(1, v=(1, 2, 5, 32))], "head dims"),
         ([_call(0), _call(1, k=(1, 3, 5, 16))], "KV heads"),
         ([_call(0), _call(1, mask=True)], "mask"),
-        ([_call(0), _call(1, sliding_window=16)], "sliding_window=16"),
-        ([_call(0), _call(1, softcap=30.0)], "softcap"),
+        ([_call(0), _call(1, attention_chunk_size=16)], "attention_chunk_size=16"),
         ([_call(0), _call(1, is_causal=False)], "is_causal"),
         ([_call(0), _call(1, q=(1, 2, 5, 16))], "different attention shapes"),
     ],
@@ -363,8 +362,7 @@ def test_check_probe_refuses(calls, fragment: str) -> None:
     [
         ({"layer_types": ["full_attention", "linear_attention"]}, "linear_attention"),
         ({"layer_types": ["full_attention", "mamba"]}, "hybrid"),
-        ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}, "sliding-window"),
-        ({"attention_chunk_size": 8}, "chunked"),
+        ({"attn_temperature_tuning": True, "floor_scale": 64}, "temperature tuning"),
         ({"alibi": True}, "ALiBi"),
         ({"attn_config": {"alibi": True}}, "ALiBi"),
         ({"cross_attention_layers": [1]}, "cross-attention"),
@@ -375,10 +373,61 @@ def test_check_config_refuses(attributes: dict, fragment: str) -> None:
         check_config(SimpleNamespace(model_type="toy", **attributes), max_model_len=64)
 
 
-def test_check_config_accepts_unused_or_wide_windows() -> None:
-    check_config(SimpleNamespace(model_type="toy", sliding_window=8, use_sliding_window=False), 64)
-    check_config(SimpleNamespace(model_type="toy", sliding_window=8, layer_types=["full_attention"]), 64)
-    check_config(SimpleNamespace(model_type="toy", sliding_window=64), 64)
+def test_check_config_accepts_windows_chunks_and_soft_caps() -> None:
+    check_config(SimpleNamespace(model_type="toy", sliding_window=8, layer_types=["sliding_attention"]), 64)
+    check_config(SimpleNamespace(model_type="toy", attention_chunk_size=8, layer_types=["chunked_attention"]), 64)
+    check_config(SimpleNamespace(model_type="toy", attn_logit_softcapping=50.0), 64)
+    # Llama 4's temperature tuning is exact while positions and step sizes stay below floor_scale - 1.
+    check_config(SimpleNamespace(model_type="toy", attn_temperature_tuning=True, floor_scale=8192), 64, 2048)
+
+
+def _probe_config(**attributes) -> SimpleNamespace:
+    return SimpleNamespace(model_type="toy", num_hidden_layers=2, **attributes)
+
+
+def test_layer_attentions_follow_the_config_and_the_calls() -> None:
+    sinks = torch.tensor([0.5, -1.0, 0.0, 2.0], dtype=torch.bfloat16)
+    config = _probe_config(sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    layers = layer_attentions([_call(1, softcap=30.0, s_aux=sinks), _call(0, sliding_window=8)], config, 64)
+    assert (layers[0].sliding_window, layers[0].logits_soft_cap, layers[0].sinks) == (8, None, None)
+    assert (layers[1].sliding_window, layers[1].logits_soft_cap) == (None, 30.0)
+    assert layers[1].sinks.dtype == torch.float32 and layers[1].sinks.tolist() == sinks.float().tolist()
+    # The config decides the window even when the layer does not pass it (its mask would).
+    assert layer_attentions([_call(0), _call(1)], config, 64)[0].sliding_window == 8
+    # Without layer_types, the window a layer passes is its own (Mistral).
+    assert [
+        la.sliding_window for la in layer_attentions([_call(0, sliding_window=8), _call(1)], _probe_config(), 64)
+    ] == [8, None]
+    # Chunks from the config; windows and chunks that never limit anything are dropped.
+    chunked = _probe_config(attention_chunk_size=16, layer_types=["chunked_attention", "full_attention"])
+    assert [la.chunk_size for la in layer_attentions([_call(0), _call(1)], chunked, 64)] == [16, None]
+    assert all(la.is_full for la in layer_attentions([_call(0), _call(1)], chunked, 16))
+    assert all(la.is_full for la in layer_attentions([_call(0, sliding_window=64), _call(1)], _probe_config(), 64))
+
+
+@pytest.mark.parametrize(
+    ("config", "calls", "fragment"),
+    [
+        # The layer's flash-attention window disagrees with the mask the config builds.
+        (
+            _probe_config(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+            [_call(0, sliding_window=4), _call(1)],
+            "passes sliding_window=4",
+        ),
+        (
+            _probe_config(sliding_window=8, layer_types=["full_attention", "full_attention"]),
+            [_call(0, sliding_window=8), _call(1)],
+            "'full_attention' in the config",
+        ),
+        (_probe_config(sliding_window=0, layer_types=["sliding_attention"] * 2), [_call(0), _call(1)], ">= 1"),
+        (_probe_config(), [_call(0, softcap=-1.0), _call(1)], "logits_soft_cap"),
+        (_probe_config(), [_call(0, s_aux=torch.zeros(2, 2)), _call(1)], "sinks"),
+        (_probe_config(), [_call(0, s_aux=torch.zeros(3)), _call(1)], "3 logits but the query has 4 heads"),
+    ],
+)
+def test_layer_attentions_refuse_bad_configs(config, calls, fragment: str) -> None:
+    with pytest.raises(UnsupportedModelError, match=fragment):
+        layer_attentions(calls, config, 64)
 
 
 # ---------------------------------------------------------------- the step metadata, once per step

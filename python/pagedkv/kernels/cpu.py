@@ -135,7 +135,7 @@ def paged_attention(
             kv_scales=kv_scales,
             layer=layer,
         )
-    result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else torch.zeros_like(query)
+    result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else _contiguous_zeros(query)
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     cu = cu_seqlens_q.to(torch.int32).contiguous()
@@ -176,7 +176,7 @@ def paged_attention_prepared(
 ) -> torch.Tensor:  # [T, H, D]
     """:func:`paged_attention` for one layer of a step whose metadata was prepared once."""
     assert meta.cpu_views is not None and meta.host_cu_seqlens_q is not None and meta.host_seq_lens is not None
-    result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else torch.zeros_like(query)
+    result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else _contiguous_zeros(query)
     fast = supports(query, key_cache, value_cache, kv_scales)
     if fast and meta.num_decodes:
         tables, lens, cu = meta.cpu_views
@@ -213,3 +213,9 @@ def paged_attention_prepared(
         out.copy_(result)
         return out
     return result
+
+
+def _contiguous_zeros(query: torch.Tensor) -> torch.Tensor:
+    """Zeros shaped like ``query``, C-contiguous (the Rust kernel writes rows densely) even when
+    ``query`` is a transposed view, as some models' rotary embeddings leave it."""
+    return torch.zeros_like(query, memory_format=torch.contiguous_format)

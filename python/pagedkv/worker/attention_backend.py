@@ -17,7 +17,8 @@ RoPE); per layer the attention function
 
 1. writes the new K/V into layer ``module.layer_idx``'s paged cache (``backend.store_kv``), then
 2. attends over the cache (``backend.paged_attention``: varlen, bottom-right causal per
-   sequence; docs/architecture.md, Kernels),
+   sequence, with the layer's window, chunk, soft-cap and sinks from ``context.layers``;
+   docs/architecture.md, Kernels),
 
 and returns ``[1, T, H, D]`` (the layout transformers reshapes into the output projection).
 
@@ -40,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv.kernels import AttentionBackend, AttentionMetadata, KVScales
+from pagedkv.kernels.layer_attention import FULL_ATTENTION, LayerAttention
 
 __all__ = [
     "ATTENTION_NAME",
@@ -67,6 +69,8 @@ class PagedAttentionContext:
     metadata: AttentionMetadata
     # Per layer: the scales of a quantized cache (int8 / float8 data); None for a float cache.
     kv_scales: list[KVScales] | None = None
+    # Per layer: its window, chunk, soft-cap and sinks; None: every layer plain causal.
+    layers: list[LayerAttention] | None = None
 
 
 @dataclass
@@ -119,9 +123,10 @@ def pagedkv_attention_forward(
         layer: int = module.layer_idx  # type: ignore[assignment]
         key_cache, value_cache = context.kv_caches[layer]
         scales = context.kv_scales[layer] if context.kv_scales is not None else None
+        variant = context.layers[layer] if context.layers is not None else FULL_ATTENTION
         context.backend.store_kv(k, v, key_cache, value_cache, context.metadata, scales)
         out = context.backend.paged_attention(
-            q, key_cache, value_cache, context.metadata, scale=scaling, kv_scales=scales
+            q, key_cache, value_cache, context.metadata, scale=scaling, kv_scales=scales, layer=variant
         )
         return out.unsqueeze(0), None
     if isinstance(context, ProbeContext):

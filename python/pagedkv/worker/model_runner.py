@@ -74,6 +74,7 @@ from pagedkv.config import (
 )
 from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, byte_view, key_rotation, kv_format
+from pagedkv.kernels.layer_attention import LayerAttention
 from pagedkv.parallel.group import TPGroup
 from pagedkv.parallel.sharding import check_tensor_parallel_size, shard_model
 from pagedkv.parallel.spec import TPSpec
@@ -90,7 +91,7 @@ from pagedkv.worker.checkpoint_scales import load_checkpoint_kv_scales
 from pagedkv.worker.disk_cache import DiskKVStore, disk_fingerprint
 from pagedkv.worker.host_cache import HostKVCache
 from pagedkv.worker.model_files import resolve_model
-from pagedkv.worker.model_support import check_config, check_probe, context_length_of
+from pagedkv.worker.model_support import check_config, check_probe, context_length_of, layer_attentions
 
 __all__ = ["ModelRunner", "DEFAULT_CPU_KV_CACHE_MEMORY"]
 
@@ -114,7 +115,8 @@ class ModelRunner:
 
     Public attributes after construction: ``model``, ``model_path`` (what ``from_pretrained``
     got; load the tokenizer from it), ``device``, ``dtype``, ``block_size``, ``num_blocks``,
-    ``geometry`` (:class:`pagedkv.config.KVGeometry`), ``bytes_per_block`` (K and V of all
+    ``geometry`` (:class:`pagedkv.config.KVGeometry`), ``layer_attention`` (per layer its
+    :class:`~pagedkv.kernels.LayerAttention`: window, chunk, soft-cap, sinks), ``bytes_per_block`` (K and V of all
     layers), ``kv_cache_bytes``, ``num_layers``, ``num_heads``, ``num_kv_heads``, ``head_dim``,
     ``vocab_size``, ``max_model_len``, ``backend`` (the :class:`pagedkv.kernels.AttentionBackend`,
     resolved once) and its name ``attention_backend``, ``kv_caches`` (per layer
@@ -171,7 +173,9 @@ class ModelRunner:
         max_model_len = model_config.max_model_len
         declared_len = context_length_of(text_config)
         # Unsupported features first: they matter more than a missing context length.
-        check_config(text_config, max_model_len or declared_len or sys.maxsize)
+        check_config(
+            text_config, max_model_len or declared_len or sys.maxsize, scheduling_config.max_num_batched_tokens
+        )
         if max_model_len is None:
             if declared_len is None:
                 raise ConfigError(f"the config of {self.model_path!r} declares no context length; pass max_model_len")
@@ -205,7 +209,9 @@ class ModelRunner:
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(text_config.vocab_size)
         self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
-        self.geometry = geometry = self._probe()
+        # Per layer (index = layer): its window, chunk, soft-cap and sinks.
+        self.geometry, self.layer_attention = self._probe()
+        geometry = self.geometry
         self.num_layers = geometry.num_layers
         self.num_heads = geometry.num_heads
         self.num_kv_heads = geometry.num_kv_heads
@@ -410,7 +416,11 @@ class ModelRunner:
         if metadata is None:  # nothing scheduled (copy ops only)
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
         context = PagedAttentionContext(
-            backend=self.backend, kv_caches=self.kv_caches, metadata=metadata, kv_scales=self.kv_scales
+            backend=self.backend,
+            kv_caches=self.kv_caches,
+            metadata=metadata,
+            kv_scales=self.kv_scales,
+            layers=self.layer_attention,
         )
         return self._forward(
             input_ids.to(self.device, non_blocking=True),
@@ -578,8 +588,9 @@ class ModelRunner:
         return logits.float()
 
     @torch.inference_mode()
-    def _probe(self) -> KVGeometry:
-        """Forward a few tokens through the recording attention; check the calls."""
+    def _probe(self) -> tuple[KVGeometry, list[LayerAttention]]:
+        """Forward a few tokens through the recording attention; check the calls and return
+        the cache geometry and each layer's attention variant."""
         probe = ProbeContext()
         num_tokens = min(_PROBE_TOKENS, self.max_model_len)
         input_ids = torch.arange(1, num_tokens + 1, device=self.device) % self.vocab_size
@@ -594,13 +605,15 @@ class ModelRunner:
                 f"a probe forward of {type(self.model).__name__} through pagedkv's attention "
                 f"failed: {type(exc).__name__}: {exc}"
             ) from exc
-        return check_probe(
+        text_config = self.model.config.get_text_config()
+        geometry = check_probe(
             probe.calls,
-            self.model.config.get_text_config(),
+            text_config,
             num_tokens,
             self.max_model_len,
             dtype=self.kv_format.name if self.kv_format is not None else str(self.dtype).removeprefix("torch."),
         )
+        return geometry, layer_attentions(probe.calls, text_config, self.max_model_len)
 
     def _blocks_that_fit(self, cache: CacheConfig, scheduling: SchedulingConfig) -> int:
         if self.device.type == "cuda" and cache.kv_cache_memory is None:
