@@ -15,6 +15,7 @@ import torch
 
 from pagedkv.config import CacheConfig, KVGeometry, ModelConfig
 from pagedkv.errors import ConfigError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
+from pagedkv.kernels.layer_attention import FULL_ATTENTION
 from pagedkv.worker.attention_backend import AttentionCall
 from pagedkv.worker.model_runner import ModelRunner
 from pagedkv.worker.model_support import check_config, check_probe, layer_attentions
@@ -398,6 +399,8 @@ def test_layer_attentions_follow_the_config_and_the_calls() -> None:
     assert [
         la.sliding_window for la in layer_attentions([_call(0, sliding_window=8), _call(1)], _probe_config(), 64)
     ] == [8, None]
+    # Plain layers are the kernels' FULL_ATTENTION singleton (their unchanged fast path).
+    assert all(la is FULL_ATTENTION for la in layer_attentions([_call(0), _call(1)], _probe_config(), 64))
     # Chunks from the config; windows and chunks that never limit anything are dropped.
     chunked = _probe_config(attention_chunk_size=16, layer_types=["chunked_attention", "full_attention"])
     assert [la.chunk_size for la in layer_attentions([_call(0), _call(1)], chunked, 64)] == [16, None]

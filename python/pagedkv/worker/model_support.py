@@ -215,6 +215,8 @@ def layer_attentions(calls: list[AttentionCall], config: Any, max_model_len: int
             layers[index].check_heads(call.query_shape[1])
         except (InvalidArgumentError, InvalidTypeError) as exc:
             raise UnsupportedModelError(f"model type {name!r} is not supported: layer {index}: {exc}") from exc
+        if layers[index].is_full:  # the kernels' plain path: the singleton they test for by identity
+            layers[index] = FULL_ATTENTION
     return layers
 
 
