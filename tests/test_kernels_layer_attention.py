@@ -9,6 +9,7 @@ import pytest
 import torch
 from paged_batches import causal_reference, layer_reference, make_paged_batch, poison_blocks_before
 
+from pagedkv.attention_span import first_visible
 from pagedkv.errors import InvalidArgumentError, InvalidTypeError
 from pagedkv.kernels import paged_attention, reference
 from pagedkv.kernels.layer_attention import FULL_ATTENTION, LayerAttention
@@ -67,6 +68,15 @@ def test_a_window_wider_than_every_sequence_is_full_attention() -> None:
     )
     wide = reference.paged_attention(*batch.attention_args(), layer=LayerAttention(sliding_window=1000))
     torch.testing.assert_close(wide, causal_reference(batch), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("layer_name", list(LAYERS))
+def test_the_first_visible_key_is_one_rule_for_scalars_and_tensors(layer_name: str) -> None:
+    layer = LAYERS[layer_name]
+    positions = torch.arange(0, 70)
+    scalar = [first_visible(p, layer.sliding_window, layer.chunk_size) for p in positions.tolist()]
+    assert layer.first_visible_tensor(positions).tolist() == scalar
+    assert [layer.first_visible(p) for p in positions.tolist()] == scalar
 
 
 def test_decode_chunks_count_only_the_window() -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedkv.attention_span import first_visible
 from pagedkv.errors import InvalidArgumentError, InvalidTypeError
 
 __all__ = ["FULL_ATTENTION", "LayerAttention"]
@@ -86,15 +87,11 @@ class LayerAttention:
 
     def first_visible(self, position: int) -> int:
         """The lowest key position the query at ``position`` sees (0 under full attention)."""
-        first = 0
-        if self.sliding_window is not None:
-            first = max(first, position - self.sliding_window + 1)
-        if self.chunk_size is not None:
-            first = max(first, position // self.chunk_size * self.chunk_size)
-        return first
+        return first_visible(position, self.sliding_window, self.chunk_size)
 
     def first_visible_tensor(self, positions: torch.Tensor) -> torch.Tensor:
-        """:meth:`first_visible` of every element of ``positions`` (int64, any shape)."""
+        """:meth:`first_visible` of every element of ``positions`` (int64, any shape); the same
+        rule as :func:`pagedkv.attention_span.first_visible`, elementwise (a test checks)."""
         first = torch.zeros_like(positions)
         if self.sliding_window is not None:
             first = torch.clamp(positions - self.sliding_window + 1, min=0)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pagedkv.attention_span import first_visible
+
 __all__ = [
     "LAYOUTS",
     "AttentionGroup",
@@ -56,12 +58,7 @@ class AttentionGroup:
 
     def first_visible(self, position: int) -> int:
         """The lowest key position the query at ``position`` sees."""
-        first = 0
-        if self.sliding_window is not None:
-            first = max(first, position - self.sliding_window + 1)
-        if self.chunk_size is not None:
-            first = max(first, position // self.chunk_size * self.chunk_size)
-        return first
+        return first_visible(position, self.sliding_window, self.chunk_size)
 
 
 @dataclass(frozen=True)
