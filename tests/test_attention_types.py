@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import save_seeded
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pagedkv import LLM, BeamSearchParams, SamplingParams
@@ -89,16 +90,7 @@ ENGINE_ARGS = {
 
 
 def _build(folder: Path, model_type: str) -> str:
-    config = AutoConfig.for_model(model_type, **{**_BASE, **ARCHITECTURES[model_type]})
-    state = torch.random.get_rng_state()
-    torch.manual_seed(0)
-    try:
-        model = AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.random.set_rng_state(state)
-    with torch.no_grad():  # sharp logits: no near-ties in greedy argmax
-        model.get_input_embeddings().weight.mul_(8.0)
-    model.save_pretrained(folder)
+    save_seeded(AutoConfig.for_model(model_type, **{**_BASE, **ARCHITECTURES[model_type]}), folder, embedding_scale=8.0)
     return str(folder)
 
 
@@ -119,18 +111,23 @@ def _reference(folder: str) -> AutoModelForCausalLM:
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def _greedy_reference(model: AutoModelForCausalLM, prompt: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens and their logprobs (from the raw, soft-capped logits)."""
+def _generate(model: AutoModelForCausalLM, prompt: list[int], **kwargs: object) -> object:
+    """transformers' ``generate`` of MAX_NEW tokens, eos never ending it."""
     with torch.inference_mode():
-        out = model.generate(
+        return model.generate(
             torch.tensor([prompt]),
             max_new_tokens=MAX_NEW,
             do_sample=False,
-            output_logits=True,
             return_dict_in_generate=True,
             pad_token_id=0,
             eos_token_id=None,
+            **kwargs,
         )
+
+
+def _greedy_reference(model: AutoModelForCausalLM, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their logprobs (from the raw, soft-capped logits)."""
+    out = _generate(model, prompt, output_logits=True)
     tokens = out.sequences[0, len(prompt) :].tolist()
     logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
     return tokens, logprobs
@@ -193,19 +190,9 @@ def test_preemption_and_forks_keep_the_variants(models: dict[str, str], model_ty
 
 
 def _reference_beams(model: AutoModelForCausalLM, prompt: list[int], width: int) -> list[tuple[list[int], float]]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            num_beams=width,
-            num_return_sequences=width,
-            do_sample=False,
-            max_new_tokens=MAX_NEW,
-            min_new_tokens=MAX_NEW,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
+    out = _generate(
+        model, prompt, num_beams=width, num_return_sequences=width, min_new_tokens=MAX_NEW, output_scores=True
+    )
     return list(zip(out.sequences[:, len(prompt) :].tolist(), out.sequences_scores.tolist()))
 
 

@@ -20,12 +20,29 @@ VOCAB_SIZE = 49152  # the embedded SmolLM2 tokenizer's
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
+def save_seeded(config: object, folder: Path, *, embedding_scale: float) -> None:
+    """Writes a random model of ``config`` to ``folder``: seeded (the same weights every time,
+    the global RNG left as it was), its input embeddings scaled by ``embedding_scale`` so that
+    greedy argmax has no near-ties (random logits are nearly flat)."""
+    from transformers import AutoModelForCausalLM
+
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(embedding_scale)
+    model.save_pretrained(folder)
+
+
 def save_tiny_qwen2(folder: Path, *, hidden_size: int = 128, max_position_embeddings: int = 512) -> Path:
     """Writes a random Qwen2 (2 layers, 2 heads, 1 KV head, tied embeddings) and the embedded
     tokenizer to ``folder``, the same weights for the same arguments (seeded)."""
     import shutil
 
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import Qwen2Config
 
     from pagedkv.worker.model_files import default_model_dir
 
@@ -39,15 +56,7 @@ def save_tiny_qwen2(folder: Path, *, hidden_size: int = 128, max_position_embedd
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=True,
     )
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(0)
-    try:
-        model = AutoModelForCausalLM.from_config(config)
-    finally:
-        torch.random.set_rng_state(generator_state)
-    with torch.no_grad():  # sharp logits: no near-ties in greedy argmax
-        model.get_input_embeddings().weight.mul_(40.0)
-    model.save_pretrained(folder)
+    save_seeded(config, folder, embedding_scale=40.0)
     tokenizer = default_model_dir()
     for name in TOKENIZER_FILES:
         if (tokenizer / name).is_file():
