@@ -184,6 +184,18 @@ def test_gemma_config_is_googles(gemma_model: str) -> None:
     assert loaded.query_pre_attn_scalar == 256 and loaded.final_logit_softcapping is None
 
 
+def test_gemma_tokenizer_is_the_pretrained_models(gemma_model: str) -> None:
+    """No chat template (the GGUF is the pretrained model's and has none: chat requests need
+    one passed in), <bos> / <eos> as Gemma's; the tokenizer itself adds <bos> (checked by hand:
+    loading its 262,144-token vocabulary takes ~10 s, too long for this suite)."""
+    folder = Path(gemma_model)
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert "chat_template" not in tokenizer_config and not (folder / "chat_template.jinja").exists()
+    assert (tokenizer_config["bos_token"], tokenizer_config["eos_token"]) == ("<bos>", "<eos>")
+    generation_config = json.loads((folder / "generation_config.json").read_text())
+    assert (generation_config["bos_token_id"], generation_config["eos_token_id"]) == (2, 1)
+
+
 def test_concurrent_first_calls_convert_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Threads racing on an empty cache: one conversion, everyone gets the finished folder.
 
