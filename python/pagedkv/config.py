@@ -228,7 +228,8 @@ def check_pool_holds_one_request(num_blocks: int, block_size: int, max_model_len
 class ModelConfig:
     """What to load and how to run it.
 
-    - ``model``: Hugging Face model id or folder; ``None`` = the embedded SmolLM2-135M-Instruct.
+    - ``model``: Hugging Face model id or folder, or ``"gemma-3-270m"`` (the embedded Gemma 3 270M);
+      ``None`` = the embedded SmolLM2-135M-Instruct.
     - ``tokenizer``: tokenizer id or folder (default: the model's).
     - ``dtype``: ``"auto"`` (bf16 on CUDA when supported, float32 on the CPU), ``"float32"``,
       ``"float16"``, ``"bfloat16"`` (or ``"float"`` / ``"half"``, or a ``torch.dtype``).

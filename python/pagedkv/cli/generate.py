@@ -26,7 +26,9 @@ from pagedkv.sizes import byte_size_arg
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--model", default=None, help="Hugging Face model id or folder (default: embedded SmolLM2-135M-Instruct)"
+        "--model",
+        default=None,
+        help="Hugging Face model id or folder, or gemma-3-270m (embedded; default: embedded SmolLM2-135M-Instruct)",
     )
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     p.add_argument(

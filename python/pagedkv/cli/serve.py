@@ -34,7 +34,13 @@ from pagedkv.server.limits import add_limit_arguments, limit_flags, limits_from
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help="Hugging Face model id or folder")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="Hugging Face model id or folder, or gemma-3-270m (embedded)",
+    )
     p.add_argument("--model", default=None, help="the same as MODEL (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000)

