@@ -411,9 +411,8 @@ def _attend(
     if not layer.is_plain_softmax:
         return _attend_explicit(q, k, v, visible, scale, layer)
     groups = q.shape[1] // k.shape[1]
-    if groups > 1 and not _SDPA_HAS_GQA:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
+    if not _SDPA_HAS_GQA:
+        k, v = _repeat_kv_heads(k, v, groups)
     kwargs = {"enable_gqa": True} if groups > 1 and _SDPA_HAS_GQA else {}
     result = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, **kwargs)
     # Older torch returns NaN for fully masked rows; the contract is zeros.
@@ -432,10 +431,7 @@ def _attend_explicit(
     """Scores, soft-cap, mask, softmax (with the sinks as one more column), weighted sum:
     what SDPA cannot do. A row that sees no key gets zeros (with sinks too: the sink takes
     the whole weight and attends to nothing)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
+    k, v = _repeat_kv_heads(k, v, q.shape[1] // k.shape[1])
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [N, H, Lq, Lk]
     if layer.logits_soft_cap is not None:
         scores = torch.tanh(scores / layer.logits_soft_cap) * layer.logits_soft_cap
@@ -449,6 +445,17 @@ def _attend_explicit(
         weights = torch.softmax(scores, dim=-1)
         weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)  # all -inf: NaN rows
     return torch.matmul(weights, v)
+
+
+def _repeat_kv_heads(
+    k: torch.Tensor,  # [N, Hkv, Lk, D]
+    v: torch.Tensor,  # [N, Hkv, Lk, D]
+    groups: int,  # query heads per KV head
+) -> tuple[torch.Tensor, torch.Tensor]:  # each [N, Hkv * groups, Lk, D]
+    """GQA done by hand: each KV head repeated for the ``groups`` query heads that read it."""
+    if groups == 1:
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
 def _attend_decodes(
