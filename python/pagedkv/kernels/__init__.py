@@ -186,7 +186,7 @@ def paged_attention(
     validation.check_paged_attention_args(
         query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, chosen, kv_scales
     )
-    validation.check_layer(layer, query.shape[1], chosen)
+    validation.check_layer(layer, query.shape[1])
     if scale is None:
         scale = query.shape[2] ** -0.5
     if kv_scales is not None:
@@ -235,6 +235,7 @@ def paged_attention(
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
         kv_scales=kv_scales,
+        layer=layer,
     )
 
 
@@ -387,7 +388,7 @@ class AttentionBackend:
         """:func:`paged_attention` for one layer of the step ``meta`` describes."""
         validation.check_layer_attention(query, key_cache, value_cache, meta, scale, out, kv_scales)
         if layer is not FULL_ATTENTION:
-            validation.check_layer(layer, query.shape[1], self.name)
+            validation.check_layer(layer, query.shape[1])
         if scale is None:
             scale = query.shape[2] ** -0.5
         if kv_scales is not None:
@@ -442,6 +443,7 @@ class AttentionBackend:
             max_seqlen_q=meta.max_seqlen_q,
             max_seqlen_k=meta.max_seqlen_k,
             kv_scales=kv_scales,
+            layer=layer,
         )
 
 

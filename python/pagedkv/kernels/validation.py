@@ -485,15 +485,9 @@ def check_layer_attention(
         raise InvalidArgumentError(f"out must match query ({tuple(query.shape)}, {query.dtype}), got {_describe(out)}")
 
 
-def check_layer(layer: object, num_heads: int, backend: str) -> None:
-    """``layer`` is a :class:`LayerAttention` whose sinks fit the query's heads, and the
-    backend runs it: the Triton kernels compute full causal attention only (issue 25 gives them
-    windows, chunks, soft-capping and sinks); the torch and cpu backends run every variant."""
+def check_layer(layer: object, num_heads: int) -> None:
+    """``layer`` is a :class:`LayerAttention` whose sinks fit the query's heads (every backend
+    runs every variant)."""
     if not isinstance(layer, LayerAttention):
         raise InvalidTypeError(f"layer must be a pagedkv.kernels.LayerAttention, got {type(layer).__name__}")
     layer.check_heads(num_heads)
-    if backend == "triton" and not layer.is_full:
-        raise InvalidArgumentError(
-            "the triton backend runs full causal attention only: a layer with a sliding window, a chunk, "
-            "soft-capping or sinks needs the torch or cpu backend"
-        )
