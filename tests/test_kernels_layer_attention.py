@@ -102,7 +102,7 @@ def test_public_dispatch_takes_the_layer(backend: str) -> None:
     expected = layer_reference(
         batch.as_dtype(torch.float64), LayerAttention(sliding_window=6, logits_soft_cap=2.0, sinks=_sinks(2))
     )
-    poison_blocks_before(batch, layer)
+    assert _drop_keys_before(batch, layer, whole_blocks=True) > 0  # NaN and -1 entries behind the window
     got = paged_attention(*batch.attention_args(), layer=layer, backend=backend)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -213,16 +213,19 @@ def _float32_layer(layer: LayerAttention) -> LayerAttention:
     )
 
 
-def _drop_keys_before(batch: PagedBatch, layer: LayerAttention, kv_scales: KVScales | None = None) -> int:
+def _drop_keys_before(
+    batch: PagedBatch, layer: LayerAttention, kv_scales: KVScales | None = None, *, whole_blocks: bool = False
+) -> int:
     """What a sliding-window KV cache group leaves of each sequence: every key below the first
-    one its earliest query sees is NaN (the rows before it in that key's block too; in a
-    quantized cache its scales), and the table entries of the blocks wholly before it are -1.
-    Returns how many entries were set to -1."""
+    one its earliest query sees is NaN (in a quantized cache its scales), the rows before it in
+    that key's own block too unless ``whole_blocks`` (the Triton kernels load nothing below it;
+    the torch path reads whole blocks from there), and the table entries of the blocks wholly
+    before it are -1. Returns how many entries were set to -1."""
     block_size = batch.key_cache.shape[1]
     dropped = 0
     for b, (q_len, seq_len) in enumerate(zip(batch.q_lens, batch.seq_lens.tolist())):
         first = layer.first_visible(max(0, seq_len - q_len))
-        for position in range(first):
+        for position in range(first // block_size * block_size if whole_blocks else first):
             block, row = int(batch.block_tables[b, position // block_size]), position % block_size
             for cache in (
                 (batch.key_cache, batch.value_cache) if kv_scales is None else (kv_scales.key, kv_scales.value)
@@ -335,17 +338,20 @@ def test_triton_full_attention_layer_is_the_plain_kernel() -> None:
 
 
 def test_triton_backend_takes_the_layer_and_refuses_bad_sinks() -> None:
-    """The public dispatch runs the layer on the triton backend and keeps the typed error for
-    sinks of the wrong head count. (Its validation still wants a real block id in every column
-    up to a sequence's last block: the blocks behind the window are NaN here, not -1.)"""
+    """The public dispatch runs the layer on the triton backend, with -1 table entries behind
+    the window (its validation knows the layer), and keeps the typed errors: sinks of the wrong
+    head count, a -1 entry the window does reach."""
     batch = make_paged_batch([1, 11, 1], [26, 30, 17], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, seed=4)
     sinks = torch.randn(4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     oracle_layer = LayerAttention(sliding_window=6, logits_soft_cap=2.0, sinks=sinks)
     expected = layer_reference(batch.as_dtype(torch.float64), oracle_layer)
-    assert poison_blocks_before(batch, oracle_layer) > 0
+    assert _drop_keys_before(batch, oracle_layer) > 0
     layer = _float32_layer(oracle_layer)
     args = [t.to(DEVICE) for t in batch.attention_args()]
     got = paged_attention(*args, layer=layer, backend="triton")
     torch.testing.assert_close(got.double().cpu(), expected, rtol=0, atol=1e-5)
     with pytest.raises(InvalidArgumentError, match="sinks has 3 logits but the query has 4 heads"):
         paged_attention(*args, layer=LayerAttention(sinks=torch.zeros(3)), backend="triton")
+    if DEVICE == "cpu":  # values are checked on the host only
+        with pytest.raises(InvalidArgumentError, match="block_tables holds block id -1 for a used block"):
+            paged_attention(*args, layer=LayerAttention(sliding_window=40), backend="triton")

@@ -184,9 +184,8 @@ def paged_attention(
     """
     chosen = resolve_backend(_device_of("query", query), backend, dtype=query.dtype, head_dim=query.shape[-1])
     validation.check_paged_attention_args(
-        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, chosen, kv_scales
+        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, chosen, kv_scales, layer
     )
-    validation.check_layer(layer, query.shape[1])
     # The one execution path of the serving loop (AttentionBackend), on metadata for this call.
     attention = AttentionBackend(chosen)
     meta = attention._metadata(
