@@ -326,14 +326,16 @@ def test_triton_int8_cache_with_a_window_soft_cap_and_sinks() -> None:
 
 def test_triton_full_attention_layer_is_the_plain_kernel() -> None:
     """``FULL_ATTENTION`` and a window wider than every sequence give the plain kernels' result
-    bit for bit (the same tiles, the same order of operations)."""
+    bit for bit in the interpreter (the same tiles, the same order of operations; a GPU
+    compiler may schedule the two programs' arithmetic differently)."""
     q_lens, seq_lens = BATCHES["mixed"]
     batch = make_paged_batch(
         q_lens, seq_lens, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=8, seed=6
     )
     plain = _run_triton_layer(batch, FULL_ATTENTION)
     wide = _run_triton_layer(batch, LayerAttention(sliding_window=1000))
-    torch.testing.assert_close(wide, plain, rtol=0, atol=0)
+    exact = DEVICE == "cpu"
+    torch.testing.assert_close(wide, plain, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
     torch.testing.assert_close(plain.double(), causal_reference(batch.as_dtype(torch.float64)), rtol=0, atol=1e-5)
 
 
