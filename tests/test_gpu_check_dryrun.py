@@ -30,7 +30,10 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path):
     report = json.loads(out.read_text())
     assert report["meta"]["dry_run"] is True and report["meta"]["device"] == "cpu"
     assert report["correctness_failures"] == []
-    assert set(report) >= {"meta", "correctness", "copy_bandwidth", "decode", "prefill", "quantized", "targets"}
+    assert set(report) >= {
+        "meta", "correctness", "copy_bandwidth", "decode", "prefill", "quantized", "sliding_window", "soft_cap", "sinks",
+        "targets",
+    }  # fmt: skip
 
     sweep = report["correctness"]["table"]
     assert sweep and all(row["passed"] and row["max_error"] <= row["atol"] for row in sweep)
@@ -53,6 +56,16 @@ def test_gpu_check_dry_run_writes_its_report(tmp_path):
             assert math.isfinite(row[key]) and row[key] > 0, (key, row)
     assert [row["format"] for row in quantized["prefill"]] == ["int8", "fp8_e5m2", "fp8_e4m3"]
     assert [row["cache"] for row in quantized["store"]] == ["float32", "int8", "fp8_e5m2", "fp8_e4m3"]
+    # Layer variants against the oracle, the blocks behind each window dropped (NaN, -1 entries).
+    for section in ("sliding_window", "soft_cap", "sinks"):
+        rows = report[section]["table"]
+        assert rows and all(row["passed"] and row["max_error"] <= row["atol"] for row in rows), section
+        assert all(row["store_exact"] for row in rows if "cache" in row["case"])
+        assert all(row["dropped_blocks"] > 0 for row in rows if "window" in row["case"] or "chunk" in row["case"])
+        timing = report[section]["timing"]
+        assert [row["case"] == "full" for row in timing] == [True, False]
+        assert all(math.isfinite(row[key]) and row[key] > 0 for row in timing for key in ("short_us", "long_us"))
+    assert [len(report[section]["table"]) for section in ("sliding_window", "soft_cap", "sinks")] == [5, 4, 5]
     # Tiny shapes read far less than 0.5 GB: no performance target applies.
     assert report["targets"] == []
 

@@ -49,6 +49,9 @@ def test_every_kernel_variant_compiles(arch):
     assert any("torch.int8/" in case for case in cases) and "store torch.bfloat16->torch.int8" in cases
     if arch >= 90:
         assert any("float8_e5m2/" in case for case in cases)
+    # The layer variants (window, chunk, soft-cap, sinks) compile for both kernels, 16-bit and int8.
+    variant_kernels = {(v["kernel"], "int8" in v["case"]) for v in variants if "window+chunk+cap+sinks" in v["case"]}
+    assert variant_kernels >= {(k, q) for k in ("decode_split_kernel", "prefill_kernel") for q in (False, True)}
     for v in variants:
         half_precision = "float32/" not in v["case"]  # bf16 / fp16 queries, 16-bit or quantized caches
         if half_precision:

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_batches import causal_reference, layer_reference, make_paged_batch, poison_blocks_before
+from paged_batches import PagedBatch, causal_reference, layer_reference, make_paged_batch, poison_blocks_before
 
 from pagedkv.attention_span import first_visible
 from pagedkv.errors import InvalidArgumentError, InvalidTypeError
-from pagedkv.kernels import paged_attention, reference
+from pagedkv.kernels import paged_attention, reference, triton_attention
+from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales
 from pagedkv.kernels.layer_attention import FULL_ATTENTION, LayerAttention
+from pagedkv.kernels.triton_attention import DecodeConfig, DecodeWorkspace, PrefillConfig
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
 
@@ -110,7 +112,7 @@ def test_public_dispatch_takes_the_layer(backend: str) -> None:
     expected = layer_reference(
         batch.as_dtype(torch.float64), LayerAttention(sliding_window=6, logits_soft_cap=2.0, sinks=_sinks(2))
     )
-    poison_blocks_before(batch, layer)
+    assert _drop_keys_before(batch, layer, whole_blocks=True) > 0  # NaN and -1 entries behind the window
     got = paged_attention(*batch.attention_args(), layer=layer, backend=backend)
     torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -198,3 +200,170 @@ def test_rust_kernel_refuses_bad_variants() -> None:
         paged_decode_attention_cpu(*args, sliding_window=0)
     with pytest.raises(InvalidArgumentError, match="logits_soft_cap must be a finite number > 0"):
         paged_decode_attention_cpu(*args, logits_soft_cap=-1.0)
+
+
+# --- Triton kernels ---------------------------------------------------------------------------
+# The same layers in the Triton decode (split-KV) and prefill/extend kernels, in the interpreter
+# on the CPU (compiled on a GPU: the batches are built and checked on the CPU, run on DEVICE). Tiles of 16 keys over blocks of 8 (the smallest tl.dot allows): a window skips
+# whole key tiles, so a kernel that starts its loop anywhere but the first visible tile, or
+# loads a key below the first visible one, reads a -1 table entry or a NaN.
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON_DECODE = DecodeConfig(block_n=16, num_warps=4, num_stages=1)
+TRITON_PREFILL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+def _float32_layer(layer: LayerAttention) -> LayerAttention:
+    """``layer`` with float32 sinks (the kernels' compute dtype; the oracle keeps float64)."""
+    return LayerAttention(
+        sliding_window=layer.sliding_window,
+        chunk_size=layer.chunk_size,
+        logits_soft_cap=layer.logits_soft_cap,
+        sinks=None if layer.sinks is None else layer.sinks.float(),
+    )
+
+
+def _drop_keys_before(
+    batch: PagedBatch, layer: LayerAttention, kv_scales: KVScales | None = None, *, whole_blocks: bool = False
+) -> int:
+    """What a sliding-window KV cache group leaves of each sequence: every key below the first
+    one its earliest query sees is NaN (in a quantized cache its scales), the rows before it in
+    that key's own block too unless ``whole_blocks`` (the Triton kernels load nothing below it;
+    the torch path reads whole blocks from there), and the table entries of the blocks wholly
+    before it are -1. Returns how many entries were set to -1."""
+    block_size = batch.key_cache.shape[1]
+    dropped = 0
+    for b, (q_len, seq_len) in enumerate(zip(batch.q_lens, batch.seq_lens.tolist())):
+        first = layer.first_visible(max(0, seq_len - q_len))
+        for position in range(first // block_size * block_size if whole_blocks else first):
+            block, row = int(batch.block_tables[b, position // block_size]), position % block_size
+            for cache in (
+                (batch.key_cache, batch.value_cache) if kv_scales is None else (kv_scales.key, kv_scales.value)
+            ):
+                cache[block, row] = float("nan")
+        batch.block_tables[b, : first // block_size] = -1
+        dropped += first // block_size
+    return dropped
+
+
+def _run_triton_layer(
+    batch: PagedBatch,
+    layer: LayerAttention,
+    *,
+    num_splits: int = 2,
+    use_decode_kernel: bool = True,
+    kv_scales: KVScales | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    """The Triton kernels on ``batch`` (moved to DEVICE) with NaN-filled output and workspace."""
+    args = [t.to(DEVICE) for t in batch.attention_args()]
+    if kv_scales is not None:
+        kv_scales = KVScales(kv_scales.key.to(DEVICE), kv_scales.value.to(DEVICE))
+    query = args[0]
+    workspace = DecodeWorkspace.allocate(
+        len(batch.q_lens), query.shape[1], num_splits, query.shape[2], query.device, fill=float("nan")
+    )
+    out = torch.full_like(query, float("nan"))
+    triton_attention.paged_attention(
+        *args, scale=query.shape[2] ** -0.5, out=out, max_seqlen_q=max(batch.q_lens), num_splits=num_splits,
+        workspace=workspace if num_splits > 1 else None, use_decode_kernel=use_decode_kernel,
+        decode_config=TRITON_DECODE, prefill_config=TRITON_PREFILL, kv_scales=kv_scales, layer=layer,
+    )  # fmt: skip
+    return out.cpu()
+
+
+# (layer, batch, num_splits, use_decode_kernel): every layer on the mixed batch (decodes in the
+# split-KV kernel, extends and a prefill from scratch in the prefill kernel); the rows that see
+# no key and the single-split epilogue on the variants that change the softmax; the prefill
+# kernel doing decode rows itself under a window.
+TRITON_CASES = [(name, "mixed", 2, True) for name in LAYERS] + [
+    ("window-7-soft-cap-sinks", "short-and-empty-rows", 1, True),
+    ("sinks", "short-and-empty-rows", 2, True),
+    ("window-3", "decodes", 1, False),
+    ("chunk-12", "decodes", 3, True),
+]
+
+
+@pytest.mark.parametrize(("layer_name", "batch_name", "num_splits", "use_decode_kernel"), TRITON_CASES)
+def test_triton_kernels_equal_transformers_masks_and_formulas(
+    layer_name: str, batch_name: str, num_splits: int, use_decode_kernel: bool
+) -> None:
+    oracle_layer = LAYERS[layer_name]
+    q_lens, seq_lens = BATCHES[batch_name]
+    batch = make_paged_batch(
+        q_lens, seq_lens, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=8,
+        seed=len(layer_name),
+    )  # fmt: skip
+    expected = layer_reference(batch.as_dtype(torch.float64), oracle_layer)
+    dropped = _drop_keys_before(batch, oracle_layer)
+    if oracle_layer.limits_context and batch_name != "short-and-empty-rows":
+        assert dropped > 0, "the batch has no block behind a window: the test would not see a stray read"
+    got = _run_triton_layer(
+        batch, _float32_layer(oracle_layer), num_splits=num_splits, use_decode_kernel=use_decode_kernel
+    )
+    assert torch.isfinite(got).all(), "a dropped key or an unwritten output / workspace entry was read"
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_triton_int8_cache_with_a_window_soft_cap_and_sinks() -> None:
+    """An int8 cache (scales folded in registers) under a variant, against the float64 oracle
+    on the same quantized cache; the scales of the dropped keys are NaN, their entries -1."""
+    oracle_layer = LAYERS["window-7-soft-cap-sinks"]
+    q_lens, seq_lens = BATCHES["mixed"]
+    batch = make_paged_batch(
+        q_lens, seq_lens, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=8, seed=5,
+        poison=False,
+    )  # fmt: skip
+    shape = batch.key_cache.shape
+    key_cache, value_cache = torch.zeros(shape, dtype=torch.int8), torch.zeros(shape, dtype=torch.int8)
+    kv_scales = KVScales(
+        torch.full(shape[:3], float("nan"), dtype=SCALE_DTYPE), torch.full(shape[:3], float("nan"), dtype=SCALE_DTYPE)
+    )
+    slots = [
+        int(batch.block_tables[b, j // 8]) * 8 + j % 8 for b, seq_len in enumerate(seq_lens) for j in range(seq_len)
+    ]
+    reference.store_kv(
+        torch.cat(batch.keys), torch.cat(batch.values), key_cache, value_cache, torch.tensor(slots), kv_scales=kv_scales
+    )
+    batch.key_cache, batch.value_cache = key_cache, value_cache
+    expected = reference.paged_attention(
+        batch.query.double(), *batch.attention_args()[1:], kv_scales=kv_scales, layer=oracle_layer
+    )
+    assert _drop_keys_before(batch, oracle_layer, kv_scales) > 0
+    got = _run_triton_layer(batch, _float32_layer(oracle_layer), kv_scales=kv_scales)
+    assert torch.isfinite(got).all(), "a dropped key's scale was read"
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
+
+
+def test_triton_full_attention_layer_is_the_plain_kernel() -> None:
+    """``FULL_ATTENTION`` and a window wider than every sequence give the plain kernels' result
+    bit for bit in the interpreter (the same tiles, the same order of operations; a GPU
+    compiler may schedule the two programs' arithmetic differently)."""
+    q_lens, seq_lens = BATCHES["mixed"]
+    batch = make_paged_batch(
+        q_lens, seq_lens, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, block_size=8, seed=6
+    )
+    plain = _run_triton_layer(batch, FULL_ATTENTION)
+    wide = _run_triton_layer(batch, LayerAttention(sliding_window=1000))
+    exact = DEVICE == "cpu"
+    torch.testing.assert_close(wide, plain, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
+    torch.testing.assert_close(plain.double(), causal_reference(batch.as_dtype(torch.float64)), rtol=0, atol=1e-5)
+
+
+def test_triton_backend_takes_the_layer_and_refuses_bad_sinks() -> None:
+    """The public dispatch runs the layer on the triton backend, with -1 table entries behind
+    the window (its validation knows the layer), and keeps the typed errors: sinks of the wrong
+    head count, a -1 entry the window does reach."""
+    batch = make_paged_batch([1, 11, 1], [26, 30, 17], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8, seed=4)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    oracle_layer = LayerAttention(sliding_window=6, logits_soft_cap=2.0, sinks=sinks)
+    expected = layer_reference(batch.as_dtype(torch.float64), oracle_layer)
+    assert _drop_keys_before(batch, oracle_layer) > 0
+    layer = _float32_layer(oracle_layer)
+    args = [t.to(DEVICE) for t in batch.attention_args()]
+    got = paged_attention(*args, layer=layer, backend="triton")
+    torch.testing.assert_close(got.double().cpu(), expected, rtol=0, atol=1e-5)
+    with pytest.raises(InvalidArgumentError, match="sinks has 3 logits but the query has 4 heads"):
+        paged_attention(*args, layer=LayerAttention(sinks=torch.zeros(3)), backend="triton")
+    if DEVICE == "cpu":  # values are checked on the host only
+        with pytest.raises(InvalidArgumentError, match="block_tables holds block id -1 for a used block"):
+            paged_attention(*args, layer=LayerAttention(sliding_window=40), backend="triton")

@@ -54,6 +54,11 @@ are given on the host, as the runner does before the upload), moves them to the 
 (contiguous) and records the host facts every layer would otherwise recompute
 (:class:`AttentionMetadata`); the per-layer methods check only shapes and dtypes of the layer's
 own tensors.
+
+There is one execution path: the module-level ``store_kv`` / ``paged_attention`` validate their
+whole call, then run through the same :class:`AttentionBackend` methods the serving loop uses
+(``paged_attention`` on metadata built for the call), so a backend or an argument (such as
+``layer``) is dispatched in one place.
 """
 
 from __future__ import annotations
@@ -152,12 +157,7 @@ def store_kv(
     quantized cache as data plus scale."""
     chosen = resolve_backend(_device_of("key", key), backend, dtype=key.dtype, head_dim=key.shape[-1])
     validation.check_store_kv_args(key, value, key_cache, value_cache, slot_mapping, chosen, kv_scales)
-    if kv_scales is not None:
-        key = rotate(key, kv_scales.key_rotation)
-    if chosen == "triton":
-        _triton_module("triton_store").store_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales=kv_scales)
-    else:
-        reference.store_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales=kv_scales)
+    AttentionBackend(chosen)._store(key, value, key_cache, value_cache, slot_mapping, kv_scales)
 
 
 def paged_attention(
@@ -184,58 +184,22 @@ def paged_attention(
     """
     chosen = resolve_backend(_device_of("query", query), backend, dtype=query.dtype, head_dim=query.shape[-1])
     validation.check_paged_attention_args(
-        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, chosen, kv_scales
+        query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale, out, chosen, kv_scales, layer
     )
-    validation.check_layer(layer, query.shape[1], chosen)
-    if scale is None:
-        scale = query.shape[2] ** -0.5
-    if kv_scales is not None:
-        query = rotate(query, kv_scales.key_rotation)
-    if chosen == "torch":
-        return reference.paged_attention(
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            cu_seqlens_q,
-            scale=scale,
-            out=out,
-            kv_scales=kv_scales,
-            layer=layer,
-        )
-    if chosen == "cpu":
-        from pagedkv.kernels import cpu
-
-        return cpu.paged_attention(
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            seq_lens,
-            cu_seqlens_q,
-            scale=float(scale),
-            out=out,
-            kv_scales=kv_scales,
-            layer=layer,
-        )
-    if out is None:
-        out = torch.zeros_like(query)
-    if max_seqlen_q is None and query.device.type == "cpu" and cu_seqlens_q.numel() > 1:
-        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # free on the CPU
-    return _triton_module("triton_attention").paged_attention(
-        query,
-        key_cache,
-        value_cache,
+    # The one execution path of the serving loop (AttentionBackend), on metadata for this call.
+    attention = AttentionBackend(chosen)
+    meta = attention._metadata(
+        None,
         block_tables,
         seq_lens,
         cu_seqlens_q,
-        scale=float(scale),
-        out=out,
+        num_tokens=query.shape[0],
+        key_cache=key_cache,
+        dtype=query.dtype,
         max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k,
-        kv_scales=kv_scales,
     )
+    return attention._attend(query, key_cache, value_cache, meta, scale, out, kv_scales, layer)
 
 
 @dataclass(frozen=True, eq=False)
@@ -248,7 +212,7 @@ class AttentionMetadata:
     """
 
     backend: str
-    slot_mapping: torch.Tensor  # [T] int64, -1 = do not store the token
+    slot_mapping: torch.Tensor | None  # [T] int64, -1 = do not store the token; None: attention only
     block_tables: torch.Tensor  # [B, max_blocks] int32
     seq_lens: torch.Tensor  # [B] int32, KV tokens per sequence including the new ones
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
@@ -305,39 +269,8 @@ class AttentionBackend:
         validation.check_step_metadata(
             slot_mapping, block_tables, seq_lens, cu_seqlens_q, num_tokens, key_cache, value_cache, dtype, self.name
         )
-        device = key_cache.device
-        facts: dict[str, Any] = {}
-        if cu_seqlens_q.device.type == "cpu":
-            cu_host, lens_host = cu_seqlens_q.tolist(), seq_lens.tolist()
-            q_lens = [cu_host[b + 1] - cu_host[b] for b in range(len(lens_host))]
-            facts.update(
-                max_seqlen_q=max(q_lens, default=0),
-                max_seqlen_k=max(lens_host, default=0),
-                num_decodes=q_lens.count(1),
-                num_extends=sum(q > 1 for q in q_lens),
-                host_cu_seqlens_q=cu_host,
-                host_seq_lens=lens_host,
-            )
-            if self.name != "triton" and slot_mapping.numel() and int(slot_mapping.min()) < 0:
-                rows = (slot_mapping >= 0).nonzero().flatten()
-                facts.update(store_rows=rows.to(device), store_slots=slot_mapping[rows].to(device))
-        tables, lens, cu = (
-            t.to(device, non_blocking=True).contiguous() for t in (block_tables, seq_lens, cu_seqlens_q)
-        )
-        if self.name == "cpu" and device.type == "cpu" and "host_seq_lens" in facts:
-            facts["cpu_views"] = (tables.numpy(), lens.numpy(), cu.numpy())
-        return AttentionMetadata(
-            backend=self.name,
-            slot_mapping=slot_mapping.to(device, non_blocking=True),
-            block_tables=tables,
-            seq_lens=lens,
-            cu_seqlens_q=cu,
-            num_tokens=num_tokens,
-            cache_shape=key_cache.shape,
-            cache_dtype=key_cache.dtype,
-            dtype=dtype,
-            device=device,
-            **facts,
+        return self._metadata(
+            slot_mapping, block_tables, seq_lens, cu_seqlens_q, num_tokens=num_tokens, key_cache=key_cache, dtype=dtype
         )
 
     def store_kv(
@@ -351,26 +284,18 @@ class AttentionBackend:
     ) -> None:
         """:func:`store_kv` for one layer of the step ``meta`` describes."""
         validation.check_layer_store(key, value, key_cache, value_cache, meta, kv_scales)
-        if kv_scales is not None:
-            key = rotate(key, kv_scales.key_rotation)
-        if self.name == "triton":
-            _triton_module("triton_store").store_kv(
-                key, value, key_cache, value_cache, meta.slot_mapping, kv_scales=kv_scales
-            )
-        elif meta.store_rows is not None:
-            assert meta.store_slots is not None
-            reference.write_slots(
-                key[meta.store_rows],
-                value[meta.store_rows],
-                key_cache,
-                value_cache,
-                meta.store_slots,
-                kv_scales=kv_scales,
-            )
-        elif meta.host_seq_lens is not None:  # host facts known: no slot is -1
-            reference.write_slots(key, value, key_cache, value_cache, meta.slot_mapping, kv_scales=kv_scales)
-        else:
-            reference.store_kv(key, value, key_cache, value_cache, meta.slot_mapping, kv_scales=kv_scales)
+        assert meta.slot_mapping is not None, "metadata of a paged_attention call has no slots"
+        self._store(
+            key,
+            value,
+            key_cache,
+            value_cache,
+            meta.slot_mapping,
+            kv_scales,
+            store_rows=meta.store_rows,
+            store_slots=meta.store_slots,
+            slots_checked=meta.host_seq_lens is not None,
+        )
 
     def paged_attention(
         self,
@@ -387,7 +312,111 @@ class AttentionBackend:
         """:func:`paged_attention` for one layer of the step ``meta`` describes."""
         validation.check_layer_attention(query, key_cache, value_cache, meta, scale, out, kv_scales)
         if layer is not FULL_ATTENTION:
-            validation.check_layer(layer, query.shape[1], self.name)
+            validation.check_layer(layer, query.shape[1])
+        return self._attend(query, key_cache, value_cache, meta, scale, out, kv_scales, layer)
+
+    # The execution path, shared with the module-level store_kv / paged_attention: arguments
+    # already validated (per step and per layer, or per call).
+
+    def _metadata(
+        self,
+        slot_mapping: torch.Tensor | None,  # [T] int64; None: attention only (a paged_attention call)
+        block_tables: torch.Tensor,  # [B, max_blocks] int32
+        seq_lens: torch.Tensor,  # [B] int32
+        cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+        *,
+        num_tokens: int,
+        key_cache: torch.Tensor,
+        dtype: torch.dtype,
+        max_seqlen_q: int | None = None,  # the caller's launch hints win over the host facts
+        max_seqlen_k: int | None = None,
+    ) -> AttentionMetadata:
+        """The metadata of validated index tensors: moved to the caches' device, host facts
+        recorded when the tensors are on the host."""
+        device = key_cache.device
+        facts: dict[str, Any] = {}
+        if cu_seqlens_q.device.type == "cpu":
+            cu_host, lens_host = cu_seqlens_q.tolist(), seq_lens.tolist()
+            q_lens = [cu_host[b + 1] - cu_host[b] for b in range(len(lens_host))]
+            facts.update(
+                max_seqlen_q=max(q_lens, default=0),
+                max_seqlen_k=max(lens_host, default=0),
+                num_decodes=q_lens.count(1),
+                num_extends=sum(q > 1 for q in q_lens),
+                host_cu_seqlens_q=cu_host,
+                host_seq_lens=lens_host,
+            )
+            if (
+                self.name != "triton"
+                and slot_mapping is not None
+                and slot_mapping.numel()
+                and int(slot_mapping.min()) < 0
+            ):
+                rows = (slot_mapping >= 0).nonzero().flatten()
+                facts.update(store_rows=rows.to(device), store_slots=slot_mapping[rows].to(device))
+        if max_seqlen_q is not None:
+            facts["max_seqlen_q"] = max_seqlen_q
+        if max_seqlen_k is not None:
+            facts["max_seqlen_k"] = max_seqlen_k
+        tables, lens, cu = (
+            t.to(device, non_blocking=True).contiguous() for t in (block_tables, seq_lens, cu_seqlens_q)
+        )
+        if self.name == "cpu" and device.type == "cpu" and "host_seq_lens" in facts:
+            facts["cpu_views"] = (tables.numpy(), lens.numpy(), cu.numpy())
+        return AttentionMetadata(
+            backend=self.name,
+            slot_mapping=None if slot_mapping is None else slot_mapping.to(device, non_blocking=True),
+            block_tables=tables,
+            seq_lens=lens,
+            cu_seqlens_q=cu,
+            num_tokens=num_tokens,
+            cache_shape=key_cache.shape,
+            cache_dtype=key_cache.dtype,
+            dtype=dtype,
+            device=device,
+            **facts,
+        )
+
+    def _store(
+        self,
+        key: torch.Tensor,  # [T, Hkv, D], any strides
+        value: torch.Tensor,
+        key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T] int64 on the caches' device, -1 = skip the token
+        kv_scales: KVScales | None,
+        *,
+        store_rows: torch.Tensor | None = None,  # torch path: the rows whose slot is not -1 (int64) ...
+        store_slots: torch.Tensor | None = None,  # ... and their slots, when some slot is -1
+        slots_checked: bool = False,  # the slots were read on the host: none is -1 unless store_rows says so
+    ) -> None:
+        if kv_scales is not None:
+            key = rotate(key, kv_scales.key_rotation)
+        if self.name == "triton":
+            _triton_module("triton_store").store_kv(
+                key, value, key_cache, value_cache, slot_mapping, kv_scales=kv_scales
+            )
+        elif store_rows is not None:
+            assert store_slots is not None
+            reference.write_slots(
+                key[store_rows], value[store_rows], key_cache, value_cache, store_slots, kv_scales=kv_scales
+            )
+        elif slots_checked:
+            reference.write_slots(key, value, key_cache, value_cache, slot_mapping, kv_scales=kv_scales)
+        else:
+            reference.store_kv(key, value, key_cache, value_cache, slot_mapping, kv_scales=kv_scales)
+
+    def _attend(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float | None,
+        out: torch.Tensor | None,  # [T, H, D], query's dtype
+        kv_scales: KVScales | None,
+        layer: LayerAttention,
+    ) -> torch.Tensor:  # [T, H, D]
         if scale is None:
             scale = query.shape[2] ** -0.5
         if kv_scales is not None:
@@ -442,6 +471,7 @@ class AttentionBackend:
             max_seqlen_q=meta.max_seqlen_q,
             max_seqlen_k=meta.max_seqlen_k,
             kv_scales=kv_scales,
+            layer=layer,
         )
 
 

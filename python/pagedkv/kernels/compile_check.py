@@ -88,7 +88,8 @@ def _attention_cases(arch: int, quick: bool) -> list[tuple[str, dict]]:
 
     ``quick`` keeps one case per distinct code path (padded head_dim, the head_dim-256 tiles,
     fp32's exact dots, quantized caches: int8 and float8 dequantized in registers with their
-    scales; both decode epilogues once) for the CI test.
+    scales; both decode epilogues once; the layer variants: window, chunk, soft-cap and sinks
+    all at once, over a 16-bit and an int8 cache) for the CI test.
     """
     variants = [
         (torch.bfloat16, torch.bfloat16, 128),
@@ -114,6 +115,15 @@ def _attention_cases(arch: int, quick: bool) -> list[tuple[str, dict]]:
                     dict(dtype=dtype, cache_dtype=cache_dtype, head_dim=head_dim, num_splits=num_splits),
                 )
             )
+    # Layer variants (kernels/layer_attention.py): every constexpr flag on at once reaches every
+    # extra line; the plain variants above are the full-attention kernels unchanged.
+    for cache_dtype in (torch.bfloat16, torch.int8):
+        cases.append(
+            (
+                f"{torch.bfloat16}/{cache_dtype}/D128/splits4/window+chunk+cap+sinks",
+                dict(dtype=torch.bfloat16, cache_dtype=cache_dtype, head_dim=128, num_splits=4, layer=True),
+            )
+        )
     return cases
 
 
@@ -139,6 +149,7 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[CompiledVariant]:
 
     driver.set_active(_CompileOnlyDriver(arch))
     from pagedkv.kernels import triton_attention, triton_decode, triton_prefill, triton_store
+    from pagedkv.kernels.layer_attention import FULL_ATTENTION, LayerAttention
 
     compiled: list[tuple[str, Any]] = []  # (case, triton CompiledKernel)
     current_case = [""]
@@ -166,6 +177,11 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[CompiledVariant]:
             query = torch.empty(num_seqs + 100, num_heads, case["head_dim"], dtype=case["dtype"])
             cache = torch.empty(64, block_size, num_kv_heads, case["head_dim"], dtype=case["cache_dtype"])
             kv_scales = _scales_for(cache)
+            layer = FULL_ATTENTION
+            if case.get("layer"):
+                layer = LayerAttention(
+                    sliding_window=100, chunk_size=256, logits_soft_cap=30.0, sinks=torch.zeros(num_heads)
+                )
             triton_attention.paged_attention(
                 query,
                 cache,
@@ -178,6 +194,7 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[CompiledVariant]:
                 max_seqlen_q=100,
                 num_splits=case["num_splits"],
                 kv_scales=kv_scales,
+                layer=layer,
             )
         # (input dtype, cache dtype, static scales)
         store_dtypes = [

@@ -23,6 +23,12 @@ torch caching allocator (no state kept between calls, CUDA-graph friendly); a ca
 a :class:`DecodeWorkspace` instead (the tests pass one filled with NaN to prove that nothing
 reads an entry the kernel did not write).
 
+Layer variants (``layer=``, :class:`~.layer_attention.LayerAttention`): window, chunk,
+soft-cap and sinks become constexpr flags and runtime arguments of both kernels
+(:class:`_LayerArgs`); full attention sets no flag and launches the kernels it always did. A
+windowed / chunked decode row reads at most its window or chunk, so the split count is chosen
+for that many keys, not for the context.
+
 Longest context: ``max_seqlen_k`` when given, else ``block_tables.shape[1] * block_size``
 (the block tables are padded to the longest sequence of the batch).
 
@@ -44,6 +50,7 @@ import triton
 
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.kernels.kv_quant import KVScales, format_of
+from pagedkv.kernels.layer_attention import FULL_ATTENTION, LayerAttention
 from pagedkv.kernels.triton_decode import decode_split_kernel, merge_splits_kernel
 from pagedkv.kernels.triton_prefill import prefill_kernel
 
@@ -148,10 +155,20 @@ class DecodeConfig:
     num_stages: int
 
 
-def default_prefill_config(head_dim_padded: int, dtype: torch.dtype, quantized: bool = False) -> PrefillConfig:
+def _target_arch() -> int:
+    """Compute capability x 10 of the GPU the kernels compile for (compile_check's stand-in
+    driver answers its --arch)."""
+    return triton.runtime.driver.active.get_current_target().arch
+
+
+def default_prefill_config(
+    head_dim_padded: int, dtype: torch.dtype, quantized: bool = False, limited: bool = False
+) -> PrefillConfig:
     """``quantized``: int8 / float8 K/V tiles, converted in registers (and stored back to shared
     memory for the MMA), need half the key tile to stay within 255 registers without spilling
-    (see compile_check's report)."""
+    (see compile_check's report). ``limited``: a window or chunk (one more masked loop and its
+    bounds): with a quantized cache on Ampere that no longer fits 255 registers at 128 rows
+    (8 bytes spilled), so 64."""
     if is_interpreted():
         # The interpreter pays per loop iteration, not per element: big tiles, few iterations.
         return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=1)
@@ -160,6 +177,8 @@ def default_prefill_config(head_dim_padded: int, dtype: torch.dtype, quantized: 
         return PrefillConfig(block_m=32, block_n=32, num_warps=8, num_stages=2)
     if head_dim_padded >= 256:
         return PrefillConfig(block_m=64, block_n=16 if quantized else 32, num_warps=8, num_stages=2)
+    if quantized and limited and _target_arch() < 90:
+        return PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=3)
     # Hopper: 128 x 64 tiles on warp-group MMA, K/V loads pipelined over 3 stages.
     return PrefillConfig(block_m=128, block_n=32 if quantized else 64, num_warps=8, num_stages=3)
 
@@ -192,6 +211,49 @@ def _scale_args(key_cache: torch.Tensor, kv_scales: KVScales | None) -> tuple[li
     return [kv_scales.key, kv_scales.value, *kv_scales.key.stride(), *kv_scales.value.stride()], True
 
 
+@dataclass(frozen=True)
+class _LayerArgs:
+    """A :class:`LayerAttention` as the kernels take it: a sinks pointer, three runtime scalars
+    and four constexpr flags (all False for full attention, which then compiles to the kernels
+    it always was)."""
+
+    sinks: torch.Tensor | None  # [H] float on the query's device; None: not read
+    sliding_window: int  # 0 when not WINDOW
+    chunk_size: int  # 0 when not CHUNK
+    soft_cap_log2e: float  # cap * log2(e), the kernels' base-2 domain; 0.0 when not SOFT_CAP
+
+    @classmethod
+    def of(cls, layer: LayerAttention, device: torch.device) -> _LayerArgs:
+        sinks = layer.sinks
+        if sinks is not None and (sinks.device != device or not sinks.is_contiguous()):
+            sinks = sinks.to(device).contiguous()
+        cap = layer.logits_soft_cap
+        return cls(sinks, layer.sliding_window or 0, layer.chunk_size or 0, 0.0 if cap is None else cap * _LOG2_E)
+
+    def sinks_or(self, dummy: torch.Tensor) -> torch.Tensor:
+        """The sinks pointer; ``dummy`` stands for it when there are none (never read)."""
+        return dummy if self.sinks is None else self.sinks
+
+    def scalars(self) -> tuple[int, int, float]:
+        """(sliding_window, chunk_size, soft_cap_log2e), the kernels' runtime arguments."""
+        return self.sliding_window, self.chunk_size, self.soft_cap_log2e
+
+    def flags(self) -> dict[str, bool]:
+        return {
+            "WINDOW": self.sliding_window > 0,
+            "CHUNK": self.chunk_size > 0,
+            "SOFT_CAP": self.soft_cap_log2e > 0.0,
+            "SINKS": self.sinks is not None,
+        }
+
+    def visible_context(self, context: int) -> int:
+        """At most how many keys a decode row of a ``context``-token sequence sees."""
+        for limit in (self.sliding_window, self.chunk_size):
+            if limit > 0:
+                context = min(context, limit)
+        return context
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, H, D] fp16/bf16/fp32
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], query's dtype, or int8 / float8 with kv_scales
@@ -210,9 +272,12 @@ def paged_attention(
     decode_config: DecodeConfig | None = None,  # None = default_decode_config
     prefill_config: PrefillConfig | None = None,  # None = default_prefill_config
     kv_scales: KVScales | None = None,  # required for (and only for) an int8 / float8 cache
+    layer: LayerAttention = FULL_ATTENTION,  # window, chunk, soft-cap, sinks ([H] sinks)
 ) -> torch.Tensor:
     """Launch decode and/or prefill kernels (inputs already validated by the dispatcher)."""
     scale_args, quantized = _scale_args(key_cache, kv_scales)
+    layer.check_heads(query.shape[1])
+    layer_args = _LayerArgs.of(layer, query.device)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = block_tables.shape[0]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -233,7 +298,9 @@ def paged_attention(
         if max_seqlen_k is None:
             max_seqlen_k = block_tables.shape[1] * block_size
         if num_splits is None:
-            num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seqlen_k, _num_sms(query.device))
+            # A windowed / chunked row reads its window, not its context: split that.
+            visible = layer_args.visible_context(max_seqlen_k)
+            num_splits = choose_num_splits(num_seqs, num_kv_heads, visible, _num_sms(query.device))
         _launch_decode(
             query,
             key_cache,
@@ -243,6 +310,7 @@ def paged_attention(
             cu_seqlens_q,
             out,
             scale_args,
+            layer_args,
             quantized=quantized,
             scale_log2e=scale_log2e,
             num_splits=num_splits,
@@ -253,7 +321,8 @@ def paged_attention(
             config=decode_config or default_decode_config(head_dim_padded, query.dtype),
         )
     if has_prefill:
-        config = prefill_config or default_prefill_config(head_dim_padded, query.dtype, quantized)
+        limited = layer.limits_context
+        config = prefill_config or default_prefill_config(head_dim_padded, query.dtype, quantized, limited)
         grid = (num_tokens // config.block_m + num_seqs, num_heads)
         prefill_kernel[grid](
             query,
@@ -264,7 +333,9 @@ def paged_attention(
             seq_lens,
             cu_seqlens_q,
             out,
+            layer_args.sinks_or(out),
             scale_log2e,
+            *layer_args.scalars(),
             *query.stride(),
             *key_cache.stride(),
             *value_cache.stride(),
@@ -282,6 +353,7 @@ def paged_attention(
             DOT_PRECISION=dot_precision,
             QUANTIZED=quantized,
             RESCALE_V=quantized and query.dtype == torch.float16,
+            **layer_args.flags(),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
@@ -297,6 +369,7 @@ def _launch_decode(
     cu_seqlens_q: torch.Tensor,
     out: torch.Tensor,
     scale_args: list,  # from _scale_args
+    layer_args: _LayerArgs,
     *,
     quantized: bool,
     scale_log2e: float,
@@ -334,7 +407,9 @@ def _launch_decode(
         cu_seqlens_q,
         out,
         *partials,
+        layer_args.sinks_or(out),
         scale_log2e,
+        *layer_args.scalars(),
         *query.stride(),
         *key_cache.stride(),
         *value_cache.stride(),
@@ -353,6 +428,7 @@ def _launch_decode(
         DOT_PRECISION=dot_precision,
         QUANTIZED=quantized,
         RESCALE_V=quantized and query.dtype == torch.float16,
+        **layer_args.flags(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -38,6 +38,18 @@ as possible:
   the ``num_splits`` entries every program writes, so stale or NaN workspace is harmless.
   With ``num_splits == 1`` the kernel normalises and writes the output itself (no merge).
 
+* **Layer variants** (:class:`~.layer_attention.LayerAttention`; constexpr flags ``WINDOW``,
+  ``CHUNK``, ``SOFT_CAP``, ``SINKS``, all False for full attention, which then compiles to the
+  plain kernel). With a window or a chunk the row sees keys ``kv_first .. seq_len - 1``
+  (``first_visible``); the splits share the range from ``kv_base``, the start of the BLOCK_N
+  tile that holds ``kv_first`` (the tile grid of full attention), and every load is masked to
+  ``tokens >= kv_first``: the blocks wholly before it, which a sliding-window KV cache group
+  gives back (table entries -1, data stale), are never read. Every tile still holds a valid
+  key (``kv_first`` is in split 0's first tile). Soft-capping maps the base-2 scores through
+  ``soft_cap`` before the mask. A sink is one more logit with a zero value: split 0 starts its
+  online softmax from it (``m = sink * log2(e)``, ``l = 1``, ``acc = 0``), the other splits
+  start empty, so the merge counts it once and a row with no key gets zeros.
+
 Programs of sequences with ``q_len != 1`` return at once; the prefill kernel handles those.
 """
 
@@ -46,7 +58,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["decode_split_kernel", "merge_splits_kernel", "value_weights"]
+__all__ = ["decode_split_kernel", "first_visible", "merge_splits_kernel", "soft_cap", "value_weights"]
 
 
 @triton.jit
@@ -68,6 +80,37 @@ def value_weights(p, alpha, v_scale, v_scale_run, RESCALE_V: tl.constexpr):
 
 
 @triton.jit
+def first_visible(position, sliding_window, chunk_size, WINDOW: tl.constexpr, CHUNK: tl.constexpr):
+    """The first key the query at ``position`` sees (``LayerAttention.first_visible``), >= 0;
+    ``position`` is a scalar or a tensor of int32 positions, at least one of WINDOW / CHUNK is set.
+
+    A negative position (a row of a sequence shorter than its query chunk, which sees nothing)
+    gives 0 whatever the rounding of ``//``: every term is clamped at 0.
+    """
+    if WINDOW:
+        first = tl.maximum(position - sliding_window + 1, 0)  # keys p - w < k <= p
+        if CHUNK:
+            first = tl.maximum(first, (position // chunk_size) * chunk_size)  # and k // C == p // C
+    else:
+        first = tl.maximum((position // chunk_size) * chunk_size, 0)
+    return first
+
+
+@triton.jit
+def soft_cap(scores, cap_log2e):
+    """``cap * tanh(s / cap)`` for scores in the kernels' base-2 domain (``scores = s * log2(e)``,
+    ``cap_log2e = cap * log2(e)``): ``cap_log2e * tanh(scores / cap_log2e)``.
+
+    tanh from exp2 (the interpreter has no libdevice): ``tanh(|x|) = (1 - e) / (1 + e)`` with
+    ``e = exp(-2|x|)`` in (0, 1], so nothing overflows; the sign is put back afterwards.
+    """
+    x = scores / cap_log2e
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|) = 2^(-2 log2(e) |x|)
+    magnitude = (1.0 - e) / (1.0 + e)
+    return cap_log2e * tl.where(x < 0.0, -magnitude, magnitude)
+
+
+@triton.jit
 def _decode_split_kernel(
     query_ptr,  # [T, H, D]
     key_cache_ptr,
@@ -81,7 +124,11 @@ def _decode_split_kernel(
     partial_out_ptr,  # [B, H, num_splits, D] fp32, written unless WRITE_OUTPUT
     partial_max_ptr,
     partial_sum_ptr,  # [B, H, num_splits] fp32
+    sinks_ptr,  # [H] float, read when SINKS
     scale_log2e,  # softmax scale * log2(e)
+    sliding_window,  # WINDOW: keys p - w < k <= p
+    chunk_size,  # CHUNK: keys k // C == p // C
+    soft_cap_log2e,  # SOFT_CAP: cap * log2(e)
     stride_qt,
     stride_qh,
     stride_qd,
@@ -116,6 +163,10 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,  # int8 / float8 caches with per-(token, head) scales
     RESCALE_V: tl.constexpr,  # QUANTIZED with fp16 queries: acc in units of the running max V scale
+    WINDOW: tl.constexpr,  # a sliding window (LayerAttention); all four False: full attention
+    CHUNK: tl.constexpr,  # chunked local attention
+    SOFT_CAP: tl.constexpr,  # logit soft-capping
+    SINKS: tl.constexpr,  # one sink logit per query head
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,8 +177,17 @@ def _decode_split_kernel(
     if q_len != 1:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    kv_start = split * tokens_per_split
+    if WINDOW or CHUNK:
+        # The splits share the keys from the tile that holds the row's first visible key (on
+        # full attention's tile grid) to the end; no key below `kv_first` is loaded, so the
+        # blocks wholly before it (given back, their table entries maybe -1) are never touched.
+        kv_first = first_visible(seq_len - 1, sliding_window, chunk_size, WINDOW, CHUNK)
+        kv_base = (kv_first // BLOCK_N) * BLOCK_N
+        tokens_per_split = tl.cdiv(tl.cdiv(seq_len - kv_base, num_splits), BLOCK_N) * BLOCK_N
+        kv_start = kv_base + split * tokens_per_split
+    else:
+        tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        kv_start = split * tokens_per_split
     kv_end = tl.minimum(kv_start + tokens_per_split, seq_len)
 
     group_rows = tl.arange(0, GROUP_PADDED)
@@ -141,6 +201,13 @@ def _decode_split_kernel(
 
     m_i = tl.full([GROUP_PADDED], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PADDED], dtype=tl.float32)
+    if SINKS:
+        # The sink is one more logit in the row's softmax with a zero value vector: split 0 starts
+        # from it (m = sink, l = 2^0 = 1, acc = 0), base 2 like the scores; the other splits start
+        # empty, so the merge counts it once.
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([GROUP_PADDED, HEAD_DIM_PADDED], dtype=tl.float32)
     v_scale_run = 0.0  # RESCALE_V: the largest V scale so far (acc's unit)
 
@@ -151,7 +218,11 @@ def _decode_split_kernel(
     kv_head_offset_vs = kv_head.to(tl.int64) * stride_vsh
     for start in range(kv_start, kv_end, BLOCK_N):
         tokens = start + tl.arange(0, BLOCK_N)
-        token_mask = tokens < kv_end
+        if WINDOW or CHUNK:
+            # Every tile holds a visible key: kv_first is in the first tile of split 0.
+            token_mask = (tokens >= kv_first) & (tokens < kv_end)
+        else:
+            token_mask = tokens < kv_end
         physical_block = tl.load(block_table_row + (tokens // BLOCK_SIZE) * stride_bt_n, mask=token_mask, other=0)
         physical_block = physical_block.to(tl.int64)
         row_in_block = tokens % BLOCK_SIZE
@@ -175,6 +246,8 @@ def _decode_split_kernel(
             scores = scores * (k_scale * scale_log2e)[None, :]
         else:
             scores = scores * scale_log2e
+        if SOFT_CAP:
+            scores = soft_cap(scores, soft_cap_log2e)  # before the mask, as transformers does
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # finite: some token of the tile is valid

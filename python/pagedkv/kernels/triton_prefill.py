@@ -20,6 +20,18 @@ later keys are skipped entirely. A row that sees no key at all (``prefix + i < 0
 possible when ``seq_len < q_len``) keeps ``m = -inf``; the update uses ``m = 0`` in its place so
 that no ``-inf - -inf`` arises, and the row's output is 0.
 
+**Layer variants** (constexpr ``WINDOW``, ``CHUNK``, ``SOFT_CAP``, ``SINKS``; all False: the
+plain kernel). Row ``i`` also has a first visible key ``first_visible(prefix + i)``, which grows
+with ``i``. A tile's keys then fall in three ranges, each a loop: from ``kv_base`` (the start of
+the BLOCK_N tile holding the first row's first visible key ``kv_first``) the tiles that some row
+cannot see yet need the per-row lower bound, and their loads are masked to ``>= kv_first``, so
+the blocks wholly before it (a sliding-window group's given-back blocks, table entries -1) are
+never read; then the whole tiles every row sees (from the last row's first visible key to the
+first row's last), unmasked; then the causal tiles, masked as for full attention (every row's
+lower bound is behind them). Soft-capping maps the base-2 scores through ``soft_cap`` before
+the mask; a sink starts each row's online softmax (``m = sink * log2(e)``, ``l = 1``,
+``acc = 0``), so a row that sees no key gets zeros.
+
 Programs take the tiles in reverse order: within a sequence the last tiles see the most keys,
 so the longest programs start first and the grid's tail is short.
 
@@ -40,7 +52,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from pagedkv.kernels.triton_decode import value_weights
+from pagedkv.kernels.triton_decode import first_visible, soft_cap, value_weights
 
 __all__ = ["prefill_kernel"]
 
@@ -88,22 +100,32 @@ def _attend_tile(
     stride_vss,
     stride_bt_n,
     start,
+    kv_first,  # LIMITED: no key below it is loaded (the tile's earliest row's first visible key)
     kv_end,
     last_visible,  # keys start .. start+BLOCK_N-1; valid below kv_end; row r sees <= last_visible[r]
     dims,
     dim_mask,
     scale_log2e,
+    sliding_window,
+    chunk_size,
+    soft_cap_log2e,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,
     RESCALE_V: tl.constexpr,
+    WINDOW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     tokens = start + tl.arange(0, BLOCK_N)
     row_in_block = tokens % BLOCK_SIZE
     if MASKED:
-        token_mask = tokens < kv_end
+        if WINDOW or CHUNK:
+            token_mask = (tokens >= kv_first) & (tokens < kv_end)
+        else:
+            token_mask = tokens < kv_end
         physical_block = tl.load(block_table_row + (tokens // BLOCK_SIZE) * stride_bt_n, mask=token_mask, other=0)
         kv_mask = token_mask[:, None] & dim_mask[None, :]
     else:
@@ -129,8 +151,15 @@ def _attend_tile(
         scores = scores * (k_scale.to(tl.float32) * scale_log2e)[None, :]
     else:
         scores = scores * scale_log2e
+    if SOFT_CAP:
+        scores = soft_cap(scores, soft_cap_log2e)  # before the mask, as transformers does
     if MASKED:
         visible = token_mask[None, :] & (tokens[None, :] <= last_visible[:, None])
+        if WINDOW or CHUNK:
+            # Row r sees keys from its own first visible one (recomputed here from its position,
+            # last_visible[r], rather than kept live across the loop: registers are tight).
+            first_visible_rows = first_visible(last_visible, sliding_window, chunk_size, WINDOW, CHUNK)
+            visible = visible & (tokens[None, :] >= first_visible_rows[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         # A row that has seen no key yet keeps m = -inf; exponents use 0 in its place.
@@ -176,7 +205,11 @@ def _prefill_kernel(
     seq_lens_ptr,  # [B] int32
     cu_seqlens_q_ptr,  # [B + 1] int32
     out_ptr,  # [T, H, D]
+    sinks_ptr,  # [H] float, read when SINKS
     scale_log2e,
+    sliding_window,  # WINDOW: keys p - w < k <= p
+    chunk_size,  # CHUNK: keys k // C == p // C
+    soft_cap_log2e,  # SOFT_CAP: cap * log2(e)
     stride_qt,
     stride_qh,
     stride_qd,
@@ -210,6 +243,10 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     QUANTIZED: tl.constexpr,  # int8 / float8 caches with per-(token, head) scales
     RESCALE_V: tl.constexpr,  # QUANTIZED with fp16 queries: acc in units of the running max V scale
+    WINDOW: tl.constexpr,  # a sliding window (LayerAttention); all four False: full attention
+    CHUNK: tl.constexpr,  # chunked local attention
+    SOFT_CAP: tl.constexpr,  # logit soft-capping
+    SINKS: tl.constexpr,  # one sink logit per query head
 ):
     # Reversed: the last tiles of a sequence see the most keys; starting them first shortens the tail.
     tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -242,10 +279,32 @@ def _prefill_kernel(
     kv_end = tl.minimum(seq_len, prefix + last_row + 1)  # no key at or past this is visible to the tile
     # Keys below `shared_end` are visible to every row of the tile; whole tiles of them need no mask.
     shared_end = tl.maximum(tl.minimum(prefix + first_row + 1, kv_end), 0)
-    unmasked_end = (shared_end // BLOCK_N) * BLOCK_N
+    if WINDOW or CHUNK:
+        # Row r sees keys first_visible(last_visible[r]) .. last_visible[r]; both bounds grow with
+        # r. The loop starts at the tile (full attention's grid) holding the first row's first
+        # visible key, `kv_first`, and loads no key below it: the blocks wholly before it are
+        # never read. Keys from `shared_start` (the last row's first) to `shared_end` are visible
+        # to every row; the whole tiles among them need no mask, the tiles before and after do.
+        kv_first = first_visible(prefix + first_row, sliding_window, chunk_size, WINDOW, CHUNK)
+        kv_base = (kv_first // BLOCK_N) * BLOCK_N
+        shared_start = first_visible(prefix + last_row, sliding_window, chunk_size, WINDOW, CHUNK)
+        # (Divisions of non-negative numbers only: `//` truncates on the GPU.)
+        unmasked_start = kv_base + tl.cdiv(tl.maximum(shared_start - kv_base, 0), BLOCK_N) * BLOCK_N
+        unmasked_end = unmasked_start + (tl.maximum(shared_end - unmasked_start, 0) // BLOCK_N) * BLOCK_N
+    else:
+        kv_first = 0  # not read
+        kv_base = 0
+        unmasked_start = 0
+        unmasked_end = (shared_end // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if SINKS:
+        # The sink is one more logit in each row's softmax with a zero value vector: start from
+        # it (m = sink, l = 2^0 = 1, acc = 0), base 2 like the scores.
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + sink
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
     v_scale_run = 0.0  # RESCALE_V: the largest V scale so far (acc's unit)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
@@ -254,7 +313,55 @@ def _prefill_kernel(
     kv_head_offset_ks = kv_head.to(tl.int64) * stride_ksh
     kv_head_offset_vs = kv_head.to(tl.int64) * stride_vsh
 
-    for start in range(0, unmasked_end, BLOCK_N):
+    if WINDOW or CHUNK:
+        for start in range(kv_base, tl.minimum(unmasked_start, kv_end), BLOCK_N):
+            acc, m_i, l_i, v_scale_run = _attend_tile(
+                acc,
+                m_i,
+                l_i,
+                v_scale_run,
+                q,
+                key_cache_ptr,
+                value_cache_ptr,
+                key_scale_ptr,
+                value_scale_ptr,
+                block_table_row,
+                kv_head_offset_k,
+                kv_head_offset_v,
+                kv_head_offset_ks,
+                kv_head_offset_vs,
+                stride_kb,
+                stride_ks,
+                stride_kd,
+                stride_vb,
+                stride_vs,
+                stride_vd,
+                stride_ksb,
+                stride_kss,
+                stride_vsb,
+                stride_vss,
+                stride_bt_n,
+                start,
+                kv_first,
+                kv_end,
+                last_visible,
+                dims,
+                dim_mask,
+                scale_log2e,
+                sliding_window,
+                chunk_size,
+                soft_cap_log2e,
+                BLOCK_SIZE,
+                BLOCK_N,
+                True,
+                DOT_PRECISION,
+                QUANTIZED,
+                RESCALE_V,
+                WINDOW,
+                CHUNK,
+                SOFT_CAP,
+            )
+    for start in range(unmasked_start, unmasked_end, BLOCK_N):
         acc, m_i, l_i, v_scale_run = _attend_tile(
             acc,
             m_i,
@@ -282,17 +389,24 @@ def _prefill_kernel(
             stride_vss,
             stride_bt_n,
             start,
+            kv_first,
             kv_end,
             last_visible,
             dims,
             dim_mask,
             scale_log2e,
+            sliding_window,
+            chunk_size,
+            soft_cap_log2e,
             BLOCK_SIZE,
             BLOCK_N,
             False,
             DOT_PRECISION,
             QUANTIZED,
             RESCALE_V,
+            WINDOW,
+            CHUNK,
+            SOFT_CAP,
         )
     for start in range(unmasked_end, kv_end, BLOCK_N):
         acc, m_i, l_i, v_scale_run = _attend_tile(
@@ -322,17 +436,24 @@ def _prefill_kernel(
             stride_vss,
             stride_bt_n,
             start,
+            kv_first,
             kv_end,
             last_visible,
             dims,
             dim_mask,
             scale_log2e,
+            sliding_window,
+            chunk_size,
+            soft_cap_log2e,
             BLOCK_SIZE,
             BLOCK_N,
             True,
             DOT_PRECISION,
             QUANTIZED,
             RESCALE_V,
+            False,  # keys >= unmasked_start >= shared_start: every row's lower bound is behind them
+            False,
+            SOFT_CAP,
         )
 
     if RESCALE_V:

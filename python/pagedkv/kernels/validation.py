@@ -245,6 +245,7 @@ def check_paged_attention_args(
     out: torch.Tensor | None,
     backend: str,
     kv_scales: KVScales | None = None,
+    layer: object = None,  # a LayerAttention (checked here); a window / chunk allows -1 columns before it
 ) -> None:
     for name, arg in (
         ("query", query),
@@ -265,6 +266,7 @@ def check_paged_attention_args(
         raise InvalidArgumentError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     _check_compute_dtypes("query", query.dtype, key_cache.dtype, backend)
     _check_head_dim(head_dim, backend)
+    checked_layer = None if layer is None else check_layer(layer, num_heads)
 
     _check_batch_shapes(block_tables, seq_lens, cu_seqlens_q)
     _check_scale(scale)
@@ -287,7 +289,9 @@ def check_paged_attention_args(
     _check_fp8_support(key_cache.dtype, key_cache.device, backend)
     check_kv_scales(kv_scales, key_cache)
     if query.device.type == "cpu":
-        _check_batch_values(block_tables, seq_lens, cu_seqlens_q, num_tokens, key_cache.shape[0], key_cache.shape[1])
+        _check_batch_values(
+            block_tables, seq_lens, cu_seqlens_q, num_tokens, key_cache.shape[0], key_cache.shape[1], checked_layer
+        )
 
 
 def _check_batch_shapes(block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor) -> None:
@@ -317,8 +321,11 @@ def _check_batch_values(
     num_tokens: int,
     num_blocks: int,
     block_size: int,
+    layer: LayerAttention | None = None,
 ) -> None:
-    """Value checks of the batch metadata (CPU tensors only: no device sync)."""
+    """Value checks of the batch metadata (CPU tensors only: no device sync). A block is used
+    from the one holding the first key a sequence's earliest query sees (``layer``: a window or
+    a chunk; no kernel reads the blocks before it, which may be -1) to its last."""
     if cu_seqlens_q.numel() and int(cu_seqlens_q[0]) != 0:
         raise InvalidArgumentError(f"cu_seqlens_q must start at 0, got {int(cu_seqlens_q[0])}")
     q_lens = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
@@ -339,7 +346,11 @@ def _check_batch_values(
             f"seq_lens[{b}] = {int(seq_lens[b])} is outside 0 .. {capacity} (block_tables width x block_size)"
         )
     blocks_used = (seq_lens.long() + block_size - 1) // block_size
-    in_use = torch.arange(block_tables.shape[1]) < blocks_used[:, None]
+    columns = torch.arange(block_tables.shape[1])
+    in_use = columns < blocks_used[:, None]
+    if layer is not None and layer.limits_context:
+        earliest_query = torch.clamp(seq_lens.long() - q_lens.long(), min=0)
+        in_use &= columns >= (layer.first_visible_tensor(earliest_query) // block_size)[:, None]
     used_ids = block_tables[in_use]
     if used_ids.numel() and (int(used_ids.min()) < 0 or int(used_ids.max()) >= num_blocks):
         bad = int(used_ids.min()) if int(used_ids.min()) < 0 else int(used_ids.max())
@@ -485,15 +496,10 @@ def check_layer_attention(
         raise InvalidArgumentError(f"out must match query ({tuple(query.shape)}, {query.dtype}), got {_describe(out)}")
 
 
-def check_layer(layer: object, num_heads: int, backend: str) -> None:
-    """``layer`` is a :class:`LayerAttention` whose sinks fit the query's heads, and the
-    backend runs it: the Triton kernels compute full causal attention only (issue 25 gives them
-    windows, chunks, soft-capping and sinks); the torch and cpu backends run every variant."""
+def check_layer(layer: object, num_heads: int) -> LayerAttention:
+    """``layer`` is a :class:`LayerAttention` whose sinks fit the query's heads (every backend
+    runs every variant); returns it."""
     if not isinstance(layer, LayerAttention):
         raise InvalidTypeError(f"layer must be a pagedkv.kernels.LayerAttention, got {type(layer).__name__}")
     layer.check_heads(num_heads)
-    if backend == "triton" and not layer.is_full:
-        raise InvalidArgumentError(
-            "the triton backend runs full causal attention only: a layer with a sliding window, a chunk, "
-            "soft-capping or sinks needs the torch or cpu backend"
-        )
+    return layer
