@@ -136,7 +136,10 @@ def compute(
     rows' final hidden states (the LM head's input), turned into logits ``chunk_rows`` rows at a
     time, each chunk dropped once its statistics are taken: the [E, V] logits of a long prompt
     (200 MB for 1k tokens of a 49k vocabulary) never exist at once. Every statistic of a row
-    comes from that row's logits alone, so the chunking changes no number."""
+    comes from that row's logits alone, so chunks change no number, as long as the head gives
+    a row the same logits in any chunk (a GEMM's sums per row do not depend on the other rows
+    on the BLAS measured; tests/test_prompt_logprobs_chunks.py checks the chunking itself on
+    exact products)."""
     num_rows = values.shape[0]
     device = values.device
     targets = torch.from_numpy(rows.targets).to(device).unsqueeze(1)  # [E, 1] int64
@@ -164,9 +167,11 @@ def compute(
             block = logits[start - chunk_start : stop - chunk_start]  # [b, V]
             work = scratch[: stop - start]
             target = torch.gather(block, 1, targets[start:stop], out=target_logits[start:stop])  # [b, 1]
-            peak = block.amax(dim=-1, keepdim=True)
-            if rows.max_k > 0:
+            if rows.max_k > 0:  # the top logit is the peak: no pass of its own
                 top_values[start:stop], top_ids[start:stop] = topk(block, rows.max_k)
+                peak = top_values[start:stop, :1]
+            else:
+                peak = block.amax(dim=-1, keepdim=True)
             torch.sub(block, peak, out=work).exp_()
             normalizer[start:stop] = work.sum(dim=-1).log_() + peak.squeeze(1)
             # Tokens strictly more likely than the target: the compare written as 1.0 / 0.0
