@@ -77,7 +77,7 @@ def test_chunked_head_equals_the_whole_logits_across_chunk_boundaries(chunk_rows
     with torch.inference_mode():
         logits = head(hidden)  # [E, V]: what the runner returns without the split
         whole = compute(rows, logits)
-        chunked = compute(rows, hidden, split.logits, chunk_rows=chunk_rows)
+        chunked = compute(rows, hidden, split.head, chunk_rows=chunk_rows)
     assert torch.equal(chunked.target_ranks, whole.target_ranks)
     assert torch.equal(chunked.top_ids, whole.top_ids)
     torch.testing.assert_close(chunked.target_logprobs, whole.target_logprobs, rtol=0, atol=1e-6)
@@ -91,16 +91,17 @@ def test_chunked_head_equals_the_whole_logits_across_chunk_boundaries(chunk_rows
     assert torch.equal(chunked.top_ids, reference.topk(max_k, dim=-1).indices)
 
 
-def test_the_head_writes_the_chunk_buffer_it_is_given() -> None:
+def test_the_head_reuses_its_buffer_and_computes_what_the_module_does() -> None:
     head, hidden = exact_head_and_hidden(8)
     split = HeadSplit(ToyLM(head))
-    buffer = torch.empty(8, VOCAB)
+    assert split.head.rows_per_call == (256 << 20) // (4 * VOCAB)
     with torch.inference_mode():
-        out = split.logits(hidden, buffer)
-        assert out.data_ptr() == buffer.data_ptr()
-        assert torch.equal(out, head(hidden))
+        first = split.head(hidden)
+        assert torch.equal(first, head(hidden))
+        again = split.head(hidden[:5])  # fewer rows: the same buffer
+        assert again.data_ptr() == first.data_ptr() and torch.equal(again, head(hidden[:5]))
         head.bias = nn.Parameter(torch.arange(VOCAB, dtype=torch.float32))
-        assert torch.equal(split.logits(hidden, buffer), head(hidden))
+        assert torch.equal(split.head(hidden), head(hidden))
 
 
 def test_a_plain_head_is_watched_once_then_split() -> None:
@@ -124,7 +125,7 @@ def test_a_plain_head_is_watched_once_then_split() -> None:
         assert torch.equal(sampled, every_row[:2])
         assert request.hidden is not None and request.head is not None
         assert torch.equal(request.hidden, hidden[keep[2:]])
-        assert torch.equal(request.head(request.hidden, None), every_row[2:])
+        assert torch.equal(request.head(request.hidden), every_row[2:])
         # The hooks are gone: the next plain forward computes every row.
         assert model(states, keep).logits.shape == (1, 6, VOCAB)
 
@@ -161,7 +162,7 @@ def test_compute_step_takes_the_rows_from_whichever_the_runner_answered() -> Non
         assert torch.equal(sampled, logits[3:])
         answered = prompt_logprobs.StepWithPromptRows(Step(np.array([3, 4])), rows)
         answered.hidden_rows.hidden = hidden[:3]
-        answered.hidden_rows.head = HeadSplit(ToyLM(head)).logits
+        answered.hidden_rows.head = HeadSplit(ToyLM(head)).head
         sampled_too, found_too = prompt_logprobs.compute_step(answered, logits[3:])
         assert torch.equal(sampled_too, logits[3:])
     for got in (found, found_too):

@@ -8,9 +8,9 @@ runner the longer ``logits_indices``; the first ``S`` rows are sampled as usual,
 :func:`compute` and, once the step went through, :func:`record`. The step also asks the runner
 for the prompt rows' final hidden states instead of their logits (``HiddenRows``,
 :mod:`pagedkv.worker.head_rows`): :func:`compute` then runs the LM head itself, a chunk of rows
-at a time, so a long prompt's ``[E, V]`` logits never exist at once (the runner answers with
-all ``S + E`` rows' logits when the model post-processes its head's output; both give the same
-numbers).
+at a time into one buffer the head keeps, so the logits held at once are bounded (256 MB) and
+their pages are not faulted in anew every step (the runner answers with all ``S + E`` rows'
+logits when the model post-processes its head's output; both give the same numbers).
 
 Position ``p`` of a prompt of ``L`` tokens predicts token ``p + 1``: entry ``p + 1`` of the
 request's list (entry 0 is ``None``: nothing predicts the first token). The last position
@@ -117,29 +117,22 @@ def plan(step: Any, requests: Mapping[str, RequestState]) -> PromptRows | None:
 # Rows per pass of the statistics: a block of [32, V] float32 (6 MB at 49k tokens) stays in
 # the cache between its passes (max, exp-sum, rank, top-k); whole [E, V] passes ran ~3x slower.
 _BLOCK_ROWS = 32
-# Rows per call of the LM head when compute() runs it itself (the runner handed back hidden
-# states). Fewer rows per call make the head slower on the CPU: on SmolLM2's 49k x 576 float32
-# head, 64-row calls took ~1.8x the time of one 1023-row call and 256-row calls ~1.2x, while
-# 512-row calls into one reused buffer took ~0.9x one call that allocates its [1023, V]
-# result. The chunk bounds the logits held at once: 100 MB at 49k tokens, whatever the prompt
-# (the step's token budget sets E).
-_CHUNK_ROWS = 512
 
 
 def compute(
-    rows: PromptRows, values: torch.Tensor, head: Head | None = None, *, chunk_rows: int = _CHUNK_ROWS
+    rows: PromptRows, values: torch.Tensor, head: Head | None = None, *, chunk_rows: int | None = None
 ) -> PromptLogprobs:
     """The prompt rows' target logprobs, ranks and top-k (raw logprobs, as for generated
     tokens: ``log_softmax`` of the model's logits), in ``rows`` order.
 
     ``values``: without ``head``, [E, V] float32, the rows' logits; with ``head``, [E, H], the
     rows' final hidden states (the LM head's input), turned into logits ``chunk_rows`` rows at a
-    time, each chunk dropped once its statistics are taken: the [E, V] logits of a long prompt
-    (200 MB for 1k tokens of a 49k vocabulary) never exist at once. Every statistic of a row
-    comes from that row's logits alone, so chunks change no number, as long as the head gives
-    a row the same logits in any chunk (a GEMM's sums per row do not depend on the other rows
-    on the BLAS measured; tests/test_prompt_logprobs_chunks.py checks the chunking itself on
-    exact products)."""
+    time (default ``head.rows_per_call``: 256 MB of logits, a 1k-token prompt of a 49k
+    vocabulary in one call), each chunk's statistics taken before the next one overwrites it.
+    Every statistic of a row comes from that row's logits alone, so chunks change no number, as
+    long as the head gives a row the same logits in any chunk (a GEMM's sums per row do not
+    depend on the other rows with the BLAS measured; tests/test_prompt_logprobs_chunks.py
+    checks the chunking itself on exact products)."""
     num_rows = values.shape[0]
     device = values.device
     targets = torch.from_numpy(rows.targets).to(device).unsqueeze(1)  # [E, 1] int64
@@ -148,18 +141,14 @@ def compute(
     ranks = torch.empty(num_rows, dtype=torch.int64, device=device)
     top_values = torch.empty(num_rows, rows.max_k, dtype=torch.float32, device=device)
     top_ids = torch.empty(num_rows, rows.max_k, dtype=torch.int64, device=device)
-    step = num_rows if head is None else max(1, chunk_rows)
-    chunk_buffer: torch.Tensor | None = None  # [<= chunk_rows, V] float32, reused by the head
+    step = num_rows if head is None else max(1, chunk_rows or head.rows_per_call)
     scratch: torch.Tensor | None = None  # [<= _BLOCK_ROWS, V] float32
     for chunk_start in range(0, num_rows, step):
         chunk_stop = min(chunk_start + step, num_rows)
         if head is None:
             logits = values[chunk_start:chunk_stop]
         else:
-            out = None if chunk_buffer is None else chunk_buffer[: chunk_stop - chunk_start]
-            logits = head(values[chunk_start:chunk_stop], out)
-            if chunk_buffer is None:
-                chunk_buffer = logits
+            logits = head(values[chunk_start:chunk_stop])  # [n, V], valid until the next call
         if scratch is None:
             scratch = torch.empty(min(num_rows, _BLOCK_ROWS), logits.shape[1], dtype=torch.float32, device=device)
         for start in range(chunk_start, chunk_stop, _BLOCK_ROWS):

@@ -6,7 +6,8 @@ logits, ``[E, V]`` float32, would be 200 MB for a 1k-token prompt of a 49k vocab
 be reduced to a logprob, a rank and a top-k per row. With a :class:`HiddenRows` request on the
 step, the runner returns the logits of the ``S`` sampled rows only and hands back the ``E``
 rows' final hidden states (the head's input: after the model's final norm) with the head as a
-function (:class:`Head`), which ``prompt_logprobs.compute`` applies a chunk of rows at a time.
+function (:class:`Head`), which ``prompt_logprobs.compute`` applies a chunk of rows at a time
+(into a buffer the head keeps on the CPU).
 
 How: the model keeps the ``S + E`` rows of ``logits_to_keep`` and calls its output embeddings
 (``get_output_embeddings()``) on them; a forward pre-hook on that module keeps the last ``E``
@@ -37,12 +38,13 @@ __all__ = ["Head", "HeadSplit", "HiddenRows"]
 
 
 class Head(Protocol):
-    """The LM head as a function of the final hidden states: ``head(hidden, out)`` with
-    ``hidden`` [n, H] (the model's dtype) gives [n, V] float32 logits, the model's own for those
-    rows; ``out`` (None, or [n, V] float32 that the caller no longer needs) is a buffer it may
-    fill and return instead of allocating."""
+    """The LM head as a function of the final hidden states: ``head(hidden)`` with ``hidden``
+    [n, H] (the model's dtype, n <= ``rows_per_call``) gives [n, V] float32 logits, the model's
+    own for those rows, valid until the next call (it may be a buffer the head reuses)."""
 
-    def __call__(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor: ...
+    rows_per_call: int
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -67,6 +69,7 @@ class HeadSplit:
         self._model: Any = model
         # None: not checked yet; then whether the rows may be split (see the module docstring).
         self.plain: bool | None = None
+        self.head = _ModelHead(model)
 
     @contextmanager
     def split(self, request: HiddenRows | None, num_rows: int) -> Iterator[None]:
@@ -91,7 +94,7 @@ class HeadSplit:
                 if hidden.shape[0] != 1 or hidden.shape[1] != num_rows:
                     return None
                 request.hidden = hidden[0, kept:]
-                request.head = self.logits
+                request.head = self.head
                 return (hidden[:, :kept], *args[1:])
 
             handle = module.register_forward_pre_hook(keep_sampled)
@@ -125,16 +128,39 @@ class HeadSplit:
             for handle in handles:
                 handle.remove()
 
+
+# The most bytes of float32 logits one call of the head writes (prompt_logprobs.compute takes
+# ``rows_per_call`` rows at a time). The CPU's GEMM wants many rows per call: on SmolLM2's
+# 49k x 576 float32 head, 512-row calls took ~1.1x one 1023-row call, 64-row calls ~1.8x.
+_CALL_BYTES = 256 << 20
+
+
+class _ModelHead:
+    """:class:`Head`: the model's output embeddings on hidden states, as float32 logits.
+
+    A float32 ``nn.Linear`` on the CPU writes into one buffer kept between calls and steps
+    (at most ``_CALL_BYTES``: 200 MB for 1023 rows of a 49k vocabulary): a fresh one's pages
+    would be faulted in and zeroed on every step, ~10% of the head's time. It computes the
+    product ``nn.Linear`` itself computes (``F.linear`` is ``mm`` without a bias, ``addmm``
+    with one). Any other head is called as is."""
+
+    def __init__(self, model: Any) -> None:
+        self._model = model  # a transformers model (only called once split() answered)
+        self._buffer: torch.Tensor | None = None  # [rows, V] float32 on the CPU
+        weight = getattr(model.get_output_embeddings(), "weight", None)
+        vocab = int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else 1
+        self.rows_per_call = max(1, _CALL_BYTES // (4 * vocab))
+
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-        """:class:`Head`: the model's head on ``hidden`` [n, H], as float32 [n, V]. A float32
-        ``nn.Linear`` writes into ``out`` with the product ``nn.Linear`` itself computes
-        (``F.linear`` is ``mm`` without a bias, ``addmm`` with one); any other head is called."""
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, V] float32
         module = self._model.get_output_embeddings()
-        assert module is not None  # split() answers only models that have one
         plain_linear = type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
-        if out is not None and plain_linear and module.weight.dtype == torch.float32 == hidden.dtype:
-            if module.bias is None:
-                return torch.mm(hidden, module.weight.t(), out=out)
-            return torch.addmm(module.bias, hidden, module.weight.t(), out=out)
-        return module(hidden).float()
+        if not (plain_linear and hidden.device.type == "cpu" and module.weight.dtype == torch.float32 == hidden.dtype):
+            return module(hidden).float()  # (on CUDA the caching allocator reuses the memory)
+        rows, vocab = hidden.shape[0], module.weight.shape[0]
+        if self._buffer is None or self._buffer.shape[0] < rows or self._buffer.shape[1] != vocab:
+            self._buffer = torch.empty(rows, vocab, dtype=torch.float32)
+        out = self._buffer[:rows]
+        if module.bias is None:
+            return torch.mm(hidden, module.weight.t(), out=out)
+        return torch.addmm(module.bias, hidden, module.weight.t(), out=out)
