@@ -9,9 +9,11 @@ per-round ratios, because the machine is shared and noisy.
 
 Prompt logprobs need the LM head on every prompt position, not only the last: one more matmul
 of [L - 1, hidden] x [hidden, vocab], whatever the implementation. Each round also times that
-matmul alone (the model's own head on random hidden states), which gives the floor no
+matmul alone (the model's head weight on random hidden states, into an output kept between
+rounds as the engine's head keeps its buffer: ``worker/head_rows.py``), which gives the floor no
 implementation can go under, ``(plain + head) / plain``, and what the rest costs above it (the
-log-softmax, ranks and top-k, the bookkeeping). On SmolLM2-135M the head is 576 x 49152 against
+log-softmax, ranks and top-k, the bookkeeping). The machine's load average (1 minute) before
+and after the rounds is printed and recorded: the figures are only as quiet as the machine. On SmolLM2-135M the head is 576 x 49152 against
 a 30-layer body of ~106M parameters: its extra rows are ~23% of the prefill's FLOPs.
 
     python benches/bench_prompt_logprobs.py [--rounds N] [--tokens N] [--write]
@@ -69,22 +71,25 @@ def main() -> None:
             assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(ids)
         return elapsed
 
-    head = llm.llm_engine.runner.model.get_output_embeddings()
+    weight = llm.llm_engine.runner.model.get_output_embeddings().weight  # [V, hidden]
     # [L - 1, hidden] in the model's dtype: the prompt rows the plain prefill does not compute.
-    hidden = torch.randn(len(ids) - 1, head.weight.shape[1], dtype=head.weight.dtype)
+    hidden = torch.randn(len(ids) - 1, weight.shape[1], dtype=weight.dtype)
+    logits = torch.empty(len(ids) - 1, weight.shape[0], dtype=weight.dtype)  # [L - 1, V], kept
 
     def head_alone() -> float:
         start = time.perf_counter()
         with torch.inference_mode():
-            head(hidden)
+            torch.mm(hidden, weight.t(), out=logits)  # SmolLM2's head: a Linear without a bias
         return time.perf_counter() - start
 
     run(plain), run(with_logprobs), head_alone()  # warm-up
+    load_before = os.getloadavg()[0]
     rows = []
     for round_ in range(args.rounds):
         first, second = (plain, with_logprobs) if round_ % 2 == 0 else (with_logprobs, plain)
         times = {id(first): run(first), id(second): run(second)}
         rows.append((times[id(plain)], times[id(with_logprobs)], head_alone()))
+    load = f"load average {load_before:.2f} before the rounds, {os.getloadavg()[0]:.2f} after ({os.cpu_count()} CPUs)"
     plain_s = statistics.median(p for p, _, _ in rows)
     logprobs_s = statistics.median(w for _, w, _ in rows)
     head_s = statistics.median(h for _, _, h in rows)
@@ -111,10 +116,11 @@ def main() -> None:
         "(ratios are medians per round)."
     )
     print(verdict)
+    print(load)
     if not args.no_write:
         body = (
             f"SmolLM2-135M float32 on the CPU, one {len(ids)}-token prompt, prefix caching off, one generated "
-            f"token; the two requests alternate over {args.rounds} rounds (after a warm-up of each).\n\n"
+            f"token; the two requests alternate over {args.rounds} rounds (after a warm-up of each); {load}.\n\n"
             f"{table}\n\n{verdict}\n"
         )
         write_section(

@@ -109,6 +109,25 @@ def test_two_ranks_give_one_ranks_tokens_and_split_the_kv(llama_engines: tuple[L
     assert_same(run(one, PROMPTS), run(two, PROMPTS))
 
 
+def test_prompt_logprobs_under_tp_match_one_rank(llama_engines: tuple[LLMEngine, LLMEngine]) -> None:
+    # Rank 0 splits the LM head's rows (worker/head_rows.py: the prompt rows' hidden states, its
+    # replicated head applied in compute()); the workers, given the broadcast step, compute every
+    # row's logits and drop them. The second run takes the split (the first one checks the model).
+    one, two = llama_engines
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2)
+    for _ in range(2):
+        a, b = run(one, PROMPTS, params), run(two, PROMPTS, params)
+        assert_same(a, b)
+        for rid in a:
+            x, y = a[rid].prompt_logprobs, b[rid].prompt_logprobs
+            assert x is not None and y is not None and len(x) == len(y) and x[0] is None and y[0] is None
+            for ex, ey in zip(x[1:], y[1:]):
+                assert ex is not None and ey is not None
+                for tok, lp in ex.items():
+                    assert tok in ey and abs(lp.logprob - ey[tok].logprob) < 1e-3, rid
+    assert two.runner._head_split.plain is True
+
+
 def test_preemption_prefix_hits_and_parallel_samples_under_tp(llama_engines: tuple[LLMEngine, LLMEngine]) -> None:
     one, two = llama_engines
     shared = "In a paged KV cache, the block table of every sequence maps its logical blocks to " * 2

@@ -473,12 +473,11 @@ class LLMEngine:
             t0 = time.perf_counter()
             try:
                 prompt_rows = prompt_logprobs.plan(out, self.requests)
-                logits = self._execute(out, prompt_rows)
+                prompt_step = None if prompt_rows is None else prompt_logprobs.StepWithPromptRows(out, prompt_rows)
+                logits = self._execute(out, prompt_step)
                 prompt_found = None
-                if prompt_rows is not None:
-                    num_sampled = len(out.logits_indices)
-                    prompt_found = prompt_logprobs.compute(prompt_rows, logits[num_sampled:])
-                    logits = logits[:num_sampled]
+                if prompt_step is not None:
+                    logits, prompt_found = prompt_logprobs.compute_step(prompt_step, logits)
                 sampled = self._sample(out, logits)
                 tokens = sampled.sampled_token_ids.cpu().numpy()
                 beam_ids, beam_logprobs = self._beam_candidates(out, logits)
@@ -502,12 +501,14 @@ class LLMEngine:
                 prompt_logprobs.record(prompt_rows, prompt_found, self.requests, self.tokenizer)
             return self._take_failed_outputs() + self._apply_updates(out, updates, sampled)
 
-    def _execute(self, out: SchedulerOutput, prompt_rows: prompt_logprobs.PromptRows | None = None) -> torch.Tensor:
+    def _execute(
+        self, out: SchedulerOutput, prompt_step: prompt_logprobs.StepWithPromptRows | None = None
+    ) -> torch.Tensor:
         """``runner.execute(out)``, with the identities the runner writes into the files of the
         step's disk stores when there are any (``runner.execute(step)`` stays the whole contract
-        otherwise). With ``prompt_rows`` the runner also computes those rows' logits, after the
-        sampled ones."""
-        step: Any = out if prompt_rows is None else prompt_logprobs.StepWithPromptRows(out, prompt_rows)
+        otherwise). With ``prompt_step`` (``out`` with its prompt rows) the runner also computes
+        the prompt rows, after the sampled ones (``prompt_logprobs.compute_step``)."""
+        step: Any = out if prompt_step is None else prompt_step
         if len(out.disk_store) == 0:
             return self.runner.execute(step)
         return self.runner.execute(step, self.scheduler.disk_block_info(out.disk_store[:, 1].tolist()))

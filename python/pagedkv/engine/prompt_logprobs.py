@@ -4,8 +4,13 @@ prompt token, computed from the logits of the position before it while the promp
 A step normally computes the LM head only on its sampled rows (``logits_indices``). For the
 requests that want prompt logprobs, :func:`plan` adds the rows of their prompt positions in
 the step (every chunk of a chunked prefill, in order) and :class:`StepWithPromptRows` hands the
-runner the longer ``logits_indices``; the first ``S`` logits rows are sampled as usual, the rest
-go to :func:`compute` and, once the step went through, :func:`record`.
+runner the longer ``logits_indices``; the first ``S`` rows are sampled as usual, the rest go to
+:func:`compute` and, once the step went through, :func:`record`. The step also asks the runner
+for the prompt rows' final hidden states instead of their logits (``HiddenRows``,
+:mod:`pagedkv.worker.head_rows`): :func:`compute` then runs the LM head itself, a chunk of rows
+at a time into one buffer the head keeps, so the logits held at once are bounded (256 MB) and
+their pages are not faulted in anew every step (the runner answers with all ``S + E`` rows'
+logits when the model post-processes its head's output; both give the same numbers).
 
 Position ``p`` of a prompt of ``L`` tokens predicts token ``p + 1``: entry ``p + 1`` of the
 request's list (entry 0 is ``None``: nothing predicts the first token). The last position
@@ -28,8 +33,9 @@ import torch
 from pagedkv.engine.outputs import Logprob
 from pagedkv.engine.request_state import RequestState
 from pagedkv.sample.ops import topk
+from pagedkv.worker.head_rows import Head, HiddenRows
 
-__all__ = ["PromptRows", "PromptLogprobs", "StepWithPromptRows", "compute", "plan", "record"]
+__all__ = ["PromptRows", "PromptLogprobs", "StepWithPromptRows", "compute", "compute_step", "plan", "record"]
 
 
 @dataclass
@@ -64,7 +70,11 @@ class StepWithPromptRows:
 
     def __init__(self, step: Any, rows: PromptRows) -> None:
         self._step = step
+        self.rows = rows
+        self.num_sampled = len(step.logits_indices)
         self.logits_indices = np.concatenate([np.asarray(step.logits_indices, dtype=np.int64), rows.token_indices])
+        # The prompt rows' hidden states instead of their logits, if the runner can.
+        self.hidden_rows = HiddenRows(len(rows.token_indices))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._step, name)
@@ -104,37 +114,71 @@ def plan(step: Any, requests: Mapping[str, RequestState]) -> PromptRows | None:
     return PromptRows(spans, np.concatenate(indices), np.concatenate(targets), max_k)
 
 
-# Rows per pass of compute(): a block of [32, V] float32 (6 MB at 49k tokens) stays in the
-# cache between its passes (max, exp-sum, rank); whole [E, V] passes ran ~3x slower.
+# Rows per pass of the statistics: a block of [32, V] float32 (6 MB at 49k tokens) stays in
+# the cache between its passes (max, exp-sum, rank, top-k); whole [E, V] passes ran ~3x slower.
 _BLOCK_ROWS = 32
 
 
-def compute(rows: PromptRows, logits: torch.Tensor) -> PromptLogprobs:
-    """``logits``: [E, V] float32, the prompt rows' logits in ``rows`` order (raw logprobs, as
-    for generated tokens: ``log_softmax`` of the model's logits)."""
-    targets = torch.from_numpy(rows.targets).to(logits.device)
-    target_logits = logits.gather(1, targets.unsqueeze(1))  # [E, 1]
-    num_rows, vocab = logits.shape
-    normalizer = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
-    ranks = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    scratch = torch.empty(min(num_rows, _BLOCK_ROWS), vocab, dtype=torch.float32, device=logits.device)
-    for start in range(0, num_rows, _BLOCK_ROWS):
-        block = logits[start : start + _BLOCK_ROWS]
-        work = scratch[: block.shape[0]]
-        peak = block.amax(dim=-1, keepdim=True)
-        torch.sub(block, peak, out=work).exp_()
-        normalizer[start : start + block.shape[0]] = work.sum(dim=-1).log_() + peak.squeeze(1)
-        # Tokens strictly more likely than the target: (x - t)+ > 0; sign() counts them in float
-        # arithmetic (a bool compare and sum is several times slower on the CPU).
-        torch.sub(block, target_logits[start : start + block.shape[0]], out=work).relu_().sign_()
-        ranks[start : start + block.shape[0]] = work.sum(dim=-1).to(torch.int64) + 1
-    if rows.max_k > 0:
-        top_values, top_ids = topk(logits, rows.max_k)
-        top_logprobs = top_values - normalizer.unsqueeze(1)
-    else:
-        top_ids = torch.empty(logits.shape[0], 0, dtype=torch.int64, device=logits.device)
-        top_logprobs = torch.empty(logits.shape[0], 0, dtype=torch.float32, device=logits.device)
-    return PromptLogprobs(target_logits.squeeze(1) - normalizer, ranks, top_ids, top_logprobs)
+def compute(
+    rows: PromptRows, values: torch.Tensor, head: Head | None = None, *, chunk_rows: int | None = None
+) -> PromptLogprobs:
+    """The prompt rows' target logprobs, ranks and top-k (raw logprobs, as for generated
+    tokens: ``log_softmax`` of the model's logits), in ``rows`` order.
+
+    ``values``: without ``head``, [E, V] float32, the rows' logits; with ``head``, [E, H], the
+    rows' final hidden states (the LM head's input), turned into logits ``chunk_rows`` rows at a
+    time (default ``head.rows_per_call``: 256 MB of logits, a 1k-token prompt of a 49k
+    vocabulary in one call), each chunk's statistics taken before the next one overwrites it.
+    Every statistic of a row comes from that row's logits alone, so chunks change no number, as
+    long as the head gives a row the same logits in any chunk (a GEMM's sums per row do not
+    depend on the other rows with the BLAS measured; tests/test_prompt_logprobs_chunks.py
+    checks the chunking itself on exact products)."""
+    num_rows = values.shape[0]
+    device = values.device
+    targets = torch.from_numpy(rows.targets).to(device).unsqueeze(1)  # [E, 1] int64
+    target_logits = torch.empty(num_rows, 1, dtype=torch.float32, device=device)
+    normalizer = torch.empty(num_rows, dtype=torch.float32, device=device)
+    ranks = torch.empty(num_rows, dtype=torch.int64, device=device)
+    top_values = torch.empty(num_rows, rows.max_k, dtype=torch.float32, device=device)
+    top_ids = torch.empty(num_rows, rows.max_k, dtype=torch.int64, device=device)
+    step = num_rows if head is None else max(1, chunk_rows or head.rows_per_call)
+    scratch: torch.Tensor | None = None  # [<= _BLOCK_ROWS, V] float32
+    for chunk_start in range(0, num_rows, step):
+        chunk_stop = min(chunk_start + step, num_rows)
+        if head is None:
+            logits = values[chunk_start:chunk_stop]
+        else:
+            logits = head(values[chunk_start:chunk_stop])  # [n, V], valid until the next call
+        if scratch is None:
+            scratch = torch.empty(min(num_rows, _BLOCK_ROWS), logits.shape[1], dtype=torch.float32, device=device)
+        for start in range(chunk_start, chunk_stop, _BLOCK_ROWS):
+            stop = min(start + _BLOCK_ROWS, chunk_stop)
+            block = logits[start - chunk_start : stop - chunk_start]  # [b, V]
+            work = scratch[: stop - start]
+            target = torch.gather(block, 1, targets[start:stop], out=target_logits[start:stop])  # [b, 1]
+            if rows.max_k > 0:  # the top logit is the peak: no pass of its own
+                top_values[start:stop], top_ids[start:stop] = topk(block, rows.max_k)
+                peak = top_values[start:stop, :1]
+            else:
+                peak = block.amax(dim=-1, keepdim=True)
+            torch.sub(block, peak, out=work).exp_()
+            normalizer[start:stop] = work.sum(dim=-1).log_() + peak.squeeze(1)
+            # Tokens strictly more likely than the target: the compare written as 1.0 / 0.0
+            # into the float scratch, then summed (exact counts; summing a bool tensor is
+            # several times slower on the CPU).
+            torch.gt(block, target, out=work)
+            ranks[start:stop] = work.sum(dim=-1).to(torch.int64) + 1
+    return PromptLogprobs(target_logits.squeeze(1) - normalizer, ranks, top_ids, top_values - normalizer.unsqueeze(1))
+
+
+def compute_step(step: StepWithPromptRows, logits: torch.Tensor) -> tuple[torch.Tensor, PromptLogprobs]:
+    """The runner's ``logits`` for ``step`` (float32, [S, V] when it answered
+    ``step.hidden_rows``, else [S + E, V]) -> the sampled rows' logits [S, V] and what
+    :func:`compute` found for the prompt rows."""
+    reply = step.hidden_rows
+    if reply.hidden is not None and reply.head is not None:
+        return logits, compute(step.rows, reply.hidden, reply.head)
+    return logits[: step.num_sampled], compute(step.rows, logits[step.num_sampled :])
 
 
 def record(rows: PromptRows, found: PromptLogprobs, requests: Mapping[str, RequestState], tokenizer: Any) -> None:

@@ -89,6 +89,7 @@ from pagedkv.worker.attention_backend import (
 )
 from pagedkv.worker.checkpoint_scales import load_checkpoint_kv_scales
 from pagedkv.worker.disk_cache import DiskKVStore, disk_fingerprint
+from pagedkv.worker.head_rows import HeadSplit, HiddenRows
 from pagedkv.worker.host_cache import HostKVCache
 from pagedkv.worker.model_files import resolve_model
 from pagedkv.worker.model_support import check_config, check_probe, context_length_of, layer_attentions
@@ -208,6 +209,8 @@ class ModelRunner:
         head = self.model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(text_config.vocab_size)
         self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        # Prompt rows handed back as hidden states instead of logits (worker/head_rows.py).
+        self._head_split = HeadSplit(self.model)
 
         # Per layer (index = layer): its window, chunk, soft-cap and sinks.
         self.geometry, self.layer_attention = self._probe()
@@ -362,7 +365,9 @@ class ModelRunner:
         :meth:`copy_blocks`, :class:`~pagedkv.worker.disk_cache.DiskKVStore`). Everything is
         validated before anything is written. A disk file that cannot be read raises
         :class:`~pagedkv.worker.disk_cache.DiskTierError`; failed disk writes and reads are
-        reported by ``disk_cache.take_bad_slots()``.
+        reported by ``disk_cache.take_bad_slots()``. A ``step.hidden_rows``
+        (:class:`~pagedkv.worker.head_rows.HiddenRows`) asks for its last rows of
+        ``logits_indices`` as hidden states instead: when answered, the logits hold the others.
         """
         # Host tensors first (from_numpy: no copy): the step is checked before anything runs.
         input_ids = _index_tensor(step.input_ids, torch.int64, "input_ids")
@@ -427,6 +432,7 @@ class ModelRunner:
             positions.to(self.device, non_blocking=True),
             logits_indices.to(self.device, non_blocking=True),
             context,
+            getattr(step, "hidden_rows", None),
         )
 
     @torch.inference_mode()
@@ -574,7 +580,8 @@ class ModelRunner:
         positions: torch.Tensor,  # [T] int64
         logits_indices: torch.Tensor,  # [S] int64
         context: object,
-    ) -> torch.Tensor:  # [S, V] float32
+        hidden_rows: HiddenRows | None = None,
+    ) -> torch.Tensor:  # [S, V] float32 ([S - hidden_rows.count, V] when it answers hidden_rows)
         kwargs = {
             "input_ids": input_ids.unsqueeze(0),
             "position_ids": positions.unsqueeze(0),
@@ -582,7 +589,8 @@ class ModelRunner:
             CONTEXT_KWARG: context,
         }
         if self._accepts_logits_to_keep:
-            logits = self.model(**kwargs, logits_to_keep=logits_indices).logits[0]
+            with self._head_split.split(hidden_rows, logits_indices.shape[0]):
+                logits = self.model(**kwargs, logits_to_keep=logits_indices).logits[0]
         else:
             logits = self.model(**kwargs).logits[0].index_select(0, logits_indices)
         return logits.float()
