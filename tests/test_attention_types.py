@@ -14,7 +14,8 @@ boundaries and prompts are several windows long:
 Their greedy tokens equal transformers' ``generate`` on the same weights (eager attention, its
 own masks), and their logprobs agree within float tolerance: alone with chunked prefill, on a
 second run that starts on prefix-cache hits, under preemption (recompute and swap), with
-``n > 1`` and with beam search; with an int8 KV cache, teacher-forced top-1 agreement.
+``n > 1`` and with beam search; with an int8 KV cache, teacher-forced top-1 agreement; over two
+tensor-parallel ranks; and through the Triton kernels (the interpreter on the CPU).
 """
 
 from __future__ import annotations
@@ -249,3 +250,17 @@ def test_tensor_parallel_splits_the_heads_of_a_soft_capped_windowed_model(models
         _assert_pool_whole(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
+def test_triton_kernels_serve_the_variants(tmp_path: Path, model_type: str) -> None:
+    """The same through the Triton kernels (the interpreter here; head_dim 64, which Triton
+    takes): soft-capping with windows, sinks with windows."""
+    config = AutoConfig.for_model(model_type, **{**_BASE, **ARCHITECTURES[model_type], "head_dim": 64})
+    folder = str(tmp_path / model_type)
+    save_seeded(config, Path(folder), embedding_scale=8.0)
+    expected = [_greedy_reference(_reference(folder), p) for p in PROMPTS]
+    llm = _engine(folder, attention_backend="triton")
+    assert llm.llm_engine.runner.attention_backend == "triton"
+    _check_greedy(llm, expected)
+    _assert_pool_whole(llm)
