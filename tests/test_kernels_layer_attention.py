@@ -13,7 +13,7 @@ from pagedkv.attention_span import first_visible
 from pagedkv.errors import InvalidArgumentError, InvalidTypeError
 from pagedkv.kernels import paged_attention, reference, triton_attention
 from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales
-from pagedkv.kernels.layer_attention import FULL_ATTENTION, LayerAttention
+from pagedkv.kernels.layer_attention import FULL_ATTENTION, LayerAttention, describe_layers
 from pagedkv.kernels.triton_attention import DecodeConfig, DecodeWorkspace, PrefillConfig
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
@@ -367,3 +367,17 @@ def test_triton_backend_takes_the_layer_and_refuses_bad_sinks() -> None:
     if DEVICE == "cpu":  # values are checked on the host only
         with pytest.raises(InvalidArgumentError, match="block_tables holds block id -1 for a used block"):
             paged_attention(*args, layer=LayerAttention(sliding_window=40), backend="triton")
+
+
+def test_describe_layers_counts_each_kind() -> None:
+    sliding = LayerAttention(sliding_window=512)
+    assert describe_layers([sliding] * 5 + [FULL_ATTENTION] + [sliding] * 10 + [FULL_ATTENTION] * 2) == (
+        "15 sliding window 512 + 3 full"
+    )
+    capped = [LayerAttention(sliding_window=4096, logits_soft_cap=50.0), LayerAttention(logits_soft_cap=50.0)]
+    assert describe_layers(capped * 2) == "2 sliding window 4096, soft-cap 50 + 2 full, soft-cap 50"
+    sinks = torch.zeros(4)
+    assert (
+        describe_layers([LayerAttention(chunk_size=8192), LayerAttention(sinks=sinks)])
+        == "1 chunk 8192 + 1 full, sinks"
+    )

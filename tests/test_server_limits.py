@@ -116,7 +116,7 @@ def test_limits_are_checked_and_round_trip_through_their_flags() -> None:
 def test_startup_log_names_model_dtype_kv_pool_tiers_and_limits(server: ServerProcess) -> None:
     log = server.log_tail(200_000)
     assert "serving model SmolLM2-135M-Instruct (embedded)" in log, log
-    assert "dtype float32 on cpu, max_model_len 256, max_num_seqs 4, max_logprobs 5" in log, log
+    assert "dtype float32 on cpu, max_model_len 256, max_num_seqs 4, max_logprobs 5; layers: 30 full" in log, log
     block_bytes = 2 * 30 * 3 * 64 * 4 * 16  # K and V x layers x KV heads x head_dim x float32 x block
     assert f"KV cache: dtype float32, block size 16, 96 blocks x {block_bytes} B" in log, log
     assert "(1536 tokens)" in log and "host tier: none; disk tier: none" in log, log

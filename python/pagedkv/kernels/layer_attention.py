@@ -28,7 +28,7 @@ import torch
 from pagedkv.attention_span import first_visible
 from pagedkv.errors import InvalidArgumentError, InvalidTypeError
 
-__all__ = ["FULL_ATTENTION", "LayerAttention"]
+__all__ = ["FULL_ATTENTION", "LayerAttention", "describe_layers"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,3 +110,24 @@ class LayerAttention:
 
 # Plain causal attention over the whole context: what every layer did before issue 25.
 FULL_ATTENTION = LayerAttention()
+
+
+def describe_layers(layers: list[LayerAttention]) -> str:
+    """What a model's layers attend to, counted by kind, in first-seen order: for Gemma 3 270M
+    ``"15 sliding window 512 + 3 full"``; for a plain model ``"30 full"``."""
+    counts: dict[str, int] = {}
+    for layer in layers:
+        parts = []
+        if layer.sliding_window is not None:
+            parts.append(f"sliding window {layer.sliding_window}")
+        if layer.chunk_size is not None:
+            parts.append(f"chunk {layer.chunk_size}")
+        if not parts:
+            parts.append("full")
+        if layer.logits_soft_cap is not None:
+            parts.append(f"soft-cap {layer.logits_soft_cap:g}")
+        if layer.sinks is not None:
+            parts.append("sinks")
+        kind = ", ".join(parts)
+        counts[kind] = counts.get(kind, 0) + 1
+    return " + ".join(f"{n} {kind}" for kind, n in counts.items())

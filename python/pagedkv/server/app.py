@@ -43,6 +43,7 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.async_llm import AsyncLLM
 from pagedkv.engine.prompts import check_token_ids
 from pagedkv.errors import ConfigError, PagedKVError
+from pagedkv.kernels.layer_attention import describe_layers
 from pagedkv.server.body_limit import BodySizeLimit
 from pagedkv.server.chat import create_chat_completion, render_chat
 from pagedkv.server.completions import create_completion
@@ -160,7 +161,7 @@ def _log_startup(state: ServerState) -> None:
     runner, cache = engine.runner, engine.config.cache
     serving = state.serving
     logger.info(
-        "serving model %s (as %s): dtype %s on %s, max_model_len %d, max_num_seqs %d, max_logprobs %d",
+        "serving model %s (as %s): dtype %s on %s, max_model_len %d, max_num_seqs %d, max_logprobs %d; layers: %s",
         engine.args.model or _default_model_name(state.engine) + " (embedded)",
         ", ".join(serving.served_model_names),
         str(runner.dtype).removeprefix("torch."),
@@ -168,6 +169,7 @@ def _log_startup(state: ServerState) -> None:
         serving.max_model_len,
         serving.max_num_seqs,
         serving.max_logprobs,
+        describe_layers(runner.layer_attention),
     )
     pool_bytes = runner.num_blocks * runner.bytes_per_block
     host = (
