@@ -27,34 +27,51 @@ pub fn index_key(hash: BlockHash) -> u64 {
     (hash.0 as u64) ^ ((hash.0 >> 64) as u64)
 }
 
-/// The extra key of a sequence's blocks: an optional cache salt, with its hash precomputed.
-/// Equality compares the salt itself, never only its hash.
+/// The extra key of a sequence's blocks: an optional cache salt and the KV-cache column the
+/// blocks belong to (kv_cache_manager.rs, "KV cache groups": each column's blocks hold other
+/// layers, so the same tokens in two columns are two contents), with its hash precomputed.
+/// Equality compares the salt itself and the column, never only the hash.
 #[derive(Clone, Debug, Default)]
 pub struct ExtraKey {
     salt: Option<Arc<str>>,
+    column: u32,
     hash: u64,
 }
 
 impl ExtraKey {
-    /// The key for `salt` (`None`: the shared, unsalted namespace).
+    /// The key for `salt` (`None`: the shared, unsalted namespace) in column 0.
     pub fn new(salt: Option<&str>) -> Self {
         match salt {
             None => ExtraKey::default(),
             // Salted keys hash their bytes; the unsalted key hashes to 0. A salt whose hash is 0
             // is still told apart by verification, which compares the strings.
-            Some(s) => ExtraKey { salt: Some(Arc::from(s)), hash: xxh3_64(s.as_bytes()) | 1 },
+            Some(s) => ExtraKey { salt: Some(Arc::from(s)), column: 0, hash: xxh3_64(s.as_bytes()) | 1 },
         }
+    }
+
+    /// The same salt in column `column`. Column 0 keeps the key's hash, so a model with one
+    /// column hashes its blocks exactly as before columns existed (KV events and routers
+    /// that recompute hashes from tokens agree with it).
+    pub fn for_column(&self, column: u32) -> Self {
+        let base = self.salt.as_deref().map_or(0, |s| xxh3_64(s.as_bytes()) | 1);
+        let hash = if column == 0 { base } else { base ^ xxh3_64(&(u64::from(column) | (1 << 40)).to_le_bytes()) };
+        ExtraKey { salt: self.salt.clone(), column, hash }
     }
 
     /// The salt, if any.
     pub fn salt(&self) -> Option<&str> {
         self.salt.as_deref()
     }
+
+    /// The KV-cache column.
+    pub fn column(&self) -> u32 {
+        self.column
+    }
 }
 
 impl PartialEq for ExtraKey {
     fn eq(&self, other: &Self) -> bool {
-        self.salt == other.salt
+        self.salt == other.salt && self.column == other.column
     }
 }
 

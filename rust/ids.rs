@@ -13,6 +13,16 @@ use crate::slab::{SlabKey, GENERATION_MASK};
 pub struct BlockId(pub u32);
 
 impl BlockId {
+    /// The entry of a block table whose block was given back (a sliding-window or chunked
+    /// column's blocks behind every future query): no block. It crosses to Python as `-1`.
+    pub const NULL: BlockId = BlockId(u32::MAX);
+
+    /// True for [`Self::NULL`].
+    #[inline]
+    pub fn is_null(self) -> bool {
+        self == Self::NULL
+    }
+
     /// The block's index into per-block arrays.
     #[inline]
     pub fn index(self) -> usize {

@@ -54,6 +54,7 @@
 //! cache's changes ([`crate::kv_events`]; device `"GPU"`, host `"CPU"`, disk `"DISK"`), and
 //! [`KvCacheManager::take_kv_events`] hands them out as one encoded batch.
 
+use crate::attention_span::AttentionSpan;
 use crate::block_hash::{BlockHash, BlockHasher, ExtraKey, HashMode};
 use crate::block_pool::{BlockIdentity, BlockPool, ChainLink, Evicted};
 use crate::block_table::{blocks_for, BlockTable};
@@ -62,6 +63,9 @@ use crate::eviction_queue::{Retention, DEFAULT_RETENTION_PRIORITY, MAX_RETENTION
 use crate::ids::{BlockId, SeqId};
 use crate::kv_events::{encode_batch, KvEvent, Medium};
 use crate::slab::Slab;
+
+/// The most columns (block tables per sequence) a manager has.
+pub const MAX_COLUMNS: usize = 256;
 
 /// A block copy `(source, destination)`; the tiers depend on the list it is in.
 pub type BlockPair = (BlockId, BlockId);
@@ -112,20 +116,59 @@ impl RetentionPolicy {
     }
 }
 
-/// One sequence's state (see the module docs).
+/// One block table of a sequence, with the prefix-cache chain of its blocks (module docs, "KV
+/// cache groups"): every sequence has one per column of the manager, all over the same
+/// tokens and the same pool.
 #[derive(Debug, Clone)]
-pub struct Sequence {
-    tokens: Vec<u32>,
+pub struct Column {
     table: BlockTable,
-    tier: Tier,
-    num_computed: usize,
-    write_start: usize,
-    /// Chained hashes of the first full blocks of `tokens` (computed lazily, kept for reuse).
+    /// Leading entries given back: their blocks are behind every future query of a sliding or
+    /// chunked column, and the entries are [`BlockId::NULL`]. Always 0 in a full column.
+    num_released: usize,
+    /// Chained hashes of the first full blocks of the tokens under this column's key
+    /// (computed lazily, kept for reuse).
     hashes: Vec<BlockHash>,
     /// Blocks `0 .. num_registered` were offered to the prefix cache (or came from it).
     num_registered: usize,
     /// How the chain of registered blocks continues after block `num_registered - 1`.
     link: ChainLink,
+    /// The sequence's extra key in this column.
+    extra: ExtraKey,
+}
+
+impl Column {
+    fn new(table: BlockTable, hashes: Vec<BlockHash>, num_registered: usize, link: ChainLink, extra: ExtraKey) -> Self {
+        Column { table, num_released: 0, hashes, num_registered, link, extra }
+    }
+
+    /// The block table; entries before [`Self::num_released`] are [`BlockId::NULL`].
+    #[inline]
+    pub fn table(&self) -> &BlockTable {
+        &self.table
+    }
+
+    /// Leading entries given back (null).
+    #[inline]
+    pub fn num_released(&self) -> usize {
+        self.num_released
+    }
+
+    /// The blocks the column holds (its table without the given-back entries).
+    #[inline]
+    pub fn held(&self) -> &[BlockId] {
+        &self.table.blocks()[self.num_released..]
+    }
+}
+
+/// One sequence's state (see the module docs).
+#[derive(Debug, Clone)]
+pub struct Sequence {
+    tokens: Vec<u32>,
+    tier: Tier,
+    num_computed: usize,
+    write_start: usize,
+    /// One per column of the manager; column 0 first.
+    cols: Vec<Column>,
     /// Tokens known when the sequence was created (its prompt). Blocks within them are
     /// registered in the prefix cache as soon as their step is scheduled, so that concurrent
     /// requests sharing the prompt hit them; blocks filled later by decoding are registered
@@ -161,10 +204,21 @@ impl Sequence {
         self.tokens.len() - self.num_computed
     }
 
-    /// The block table (block ids of the sequence's tier).
+    /// The block table of column 0 (block ids of the sequence's tier).
     #[inline]
     pub fn table(&self) -> &BlockTable {
-        &self.table
+        &self.cols[0].table
+    }
+
+    /// Every column's block table and state, column 0 first.
+    #[inline]
+    pub fn columns(&self) -> &[Column] {
+        &self.cols
+    }
+
+    /// Every block the sequence holds, all columns (given-back entries skipped).
+    pub fn held_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.cols.iter().flat_map(|c| c.held().iter().copied())
     }
 
     /// The tier holding the sequence's blocks.
@@ -205,40 +259,50 @@ pub struct TierBlock {
     pub block: BlockId,
 }
 
-/// The verified cached prefix of a token sequence (from [`KvCacheManager::match_prefix`]).
+/// The verified cached prefix of one column (part of a [`PrefixMatch`]).
 #[derive(Debug, Clone, Default)]
-pub struct PrefixMatch {
-    /// Cached blocks holding the first `hits.len() * block_size` tokens, in order; a block
-    /// found only on the host is loaded into a fresh device block at admission.
+pub struct ColumnMatch {
+    /// Cached blocks holding the column's first `hits.len() * block_size` tokens, in order; a
+    /// block found only on the host is loaded into a fresh device block at admission.
     pub hits: Vec<TierBlock>,
     /// Chained hashes computed on the way (at least one per hit block).
     pub hashes: Vec<BlockHash>,
-    /// The pools' eviction counts when matched: if blocks were evicted since, the match may
-    /// be stale and is redone.
-    evictions_at_match: u64,
     /// How the chain continues after the last hit.
     link: ChainLink,
 }
 
+/// The verified cached prefix of a token sequence (from [`KvCacheManager::match_prefix`]):
+/// the longest prefix every column can serve, so every column has as many hits (a sliding or
+/// chunked column needs only the hits a query after the prefix still sees; admission takes
+/// those).
+#[derive(Debug, Clone, Default)]
+pub struct PrefixMatch {
+    /// One per column, column 0 first (empty: no hits in any column).
+    pub cols: Vec<ColumnMatch>,
+    /// The pools' eviction counts when matched: if blocks were evicted since, the match may
+    /// be stale and is redone.
+    evictions_at_match: u64,
+}
+
 impl PrefixMatch {
-    /// Number of cached blocks.
+    /// Number of cached blocks (per column).
     pub fn num_blocks(&self) -> usize {
-        self.hits.len()
+        self.cols.first().map_or(0, |c| c.hits.len())
     }
 
     /// Number of cached tokens.
     pub fn num_tokens(&self, block_size: usize) -> usize {
-        self.hits.len() * block_size
+        self.num_blocks() * block_size
     }
 
-    /// Number of hits found only on the host.
+    /// Number of hits found only on the host (all columns).
     pub fn num_host_blocks(&self) -> usize {
-        self.hits.iter().filter(|h| h.tier == Tier::Host).count()
+        self.cols.iter().flat_map(|c| &c.hits).filter(|h| h.tier == Tier::Host).count()
     }
 
-    /// Number of hits found only on disk.
+    /// Number of hits found only on disk (all columns).
     pub fn num_disk_blocks(&self) -> usize {
-        self.hits.iter().filter(|h| h.tier == Tier::Disk).count()
+        self.cols.iter().flat_map(|c| &c.hits).filter(|h| h.tier == Tier::Disk).count()
     }
 }
 
@@ -294,6 +358,9 @@ pub struct KvCacheManager {
     /// Disk slots written since `begin_step`.
     step_disk_written: Vec<BlockId>,
     hasher: BlockHasher,
+    /// What each column's layers attend to (module docs, "KV cache groups"); one `Full`
+    /// column unless [`KvCacheManager::with_columns`] says otherwise.
+    spans: Vec<AttentionSpan>,
     seqs: Slab<Sequence>,
     copy_ops: Vec<(BlockId, BlockId)>,
     /// (device, host) copies recorded since the last `take_swap_ops`.
@@ -329,6 +396,7 @@ impl KvCacheManager {
             pinned_disk: Vec::new(),
             step_disk_written: Vec::new(),
             hasher,
+            spans: vec![AttentionSpan::Full],
             seqs: Slab::default(),
             copy_ops: Vec::new(),
             swap_out: Vec::new(),
@@ -341,6 +409,39 @@ impl KvCacheManager {
             record_events: false,
             pending_events: Vec::new(),
         })
+    }
+
+    /// Sets the columns: one block table per sequence for each, over the one pool, whose layers
+    /// attend as `spans` says (module docs, "KV cache groups"). Column 0 comes first; a full
+    /// column, if any, should be column 0 (its hash chain is the one KV events report). Only
+    /// before the first sequence.
+    pub fn with_columns(mut self, spans: Vec<AttentionSpan>) -> Result<Self> {
+        if spans.is_empty() {
+            return Err(CoreError::Config("a KV cache needs at least one column".into()));
+        }
+        if spans.len() > MAX_COLUMNS {
+            return Err(CoreError::Config(format!("at most {MAX_COLUMNS} KV-cache columns, got {}", spans.len())));
+        }
+        for s in &spans {
+            s.validate()?;
+        }
+        if !self.seqs.is_empty() {
+            return Err(CoreError::InvalidArgument("columns are set before the first sequence".into()));
+        }
+        self.spans = spans;
+        Ok(self)
+    }
+
+    /// What each column's layers attend to, column 0 first.
+    #[inline]
+    pub fn spans(&self) -> &[AttentionSpan] {
+        &self.spans
+    }
+
+    /// Number of columns (block tables per sequence).
+    #[inline]
+    pub fn num_columns(&self) -> usize {
+        self.spans.len()
     }
 
     /// Adds a host tier of `num_host_blocks` blocks (0: none). With prefix caching on, cached
@@ -457,54 +558,84 @@ impl KvCacheManager {
         [Some(&self.pool), self.host.as_ref(), self.disk.as_ref()].into_iter().flatten().map(|p| p.counters().evictions).sum()
     }
 
-    /// The longest verified cached prefix of `tokens` under `extra`, leaving at least one token
-    /// to compute: device hits first at each position, then host hits. Changes nothing.
+    /// The longest verified cached prefix of `tokens` under `extra` that every column holds,
+    /// leaving at least one token to compute: device hits first at each position, then host
+    /// hits, then disk hits. Changes nothing.
     pub fn match_prefix(&mut self, tokens: &[u32], extra: &ExtraKey) -> PrefixMatch {
-        let mut m = PrefixMatch { evictions_at_match: self.evictions(), link: ChainLink::Root, ..Default::default() };
+        let mut m = self.no_prefix_match();
         if !self.pool.prefix_caching() || tokens.is_empty() {
             return m;
         }
         let bs = self.block_size();
-        let max_blocks = (tokens.len() - 1) / bs;
-        self.hasher.extend_chain(&mut m.hashes, tokens, bs, extra, max_blocks);
-        let mut parent = None;
-        for (k, &h) in m.hashes.iter().take(max_blocks).enumerate() {
-            let t = &tokens[k * bs..(k + 1) * bs];
-            let found = [(Tier::Device, Some(&self.pool)), (Tier::Host, self.host.as_ref()), (Tier::Disk, self.disk.as_ref())]
-                .into_iter()
-                .find_map(|(tier, pool)| {
-                    let (block, node) = pool?.lookup_verified(h, parent, t, extra)?;
-                    Some((TierBlock { tier, block }, node))
-                });
-            let Some((hit, node)) = found else { break };
-            m.hits.push(hit);
-            parent = Some(node);
+        // Each column walks its own chain, no further than the columns before it reached.
+        let mut limit = (tokens.len() - 1) / bs;
+        for c in 0..self.spans.len() {
+            let key = extra.for_column(c as u32);
+            let col = &mut m.cols[c];
+            self.hasher.extend_chain(&mut col.hashes, tokens, bs, &key, limit);
+            let mut parent = None;
+            for (k, &h) in col.hashes.iter().take(limit).enumerate() {
+                let t = &tokens[k * bs..(k + 1) * bs];
+                let found = [(Tier::Device, Some(&self.pool)), (Tier::Host, self.host.as_ref()), (Tier::Disk, self.disk.as_ref())]
+                    .into_iter()
+                    .find_map(|(tier, pool)| {
+                        let (block, node) = pool?.lookup_verified(h, parent, t, &key)?;
+                        Some((TierBlock { tier, block }, node))
+                    });
+                let Some((hit, node)) = found else { break };
+                col.hits.push(hit);
+                parent = Some(node);
+            }
+            col.link = parent.map_or(ChainLink::Root, ChainLink::Node);
+            limit = col.hits.len();
         }
-        m.link = parent.map_or(ChainLink::Root, ChainLink::Node);
+        self.truncate_match(&mut m, limit);
         m
+    }
+
+    /// Cuts every column of `m` to its first `keep` hits (the chain continues after the last).
+    fn truncate_match(&self, m: &mut PrefixMatch, keep: usize) {
+        for col in &mut m.cols {
+            if col.hits.len() > keep {
+                col.hits.truncate(keep);
+                col.link = match col.hits.last() {
+                    None => ChainLink::Root,
+                    Some(h) => self.node_of(*h).map_or(ChainLink::Broken, ChainLink::Node),
+                };
+            }
+        }
     }
 
     /// A match with no hits, current with the pools' evictions (so `add_sequence` keeps it as
     /// it is): the sequence computes every token, and its full blocks are still registered.
     pub fn no_prefix_match(&self) -> PrefixMatch {
-        PrefixMatch { evictions_at_match: self.evictions(), link: ChainLink::Root, ..Default::default() }
+        PrefixMatch { cols: vec![ColumnMatch::default(); self.spans.len()], evictions_at_match: self.evictions() }
+    }
+
+    /// The hits of each column a sequence admitted with `hits` cached blocks keeps: those a
+    /// query at the first position after them still sees (all of them in a full column).
+    #[inline]
+    fn live_hits(span: AttentionSpan, hits: usize, block_size: usize) -> std::ops::Range<usize> {
+        span.dead_blocks(hits * block_size, block_size)..hits
     }
 
     /// Blocks a new sequence takes from the free device pool to get `m`'s cached prefix plus
     /// slots for `num_new_tokens` more tokens: fresh blocks (for new tokens and for host hits),
     /// plus the cached device blocks that are free now (taking them removes them from the
-    /// free queue).
+    /// free queue), in every column.
     pub fn admission_cost(&self, m: &PrefixMatch, num_new_tokens: usize) -> usize {
         let bs = self.block_size();
-        let hit_tokens = m.num_tokens(bs);
-        let fresh = blocks_for(hit_tokens + num_new_tokens, bs) - m.hits.len();
-        let from_host = m.hits.iter().filter(|h| h.tier != Tier::Device).count();
-        let revived = m
-            .hits
-            .iter()
-            .filter(|h| h.tier == Tier::Device && self.pool.ref_count_unchecked(h.block) == 0)
-            .count();
-        fresh + from_host + revived
+        let k = m.num_blocks();
+        let fresh = blocks_for(k * bs + num_new_tokens, bs) - k;
+        let mut cost = fresh * self.spans.len();
+        for (c, &span) in self.spans.iter().enumerate() {
+            let Some(col) = m.cols.get(c) else { continue };
+            cost += col.hits[Self::live_hits(span, k, bs)]
+                .iter()
+                .filter(|h| h.tier != Tier::Device || self.pool.ref_count_unchecked(h.block) == 0)
+                .count();
+        }
+        cost
     }
 
     /// Creates a sequence over `tokens` whose first blocks are `m`'s cached prefix (taking a
@@ -515,6 +646,32 @@ impl KvCacheManager {
         self.add_sequence_with_retention(tokens, extra, m, RetentionPolicy::default())
     }
 
+    /// Whether the pools have room to take the live hits of `m`'s first `k` blocks: a host hit
+    /// needs a fresh device block, a disk hit a fresh host block too (free blocks that are
+    /// hits themselves are taken out of the free queue first, so they do not count as room).
+    fn hits_fit(&self, m: &PrefixMatch, k: usize) -> bool {
+        let bs = self.block_size();
+        let (mut device_need, mut host_need, mut device_revived, mut host_revived) = (0usize, 0usize, 0usize, 0usize);
+        for (col, &span) in m.cols.iter().zip(&self.spans) {
+            for hit in &col.hits[Self::live_hits(span, k, bs)] {
+                match hit.tier {
+                    Tier::Device => device_revived += usize::from(self.pool.ref_count_unchecked(hit.block) == 0),
+                    Tier::Host => {
+                        device_need += 1;
+                        host_revived += usize::from(self.host.as_ref().is_some_and(|h| h.ref_count_unchecked(hit.block) == 0));
+                    }
+                    Tier::Disk => {
+                        device_need += 1;
+                        host_need += 1;
+                    }
+                }
+            }
+        }
+        let device_room = self.pool.num_free() - device_revived;
+        let host_room = self.host.as_ref().map_or(0, |h| h.num_free() - host_revived);
+        device_need <= device_room && host_need <= host_room
+    }
+
     /// [`Self::add_sequence`] with the retention of the prompt's blocks (validate it first).
     pub fn add_sequence_with_retention(
         &mut self,
@@ -523,100 +680,93 @@ impl KvCacheManager {
         mut m: PrefixMatch,
         retention: RetentionPolicy,
     ) -> (SeqId, usize) {
-        if m.evictions_at_match != self.evictions() {
+        if m.evictions_at_match != self.evictions() || m.cols.len() != self.spans.len() {
             m = self.match_prefix(&tokens, &extra);
         }
-        // Keep the hits the pools have room for: a host hit needs a fresh device block, a
-        // disk hit a fresh host block too (free blocks that are hits themselves are taken out
-        // of the free queue first, so they do not count as room). The prefix ends before the
-        // first hit that does not fit.
-        let revived = |pool: &BlockPool, tier: Tier| {
-            m.hits.iter().filter(|h| h.tier == tier && pool.ref_count_unchecked(h.block) == 0).count()
-        };
-        let mut device_room = self.pool.num_free() - revived(&self.pool, Tier::Device);
-        let mut host_room = self.host.as_ref().map_or(0, |h| h.num_free() - revived(h, Tier::Host));
-        let mut keep = m.hits.len();
-        for (k, hit) in m.hits.iter().enumerate() {
-            let needs_host = hit.tier == Tier::Disk;
-            if hit.tier != Tier::Device && (device_room == 0 || (needs_host && host_room == 0)) {
-                keep = k;
-                break;
-            }
-            if hit.tier != Tier::Device {
-                device_room -= 1;
-            }
-            if needs_host {
-                host_room -= 1;
-            }
+        let bs = self.block_size();
+        // Keep the longest prefix whose live hits the pools have room for. Only host and disk
+        // hits need room, so this is the whole match unless the pools are short.
+        let mut keep = m.num_blocks();
+        while keep > 0 && !self.hits_fit(&m, keep) {
+            keep -= 1;
         }
-        if keep < m.hits.len() {
-            m.hits.truncate(keep);
-            // The chain continues after the last kept hit.
-            m.link = match m.hits.last() {
-                None => ChainLink::Root,
-                Some(h) => self.node_of(*h).map_or(ChainLink::Broken, ChainLink::Node),
-            };
-        }
-        // Take every hit first (device ones out of the free queue, host and disk ones pinned),
-        // so that the fresh blocks allocated below can evict none of them.
-        for hit in &m.hits {
-            match hit.tier {
-                Tier::Device => self.pool.acquire_unchecked(hit.block),
-                Tier::Host => {
-                    if let Some(host) = self.host.as_mut() {
-                        host.acquire_unchecked(hit.block);
-                        self.pinned_host.push(hit.block);
+        self.truncate_match(&mut m, keep);
+        // Take every live hit first (device ones out of the free queue, host and disk ones
+        // pinned), so that the fresh blocks allocated below can evict none of them.
+        for (col, &span) in m.cols.iter().zip(&self.spans) {
+            for hit in &col.hits[Self::live_hits(span, keep, bs)] {
+                match hit.tier {
+                    Tier::Device => self.pool.acquire_unchecked(hit.block),
+                    Tier::Host => {
+                        if let Some(host) = self.host.as_mut() {
+                            host.acquire_unchecked(hit.block);
+                            self.pinned_host.push(hit.block);
+                        }
                     }
-                }
-                Tier::Disk => {
-                    if let Some(disk) = self.disk.as_mut() {
-                        disk.acquire_unchecked(hit.block);
-                        self.pinned_disk.push(hit.block);
+                    Tier::Disk => {
+                        if let Some(disk) = self.disk.as_mut() {
+                            disk.acquire_unchecked(hit.block);
+                            self.pinned_disk.push(hit.block);
+                        }
                     }
                 }
             }
         }
-        let mut blocks = Vec::with_capacity(m.hits.len());
         let (mut from_host, mut from_disk) = (0u64, 0u64);
-        for hit in &m.hits {
-            // Room was counted above: the loads cannot fail.
-            let loaded = match hit.tier {
-                Tier::Device => Some(hit.block),
-                Tier::Host => {
-                    from_host += 1;
-                    self.load_from_host(hit.block)
+        let mut cols = Vec::with_capacity(self.spans.len());
+        let mut loaded_all = true;
+        for (c, (cm, span)) in m.cols.into_iter().zip(self.spans.clone()).enumerate() {
+            let live = Self::live_hits(span, keep, bs);
+            let mut blocks = vec![BlockId::NULL; live.start];
+            for hit in &cm.hits[live.clone()] {
+                // Room was counted above: the loads cannot fail.
+                let loaded = match hit.tier {
+                    Tier::Device => Some(hit.block),
+                    Tier::Host => {
+                        from_host += u64::from(c == 0);
+                        self.load_from_host(hit.block)
+                    }
+                    Tier::Disk => {
+                        from_disk += u64::from(c == 0);
+                        self.load_from_disk(hit.block).and_then(|h| self.load_from_host(h))
+                    }
+                };
+                match loaded {
+                    Some(d) => blocks.push(d),
+                    None => break,
                 }
-                Tier::Disk => {
-                    from_disk += 1;
-                    self.load_from_disk(hit.block).and_then(|h| self.load_from_host(h))
-                }
-            };
-            match loaded {
-                Some(d) => blocks.push(d),
-                None => break,
             }
+            loaded_all &= blocks.len() == keep;
+            let mut col = Column::new(BlockTable::from_blocks(blocks), cm.hashes, keep, cm.link, extra.for_column(c as u32));
+            col.num_released = live.start;
+            cols.push(col);
+        }
+        if !loaded_all {
+            // Cannot happen (room was counted); stay safe: keep the prefix every column loaded.
+            let held = cols.iter().map(|c| c.table.len()).min().unwrap_or(0);
+            for col in &mut cols {
+                for b in col.table.blocks_mut().drain(held..).filter(|b| !b.is_null()) {
+                    self.pool.release_ref_unchecked(b);
+                }
+                col.num_registered = held;
+                col.num_released = col.num_released.min(held);
+                col.link = ChainLink::Broken;
+            }
+            keep = held;
         }
         self.write_back_evicted();
-        let bs = self.block_size();
-        let hit_tokens = blocks.len() * bs;
+        let hit_tokens = keep * bs;
         self.prefix.queries += tokens.len() as u64;
         self.prefix.hits += hit_tokens as u64;
         self.prefix.host_hits += from_host * bs as u64;
         self.prefix.disk_hits += from_disk * bs as u64;
-        let num_registered = blocks.len();
-        if num_registered < m.hits.len() {
-            m.link = ChainLink::Broken; // cannot happen (room was counted); stay safe
-        }
         let prompt_len = tokens.len();
         let seq = Sequence {
             tokens,
-            table: BlockTable::from_blocks(blocks),
             tier: Tier::Device,
             num_computed: hit_tokens,
             write_start: hit_tokens,
-            hashes: m.hashes,
-            num_registered,
-            link: m.link,
+            cols,
             prompt_len,
             extra,
             retention,
@@ -715,7 +865,8 @@ impl KvCacheManager {
 
     /// Reserves device blocks to receive the KV of `tokens`' first `num_blocks` full blocks
     /// from another engine (disaggregated prefill), or `None` (changing nothing) if the pool
-    /// lacks room. The blocks this pool already caches (a verified *device* prefix hit; never
+    /// lacks room or the manager has more than one column (KV transfer carries one table).
+    /// The blocks this pool already caches (a verified *device* prefix hit; never
     /// more than `num_blocks`) are shared, the rest are fresh. Returns the sequence and the
     /// number of leading blocks that were hits: the caller fills the table's blocks after them
     /// and then either `free`s the sequence, which registers them in the prefix cache like any
@@ -726,24 +877,22 @@ impl KvCacheManager {
     /// Until one of those calls the fresh blocks are in the sequence's write window: not in
     /// the prefix cache, so no other request can hit them while their KV is arriving.
     pub fn reserve_prefix(&mut self, tokens: Vec<u32>, extra: ExtraKey, num_blocks: usize) -> Option<(SeqId, usize)> {
+        if self.spans.len() != 1 {
+            return None; // KV transfer carries one column (the scheduler refuses more first)
+        }
         let bs = self.block_size();
         let num_blocks = num_blocks.min(tokens.len().saturating_sub(1) / bs);
         let mut m = self.match_prefix(&tokens, &extra);
         // Host and disk hits would need copies that only a scheduled step runs: stop there.
-        let keep = m.hits.iter().take(num_blocks).take_while(|h| h.tier == Tier::Device).count();
-        if keep < m.hits.len() {
-            m.hits.truncate(keep);
-            m.link = match m.hits.last() {
-                None => ChainLink::Root,
-                Some(h) => self.node_of(*h).map_or(ChainLink::Broken, ChainLink::Node),
-            };
-        }
-        let revived = m.hits.iter().filter(|h| self.pool.ref_count_unchecked(h.block) == 0).count();
+        let keep = m.cols[0].hits.iter().take(num_blocks).take_while(|h| h.tier == Tier::Device).count();
+        self.truncate_match(&mut m, keep);
+        let cm = m.cols.swap_remove(0);
+        let revived = cm.hits.iter().filter(|h| self.pool.ref_count_unchecked(h.block) == 0).count();
         if num_blocks - keep + revived > self.pool.num_free() {
             return None;
         }
         let mut blocks: Vec<BlockId> = Vec::with_capacity(num_blocks);
-        for hit in &m.hits {
+        for hit in &cm.hits {
             self.pool.acquire_unchecked(hit.block);
             blocks.push(hit.block);
         }
@@ -754,15 +903,13 @@ impl KvCacheManager {
             drop(self.pool.take_evicted());
         }
         let prompt_len = tokens.len();
+        let col = Column::new(BlockTable::from_blocks(blocks), cm.hashes, keep, cm.link, extra.for_column(0));
         let seq = Sequence {
             tokens,
-            table: BlockTable::from_blocks(blocks),
             tier: Tier::Device,
             num_computed: num_blocks * bs,
             write_start: keep * bs,
-            hashes: m.hashes,
-            num_registered: keep,
-            link: m.link,
+            cols: vec![col],
             prompt_len,
             extra,
             retention: RetentionPolicy::default(),
@@ -773,29 +920,59 @@ impl KvCacheManager {
     /// Blocks of the cached prefix of `tokens` (no salt) a new sequence would find (tests).
     #[cfg(test)]
     pub(crate) fn cached_prefix_blocks(&mut self, tokens: &[u32]) -> usize {
-        self.match_prefix(tokens, &ExtraKey::new(None)).hits.len()
+        self.match_prefix(tokens, &ExtraKey::new(None)).num_blocks()
     }
 
-    /// Blocks `allocate_slots(id, n)` would take from the free pool (copy-on-write included).
+    /// Fresh blocks `seq` takes to grow by `n` slots, in all columns, before any is given back
+    /// and without copy-on-write: the bound a swapped-out sequence's resumption is costed by.
+    pub fn growth_blocks(&self, seq: &Sequence, n: usize) -> usize {
+        (blocks_for(seq.num_computed + n, self.block_size()) - seq.cols[0].table.len()) * seq.cols.len()
+    }
+
+    /// Blocks `allocate_slots(id, n)` would take from the free pool (copy-on-write included,
+    /// net of the blocks it gives back first).
     pub fn blocks_needed(&self, id: SeqId, n: usize) -> Result<usize> {
         let seq = self.seq(id)?;
         Ok(self.blocks_needed_for(seq, n))
     }
 
     fn blocks_needed_for(&self, seq: &Sequence, n: usize) -> usize {
+        let (need, freed) = Self::allocation_need(&self.pool, &self.spans, seq, n);
+        need.saturating_sub(freed)
+    }
+
+    /// What giving slots to `n` more tokens of `seq` takes from the pool, over its columns:
+    /// the blocks it needs (fresh ones and copy-on-write copies) and the blocks it gives back
+    /// to the free pool first (held by it alone, and behind every query from its next
+    /// position on).
+    fn allocation_need(pool: &BlockPool, spans: &[AttentionSpan], seq: &Sequence, n: usize) -> (usize, usize) {
         if n == 0 {
-            return 0;
+            return (0, 0);
         }
-        let fresh = blocks_for(seq.num_computed + n, self.block_size()) - seq.table.len();
-        fresh + usize::from(cow_index(&self.pool, seq).is_some())
+        let bs = pool.block_size();
+        let fresh = blocks_for(seq.num_computed + n, bs) - seq.cols[0].table.len();
+        let (mut need, mut freed) = (fresh * seq.cols.len(), 0);
+        for (col, &span) in seq.cols.iter().zip(spans) {
+            need += usize::from(cow_index(pool, col, seq.num_computed).is_some());
+            if !span.is_full() {
+                let dead = span.dead_blocks(seq.num_computed, bs).min(col.table.len());
+                freed += col.table.blocks()[col.num_released.min(dead)..dead]
+                    .iter()
+                    .filter(|&&b| pool.ref_count_unchecked(b) == 1)
+                    .count();
+            }
+        }
+        (need, freed)
     }
 
     /// Gives slots to the next `n` pending tokens of `id` (positions `num_computed ..
     /// num_computed + n`), copying a shared partial block on write, and registers blocks that
-    /// become full in the prefix cache. All-or-nothing: `Ok(false)` and no change when the pool
-    /// has too few free blocks. The sequence must be on the device.
+    /// become full in the prefix cache. In a sliding or chunked column it first gives back the
+    /// blocks no query from `num_computed` on can see (module docs, "KV cache groups").
+    /// All-or-nothing: `Ok(false)` and no change when the pool has too few free blocks. The
+    /// sequence must be on the device.
     pub fn allocate_slots(&mut self, id: SeqId, n: usize) -> Result<bool> {
-        let KvCacheManager { pool, hasher, seqs, copy_ops, .. } = self;
+        let KvCacheManager { pool, hasher, seqs, copy_ops, spans, .. } = self;
         let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         if n > seq.num_pending() {
             return Err(CoreError::InvalidArgument(format!(
@@ -809,7 +986,7 @@ impl KvCacheManager {
                 "sequence {id} is swapped out to the host: swap it in before giving it slots"
             )));
         }
-        let ok = Self::allocate_slots_in(pool, hasher, copy_ops, seq, n);
+        let ok = Self::allocate_slots_in(pool, hasher, copy_ops, spans, seq, n);
         self.write_back_evicted();
         Ok(ok)
     }
@@ -819,51 +996,110 @@ impl KvCacheManager {
         pool: &mut BlockPool,
         hasher: &mut BlockHasher,
         copy_ops: &mut Vec<(BlockId, BlockId)>,
+        spans: &[AttentionSpan],
         seq: &mut Sequence,
         n: usize,
     ) -> bool {
         if n == 0 {
             return true;
         }
-        let bs = pool.block_size();
-        let target = seq.num_computed + n;
-        let fresh = blocks_for(target, bs) - seq.table.len();
-        let cow = cow_index(pool, seq);
-        if fresh + usize::from(cow.is_some()) > pool.num_free() {
+        let (need, freed) = Self::allocation_need(pool, spans, seq, n);
+        if need > pool.num_free() + freed {
             return false;
         }
-        if let Some(i) = cow {
-            // Checked above: enough free blocks for the copy and the fresh blocks.
-            if let Some(private) = pool.allocate_one() {
-                let shared = seq.table.replace(i, private);
-                pool.release_ref_unchecked(shared);
-                copy_ops.push((shared, private));
+        let bs = pool.block_size();
+        let target = seq.num_computed + n;
+        let fresh = blocks_for(target, bs) - seq.cols[0].table.len();
+        let Sequence { tokens, cols, num_computed, tier, prompt_len, retention, .. } = seq;
+        // Every column gives back first, so that any column's allocation can use those blocks.
+        for (col, &span) in cols.iter_mut().zip(spans) {
+            if !span.is_full() {
+                let dead = span.dead_blocks(*num_computed, bs).min(col.table.len());
+                Self::release_behind(pool, hasher, tokens, *num_computed, *tier, *prompt_len, retention, col, dead);
             }
         }
-        pool.allocate_into(fresh, seq.table.blocks_mut());
+        for col in cols.iter_mut() {
+            if let Some(i) = cow_index(pool, col, *num_computed) {
+                // Checked above: enough free blocks for the copy and the fresh blocks.
+                if let Some(private) = pool.allocate_one() {
+                    let shared = col.table.replace(i, private);
+                    pool.release_ref_unchecked(shared);
+                    copy_ops.push((shared, private));
+                }
+            }
+            let allocated = pool.allocate_into(fresh, col.table.blocks_mut());
+            debug_assert!(allocated, "checked above: enough free blocks");
+        }
         seq.write_start = seq.num_computed;
         seq.num_computed = target;
         let upto = seq.num_computed.min(seq.prompt_len);
-        Self::register_full_blocks(pool, hasher, seq, upto);
+        let Sequence { tokens, cols, num_computed, tier, .. } = seq;
+        for col in cols.iter_mut() {
+            Self::register_full_blocks(pool, hasher, tokens, *num_computed, *tier, col, upto);
+        }
         true
     }
 
-    /// Offers the sequence's full blocks within its first `upto` computed tokens, not offered
-    /// yet, to the prefix cache (device sequences only).
-    fn register_full_blocks(pool: &mut BlockPool, hasher: &mut BlockHasher, seq: &mut Sequence, upto: usize) {
-        if !pool.prefix_caching() || seq.tier != Tier::Device {
+    /// Gives back the blocks of `col` before logical index `dead` that it still holds (the
+    /// caller checked that no query from now on reads them): registered first, so that they
+    /// stay prefix-cache candidates until evicted, then released with the retention they
+    /// would get when the sequence ends; their entries become [`BlockId::NULL`].
+    #[allow(clippy::too_many_arguments)]
+    fn release_behind(
+        pool: &mut BlockPool,
+        hasher: &mut BlockHasher,
+        tokens: &[u32],
+        num_computed: usize,
+        tier: Tier,
+        prompt_len: usize,
+        retention: &RetentionPolicy,
+        col: &mut Column,
+        dead: usize,
+    ) {
+        if dead <= col.num_released {
+            return;
+        }
+        Self::register_full_blocks(pool, hasher, tokens, num_computed, tier, col, dead * pool.block_size());
+        let first = col.num_released;
+        let behind: Vec<BlockId> = (first..dead).map(|k| col.table.replace(k, BlockId::NULL)).collect();
+        Self::release_blocks(pool, retention, prompt_len, &behind, first);
+        col.num_released = dead;
+    }
+
+    /// Offers the column's full blocks within the sequence's first `upto` computed tokens, not
+    /// offered yet, to the prefix cache (device sequences only).
+    fn register_full_blocks(
+        pool: &mut BlockPool,
+        hasher: &mut BlockHasher,
+        tokens: &[u32],
+        num_computed: usize,
+        tier: Tier,
+        col: &mut Column,
+        upto: usize,
+    ) {
+        if !pool.prefix_caching() || tier != Tier::Device {
             return;
         }
         let bs = pool.block_size();
-        let full = upto.min(seq.num_computed) / bs;
-        if full <= seq.num_registered {
+        let full = upto.min(num_computed) / bs;
+        if full <= col.num_registered {
             return;
         }
-        hasher.extend_chain(&mut seq.hashes, &seq.tokens, bs, &seq.extra, full);
-        let (_, link) =
-            pool.register_chain(seq.table.blocks(), &seq.hashes, &seq.tokens, &seq.extra, seq.num_registered, full, seq.link);
-        seq.link = link;
-        seq.num_registered = full;
+        hasher.extend_chain(&mut col.hashes, tokens, bs, &col.extra, full);
+        // Given-back blocks were registered before they were given back (`release_behind`).
+        debug_assert!(col.num_registered >= col.num_released);
+        let (_, link) = pool.register_chain(col.table.blocks(), &col.hashes, tokens, &col.extra, col.num_registered, full, col.link);
+        col.link = link;
+        col.num_registered = full;
+    }
+
+    /// Offers every column's full blocks within the first `upto` computed tokens to the
+    /// prefix cache.
+    fn register_all(pool: &mut BlockPool, hasher: &mut BlockHasher, seq: &mut Sequence, upto: usize) {
+        let Sequence { tokens, cols, num_computed, tier, .. } = seq;
+        for col in cols.iter_mut() {
+            Self::register_full_blocks(pool, hasher, tokens, *num_computed, *tier, col, upto);
+        }
     }
 
     /// Appends known token ids (e.g. sampled ones) without giving them slots.
@@ -883,7 +1119,7 @@ impl KvCacheManager {
     /// Decode step for one sequence: appends `token` and gives it a slot. All-or-nothing:
     /// `Ok(false)` and no change when no block is free.
     pub fn append_token_with_slot(&mut self, id: SeqId, token: u32) -> Result<bool> {
-        let KvCacheManager { pool, hasher, seqs, copy_ops, .. } = self;
+        let KvCacheManager { pool, hasher, seqs, copy_ops, spans, .. } = self;
         let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         if seq.tier != Tier::Device {
             return Err(CoreError::InvalidArgument(format!("sequence {id} is swapped out to the host")));
@@ -891,7 +1127,7 @@ impl KvCacheManager {
         seq.tokens.push(token);
         // One slot for the new token, plus any earlier pending ones (all of them, in order).
         let n = seq.num_pending();
-        let ok = Self::allocate_slots_in(pool, hasher, copy_ops, seq, n);
+        let ok = Self::allocate_slots_in(pool, hasher, copy_ops, spans, seq, n);
         if !ok {
             seq.tokens.pop();
         }
@@ -934,29 +1170,41 @@ impl KvCacheManager {
             Tier::Host => self.host.as_mut().ok_or_else(|| CoreError::InvariantViolation("host sequence without a host tier".into()))?,
             Tier::Disk => return Err(CoreError::InvariantViolation("a sequence on the disk tier".into())),
         };
-        for &b in child.table.blocks() {
+        for b in child.held_blocks() {
             pool.acquire_unchecked(b);
         }
         Ok(self.insert(child))
     }
 
-    /// Drops the sequence's reference on each of its blocks, the last block first (so that
-    /// among a sequence's cached blocks the tail, the least shareable, is evicted first),
-    /// setting each one's retention: the prompt's policy for the full blocks it covers, the
-    /// default for the others (blocks filled by decoding, a private tail), and never above the
-    /// block before it, so that a chain's leaves are evicted before their parents. The covered
-    /// blocks come first, so that rule only matters past them: there a block gets the lower
-    /// of the default and the prompt's retention.
-    fn release_blocks(pool: &mut BlockPool, seq: &Sequence, blocks: &[BlockId]) {
-        let covered_tokens = seq.retention.num_tokens.map_or(seq.prompt_len, |n| n.min(seq.prompt_len));
+    /// Drops a reference on each of `blocks` (logical indices `first ..`; null entries are
+    /// skipped), the last block first (so that among a sequence's cached blocks the tail, the
+    /// least shareable, is evicted first), setting each one's retention: the prompt's policy
+    /// for the full blocks it covers, the default for the others (blocks filled by decoding, a
+    /// private tail), and never above the block before it, so that a chain's leaves are
+    /// evicted before their parents. The covered blocks come first, so that rule only matters
+    /// past them: there a block gets the lower of the default and the prompt's retention.
+    fn release_blocks(pool: &mut BlockPool, retention: &RetentionPolicy, prompt_len: usize, blocks: &[BlockId], first: usize) {
+        let covered_tokens = retention.num_tokens.map_or(prompt_len, |n| n.min(prompt_len));
         let covered = covered_tokens / pool.block_size();
         let prompt = Retention {
-            priority: seq.retention.priority,
-            expires_at_us: seq.retention.duration_us.map(|d| pool.now_us().saturating_add(d)),
+            priority: retention.priority,
+            expires_at_us: retention.duration_us.map(|d| pool.now_us().saturating_add(d)),
         };
         let tail = if covered > 0 && prompt.priority < DEFAULT_RETENTION_PRIORITY { prompt } else { Retention::DEFAULT };
         for (k, &b) in blocks.iter().enumerate().rev() {
-            pool.release_with_retention(b, if k < covered { prompt } else { tail });
+            if !b.is_null() {
+                pool.release_with_retention(b, if first + k < covered { prompt } else { tail });
+            }
+        }
+    }
+
+    /// Releases every column's blocks of `seq` into `pool` (emptying its tables).
+    fn release_columns(pool: &mut BlockPool, seq: &mut Sequence) {
+        let Sequence { cols, retention, prompt_len, .. } = seq;
+        for col in cols.iter_mut() {
+            let blocks = col.table.take();
+            Self::release_blocks(pool, retention, *prompt_len, &blocks, 0);
+            col.num_released = 0;
         }
     }
 
@@ -972,13 +1220,12 @@ impl KvCacheManager {
         let mut seq = self.seqs.remove(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         // Blocks filled by decoding become findable now (see `Sequence::prompt_len`).
         let upto = seq.num_computed;
-        Self::register_full_blocks(&mut self.pool, &mut self.hasher, &mut seq, upto);
-        let blocks = seq.table.take();
+        Self::register_all(&mut self.pool, &mut self.hasher, &mut seq, upto);
         match seq.tier {
-            Tier::Device => Self::release_blocks(&mut self.pool, &seq, &blocks),
+            Tier::Device => Self::release_columns(&mut self.pool, &mut seq),
             Tier::Host => {
                 if let Some(host) = self.host.as_mut() {
-                    Self::release_blocks(host, &seq, &blocks);
+                    Self::release_columns(host, &mut seq);
                 }
             }
             Tier::Disk => {} // never: no sequence lives on disk
@@ -994,10 +1241,15 @@ impl KvCacheManager {
         let seq = self.seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         if seq.tier == Tier::Device {
             let first_unsure = seq.write_start / self.pool.block_size();
-            for k in first_unsure..seq.num_registered.min(seq.table.len()) {
-                self.pool.uncache(seq.table.blocks()[k]);
+            for col in &mut seq.cols {
+                for k in first_unsure..col.num_registered.min(col.table.len()) {
+                    let b = col.table.blocks()[k];
+                    if !b.is_null() {
+                        self.pool.uncache(b);
+                    }
+                }
+                col.num_registered = col.num_registered.min(first_unsure);
             }
-            seq.num_registered = seq.num_registered.min(first_unsure);
             seq.num_computed = seq.write_start;
         }
         self.free_take_tokens(id)
@@ -1014,13 +1266,20 @@ impl KvCacheManager {
             return Ok(None);
         }
         let on_host = |b: BlockId| self.pool.find_copy_in(b, host).is_some();
-        let copies = seq.table.blocks().iter().filter(|&&b| !on_host(b)).count();
+        let copies = seq.held_blocks().filter(|&b| !on_host(b)).count();
+        // A recompute finds again the prefix every column shares (a given-back entry ends it).
         let shared = seq
-            .table
-            .blocks()
+            .cols
             .iter()
-            .take_while(|&&b| self.pool.ref_count_unchecked(b) > 1 && self.pool.is_cached(b))
-            .count();
+            .map(|c| {
+                c.table
+                    .blocks()
+                    .iter()
+                    .take_while(|&&b| !b.is_null() && self.pool.ref_count_unchecked(b) > 1 && self.pool.is_cached(b))
+                    .count()
+            })
+            .min()
+            .unwrap_or(0);
         let recompute = seq.num_computed.saturating_sub(shared * self.block_size());
         Ok(Some((copies, recompute)))
     }
@@ -1028,9 +1287,10 @@ impl KvCacheManager {
     /// Moves device sequence `id` to the host tier: each block's content goes to a host block
     /// (one already holding it is shared; others are fresh blocks, copied by a `swap_out` op
     /// and registered there when the device block is registered), and the device blocks lose
-    /// the sequence's reference (cached ones stay findable on the device). All-or-nothing:
-    /// `Ok(false)` and no change without a host tier or with too few free host blocks (the
-    /// caller recomputes instead). The sequence's window must be closed (its last step ran).
+    /// the sequence's reference (cached ones stay findable on the device). Given-back entries
+    /// stay given back. All-or-nothing: `Ok(false)` and no change without a host tier or with
+    /// too few free host blocks (the caller recomputes instead). The sequence's window must be
+    /// closed (its last step ran).
     pub fn swap_out(&mut self, id: SeqId) -> Result<bool> {
         let KvCacheManager { pool, host, hasher, seqs, swap_out, step_host_written, tiers, .. } = self;
         let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
@@ -1041,43 +1301,46 @@ impl KvCacheManager {
         // Blocks filled by decoding get their identity now, so their content can be found on
         // either tier later (as when a sequence is freed).
         let upto = seq.num_computed;
-        Self::register_full_blocks(pool, hasher, seq, upto);
+        Self::register_all(pool, hasher, seq, upto);
         let resident = |b: BlockId, host: &BlockPool| pool.find_copy_in(b, host);
         // Host blocks taken from the free queue: fresh ones for the copies, plus free cached
         // ones that already hold a block's content.
-        let taken = seq
-            .table
-            .blocks()
-            .iter()
-            .filter(|&&b| resident(b, host).is_none_or(|h| host.ref_count_unchecked(h) == 0))
-            .count();
+        let taken = seq.held_blocks().filter(|&b| resident(b, host).is_none_or(|h| host.ref_count_unchecked(h) == 0)).count();
         if taken > host.num_free() {
             return Ok(false);
         }
         // Shared host blocks first, so the fresh allocations below cannot evict them.
-        let mut targets: Vec<Option<BlockId>> = seq.table.blocks().iter().map(|&b| resident(b, host)).collect();
-        for h in targets.iter().flatten() {
+        let mut targets: Vec<Vec<Option<BlockId>>> =
+            seq.cols.iter().map(|c| c.held().iter().map(|&b| resident(b, host)).collect()).collect();
+        for h in targets.iter().flatten().flatten() {
             host.acquire_unchecked(*h);
         }
-        for (k, t) in targets.iter_mut().enumerate() {
-            if t.is_some() {
-                continue;
+        for (col, col_targets) in seq.cols.iter().zip(&mut targets) {
+            for (k, t) in col_targets.iter_mut().enumerate() {
+                if t.is_some() {
+                    continue;
+                }
+                let d = col.held()[k];
+                let Some(h) = host.allocate_one() else {
+                    return Err(CoreError::InvariantViolation("host pool ran out during a checked swap-out".into()));
+                };
+                if let Some(identity) = pool.identity(d) {
+                    host.register_copy(h, identity, pool.cached_tokens(d));
+                }
+                swap_out.push((d, h));
+                step_host_written.push(h);
+                tiers.blocks_to_host += 1;
+                *t = Some(h);
             }
-            let d = seq.table.blocks()[k];
-            let Some(h) = host.allocate_one() else {
-                return Err(CoreError::InvariantViolation("host pool ran out during a checked swap-out".into()));
-            };
-            if let Some(identity) = pool.identity(d) {
-                host.register_copy(h, identity, pool.cached_tokens(d));
-            }
-            swap_out.push((d, h));
-            step_host_written.push(h);
-            tiers.blocks_to_host += 1;
-            *t = Some(h);
         }
-        let device_blocks = seq.table.take();
-        Self::release_blocks(pool, seq, &device_blocks);
-        seq.table = BlockTable::from_blocks(targets.into_iter().flatten().collect());
+        let released: Vec<usize> = seq.cols.iter().map(|c| c.num_released).collect();
+        Self::release_columns(pool, seq);
+        for ((col, col_targets), r) in seq.cols.iter_mut().zip(targets).zip(released) {
+            let mut blocks = vec![BlockId::NULL; r];
+            blocks.extend(col_targets.into_iter().flatten());
+            col.table = BlockTable::from_blocks(blocks);
+            col.num_released = r;
+        }
         seq.tier = Tier::Host;
         seq.write_start = seq.num_computed;
         tiers.swap_outs += 1;
@@ -1095,10 +1358,8 @@ impl KvCacheManager {
             return Ok(0);
         }
         Ok(seq
-            .table
-            .blocks()
-            .iter()
-            .filter(|&&h| match host.find_copy_in(h, &self.pool) {
+            .held_blocks()
+            .filter(|&h| match host.find_copy_in(h, &self.pool) {
                 Some(d) => self.pool.ref_count_unchecked(d) == 0,
                 None => true,
             })
@@ -1117,8 +1378,8 @@ impl KvCacheManager {
         if self.swap_in_cost(id)? > self.pool.num_free() {
             return Ok(false);
         }
-        let host_blocks = match self.seqs.get_mut(id.key()) {
-            Some(seq) => seq.table.take(),
+        let host_tables: Vec<(usize, Vec<BlockId>)> = match self.seqs.get_mut(id.key()) {
+            Some(seq) => seq.cols.iter_mut().map(|c| (c.num_released, c.table.take()[c.num_released..].to_vec())).collect(),
             None => return Err(CoreError::UnknownSequence(id.0)),
         };
         let Some(host) = self.host.as_ref() else {
@@ -1126,25 +1387,31 @@ impl KvCacheManager {
         };
         // Device blocks still holding the content first (out of the free queue), then fresh
         // ones, so the fresh allocations cannot evict them.
-        let mut targets: Vec<Option<BlockId>> = host_blocks
-            .iter()
-            .map(|&h| host.find_copy_in(h, &self.pool))
-            .collect();
-        for d in targets.iter().flatten() {
+        let mut targets: Vec<Vec<Option<BlockId>>> =
+            host_tables.iter().map(|(_, hb)| hb.iter().map(|&h| host.find_copy_in(h, &self.pool)).collect()).collect();
+        for d in targets.iter().flatten().flatten() {
             self.pool.acquire_unchecked(*d);
         }
-        for (k, t) in targets.iter_mut().enumerate() {
-            if t.is_none() {
-                *t = self.load_from_host(host_blocks[k]);
+        for ((_, host_blocks), col_targets) in host_tables.iter().zip(&mut targets) {
+            for (k, t) in col_targets.iter_mut().enumerate() {
                 if t.is_none() {
-                    return Err(CoreError::InvariantViolation("device pool ran out during a checked swap-in".into()));
+                    *t = self.load_from_host(host_blocks[k]);
+                    if t.is_none() {
+                        return Err(CoreError::InvariantViolation("device pool ran out during a checked swap-in".into()));
+                    }
                 }
             }
         }
         // The host blocks stay referenced until the step's copies are planned (end_step).
-        self.pinned_host.extend_from_slice(&host_blocks);
+        for (_, host_blocks) in &host_tables {
+            self.pinned_host.extend_from_slice(host_blocks);
+        }
         let seq = self.seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
-        seq.table = BlockTable::from_blocks(targets.into_iter().flatten().collect());
+        for ((col, col_targets), (r, _)) in seq.cols.iter_mut().zip(targets).zip(&host_tables) {
+            let mut blocks = vec![BlockId::NULL; *r];
+            blocks.extend(col_targets.into_iter().flatten());
+            col.table = BlockTable::from_blocks(blocks);
+        }
         seq.tier = Tier::Device;
         seq.write_start = seq.num_computed;
         self.tiers.swap_ins += 1;
@@ -1309,7 +1576,7 @@ impl KvCacheManager {
     /// True when the host sequence `id` holds a block written by the step being planned.
     pub fn holds_step_host_written(&self, id: SeqId) -> Result<bool> {
         let seq = self.seq(id)?;
-        Ok(seq.tier == Tier::Host && seq.table.blocks().iter().any(|b| self.step_host_written.contains(b)))
+        Ok(seq.tier == Tier::Host && seq.held_blocks().any(|b| self.step_host_written.contains(&b)))
     }
 
     /// Takes the copy-on-write ops recorded since the last call, in order.
@@ -1428,12 +1695,32 @@ impl KvCacheManager {
         for (key, seq) in self.seqs.iter() {
             let slot = key.slot;
             let want = blocks_for(seq.num_computed, bs);
-            if seq.table.len() != want {
+            if seq.cols.len() != self.spans.len() {
                 return Err(CoreError::InvariantViolation(format!(
-                    "sequence in slot {slot} holds {} blocks for {} computed tokens (want {want})",
-                    seq.table.len(),
-                    seq.num_computed
+                    "sequence in slot {slot} has {} columns, the manager {}",
+                    seq.cols.len(),
+                    self.spans.len()
                 )));
+            }
+            for (c, (col, span)) in seq.cols.iter().zip(&self.spans).enumerate() {
+                if col.table.len() != want {
+                    return Err(CoreError::InvariantViolation(format!(
+                        "sequence in slot {slot} holds {} blocks in column {c} for {} computed tokens (want {want})",
+                        col.table.len(),
+                        seq.num_computed
+                    )));
+                }
+                // Only blocks no query from `write_start` on sees are given back, and exactly they
+                // are null.
+                let nulls_ok = col.table.blocks().iter().enumerate().all(|(k, b)| b.is_null() == (k < col.num_released));
+                if !nulls_ok || col.num_released > span.dead_blocks(seq.write_start, bs) {
+                    return Err(CoreError::InvariantViolation(format!(
+                        "sequence in slot {slot}, column {c} ({span:?}): {} entries given back of {:?} at write start {}",
+                        col.num_released,
+                        col.table.blocks(),
+                        seq.write_start
+                    )));
+                }
             }
             if seq.num_computed > seq.tokens.len() || seq.write_start > seq.num_computed {
                 return Err(CoreError::InvariantViolation(format!(
@@ -1453,7 +1740,7 @@ impl KvCacheManager {
                     )))
                 }
             };
-            for &b in seq.table.blocks() {
+            for b in seq.held_blocks() {
                 counts[b.index()] += 1;
             }
         }
@@ -1499,7 +1786,7 @@ impl KvCacheManager {
             }
             let first = seq.write_start / bs;
             let last = (seq.num_computed - 1) / bs;
-            for &b in &seq.table.blocks()[first..=last] {
+            for &b in seq.cols.iter().flat_map(|c| &c.table.blocks()[first..=last]) {
                 writers[b.index()] += 1;
                 if writers[b.index()] > 1 {
                     return Err(CoreError::InvariantViolation(format!(
@@ -1556,16 +1843,16 @@ fn spill(
     (n_written, n_skipped)
 }
 
-/// The logical index of the shared partial block the sequence's next write would go into
+/// The logical index of the shared partial block the column's next write would go into
 /// (copy-on-write needed), if any.
 #[inline]
-fn cow_index(pool: &BlockPool, seq: &Sequence) -> Option<usize> {
+fn cow_index(pool: &BlockPool, col: &Column, num_computed: usize) -> Option<usize> {
     let bs = pool.block_size();
-    if seq.num_computed % bs == 0 {
+    if num_computed % bs == 0 {
         return None; // the next write starts a fresh block
     }
-    let i = seq.num_computed / bs;
-    (pool.ref_count_unchecked(seq.table.blocks()[i]) > 1).then_some(i)
+    let i = num_computed / bs;
+    (pool.ref_count_unchecked(col.table.blocks()[i]) > 1).then_some(i)
 }
 
 #[cfg(test)]

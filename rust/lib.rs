@@ -19,6 +19,8 @@
 //! - [`block_pool`]: ref counts, free queue, prefix-cache index with verified lookups (and,
 //!   when asked, a log of its cache changes as [`kv_events`]).
 //! - [`block_table`]: logical → physical mapping and slot computation.
+//! - [`attention_span`]: what a KV-cache column's layers see (full, sliding window, chunked
+//!   local), and so which blocks a sequence can give back.
 //! - [`slab`]: generation-checked slab (sequence and request storage).
 //! - [`kv_cache_manager`]: sequences over the pool: prefix hits, slots, copy-on-write, fork.
 //! - [`cpu_attention`]: paged decode attention on the CPU, straight from the block cache.
@@ -29,6 +31,7 @@
 
 #![deny(missing_docs)]
 
+pub mod attention_span;
 pub mod block_hash;
 pub mod block_pool;
 pub mod block_table;
@@ -45,6 +48,7 @@ pub mod token_store;
 #[cfg(feature = "python")]
 mod py;
 
+pub use attention_span::AttentionSpan;
 pub use block_hash::{BlockHash, ExtraKey, HashMode};
 pub use block_pool::BlockPool;
 pub use error::{CoreError, Result};

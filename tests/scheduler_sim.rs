@@ -37,7 +37,8 @@ use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use common::{chain, FakeModel, ROOT};
+use common::{chain, push_reference_token, reference_digest, FakeModel};
+use pagedkv::attention_span::AttentionSpan;
 
 const VOCAB: u64 = 997;
 
@@ -65,15 +66,16 @@ struct Expect {
     aborted: bool,
 }
 
-/// The tokens a branch must produce: the reference chain over its own tokens.
-fn reference_outputs(e: &Expect, index: usize, max_model_len: usize) -> (Vec<u32>, FinishReason) {
-    let mut digest = ROOT;
+/// The tokens a branch must produce: the reference chain over its own tokens, in every
+/// column, as a contiguous cache computes it.
+fn reference_outputs(e: &Expect, index: usize, max_model_len: usize, spans: &[AttentionSpan]) -> (Vec<u32>, FinishReason) {
+    let mut values = Vec::new();
     for &t in &e.prompt {
-        digest = chain(digest, t);
+        push_reference_token(spans, &mut values, t);
     }
     let mut out = Vec::new();
     loop {
-        let t = sample(digest, index as i32);
+        let t = sample(reference_digest(&values), index as i32);
         out.push(t);
         if out.len() >= e.min_tokens && e.eos.contains(&t) {
             return (out, FinishReason::Stop);
@@ -81,7 +83,7 @@ fn reference_outputs(e: &Expect, index: usize, max_model_len: usize) -> (Vec<u32
         if out.len() >= e.max_tokens || e.prompt.len() + out.len() >= max_model_len {
             return (out, FinishReason::Length);
         }
-        digest = chain(digest, t);
+        push_reference_token(spans, &mut values, t);
     }
 }
 
@@ -108,6 +110,8 @@ struct SimSpec {
     retention: bool,
     /// Probability of a prefix-cache reset between two steps.
     reset_prob: f64,
+    /// KV cache groups: what each column's layers attend to.
+    spans: Vec<AttentionSpan>,
 }
 
 /// What a consumer of the KV events believes each pool caches.
@@ -194,7 +198,13 @@ impl SimSpec {
             preemption_mode: PreemptionMode::Recompute,
             retention: false,
             reset_prob: 0.0,
+            spans: vec![AttentionSpan::Full],
         }
+    }
+
+    fn with_spans(mut self, spans: Vec<AttentionSpan>) -> Self {
+        self.spans = spans;
+        self
     }
 
     fn with_resets(mut self, reset_prob: f64) -> Self {
@@ -242,9 +252,11 @@ fn run_sim(spec: &SimSpec) -> SimResult {
     cfg.swap_bytes_per_second = 1000.0;
     cfg.recompute_tokens_per_second = 1.0;
     cfg.enable_kv_events = true;
+    cfg.attention_spans = spec.spans.clone();
     let mut sched = Scheduler::new(cfg).unwrap();
     let mut replay = EventReplay::default();
     let mut model = FakeModel::new(spec.num_blocks, spec.num_host_blocks, spec.num_disk_blocks, spec.block_size);
+    model.spans = spec.spans.clone();
     let mut rng = StdRng::seed_from_u64(spec.seed);
     // A few shared system prompts so that the prefix cache gets hits.
     let systems: Vec<Vec<u32>> = (0..4).map(|_| (0..rng.random_range(8..80)).map(|_| rng.random_range(0..VOCAB as u32)).collect()).collect();
@@ -345,7 +357,7 @@ fn run_sim(spec: &SimSpec) -> SimResult {
     assert_eq!(reported_finished, spec.num_requests, "every request is reported finished once");
     for (id, e) in &expect {
         for i in 0..e.n {
-            let (want, reason) = reference_outputs(e, i, spec.max_model_len);
+            let (want, reason) = reference_outputs(e, i, spec.max_model_len, &spec.spans);
             if e.aborted {
                 assert!(want.starts_with(&e.outputs[i]), "{id} #{i}: aborted output is not a prefix of the reference");
             } else {
@@ -445,6 +457,33 @@ fn swap_and_host_tier_match_contiguous_reference() {
     }
 }
 
+/// KV cache groups: a full column with sliding and chunked ones (Gemma, gpt-oss and Llama 4
+/// shapes), under preemption, prefix hits, failed steps and the host and disk tiers. Every
+/// column's layer reads its whole window through its own table, so a block given back too
+/// early, a wrong hit in one column or a lost swap changes the tokens.
+#[test]
+fn kv_cache_groups_match_contiguous_reference() {
+    let gemma = vec![AttentionSpan::Full, AttentionSpan::SlidingWindow(24), AttentionSpan::SlidingWindow(24)];
+    let mixed = vec![AttentionSpan::SlidingWindow(9), AttentionSpan::ChunkedLocal(32), AttentionSpan::Full];
+    let r = run_sim(&SimSpec::basic(31, 600, 160, 8, 256, 128, 32, Policy::Fcfs, true, HashMode::Xxh3, 0.02, 0.0).with_spans(gemma.clone()));
+    assert!(r.preemptions > 20 && r.prefix_hits > 0, "{r:?}");
+    let r = run_sim(&SimSpec::basic(32, 400, 120, 4, 256, 64, 32, Policy::Priority, true, HashMode::Truncated(3), 0.02, 0.1).with_spans(mixed.clone()));
+    assert!(r.preemptions > 0, "{r:?}");
+    // Without prefix caching, and with every layer sliding (Mistral's shape).
+    run_sim(&SimSpec::basic(33, 300, 48, 8, 256, 64, 16, Policy::Fcfs, false, HashMode::Xxh3, 0.02, 0.05).with_spans(vec![AttentionSpan::SlidingWindow(16)]));
+    for (seed, mode) in [(34, PreemptionMode::Swap), (35, PreemptionMode::Auto)] {
+        let spec = SimSpec::basic(seed, 500, 160, 8, 256, 128, 32, Policy::Fcfs, true, HashMode::Xxh3, 0.02, 0.1)
+            .with_host(256, mode, true)
+            .with_disk(256)
+            .with_spans(if seed == 34 { gemma.clone() } else { mixed.clone() });
+        let r = run_sim(&spec);
+        assert!(r.preemptions > 0, "{seed}: {r:?}");
+        if mode == PreemptionMode::Swap {
+            assert!(r.swap_preemptions > 0 && r.blocks_swapped_in > 0, "{seed}: {r:?}");
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
@@ -513,7 +552,7 @@ fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
     let check = |outputs: &HashMap<String, Vec<u32>>, tag: &str| {
         for (i, p) in prompts.iter().enumerate() {
             let e = Expect { prompt: p.clone(), max_tokens: 4, min_tokens: 0, eos: vec![], n: 1, outputs: vec![], reasons: vec![], aborted: false };
-            assert_eq!(outputs[&format!("{tag}-{i}")], reference_outputs(&e, 0, 128).0, "{tag}-{i}");
+            assert_eq!(outputs[&format!("{tag}-{i}")], reference_outputs(&e, 0, 128, &[AttentionSpan::Full]).0, "{tag}-{i}");
         }
     };
     let mut first = Scheduler::new(cfg.clone()).unwrap();

@@ -8,9 +8,14 @@
 //! `tokens[..=pos]`); copy ops copy whole blocks. After every step the invariants hold and every
 //! live sequence reads back exactly its own tokens through its block table — the property
 //! attention depends on. At the end every sequence is freed and the pool must be whole.
+//! With KV cache groups (several columns, some of them sliding or chunked) every column
+//! writes its own content (the digest tagged with the column), so a block that two columns
+//! or two sequences both believe theirs shows up as a wrong read; a sliding column reads back
+//! every position a future query can see, and holds no more blocks than that needs.
 
 #![allow(clippy::needless_range_loop)] // positions index both the tokens and the block table
 
+use pagedkv::attention_span::AttentionSpan;
 use pagedkv::block_hash::{ExtraKey, HashMode};
 use pagedkv::block_pool::BlockPool;
 use pagedkv::ids::{BlockId, SeqId};
@@ -149,13 +154,16 @@ impl Model {
         }
     }
 
-    /// Writes the tokens of the sequence's write window into the simulated cache.
+    /// Writes the tokens of the sequence's write window into the simulated cache, in every
+    /// column.
     fn write_window(&mut self, m: &KvCacheManager, id: SeqId) {
         let s = m.seq(id).unwrap();
         let digests = prefix_digests(s.tokens());
-        for pos in s.write_start()..s.num_computed() {
-            let slot = s.table().slot(pos, self.bs) as usize;
-            self.kv[slot] = Some(digests[pos]);
+        for (c, col) in s.columns().iter().enumerate() {
+            for pos in s.write_start()..s.num_computed() {
+                let slot = col.table().slot(pos, self.bs) as usize;
+                self.kv[slot] = Some(column_digest(digests[pos], c));
+            }
         }
     }
 
@@ -163,18 +171,38 @@ impl Model {
         for &id in &self.seqs {
             let s = m.seq(id).unwrap();
             let digests = prefix_digests(s.tokens());
-            for pos in 0..s.num_computed() {
-                let slot = s.table().slot(pos, self.bs) as usize;
-                prop_assert_eq!(self.kv[slot], Some(digests[pos]), "sequence {} position {}", id, pos);
+            for (c, (col, &span)) in s.columns().iter().zip(m.spans()).enumerate() {
+                // Every position the step in flight (its queries start at `write_start`) or a
+                // later one can see is held and reads back.
+                prop_assert!(col.num_released() * self.bs <= span.first_visible(s.write_start()), "column {} gave back a visible block", c);
+                for pos in col.num_released() * self.bs..s.num_computed() {
+                    let slot = col.table().slot(pos, self.bs) as usize;
+                    prop_assert_eq!(self.kv[slot], Some(column_digest(digests[pos], c)), "sequence {} column {} position {}", id, c, pos);
+                }
+                // A sliding or chunked column holds no more blocks than its window needs for the
+                // largest step this machine schedules (`Allocate` gives at most 13 slots).
+                if let Some(bound) = span.max_live_blocks(13, self.bs) {
+                    prop_assert!(col.held().len() <= bound, "column {} holds {} blocks, bound {}", c, col.held().len(), bound);
+                }
             }
         }
         Ok(())
     }
 }
 
+/// What column `c` writes for a position whose prefix digest is `d` (column 0: `d` itself).
+fn column_digest(d: u64, c: usize) -> u64 {
+    d ^ (c as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
 fn run_manager_machine(ops: Vec<SeqOp>, hash_mode: HashMode) -> Result<(), TestCaseError> {
-    let (n, bs) = (24, 4);
-    let mut m = KvCacheManager::new(n, bs, true, hash_mode).unwrap();
+    run_columns_machine(ops, hash_mode, vec![AttentionSpan::Full])
+}
+
+fn run_columns_machine(ops: Vec<SeqOp>, hash_mode: HashMode, spans: Vec<AttentionSpan>) -> Result<(), TestCaseError> {
+    let bs = 4;
+    let n = 24 * spans.len();
+    let mut m = KvCacheManager::new(n, bs, true, hash_mode).unwrap().with_columns(spans).unwrap();
     let mut model = Model { bs, kv: vec![None; n * bs], seqs: Vec::new(), next_token: 1000 };
     // Base prompts: three share a first block, so hits of different depths happen; the
     // fourth starts differently, so a wrong first-block hit would be visible.
@@ -277,5 +305,22 @@ proptest! {
     #[test]
     fn manager_survives_frequent_hash_collisions(ops in prop::collection::vec(seq_op(), 1..150)) {
         run_manager_machine(ops, HashMode::Truncated(3))?;
+    }
+
+    /// KV cache groups: a full column and a sliding one (Gemma's shape).
+    #[test]
+    fn columns_read_back_their_tokens(ops in prop::collection::vec(seq_op(), 1..150)) {
+        run_columns_machine(ops, HashMode::Xxh3, vec![AttentionSpan::Full, AttentionSpan::SlidingWindow(6)])?;
+    }
+
+    /// Sliding, chunked and full columns under frequent hash collisions: a hit must be
+    /// verified in every column.
+    #[test]
+    fn mixed_columns_survive_hash_collisions(ops in prop::collection::vec(seq_op(), 1..150)) {
+        run_columns_machine(
+            ops,
+            HashMode::Truncated(3),
+            vec![AttentionSpan::SlidingWindow(5), AttentionSpan::ChunkedLocal(8), AttentionSpan::Full, AttentionSpan::SlidingWindow(1)],
+        )?;
     }
 }

@@ -179,14 +179,13 @@ impl Scheduler {
         if all_swapped {
             let pending: Vec<usize> = seqs.iter().flatten().map(|&s| self.kv.seq(s).map_or(0, |x| x.num_pending())).collect();
             let total: usize = pending.iter().sum();
-            let bs = self.config.block_size;
             // Each beam's blocks counted as if none were shared: an upper bound.
             let cost: usize = seqs
                 .iter()
                 .flatten()
                 .zip(&pending)
                 .map(|(&s, &p)| {
-                    let grow = self.kv.seq(s).map_or(0, |x| crate::block_table::blocks_for(x.num_computed() + p, bs) - x.table().len());
+                    let grow = self.kv.seq(s).map_or(0, |x| self.kv.growth_blocks(x, p));
                     self.kv.swap_in_cost(s).unwrap_or(usize::MAX / 4) + grow
                 })
                 .sum();
@@ -387,7 +386,7 @@ impl Scheduler {
         // beam swapped out later shares the copies of the earlier ones): an upper bound, so the
         // group is swapped whole or not at all.
         let distinct: std::collections::HashSet<u32> =
-            seqs.iter().filter_map(|&s| self.kv.seq(s).ok()).flat_map(|x| x.table().blocks().iter().map(|b| b.0)).collect();
+            seqs.iter().filter_map(|&s| self.kv.seq(s).ok()).flat_map(|x| x.held_blocks().map(|b| b.0)).collect();
         let host_free = self.kv.host_pool().map_or(0, |h| h.num_free());
         let wanted = match self.config.preemption_mode {
             PreemptionMode::Recompute => false,
@@ -571,8 +570,8 @@ impl Scheduler {
                 continue;
             }
             let Some(seq) = branch.seq.and_then(|s| self.kv.seq(s).ok()) else { continue };
-            refs += seq.table().len();
-            for blk in seq.table().blocks() {
+            for blk in seq.held_blocks() {
+                refs += 1;
                 *holders.entry(blk.0).or_insert(0) += 1;
             }
         }

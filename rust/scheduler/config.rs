@@ -1,5 +1,6 @@
 //! Scheduler configuration, validated on construction.
 
+use crate::attention_span::AttentionSpan;
 use crate::block_hash::HashMode;
 use crate::block_pool::{MAX_BLOCK_SIZE, MAX_NUM_BLOCKS};
 use crate::error::{CoreError, Result};
@@ -111,6 +112,10 @@ pub struct SchedulerConfig {
     /// routers, taken once per step with `Scheduler::take_kv_events` (see
     /// [`crate::kv_events`]). Needs prefix caching to produce anything.
     pub enable_kv_events: bool,
+    /// KV cache groups: what the layers of each KV-cache column attend to, one block table per
+    /// column per sequence over the one pool (kv_cache_manager.rs). One full column unless
+    /// the model mixes attention types.
+    pub attention_spans: Vec<AttentionSpan>,
 }
 
 impl SchedulerConfig {
@@ -137,6 +142,7 @@ impl SchedulerConfig {
             recompute_tokens_per_second: 10_000.0,
             manual_clock: false,
             enable_kv_events: false,
+            attention_spans: vec![AttentionSpan::Full],
         }
     }
 

@@ -22,6 +22,19 @@ use crate::block_hash::ExtraKey;
 use crate::error::{CoreError, Result};
 
 impl Scheduler {
+    /// Fails when this pool's KV cannot travel: KV transfer carries one block table per
+    /// request, and a model with KV cache groups has one per column.
+    pub(super) fn check_kv_transfer(&self, id: &str) -> Result<()> {
+        let cols = self.kv.num_columns();
+        if cols > 1 {
+            return Err(CoreError::InvalidArgument(format!(
+                "request {id:?}: KV transfer between engines does not carry KV cache groups yet (this \
+                 model's KV cache has {cols} columns); turn the groups off to transfer its KV"
+            )));
+        }
+        Ok(())
+    }
+
     /// Forks the sequence of `req`'s branch `seq` into a lease named after the request, once
     /// per request (called when a branch of a `hold_kv` request finishes, before it is freed).
     pub(super) fn take_kv_lease(&mut self, id: &std::sync::Arc<str>, seq: crate::ids::SeqId) {
@@ -82,6 +95,7 @@ impl Scheduler {
         if self.kv_reservations.contains_key(id) {
             return Err(CoreError::DuplicateRequest(id.to_string()));
         }
+        self.check_kv_transfer(id)?;
         let Some((seq, hits)) = self.kv.reserve_prefix(prompt, ExtraKey::new(cache_salt), max_blocks) else {
             return Ok(None);
         };

@@ -101,6 +101,7 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
         let mut kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching, config.hash_mode)?
+            .with_columns(config.attention_spans.clone())?
             .with_host_tier(config.num_host_blocks)?
             .with_disk_tier(config.num_disk_blocks)?;
         kv.set_record_events(config.enable_kv_events);
@@ -218,6 +219,9 @@ impl Scheduler {
         }
         if let Some(beam) = r.beam {
             self.check_beam_fits(&r.id, beam.width, r.prompt.len() + r.max_tokens)?;
+        }
+        if r.hold_kv {
+            self.check_kv_transfer(&r.id)?;
         }
         let id: Arc<str> = Arc::from(r.id.as_str());
         let arrival = self.next_arrival;
@@ -404,13 +408,13 @@ impl Scheduler {
         }
         let rows = out.num_rows();
         let width = out.block_table_width;
-        out.block_tables.resize(rows * width, 0);
+        out.block_tables.resize(out.num_columns * rows * width, 0);
         let StepOutput { row_seqs, table_rows, block_tables, .. } = out;
         table_rows.write(&self.kv, row_seqs, width, block_tables)
     }
 
     /// Writes the block tables of `out`, the step just scheduled, into `dst`
-    /// (`out.num_rows() * out.block_table_width` entries, row-major), which holds what `rows`
+    /// (`out.num_columns * out.num_rows() * out.block_table_width` entries), which holds what `rows`
     /// says (see [`BlockTableRows`]).
     #[cfg_attr(not(feature = "python"), allow(dead_code))]
     pub(crate) fn write_block_tables(&self, out: &StepOutput, dst: &mut [i32], rows: &mut BlockTableRows) -> Result<()> {
@@ -521,6 +525,7 @@ impl Scheduler {
     /// manager's step (clock, copy targets).
     fn open_step(&mut self, out: &mut StepOutput) -> Result<u64> {
         out.clear(self.next_step);
+        out.num_columns = self.kv.num_columns();
         if let Some(plan) = &self.in_flight {
             return Err(CoreError::StaleOutput(format!(
                 "step {} was scheduled but update() was not called for it",
@@ -675,7 +680,7 @@ impl Scheduler {
         }
         // After the swap-in the partial last block is private (a fresh copy), so no
         // copy-on-write: only the blocks for new slots.
-        let grow = crate::block_table::blocks_for(s.num_computed() + n, self.config.block_size) - s.table().len();
+        let grow = self.kv.growth_blocks(s, n);
         if cost + grow + reserve > self.kv.pool().num_free() {
             return false;
         }
@@ -725,8 +730,8 @@ impl Scheduler {
         plan.sampled.reserve(n);
         out.input_ids.reserve(total);
         out.positions.reserve(total);
-        out.slot_mapping.reserve(total);
-        for (b, seq_id, seq, branch, req) in rows {
+        out.slot_mapping.reserve(total * out.num_columns);
+        for (b, seq_id, seq, branch, req) in rows.iter().copied() {
             let (start, end) = (seq.write_start(), seq.num_computed());
             out.row_seqs.push(seq_id);
             out.row_requests.push(branch.req);
@@ -750,6 +755,13 @@ impl Scheduler {
                     out.sample_indices.push(index as i32);
                     plan.sampled.push((b, index));
                 }
+            }
+        }
+        // Column-major slots: column 0's for the whole batch came with the rows above, then
+        // every other column's (same positions, that column's blocks).
+        for c in 1..out.num_columns {
+            for &(_, _, seq, _, _) in &rows {
+                seq.columns()[c].table().extend_slots(seq.write_start(), seq.num_computed(), bs, &mut out.slot_mapping);
             }
         }
         Ok(())
@@ -1005,9 +1017,11 @@ impl Scheduler {
         for &b in &self.running {
             if let Some(seq) = self.branches.get(b).and_then(|x| x.seq).and_then(|s| self.kv.seq(s).ok()) {
                 let n = seq.num_computed();
-                for (j, blk) in seq.table().blocks().iter().enumerate() {
-                    if !std::mem::replace(&mut seen[blk.index()], true) {
-                        tokens_held += (n - j * bs).min(bs);
+                for col in seq.columns() {
+                    for (j, blk) in col.table().blocks().iter().enumerate().skip(col.num_released()) {
+                        if !std::mem::replace(&mut seen[blk.index()], true) {
+                            tokens_held += (n - j * bs).min(bs);
+                        }
                     }
                 }
             }
@@ -1081,7 +1095,7 @@ impl Scheduler {
             let Some(branch) = self.branches.get(b) else { continue };
             let Some(seq) = branch.seq.and_then(|s| self.kv.seq(s).ok()) else { continue };
             let arrival = branch.order.1 as i64;
-            for blk in seq.table().blocks() {
+            for blk in seq.held_blocks() {
                 let o = &mut owner[blk.index()];
                 if *o < 0 || arrival < *o {
                     *o = arrival;

@@ -29,15 +29,19 @@ pub struct StepOutput {
     pub cu_seqlens_q: Vec<i32>,
     /// KV length of each row after this step (cached + earlier + new tokens): int32[B].
     pub seq_lens: Vec<i32>,
-    /// Block tables, row-major int32[B, block_table_width], padded with 0.
+    /// Block tables, one per KV-cache column: int32[C, B, block_table_width] (C = 1 unless the
+    /// model has KV cache groups), padded with 0; a given-back block (behind a sliding
+    /// window) is -1.
     pub block_tables: Vec<i32>,
+    /// Columns `C` of `block_tables` and `slot_mapping`.
+    pub num_columns: usize,
     /// Width of `block_tables`: the most blocks any row's sequence holds.
     pub block_table_width: usize,
     /// Sequence of each row (the block tables are written from them).
     pub(crate) row_seqs: Vec<SeqId>,
     /// What each row of `block_tables` holds, for [`super::Scheduler::schedule_into`].
     pub(crate) table_rows: BlockTableRows,
-    /// KV slot of each token: int64[T].
+    /// KV slot of each token in each column: int64[C, T].
     pub slot_mapping: Vec<i64>,
     /// Token rows whose logits are sampled: int64[S].
     pub logits_indices: Vec<i64>,
@@ -107,14 +111,16 @@ impl StepOutput {
     }
 }
 
-/// What each row of a reused `[rows, width]` block-table buffer holds, so that the next step
-/// rewrites only the rows that changed: in a decode step, a row whose sequence got a new block
-/// gets one entry written, the others none. A buffer whose content is unknown (new, or
-/// written by someone else) goes with an empty (default) value.
+/// What each row of a reused `[columns, rows, width]` block-table buffer holds, so that the
+/// next step rewrites only the rows that changed: in a decode step, a row whose sequence got a
+/// new block gets one entry written per column, the others none. A buffer whose content is
+/// unknown (new, or written by someone else) goes with an empty (default) value.
 #[derive(Debug, Clone, Default)]
 pub struct BlockTableRows {
     width: usize,
-    rows: Vec<RowTag>,
+    num_rows: usize,
+    /// `rows[c * num_rows + r]`: what row `r` of column `c` holds (`None`: unknown).
+    rows: Vec<Option<RowTag>>,
 }
 
 /// Row `r` holds the first `len` blocks of `seq`'s table as it was at `version`, then zeros.
@@ -129,46 +135,64 @@ impl BlockTableRows {
     /// Forgets what the buffer holds (every row is rewritten next time).
     pub fn clear(&mut self) {
         self.rows.clear();
+        self.num_rows = 0;
     }
 
-    /// Writes the block tables of `seqs` (one row each, `width` entries, zero padded) into
-    /// `dst` (`seqs.len() * width` entries, row-major), which holds what `self` says; rows that
-    /// already hold a prefix of the right table are only extended. Fails on an unknown
-    /// sequence or a table wider than `width` (leaving `self` consistent with `dst`).
+    /// Adapts the tags to a buffer of `cols` columns of `rows` rows: when the row count
+    /// changes, every column but the first starts elsewhere, so only column 0's rows (and
+    /// only those that still exist) keep what they hold.
+    fn reshape(&mut self, cols: usize, rows: usize) {
+        if rows == self.num_rows && self.rows.len() == cols * rows {
+            return;
+        }
+        let keep = if self.rows.len() >= self.num_rows { self.num_rows.min(rows) } else { 0 };
+        let mut tags = vec![None; cols * rows];
+        tags[..keep].copy_from_slice(&self.rows[..keep]);
+        self.rows = tags;
+        self.num_rows = rows;
+    }
+
+    /// Writes the block tables of `seqs` (one row each per column, `width` entries, zero
+    /// padded; given-back entries are -1) into `dst` (`columns * seqs.len() * width` entries,
+    /// column-major then row-major), which holds what `self` says; rows that already hold a
+    /// prefix of the right table are only extended. Fails on an unknown sequence or a table
+    /// wider than `width` (leaving `self` consistent with `dst`).
     pub(crate) fn write(&mut self, kv: &KvCacheManager, seqs: &[SeqId], width: usize, dst: &mut [i32]) -> crate::error::Result<()> {
-        debug_assert_eq!(dst.len(), seqs.len() * width);
+        let (cols, b) = (kv.num_columns(), seqs.len());
+        debug_assert_eq!(dst.len(), cols * b * width);
         if width != self.width {
             // Another row stride: nothing in the buffer is where a row would read it.
-            self.rows.clear();
+            self.clear();
             self.width = width;
         }
-        self.rows.truncate(seqs.len());
+        self.reshape(cols, b);
         for (r, &seq) in seqs.iter().enumerate() {
-            let table = kv.seq(seq)?.table();
-            let blocks = table.blocks();
-            if blocks.len() > width {
-                self.rows.truncate(r);
-                return Err(crate::error::CoreError::InvariantViolation(format!(
-                    "block table of sequence {seq} has {} blocks, wider than the step's {width}",
-                    blocks.len()
-                )));
-            }
-            let row = &mut dst[r * width..(r + 1) * width];
-            let tag = RowTag { seq, version: table.version(), len: blocks.len() as u32 };
-            let from = match self.rows.get(r) {
-                Some(old) if old.seq == seq && old.version == tag.version && old.len <= tag.len => old.len as usize,
-                _ => {
-                    row[blocks.len()..].fill(0);
-                    0
+            let columns = kv.seq(seq)?.columns();
+            for (c, col) in columns.iter().enumerate() {
+                let table = col.table();
+                let blocks = table.blocks();
+                let i = c * b + r;
+                if blocks.len() > width {
+                    self.rows[i] = None;
+                    return Err(crate::error::CoreError::InvariantViolation(format!(
+                        "block table of sequence {seq} has {} blocks, wider than the step's {width}",
+                        blocks.len()
+                    )));
                 }
-            };
-            for (d, b) in row[from..blocks.len()].iter_mut().zip(&blocks[from..]) {
-                *d = b.0 as i32;
-            }
-            if r < self.rows.len() {
-                self.rows[r] = tag;
-            } else {
-                self.rows.push(tag);
+                let row = &mut dst[i * width..(i + 1) * width];
+                let tag = RowTag { seq, version: table.version(), len: blocks.len() as u32 };
+                let from = match self.rows[i] {
+                    Some(old) if old.seq == seq && old.version == tag.version && old.len <= tag.len => old.len as usize,
+                    _ => {
+                        row[blocks.len()..].fill(0);
+                        0
+                    }
+                };
+                // A given-back block (`BlockId::NULL`, u32::MAX) crosses as -1.
+                for (d, b) in row[from..blocks.len()].iter_mut().zip(&blocks[from..]) {
+                    *d = b.0 as i32;
+                }
+                self.rows[i] = Some(tag);
             }
         }
         Ok(())

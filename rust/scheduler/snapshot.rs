@@ -53,7 +53,7 @@ impl Scheduler {
                         state = "swapped";
                     }
                     if let Some(s) = seq.filter(|s| s.tier() == Tier::Device) {
-                        blocks.extend(s.table().blocks().iter().copied());
+                        blocks.extend(s.held_blocks());
                     }
                 }
                 RequestSummary {

@@ -8,6 +8,7 @@
 
 #![allow(dead_code)] // each simulation uses its own part
 
+use pagedkv::attention_span::AttentionSpan;
 use pagedkv::kv_cache_manager::Tier;
 use pagedkv::scheduler::StepOutput;
 use rand::rngs::StdRng;
@@ -23,17 +24,55 @@ pub fn chain(prev: u64, token: u32) -> u64 {
     z ^ (z >> 29)
 }
 
+/// The value a column's layer writes at a position: the chain over the previous position's
+/// value (`prev`, `ROOT` where the query cannot see it: at 0, at a chunk's start) and, in a
+/// sliding or chunked column, the value at the first position the query sees (`first`, `ROOT`
+/// when that is the query itself), so a wrong block anywhere in the window changes it. A full
+/// column's value is the plain chain.
+pub fn column_value(span: AttentionSpan, prev: u64, first: u64, token: u32) -> u64 {
+    if span.is_full() {
+        chain(prev, token)
+    } else {
+        chain(prev ^ first.rotate_left(17), token)
+    }
+}
+
+/// What a contiguous cache holds in every column (`values[c][pos]`), grown a token at a time.
+pub fn push_reference_token(spans: &[AttentionSpan], values: &mut Vec<Vec<u64>>, token: u32) {
+    values.resize(spans.len(), Vec::new());
+    for (span, col) in spans.iter().zip(values.iter_mut()) {
+        let pos = col.len();
+        let fv = span.first_visible(pos);
+        let prev = if pos > fv { col[pos - 1] } else { ROOT };
+        let first = if fv < pos { col[fv] } else { ROOT };
+        col.push(column_value(*span, prev, first, token));
+    }
+}
+
+/// The digest a sequence's logits see: its last position's value in every column, combined.
+pub fn reference_digest(values: &[Vec<u64>]) -> u64 {
+    values.iter().map(|col| *col.last().unwrap()).fold(0, |a, v| a ^ v)
+}
+
 /// The fake model: one value per slot of the device, host and disk tiers.
 pub struct FakeModel {
     pub bs: usize,
     pub kv: Vec<Option<u64>>,
     pub host: Vec<Option<u64>>,
     pub disk: Vec<Option<u64>>,
+    /// What each KV-cache column's layer attends to (one full column by default).
+    pub spans: Vec<AttentionSpan>,
 }
 
 impl FakeModel {
     pub fn new(num_blocks: usize, num_host_blocks: usize, num_disk_blocks: usize, bs: usize) -> Self {
-        FakeModel { bs, kv: vec![None; num_blocks * bs], host: vec![None; num_host_blocks * bs], disk: vec![None; num_disk_blocks * bs] }
+        FakeModel {
+            bs,
+            kv: vec![None; num_blocks * bs],
+            host: vec![None; num_host_blocks * bs],
+            disk: vec![None; num_disk_blocks * bs],
+            spans: vec![AttentionSpan::Full],
+        }
     }
 
     /// The slots of one tier.
@@ -69,7 +108,9 @@ impl FakeModel {
 
     /// The value at position `pos` of the row whose block table is `table`.
     pub fn read(&self, table: &[i32], pos: usize) -> u64 {
-        let slot = table[pos / self.bs] as usize * self.bs + pos % self.bs;
+        let entry = table[pos / self.bs];
+        assert!(entry >= 0, "attention read position {pos} through a given-back block");
+        let slot = entry as usize * self.bs + pos % self.bs;
         self.kv[slot].expect("attention read a slot that was never written")
     }
 
@@ -83,23 +124,37 @@ impl FakeModel {
         }
     }
 
-    /// A forward: the copies, then every scheduled token's value written to its slot, and the
-    /// value at each logits row (the digest of that row's sequence as the KV holds it).
+    /// A forward: the copies, then every scheduled token's value written to its slot in every
+    /// column, and the value at each logits row (the columns' values of that row's last
+    /// position, combined: the digest of the sequence as the KV holds it).
     pub fn forward(&mut self, out: &StepOutput) -> Vec<u64> {
         self.copy_blocks(out, || true);
-        let w = out.block_table_width;
-        // Positions of one row depend on earlier positions of the same row, so rows are
-        // processed token by token in order (a causal forward).
-        for row in 0..out.num_rows() {
-            let table = &out.block_tables[row * w..(row + 1) * w];
-            let (s, e) = (out.cu_seqlens_q[row] as usize, out.cu_seqlens_q[row + 1] as usize);
-            for t in s..e {
-                let pos = out.positions[t] as usize;
-                let prev = if pos == 0 { ROOT } else { self.read(table, pos - 1) };
-                self.kv[out.slot_mapping[t] as usize] = Some(chain(prev, out.input_ids[t] as u32));
+        let (w, rows, tokens) = (out.block_table_width, out.num_rows(), out.num_tokens());
+        assert_eq!(out.num_columns, self.spans.len());
+        assert_eq!(out.block_tables.len(), out.num_columns * rows * w);
+        assert_eq!(out.slot_mapping.len(), out.num_columns * tokens);
+        for (c, &span) in self.spans.clone().iter().enumerate() {
+            // Positions of one row depend on earlier positions of the same row, so rows are
+            // processed token by token in order (a causal forward).
+            for row in 0..rows {
+                let at = (c * rows + row) * w;
+                let table = out.block_tables[at..at + w].to_vec();
+                let (s, e) = (out.cu_seqlens_q[row] as usize, out.cu_seqlens_q[row + 1] as usize);
+                for t in s..e {
+                    let pos = out.positions[t] as usize;
+                    // The query reads only keys it sees: the previous position unless a chunk
+                    // starts here, and the first visible one.
+                    let fv = span.first_visible(pos);
+                    let prev = if pos > fv { self.read(&table, pos - 1) } else { ROOT };
+                    let first = if fv < pos { self.read(&table, fv) } else { ROOT };
+                    self.kv[out.slot_mapping[c * tokens + t] as usize] = Some(column_value(span, prev, first, out.input_ids[t] as u32));
+                }
+                assert_eq!(out.seq_lens[row] as i64, out.positions[e - 1] + 1);
             }
-            assert_eq!(out.seq_lens[row] as i64, out.positions[e - 1] + 1);
         }
-        out.logits_indices.iter().map(|&t| self.kv[out.slot_mapping[t as usize] as usize].unwrap()).collect()
+        out.logits_indices
+            .iter()
+            .map(|&t| (0..out.num_columns).map(|c| self.kv[out.slot_mapping[c * tokens + t as usize] as usize].unwrap()).fold(0, |a, v| a ^ v))
+            .collect()
     }
 }

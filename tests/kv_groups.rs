@@ -1,0 +1,256 @@
+//! KV cache groups in the KV-cache manager: one block table per column over one pool; a
+//! sliding or chunked column gives back, in the step that leaves them behind, the blocks no
+//! later query sees; they stay prefix-cache candidates; a prefix hit is what every column
+//! serves; fork, swap and a failed step keep every column consistent.
+
+use pagedkv::attention_span::AttentionSpan;
+use pagedkv::block_hash::{ExtraKey, HashMode};
+use pagedkv::ids::{BlockId, SeqId};
+use pagedkv::kv_cache_manager::KvCacheManager;
+
+const BS: usize = 4;
+
+fn manager(num_blocks: usize, spans: Vec<AttentionSpan>) -> KvCacheManager {
+    KvCacheManager::new(num_blocks, BS, true, HashMode::Xxh3)
+        .unwrap()
+        .with_columns(spans)
+        .unwrap()
+}
+
+fn gemma_like(num_blocks: usize) -> KvCacheManager {
+    manager(
+        num_blocks,
+        vec![AttentionSpan::Full, AttentionSpan::SlidingWindow(8)],
+    )
+}
+
+/// Adds `prompt` and gives every prompt token a slot in one step.
+fn prefill(m: &mut KvCacheManager, prompt: Vec<u32>) -> (SeqId, usize) {
+    let len = prompt.len();
+    let (s, hit) = m.add_sequence_cached(prompt, ExtraKey::new(None));
+    assert!(m.allocate_slots(s, len - hit).unwrap());
+    m.check_invariants().unwrap();
+    (s, hit)
+}
+
+fn decode(m: &mut KvCacheManager, s: SeqId, steps: u32) {
+    for t in 0..steps {
+        assert!(m.append_token_with_slot(s, 1000 + t).unwrap());
+        m.check_invariants().unwrap();
+    }
+}
+
+fn held(m: &KvCacheManager, s: SeqId, column: usize) -> Vec<BlockId> {
+    m.seq(s).unwrap().columns()[column].held().to_vec()
+}
+
+#[test]
+fn sliding_column_gives_back_blocks_behind_the_window() {
+    let mut m = gemma_like(64);
+    let (s, _) = prefill(&mut m, (0..6).collect());
+    // One prefill step: nothing is behind any query yet.
+    assert_eq!(held(&m, s, 1).len(), 2);
+    for step in 0..40u32 {
+        decode(&mut m, s, 1);
+        let seq = m.seq(s).unwrap();
+        let (full, sliding) = (&seq.columns()[0], &seq.columns()[1]);
+        // The step's query sits at `write_start`: it sees the keys from write_start - 7 on.
+        let first_seen = (seq.write_start() + 1).saturating_sub(8);
+        assert_eq!(
+            full.held().len(),
+            seq.num_computed().div_ceil(BS),
+            "step {step}"
+        );
+        assert_eq!(
+            sliding.num_released(),
+            first_seen / BS,
+            "step {step}: given back as soon as behind"
+        );
+        assert!(sliding.table().blocks()[..sliding.num_released()]
+            .iter()
+            .all(|b| b.is_null()));
+        assert!(
+            sliding.held().len() <= 3,
+            "a window of 8 over blocks of 4 needs at most 3"
+        );
+        // The pool counts exactly what the two columns hold.
+        assert_eq!(
+            m.pool().num_used(),
+            full.held().len() + sliding.held().len()
+        );
+    }
+    m.free(s).unwrap();
+    assert_eq!(m.pool().num_free(), 64);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn a_sliding_sequence_runs_in_a_bounded_pool() {
+    // Every layer sliding (Mistral's shape): a sequence decodes forever in three blocks.
+    let mut m = manager(3, vec![AttentionSpan::SlidingWindow(4)]);
+    let (s, _) = prefill(&mut m, (0..3).collect());
+    for _ in 0..200 {
+        let needed = m.blocks_needed(s, 0).unwrap();
+        assert_eq!(needed, 0);
+        decode(&mut m, s, 1);
+    }
+    assert_eq!(m.seq(s).unwrap().num_computed(), 203);
+    assert!(m.pool().num_used() <= 2);
+}
+
+#[test]
+fn chunked_column_gives_back_whole_chunks() {
+    let mut m = manager(32, vec![AttentionSpan::ChunkedLocal(8)]);
+    let (s, _) = prefill(&mut m, (0..7).collect());
+    decode(&mut m, s, 1); // the query at 7 still sees the chunk 0..8
+    assert_eq!(m.seq(s).unwrap().columns()[0].num_released(), 0);
+    decode(&mut m, s, 1); // the query at 8 starts a chunk: blocks 0 and 1 are dead
+    assert_eq!(m.seq(s).unwrap().columns()[0].num_released(), 2);
+    assert_eq!(held(&m, s, 0).len(), 1);
+}
+
+#[test]
+fn given_back_blocks_stay_findable_and_a_hit_needs_every_column() {
+    let mut m = gemma_like(64);
+    let prompt: Vec<u32> = (0..30).collect();
+    let (a, _) = prefill(&mut m, prompt.clone());
+    decode(&mut m, a, 1); // the sliding column gives back blocks 0..5 of the prompt
+    assert_eq!(m.seq(a).unwrap().columns()[1].num_released(), 5);
+    m.free(a).unwrap();
+    // Same prompt: 7 full blocks, both columns still cache them all.
+    let (b, hit) = m.add_sequence_cached(prompt.clone(), ExtraKey::new(None));
+    assert_eq!(hit, 28);
+    let seq = m.seq(b).unwrap();
+    // The full column takes every hit; the sliding one only what the query at 28 sees.
+    assert_eq!(seq.columns()[0].held().len(), 7);
+    assert_eq!(seq.columns()[1].num_released(), (29 - 8) / BS);
+    assert_eq!(seq.columns()[1].held().len(), 7 - (29 - 8) / BS);
+    m.check_invariants().unwrap();
+    assert!(m.allocate_slots(b, 2).unwrap());
+    let full_blocks = held(&m, b, 0)[..7].to_vec();
+    m.free(b).unwrap();
+
+    // Columns hash apart: the same tokens in another column are other content.
+    let full_first = m.match_prefix(&prompt, &ExtraKey::new(None));
+    assert_eq!(full_first.cols.len(), 2);
+    assert_ne!(full_first.cols[0].hashes[0], full_first.cols[1].hashes[0]);
+
+    // Evict what the sliding column gave back first (released first, the last block first):
+    // the full column still holds the whole prompt, but only the prefix the sliding column
+    // also still holds is served.
+    // 14 blocks are cached (7 per column) and 50 free without content: 54 new blocks evict 4.
+    let filler = m
+        .add_sequence_cached((500..500 + 4 * 60).collect(), ExtraKey::new(Some("other")))
+        .0;
+    assert!(m.allocate_slots(filler, 4 * 27).unwrap());
+    assert!(
+        full_blocks.iter().all(|&b| m.pool().is_cached(b)),
+        "the full column's prompt blocks are still cached"
+    );
+    let after = m.match_prefix(&prompt, &ExtraKey::new(None));
+    assert_eq!(
+        after.num_blocks(),
+        1,
+        "the sliding column's blocks 1..5 were evicted"
+    );
+    m.free(filler).unwrap();
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn fork_swap_and_a_failed_step_keep_every_column() {
+    let mut m = KvCacheManager::new(48, BS, true, HashMode::Xxh3)
+        .unwrap()
+        .with_columns(vec![
+            AttentionSpan::Full,
+            AttentionSpan::SlidingWindow(6),
+            AttentionSpan::ChunkedLocal(8),
+        ])
+        .unwrap()
+        .with_host_tier(48)
+        .unwrap();
+    let (a, _) = prefill(&mut m, (0..13).collect());
+    decode(&mut m, a, 6);
+    let child = m.fork(a).unwrap();
+    m.check_invariants().unwrap();
+    assert_eq!(
+        m.seq(child).unwrap().columns()[1].num_released(),
+        m.seq(a).unwrap().columns()[1].num_released()
+    );
+    // Both decode on: the shared partial block is copied in every column.
+    decode(&mut m, a, 1);
+    decode(&mut m, child, 1);
+    assert_eq!(m.take_copy_ops().len(), 3);
+    // Swap the child out and back: given-back entries stay null, the rest comes back.
+    m.begin_step();
+    let released: Vec<usize> = m
+        .seq(child)
+        .unwrap()
+        .columns()
+        .iter()
+        .map(|c| c.num_released())
+        .collect();
+    assert!(m.swap_out(child).unwrap());
+    m.end_step();
+    m.check_invariants().unwrap();
+    let (outs, _) = m.take_swap_ops();
+    let held_total: usize = m.seq(child).unwrap().held_blocks().count();
+    assert_eq!(
+        outs.len(),
+        held_total,
+        "one copy per held block, none for given-back ones"
+    );
+    m.begin_step();
+    assert!(m.swap_in(child).unwrap());
+    m.end_step();
+    m.check_invariants().unwrap();
+    let back: Vec<usize> = m
+        .seq(child)
+        .unwrap()
+        .columns()
+        .iter()
+        .map(|c| c.num_released())
+        .collect();
+    assert_eq!(back, released);
+    decode(&mut m, child, 3);
+    // A failed step: its window is discarded in every column, and every block returns.
+    assert!(m.append_token_with_slot(a, 7).unwrap());
+    m.free_discarding_window(a).unwrap();
+    m.free(child).unwrap();
+    m.check_invariants().unwrap();
+    assert_eq!(m.pool().num_free(), 48);
+}
+
+#[test]
+fn admission_cost_counts_only_the_live_hits() {
+    let mut m = gemma_like(64);
+    let prompt: Vec<u32> = (0..41).collect();
+    let (a, _) = prefill(&mut m, prompt.clone());
+    m.free(a).unwrap();
+    // 10 cached blocks per column, all free: the full column revives 10, the sliding one only
+    // the blocks the query at 40 sees (keys 33..): blocks 8 and 9. Plus one fresh block each.
+    let hit = m.match_prefix(&prompt, &ExtraKey::new(None));
+    assert_eq!(hit.num_blocks(), 10);
+    assert_eq!(m.admission_cost(&hit, 1), 10 + 2 + 2);
+    let before = m.pool().num_free();
+    let (b, cached) = m.add_sequence(prompt, ExtraKey::new(None), hit);
+    assert_eq!(cached, 40);
+    assert!(m.allocate_slots(b, 1).unwrap());
+    assert_eq!(before - m.pool().num_free(), 14);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn one_full_column_hashes_as_before_columns() {
+    // Column 0's key is the sequence's own: KV events and routers see the same hashes.
+    let key = ExtraKey::new(Some("salt"));
+    assert_eq!(key.for_column(0), key);
+    assert_ne!(key.for_column(1), key);
+    let mut plain = KvCacheManager::new(16, BS, true, HashMode::Xxh3).unwrap();
+    let mut one = manager(16, vec![AttentionSpan::Full]);
+    let prompt: Vec<u32> = (0..9).collect();
+    assert_eq!(
+        plain.match_prefix(&prompt, &key).cols[0].hashes,
+        one.match_prefix(&prompt, &key).cols[0].hashes
+    );
+}
