@@ -51,6 +51,33 @@ impl AttentionSpan {
         Some(reach.div_ceil(block_size) + 1)
     }
 
+    /// The span named `kind` (`"full"`, `"sliding_window"`, `"chunked_local"`) of `size`
+    /// tokens (none for full attention), as the Python bindings take it.
+    pub fn from_name(kind: &str, size: Option<usize>) -> Result<Self> {
+        let span = match (kind, size) {
+            ("full", None) => AttentionSpan::Full,
+            ("sliding_window", Some(w)) => AttentionSpan::SlidingWindow(w),
+            ("chunked_local", Some(c)) => AttentionSpan::ChunkedLocal(c),
+            _ => {
+                return Err(CoreError::Config(format!(
+                    "an attention span is (\"full\", None), (\"sliding_window\", w) or (\"chunked_local\", C), \
+                     got ({kind:?}, {size:?})"
+                )))
+            }
+        };
+        span.validate()?;
+        Ok(span)
+    }
+
+    /// The span's name and size, as [`Self::from_name`] takes them.
+    pub fn name(self) -> (&'static str, Option<usize>) {
+        match self {
+            AttentionSpan::Full => ("full", None),
+            AttentionSpan::SlidingWindow(w) => ("sliding_window", Some(w)),
+            AttentionSpan::ChunkedLocal(c) => ("chunked_local", Some(c)),
+        }
+    }
+
     /// True for full attention.
     #[inline]
     pub fn is_full(self) -> bool {

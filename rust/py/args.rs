@@ -15,6 +15,7 @@ use pyo3::type_object::PyTypeCheck;
 use pyo3::types::{PyBool, PyBytes, PyString};
 
 use super::errors::{invalid_argument, invalid_type};
+use crate::attention_span::AttentionSpan;
 use crate::block_hash::HashMode;
 use crate::error::CoreError;
 use crate::eviction_queue::MAX_RETENTION_PRIORITY;
@@ -89,6 +90,29 @@ pub fn str_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
 /// "update() needs the SchedulerOutput returned by schedule()").
 pub fn object_arg<'a, 'py, T: PyTypeCheck>(obj: &'a Bound<'py, PyAny>, what: &str) -> PyResult<&'a Bound<'py, T>> {
     obj.cast::<T>().map_err(|_| invalid_type(format!("{what}, got {}", type_name(obj))))
+}
+
+/// KV cache groups: a sequence of `(kind, size)` pairs, one per column
+/// ([`AttentionSpan::from_name`]); ConfigError for an empty one or a bad pair.
+pub fn attention_spans_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<AttentionSpan>> {
+    let what = "attention_spans must be a sequence of (kind, size) pairs";
+    let items: Vec<Bound<'_, PyAny>> = obj
+        .try_iter()
+        .map_err(|_| invalid_type(format!("{what}, got {}", type_name(obj))))?
+        .collect::<PyResult<_>>()?;
+    if items.is_empty() {
+        return Err(CoreError::Config("attention_spans needs at least one column".into()).into());
+    }
+    items
+        .iter()
+        .map(|item| {
+            let (kind, size): (Bound<'_, PyAny>, Bound<'_, PyAny>) =
+                item.extract().map_err(|_| invalid_type(format!("{what}, got an item {}", type_name(item))))?;
+            let kind = str_arg(&kind, "an attention span's kind")?;
+            let size = if size.is_none() { None } else { Some(positive_arg(&size, "an attention span's size")?) };
+            Ok(AttentionSpan::from_name(&kind, size)?)
+        })
+        .collect()
 }
 
 /// `hash_bits` → hash mode (128: full xxh3; fewer: test hook forcing collisions).

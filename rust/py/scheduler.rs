@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyString};
 
 use super::args::{
-    beam_arg, beam_candidates_arg, bool_arg, count_arg, float_arg, hash_mode_arg, index_arg, int_arg, int_list_arg, object_arg, positive_arg, retention_arg, salt_arg,
+    attention_spans_arg, beam_arg, beam_candidates_arg, bool_arg, count_arg, float_arg, hash_mode_arg, index_arg, int_arg, int_list_arg, object_arg, positive_arg, retention_arg, salt_arg,
     str_arg, str_obj_arg, token_ids_arg,
 };
 use super::reuse::{ArrayRing, EmptyLists, ListRing, TableRing};
@@ -35,7 +35,7 @@ impl PySchedulerConfig {
         *, num_blocks, block_size = None, max_num_seqs = None, max_num_batched_tokens = None,
         max_model_len = None, enable_prefix_caching = None, policy = None, watermark = None, hash_bits = None,
         num_host_blocks = None, num_disk_blocks = None, preemption_mode = None, bytes_per_block = None, swap_bytes_per_second = None,
-        recompute_tokens_per_second = None, manual_clock = None, enable_kv_events = None
+        recompute_tokens_per_second = None, manual_clock = None, enable_kv_events = None, attention_spans = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -56,6 +56,7 @@ impl PySchedulerConfig {
         recompute_tokens_per_second: Option<&Bound<'_, PyAny>>,
         manual_clock: Option<&Bound<'_, PyAny>>,
         enable_kv_events: Option<&Bound<'_, PyAny>>,
+        attention_spans: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let bs = block_size.map(|o| positive_arg(o, "block_size")).transpose()?.unwrap_or(16);
         let mut c = SchedulerConfig::new(bs, positive_arg(num_blocks, "num_blocks")?);
@@ -103,6 +104,9 @@ impl PySchedulerConfig {
         }
         if let Some(o) = enable_kv_events {
             c.enable_kv_events = bool_arg(o, "enable_kv_events")?;
+        }
+        if let Some(o) = attention_spans.filter(|o| !o.is_none()) {
+            c.attention_spans = attention_spans_arg(o)?;
         }
         c.validate()?;
         Ok(PySchedulerConfig { inner: c })
@@ -173,6 +177,11 @@ impl PySchedulerConfig {
     fn enable_kv_events(&self) -> bool {
         self.inner.enable_kv_events
     }
+    /// KV cache groups: each column's span as `(kind, size)`, column 0 first.
+    #[getter]
+    fn attention_spans(&self) -> Vec<(&'static str, Option<usize>)> {
+        self.inner.attention_spans.iter().map(|s| s.name()).collect()
+    }
 
     fn __repr__(&self) -> String {
         let c = &self.inner;
@@ -217,6 +226,11 @@ pub struct PySchedulerOutput {
     block_tables: Py<PyArray2<i32>>,
     #[pyo3(get)]
     slot_mapping: Py<PyArray1<i64>>,
+    /// KV-cache columns `C`: `block_tables` is `int32[C * B, W]` (column `c`'s rows are
+    /// `c * B .. (c + 1) * B`; `.reshape(C, B, W)` is a view) and `slot_mapping`
+    /// `int64[C * T]`; 1 unless the scheduler has KV cache groups.
+    #[pyo3(get)]
+    num_columns: usize,
     #[pyo3(get)]
     logits_indices: Py<PyArray1<i64>>,
     #[pyo3(get)]
@@ -1049,7 +1063,8 @@ impl PyScheduler {
             cu_seqlens_q: o.cu_seqlens_q.fill(py, Ix1(rows + 1), &out.cu_seqlens_q)?,
             seq_lens: o.seq_lens.fill(py, Ix1(rows), &out.seq_lens)?,
             block_tables: o.block_tables.fill(py, &self.inner, out)?,
-            slot_mapping: o.slot_mapping.fill(py, Ix1(t), &out.slot_mapping)?,
+            slot_mapping: o.slot_mapping.fill(py, Ix1(out.num_columns * t), &out.slot_mapping)?,
+            num_columns: out.num_columns,
             logits_indices: o.logits_indices.fill(py, Ix1(s), &out.logits_indices)?,
             sampled_req_ids: sampled,
             sample_indices: o.sample_indices.fill(py, Ix1(s), &out.sample_indices)?,

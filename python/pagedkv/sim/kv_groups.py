@@ -31,7 +31,9 @@ __all__ = [
     "AttentionGroup",
     "ModelKV",
     "blocks_held",
+    "bytes_per_page",
     "bytes_per_sequence",
+    "column_spans",
     "groups_of_layer_types",
     "model_kv_of_config",
     "page_layers",
@@ -132,6 +134,36 @@ def page_layers(model: ModelKV, layout: str) -> int:
     if layout == "vllm":
         return min(counts)
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def column_spans(model: ModelKV, layout: str = "groups") -> tuple[tuple[str, int | None], ...]:
+    """The KV-cache columns of ``layout`` (``whole`` or ``groups``) as the Rust core's
+    ``SchedulerConfig(attention_spans=...)`` takes them: one ``(kind, size)`` per column, a
+    group of ``L`` layers taking ``L / page_layers`` columns, full groups first (column 0's
+    hashes are the ones KV events report)."""
+    if layout == "whole":
+        return (("full", None),)
+    if layout != "groups":
+        raise ValueError(f"the Rust core takes the 'whole' or 'groups' layout, got {layout!r}")
+    per_page = page_layers(model, layout)
+    spans: list[tuple[str, int | None]] = []
+    for group in sorted(model.groups, key=lambda g: g.sliding_window is not None or g.chunk_size is not None):
+        if group.sliding_window is not None and group.chunk_size is not None:
+            raise ValueError("a group with both a window and a chunk is not a column the core knows")
+        span: tuple[str, int | None] = (
+            ("sliding_window", group.sliding_window)
+            if group.sliding_window is not None
+            else ("chunked_local", group.chunk_size)
+            if group.chunk_size is not None
+            else ("full", None)
+        )
+        spans.extend([span] * (group.num_layers // per_page))
+    return tuple(spans)
+
+
+def bytes_per_page(model: ModelKV, layout: str, block_size: int = 16) -> int:
+    """Bytes of one page of ``layout``: ``page_layers`` layers of one block."""
+    return page_layers(model, layout) * model.bytes_per_layer_token * block_size
 
 
 def blocks_held(group: AttentionGroup, next_position: int, block_size: int) -> int:
