@@ -63,6 +63,7 @@ use crate::eviction_queue::{Retention, DEFAULT_RETENTION_PRIORITY, MAX_RETENTION
 use crate::ids::{BlockId, SeqId};
 use crate::kv_events::{encode_batch, KvEvent, Medium};
 use crate::slab::Slab;
+use smallvec::SmallVec;
 
 /// The most columns (block tables per sequence) a manager has.
 pub const MAX_COLUMNS: usize = 256;
@@ -167,8 +168,9 @@ pub struct Sequence {
     tier: Tier,
     num_computed: usize,
     write_start: usize,
-    /// One per column of the manager; column 0 first.
-    cols: Vec<Column>,
+    /// One per column of the manager; column 0 first. Inline for one column (a model
+    /// without groups): the decode path reads its table without another pointer hop.
+    cols: SmallVec<[Column; 1]>,
     /// Tokens known when the sequence was created (its prompt). Blocks within them are
     /// registered in the prefix cache as soon as their step is scheduled, so that concurrent
     /// requests sharing the prompt hit them; blocks filled later by decoding are registered
@@ -713,7 +715,7 @@ impl KvCacheManager {
             }
         }
         let (mut from_host, mut from_disk) = (0u64, 0u64);
-        let mut cols = Vec::with_capacity(self.spans.len());
+        let mut cols: SmallVec<[Column; 1]> = SmallVec::with_capacity(self.spans.len());
         let mut loaded_all = true;
         for (c, (cm, span)) in m.cols.into_iter().zip(self.spans.clone()).enumerate() {
             let live = Self::live_hits(span, keep, bs);
@@ -909,7 +911,7 @@ impl KvCacheManager {
             tier: Tier::Device,
             num_computed: num_blocks * bs,
             write_start: keep * bs,
-            cols: vec![col],
+            cols: smallvec::smallvec![col],
             prompt_len,
             extra,
             retention: RetentionPolicy::default(),
@@ -951,6 +953,10 @@ impl KvCacheManager {
         }
         let bs = pool.block_size();
         let fresh = blocks_for(seq.num_computed + n, bs) - seq.cols[0].table.len();
+        if let ([col], [AttentionSpan::Full]) = (&seq.cols[..], spans) {
+            // One full column (no groups): nothing is ever given back.
+            return (fresh + usize::from(cow_index(pool, col, seq.num_computed).is_some()), 0);
+        }
         let (mut need, mut freed) = (fresh * seq.cols.len(), 0);
         for (col, &span) in seq.cols.iter().zip(spans) {
             need += usize::from(cow_index(pool, col, seq.num_computed).is_some());

@@ -169,6 +169,41 @@ def test_greedy_and_logprobs_equal_transformers(models: dict[str, str], model_ty
     _assert_pool_whole(llm)
 
 
+def _peak_kv_bytes(llm: LLM, prompt: list[int]) -> tuple[list[int], int]:
+    """Greedy tokens of one request run step by step, and the most KV bytes in use at a step."""
+    engine = llm.llm_engine
+    engine.add_request(
+        "peak", {"prompt_token_ids": prompt}, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    )
+    peak, tokens = 0, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+        stats = engine.get_stats()
+        peak = max(peak, (stats["num_blocks"] - stats["num_free_blocks"]) * engine.runner.bytes_per_block)
+    return list(tokens), peak
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "mistral", "llama4_text"])
+def test_kv_cache_groups_hold_less_and_change_nothing(models: dict[str, str], model_type: str) -> None:
+    """With KV cache groups (the default) the sliding and chunked layers give back the blocks
+    behind their window: the same tokens as every layer whole, in less KV memory."""
+    folder = models[model_type]
+    grouped = _engine(folder)
+    whole = _engine(folder, disable_hybrid_kv_cache_manager=True)
+    assert grouped.llm_engine.runner.kv_layout.grouped
+    assert grouped.llm_engine.runner.kv_layout_note.startswith("KV cache groups:")
+    assert not whole.llm_engine.runner.kv_layout.grouped
+    assert whole.llm_engine.runner.kv_layout_note.startswith("every layer whole: KV cache groups are off")
+    prompt = PROMPTS[1]  # 57 tokens, then 40 more: several windows and chunks
+    tokens, grouped_peak = _peak_kv_bytes(grouped, prompt)
+    whole_tokens, whole_peak = _peak_kv_bytes(whole, prompt)
+    assert tokens == whole_tokens
+    assert grouped_peak < whole_peak, (grouped_peak, whole_peak)
+    for llm in (grouped, whole):
+        _assert_pool_whole(llm)
+
+
 # Soft-capping with windows, sinks with windows, chunks: the three kinds of variant.
 VARIANT_MODELS = ["gemma2", "gpt_oss", "llama4_text"]
 
@@ -178,9 +213,14 @@ VARIANT_MODELS = ["gemma2", "gpt_oss", "llama4_text"]
 def test_preemption_and_forks_keep_the_variants(models: dict[str, str], model_type: str, mode: str) -> None:
     folder = models[model_type]
     expected = [_greedy_reference(_reference(folder), p) for p in PROMPTS]
-    # 14 blocks of 8 slots: three prompts of 40, 57 and 9 tokens with n = 2 cannot all stay.
+    # Every layer whole, 14 blocks of 8 slots: three prompts of 40, 57 and 9 tokens with n = 2
+    # cannot all stay. With KV cache groups a block is a page of some layers and the sliding
+    # columns give blocks back: a pool of two pages more than one 96-token request holds.
+    llm = _engine(folder, max_model_len=96)
+    spans = llm.llm_engine.runner.kv_layout.columns
+    pages = llm.llm_engine.scheduler.config.blocks_for_sequence(96) + 2 if len(spans) > 1 else 14
     llm = _engine(
-        folder, num_blocks=14, max_model_len=96, preemption_mode=mode, num_host_blocks=32 if mode == "swap" else 0
+        folder, num_blocks=pages, max_model_len=96, preemption_mode=mode, num_host_blocks=32 if mode == "swap" else 0
     )
     _check_greedy(llm, expected, SamplingParams(n=2, max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, logprobs=0))
     stats = llm.llm_engine.get_stats()

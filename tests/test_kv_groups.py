@@ -174,3 +174,34 @@ def test_the_replay_study_meets_the_peak_kv_target() -> None:
     # The tight pool: every layer whole preempts, the groups do not.
     tight = [line for line in out.splitlines() if line.startswith("| tight")]
     assert "| 0 |" not in tight[0] and "| 0 |" in tight[1]
+
+
+def test_kv_layout_of_layers() -> None:
+    """The runner's layout: pages of gcd(group sizes) layers, full columns first, each layer's
+    page slot and column (worker/kv_layout.py)."""
+    from pagedkv.kernels.layer_attention import LayerAttention
+    from pagedkv.worker.kv_layout import KVLayout
+
+    full, sliding, chunked = LayerAttention(), LayerAttention(sliding_window=512), LayerAttention(chunk_size=64)
+    gemma = [sliding] * 5 + [full] + [sliding] * 5 + [full] + [sliding] * 5 + [full]
+    layout = KVLayout.of_layers(gemma, max_model_len=4096)
+    assert isinstance(layout, KVLayout) and layout.grouped
+    assert layout.page_layers == 3
+    assert layout.columns == (("full", None),) + (("sliding_window", 512),) * 5
+    assert layout.describe() == "1 full + 5 sliding window 512 columns, pages of 3 layers"
+    # The full layers (5, 11, 17) fill column 0's page; the sliding ones three to a column.
+    assert [layout.layer_column[i] for i in (5, 11, 17)] == [0, 0, 0]
+    assert [layout.layer_slot[i] for i in (5, 11, 17)] == [0, 1, 2]
+    assert layout.layer_column[:5] == (1, 1, 1, 2, 2) and layout.layer_slot[:5] == (0, 1, 2, 0, 1)
+    assert sorted(zip(layout.layer_column, layout.layer_slot)) == sorted({*zip(layout.layer_column, layout.layer_slot)})
+    # A window at least max_model_len long limits nothing: every layer whole.
+    assert not KVLayout.of_layers(gemma, max_model_len=512).grouped  # type: ignore[union-attr]
+    # Every layer sliding (Mistral): one sliding column, pages of every layer.
+    mistral = KVLayout.of_layers([sliding] * 4, max_model_len=4096)
+    assert isinstance(mistral, KVLayout) and mistral.columns == (("sliding_window", 512),) and mistral.page_layers == 4
+    llama4 = KVLayout.of_layers([chunked] * 3 + [full], max_model_len=4096)
+    assert isinstance(llama4, KVLayout) and llama4.columns == (("full", None),) + (("chunked_local", 64),) * 3
+    assert KVLayout.of_layers([LayerAttention(sliding_window=8, chunk_size=64), full], 4096) == (
+        "a layer with both a sliding window and chunks"
+    )
+    assert KVLayout.whole(4).columns == (("full", None),) and not KVLayout.whole(4).grouped

@@ -209,10 +209,22 @@ def check_preemption_mode(cache: CacheConfig, scheduling: SchedulingConfig) -> N
         )
 
 
-def check_pool_holds_one_request(num_blocks: int, block_size: int, max_model_len: int, detail: str = "") -> None:
+def check_pool_holds_one_request(
+    num_blocks: int, block_size: int, max_model_len: int, detail: str = "", blocks_per_request: int | None = None
+) -> None:
     """A pool that cannot hold one ``max_model_len`` request is refused: a lone request must
-    always be able to run (and preemption must terminate)."""
+    always be able to run (and preemption must terminate). ``blocks_per_request``: the blocks
+    (pages) such a request holds at most, when not one per ``block_size`` tokens (KV cache
+    groups: ``SchedulerConfig.blocks_for_sequence``)."""
     capacity = num_blocks * block_size
+    if blocks_per_request is not None:
+        if num_blocks < blocks_per_request:
+            raise ConfigError(
+                f"the KV cache holds {num_blocks} pages{detail}, fewer than the {blocks_per_request} one request of "
+                f"max_model_len = {max_model_len} tokens holds in its KV cache groups: raise kv_cache_memory / "
+                f"num_blocks / gpu_memory_utilization, or lower max_model_len"
+            )
+        return
     if capacity < max_model_len:
         raise ConfigError(
             f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {block_size}{detail}), fewer than one "
@@ -320,6 +332,9 @@ class CacheConfig:
     - ``enable_kv_cache_events``: the Rust core records which blocks enter and leave the prefix
       cache of every tier (``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``, vLLM's
       KV events), taken per step by ``LLMEngine.take_kv_events`` for KV-aware routers.
+    - ``enable_kv_cache_groups``: a model whose layers do not all attend to the whole context
+      (sliding windows, chunks) keeps its KV in KV cache groups (worker/kv_layout.py): the
+      blocks a window has left behind go back to the pool. False: every layer whole.
     """
 
     block_size: int = 16
@@ -335,6 +350,7 @@ class CacheConfig:
     kv_cache_dir: str | None = None
     kv_cache_dir_max_bytes: int | None = None
     enable_kv_cache_events: bool = False
+    enable_kv_cache_groups: bool = True
 
     @property
     def has_host_tier(self) -> bool:
@@ -368,6 +384,7 @@ class CacheConfig:
             raise ConfigError(f"gpu_memory_utilization must be a number in (0, 1], got {gmu!r}")
         _bool("enable_prefix_caching", self.enable_prefix_caching)
         _bool("enable_kv_cache_events", self.enable_kv_cache_events)
+        _bool("enable_kv_cache_groups", self.enable_kv_cache_groups)
         self._check_host_tier()
         self._check_disk_tier()
 

@@ -177,6 +177,10 @@ impl PySchedulerConfig {
     fn enable_kv_events(&self) -> bool {
         self.inner.enable_kv_events
     }
+    /// The most blocks (pages) one sequence of `len` tokens holds at once, over every column.
+    fn blocks_for_sequence(&self, len: usize) -> usize {
+        self.inner.blocks_for_sequence(len)
+    }
     /// KV cache groups: each column's span as `(kind, size)`, column 0 first.
     #[getter]
     fn attention_spans(&self) -> Vec<(&'static str, Option<usize>)> {

@@ -115,7 +115,7 @@ impl Scheduler {
         if width > c.max_num_batched_tokens {
             return bad(format!("beam_width = {width} exceeds max_num_batched_tokens = {}", c.max_num_batched_tokens));
         }
-        let blocks = crate::block_table::blocks_for(max_len.min(c.max_model_len), c.block_size);
+        let blocks = c.blocks_for_sequence(max_len.min(c.max_model_len));
         if width.saturating_mul(blocks) > c.num_blocks {
             return bad(format!(
                 "{width} beams of up to {blocks} blocks each need {} blocks, more than the pool's {}",

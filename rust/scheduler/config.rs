@@ -119,6 +119,17 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
+    /// The most blocks one sequence of `len` tokens holds at once, over every column: a full
+    /// column all of its blocks, a sliding or chunked one at most what its window needs
+    /// under this step budget.
+    pub fn blocks_for_sequence(&self, len: usize) -> usize {
+        let whole = crate::block_table::blocks_for(len, self.block_size);
+        self.attention_spans
+            .iter()
+            .map(|s| s.max_live_blocks(self.max_num_batched_tokens, self.block_size).map_or(whole, |b| b.min(whole)))
+            .sum()
+    }
+
     /// A config with the given pool and defaults elsewhere (256 sequences, 2048-token budget,
     /// max_model_len = the whole pool capped at 8192, prefix caching on, FCFS, 1% watermark).
     pub fn new(block_size: usize, num_blocks: usize) -> Self {

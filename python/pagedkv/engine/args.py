@@ -56,6 +56,10 @@ class EngineArgs:
       ``kv_cache_dir_max_bytes``: the most bytes it may hold (default: no limit).
     - ``enable_kv_cache_events``: record the prefix cache's block events for KV-aware routers
       (``LLMEngine.take_kv_events``; ``pagedkv serve --kv-events-endpoint`` publishes them).
+    - ``disable_hybrid_kv_cache_manager``: keep every layer's KV whole even when the model has
+      sliding-window or chunked layers (vLLM's name; by default such a model's KV is kept in
+      KV cache groups, which give back the blocks a window has left behind). KV transfer
+      between engines (``kv_transfer_config``) turns the groups off by itself.
     - ``scheduling_policy``: ``"fcfs"`` or ``"priority"``.
     - ``attention_backend``: ``"triton"``, ``"cpu"``, ``"torch"`` or ``None`` (Triton on CUDA,
       the Rust decode kernel + torch on the CPU).
@@ -100,6 +104,7 @@ class EngineArgs:
     kv_cache_dir: str | None = None
     kv_cache_dir_max_bytes: int | str | None = None
     enable_kv_cache_events: bool = False
+    disable_hybrid_kv_cache_manager: bool = False
     scheduling_policy: str = "fcfs"
     attention_backend: str | None = None
     seed: int = 0
@@ -156,6 +161,8 @@ class EngineArgs:
                 kv_cache_dir=self.kv_cache_dir,
                 kv_cache_dir_max_bytes=as_byte_count(self.kv_cache_dir_max_bytes, "kv_cache_dir_max_bytes"),
                 enable_kv_cache_events=self.enable_kv_cache_events,
+                # KV transfer carries one block table per request (the core refuses more).
+                enable_kv_cache_groups=not self.disable_hybrid_kv_cache_manager and self.kv_transfer_config is None,
             ),
             scheduling=SchedulingConfig(
                 max_num_seqs=self.max_num_seqs,

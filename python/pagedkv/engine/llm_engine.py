@@ -125,28 +125,31 @@ class LLMEngine:
             config.model.tokenizer or self.runner.model_path, config.model.trust_remote_code
         )
         self.max_model_len = self.runner.max_model_len
+        layout = self.runner.kv_layout
+        scheduler_config = SchedulerConfig(
+            num_blocks=self.runner.num_blocks,
+            block_size=self.runner.block_size,
+            max_model_len=self.max_model_len,
+            max_num_seqs=config.scheduling.max_num_seqs,
+            max_num_batched_tokens=config.scheduling.max_num_batched_tokens,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            policy=config.scheduling.policy,
+            num_host_blocks=self.runner.num_host_blocks,
+            num_disk_blocks=self.runner.num_disk_blocks,
+            preemption_mode=config.scheduling.preemption_mode,
+            bytes_per_block=self.runner.bytes_per_block,
+            enable_kv_events=config.cache.enable_kv_cache_events,
+            # KV cache groups: one block table per column (worker/kv_layout.py).
+            attention_spans=layout.columns,
+        )
         check_pool_holds_one_request(
             self.runner.num_blocks,
             self.runner.block_size,
             self.max_model_len,
             f", {self.runner.kv_cache_bytes} bytes",
+            scheduler_config.blocks_for_sequence(self.max_model_len) if layout.grouped else None,
         )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                num_blocks=self.runner.num_blocks,
-                block_size=self.runner.block_size,
-                max_model_len=self.max_model_len,
-                max_num_seqs=config.scheduling.max_num_seqs,
-                max_num_batched_tokens=config.scheduling.max_num_batched_tokens,
-                enable_prefix_caching=config.cache.enable_prefix_caching,
-                policy=config.scheduling.policy,
-                num_host_blocks=self.runner.num_host_blocks,
-                num_disk_blocks=self.runner.num_disk_blocks,
-                preemption_mode=config.scheduling.preemption_mode,
-                bytes_per_block=self.runner.bytes_per_block,
-                enable_kv_events=config.cache.enable_kv_cache_events,
-            )
-        )
+        self.scheduler = Scheduler(scheduler_config)
         # The auto preemption cost model: the tiers' copy bandwidth is measured once here; the
         # forward's throughput is measured on the real steps (see _update_cost_model).
         self.swap_bandwidth: float | None = None

@@ -161,7 +161,7 @@ def _log_startup(state: ServerState) -> None:
     runner, cache = engine.runner, engine.config.cache
     serving = state.serving
     logger.info(
-        "serving model %s (as %s): dtype %s on %s, max_model_len %d, max_num_seqs %d, max_logprobs %d; layers: %s",
+        "serving model %s (as %s): dtype %s on %s, max_model_len %d, max_num_seqs %d, max_logprobs %d; layers: %s; %s",
         engine.args.model or _default_model_name(state.engine) + " (embedded)",
         ", ".join(serving.served_model_names),
         str(runner.dtype).removeprefix("torch."),
@@ -170,6 +170,7 @@ def _log_startup(state: ServerState) -> None:
         serving.max_num_seqs,
         serving.max_logprobs,
         describe_layers(runner.layer_attention),
+        runner.kv_layout_note,
     )
     pool_bytes = runner.num_blocks * runner.bytes_per_block
     host = (

@@ -34,6 +34,7 @@ load time to check that a model really routes all its attention through this fun
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,10 @@ class PagedAttentionContext:
     kv_scales: list[KVScales] | None = None
     # Per layer: its window, chunk, soft-cap and sinks; None: every layer plain causal.
     layers: list[LayerAttention] | None = None
+    # KV cache groups (worker/kv_layout.py): one metadata per column (its block tables and
+    # slots) and, per layer, the column it reads; None: one column, ``metadata``.
+    column_metadata: list[AttentionMetadata] | None = None
+    layer_columns: Sequence[int] | None = None
 
 
 @dataclass
@@ -124,9 +129,12 @@ def pagedkv_attention_forward(
         key_cache, value_cache = context.kv_caches[layer]
         scales = context.kv_scales[layer] if context.kv_scales is not None else None
         variant = context.layers[layer] if context.layers is not None else FULL_ATTENTION
-        context.backend.store_kv(k, v, key_cache, value_cache, context.metadata, scales)
+        metadata = context.metadata
+        if context.column_metadata is not None and context.layer_columns is not None:
+            metadata = context.column_metadata[context.layer_columns[layer]]
+        context.backend.store_kv(k, v, key_cache, value_cache, metadata, scales)
         out = context.backend.paged_attention(
-            q, key_cache, value_cache, context.metadata, scale=scaling, kv_scales=scales, layer=variant
+            q, key_cache, value_cache, metadata, scale=scaling, kv_scales=scales, layer=variant
         )
         return out.unsqueeze(0), None
     if isinstance(context, ProbeContext):

@@ -91,6 +91,7 @@ from pagedkv.worker.checkpoint_scales import load_checkpoint_kv_scales
 from pagedkv.worker.disk_cache import DiskKVStore, disk_fingerprint
 from pagedkv.worker.head_rows import HeadSplit, HiddenRows
 from pagedkv.worker.host_cache import HostKVCache
+from pagedkv.worker.kv_layout import KVLayout
 from pagedkv.worker.model_files import resolve_model
 from pagedkv.worker.model_support import check_config, check_probe, context_length_of, layer_attentions
 
@@ -219,7 +220,11 @@ class ModelRunner:
         self.num_heads = geometry.num_heads
         self.num_kv_heads = geometry.num_kv_heads
         self.head_dim = geometry.head_dim
-        self.bytes_per_block = geometry.bytes_per_block(block_size)
+        # KV cache groups (worker/kv_layout.py): pages of some layers, one block table per
+        # column; or every layer whole, with the reason in kv_layout_note.
+        self.kv_layout, self.kv_layout_note = self._kv_layout(cache_config)
+        # A "block" of the pool is a page: page_layers layers of one block.
+        self.bytes_per_block = geometry.bytes_per_block(block_size) * self.kv_layout.page_layers // self.num_layers
         # Resolved once (PAGEDKV_ATTENTION_BACKEND is read here, not per layer call).
         self.backend = _resolve_backend(
             self.device,
@@ -252,7 +257,7 @@ class ModelRunner:
         try:
             with torch.inference_mode():
                 self.kv_cache = torch.zeros(
-                    self.num_layers,
+                    self.kv_layout.page_layers,
                     2,
                     num_blocks,
                     block_size,
@@ -264,7 +269,7 @@ class ModelRunner:
                 # A quantized cache's scales, slot for slot (zeros: a never-written slot reads 0).
                 self.kv_scale_cache = (
                     torch.zeros(
-                        self.num_layers,
+                        self.kv_layout.page_layers,
                         2,
                         num_blocks,
                         block_size,
@@ -280,7 +285,11 @@ class ModelRunner:
                 f"cannot allocate the KV cache ({self.kv_cache_bytes:,} bytes = {num_blocks} blocks x "
                 f"{self.bytes_per_block:,} bytes) on {self.device}: {exc}"
             ) from exc
-        self.kv_caches = [(self.kv_cache[layer, 0], self.kv_cache[layer, 1]) for layer in range(self.num_layers)]
+        # Per layer: its slot of every page (a view).
+        slots = self.kv_layout.layer_slot
+        self.kv_caches = [
+            (self.kv_cache[slots[layer], 0], self.kv_cache[slots[layer], 1]) for layer in range(self.num_layers)
+        ]
         self.host_cache: HostKVCache | None = None
         if self.num_host_blocks > 0:
             try:
@@ -306,8 +315,8 @@ class ModelRunner:
             rotation = key_rotation(self.head_dim, self.dtype, self.device) if static_scales is None else None
             self.kv_scales = [
                 KVScales(
-                    key=self.kv_scale_cache[layer, 0],
-                    value=self.kv_scale_cache[layer, 1],
+                    key=self.kv_scale_cache[slots[layer], 0],
+                    value=self.kv_scale_cache[slots[layer], 1],
                     static_key=None if k_static is None else k_static[layer].to(self.device),
                     static_value=None if v_static is None else v_static[layer].to(self.device),
                     key_rotation=rotation,
@@ -377,23 +386,37 @@ class ModelRunner:
         seq_lens = _index_tensor(step.seq_lens, torch.int32, "seq_lens")
         block_tables = _index_tensor(step.block_tables, torch.int32, "block_tables")
         logits_indices = _index_tensor(step.logits_indices, torch.int64, "logits_indices")
-        _check_step_shapes(input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, block_tables, logits_indices)
+        num_columns = self.kv_layout.num_columns
+        _check_step_shapes(
+            input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, block_tables, logits_indices, num_columns
+        )
         num_tokens = input_ids.shape[0]
-        metadata = None
+        metadata: list[kernels.AttentionMetadata] | None = None
         if num_tokens > 0:
             _check_token_values(input_ids, logits_indices, self.vocab_size)
-            # Once per step, for all layers: convert, validate (values too, on the host), move.
+            # Once per step and column, for all layers: convert, validate (values too, on the
+            # host), move.
             key_cache, value_cache = self.kv_caches[0]
-            metadata = self.backend.prepare(
-                slot_mapping,
-                block_tables,
-                seq_lens,
-                cu_seqlens_q,
-                num_tokens=num_tokens,
-                key_cache=key_cache,
-                value_cache=value_cache,
-                dtype=self.dtype,
-            )
+            num_seqs = seq_lens.shape[0]
+            metadata = []
+            for c in range(num_columns):
+                tables = block_tables[c * num_seqs : (c + 1) * num_seqs]
+                if self.kv_layout.grouped:
+                    # Given-back blocks (-1) lie behind every query's window: no kernel reads
+                    # them; block 0 keeps the ids in range for the checks.
+                    tables = tables.clamp(min=0)
+                metadata.append(
+                    self.backend.prepare(
+                        slot_mapping[c * num_tokens : (c + 1) * num_tokens],
+                        tables,
+                        seq_lens,
+                        cu_seqlens_q,
+                        num_tokens=num_tokens,
+                        key_cache=key_cache,
+                        value_cache=value_cache,
+                        dtype=self.dtype,
+                    )
+                )
         swap_out, swap_in = self._check_swaps(getattr(step, "swap_out", None), getattr(step, "swap_in", None))
         disk_store, disk_load = self._check_disk_ops(
             getattr(step, "disk_store", None), getattr(step, "disk_load", None)
@@ -423,9 +446,11 @@ class ModelRunner:
         context = PagedAttentionContext(
             backend=self.backend,
             kv_caches=self.kv_caches,
-            metadata=metadata,
+            metadata=metadata[0],
             kv_scales=self.kv_scales,
             layers=self.layer_attention,
+            column_metadata=metadata if num_columns > 1 else None,
+            layer_columns=self.kv_layout.layer_column if num_columns > 1 else None,
         )
         return self._forward(
             input_ids.to(self.device, non_blocking=True),
@@ -594,6 +619,22 @@ class ModelRunner:
         else:
             logits = self.model(**kwargs).logits[0].index_select(0, logits_indices)
         return logits.float()
+
+    def _kv_layout(self, cache: CacheConfig) -> tuple[KVLayout, str]:
+        """The KV layout (worker/kv_layout.py) and a line that says which one and why."""
+        whole = KVLayout.whole(self.num_layers)
+        layout = KVLayout.of_layers(self.layer_attention, self.max_model_len)
+        if isinstance(layout, str):
+            return whole, f"every layer whole: {layout}"
+        if not layout.grouped:
+            return whole, "every layer whole: every layer attends to the whole context"
+        if not cache.enable_kv_cache_groups:
+            return whole, "every layer whole: KV cache groups are off (disable_hybrid_kv_cache_manager, or KV transfer)"
+        if self.tp_group is not None:
+            return whole, "every layer whole: KV cache groups do not run with tensor parallelism yet"
+        if cache.kv_cache_dir is not None:
+            return whole, "every layer whole: KV cache groups do not write the disk tier yet"
+        return layout, f"KV cache groups: {layout.describe()}"
 
     @torch.inference_mode()
     def _probe(self) -> tuple[KVGeometry, list[LayerAttention]]:
@@ -827,8 +868,10 @@ def _check_step_shapes(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     logits_indices: torch.Tensor,
+    num_columns: int = 1,
 ) -> None:
-    """Shape consistency of one step (metadata only: no device sync)."""
+    """Shape consistency of one step (metadata only: no device sync). With ``num_columns``
+    KV-cache columns, ``slot_mapping`` is ``[C * T]`` and ``block_tables`` ``[C * B, W]``."""
     for name, tensor in (
         ("input_ids", input_ids),
         ("positions", positions),
@@ -840,19 +883,20 @@ def _check_step_shapes(
         if tensor.dim() != 1:
             raise InvalidArgumentError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
     num_tokens = input_ids.shape[0]
-    if positions.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
+    if positions.shape[0] != num_tokens or slot_mapping.shape[0] != num_columns * num_tokens:
         raise InvalidArgumentError(
-            f"input_ids, positions and slot_mapping must have one entry per token, got "
-            f"{num_tokens}, {positions.shape[0]}, {slot_mapping.shape[0]}"
+            f"input_ids and positions must have one entry per token and slot_mapping one per token and "
+            f"KV-cache column ({num_columns}), got {num_tokens}, {positions.shape[0]}, {slot_mapping.shape[0]}"
         )
     num_seqs = seq_lens.shape[0]
     if cu_seqlens_q.shape[0] != num_seqs + 1:
         raise InvalidArgumentError(
             f"cu_seqlens_q must have B + 1 = {num_seqs + 1} entries, got {cu_seqlens_q.shape[0]}"
         )
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_columns * num_seqs:
         raise InvalidArgumentError(
-            f"block_tables must be [B={num_seqs}, max_blocks], got shape {tuple(block_tables.shape)}"
+            f"block_tables must be [C * B = {num_columns} x {num_seqs}, max_blocks], got shape "
+            f"{tuple(block_tables.shape)}"
         )
 
 
