@@ -40,6 +40,11 @@ fn decode(m: &mut KvCacheManager, s: SeqId, steps: u32) {
     }
 }
 
+/// How many leading entries each column of `s` has given back.
+fn given_back(m: &KvCacheManager, s: SeqId) -> Vec<usize> {
+    m.seq(s).unwrap().columns().iter().map(|c| c.num_released()).collect()
+}
+
 fn held(m: &KvCacheManager, s: SeqId, column: usize) -> Vec<BlockId> {
     m.seq(s).unwrap().columns()[column].held().to_vec()
 }
@@ -183,13 +188,7 @@ fn fork_swap_and_a_failed_step_keep_every_column() {
     assert_eq!(m.take_copy_ops().len(), 3);
     // Swap the child out and back: given-back entries stay null, the rest comes back.
     m.begin_step();
-    let released: Vec<usize> = m
-        .seq(child)
-        .unwrap()
-        .columns()
-        .iter()
-        .map(|c| c.num_released())
-        .collect();
+    let released = given_back(&m, child);
     assert!(m.swap_out(child).unwrap());
     m.end_step();
     m.check_invariants().unwrap();
@@ -204,14 +203,7 @@ fn fork_swap_and_a_failed_step_keep_every_column() {
     assert!(m.swap_in(child).unwrap());
     m.end_step();
     m.check_invariants().unwrap();
-    let back: Vec<usize> = m
-        .seq(child)
-        .unwrap()
-        .columns()
-        .iter()
-        .map(|c| c.num_released())
-        .collect();
-    assert_eq!(back, released);
+    assert_eq!(given_back(&m, child), released);
     decode(&mut m, child, 3);
     // A failed step: its window is discarded in every column, and every block returns.
     assert!(m.append_token_with_slot(a, 7).unwrap());

@@ -95,14 +95,15 @@ def test_configs_become_groups() -> None:
         )
 
 
-def test_the_study_prints_its_table_and_meets_its_targets() -> None:
-    out = subprocess.run(
-        [sys.executable, str(REPO / "benches" / "study_kv_groups.py")],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
+def _run_bench(script: str) -> str:
+    """A bench script's printed output (it must succeed)."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "benches" / script)], capture_output=True, text=True, check=True, timeout=120
     ).stdout
+
+
+def test_the_study_prints_its_table_and_meets_its_targets() -> None:
+    out = _run_bench("study_kv_groups.py")
     assert out.count("| google/gemma-3-27b-it |") == 3 and "NOT met" not in out
     assert out.count(": met.") == 2
 
@@ -163,13 +164,7 @@ def test_the_core_takes_columns_and_gives_back_blocks_behind_the_window() -> Non
 
 
 def test_the_replay_study_meets_the_peak_kv_target() -> None:
-    out = subprocess.run(
-        [sys.executable, str(REPO / "benches" / "study_kv_groups_replay.py")],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
+    out = _run_bench("study_kv_groups_replay.py")
     assert "meets the target" in out
     # The tight pool: every layer whole preempts, the groups do not.
     tight = [line for line in out.splitlines() if line.startswith("| tight")]
