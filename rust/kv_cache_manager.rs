@@ -1009,6 +1009,23 @@ impl KvCacheManager {
         if n == 0 {
             return true;
         }
+        if let ([col], [AttentionSpan::Full]) = (&mut seq.cols[..], spans) {
+            // One full column (a model without groups): the decode path as it was before
+            // columns, with nothing to give back.
+            let target = seq.num_computed + n;
+            let fresh = blocks_for(target, pool.block_size()) - col.table.len();
+            let cow = cow_index(pool, col, seq.num_computed);
+            if fresh + usize::from(cow.is_some()) > pool.num_free() {
+                return false;
+            }
+            Self::copy_on_write(pool, copy_ops, col, cow);
+            pool.allocate_into(fresh, col.table.blocks_mut());
+            seq.write_start = seq.num_computed;
+            seq.num_computed = target;
+            let upto = target.min(seq.prompt_len);
+            Self::register_full_blocks(pool, hasher, &seq.tokens, target, seq.tier, col, upto);
+            return true;
+        }
         let (need, freed) = Self::allocation_need(pool, spans, seq, n);
         if need > pool.num_free() + freed {
             return false;
@@ -1025,14 +1042,8 @@ impl KvCacheManager {
             }
         }
         for col in cols.iter_mut() {
-            if let Some(i) = cow_index(pool, col, *num_computed) {
-                // Checked above: enough free blocks for the copy and the fresh blocks.
-                if let Some(private) = pool.allocate_one() {
-                    let shared = col.table.replace(i, private);
-                    pool.release_ref_unchecked(shared);
-                    copy_ops.push((shared, private));
-                }
-            }
+            let cow = cow_index(pool, col, *num_computed);
+            Self::copy_on_write(pool, copy_ops, col, cow);
             let allocated = pool.allocate_into(fresh, col.table.blocks_mut());
             debug_assert!(allocated, "checked above: enough free blocks");
         }
@@ -1044,6 +1055,19 @@ impl KvCacheManager {
             Self::register_full_blocks(pool, hasher, tokens, *num_computed, *tier, col, upto);
         }
         true
+    }
+
+    /// Gives `col` a private copy of its shared partial block `cow` (if any), recording the
+    /// copy for the runner. The caller checked that a block is free for it.
+    #[inline]
+    fn copy_on_write(pool: &mut BlockPool, copy_ops: &mut Vec<BlockPair>, col: &mut Column, cow: Option<usize>) {
+        if let Some(i) = cow {
+            if let Some(private) = pool.allocate_one() {
+                let shared = col.table.replace(i, private);
+                pool.release_ref_unchecked(shared);
+                copy_ops.push((shared, private));
+            }
+        }
     }
 
     /// Gives back the blocks of `col` before logical index `dead` that it still holds (the
