@@ -93,6 +93,7 @@ from pagedkv.worker.head_rows import HeadSplit, HiddenRows
 from pagedkv.worker.host_cache import HostKVCache
 from pagedkv.worker.model_files import resolve_model
 from pagedkv.worker.model_support import check_config, check_probe, context_length_of, layer_attentions
+from pagedkv.worker.onednn_linear import OneDNNLinears, use_onednn_linears
 
 __all__ = ["ModelRunner", "DEFAULT_CPU_KV_CACHE_MEMORY"]
 
@@ -206,6 +207,8 @@ class ModelRunner:
         self.model = _load_model(self.model_path, self.dtype, self.device, model_config.trust_remote_code)
         if self.tp_group is not None:
             shard_model(self.model, self.tp_group)
+        # linear_kernel="onednn": the linears through oneDNN (worker/onednn_linear.py); None: torch's own.
+        self.onednn_linears = self._switch_linear_kernel(model_config.linear_kernel)
         head = self.model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(text_config.vocab_size)
         self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
@@ -314,6 +317,15 @@ class ModelRunner:
                 )
                 for layer in range(self.num_layers)
             ]
+
+    def _switch_linear_kernel(self, kernel: str) -> OneDNNLinears | None:
+        if kernel == "default":
+            return None
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ConfigError(
+                f"linear_kernel={kernel!r} runs float32 linears on the CPU, but the model is {self.dtype} on {self.device}"
+            )
+        return use_onednn_linears(self.model)
 
     @property
     def eos_token_ids(self) -> list[int]:
