@@ -16,6 +16,7 @@ them, ``F.linear`` on a ``[1, 1, K]`` row under ``inference_mode``, as the model
 * ``small ops between``: two elementwise ops on the row after each call, as the model's norms
   and residuals do, which let the OpenMP threads fall asleep between calls;
 * ``weights pre-transposed``: ``x @ Wt`` with ``Wt = W.t().contiguous()`` (``[K, N]``);
+* ``oneDNN, prepacked``: what ``linear_kernel="onednn"`` runs (pagedkv.worker.onednn_linear);
 * ``read bandwidth``: ``W.sum()`` over the same weights: what reading them costs at least.
 
 The OpenMP wait policy cannot change inside a process: the parent runs the same loop in a
@@ -92,6 +93,12 @@ def linear_variants(model: Any) -> dict[str, Callable[[], object]]:
         for x, wt in zip(rows3, transposed):
             torch.matmul(x, wt)
 
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16) for w in weights]
+
+    def onednn() -> None:
+        for x, p in zip(rows3, packed):
+            torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [None], "")
+
     def read_bandwidth() -> None:
         for w in weights:
             w.sum()
@@ -105,6 +112,7 @@ def linear_variants(model: Any) -> dict[str, Callable[[], object]]:
         "nn.Linear modules": modules,
         "small ops between": small_ops,
         "weights pre-transposed (x @ Wt)": pre_transposed,
+        "oneDNN, prepacked (linear_kernel='onednn')": onednn,
         "read bandwidth (W.sum)": read_bandwidth,
     }
 

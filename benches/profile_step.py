@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,12 +56,12 @@ def build_llm(args: argparse.Namespace, **engine_args: Any) -> Any:
     )
 
 
-def start_decoding(engine: Any, batch: int, args: argparse.Namespace, tag: str) -> list[str]:
+def start_decoding(engine: Any, batch: int, args: argparse.Namespace, tag: str, num_variants: int) -> list[str]:
     """Adds ``batch`` requests and steps until every one of them decodes (one token per row)."""
     from pagedkv import SamplingParams
 
     requests = load_requests(batch, max_prompt=args.max_prompt, max_output=2048)
-    steps_needed = 2 + 2 * args.rounds * args.steps + 8
+    steps_needed = 2 + num_variants * args.rounds * (2 * args.steps + 1) + 8
     ids = []
     for i, (prompt, _) in enumerate(requests):
         rid = f"{tag}-{i}"
@@ -76,45 +77,64 @@ def start_decoding(engine: Any, batch: int, args: argparse.Namespace, tag: str) 
     return ids
 
 
-def profile_batch(engine: Any, batch: int, args: argparse.Namespace, tag: str) -> dict[str, Any]:
-    """Plain and instrumented step times, and the parts of the instrumented steps (ms/step)."""
-    ids = start_decoding(engine, batch, args, tag)
+def profile_batch(
+    engine: Any, batch: int, args: argparse.Namespace, tag: str, variants: dict[str, Callable[[], None]]
+) -> list[dict[str, Any]]:
+    """Per variant (``variants``: name -> a call that switches the engine to it), plain and
+    instrumented step times and the parts of the instrumented steps (ms/step). Every round
+    runs every variant, in turn, on the same requests."""
+    ids = start_decoding(engine, batch, args, tag, len(variants))
     probe = StepProbe(engine)
-    plain: list[float] = []
-    instrumented: list[float] = []
+    plain: dict[str, list[float]] = {name: [] for name in variants}
+    instrumented: dict[str, list[float]] = {name: [] for name in variants}
+    totals: dict[str, dict[str, float]] = {name: {} for name in variants}
+    calls: dict[str, dict[str, float]] = {name: {} for name in variants}
     for _ in range(args.rounds):
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            engine.step()
-            plain.append(time.perf_counter() - start)
-        probe.install()
-        probe.timers.active = True
-        try:
+        for name, switch in variants.items():
+            switch()
+            engine.step()  # the first step after a switch is not counted
             for _ in range(args.steps):
                 start = time.perf_counter()
                 engine.step()
-                instrumented.append(time.perf_counter() - start)
-        finally:
-            probe.timers.active = False
-            probe.remove()
+                plain[name].append(time.perf_counter() - start)
+            probe.install()
+            probe.timers.reset()
+            probe.timers.active = True
+            try:
+                for _ in range(args.steps):
+                    start = time.perf_counter()
+                    engine.step()
+                    instrumented[name].append(time.perf_counter() - start)
+            finally:
+                probe.timers.active = False
+                probe.remove()
+            for part, seconds in probe.timers.totals.items():
+                totals[name][part] = totals[name].get(part, 0.0) + seconds
+            for part, count in probe.timers.calls.items():
+                calls[name][part] = calls[name].get(part, 0) + count
     engine.abort_request(ids)
-    n = len(instrumented)
-    parts = {name: probe.timers.totals.get(name, 0.0) / n * 1e3 for name in PARTS}
-    calls = {name: probe.timers.calls.get(name, 0) / n for name in PARTS}
-    return {
-        "batch": batch,
-        "plain_ms": statistics.median(plain) * 1e3,
-        "instrumented_ms": statistics.median(instrumented) * 1e3,
-        "instrumented_mean_ms": statistics.fmean(instrumented) * 1e3,
-        "parts": parts,
-        "calls": calls,
-    }
+    runs = []
+    for name in variants:
+        n = len(instrumented[name])
+        runs.append(
+            {
+                "batch": batch,
+                "variant": name,
+                "plain_ms": statistics.median(plain[name]) * 1e3,
+                "instrumented_ms": statistics.median(instrumented[name]) * 1e3,
+                "instrumented_mean_ms": statistics.fmean(instrumented[name]) * 1e3,
+                "parts": {part: totals[name].get(part, 0.0) / n * 1e3 for part in PARTS},
+                "calls": {part: calls[name].get(part, 0) / n for part in PARTS},
+            }
+        )
+    return runs
 
 
 def profile_table(runs: list[dict[str, Any]]) -> str:
     headers = ["part"]
     for run in runs:
-        headers += [f"B={run['batch']} ms", f"B={run['batch']} %"]
+        label = f"B={run['batch']}" + (f" {run['variant']}" if run["variant"] else "")
+        headers += [f"{label} ms", "%"]
     rows: list[list[object]] = []
     for name in PARTS:
         label = f"  {name}" if name in FORWARD_PARTS else name
@@ -146,7 +166,8 @@ def linear_in_model(runs: list[dict[str, Any]], num_linears: int) -> list[list[o
         total = run["parts"]["q/k/v/o projections"] + run["parts"]["MLP linears"]
         calls = run["calls"]["q/k/v/o projections"] + run["calls"]["MLP linears"]
         if calls:
-            rows.append([f"inside the engine's step, B={run['batch']} (hooks)", f"{total / calls:.3f}"])
+            label = f"B={run['batch']}" + (f", {run['variant']}" if run["variant"] else "")
+            rows.append([f"inside the engine's step, {label} (hooks)", f"{total / calls:.3f}", "", ""])
     return rows
 
 
@@ -171,6 +192,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="steps per round, plain and instrumented each")
     parser.add_argument("--max-prompt", type=int, default=256)
     parser.add_argument("--linear", action="store_true", help="add the study of one linear call")
+    parser.add_argument(
+        "--compare-linear-kernel",
+        action="store_true",
+        help="profile each batch size with the default linears (MKL) and linear_kernel='onednn', interleaved",
+    )
     parser.add_argument("--linear-rounds", type=int, default=15)
     parser.add_argument("--linear-child", type=int, help=argparse.SUPPRESS)
     add_write_flag(parser)
@@ -180,14 +206,27 @@ def main() -> None:
         return
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
-    llm = build_llm(args)
+    llm = build_llm(args, **({"linear_kernel": "onednn"} if args.compare_linear_kernel else {}))
     engine = llm.llm_engine
     model = engine.runner.model
+    variants: dict[str, Callable[[], None]] = {"": lambda: None}
+    if args.compare_linear_kernel:
+        switch = engine.runner.onednn_linears
+
+        def use(enabled: bool) -> Callable[[], None]:
+            return lambda: setattr(switch, "enabled", enabled)
+
+        variants = {"MKL (before)": use(False), "oneDNN (after)": use(True)}
     runs = []
     for batch in args.batch_sizes:
-        run = profile_batch(engine, batch, args, f"b{batch}")
-        runs.append(run)
-        print(f"B={batch}: plain {run['plain_ms']:.1f} ms/step, instrumented {run['instrumented_ms']:.1f}", flush=True)
+        for run in profile_batch(engine, batch, args, f"b{batch}", variants):
+            runs.append(run)
+            print(
+                f"B={batch} {run['variant']}: plain {run['plain_ms']:.1f} ms/step, "
+                f"instrumented {run['instrumented_ms']:.1f}",
+                flush=True,
+            )
+    next(iter(variants.values()))()  # back to the first variant (the linear study calls modules)
     table = profile_table(runs)
     print(table)
 
