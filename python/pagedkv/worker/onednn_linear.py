@@ -23,6 +23,7 @@ on the CPU is switched to :class:`_OneDNNLinear` in place: same parameters, same
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -71,7 +72,8 @@ def use_onednn_linears(model: torch.nn.Module) -> OneDNNLinears:
             continue
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_ROWS)
         module.__class__ = _OneDNNLinear
-        module._packed = packed
-        module._switch = switch
-        switch.modules.append(module)
+        switched = cast(_OneDNNLinear, module)
+        switched._packed = packed
+        switched._switch = switch
+        switch.modules.append(switched)
     return switch
