@@ -4,9 +4,9 @@ On the CPU, torch multiplies float32 matrices with MKL. On this project's AMD EP
 MKL takes its AVX2 path, and a linear over 16-64 rows (a decode batch) is compute-bound there:
 SmolLM2-135M's 210 decoder linears took 137-143 ms at 16 rows against 57 ms through oneDNN
 (AVX-512, weights reordered once into its blocked layout), 291 vs 123 ms at 64 rows. One row
-is memory-bound either way: there only the large weights (the LM head) go to oneDNN
-(``_ONE_ROW_ONEDNN_ELEMENTS``). benches/RESULTS.md, "Decode step profile", has the engine's
-step with both.
+is memory-bound: there oneDNN runs on one thread, which streams the weights faster than MKL
+(a batch-1 step 40 vs 51 ms; ``_ONE_ROW_THREADS``). benches/RESULTS.md, "Decode
+step profile", has the engine's step with both.
 
 The price: oneDNN sums in another order than MKL, so logits differ from the default path's in
 the last bits (about 1e-6 relative): greedy tokens can differ at a near-tie, which is why
@@ -35,12 +35,13 @@ __all__ = ["OneDNNLinears", "onednn_available", "use_onednn_linears"]
 
 # The row count oneDNN lays the packed weights out for (a decode batch); any row count runs.
 _PACK_ROWS = 16
-# One row (a batch-1 decode step) is memory-bound: MKL reads a small weight as fast as oneDNN
-# and without oneDNN's per-call cost (SmolLM2's q/k/v/o at one row: 8.6 ms per step with MKL,
-# 18.3 with oneDNN), while oneDNN reads a large one twice as fast (its 49k x 576 LM head: 3.9
-# vs 7.8 ms). So a one-row product of a weight below this many elements (16 MB of float32)
-# stays with MKL; what it computes is then the default path's, bit for bit.
-_ONE_ROW_ONEDNN_ELEMENTS = 1 << 22
+# One row (a batch-1 decode step) is memory-bound, and one core reads the weights about as
+# fast as two can here: oneDNN on one thread streamed SmolLM2's decoder weights at 17 GB/s,
+# on two at 15, MKL at 11-14 (W.sum(): 20). Its two-thread one-row product also pays a fork
+# and join per call (q/k/v/o at batch 1: 18.3 ms per step, 9.2 with MKL). So a one-row product
+# runs with torch's thread count set to this around the call (process-wide: the engine's step
+# is the only torch work of a serving process while it runs).
+_ONE_ROW_THREADS = 1
 
 
 def onednn_available() -> bool:
@@ -58,14 +59,18 @@ class OneDNNLinears:
 class _OneDNNLinear(torch.nn.Linear):
     _packed: torch.Tensor  # oneDNN's blocked layout of ``weight`` [N, K]
     _switch: OneDNNLinears
-    _one_row_mkl: bool  # a one-row product goes to MKL (see _ONE_ROW_ONEDNN_ELEMENTS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if not self._switch.enabled or x.dtype != torch.float32 or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
-        if self._one_row_mkl and x.numel() == x.shape[-1]:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [None], "")
+        if x.numel() != x.shape[-1]:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [None], "")
+        threads = torch.get_num_threads()  # one row: see _ONE_ROW_THREADS
+        torch.set_num_threads(_ONE_ROW_THREADS)
+        try:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [None], "")
+        finally:
+            torch.set_num_threads(threads)
 
 
 @torch.no_grad()
@@ -85,6 +90,5 @@ def use_onednn_linears(model: torch.nn.Module) -> OneDNNLinears:
         switched = cast(_OneDNNLinear, module)
         switched._packed = packed
         switched._switch = switch
-        switched._one_row_mkl = weight.numel() < _ONE_ROW_ONEDNN_ELEMENTS
         switch.modules.append(switched)
     return switch
