@@ -16,7 +16,8 @@ them, ``F.linear`` on a ``[1, 1, K]`` row under ``inference_mode``, as the model
 * ``small ops between``: two elementwise ops on the row after each call, as the model's norms
   and residuals do, which let the OpenMP threads fall asleep between calls;
 * ``weights pre-transposed``: ``x @ Wt`` with ``Wt = W.t().contiguous()`` (``[K, N]``);
-* ``oneDNN, prepacked``: what ``linear_kernel="onednn"`` runs (pagedkv.worker.onednn_linear);
+* ``oneDNN, prepacked``: oneDNN's product on its blocked weight layout, on torch's threads and
+  on one thread (what ``linear_kernel="onednn"`` runs for one row: pagedkv.worker.onednn_linear);
 * ``read bandwidth``: ``W.sum()`` over the same weights: what reading them costs at least.
 
 The OpenMP wait policy cannot change inside a process: the parent runs the same loop in a
@@ -99,6 +100,14 @@ def linear_variants(model: Any) -> dict[str, Callable[[], object]]:
         for x, p in zip(rows3, packed):
             torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [None], "")
 
+    def onednn_one_thread() -> None:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            onednn()
+        finally:
+            torch.set_num_threads(threads)
+
     def read_bandwidth() -> None:
         for w in weights:
             w.sum()
@@ -112,7 +121,8 @@ def linear_variants(model: Any) -> dict[str, Callable[[], object]]:
         "nn.Linear modules": modules,
         "small ops between": small_ops,
         "weights pre-transposed (x @ Wt)": pre_transposed,
-        "oneDNN, prepacked (linear_kernel='onednn')": onednn,
+        "oneDNN, prepacked": onednn,
+        "oneDNN, prepacked, 1 thread (linear_kernel='onednn' at one row)": onednn_one_thread,
         "read bandwidth (W.sum)": read_bandwidth,
     }
 
