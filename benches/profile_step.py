@@ -87,7 +87,9 @@ def profile_batch(
     probe = StepProbe(engine)
     plain: dict[str, list[float]] = {name: [] for name in variants}
     instrumented: dict[str, list[float]] = {name: [] for name in variants}
-    totals: dict[str, dict[str, float]] = {name: {} for name in variants}
+    # Per instrumented step, seconds per part: a part's figure is its median over the steps (a
+    # shared machine's stalls hit single steps, and a mean would charge them to some part).
+    per_step: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
     calls: dict[str, dict[str, float]] = {name: {} for name in variants}
     for _ in range(args.rounds):
         for name, switch in variants.items():
@@ -98,20 +100,19 @@ def profile_batch(
                 engine.step()
                 plain[name].append(time.perf_counter() - start)
             probe.install()
-            probe.timers.reset()
             probe.timers.active = True
             try:
                 for _ in range(args.steps):
+                    probe.timers.reset()
                     start = time.perf_counter()
                     engine.step()
                     instrumented[name].append(time.perf_counter() - start)
+                    per_step[name].append(dict(probe.timers.totals))
+                    for part, count in probe.timers.calls.items():
+                        calls[name][part] = calls[name].get(part, 0) + count
             finally:
                 probe.timers.active = False
                 probe.remove()
-            for part, seconds in probe.timers.totals.items():
-                totals[name][part] = totals[name].get(part, 0.0) + seconds
-            for part, count in probe.timers.calls.items():
-                calls[name][part] = calls[name].get(part, 0) + count
     engine.abort_request(ids)
     runs = []
     for name in variants:
@@ -122,8 +123,9 @@ def profile_batch(
                 "variant": name,
                 "plain_ms": statistics.median(plain[name]) * 1e3,
                 "instrumented_ms": statistics.median(instrumented[name]) * 1e3,
-                "instrumented_mean_ms": statistics.fmean(instrumented[name]) * 1e3,
-                "parts": {part: totals[name].get(part, 0.0) / n * 1e3 for part in PARTS},
+                "parts": {
+                    part: statistics.median(step.get(part, 0.0) for step in per_step[name]) * 1e3 for part in PARTS
+                },
                 "calls": {part: calls[name].get(part, 0) / n for part in PARTS},
             }
         )
@@ -141,16 +143,21 @@ def profile_table(runs: list[dict[str, Any]]) -> str:
         row: list[object] = [label]
         for run in runs:
             ms = run["parts"][name]
-            row += [f"{ms:.2f}", f"{100 * ms / run['instrumented_mean_ms']:.1f}"]
+            row += [f"{ms:.2f}", f"{100 * ms / run['instrumented_ms']:.1f}"]
         rows.append(row)
     row = ["(forward, the indented rows)"]
     for run in runs:
         ms = sum(run["parts"][name] for name in FORWARD_PARTS)
-        row += [f"{ms:.2f}", f"{100 * ms / run['instrumented_mean_ms']:.1f}"]
+        row += [f"{ms:.2f}", f"{100 * ms / run['instrumented_ms']:.1f}"]
     rows.append(row)
-    row = ["instrumented step (mean; median)"]
+    row = ["(sum of the parts)"]
     for run in runs:
-        row += [f"{run['instrumented_mean_ms']:.2f}; {run['instrumented_ms']:.2f}", "100"]
+        ms = sum(run["parts"].values())
+        row += [f"{ms:.2f}", f"{100 * ms / run['instrumented_ms']:.1f}"]
+    rows.append(row)
+    row = ["instrumented step (median)"]
+    for run in runs:
+        row += [f"{run['instrumented_ms']:.2f}", "100"]
     rows.append(row)
     row = ["plain step (median, same rounds)"]
     for run in runs:
@@ -239,8 +246,9 @@ def main() -> None:
         f"decode step), CPU attention backend, torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}. ShareGPT first turns (prompt <= {args.max_prompt} "
         f"tokens), greedy, eos ignored, all requests decoding; {args.rounds} rounds of {args.steps} plain + "
-        f"{args.steps} instrumented steps per batch size. ms per step, exclusive (a part's time excludes the "
-        f"timed parts it calls); the indented rows are the forward.\n\n{table}\n"
+        f"{args.steps} instrumented steps per batch size. Each part: its median ms over the instrumented steps, "
+        f"exclusive (a part's time excludes the timed parts it calls; % of the median instrumented step); "
+        f"the indented rows are the forward.\n\n{table}\n"
     )
     if args.linear:
         print("linear study ...", flush=True)
