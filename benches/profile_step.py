@@ -132,6 +132,35 @@ def profile_batch(
     return runs
 
 
+def compile_ab(engine: Any, batch: int, args: argparse.Namespace, tag: str) -> dict[str, Any]:
+    """Plain steps eager vs compiled (``enforce_eager=False``), interleaved rounds; the first
+    compiled steps' seconds (the compile: this token count's graph, after any other graph
+    compiled before it in this process). No instrumentation: hooks inside a compiled graph would
+    time nothing real."""
+    runner = engine.runner
+    compiled = runner.compiled_forward
+    runner.compiled_forward = None
+    ids = start_decoding(engine, batch, args, tag, 2)
+    runner.compiled_forward = compiled
+    start = time.perf_counter()
+    engine.step()
+    compile_s = time.perf_counter() - start
+    steps: dict[str, list[float]] = {"eager": [], "compiled": []}
+    for _ in range(args.rounds):
+        for name in steps:
+            runner.compiled_forward = compiled if name == "compiled" else None
+            engine.step()
+            for _ in range(args.steps):
+                start = time.perf_counter()
+                engine.step()
+                steps[name].append(time.perf_counter() - start)
+    runner.compiled_forward = compiled
+    engine.abort_request(ids)
+    eager_ms = statistics.median(steps["eager"]) * 1e3
+    compiled_ms = statistics.median(steps["compiled"]) * 1e3
+    return {"batch": batch, "eager_ms": eager_ms, "compiled_ms": compiled_ms, "compile_s": compile_s}
+
+
 def profile_table(runs: list[dict[str, Any]]) -> str:
     headers = ["part"]
     for run in runs:
@@ -178,6 +207,31 @@ def linear_in_model(runs: list[dict[str, Any]], num_linears: int) -> list[list[o
     return rows
 
 
+def compile_section(args: argparse.Namespace) -> str:
+    """Eager vs compiled in a fresh engine (its own process state: default linears)."""
+    print("compiled forward ...", flush=True)
+    llm = build_llm(args, enforce_eager=False)
+    runs = [compile_ab(llm.llm_engine, batch, args, f"c{batch}") for batch in args.batch_sizes]
+    rows = [
+        [
+            f"B={r['batch']}",
+            f"{r['eager_ms']:.2f}",
+            f"{r['compiled_ms']:.2f}",
+            f"{r['eager_ms'] / r['compiled_ms']:.2f}x",
+            f"{r['compile_s']:.1f}",
+        ]
+        for r in runs
+    ]
+    table = md_table(["batch", "eager ms/step", "compiled ms/step", "speedup", "first compiled step s"], rows)
+    print(table)
+    return (
+        "\nA first compiled forward (`enforce_eager=False`: torch.compile, inductor, dynamic shapes, paged "
+        "attention as one custom op; python/pagedkv/worker/compiled_forward.py), default linears, plain steps "
+        f"interleaved with eager ({args.rounds} rounds of {args.steps}); the first compiled step of each batch "
+        f"size includes its compile (a one-token step is its own graph).\n\n{table}\n"
+    )
+
+
 def wait_policy_child(rounds: int) -> dict[str, float]:
     """The tight-loop variants in a child process with ``OMP_WAIT_POLICY`` unset."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
@@ -206,6 +260,11 @@ def main() -> None:
     )
     parser.add_argument("--linear-rounds", type=int, default=15)
     parser.add_argument("--linear-child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--compare-compile",
+        action="store_true",
+        help="also time plain steps eager vs enforce_eager=False (torch.compile), with the compile time",
+    )
     add_write_flag(parser)
     args = parser.parse_args()
     if args.linear_child:
@@ -273,6 +332,8 @@ def main() -> None:
             f"\nOne linear call: the {num_linears} decoder linears of a batch-1 step ({mb:.0f} MB), median of "
             f"{args.linear_rounds} interleaved rounds per variant (benches/_linear_study.py).\n\n{linear_table}\n"
         )
+    if args.compare_compile:
+        body += compile_section(args)
     if not args.no_write:
         command = "python benches/profile_step.py " + " ".join(sys.argv[1:])
         write_section(SECTION, command.strip(), body, HEADING)

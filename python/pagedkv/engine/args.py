@@ -66,6 +66,9 @@ class EngineArgs:
       the model's linears through oneDNN with prepacked weights, decode steps 1.2x (batch 1)
       to 2x (batch 16) faster on AMD EPYC; logits differ in the last bits; the weights take
       twice the memory).
+    - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's forward
+      under ``torch.compile`` (inductor; the first steps compile, tens of seconds to minutes on a
+      CPU, cached on disk; logits not bit-identical to eager).
     - ``max_logprobs``: the most log-probabilities a request may ask for per token (vLLM's
       default, 20); a request asking for more is refused when it is added.
     - ``tensor_parallel_size``, ``distributed_executor_backend``: split every layer's attention
@@ -110,6 +113,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     max_logprobs: int = 20
     linear_kernel: str = "default"
+    enforce_eager: bool = True
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     kv_transfer_config: KVTransferConfig | None = None
@@ -147,6 +151,7 @@ class EngineArgs:
                 trust_remote_code=self.trust_remote_code,
                 max_logprobs=self.max_logprobs,
                 linear_kernel=self.linear_kernel,
+                enforce_eager=self.enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

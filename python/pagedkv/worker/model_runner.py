@@ -88,6 +88,7 @@ from pagedkv.worker.attention_backend import (
     register_pagedkv_attention,
 )
 from pagedkv.worker.checkpoint_scales import load_checkpoint_kv_scales
+from pagedkv.worker.compiled_forward import CompiledForward
 from pagedkv.worker.disk_cache import DiskKVStore, disk_fingerprint
 from pagedkv.worker.head_rows import HeadSplit, HiddenRows
 from pagedkv.worker.host_cache import HostKVCache
@@ -215,8 +216,12 @@ class ModelRunner:
         # Prompt rows handed back as hidden states instead of logits (worker/head_rows.py).
         self._head_split = HeadSplit(self.model)
 
+        self.compiled_forward: CompiledForward | None = None  # the probe runs eager
         # Per layer (index = layer): its window, chunk, soft-cap and sinks.
         self.geometry, self.layer_attention = self._probe()
+        # enforce_eager=False: the step's forward under torch.compile (worker/compiled_forward.py).
+        if not model_config.enforce_eager:
+            self.compiled_forward = CompiledForward(self.model)
         geometry = self.geometry
         self.num_layers = geometry.num_layers
         self.num_heads = geometry.num_heads
@@ -600,11 +605,14 @@ class ModelRunner:
             "use_cache": False,
             CONTEXT_KWARG: context,
         }
+        model: Any = self.model
+        if self.compiled_forward is not None and self.compiled_forward.applies(context, hidden_rows):
+            model = self.compiled_forward
         if self._accepts_logits_to_keep:
             with self._head_split.split(hidden_rows, logits_indices.shape[0]):
-                logits = self.model(**kwargs, logits_to_keep=logits_indices).logits[0]
+                logits = model(**kwargs, logits_to_keep=logits_indices).logits[0]
         else:
-            logits = self.model(**kwargs).logits[0].index_select(0, logits_indices)
+            logits = model(**kwargs).logits[0].index_select(0, logits_indices)
         return logits.float()
 
     @torch.inference_mode()

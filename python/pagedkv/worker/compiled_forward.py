@@ -1,0 +1,140 @@
+"""A first compiled forward (``enforce_eager=False``): the model under ``torch.compile``
+(inductor, dynamic shapes), with pagedkv's attention as one opaque custom op.
+
+Why an op: the eager attention function (:mod:`pagedkv.worker.attention_backend`) calls the
+backend's Python and Rust code on numpy views of the step's metadata, which dynamo cannot
+trace (it fails on the metadata's ``from_numpy`` views) and which would break the graph at
+every layer (a compile with a graph break per layer ran no faster than eager). So the step's
+:class:`~pagedkv.worker.attention_backend.PagedAttentionContext` is not a model argument here:
+:meth:`CompiledForward.__call__` holds it in ``_STEP`` for the duration of the forward, the
+attention function registered by :func:`install` sees no context and calls
+``torch.ops.pagedkv.paged_attention_step(q, k, v, layer, scale)``, and that op (opaque to the
+compiler: a fake implementation gives its shape) stores the layer's K/V and attends through
+the context's backend exactly as the eager function does. The op's output feeds the next layer,
+so the compiled graph keeps the layers' stores and reads in order.
+
+What stays eager (the caller's choice, :meth:`CompiledForward.applies`): probe and profiling
+forwards, and steps whose prompt rows go back to the LM head as hidden states (the head's
+pre-hook changes per step). Shapes: ``dynamic=True``, so one graph serves every token count but
+one, with dynamo's own 0/1 specialisation for a single token (a batch-1 decode step): two
+compiles, each cached on disk by inductor's FX graph cache for the next process. Numbers:
+benches/RESULTS.md, "Decode step profile" (first compile 39 s for a one-token step of
+SmolLM2 on 2 cores, 147 s on a loaded machine for 16 tokens; 1.12x at batch 1 and 1.18x at
+batch 16 over eager with MKL's linears).
+
+Outputs are not bit-identical to eager (inductor fuses the norms and elementwise ops, which
+sums in other orders): greedy tokens are checked against transformers
+(tests/test_compiled_forward.py), and the default stays eager.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+import torch
+
+from pagedkv.kernels.layer_attention import FULL_ATTENTION
+from pagedkv.worker.attention_backend import (
+    ATTENTION_NAME,
+    CONTEXT_KWARG,
+    PagedAttentionContext,
+    pagedkv_attention_forward,
+)
+
+__all__ = ["CompiledForward", "install"]
+
+
+class _Step(threading.local):
+    """The context of the compiled forward running on this thread (None outside one)."""
+
+    context: PagedAttentionContext | None = None
+
+
+_STEP = _Step()
+
+
+@torch.library.custom_op("pagedkv::paged_attention_step", mutates_args=())
+def paged_attention_step(
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, Dv]
+    layer: int,
+    scale: float,
+) -> torch.Tensor:  # [T, H, Dv]
+    """Stores layer ``layer``'s K/V and attends, through the running step's context (the
+    eager attention function's two calls; the KV cache write is a side effect the compiler
+    does not see, ordered by the data dependence between layers)."""
+    context = _STEP.context
+    if context is None:
+        raise RuntimeError("pagedkv::paged_attention_step runs only inside a CompiledForward call")
+    key_cache, value_cache = context.kv_caches[layer]
+    scales = context.kv_scales[layer] if context.kv_scales is not None else None
+    variant = context.layers[layer] if context.layers is not None else FULL_ATTENTION
+    context.backend.store_kv(key, value, key_cache, value_cache, context.metadata, scales)
+    return context.backend.paged_attention(
+        query, key_cache, value_cache, context.metadata, scale=scale, kv_scales=scales, layer=variant
+    )
+
+
+@paged_attention_step.register_fake
+def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    return query.new_empty(query.shape[0], query.shape[1], value.shape[2])
+
+
+def _attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # ([1, T, H, D], no weights)
+    """pagedkv's attention function: the custom op when called without a context (inside a
+    compiled forward), else the eager function."""
+    if kwargs.get(CONTEXT_KWARG) is not None:
+        return pagedkv_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    head_dim = query.shape[-1]
+    scale = float(scaling) if scaling is not None else head_dim**-0.5
+    out = torch.ops.pagedkv.paged_attention_step(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        int(module.layer_idx),  # type: ignore[arg-type]
+        scale,
+    )
+    return out.unsqueeze(0), None
+
+
+@functools.cache
+def install() -> None:
+    """Registers :func:`_attention` as ``"pagedkv"`` in transformers (idempotent; it serves
+    eager forwards exactly as :func:`pagedkv_attention_forward` does)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _attention)
+
+
+class CompiledForward:
+    """``model.forward`` under ``torch.compile(dynamic=True)``; call it with the step's
+    keyword arguments, the context among them."""
+
+    def __init__(self, model: Any) -> None:
+        install()
+        self._compiled = torch.compile(model.forward, dynamic=True)
+
+    @staticmethod
+    def applies(context: object, hidden_rows: object) -> bool:
+        """Whether a forward with this context runs compiled (see the module docstring)."""
+        return isinstance(context, PagedAttentionContext) and hidden_rows is None
+
+    def __call__(self, **kwargs: Any) -> Any:
+        context = kwargs.pop(CONTEXT_KWARG)
+        _STEP.context = context
+        try:
+            return self._compiled(**kwargs)
+        finally:
+            _STEP.context = None
