@@ -226,7 +226,8 @@ def compile_section(args: argparse.Namespace) -> str:
     print(table)
     return (
         "\nA first compiled forward (`enforce_eager=False`: torch.compile, inductor, dynamic shapes, paged "
-        "attention as one custom op; python/pagedkv/worker/compiled_forward.py), default linears, plain steps "
+        "attention as one custom op, freezing on the CPU; python/pagedkv/worker/compiled_forward.py) against eager "
+        "with the default linears (MKL), plain steps "
         f"interleaved with eager ({args.rounds} rounds of {args.steps}); the first compiled step of each batch "
         f"size includes its compile (a one-token step is its own graph).\n\n{table}\n"
     )

@@ -17,10 +17,12 @@ What stays eager (the caller's choice, :meth:`CompiledForward.applies`): probe a
 forwards, and steps whose prompt rows go back to the LM head as hidden states (the head's
 pre-hook changes per step). Shapes: ``dynamic=True``, so one graph serves every token count but
 one, with dynamo's own 0/1 specialisation for a single token (a batch-1 decode step): two
-compiles, each cached on disk by inductor's FX graph cache for the next process. Numbers:
-benches/RESULTS.md, "Decode step profile" (first compile 39 s for a one-token step of
-SmolLM2 on 2 cores, 147 s on a loaded machine for 16 tokens; 1.12x at batch 1 and 1.18x at
-batch 16 over eager with MKL's linears).
+compiles, each cached on disk by inductor's FX graph cache for the next process. On the CPU
+the runner compiles with inductor's freezing (``freeze=True``): the weights become graph
+constants and the linears oneDNN's prepacked products; without it the linears stay MKL's and
+the compiled step was 1.02x (batch 1) and 1.33x (batch 16) eager's, with it 1.25x and 1.81x
+(SmolLM2, first compiles 39 s and 92 s on 2 shared cores; benches/RESULTS.md, "Decode step
+profile").
 
 Outputs are not bit-identical to eager (inductor fuses the norms and elementwise ops, which
 sums in other orders): greedy tokens are checked against transformers
@@ -122,9 +124,11 @@ class CompiledForward:
     """``model.forward`` under ``torch.compile(dynamic=True)``; call it with the step's
     keyword arguments, the context among them."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, freeze: bool = False) -> None:
         install()
-        self._compiled = torch.compile(model.forward, dynamic=True)
+        # Freezing: the weights become constants of the graph, so inductor may lay them out for
+        # its kernels (on the CPU: oneDNN's packed linears, as linear_kernel="onednn" does).
+        self._compiled = torch.compile(model.forward, dynamic=True, options={"freezing": True} if freeze else None)
 
     @staticmethod
     def applies(context: object, hidden_rows: object) -> bool:

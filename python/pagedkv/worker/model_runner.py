@@ -221,7 +221,7 @@ class ModelRunner:
         self.geometry, self.layer_attention = self._probe()
         # enforce_eager=False: the step's forward under torch.compile (worker/compiled_forward.py).
         if not model_config.enforce_eager:
-            self.compiled_forward = CompiledForward(self.model)
+            self.compiled_forward = CompiledForward(self.model, freeze=self.device.type == "cpu")
         geometry = self.geometry
         self.num_layers = geometry.num_layers
         self.num_heads = geometry.num_heads
