@@ -191,7 +191,10 @@ def run_session(
     )
     results: dict[int, dict[str, Any]] = {}
     with server_cm as server:
+        # Alone, then two at once: a compiled forward compiles its one-token and its
+        # several-token graphs here, not in the timed runs.
         warm = [Req("Hello there", 0, 4), Req("Warm up", 0, 4)]
+        asyncio.run(_load(server, warm[:1], 1, _extra(peer)))
         asyncio.run(_load(server, warm, 2, _extra(peer)))
         for level in levels:
             batch = reqs[: max(args.num_requests, level)]
@@ -222,6 +225,7 @@ def peers(files: PeerFiles | None, names: list[str]) -> list[Peer]:
     table = {
         "pagedkv f32": Peer("pagedkv f32", "pagedkv", (), "f32"),
         "pagedkv f32 oneDNN": Peer("pagedkv f32 oneDNN", "pagedkv", ("--linear-kernel", "onednn"), "f32"),
+        "pagedkv f32 compiled": Peer("pagedkv f32 compiled", "pagedkv", ("--no-enforce-eager",), "f32"),
     }
     if files is not None:
         table["llama.cpp f32"] = Peer("llama.cpp f32", "llama.cpp", (str(files.gguf_f32),), "f32")
@@ -255,8 +259,10 @@ def main() -> None:
     parser.add_argument(
         "--servers",
         default="pagedkv f32,pagedkv f32 oneDNN,llama.cpp f32,llama.cpp Q4_1",
-        help="comma-separated, from: pagedkv f32, pagedkv f32 oneDNN, llama.cpp f32, llama.cpp Q4_1",
+        help="comma-separated, from: pagedkv f32, pagedkv f32 oneDNN, pagedkv f32 compiled, llama.cpp f32, "
+        "llama.cpp Q4_1",
     )
+    parser.add_argument("--section", default=SECTION, help="the RESULTS.md section --write replaces")
     parser.add_argument("--cache-dir", type=Path, default=None, help=f"setup's folder (default {default_cache_dir()})")
     add_write_flag(parser)
     args = parser.parse_args()
@@ -294,7 +300,7 @@ def main() -> None:
     table = md_table(["server", "weights"] + [f"c={level} output tok/s (rounds)" for level in levels], rows)
     verdicts = []
     llama = "llama.cpp f32"
-    for name in ("pagedkv f32", "pagedkv f32 oneDNN"):
+    for name in ("pagedkv f32", "pagedkv f32 oneDNN", "pagedkv f32 compiled"):
         if name in results and llama in results:
             ratios = ", ".join(f"c={lv}: {mean_tok_s(name, lv) / mean_tok_s(llama, lv):.2f}x" for lv in levels)
             verdicts.append(f"{name} / llama.cpp f32: {ratios}")
@@ -328,7 +334,8 @@ def main() -> None:
             + "\n"
         )
         command = "python benches/bench_peers.py " + " ".join(sys.argv[1:])
-        write_section(SECTION, command.strip(), body, HEADING)
+        heading = HEADING if args.section == SECTION else f"### {args.section}"
+        write_section(args.section, command.strip(), body, heading)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ one, with dynamo's own 0/1 specialisation for a single token (a batch-1 decode s
 compiles, each cached on disk by inductor's FX graph cache for the next process. On the CPU
 the runner compiles with inductor's freezing (``freeze=True``): the weights become graph
 constants and the linears oneDNN's prepacked products; without it the linears stay MKL's and
-the compiled step was 1.02x (batch 1) and 1.33x (batch 16) eager's, with it 1.25x and 1.81x
-(SmolLM2, first compiles 39 s and 92 s on 2 shared cores; benches/RESULTS.md, "Decode step
+the compiled step was 1.02x (batch 1) and 1.33x (batch 16) eager's, with it 1.40x and 2.49x
+(SmolLM2, first compiles 42 s and 58 s on 2 shared cores; benches/RESULTS.md, "Decode step
 profile").
 
 Outputs are not bit-identical to eager (inductor fuses the norms and elementwise ops, which
