@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -333,7 +334,7 @@ def main() -> None:
             + "\n".join(f"- {line}" for line in verdicts + ([agreement] if agreement else []) + problems)
             + "\n"
         )
-        command = "python benches/bench_peers.py " + " ".join(sys.argv[1:])
+        command = "python benches/bench_peers.py " + shlex.join(sys.argv[1:])
         heading = HEADING if args.section == SECTION else f"### {args.section}"
         write_section(args.section, command.strip(), body, heading)
 
