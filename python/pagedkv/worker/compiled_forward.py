@@ -9,8 +9,8 @@ every layer (a compile with a graph break per layer ran no faster than eager). S
 :meth:`CompiledForward.__call__` holds it in ``_STEP`` for the duration of the forward, the
 attention function registered by :func:`install` sees no context and calls
 ``torch.ops.pagedkv.paged_attention_step(q, k, v, layer, scale)``, and that op (opaque to the
-compiler: a fake implementation gives its shape) stores the layer's K/V and attends through
-the context's backend exactly as the eager function does. The op's output feeds the next layer,
+compiler: a fake implementation gives its shape) runs the eager attention function with the
+context (one code path: KV cache groups, quantized KV, windows and all). The op's output feeds the next layer,
 so the compiled graph keeps the layers' stores and reads in order.
 
 What stays eager (the caller's choice, :meth:`CompiledForward.applies`): probe and profiling
@@ -33,11 +33,11 @@ from __future__ import annotations
 
 import functools
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from pagedkv.kernels.layer_attention import FULL_ATTENTION
 from pagedkv.worker.attention_backend import (
     ATTENTION_NAME,
     CONTEXT_KWARG,
@@ -59,30 +59,28 @@ _STEP = _Step()
 
 @torch.library.custom_op("pagedkv::paged_attention_step", mutates_args=())
 def paged_attention_step(
-    query: torch.Tensor,  # [T, H, D]
-    key: torch.Tensor,  # [T, Hkv, D]
-    value: torch.Tensor,  # [T, Hkv, Dv]
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, Dv]
     layer: int,
     scale: float,
-) -> torch.Tensor:  # [T, H, Dv]
-    """Stores layer ``layer``'s K/V and attends, through the running step's context (the
-    eager attention function's two calls; the KV cache write is a side effect the compiler
-    does not see, ordered by the data dependence between layers)."""
+) -> torch.Tensor:  # [1, T, H, Dv]
+    """Layer ``layer``'s attention through the running step's context: the eager attention
+    function itself (it stores the layer's K/V and attends; it reads only ``layer_idx`` from
+    the module), so both paths stay one code. The KV cache write is a side effect the compiler
+    does not see, ordered by the data dependence between layers."""
     context = _STEP.context
     if context is None:
         raise RuntimeError("pagedkv::paged_attention_step runs only inside a CompiledForward call")
-    key_cache, value_cache = context.kv_caches[layer]
-    scales = context.kv_scales[layer] if context.kv_scales is not None else None
-    variant = context.layers[layer] if context.layers is not None else FULL_ATTENTION
-    context.backend.store_kv(key, value, key_cache, value_cache, context.metadata, scales)
-    return context.backend.paged_attention(
-        query, key_cache, value_cache, context.metadata, scale=scale, kv_scales=scales, layer=variant
-    )
+    layer_module: Any = SimpleNamespace(layer_idx=layer)
+    extra: dict[str, Any] = {CONTEXT_KWARG: context}
+    out, _ = pagedkv_attention_forward(layer_module, query, key, value, None, scale, **extra)
+    return out.contiguous()  # a fresh tensor: a custom op's output may not alias its inputs
 
 
 @paged_attention_step.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-    return query.new_empty(query.shape[0], query.shape[1], value.shape[2])
+    return query.new_empty(1, query.shape[2], query.shape[1], value.shape[3])
 
 
 def _attention(
@@ -99,16 +97,9 @@ def _attention(
     compiled forward), else the eager function."""
     if kwargs.get(CONTEXT_KWARG) is not None:
         return pagedkv_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
-    head_dim = query.shape[-1]
-    scale = float(scaling) if scaling is not None else head_dim**-0.5
-    out = torch.ops.pagedkv.paged_attention_step(
-        query[0].transpose(0, 1),
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        int(module.layer_idx),  # type: ignore[arg-type]
-        scale,
-    )
-    return out.unsqueeze(0), None
+    scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
+    out = torch.ops.pagedkv.paged_attention_step(query, key, value, int(module.layer_idx), scale)  # type: ignore[arg-type]
+    return out, None
 
 
 @functools.cache
