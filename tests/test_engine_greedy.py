@@ -78,6 +78,10 @@ SMOLLM2, TINY = "smollm2", "tiny"
     "model, engine_args",
     [
         pytest.param(SMOLLM2, {"block_size": 16, "enable_prefix_caching": True}, id="bs16-prefix-cache"),
+        # The linears through oneDNN (logits differ from MKL's in the last bits; tokens must not).
+        pytest.param(SMOLLM2, {"block_size": 16, "linear_kernel": "onednn"}, id="onednn-linears"),
+        # The step's forward under torch.compile (a tiny model: compiling SmolLM2 takes minutes here).
+        pytest.param(TINY, {"block_size": 16, "enforce_eager": False}, id="compiled"),
         pytest.param(TINY, {"block_size": 16, "enable_prefix_caching": False}, id="bs16-no-prefix-cache"),
         pytest.param(TINY, {"block_size": 32, "enable_prefix_caching": True}, id="bs32"),
         # 12 blocks x 16 = 192 slots for 17 requests of up to ~40 tokens each: preemption.

@@ -66,6 +66,13 @@ class EngineArgs:
     - ``seed``: seed of the global generator used by unseeded random sampling.
     - ``trust_remote_code``: run the Python code a model repository ships (transformers'
       option of the same name); only for repositories you trust.
+    - ``linear_kernel``: ``"default"`` (torch's matrix products) or ``"onednn"`` (CPU, float32:
+      the model's linears through oneDNN with prepacked weights, decode steps 1.2x (batch 1)
+      to 2x (batch 16) faster on AMD EPYC; logits differ in the last bits; the weights take
+      twice the memory).
+    - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's forward
+      under ``torch.compile`` (inductor; the first steps compile, tens of seconds to minutes on a
+      CPU, cached on disk; logits not bit-identical to eager).
     - ``max_logprobs``: the most log-probabilities a request may ask for per token (vLLM's
       default, 20); a request asking for more is refused when it is added.
     - ``tensor_parallel_size``, ``distributed_executor_backend``: split every layer's attention
@@ -110,6 +117,8 @@ class EngineArgs:
     seed: int = 0
     trust_remote_code: bool = False
     max_logprobs: int = 20
+    linear_kernel: str = "default"
+    enforce_eager: bool = True
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     kv_transfer_config: KVTransferConfig | None = None
@@ -146,6 +155,8 @@ class EngineArgs:
                 seed=self.seed,
                 trust_remote_code=self.trust_remote_code,
                 max_logprobs=self.max_logprobs,
+                linear_kernel=self.linear_kernel,
+                enforce_eager=self.enforce_eager,
             ),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -88,12 +88,14 @@ from pagedkv.worker.attention_backend import (
     register_pagedkv_attention,
 )
 from pagedkv.worker.checkpoint_scales import load_checkpoint_kv_scales
+from pagedkv.worker.compiled_forward import CompiledForward
 from pagedkv.worker.disk_cache import DiskKVStore, disk_fingerprint
 from pagedkv.worker.head_rows import HeadSplit, HiddenRows
 from pagedkv.worker.host_cache import HostKVCache
 from pagedkv.worker.kv_layout import KVLayout
 from pagedkv.worker.model_files import resolve_model
 from pagedkv.worker.model_support import check_config, check_probe, context_length_of, layer_attentions
+from pagedkv.worker.onednn_linear import OneDNNLinears, use_onednn_linears
 
 __all__ = ["ModelRunner", "DEFAULT_CPU_KV_CACHE_MEMORY"]
 
@@ -207,14 +209,20 @@ class ModelRunner:
         self.model = _load_model(self.model_path, self.dtype, self.device, model_config.trust_remote_code)
         if self.tp_group is not None:
             shard_model(self.model, self.tp_group)
+        # linear_kernel="onednn": the linears through oneDNN (worker/onednn_linear.py); None: torch's own.
+        self.onednn_linears = self._switch_linear_kernel(model_config.linear_kernel)
         head = self.model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(text_config.vocab_size)
         self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         # Prompt rows handed back as hidden states instead of logits (worker/head_rows.py).
         self._head_split = HeadSplit(self.model)
 
+        self.compiled_forward: CompiledForward | None = None  # the probe runs eager
         # Per layer (index = layer): its window, chunk, soft-cap and sinks.
         self.geometry, self.layer_attention = self._probe()
+        # enforce_eager=False: the step's forward under torch.compile (worker/compiled_forward.py).
+        if not model_config.enforce_eager:
+            self.compiled_forward = CompiledForward(self.model, freeze=self.device.type == "cpu")
         geometry = self.geometry
         self.num_layers = geometry.num_layers
         self.num_heads = geometry.num_heads
@@ -323,6 +331,15 @@ class ModelRunner:
                 )
                 for layer in range(self.num_layers)
             ]
+
+    def _switch_linear_kernel(self, kernel: str) -> OneDNNLinears | None:
+        if kernel == "default":
+            return None
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ConfigError(
+                f"linear_kernel={kernel!r} runs float32 linears on the CPU, but the model is {self.dtype} on {self.device}"
+            )
+        return use_onednn_linears(self.model)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -613,11 +630,14 @@ class ModelRunner:
             "use_cache": False,
             CONTEXT_KWARG: context,
         }
+        model: Any = self.model
+        if self.compiled_forward is not None and self.compiled_forward.applies(context, hidden_rows):
+            model = self.compiled_forward
         if self._accepts_logits_to_keep:
             with self._head_split.split(hidden_rows, logits_indices.shape[0]):
-                logits = self.model(**kwargs, logits_to_keep=logits_indices).logits[0]
+                logits = model(**kwargs, logits_to_keep=logits_indices).logits[0]
         else:
-            logits = self.model(**kwargs).logits[0].index_select(0, logits_indices)
+            logits = model(**kwargs).logits[0].index_select(0, logits_indices)
         return logits.float()
 
     def _kv_layout(self, cache: CacheConfig) -> tuple[KVLayout, str]:
