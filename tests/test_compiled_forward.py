@@ -47,3 +47,13 @@ def test_compiled_engine_generates_what_eager_does(tiny_model: str) -> None:
     # One request alone: a one-token decode step (dynamo's own specialisation for size 1).
     alone = llm.generate(prompts[:1], params, use_tqdm=False)
     assert alone[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
+
+
+def test_models_with_other_attention_layers_stay_eager(tmp_path) -> None:
+    """Sliding-window (and chunked, soft-capped, sink) layers are refused until the compiled
+    path's disagreement on Gemma's chunked prefills is found (worker/model_runner.py)."""
+    from test_attention_types import _build, _engine
+
+    folder = _build(tmp_path / "gemma3_text", "gemma3_text")
+    with pytest.raises(ConfigError, match="enforce_eager=False is not available yet"):
+        _engine(folder, enforce_eager=False)
