@@ -1050,10 +1050,7 @@ impl KvCacheManager {
         seq.write_start = seq.num_computed;
         seq.num_computed = target;
         let upto = seq.num_computed.min(seq.prompt_len);
-        let Sequence { tokens, cols, num_computed, tier, .. } = seq;
-        for col in cols.iter_mut() {
-            Self::register_full_blocks(pool, hasher, tokens, *num_computed, *tier, col, upto);
-        }
+        Self::register_all(pool, hasher, seq, upto);
         true
     }
 
@@ -1409,7 +1406,16 @@ impl KvCacheManager {
             return Ok(false);
         }
         let host_tables: Vec<(usize, Vec<BlockId>)> = match self.seqs.get_mut(id.key()) {
-            Some(seq) => seq.cols.iter_mut().map(|c| (c.num_released, c.table.take()[c.num_released..].to_vec())).collect(),
+            Some(seq) => seq
+                .cols
+                .iter_mut()
+                .map(|c| {
+                    // The held blocks, without a second copy of the table.
+                    let mut held = c.table.take();
+                    held.drain(..c.num_released);
+                    (c.num_released, held)
+                })
+                .collect(),
             None => return Err(CoreError::UnknownSequence(id.0)),
         };
         let Some(host) = self.host.as_ref() else {
