@@ -285,6 +285,7 @@ def test_tensor_parallel_splits_the_heads_of_a_soft_capped_windowed_model(models
     llm = _engine(folder, tensor_parallel_size=2)
     try:
         assert llm.llm_engine.runner.num_kv_heads == 1
+        assert llm.llm_engine.runner.kv_layout.num_columns == 2  # KV cache groups over the ranks
         assert [la.logits_soft_cap for la in llm.llm_engine.runner.layer_attention] == [20.0] * 4
         _check_greedy(llm, expected)
         _assert_pool_whole(llm)

@@ -658,8 +658,6 @@ class ModelRunner:
             return whole, "every layer whole: every layer attends to the whole context"
         if not cache.enable_kv_cache_groups:
             return whole, "every layer whole: KV cache groups are off (disable_hybrid_kv_cache_manager, or KV transfer)"
-        if self.tp_group is not None:
-            return whole, "every layer whole: KV cache groups do not run with tensor parallelism yet"
         if cache.kv_cache_dir is not None:
             return whole, "every layer whole: KV cache groups do not write the disk tier yet"
         return layout, f"KV cache groups: {layout.describe()}"
@@ -748,19 +746,28 @@ class ModelRunner:
     def kv_fingerprint(self) -> dict[str, Any]:
         """What must match for KV written by another engine (a disk file, a transferred block)
         to be valid here: the model (path, a digest of its config and weight files) and the KV
-        format (layers, heads, head_dim, dtypes, scale mode, block size)."""
-        return disk_fingerprint(
-            self.model_path,
-            geometry={
-                "num_layers": self.num_layers,
-                "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim,
-                "dtype": str(self.dtype),
-                "kv_cache_dtype": str(self.kv_cache_dtype),
-                "kv_cache_scales": "checkpoint" if self.kv_static_scales else "dynamic",
-                "block_size": self.block_size,
-            },
-        )
+        format (layers, heads, head_dim, dtypes, scale mode, block size) and, with KV cache
+        groups, the page layout (a page and a column mean other layers under another layout;
+        with every layer whole the key is absent, so those fingerprints are what they were)."""
+        geometry: dict[str, Any] = {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": str(self.dtype),
+            "kv_cache_dtype": str(self.kv_cache_dtype),
+            "kv_cache_scales": "checkpoint" if self.kv_static_scales else "dynamic",
+            "block_size": self.block_size,
+        }
+        layout = self.kv_layout
+        if layout.grouped:
+            # Lists, not tuples: the fingerprint is compared with its JSON round trip.
+            geometry["kv_layout"] = {
+                "page_layers": layout.page_layers,
+                "columns": [[kind, size] for kind, size in layout.columns],
+                "layer_column": list(layout.layer_column),
+                "layer_slot": list(layout.layer_slot),
+            }
+        return disk_fingerprint(self.model_path, geometry=geometry)
 
     def _open_disk_tier(self, cache: CacheConfig) -> DiskKVStore:
         """The disk tier below the host tier (``kv_cache_dir``): its files' fingerprint and its
