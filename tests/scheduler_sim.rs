@@ -525,12 +525,24 @@ proptest! {
 /// files) and serves prefix hits from them; the tokens stay those of the reference.
 #[test]
 fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
+    restart_from_disk_entries(&[AttentionSpan::Full]);
+}
+
+/// The same with KV cache groups: every column's entries carry their column, restore under
+/// its key, and serve hits in every column; an entry of a column the pool lacks is refused.
+#[test]
+fn restarted_scheduler_with_columns_restores_every_column() {
+    restart_from_disk_entries(&[AttentionSpan::Full, AttentionSpan::SlidingWindow(12), AttentionSpan::SlidingWindow(12)]);
+}
+
+fn restart_from_disk_entries(spans: &[AttentionSpan]) {
     let bs = 8;
-    let mut cfg = SchedulerConfig::new(bs, 24);
+    let mut cfg = SchedulerConfig::new(bs, 24 * spans.len());
+    cfg.attention_spans = spans.to_vec();
     cfg.max_model_len = 128;
     cfg.max_num_batched_tokens = 64;
-    cfg.num_host_blocks = 8;
-    cfg.num_disk_blocks = 256;
+    cfg.num_host_blocks = 8 * spans.len();
+    cfg.num_disk_blocks = 256 * spans.len();
     cfg.enable_kv_events = true;
     let mut rng = StdRng::seed_from_u64(5);
     let prompts: Vec<Vec<u32>> = (0..24).map(|_| (0..rng.random_range(20..100)).map(|_| rng.random_range(0..VOCAB as u32)).collect()).collect();
@@ -552,11 +564,12 @@ fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
     let check = |outputs: &HashMap<String, Vec<u32>>, tag: &str| {
         for (i, p) in prompts.iter().enumerate() {
             let e = Expect { prompt: p.clone(), max_tokens: 4, min_tokens: 0, eos: vec![], n: 1, outputs: vec![], reasons: vec![], aborted: false };
-            assert_eq!(outputs[&format!("{tag}-{i}")], reference_outputs(&e, 0, 128, &[AttentionSpan::Full]).0, "{tag}-{i}");
+            assert_eq!(outputs[&format!("{tag}-{i}")], reference_outputs(&e, 0, 128, spans).0, "{tag}-{i}");
         }
     };
     let mut first = Scheduler::new(cfg.clone()).unwrap();
-    let mut model = FakeModel::new(24, 8, 256, bs);
+    let mut model = FakeModel::new(24 * spans.len(), 8 * spans.len(), 256 * spans.len(), bs);
+    model.spans = spans.to_vec();
     let outputs = run(&mut first, &mut model, "a");
     check(&outputs, "a");
     assert!(first.stats().blocks_written_to_disk > 0, "the small host tier must spill to disk");
@@ -572,7 +585,7 @@ fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
         }
     }
     // "Files": every cached disk slot's identity and KV, as the runner writes them.
-    let entries: Vec<_> = (0..256u32).filter_map(|s| first.disk_block_info(s).map(|info| (s, info))).collect();
+    let entries: Vec<_> = (0..256 * spans.len() as u32).filter_map(|s| first.disk_block_info(s).map(|info| (s, info))).collect();
     assert!(!entries.is_empty());
     let (slots, infos): (Vec<u32>, Vec<_>) = entries.into_iter().rev().unzip(); // children first: order must not matter
     let mut second = Scheduler::new(cfg).unwrap();
@@ -586,17 +599,29 @@ fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
     replay.sync(&mut second, "after the restore");
     assert_eq!(replay.pools.get(&Medium::Disk).map_or(0, HashSet::len), n_restored);
     assert_eq!(replay.pools.values().map(HashSet::len).sum::<usize>(), n_restored);
-    let mut model2 = FakeModel::new(24, 8, 256, bs);
+    let mut model2 = FakeModel::new(24 * spans.len(), 8 * spans.len(), 256 * spans.len(), bs);
+    model2.spans = spans.to_vec();
     for (old, new) in slots.iter().zip(&restored) {
         if let Some(new) = new {
             let (o, n) = (*old as usize * bs, *new as usize * bs);
             model2.disk[n..n + bs].copy_from_slice(&model.disk[o..o + bs]);
         }
     }
-    // A tampered entry (tokens that do not match its hash) is refused.
-    let (h, p, mut t, salt) = infos[0].clone();
+    // A tampered entry (tokens that do not match its hash) is refused, and so is an entry
+    // moved to another column (its hash is its column's) or to a column the pool lacks.
+    let (h, p, mut t, salt, column) = infos[0].clone();
     t[0] ^= 1;
-    assert_eq!(second.restore_disk_blocks(&[(h, p, t, salt)]), vec![None]);
+    assert_eq!(second.restore_disk_blocks(&[(h, p, t, salt.clone(), column)]), vec![None]);
+    let (h, p, t, salt, column) = infos[0].clone();
+    let other = (column + 1) % spans.len() as u32;
+    if other != column {
+        assert_eq!(second.restore_disk_blocks(&[(h, p, t.clone(), salt.clone(), other)]), vec![None]);
+    }
+    assert_eq!(second.restore_disk_blocks(&[(h, p, t, salt, spans.len() as u32)]), vec![None]);
+    if spans.len() > 1 {
+        let columns: HashSet<u32> = infos.iter().map(|info| info.4).collect();
+        assert_eq!(columns.len(), spans.len(), "every column reached the disk: {columns:?}");
+    }
     let outputs = run(&mut second, &mut model2, "b");
     check(&outputs, "b");
     replay.sync(&mut second, "after the second run");

@@ -140,3 +140,72 @@ def test_bad_disk_settings_are_config_errors(tiny_model: str, tmp_path: Path) ->
     with pytest.raises(ConfigError, match="kv_cache_dir"):
         LLM(**engine_kwargs(tiny_model, blocker))
     assert not os.path.exists(tmp_path / "a")
+
+
+# KV cache groups: a model whose layers alternate a 12-token sliding window and full attention
+# (gemma3_text, random weights) keeps two columns, pages of two layers; its files carry their
+# column, and a restarted engine serves hits in both.
+WINDOWED_PROMPTS = [[(11 * i + 5 * j) % 500 + 5 for j in range(n)] for i, n in enumerate((70, 90, 60))]
+
+
+@pytest.fixture(scope="module")
+def windowed_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tiny_models import save_seeded
+    from transformers import AutoConfig
+
+    folder = tmp_path_factory.mktemp("windowed")
+    config = AutoConfig.for_model(
+        "gemma3_text",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        query_pre_attn_scalar=16,
+    )
+    save_seeded(config, folder, embedding_scale=8.0)
+    return str(folder)
+
+
+def test_kv_cache_groups_restart_from_the_disk_tier(windowed_model: str, tmp_path: Path) -> None:
+    from pagedkv.worker.model_files import default_model_dir
+
+    def run(llm: LLM) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in WINDOWED_PROMPTS], GREEDY, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    kw = dict(
+        engine_kwargs(windowed_model, tmp_path / "kv", block_size=8, num_blocks=40, max_model_len=128),
+        tokenizer=str(default_model_dir()),
+    )
+    reference = run(
+        LLM(
+            **dict(
+                engine_kwargs(windowed_model, None, block_size=8, num_blocks=40, max_model_len=128),
+                tokenizer=kw["tokenizer"],
+            )
+        )
+    )
+    with LLM(**kw) as llm:
+        assert llm.llm_engine.runner.kv_layout.num_columns == 2, llm.llm_engine.runner.kv_layout_note
+        assert run(llm) == reference
+    columns = {json.loads(_header_bytes(path))["column"] for path in block_files(tmp_path / "kv")}
+    assert columns == {0, 1}, columns
+    llm = LLM(**kw)
+    stats = llm.llm_engine.get_stats()
+    assert stats["num_restored_disk_blocks"] > 0
+    assert run(llm) == reference
+    stats = llm.llm_engine.get_stats()
+    assert stats["prefix_cache_disk_hits"] > 0 and stats["blocks_read_from_disk"] > 0, stats
+    llm.llm_engine.scheduler.check_invariants()
+
+
+def _header_bytes(path: Path) -> bytes:
+    data = path.read_bytes()
+    n = int.from_bytes(data[8:12], "little")
+    return data[12 : 12 + n]

@@ -809,55 +809,66 @@ impl PyScheduler {
     }
 
     /// What each disk slot in `slots` holds, for its file: `(hash, parent_hash, token_ids,
-    /// cache_salt)` with the hashes as 16 little-endian bytes (`parent_hash` None for a first
-    /// block), or None for a slot that holds nothing cached.
+    /// cache_salt, column)` with the hashes as 16 little-endian bytes (`parent_hash` None for a
+    /// first block) and `column` the KV-cache column the block belongs to (0 without KV cache
+    /// groups), or None for a slot that holds nothing cached.
     #[allow(clippy::type_complexity)]
     fn disk_block_info<'py>(
         &self,
         py: Python<'py>,
         slots: &Bound<'py, PyAny>,
-    ) -> PyResult<Vec<Option<(Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>, Vec<u32>, Option<String>)>>> {
+    ) -> PyResult<Vec<Option<(Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>, Vec<u32>, Option<String>, u32)>>> {
         let slots = int_list_arg(slots, "slots")?;
         Ok(slots
             .into_iter()
             .map(|s| {
                 let info = u32::try_from(s).ok().and_then(|s| self.inner.disk_block_info(s))?;
-                let (hash, parent, tokens, salt) = info;
+                let (hash, parent, tokens, salt, column) = info;
                 Some((
                     PyBytes::new(py, &hash.0.to_le_bytes()),
                     parent.map(|p| PyBytes::new(py, &p.0.to_le_bytes())),
                     tokens,
                     salt,
+                    column,
                 ))
             })
             .collect())
     }
 
     /// Restores disk entries written by an earlier process, each `(hash, parent_hash,
-    /// token_ids, cache_salt)` as `disk_block_info` gives them, in any order. Each block's
-    /// hash is recomputed from its parent's and its tokens and must match; an entry whose
-    /// parent is not restored is left out. Returns the slot each entry now occupies (its file
+    /// token_ids, cache_salt, column)` as `disk_block_info` gives them, in any order. Each
+    /// block's hash is recomputed from its parent's, its tokens and its column's key and must
+    /// match; an entry whose parent is not restored, or whose column this pool does not have,
+    /// is left out. Returns the slot each entry now occupies (its file
     /// must be renamed to it), or None.
     #[allow(clippy::type_complexity)]
     fn restore_disk_blocks(&mut self, entries: &Bound<'_, PyAny>) -> PyResult<Vec<Option<u32>>> {
         let mut parsed = Vec::new();
         let items = entries.try_iter().map_err(|_| {
             super::errors::invalid_type(format!(
-                "restore_disk_blocks() takes an iterable of (hash, parent_hash, token_ids, cache_salt) tuples, got {}",
+                "restore_disk_blocks() takes an iterable of (hash, parent_hash, token_ids, cache_salt, column) tuples, got {}",
                 entries.get_type().name().map(|n| n.to_string()).unwrap_or_default()
             ))
         })?;
         for item in items {
             let item = item?;
-            let (hash, parent, tokens, salt): (Vec<u8>, Option<Vec<u8>>, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>) =
-                item.extract().map_err(|_| {
-                    crate::error::CoreError::InvalidArgument(
-                        "restore_disk_blocks() takes (hash bytes, parent_hash bytes or None, token ids, salt or None) tuples".into(),
-                    )
-                })?;
+            #[allow(clippy::type_complexity)]
+            let (hash, parent, tokens, salt, column): (
+                Vec<u8>,
+                Option<Vec<u8>>,
+                Bound<'_, PyAny>,
+                Option<Bound<'_, PyAny>>,
+                u32,
+            ) = item.extract().map_err(|_| {
+                crate::error::CoreError::InvalidArgument(
+                    "restore_disk_blocks() takes (hash bytes, parent_hash bytes or None, token ids, salt or None, \
+                     column int >= 0) tuples"
+                        .into(),
+                )
+            })?;
             let hash = hash_bytes(&hash)?;
             let parent = parent.map(|p| hash_bytes(&p)).transpose()?;
-            parsed.push((hash, parent, token_ids_arg(&tokens, "token_ids")?, salt_arg(salt.as_ref())?));
+            parsed.push((hash, parent, token_ids_arg(&tokens, "token_ids")?, salt_arg(salt.as_ref())?, column));
         }
         Ok(self.inner.restore_disk_blocks(&parsed))
     }

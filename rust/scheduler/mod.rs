@@ -62,7 +62,7 @@ use stats::Counters;
 
 /// A disk-tier entry as a file stores it: the block's chained hash, its parent's (`None`
 /// for a first block), its token ids and its cache salt.
-pub type DiskEntry = (BlockHash, Option<BlockHash>, Vec<u32>, Option<String>);
+pub type DiskEntry = (BlockHash, Option<BlockHash>, Vec<u32>, Option<String>, u32);
 
 /// The scheduler (see the module docs).
 #[derive(Debug)]
@@ -1107,11 +1107,11 @@ impl Scheduler {
         (refs, cached, owner)
     }
 
-    /// What disk slot `slot` holds, for its file: `(hash, parent hash, token ids, cache salt)`
-    /// (`None`: no disk tier, a bad slot, or nothing cached there).
+    /// What disk slot `slot` holds, for its file: `(hash, parent hash, token ids, cache salt,
+    /// KV-cache column)` (`None`: no disk tier, a bad slot, or nothing cached there).
     pub fn disk_block_info(&self, slot: u32) -> Option<DiskEntry> {
         let (id, tokens) = self.kv.disk_block(BlockId(slot))?;
-        Some((id.hash, id.parent_hash, tokens.to_vec(), id.extra.salt().map(str::to_string)))
+        Some((id.hash, id.parent_hash, tokens.to_vec(), id.extra.salt().map(str::to_string), id.extra.column()))
     }
 
     /// Restores disk entries written by an earlier process (see
@@ -1125,8 +1125,13 @@ impl Scheduler {
         loop {
             let before = pending.len();
             pending.retain(|&i| {
-                let (hash, parent, tokens, salt) = &entries[i];
-                match self.kv.restore_disk_block(*hash, *parent, tokens, &ExtraKey::new(salt.as_deref())) {
+                let (hash, parent, tokens, salt, column) = &entries[i];
+                // A column this pool does not have cannot be served (its hash would check out).
+                if *column as usize >= self.kv.num_columns() {
+                    return false;
+                }
+                let extra = ExtraKey::new(salt.as_deref()).for_column(*column);
+                match self.kv.restore_disk_block(*hash, *parent, tokens, &extra) {
                     Restore::Done(slot) => {
                         slots[i] = Some(slot.0);
                         false

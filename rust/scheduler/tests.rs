@@ -313,7 +313,7 @@ mod kv_events {
         let mut full = Vec::new();
         hasher.extend_chain(&mut full, &prompt, 4, &ExtraKey::new(None), usize::MAX);
         let entries: Vec<DiskEntry> =
-            (0..4).map(|k| (full[k], k.checked_sub(1).map(|p| full[p]), prompt[k * 4..(k + 1) * 4].to_vec(), None)).collect();
+            (0..4).map(|k| (full[k], k.checked_sub(1).map(|p| full[p]), prompt[k * 4..(k + 1) * 4].to_vec(), None, 0)).collect();
         let mut t = sched(8, 8, 16);
         assert!(t.restore_disk_blocks(&entries).iter().all(Option::is_some));
         assert_eq!(

@@ -16,10 +16,13 @@ quantized cache), ``<kv_cache_dir>/pagedkv-<fingerprint>/slot-<slot>.kvb``:
 
 - 8 bytes magic ``PAGEDKV1``, 4 bytes little-endian header length ``n``;
 - ``n`` bytes of UTF-8 JSON: ``fingerprint`` (model, its config and weight files, geometry,
-  dtypes, block size, scale mode), the block's ``hash`` and ``parent_hash`` (hex), ``tokens``,
-  ``salt``, ``payload_bytes`` and the payload's ``crc32``; padded so the payload starts at a
-  4096-byte boundary;
-- the payload: each host tensor's ``[L, 2, block_size, ...]`` slice of the block, raw, C order.
+  dtypes, block size, scale mode, and the page layout with KV cache groups), the block's
+  ``hash`` and ``parent_hash`` (hex), ``tokens``, ``salt``, ``column`` (the KV-cache column
+  whose layers the page holds; 0 without groups, and absent in files written before them),
+  ``payload_bytes`` and the payload's ``crc32``; padded so the payload starts at a 4096-byte
+  boundary;
+- the payload: each host tensor's ``[N, 2, block_size, ...]`` slice of the block (``N`` the
+  layers of a page: every layer without groups), raw, C order.
 
 A file is written to a temporary name and renamed, so a crash leaves either the old file or
 the new one. A restarted engine on the same model and settings (same fingerprint folder)
@@ -70,6 +73,7 @@ class DiskEntry:
     parent_hash: bytes | None
     tokens: list[int]
     salt: str | None
+    column: int = 0
 
 
 def disk_fingerprint(model_path: str, *, geometry: dict[str, Any]) -> dict[str, Any]:
@@ -120,7 +124,7 @@ class DiskKVStore:
     # ------------------------------------------------------------------ per step
 
     def store(
-        self, ops: torch.Tensor, infos: Sequence[tuple[bytes, bytes | None, list[int], str | None] | None]
+        self, ops: torch.Tensor, infos: Sequence[tuple[bytes, bytes | None, list[int], str | None, int] | None]
     ) -> None:
         """Write ``ops`` ``[K, 2]`` (host block, slot) rows, ``infos[i]`` the identity of row i's
         slot (``Scheduler.disk_block_info``). A failed write is warned about and its slot
@@ -155,8 +159,8 @@ class DiskKVStore:
         bad, self._bad = self._bad, []
         return bad
 
-    def _write(self, slot: int, host_block: int, info: tuple[bytes, bytes | None, list[int], str | None]) -> None:
-        hash_, parent, tokens, salt = info
+    def _write(self, slot: int, host_block: int, info: tuple[bytes, bytes | None, list[int], str | None, int]) -> None:
+        hash_, parent, tokens, salt, column = info
         parts = [t[:, :, host_block].contiguous() for t in self._host]
         payload = b"".join(p.numpy().tobytes() for p in parts)
         header = json.dumps(
@@ -166,6 +170,7 @@ class DiskKVStore:
                 "parent_hash": None if parent is None else parent.hex(),
                 "tokens": list(tokens),
                 "salt": salt,
+                "column": column,
                 "payload_bytes": len(payload),
                 "crc32": zlib.crc32(payload),
             }
@@ -227,9 +232,10 @@ class DiskKVStore:
         parent = header["parent_hash"]
         hash_ = bytes.fromhex(header["hash"])
         tokens = header["tokens"]
-        if len(hash_) != 16 or not isinstance(tokens, list):
+        column = header.get("column", 0)  # files from before KV cache groups: one column
+        if len(hash_) != 16 or not isinstance(tokens, list) or not isinstance(column, int) or column < 0:
             raise ValueError("malformed header")
-        return DiskEntry(path, hash_, None if parent is None else bytes.fromhex(parent), tokens, header["salt"])
+        return DiskEntry(path, hash_, None if parent is None else bytes.fromhex(parent), tokens, header["salt"], column)
 
     def restore(self, scheduler: Any) -> int:
         """Scan the folder and register the valid entries with ``scheduler`` (its disk tier
@@ -238,7 +244,7 @@ class DiskKVStore:
         entries = self.scan()
         if not entries:
             return 0
-        slots = scheduler.restore_disk_blocks([(e.hash, e.parent_hash, e.tokens, e.salt) for e in entries])
+        slots = scheduler.restore_disk_blocks([(e.hash, e.parent_hash, e.tokens, e.salt, e.column) for e in entries])
         # Two renames (through temporary names), since new slots may name existing files.
         moves = []
         for entry, slot in zip(entries, slots):
