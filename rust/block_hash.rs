@@ -152,6 +152,30 @@ impl BlockHasher {
             hashes.push(h);
         }
     }
+
+    /// Extends `hashes` with the *leaf* hashes of the first full blocks of `tokens` (at most
+    /// `max_blocks`) under `extra`: block `k`'s hash chains from `trunk[k - 1]` (the trunk
+    /// chain's hash of the block before it; none for a first block), not from `hashes[k - 1]`.
+    /// KV cache groups hash every column but column 0 this way (kv_cache_manager.rs, "Prefix
+    /// caching with columns"), so a block's hash needs no hash of its own column before it.
+    /// `trunk` must hold at least the first `min(full, max_blocks) - 1` hashes.
+    pub fn extend_leaves(
+        &mut self,
+        hashes: &mut Vec<BlockHash>,
+        trunk: &[BlockHash],
+        tokens: &[u32],
+        block_size: usize,
+        extra: &ExtraKey,
+        max_blocks: usize,
+    ) {
+        let full = (tokens.len() / block_size).min(max_blocks);
+        while hashes.len() < full {
+            let k = hashes.len();
+            let parent = k.checked_sub(1).map(|p| trunk[p]);
+            let h = self.hash_block(parent, extra, &tokens[k * block_size..(k + 1) * block_size]);
+            hashes.push(h);
+        }
+    }
 }
 
 #[cfg(test)]

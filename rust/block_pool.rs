@@ -436,9 +436,10 @@ impl BlockPool {
         self.events.as_deref().is_some_and(|l| !l.is_empty())
     }
 
-    /// The index keys (wire hashes) of the registered blocks, in no particular order.
+    /// The index keys (wire hashes) of the registered blocks that KV events name (those of
+    /// KV-cache column 0: see [`BlockPool::register_copy`]), in no particular order.
     pub fn registered_keys(&self) -> impl Iterator<Item = u64> + '_ {
-        self.index.keys().copied()
+        self.index.iter().filter(|(_, b)| self.cached[b.index()].as_ref().is_some_and(|m| m.extra.column() == 0)).map(|(&k, _)| k)
     }
 
     /// Free blocks without a cache identity (reused before any cached block).
@@ -619,7 +620,7 @@ impl BlockPool {
         let Some(meta) = self.cached.get_mut(block.index()).and_then(Option::take) else { return };
         if self.index.get(&meta.key) == Some(&block) {
             self.index.remove(&meta.key);
-            if let Some(log) = self.events.as_deref_mut() {
+            if let Some(log) = self.events.as_deref_mut().filter(|_| meta.extra.column() == 0) {
                 log.removed(meta.key);
             }
         }
@@ -677,7 +678,9 @@ impl BlockPool {
             return false; // no memory for the verification copy: leave the block uncached
         }
         self.index.insert(key, block);
-        if let Some(log) = self.events.as_deref_mut() {
+        // KV events name column 0's blocks only: a router recomputes hashes from tokens, and
+        // those are column 0's (the other columns' blocks of KV cache groups are leaves of it).
+        if let Some(log) = self.events.as_deref_mut().filter(|_| identity.extra.column() == 0) {
             log.stored(key, identity.parent_hash.map(index_key), tokens);
         }
         if let Some(h) = self.full_hashes.get_mut(block.index()) {
@@ -709,10 +712,10 @@ impl BlockPool {
         }
         let &block = self.index.get(&index_key(hash))?;
         let meta = self.cached[block.index()].as_ref()?;
-        let parent_ok = match parent {
-            None => meta.parent == 0 && meta.extra == *extra,
-            Some(q) => meta.parent == q,
-        };
+        // The extra key is compared at every block, not only at a first one: with KV cache
+        // groups, the blocks of every column at position k share the parent (column 0's node
+        // at k - 1) and the tokens, and only the column tells them apart.
+        let parent_ok = meta.parent == parent.unwrap_or(0) && meta.extra == *extra;
         (parent_ok && self.cached_tokens.get(block) == tokens).then_some((block, meta.node))
     }
 

@@ -265,7 +265,9 @@ pub struct TierBlock {
 #[derive(Debug, Clone, Default)]
 pub struct ColumnMatch {
     /// Cached blocks holding the column's first `hits.len() * block_size` tokens, in order; a
-    /// block found only on the host is loaded into a fresh device block at admission.
+    /// block found only on the host is loaded into a fresh device block at admission. In a
+    /// column other than 0 an entry may be [`BlockId::NULL`] (not found): only a column's live
+    /// hits must be found, and a sliding column's earlier entries are never read.
     pub hits: Vec<TierBlock>,
     /// Chained hashes computed on the way (at least one per hit block).
     pub hashes: Vec<BlockHash>,
@@ -319,6 +321,9 @@ pub struct PrefixCounters {
     pub host_hits: u64,
     /// Of the hits, tokens found only on disk (read to the host, then loaded to the device).
     pub disk_hits: u64,
+    /// Of the hits, tokens served while a column other than 0 lacked blocks before the ones
+    /// its next query sees (KV cache groups: a sliding column served from its window alone).
+    pub window_hits: u64,
 }
 
 /// Block movements between the tiers, in blocks, over the manager's lifetime.
@@ -569,30 +574,67 @@ impl KvCacheManager {
             return m;
         }
         let bs = self.block_size();
-        // Each column walks its own chain, no further than the columns before it reached.
-        let mut limit = (tokens.len() - 1) / bs;
-        for c in 0..self.spans.len() {
-            let key = extra.for_column(c as u32);
-            let col = &mut m.cols[c];
-            self.hasher.extend_chain(&mut col.hashes, tokens, bs, &key, limit);
-            let mut parent = None;
-            for (k, &h) in col.hashes.iter().take(limit).enumerate() {
-                let t = &tokens[k * bs..(k + 1) * bs];
-                let found = [(Tier::Device, Some(&self.pool)), (Tier::Host, self.host.as_ref()), (Tier::Disk, self.disk.as_ref())]
-                    .into_iter()
-                    .find_map(|(tier, pool)| {
-                        let (block, node) = pool?.lookup_verified(h, parent, t, &key)?;
-                        Some((TierBlock { tier, block }, node))
-                    });
-                let Some((hit, node)) = found else { break };
-                col.hits.push(hit);
-                parent = Some(node);
-            }
-            col.link = parent.map_or(ChainLink::Root, ChainLink::Node);
-            limit = col.hits.len();
+        // Column 0 (the trunk) walks its chain of verified nodes.
+        let limit = (tokens.len() - 1) / bs;
+        let (trunk, leaves) = m.cols.split_first_mut().expect("a manager has at least one column");
+        self.hasher.extend_chain(&mut trunk.hashes, tokens, bs, extra, limit);
+        let mut nodes: Vec<u64> = Vec::new();
+        for (k, &h) in trunk.hashes.iter().take(limit).enumerate() {
+            let Some((hit, node)) = self.lookup_tiers(h, nodes.last().copied(), &tokens[k * bs..(k + 1) * bs], extra) else {
+                break;
+            };
+            trunk.hits.push(hit);
+            nodes.push(node);
         }
-        self.truncate_match(&mut m, limit);
+        trunk.link = nodes.last().map_or(ChainLink::Root, |&n| ChainLink::Node(n));
+        let mut len = trunk.hits.len();
+        if leaves.is_empty() || len == 0 {
+            return m;
+        }
+        // Every other column's block k is a leaf of the trunk's node k - 1, so it is verified
+        // on its own: a sliding column serves a prefix from the blocks its next query sees
+        // even when the blocks before them were evicted. The hit is the longest prefix every
+        // column can serve (for a sliding column, one whose live blocks are all found).
+        let mut found: Vec<Vec<Option<TierBlock>>> = Vec::with_capacity(leaves.len());
+        for (c, col) in leaves.iter_mut().enumerate() {
+            let key = extra.for_column(c as u32 + 1);
+            self.hasher.extend_leaves(&mut col.hashes, &trunk.hashes, tokens, bs, &key, len);
+            let column: Vec<Option<TierBlock>> = (0..len)
+                .map(|k| {
+                    let parent = k.checked_sub(1).map(|p| nodes[p]);
+                    self.lookup_tiers(col.hashes[k], parent, &tokens[k * bs..(k + 1) * bs], &key).map(|(hit, _)| hit)
+                })
+                .collect();
+            found.push(column);
+        }
+        // A block not found is a null entry: a prefix whose live hits include one is not served.
+        let missing = TierBlock { tier: Tier::Device, block: BlockId::NULL };
+        for (col, column) in leaves.iter_mut().zip(found) {
+            col.hits = column.into_iter().map(|h| h.unwrap_or(missing)).collect();
+        }
+        while len > 0 && !self.serves(&m, len) {
+            len -= 1;
+        }
+        self.truncate_match(&mut m, len);
         m
+    }
+
+    /// Whether every column of `m` has found its live hits of the prefix of `len` blocks
+    /// (a leaf column's other entries may be null: blocks not found, never read).
+    fn serves(&self, m: &PrefixMatch, len: usize) -> bool {
+        let bs = self.block_size();
+        m.cols.iter().zip(&self.spans).all(|(col, &span)| col.hits.len() >= len && col.hits[Self::live_hits(span, len, bs)].iter().all(|h| !h.block.is_null()))
+    }
+
+    /// The verified cached block for `hash` (its parent node `parent`, its `tokens`, its
+    /// `extra` key) on the device, else the host, else the disk tier, with its node.
+    fn lookup_tiers(&self, hash: BlockHash, parent: Option<u64>, tokens: &[u32], extra: &ExtraKey) -> Option<(TierBlock, u64)> {
+        [(Tier::Device, Some(&self.pool)), (Tier::Host, self.host.as_ref()), (Tier::Disk, self.disk.as_ref())].into_iter().find_map(
+            |(tier, pool)| {
+                let (block, node) = pool?.lookup_verified(hash, parent, tokens, extra)?;
+                Some((TierBlock { tier, block }, node))
+            },
+        )
     }
 
     /// Cuts every column of `m` to its first `keep` hits (the chain continues after the last).
@@ -602,6 +644,7 @@ impl KvCacheManager {
                 col.hits.truncate(keep);
                 col.link = match col.hits.last() {
                     None => ChainLink::Root,
+                    Some(h) if h.block.is_null() => ChainLink::Broken, // a leaf column's unused entry
                     Some(h) => self.node_of(*h).map_or(ChainLink::Broken, ChainLink::Node),
                 };
             }
@@ -689,10 +732,11 @@ impl KvCacheManager {
         // Keep the longest prefix whose live hits the pools have room for. Only host and disk
         // hits need room, so this is the whole match unless the pools are short.
         let mut keep = m.num_blocks();
-        while keep > 0 && !self.hits_fit(&m, keep) {
+        while keep > 0 && !(self.serves(&m, keep) && self.hits_fit(&m, keep)) {
             keep -= 1;
         }
         self.truncate_match(&mut m, keep);
+        let window_hit = m.cols.iter().skip(1).any(|c| c.hits.iter().any(|h| h.block.is_null()));
         // Take every live hit first (device ones out of the free queue, host and disk ones
         // pinned), so that the fresh blocks allocated below can evict none of them.
         for (col, &span) in m.cols.iter().zip(&self.spans) {
@@ -758,6 +802,9 @@ impl KvCacheManager {
         }
         self.write_back_evicted();
         let hit_tokens = keep * bs;
+        if window_hit {
+            self.prefix.window_hits += hit_tokens as u64;
+        }
         self.prefix.queries += tokens.len() as u64;
         self.prefix.hits += hit_tokens as u64;
         self.prefix.host_hits += from_host * bs as u64;
@@ -1035,10 +1082,25 @@ impl KvCacheManager {
         let fresh = blocks_for(target, bs) - seq.cols[0].table.len();
         let Sequence { tokens, cols, num_computed, tier, prompt_len, retention, .. } = seq;
         // Every column gives back first, so that any column's allocation can use those blocks.
-        for (col, &span) in cols.iter_mut().zip(spans) {
-            if !span.is_full() {
-                let dead = span.dead_blocks(*num_computed, bs).min(col.table.len());
-                Self::release_behind(pool, hasher, tokens, *num_computed, *tier, *prompt_len, retention, col, dead);
+        // What it gives back is registered first, so that it stays a prefix-cache candidate
+        // until evicted: the trunk (column 0) as far as any column gives back, then each
+        // giving column (a leaf block links to the trunk's block before it).
+        let dead: SmallVec<[usize; 8]> = cols
+            .iter()
+            .zip(spans)
+            .map(|(col, &span)| if span.is_full() { 0 } else { span.dead_blocks(*num_computed, bs).min(col.table.len()) })
+            .collect();
+        let furthest = cols.iter().zip(&dead).filter(|(col, &d)| d > col.num_released).map(|(_, &d)| d).max();
+        if let Some(furthest) = furthest {
+            let (trunk, leaves) = cols.split_first_mut().expect("a manager has at least one column");
+            Self::register_full_blocks(pool, hasher, tokens, *num_computed, *tier, trunk, furthest * bs);
+            for (col, &d) in leaves.iter_mut().zip(&dead[1..]) {
+                if d > col.num_released {
+                    Self::register_leaf_blocks(pool, hasher, tokens, *num_computed, *tier, trunk, col, d * bs);
+                }
+            }
+            for (col, &d) in cols.iter_mut().zip(&dead) {
+                Self::release_behind(pool, *prompt_len, retention, col, d);
             }
         }
         for col in cols.iter_mut() {
@@ -1068,33 +1130,21 @@ impl KvCacheManager {
     }
 
     /// Gives back the blocks of `col` before logical index `dead` that it still holds (the
-    /// caller checked that no query from now on reads them): registered first, so that they
-    /// stay prefix-cache candidates until evicted, then released with the retention they
-    /// would get when the sequence ends; their entries become [`BlockId::NULL`].
-    #[allow(clippy::too_many_arguments)]
-    fn release_behind(
-        pool: &mut BlockPool,
-        hasher: &mut BlockHasher,
-        tokens: &[u32],
-        num_computed: usize,
-        tier: Tier,
-        prompt_len: usize,
-        retention: &RetentionPolicy,
-        col: &mut Column,
-        dead: usize,
-    ) {
+    /// caller checked that no query from now on reads them, and registered them), released
+    /// with the retention they would get when the sequence ends; their entries become
+    /// [`BlockId::NULL`].
+    fn release_behind(pool: &mut BlockPool, prompt_len: usize, retention: &RetentionPolicy, col: &mut Column, dead: usize) {
         if dead <= col.num_released {
             return;
         }
-        Self::register_full_blocks(pool, hasher, tokens, num_computed, tier, col, dead * pool.block_size());
         let first = col.num_released;
         let behind: Vec<BlockId> = (first..dead).map(|k| col.table.replace(k, BlockId::NULL)).collect();
         Self::release_blocks(pool, retention, prompt_len, &behind, first);
         col.num_released = dead;
     }
 
-    /// Offers the column's full blocks within the sequence's first `upto` computed tokens, not
-    /// offered yet, to the prefix cache (device sequences only).
+    /// Offers the trunk's (column 0's) full blocks within the sequence's first `upto` computed
+    /// tokens, not offered yet, to the prefix cache as a chain (device sequences only).
     fn register_full_blocks(
         pool: &mut BlockPool,
         hasher: &mut BlockHasher,
@@ -1120,12 +1170,59 @@ impl KvCacheManager {
         col.num_registered = full;
     }
 
+    /// Offers the full blocks of a column other than 0 (a leaf column) within the sequence's
+    /// first `upto` computed tokens, not offered yet, to the prefix cache: block `k` under the
+    /// trunk's node of block `k - 1` (module docs, "Prefix caching with columns"; register the
+    /// trunk that far first). A block whose trunk parent is not registered (the trunk's chain
+    /// broke, or a sliding trunk gave that block back) stays out of the cache: it could never
+    /// be verified.
+    #[allow(clippy::too_many_arguments)]
+    fn register_leaf_blocks(
+        pool: &mut BlockPool,
+        hasher: &mut BlockHasher,
+        tokens: &[u32],
+        num_computed: usize,
+        tier: Tier,
+        trunk: &mut Column,
+        col: &mut Column,
+        upto: usize,
+    ) {
+        if !pool.prefix_caching() || tier != Tier::Device {
+            return;
+        }
+        let bs = pool.block_size();
+        let full = upto.min(num_computed) / bs;
+        if full <= col.num_registered {
+            return;
+        }
+        hasher.extend_chain(&mut trunk.hashes, tokens, bs, &trunk.extra, full);
+        hasher.extend_leaves(&mut col.hashes, &trunk.hashes, tokens, bs, &col.extra, full);
+        debug_assert!(col.num_registered >= col.num_released);
+        for k in col.num_registered..full {
+            let block = col.table.blocks()[k];
+            if block.is_null() || pool.node_of(block).is_some() {
+                continue; // given back (cannot be: registered first), or a hit or a copy
+            }
+            let parent = match k.checked_sub(1) {
+                None => None,
+                Some(p) => match trunk.table.blocks().get(p).filter(|b| !b.is_null()).and_then(|&b| pool.node_of(b)) {
+                    Some(node) => Some((node, trunk.hashes[p])),
+                    None => continue,
+                },
+            };
+            pool.register(block, col.hashes[k], parent, &tokens[k * bs..(k + 1) * bs], &col.extra);
+        }
+        col.num_registered = full;
+    }
+
     /// Offers every column's full blocks within the first `upto` computed tokens to the
-    /// prefix cache.
+    /// prefix cache: the trunk first, then the leaf columns that link to it.
     fn register_all(pool: &mut BlockPool, hasher: &mut BlockHasher, seq: &mut Sequence, upto: usize) {
         let Sequence { tokens, cols, num_computed, tier, .. } = seq;
-        for col in cols.iter_mut() {
-            Self::register_full_blocks(pool, hasher, tokens, *num_computed, *tier, col, upto);
+        let (trunk, leaves) = cols.split_first_mut().expect("a manager has at least one column");
+        Self::register_full_blocks(pool, hasher, tokens, *num_computed, *tier, trunk, upto);
+        for col in leaves {
+            Self::register_leaf_blocks(pool, hasher, tokens, *num_computed, *tier, trunk, col, upto);
         }
     }
 
@@ -1572,7 +1669,8 @@ impl KvCacheManager {
         let parent = match parent_hash {
             None => None,
             Some(ph) => match disk.find_hash(ph).and_then(|b| disk.identity(b)) {
-                Some(id) if id.hash == ph && id.extra == *extra => Some(id.node),
+                // A leaf column's block links to the trunk (column 0) block before it.
+                Some(id) if id.hash == ph && id.extra == extra.for_column(0) => Some(id.node),
                 _ => return Restore::MissingParent,
             },
         };
@@ -1958,7 +2056,7 @@ mod tests {
         }
         assert_eq!(m.pool().num_free(), 16);
         m.check_invariants().unwrap();
-        assert_eq!(m.prefix_counters(), PrefixCounters { queries: 38, hits: 12, host_hits: 0, disk_hits: 0 });
+        assert_eq!(m.prefix_counters(), PrefixCounters { queries: 38, hits: 12, host_hits: 0, disk_hits: 0, window_hits: 0 });
     }
 
     #[test]

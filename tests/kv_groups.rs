@@ -115,7 +115,7 @@ fn chunked_column_gives_back_whole_chunks() {
 }
 
 #[test]
-fn given_back_blocks_stay_findable_and_a_hit_needs_every_column() {
+fn given_back_blocks_stay_findable_and_a_sliding_column_serves_from_its_window() {
     let mut m = gemma_like(64);
     let prompt: Vec<u32> = (0..30).collect();
     let (a, _) = prefill(&mut m, prompt.clone());
@@ -141,8 +141,9 @@ fn given_back_blocks_stay_findable_and_a_hit_needs_every_column() {
     assert_ne!(full_first.cols[0].hashes[0], full_first.cols[1].hashes[0]);
 
     // Evict what the sliding column gave back first (released first, the last block first):
-    // the full column still holds the whole prompt, but only the prefix the sliding column
-    // also still holds is served.
+    // the full column still holds the whole prompt, and the sliding column the blocks a
+    // query after it sees (5 and 6), each verified as a leaf of the full column's chain: the
+    // whole prompt is still served.
     // 14 blocks are cached (7 per column) and 50 free without content: 54 new blocks evict 4.
     let filler = m
         .add_sequence_cached((500..500 + 4 * 60).collect(), ExtraKey::new(Some("other")))
@@ -153,11 +154,21 @@ fn given_back_blocks_stay_findable_and_a_hit_needs_every_column() {
         "the full column's prompt blocks are still cached"
     );
     let after = m.match_prefix(&prompt, &ExtraKey::new(None));
-    assert_eq!(
-        after.num_blocks(),
-        1,
-        "the sliding column's blocks 1..5 were evicted"
-    );
+    assert_eq!(after.num_blocks(), 7, "served from the window's last blocks");
+    let live: Vec<_> = after.cols[1].hits[5..].iter().map(|h| h.block).collect();
+    assert!(live.iter().all(|&b| !b.is_null() && m.pool().is_cached(b)), "{live:?}");
+    // A sequence admitted on it reads the full column's 7 blocks and the sliding column's 2.
+    let (c, hit) = m.add_sequence_cached(prompt.clone(), ExtraKey::new(None));
+    assert_eq!(hit, 28);
+    assert_eq!(m.seq(c).unwrap().columns()[1].held(), &live[..]);
+    m.free(c).unwrap();
+    // Another prompt with the same first 20 tokens: the full column serves 5 blocks, and the
+    // sliding column's blocks for them (3 and 4, what a query at 20 sees) were evicted, so the
+    // longest prefix both serve is shorter (the query at 4 sees block 0, still cached).
+    let mut other = prompt[..20].to_vec();
+    other.extend(900..920);
+    let partial = m.match_prefix(&other, &ExtraKey::new(None));
+    assert!(partial.num_blocks() < 5, "{}", partial.num_blocks());
     m.free(filler).unwrap();
     m.check_invariants().unwrap();
 }
