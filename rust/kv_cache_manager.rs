@@ -50,9 +50,25 @@
 //!   fills them is scheduled; blocks filled by decoding when the sequence is freed or swapped
 //!   out), and no block is written again once full.
 //!
+//! KV cache groups ([`KvCacheManager::with_columns`]): a sequence has one block table per
+//! *column*, each with an [`AttentionSpan`], all over the same tokens and the same pool. A
+//! sliding or chunked column gives back, when a step gives the sequence slots, the blocks no
+//! query from `write_start` on can see (registered first; their entries become
+//! [`BlockId::NULL`]); allocation and admission count those blocks net.
+//!
+//! Prefix caching with columns. Column 0 is the *trunk*: its blocks chain as a one-column
+//! sequence's do (a node per block, naming its parent's node). Every other column's block `k`
+//! is a *leaf* of the trunk: its hash chains from the trunk's hash of block `k - 1`
+//! ([`BlockHasher::extend_leaves`]) and its parent is the trunk's node of block `k - 1`, so it
+//! is verified without any block of its own column before it. A prefix hit is the longest one
+//! whose live blocks every column finds (all of them in a full column, those the next query
+//! sees in a sliding one): a sliding column serves from its window after the blocks before it
+//! were evicted.
+//!
 //! KV events ([`KvCacheManager::set_record_events`], off by default): every pool logs its
-//! cache's changes ([`crate::kv_events`]; device `"GPU"`, host `"CPU"`, disk `"DISK"`), and
-//! [`KvCacheManager::take_kv_events`] hands them out as one encoded batch.
+//! cache's changes ([`crate::kv_events`]; device `"GPU"`, host `"CPU"`, disk `"DISK"`) — the
+//! trunk's blocks only — and [`KvCacheManager::take_kv_events`] hands them out as one
+//! encoded batch.
 
 use crate::attention_span::AttentionSpan;
 use crate::block_hash::{BlockHash, BlockHasher, ExtraKey, HashMode};
