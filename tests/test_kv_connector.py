@@ -323,6 +323,24 @@ def test_kv_cache_groups_travel_every_column(windowed: tuple[str, LLMEngine, LLM
         full = (len(prompt) - 1) // BLOCK
         assert consumer.get_stats()["kv_blocks_pulled"] - pulled == columns * (full - hits)
         assert out.num_cached_tokens == full * BLOCK
+    # A producer whose KV is laid out otherwise (here: every layer whole, as with
+    # disable_hybrid_kv_cache_manager) is refused at the handshake: its fingerprint lacks this
+    # layout. The prompt is recomputed.
+    connector = consumer.kv_connector
+    fingerprint = connector.fingerprint
+    try:
+        connector.fingerprint = {k: v for k, v in fingerprint.items() if k != "kv_layout"}
+        connector._peers.clear()  # the transfer thread is idle: no pull in flight
+        consumer.reset_prefix_cache()
+        failed = consumer.get_stats()["kv_loads_failed"]
+        params = prefill(producer, rid("p"), {"prompt_token_ids": long})
+        out = run(consumer, rid("d"), {"prompt_token_ids": long}, greedy, params)
+        assert consumer.get_stats()["kv_loads_failed"] == failed + 1
+        assert out.outputs[0].token_ids == _greedy_reference(model, long)[0]
+        producer.kv_connector.drop_lease(params["remote_request_id"])  # type: ignore[union-attr]
+    finally:
+        connector.fingerprint = fingerprint
+        connector._peers.clear()
     wait_for_no_leases(producer)
     assert_idle(producer, consumer)
     for e in (producer, consumer):
