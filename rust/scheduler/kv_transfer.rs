@@ -124,7 +124,9 @@ impl Scheduler {
         let Some((seq, hits)) = self.kv.reserve_prefix(prompt, ExtraKey::new(cache_salt), max_blocks) else {
             return Ok(None);
         };
-        let fresh = self.kv.seq(seq)?.columns().iter().flat_map(|c| &c.table().blocks()[hits..]).map(|b| b.0).collect();
+        // Every column's blocks after the hits, column-major.
+        let cols = self.kv.seq(seq)?.columns();
+        let fresh = cols.iter().flat_map(|c| &c.table().blocks()[hits..]).map(|b| b.0).collect();
         self.kv_reservations.insert(std::sync::Arc::from(id), seq);
         Ok(Some((hits, fresh)))
     }
