@@ -195,6 +195,10 @@ pub struct Sequence {
     prompt_len: usize,
     extra: ExtraKey,
     retention: RetentionPolicy,
+    /// Holds every block in every column: a sliding or chunked column gives nothing back
+    /// (module docs, "KV cache groups"). Set for a sequence whose KV another engine reads
+    /// (a `hold_kv` request and its lease) and for a KV-transfer reservation.
+    keep_all: bool,
 }
 
 impl Sequence {
@@ -254,6 +258,13 @@ impl Sequence {
     /// The cache salt of this sequence's blocks.
     pub fn extra_key(&self) -> &ExtraKey {
         &self.extra
+    }
+
+    /// Whether the sequence holds every block of every column (no give-back behind a window):
+    /// see [`KvCacheManager::add_sequence_keeping_all`].
+    #[inline]
+    pub fn keeps_all(&self) -> bool {
+        self.keep_all
     }
 }
 
@@ -628,7 +639,7 @@ impl KvCacheManager {
         for (col, column) in leaves.iter_mut().zip(found) {
             col.hits = column.into_iter().map(|h| h.unwrap_or(missing)).collect();
         }
-        while len > 0 && !self.serves(&m, len) {
+        while len > 0 && !self.serves(&m, len, false) {
             len -= 1;
         }
         self.truncate_match(&mut m, len);
@@ -636,10 +647,13 @@ impl KvCacheManager {
     }
 
     /// Whether every column of `m` has found its live hits of the prefix of `len` blocks
-    /// (a leaf column's other entries may be null: blocks not found, never read).
-    fn serves(&self, m: &PrefixMatch, len: usize) -> bool {
+    /// (a leaf column's other entries may be null: blocks not found, never read), for a
+    /// sequence that keeps all its blocks when `keep_all` (every entry must be found).
+    fn serves(&self, m: &PrefixMatch, len: usize, keep_all: bool) -> bool {
         let bs = self.block_size();
-        m.cols.iter().zip(&self.spans).all(|(col, &span)| col.hits.len() >= len && col.hits[Self::live_hits(span, len, bs)].iter().all(|h| !h.block.is_null()))
+        m.cols.iter().zip(&self.spans).all(|(col, &span)| {
+            col.hits.len() >= len && col.hits[Self::live_hits(span, len, bs, keep_all)].iter().all(|h| !h.block.is_null())
+        })
     }
 
     /// The verified cached block for `hash` (its parent node `parent`, its `tokens`, its
@@ -674,9 +688,13 @@ impl KvCacheManager {
     }
 
     /// The hits of each column a sequence admitted with `hits` cached blocks keeps: those a
-    /// query at the first position after them still sees (all of them in a full column).
+    /// query at the first position after them still sees (all of them in a full column, and
+    /// in every column for a sequence that keeps all its blocks).
     #[inline]
-    fn live_hits(span: AttentionSpan, hits: usize, block_size: usize) -> std::ops::Range<usize> {
+    fn live_hits(span: AttentionSpan, hits: usize, block_size: usize, keep_all: bool) -> std::ops::Range<usize> {
+        if keep_all {
+            return 0..hits;
+        }
         span.dead_blocks(hits * block_size, block_size)..hits
     }
 
@@ -685,15 +703,23 @@ impl KvCacheManager {
     /// plus the cached device blocks that are free now (taking them removes them from the
     /// free queue), in every column.
     pub fn admission_cost(&self, m: &PrefixMatch, num_new_tokens: usize) -> usize {
+        self.admission_cost_keeping(m, num_new_tokens, false)
+    }
+
+    /// [`Self::admission_cost`] of a sequence that keeps all its blocks when `keep_all` (it
+    /// takes every hit of every column, see [`Self::add_sequence_keeping_all`]).
+    pub fn admission_cost_keeping(&self, m: &PrefixMatch, num_new_tokens: usize, keep_all: bool) -> usize {
         let bs = self.block_size();
         let k = m.num_blocks();
         let fresh = blocks_for(k * bs + num_new_tokens, bs) - k;
         let mut cost = fresh * self.spans.len();
         for (c, &span) in self.spans.iter().enumerate() {
             let Some(col) = m.cols.get(c) else { continue };
-            cost += col.hits[Self::live_hits(span, k, bs)]
+            // A leaf entry not found (null) is computed in a fresh block, if the sequence keeps
+            // it (admission then takes a shorter hit: this counts about what that costs).
+            cost += col.hits[Self::live_hits(span, k, bs, keep_all)]
                 .iter()
-                .filter(|h| h.tier != Tier::Device || self.pool.ref_count_unchecked(h.block) == 0)
+                .filter(|h| h.block.is_null() || h.tier != Tier::Device || self.pool.ref_count_unchecked(h.block) == 0)
                 .count();
         }
         cost
@@ -710,11 +736,11 @@ impl KvCacheManager {
     /// Whether the pools have room to take the live hits of `m`'s first `k` blocks: a host hit
     /// needs a fresh device block, a disk hit a fresh host block too (free blocks that are
     /// hits themselves are taken out of the free queue first, so they do not count as room).
-    fn hits_fit(&self, m: &PrefixMatch, k: usize) -> bool {
+    fn hits_fit(&self, m: &PrefixMatch, k: usize, keep_all: bool) -> bool {
         let bs = self.block_size();
         let (mut device_need, mut host_need, mut device_revived, mut host_revived) = (0usize, 0usize, 0usize, 0usize);
         for (col, &span) in m.cols.iter().zip(&self.spans) {
-            for hit in &col.hits[Self::live_hits(span, k, bs)] {
+            for hit in &col.hits[Self::live_hits(span, k, bs, keep_all)] {
                 match hit.tier {
                     Tier::Device => device_revived += usize::from(self.pool.ref_count_unchecked(hit.block) == 0),
                     Tier::Host => {
@@ -738,8 +764,25 @@ impl KvCacheManager {
         &mut self,
         tokens: Vec<u32>,
         extra: ExtraKey,
+        m: PrefixMatch,
+        retention: RetentionPolicy,
+    ) -> (SeqId, usize) {
+        self.add_sequence_keeping_all(tokens, extra, m, retention, false)
+    }
+
+    /// [`Self::add_sequence_with_retention`]; with `keep_all` the sequence (and every fork of
+    /// it) holds every block of every column for its whole life: it takes every hit, also
+    /// those behind a sliding or chunked column's window, and gives nothing back as it grows.
+    /// For a sequence whose KV another engine reads whole (a `hold_kv` request: KV transfer
+    /// carries every column's table). Its cost in a windowed column is its whole length, as
+    /// in a full one; admission counts it with [`Self::admission_cost_keeping`].
+    pub fn add_sequence_keeping_all(
+        &mut self,
+        tokens: Vec<u32>,
+        extra: ExtraKey,
         mut m: PrefixMatch,
         retention: RetentionPolicy,
+        keep_all: bool,
     ) -> (SeqId, usize) {
         if m.evictions_at_match != self.evictions() || m.cols.len() != self.spans.len() {
             m = self.match_prefix(&tokens, &extra);
@@ -748,7 +791,7 @@ impl KvCacheManager {
         // Keep the longest prefix whose live hits the pools have room for. Only host and disk
         // hits need room, so this is the whole match unless the pools are short.
         let mut keep = m.num_blocks();
-        while keep > 0 && !(self.serves(&m, keep) && self.hits_fit(&m, keep)) {
+        while keep > 0 && !(self.serves(&m, keep, keep_all) && self.hits_fit(&m, keep, keep_all)) {
             keep -= 1;
         }
         self.truncate_match(&mut m, keep);
@@ -756,7 +799,7 @@ impl KvCacheManager {
         // Take every live hit first (device ones out of the free queue, host and disk ones
         // pinned), so that the fresh blocks allocated below can evict none of them.
         for (col, &span) in m.cols.iter().zip(&self.spans) {
-            for hit in &col.hits[Self::live_hits(span, keep, bs)] {
+            for hit in &col.hits[Self::live_hits(span, keep, bs, keep_all)] {
                 match hit.tier {
                     Tier::Device => self.pool.acquire_unchecked(hit.block),
                     Tier::Host => {
@@ -778,7 +821,7 @@ impl KvCacheManager {
         let mut cols: SmallVec<[Column; 1]> = SmallVec::with_capacity(self.spans.len());
         let mut loaded_all = true;
         for (c, (cm, span)) in m.cols.into_iter().zip(self.spans.clone()).enumerate() {
-            let live = Self::live_hits(span, keep, bs);
+            let live = Self::live_hits(span, keep, bs, keep_all);
             let mut blocks = vec![BlockId::NULL; live.start];
             for hit in &cm.hits[live.clone()] {
                 // Room was counted above: the loads cannot fail.
@@ -835,6 +878,7 @@ impl KvCacheManager {
             prompt_len,
             extra,
             retention,
+            keep_all,
         };
         (self.insert(seq), hit_tokens)
     }
@@ -929,55 +973,69 @@ impl KvCacheManager {
     }
 
     /// Reserves device blocks to receive the KV of `tokens`' first `num_blocks` full blocks
-    /// from another engine (disaggregated prefill), or `None` (changing nothing) if the pool
-    /// lacks room or the manager has more than one column (KV transfer carries one table).
-    /// The blocks this pool already caches (a verified *device* prefix hit; never
-    /// more than `num_blocks`) are shared, the rest are fresh. Returns the sequence and the
-    /// number of leading blocks that were hits: the caller fills the table's blocks after them
-    /// and then either `free`s the sequence, which registers them in the prefix cache like any
-    /// computed block, or `free_discarding_window`s it (transfer failed), which registers
-    /// nothing it did not already hold. At most `(tokens.len() - 1) / block_size` blocks, so a
+    /// from another engine (disaggregated prefill), in every column, or `None` (changing
+    /// nothing) if the pool lacks room. The blocks this pool already caches (the longest
+    /// verified *device* prefix hit every column's chain reaches; never more than
+    /// `num_blocks`) are shared — every column holds all of them, also those behind a sliding
+    /// column's window, since nothing is given back in a reservation — and the rest are fresh
+    /// in every column. Returns the sequence and the number of leading blocks that were hits
+    /// (the same in every column): the caller fills each column's blocks after them and then
+    /// either `free`s the sequence, which registers them in the prefix cache like any computed
+    /// block, or `free_discarding_window`s it (transfer failed), which registers nothing it did
+    /// not already hold. At most `(tokens.len() - 1) / block_size` blocks per column, so a
     /// prompt always keeps a token to compute (like a prefix hit).
     ///
     /// Until one of those calls the fresh blocks are in the sequence's write window: not in
     /// the prefix cache, so no other request can hit them while their KV is arriving.
     pub fn reserve_prefix(&mut self, tokens: Vec<u32>, extra: ExtraKey, num_blocks: usize) -> Option<(SeqId, usize)> {
-        if self.spans.len() != 1 {
-            return None; // KV transfer carries one column (the scheduler refuses more first)
-        }
         let bs = self.block_size();
+        let num_cols = self.spans.len();
         let num_blocks = num_blocks.min(tokens.len().saturating_sub(1) / bs);
         let mut m = self.match_prefix(&tokens, &extra);
-        // Host and disk hits would need copies that only a scheduled step runs: stop there.
-        let keep = m.cols[0].hits.iter().take(num_blocks).take_while(|h| h.tier == Tier::Device).count();
+        // Host and disk hits would need copies that only a scheduled step runs: stop at the
+        // first one in any column, and at a leaf column's first block not found (a
+        // reservation holds every hit of every column).
+        let keep = m
+            .cols
+            .iter()
+            .map(|c| c.hits.iter().take(num_blocks).take_while(|h| h.tier == Tier::Device && !h.block.is_null()).count())
+            .min()
+            .unwrap_or(0);
         self.truncate_match(&mut m, keep);
-        let cm = m.cols.swap_remove(0);
-        let revived = cm.hits.iter().filter(|h| self.pool.ref_count_unchecked(h.block) == 0).count();
-        if num_blocks - keep + revived > self.pool.num_free() {
+        let hits = m.cols.iter().flat_map(|c| &c.hits);
+        let revived = hits.filter(|h| self.pool.ref_count_unchecked(h.block) == 0).count();
+        if (num_blocks - keep) * num_cols + revived > self.pool.num_free() {
             return None;
         }
-        let mut blocks: Vec<BlockId> = Vec::with_capacity(num_blocks);
-        for hit in &cm.hits {
+        // Every hit first, so that the fresh allocations below cannot evict one.
+        for hit in m.cols.iter().flat_map(|c| &c.hits) {
             self.pool.acquire_unchecked(hit.block);
-            blocks.push(hit.block);
         }
-        self.pool.allocate_into(num_blocks - keep, &mut blocks);
+        let mut cols: SmallVec<[Column; 1]> = SmallVec::with_capacity(num_cols);
+        for (c, cm) in m.cols.into_iter().enumerate() {
+            let mut blocks: Vec<BlockId> = Vec::with_capacity(num_blocks);
+            blocks.extend(cm.hits.iter().map(|h| h.block));
+            let allocated = self.pool.allocate_into(num_blocks - keep, &mut blocks);
+            debug_assert!(allocated, "checked above: enough free blocks");
+            let key = extra.for_column(c as u32);
+            cols.push(Column::new(BlockTable::from_blocks(blocks), cm.hashes, keep, cm.link, key));
+        }
         // A cached block this allocation evicted is not written back to the host tier: the
         // transfer overwrites it before any step could copy it out. It is only a cache miss.
         if self.pool.has_evicted() {
             drop(self.pool.take_evicted());
         }
         let prompt_len = tokens.len();
-        let col = Column::new(BlockTable::from_blocks(blocks), cm.hashes, keep, cm.link, extra.for_column(0));
         let seq = Sequence {
             tokens,
             tier: Tier::Device,
             num_computed: num_blocks * bs,
             write_start: keep * bs,
-            cols: smallvec::smallvec![col],
+            cols,
             prompt_len,
             extra,
             retention: RetentionPolicy::default(),
+            keep_all: true,
         };
         Some((self.insert(seq), keep))
     }
@@ -1023,7 +1081,7 @@ impl KvCacheManager {
         let (mut need, mut freed) = (fresh * seq.cols.len(), 0);
         for (col, &span) in seq.cols.iter().zip(spans) {
             need += usize::from(cow_index(pool, col, seq.num_computed).is_some());
-            if !span.is_full() {
+            if !span.is_full() && !seq.keep_all {
                 let dead = span.dead_blocks(seq.num_computed, bs).min(col.table.len());
                 freed += col.table.blocks()[col.num_released.min(dead)..dead]
                     .iter()
@@ -1096,7 +1154,7 @@ impl KvCacheManager {
         let bs = pool.block_size();
         let target = seq.num_computed + n;
         let fresh = blocks_for(target, bs) - seq.cols[0].table.len();
-        let Sequence { tokens, cols, num_computed, tier, prompt_len, retention, .. } = seq;
+        let Sequence { tokens, cols, num_computed, tier, prompt_len, retention, keep_all, .. } = seq;
         // Every column gives back first, so that any column's allocation can use those blocks.
         // What it gives back is registered first, so that it stays a prefix-cache candidate
         // until evicted: the trunk (column 0) as far as any column gives back, then each
@@ -1104,7 +1162,7 @@ impl KvCacheManager {
         let dead: SmallVec<[usize; 8]> = cols
             .iter()
             .zip(spans)
-            .map(|(col, &span)| if span.is_full() { 0 } else { span.dead_blocks(*num_computed, bs).min(col.table.len()) })
+            .map(|(col, &span)| if span.is_full() || *keep_all { 0 } else { span.dead_blocks(*num_computed, bs).min(col.table.len()) })
             .collect();
         let furthest = cols.iter().zip(&dead).filter(|(col, &d)| d > col.num_released).map(|(_, &d)| d).max();
         if let Some(furthest) = furthest {
@@ -1863,7 +1921,10 @@ impl KvCacheManager {
                 // Only blocks no query from `write_start` on sees are given back, and exactly they
                 // are null.
                 let nulls_ok = col.table.blocks().iter().enumerate().all(|(k, b)| b.is_null() == (k < col.num_released));
-                if !nulls_ok || col.num_released > span.dead_blocks(seq.write_start, bs) {
+                // A sequence that keeps all its blocks gives none back.
+                let limit = if seq.keep_all { 0 } else { span.dead_blocks(seq.write_start, bs) };
+                let released_ok = col.num_released <= limit;
+                if !nulls_ok || !released_ok {
                     return Err(CoreError::InvariantViolation(format!(
                         "sequence in slot {slot}, column {c} ({span:?}): {} entries given back of {:?} at write start {}",
                         col.num_released,

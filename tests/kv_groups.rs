@@ -1,7 +1,8 @@
 //! KV cache groups in the KV-cache manager: one block table per column over one pool; a
 //! sliding or chunked column gives back, in the step that leaves them behind, the blocks no
 //! later query sees; they stay prefix-cache candidates; a prefix hit is what every column
-//! serves; fork, swap and a failed step keep every column consistent.
+//! serves; fork, swap and a failed step keep every column consistent; a sequence whose KV
+//! travels to another engine (KV transfer) keeps every column whole.
 
 use pagedkv::attention_span::AttentionSpan;
 use pagedkv::block_hash::{ExtraKey, HashMode};
@@ -256,4 +257,82 @@ fn one_full_column_hashes_as_before_columns() {
         plain.match_prefix(&prompt, &key).cols[0].hashes,
         one.match_prefix(&prompt, &key).cols[0].hashes
     );
+}
+
+#[test]
+fn a_sequence_keeping_all_gives_nothing_back_and_reservations_fill_every_column() {
+    // KV transfer (rust/scheduler/kv_transfer.rs): a hold_kv request's sequence keeps every
+    // column whole, through admission on hits behind the window, decoding, fork and swap.
+    let mut m = KvCacheManager::new(64, BS, true, HashMode::Xxh3)
+        .unwrap()
+        .with_columns(vec![AttentionSpan::Full, AttentionSpan::SlidingWindow(6)])
+        .unwrap()
+        .with_host_tier(64)
+        .unwrap();
+    let prompt: Vec<u32> = (0..41).collect();
+    let (a, _) = prefill(&mut m, prompt.clone());
+    m.free(a).unwrap();
+    // Every hit of every column is taken (the sliding column's behind the window too).
+    let hit = m.match_prefix(&prompt, &ExtraKey::new(None));
+    assert_eq!(m.admission_cost_keeping(&hit, 1, true), 2 * (10 + 1));
+    let retention = Default::default();
+    let (k, cached) =
+        m.add_sequence_keeping_all(prompt.clone(), ExtraKey::new(None), hit, retention, true);
+    assert_eq!(cached, 40);
+    assert!(m.allocate_slots(k, 1).unwrap());
+    assert_eq!(m.pool().num_free(), 64 - 22);
+    decode(&mut m, k, 9);
+    let seq = m.seq(k).unwrap();
+    assert!(seq.keeps_all());
+    assert_eq!(given_back(&m, k), vec![0, 0]);
+    assert_eq!(held(&m, k, 1).len(), 13, "50 tokens, every block held");
+    // A fork keeps all too, and survives a swap out and in whole.
+    let child = m.fork(k).unwrap();
+    m.begin_step();
+    assert!(m.swap_out(child).unwrap());
+    m.end_step();
+    m.begin_step();
+    assert!(m.swap_in(child).unwrap());
+    m.end_step();
+    m.check_invariants().unwrap();
+    decode(&mut m, child, 4);
+    assert!(m.seq(child).unwrap().keeps_all());
+    assert_eq!(given_back(&m, child), vec![0, 0]);
+    m.free(child).unwrap();
+    m.free(k).unwrap();
+    m.check_invariants().unwrap();
+    // A reservation: the cached prefix (10 blocks) is held in both columns, fresh blocks
+    // after it in both.
+    let longer: Vec<u32> = (0..57).collect();
+    let free = m.pool().num_free();
+    let (r, hits) = m
+        .reserve_prefix(longer.clone(), ExtraKey::new(None), 14)
+        .unwrap();
+    assert_eq!(hits, 10);
+    m.check_invariants().unwrap();
+    for c in 0..2 {
+        assert_eq!(held(&m, r, c).len(), 14);
+    }
+    assert_eq!(given_back(&m, r), vec![0, 0]);
+    assert_eq!(
+        free - m.pool().num_free(),
+        2 * 14,
+        "the cached hits taken, 4 fresh blocks each"
+    );
+    // Committed (freed): every column's chain reaches 14 blocks.
+    m.free(r).unwrap();
+    assert_eq!(
+        m.match_prefix(&longer, &ExtraKey::new(None)).num_blocks(),
+        14
+    );
+    // Cancelled: nothing past the hits.
+    let other: Vec<u32> = (500..557).collect();
+    let (r, hits) = m
+        .reserve_prefix(other.clone(), ExtraKey::new(None), 14)
+        .unwrap();
+    assert_eq!(hits, 0);
+    m.free_discarding_window(r).unwrap();
+    assert_eq!(m.match_prefix(&other, &ExtraKey::new(None)).num_blocks(), 0);
+    m.check_invariants().unwrap();
+    assert_eq!(m.pool().num_free(), 64);
 }

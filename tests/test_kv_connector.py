@@ -6,7 +6,8 @@ server-level flow with separate processes and the router is in test_router_disag
 ``{"do_remote_decode": true}``; its output's ``kv_transfer_params`` go to the consumer, which
 pulls the prompt's KV over NIXL (host memory) or gloo and decodes. Every greedy output is
 compared with a plain engine's, and both engines must end with no block used, no lease and no
-reservation.
+reservation. A tiny Gemma 3 (sliding-window layers, a 12-token window on 8-token blocks) moves
+its KV cache groups: every column's blocks, greedy tokens equal to transformers'.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 from kv_transports import TRANSPORTS, assert_idle, make_pair, prefill, run, wait_for_no_leases
+from test_attention_types import BLOCK, MAX_NEW, PROMPTS, _build, _greedy_reference, _reference
 
 from pagedkv import LLMEngine, SamplingParams
 from pagedkv.errors import ConfigError, InvalidArgumentError, KVTransferError
@@ -271,3 +273,76 @@ def test_a_silent_peer_and_another_model_cost_a_recompute(clean: Any, reference:
     finally:
         connector.config, connector.fingerprint = config, fingerprint
         connector._peers.clear()
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def windowed(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, LLMEngine, LLMEngine]]:
+    """A producer / consumer pair serving a tiny Gemma 3 (three sliding-window layers to one
+    full: four KV-cache columns) with KV cache groups on."""
+    folder = _build(tmp_path_factory.mktemp("windowed") / "gemma3_text", "gemma3_text")
+    engine = dict(
+        model=folder,
+        tokenizer=str(default_model_dir()),
+        device="cpu",
+        dtype="float32",
+        block_size=BLOCK,
+        num_blocks=96,
+        max_model_len=128,
+        max_num_batched_tokens=32,
+    )
+    producer, consumer = make_pair(request.param, engine)
+    yield folder, producer, consumer
+    consumer.shutdown()
+    producer.shutdown()
+
+
+def test_kv_cache_groups_travel_every_column(windowed: tuple[str, LLMEngine, LLMEngine]) -> None:
+    folder, producer, consumer = windowed
+    columns = consumer.runner.kv_layout.num_columns
+    assert columns == producer.runner.kv_layout.num_columns == 4  # groups on, with kv_transfer_config
+    assert consumer.kv_connector is not None and "kv_layout" in consumer.kv_connector.fingerprint
+    model = _reference(folder)
+    greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    long, shorter = PROMPTS[1], PROMPTS[0]  # 57 and 40 tokens: several windows long
+    # Decode-side hits: the consumer caches the first two blocks of every column (the sliding
+    # columns' given back behind the window, still cached), so only the rest moves.
+    run(consumer, rid("warm"), {"prompt_token_ids": long[:20]}, SamplingParams(max_tokens=1))
+    for prompt, hits in ((long, 2), (shorter, 0)):
+        expected, _ = _greedy_reference(model, prompt)
+        params = prefill(producer, rid("p"), {"prompt_token_ids": prompt})
+        # The lease holds the whole prompt in every column, column-major.
+        per_column = -(-len(prompt) // BLOCK)
+        assert len(params["remote_block_ids"]) == columns * per_column
+        assert len(set(params["remote_block_ids"])) == columns * per_column
+        pulled = consumer.get_stats()["kv_blocks_pulled"]
+        out = run(consumer, rid("d"), {"prompt_token_ids": prompt}, greedy, params)
+        assert out.error is None
+        assert out.outputs[0].token_ids == expected
+        full = (len(prompt) - 1) // BLOCK
+        assert consumer.get_stats()["kv_blocks_pulled"] - pulled == columns * (full - hits)
+        assert out.num_cached_tokens == full * BLOCK
+    # A producer whose KV is laid out otherwise (here: every layer whole, as with
+    # disable_hybrid_kv_cache_manager) is refused at the handshake: its fingerprint lacks this
+    # layout. The prompt is recomputed.
+    connector = consumer.kv_connector
+    fingerprint = connector.fingerprint
+    try:
+        connector.fingerprint = {k: v for k, v in fingerprint.items() if k != "kv_layout"}
+        connector._peers.clear()  # the transfer thread is idle: no pull in flight
+        consumer.reset_prefix_cache()
+        failed = consumer.get_stats()["kv_loads_failed"]
+        params = prefill(producer, rid("p"), {"prompt_token_ids": long})
+        out = run(consumer, rid("d"), {"prompt_token_ids": long}, greedy, params)
+        assert consumer.get_stats()["kv_loads_failed"] == failed + 1
+        assert out.outputs[0].token_ids == _greedy_reference(model, long)[0]
+        producer.kv_connector.drop_lease(params["remote_request_id"])  # type: ignore[union-attr]
+    finally:
+        connector.fingerprint = fingerprint
+        connector._peers.clear()
+    wait_for_no_leases(producer)
+    assert_idle(producer, consumer)
+    for e in (producer, consumer):
+        stats = e.get_stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"], stats

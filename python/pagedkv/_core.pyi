@@ -456,13 +456,15 @@ class Scheduler:
         """Per live request: (id, arrival, state, prompt_tokens, output_tokens, num_blocks,
         cached_tokens, num_branches), in arrival order."""
     def kv_lease(self, request_id: str) -> tuple[list[int], int] | None:
-        """``(block_ids, num_tokens)`` held for ended ``hold_kv`` request ``request_id``."""
+        """``(block_ids, num_tokens)`` held for ended ``hold_kv`` request ``request_id``; with KV
+        cache groups every column's blocks, column-major (column 0's ``n``, then column 1's ...)."""
     def release_kv_lease(self, request_id: str) -> bool: ...
     def kv_lease_ids(self) -> list[str]: ...
     def reserve_kv(
         self, reservation_id: str, prompt_token_ids: _Ints, max_blocks: SupportsIndex, cache_salt: str | None = None
     ) -> tuple[int, list[int]] | None:
-        """``(num_hit_blocks, fresh_block_ids)`` reserved for remote KV, or None (no room)."""
+        """``(num_hit_blocks, fresh_block_ids)`` reserved for remote KV, or None (no room); with KV
+        cache groups the hits are every column's and the fresh ids every column's, column-major."""
     def commit_kv(self, reservation_id: str) -> bool: ...
     def cancel_kv(self, reservation_id: str) -> bool: ...
 

@@ -935,7 +935,9 @@ impl PyScheduler {
 
     /// The KV lease of ended request `request_id` (added with `hold_kv=True`): `(block_ids,
     /// num_tokens)` — the blocks it held, in order, and how many leading tokens' KV they hold
-    /// (the first `num_tokens // block_size` blocks are full) — or None if there is none.
+    /// (the first `num_tokens // block_size` blocks of each column are full) — or None if
+    /// there is none. With KV cache groups the ids are every column's table, column-major:
+    /// column 0's `n` blocks, then column 1's `n`, ... (`len(block_ids) == num_columns * n`).
     fn kv_lease(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Option<(Vec<u32>, usize)>> {
         Ok(self.inner.kv_lease(str_obj_arg(request_id, "request_id")?.to_str()?))
     }
@@ -956,7 +958,9 @@ impl PyScheduler {
     /// computed here), under `cache_salt`. Returns `(num_hit_blocks, block_ids)`: the leading
     /// blocks already cached here (shared, not to be transferred) and the fresh blocks that
     /// receive blocks `num_hit_blocks, num_hit_blocks + 1, ...` — or None when the pool has no
-    /// room now. End it with `commit_kv` (the KV arrived) or `cancel_kv`.
+    /// room now. With KV cache groups the hits are the same in every column and the fresh
+    /// blocks are every column's, column-major (`len(block_ids) // num_columns` per column).
+    /// End it with `commit_kv` (the KV arrived) or `cancel_kv`.
     #[pyo3(signature = (reservation_id, prompt_token_ids, max_blocks, cache_salt = None))]
     fn reserve_kv(
         &mut self,

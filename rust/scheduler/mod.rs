@@ -221,7 +221,7 @@ impl Scheduler {
             self.check_beam_fits(&r.id, beam.width, r.prompt.len() + r.max_tokens)?;
         }
         if r.hold_kv {
-            self.check_kv_transfer(&r.id)?;
+            self.check_kv_lease_fits(&r.id, (r.prompt.len() + r.max_tokens).min(max_len))?;
         }
         let id: Arc<str> = Arc::from(r.id.as_str());
         let arrival = self.next_arrival;
@@ -604,6 +604,8 @@ impl Scheduler {
             }
             let extra = req.extra.clone();
             let retention = req.retention;
+            // A request whose KV another engine reads keeps every column's blocks.
+            let keep_all = req.hold_kv;
             let m = if !self.config.enable_prefix_caching {
                 PrefixMatch::default()
             } else if req.skip_prefix_cache {
@@ -613,7 +615,7 @@ impl Scheduler {
             };
             let hit = m.num_tokens(bs);
             let n = (branch.tokens.len() - hit).min(*budget);
-            let cost = self.kv.admission_cost(&m, n);
+            let cost = self.kv.admission_cost_keeping(&m, n, keep_all);
             if cost + reserve > self.kv.pool().num_free() {
                 break;
             }
@@ -622,7 +624,7 @@ impl Scheduler {
             let tokens = std::mem::take(&mut branch.tokens);
             let num_tokens = tokens.len();
             let before = self.kv.prefix_counters();
-            let (seq, hit) = self.kv.add_sequence_with_retention(tokens, extra, m, retention);
+            let (seq, hit) = self.kv.add_sequence_keeping_all(tokens, extra, m, retention, keep_all);
             let after = self.kv.prefix_counters();
             match self.kv.allocate_slots(seq, n) {
                 Ok(true) => {}

@@ -4,6 +4,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::*;
+use crate::attention_span::AttentionSpan;
 
 /// Random workload (shared prefixes, n > 1 forks with copy-on-write, preemption, aborts,
 /// finished samples) stepped with `schedule_into` over a ring of `ring` reused outputs: every
@@ -432,5 +433,142 @@ fn skip_prefix_cache_computes_the_whole_prompt_and_still_caches_it() {
     s.update(out.step_id, &vec![9u32; out.num_sampled()]).unwrap();
     run_to_end(&mut s);
     assert_eq!(s.stats().num_used_blocks, 0);
+    s.check_invariants().unwrap();
+}
+
+/// A scheduler over a full and a sliding-window column (window 6, blocks of 4) that prefills
+/// in chunks of 8 tokens, so the sliding column leaves blocks behind during the prefill.
+fn grouped_scheduler(num_blocks: usize) -> Scheduler {
+    let mut cfg = SchedulerConfig::new(4, num_blocks);
+    cfg.max_num_batched_tokens = 8;
+    cfg.attention_spans = vec![AttentionSpan::Full, AttentionSpan::SlidingWindow(6)];
+    Scheduler::new(cfg).unwrap()
+}
+
+fn used_blocks(s: &Scheduler) -> usize {
+    s.stats().num_used_blocks
+}
+
+#[test]
+fn kv_lease_with_groups_holds_every_column_whole() {
+    let mut s = grouped_scheduler(64);
+    let prompt: Vec<u32> = (0..30).collect();
+    // Without hold_kv the sliding column gives back behind its window.
+    s.add_request(NewRequest::new("plain", prompt.clone(), 1)).unwrap();
+    run_to_end(&mut s);
+    assert_eq!(used_blocks(&s), 0);
+    for warm in [true, false] {
+        if !warm {
+            s.kv.reset_prefix_cache();
+        }
+        let id = format!("p{warm}");
+        let mut r = NewRequest::new(id.clone(), prompt.clone(), 1);
+        r.hold_kv = true;
+        s.add_request(r).unwrap();
+        let mut steps = 0;
+        while s.has_unfinished_requests() {
+            let out = s.schedule().unwrap();
+            s.check_invariants().unwrap();
+            for &seq in &out.row_seqs {
+                // Nothing given back in any column, at any step.
+                let q = s.kv.seq(seq).unwrap();
+                assert!(q.keeps_all() && q.columns().iter().all(|c| c.num_released() == 0));
+            }
+            let sampled = vec![9u32; out.num_sampled()];
+            s.update(out.step_id, &sampled).unwrap();
+            s.check_invariants().unwrap();
+            steps += 1;
+        }
+        // Warm: the seven blocks "plain" cached in both columns are hits (the sliding column's
+        // given back behind its window too, taken back); two tokens are computed. Cold: four
+        // chunks of 8.
+        assert_eq!(steps, if warm { 1 } else { 4 });
+        let (blocks, num_tokens) = s.kv_lease(&id).unwrap();
+        assert_eq!(num_tokens, 30);
+        // Column-major: 8 blocks of column 0, then 8 of column 1, all distinct, none null.
+        assert_eq!(blocks.len(), 16);
+        assert!(blocks.iter().all(|&b| b != BlockId::NULL.0));
+        assert_eq!(blocks.iter().collect::<std::collections::HashSet<_>>().len(), 16);
+        assert_eq!(used_blocks(&s), 16);
+        let lease = s.kv_leases[id.as_str()];
+        let cols = s.kv.seq(lease).unwrap().columns();
+        assert_eq!(cols[0].table().blocks().iter().map(|b| b.0).collect::<Vec<_>>(), blocks[..8]);
+        assert_eq!(cols[1].table().blocks().iter().map(|b| b.0).collect::<Vec<_>>(), blocks[8..]);
+        // Memory pressure cannot take them: another request runs beside the lease.
+        s.add_request(NewRequest::new(format!("q{warm}"), (100..160).collect(), 4)).unwrap();
+        run_to_end(&mut s);
+        assert_eq!(s.kv_lease(&id).unwrap().0, blocks);
+        assert!(s.release_kv_lease(&id));
+        assert_eq!(used_blocks(&s), 0);
+        s.check_invariants().unwrap();
+    }
+    assert_eq!(s.kv.pool().num_free(), 64);
+}
+
+#[test]
+fn hold_kv_with_groups_must_fit_the_pool_whole() {
+    // 40 + 1 tokens in two columns keep 22 blocks: more than the pool's 16, so the request is
+    // refused at once rather than waiting forever; without hold_kv it runs.
+    let mut s = grouped_scheduler(16);
+    let mut r = NewRequest::new("big", (0..40).collect(), 1);
+    r.hold_kv = true;
+    assert!(matches!(s.add_request(r), Err(CoreError::InvalidArgument(_))));
+    s.add_request(NewRequest::new("big", (0..40).collect(), 1)).unwrap();
+    run_to_end(&mut s);
+    assert_eq!(used_blocks(&s), 0);
+}
+
+#[test]
+fn kv_reservation_with_groups_reserves_every_column() {
+    let mut s = grouped_scheduler(64);
+    let prompt: Vec<u32> = (0..30).collect();
+    // This pool caches the first two blocks of both columns.
+    s.add_request(NewRequest::new("warm", prompt[..10].to_vec(), 1)).unwrap();
+    run_to_end(&mut s);
+    assert_eq!(s.kv.cached_prefix_blocks(&prompt), 2);
+    let (hits, fresh) = s.reserve_kv("r", prompt.clone(), 10, None).unwrap().unwrap();
+    s.check_invariants().unwrap();
+    // (30 - 1) / 4 = 7 blocks per column, 2 of them hits: 5 fresh in each column.
+    assert_eq!((hits, fresh.len()), (2, 10));
+    let res = s.kv_reservations["r"];
+    let cols = s.kv.seq(res).unwrap().columns();
+    for (c, col) in cols.iter().enumerate() {
+        // Every hit held (none given back), then the column's fresh blocks, column-major.
+        assert_eq!(col.num_released(), 0);
+        let table: Vec<u32> = col.table().blocks().iter().map(|b| b.0).collect();
+        assert_eq!(table[2..], fresh[c * 5..(c + 1) * 5]);
+        for &b in &col.table().blocks()[..2] {
+            assert!(s.kv.pool().is_cached(b) && s.kv.pool().ref_count(b).unwrap() == 1);
+        }
+    }
+    assert_eq!(used_blocks(&s), 14);
+    // Not findable while the KV is arriving; every column's blocks after the commit.
+    assert_eq!(s.kv.cached_prefix_blocks(&prompt), 2);
+    assert!(s.commit_kv("r"));
+    s.check_invariants().unwrap();
+    assert_eq!(used_blocks(&s), 0);
+    assert_eq!(s.kv.cached_prefix_blocks(&prompt), 7);
+    s.add_request(NewRequest::new("d", prompt.clone(), 3)).unwrap();
+    let out = s.schedule().unwrap();
+    s.check_invariants().unwrap();
+    assert_eq!(out.num_tokens(), 2, "28 of 30 prompt tokens come from the reservation");
+    // The sliding column starts with the entries behind the window given back.
+    let d = out.row_seqs[0];
+    let released: Vec<usize> = s.kv.seq(d).unwrap().columns().iter().map(|c| c.num_released()).collect();
+    assert_eq!(released, vec![0, AttentionSpan::SlidingWindow(6).dead_blocks(28, 4)]);
+    s.update(out.step_id, &vec![9u32; out.num_sampled()]).unwrap();
+    run_to_end(&mut s);
+    // Cancelled: nothing cached past the hits, every block back.
+    let other: Vec<u32> = (200..230).collect();
+    let (hits, fresh) = s.reserve_kv("c", other.clone(), 4, None).unwrap().unwrap();
+    assert_eq!((hits, fresh.len()), (0, 8));
+    s.check_invariants().unwrap();
+    // No room (2 x 31 blocks wanted, 56 free): None, nothing changed.
+    assert!(s.reserve_kv("big", (300..425).collect(), 40, None).unwrap().is_none());
+    assert_eq!(s.stats().num_kv_reservations, 1);
+    assert!(s.cancel_kv("c"));
+    assert_eq!(s.kv.cached_prefix_blocks(&other), 0);
+    assert_eq!(used_blocks(&s), 0);
+    assert_eq!(s.kv.pool().num_free(), 64);
     s.check_invariants().unwrap();
 }

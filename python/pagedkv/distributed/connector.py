@@ -36,6 +36,15 @@ engine before every step, commits the blocks that arrived (they enter the prefix
 request added next hits them) or cancels the reservation; the engine then adds the request to
 the scheduler (recompute policy, or success) or fails it (``fail`` policy).
 
+**KV cache groups.** A model whose KV is kept in columns (worker/kv_layout.py: one block
+table per column) moves every column: a lease's block ids are every column's table,
+column-major (column 0's ``n`` ids, then column 1's ``n``, ...), the producer's sliding and
+chunked columns holding the whole prompt (the scheduler gives nothing back behind a window for
+a ``hold_kv`` request). Both engines have the same columns — the fingerprint checked at the
+handshake names the layout — so the consumer splits the ids into its column count, reserves
+the same blocks in every column (``reserve_kv``: fresh ones column-major too) and reads, for
+each column ``c``, remote blocks ``c * n + hits ..`` into that column's fresh blocks.
+
 Threading: ``start_load``, ``abandon``, ``take_finished_loads``, ``lease_params``, ``poll`` run
 on the engine's thread under its lock. The transport is used only by the connector's thread
 (and its own internals); the control server's release handler takes the engine's lock.
@@ -93,7 +102,8 @@ class _Lease:
 
 @dataclass
 class _Load:
-    """One pull: ``remote_block_ids[num_hit_blocks:]`` of the producer into ``local_block_ids``."""
+    """One pull: the producer's ``remote_block_ids`` into ``local_block_ids``, pairwise (every
+    column's blocks after the hits, column-major)."""
 
     request_id: str
     remote: RemotePrefill
@@ -148,6 +158,8 @@ class KVConnector:
         self.engine_id = config.engine_id or f"pagedkv-{uuid.uuid4().hex[:12]}"
         self.scheduler = scheduler
         self.block_size = runner.block_size
+        # KV cache groups: one block table per column, carried column-major (module docs).
+        self.num_columns = runner.kv_layout.num_columns
         self.kv_dtype = str(runner.kv_cache.dtype).removeprefix("torch.")
         self.fingerprint = _fingerprint_for_peers(runner)
         self._lock = lock
@@ -339,6 +351,13 @@ class KVConnector:
                 f"producer {remote.remote_engine_id!r} has {remote.remote_block_size}-token blocks of "
                 f"{remote.remote_kv_dtype}, this engine {self.block_size}-token blocks of {self.kv_dtype}"
             )
+        columns = self.num_columns
+        per_column, rest = divmod(len(remote.remote_block_ids), columns)
+        if rest or per_column < -(-remote.remote_num_tokens // self.block_size):
+            raise InvalidArgumentError(
+                f"kv_transfer_params: {len(remote.remote_block_ids)} block ids are not {columns} column(s) "
+                f"holding {remote.remote_num_tokens} tokens of {self.block_size}-token blocks"
+            )
         full_blocks = min(remote.remote_num_tokens, len(prompt_token_ids)) // self.block_size
         reserved = self.scheduler.reserve_kv(request_id, prompt_token_ids, full_blocks, cache_salt)
         if reserved is None or not reserved[1]:
@@ -350,11 +369,18 @@ class KVConnector:
             self._jobs.put(_Load(request_id, remote, [], [], [], release_only=True))
             return False
         num_hits, fresh = reserved
+        # Column c's blocks after the hits, on both sides: the remote ones from c * per_column.
+        fresh_per_column = len(fresh) // columns
+        remote_ids = [
+            remote.remote_block_ids[c * per_column + num_hits + k]
+            for c in range(columns)
+            for k in range(fresh_per_column)
+        ]
         load = _Load(
             request_id=request_id,
             remote=remote,
             prompt_token_ids=list(prompt_token_ids),
-            remote_block_ids=list(remote.remote_block_ids[num_hits : num_hits + len(fresh)]),
+            remote_block_ids=remote_ids,
             local_block_ids=list(fresh),
         )
         self.loads[request_id] = load

@@ -6,6 +6,14 @@ num_blocks, block_size, num_kv_heads]``). Block ``b`` is the ``2 * num_layers`` 
 regions ``kv_cache[l, kv, b]``; a run of consecutive blocks ``[b, b + k)`` is ``2 * num_layers``
 contiguous regions too, so a transfer is described per *run*, not per block.
 
+With KV cache groups (worker/kv_layout.py) the cache is ``[N, 2, pages, block_size, ...]``: dim
+0 holds the ``N`` layers of a page (``page_layers``), a "block" here is a page, and ``num_layers``
+is ``N``. Nothing else changes: a page is ``2 * N`` regions, and a request's pages (every
+column's) are just more block ids. Which layer a page slot holds, and which column a page
+serves, is not part of this layout: two engines with the same ``N`` but other groups would
+exchange bytes in the wrong places, so the connector's handshake first compares the engines'
+KV fingerprints, which name the grouped layout (``ModelRunner.kv_fingerprint``, "kv_layout").
+
 Invariants the caller (the scheduler side of disaggregation) guarantees:
 
 - the remote blocks named in ``read_blocks`` stay allocated and unmodified on the holder
@@ -58,7 +66,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 @dataclass(frozen=True)
 class KVLayout:
     """The shape of one engine's KV cache. Two engines can exchange blocks when everything but
-    ``num_blocks`` matches (byte-for-byte copies need the same per-block layout)."""
+    ``num_blocks`` matches (byte-for-byte copies need the same per-block layout).
+    ``num_layers`` is the cache's dim 0: every layer, or with KV cache groups the layers of one
+    page (see the module docs)."""
 
     num_layers: int
     num_blocks: int

@@ -59,7 +59,7 @@ class EngineArgs:
     - ``disable_hybrid_kv_cache_manager``: keep every layer's KV whole even when the model has
       sliding-window or chunked layers (vLLM's name; by default such a model's KV is kept in
       KV cache groups, which give back the blocks a window has left behind). KV transfer
-      between engines (``kv_transfer_config``) turns the groups off by itself.
+      between engines (``kv_transfer_config``) carries the groups (both engines must agree).
     - ``scheduling_policy``: ``"fcfs"`` or ``"priority"``.
     - ``attention_backend``: ``"triton"``, ``"cpu"``, ``"torch"`` or ``None`` (Triton on CUDA,
       the Rust decode kernel + torch on the CPU).
@@ -172,8 +172,7 @@ class EngineArgs:
                 kv_cache_dir=self.kv_cache_dir,
                 kv_cache_dir_max_bytes=as_byte_count(self.kv_cache_dir_max_bytes, "kv_cache_dir_max_bytes"),
                 enable_kv_cache_events=self.enable_kv_cache_events,
-                # KV transfer carries one block table per request (the core refuses more).
-                enable_kv_cache_groups=not self.disable_hybrid_kv_cache_manager and self.kv_transfer_config is None,
+                enable_kv_cache_groups=not self.disable_hybrid_kv_cache_manager,
             ),
             scheduling=SchedulingConfig(
                 max_num_seqs=self.max_num_seqs,

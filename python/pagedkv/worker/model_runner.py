@@ -657,7 +657,7 @@ class ModelRunner:
         if not layout.grouped:
             return whole, "every layer whole: every layer attends to the whole context"
         if not cache.enable_kv_cache_groups:
-            return whole, "every layer whole: KV cache groups are off (disable_hybrid_kv_cache_manager, or KV transfer)"
+            return whole, "every layer whole: KV cache groups are off (disable_hybrid_kv_cache_manager)"
         return layout, f"KV cache groups: {layout.describe()}"
 
     @torch.inference_mode()
