@@ -101,8 +101,12 @@ proptest! {
 
 #[derive(Debug, Clone)]
 enum SeqOp {
-    /// New sequence: base prompt index, extra suffix length, salt choice.
-    Add { base: usize, suffix: usize, salt: u8 },
+    /// New sequence: base prompt index, extra suffix length, salt choice; `keep_all`: it keeps
+    /// every block of every column (a `hold_kv` request's, whose KV another engine reads).
+    Add { base: usize, suffix: usize, salt: u8, keep_all: bool },
+    /// A KV-transfer reservation for a new prompt: its fresh blocks are written (the KV
+    /// arriving), then committed into the prefix cache or cancelled.
+    Transfer { base: usize, suffix: usize, commit: bool },
     /// Give slots to up to `n` pending tokens of a sequence.
     Allocate { seq: usize, n: usize },
     /// Append a token and give it a slot (decode step).
@@ -116,7 +120,9 @@ enum SeqOp {
 
 fn seq_op() -> impl Strategy<Value = SeqOp> {
     prop_oneof![
-        3 => (0usize..4, 0usize..12, 0u8..3).prop_map(|(base, suffix, salt)| SeqOp::Add { base, suffix, salt }),
+        3 => (0usize..4, 0usize..12, 0u8..3, prop::bool::weighted(0.2))
+            .prop_map(|(base, suffix, salt, keep_all)| SeqOp::Add { base, suffix, salt, keep_all }),
+        1 => (0usize..4, 0usize..12, any::<bool>()).prop_map(|(base, suffix, commit)| SeqOp::Transfer { base, suffix, commit }),
         4 => (any::<usize>(), 1usize..14).prop_map(|(seq, n)| SeqOp::Allocate { seq, n }),
         4 => (any::<usize>(), 0u32..5).prop_map(|(seq, token)| SeqOp::Decode { seq, token }),
         1 => (any::<usize>(), 1usize..6).prop_map(|(seq, len)| SeqOp::Extend { seq, len }),
@@ -146,6 +152,16 @@ struct Model {
 }
 
 impl Model {
+    /// `base` and `suffix` new token ids after it.
+    fn prompt(&mut self, base: &[u32], suffix: usize) -> Vec<u32> {
+        let mut tokens = base.to_vec();
+        for _ in 0..suffix {
+            tokens.push(self.next_token);
+            self.next_token += 1;
+        }
+        tokens
+    }
+
     fn apply_copies(&mut self, m: &mut KvCacheManager) {
         for (src, dst) in m.take_copy_ops() {
             for off in 0..self.bs {
@@ -180,8 +196,11 @@ impl Model {
                     prop_assert_eq!(self.kv[slot], Some(column_digest(digests[pos], c)), "sequence {} column {} position {}", id, c, pos);
                 }
                 // A sliding or chunked column holds no more blocks than its window needs for the
-                // largest step this machine schedules (`Allocate` gives at most 13 slots).
-                if let Some(bound) = span.max_live_blocks(13, self.bs) {
+                // largest step this machine schedules (`Allocate` gives at most 13 slots),
+                // unless the sequence keeps all its blocks (then it gave none back).
+                if s.keeps_all() {
+                    prop_assert_eq!(col.num_released(), 0, "column {} of a keep-all sequence gave blocks back", c);
+                } else if let Some(bound) = span.max_live_blocks(13, self.bs) {
                     prop_assert!(col.held().len() <= bound, "column {} holds {} blocks, bound {}", c, col.held().len(), bound);
                 }
             }
@@ -214,20 +233,32 @@ fn run_columns_machine(ops: Vec<SeqOp>, hash_mode: HashMode, spans: Vec<Attentio
     ];
     for op in ops {
         match op {
-            SeqOp::Add { base, suffix, salt } => {
-                let mut tokens = bases[base].clone();
-                for _ in 0..suffix {
-                    tokens.push(model.next_token);
-                    model.next_token += 1;
-                }
+            SeqOp::Add { base, suffix, salt, keep_all } => {
+                let tokens = model.prompt(&bases[base], suffix);
                 let key = match salt {
                     0 | 1 => ExtraKey::new(None),
                     _ => ExtraKey::new(Some("tenant")),
                 };
                 let len = tokens.len();
-                let (id, hit) = m.add_sequence_cached(tokens, key);
+                let found = m.match_prefix(&tokens, &key);
+                let (id, hit) = m.add_sequence_keeping_all(tokens, key, found, Default::default(), keep_all);
                 prop_assert!(hit % bs == 0 && hit < len);
+                prop_assert_eq!(m.seq(id).unwrap().keeps_all(), keep_all);
                 model.seqs.push(id);
+            }
+            SeqOp::Transfer { base, suffix, commit } => {
+                let tokens = model.prompt(&bases[base], suffix);
+                let full = (tokens.len() - 1) / bs;
+                if let Some((id, hits)) = m.reserve_prefix(tokens, ExtraKey::new(None), full) {
+                    prop_assert!(hits <= full);
+                    // The KV arrives in the fresh blocks of every column (its write window).
+                    model.write_window(&m, id);
+                    if commit {
+                        m.free(id).unwrap();
+                    } else {
+                        m.free_discarding_window(id).unwrap();
+                    }
+                }
             }
             SeqOp::Allocate { seq, n: want } if !model.seqs.is_empty() => {
                 let id = model.seqs[seq % model.seqs.len()];
