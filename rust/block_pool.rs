@@ -357,6 +357,11 @@ impl BlockPool {
         self.meta(block).map(|m| m.node)
     }
 
+    /// The KV-cache column a registered block was registered in (its extra key's), if any.
+    pub fn column_of(&self, block: BlockId) -> Option<u32> {
+        self.meta(block).map(|m| m.extra.column())
+    }
+
     /// The token ids of a registered block (empty if it has none).
     pub fn cached_tokens(&self, block: BlockId) -> &[u32] {
         if self.is_cached(block) {

@@ -472,6 +472,25 @@ impl KvCacheManager {
         &self.spans
     }
 
+    /// The device pool block by block: the KV-cache column each block serves — the column
+    /// of the device sequence's table holding it, else (free) the column it is cached for —
+    /// or -1 for a free block without a cached identity. For a live view of the groups.
+    pub fn block_columns(&self) -> Vec<i16> {
+        let n = self.pool.num_blocks();
+        let mut out: Vec<i16> = (0..n).map(|i| self.pool.column_of(BlockId(i as u32)).map_or(-1, |c| c as i16)).collect();
+        for (_, seq) in self.seqs.iter() {
+            if seq.tier != Tier::Device {
+                continue;
+            }
+            for (c, col) in seq.cols.iter().enumerate() {
+                for b in col.held() {
+                    out[b.index()] = c as i16;
+                }
+            }
+        }
+        out
+    }
+
     /// Number of columns (block tables per sequence).
     #[inline]
     pub fn num_columns(&self) -> usize {

@@ -111,3 +111,64 @@ def test_page_auth_and_prompt_text(tiny_model: str) -> None:
                 stream.close()
 
         asyncio.run(go())
+
+
+def test_kv_cache_groups_show_each_columns_blocks(tmp_path: Any) -> None:
+    """A model with KV cache groups (gemma3_text: a 12-token window on two layers of four, so
+    one full and one sliding column, pages of two layers): the state says which column each
+    device block serves, and while requests longer than the window run, the sliding column
+    holds fewer blocks than the full one."""
+    from tiny_models import save_seeded
+    from transformers import AutoConfig
+
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.server.dashboard import encode_state
+    from pagedkv.worker.model_files import default_model_dir
+
+    config = AutoConfig.for_model(
+        "gemma3_text",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        query_pre_attn_scalar=16,
+    )
+    save_seeded(config, tmp_path, embedding_scale=8.0)
+    llm = LLM(
+        str(tmp_path),
+        tokenizer=str(default_model_dir()),
+        dtype="float32",
+        device="cpu",
+        block_size=8,
+        num_blocks=64,
+        max_model_len=128,
+    )
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", {"prompt_token_ids": [(5 * i + j) % 500 + 5 for j in range(60)]}, params)
+    seen = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        s = encode_state(engine.kv_snapshot(), show_prompts=False)
+        assert s["column_spans"] == ["full", "sliding window 12"]
+        columns = decode(s["block_columns"], np.int16)
+        blocks = decode(s["block_states"], np.uint8)
+        used = np.isin(blocks, (USED, SHARED))
+        assert columns.size == blocks.size == 64
+        assert set(columns[used].tolist()) <= {0, 1}, "every block in use serves a column"
+        held = [int((used & (columns == c)).sum()) for c in (0, 1)]
+        assert sum(held) == s["stats"]["num_used_blocks"]
+        # Three 60-token prompts: 8 blocks each in the full column; once decoding, the sliding
+        # column has given back all but the blocks its 12-token window reaches (2 or 3).
+        if s["stats"]["num_running"] == 3 and held[0] >= 3 * 8:
+            seen += held[1] <= 3 * 3
+    assert seen, "the page saw the sliding column give its blocks back"
+    final = decode(encode_state(engine.kv_snapshot(), show_prompts=False)["block_columns"], np.int16)
+    assert set(final.tolist()) <= {-1, 0, 1} and (final >= 0).any(), "the prompts stay cached, per column"

@@ -1036,6 +1036,13 @@ impl PyScheduler {
         (PyArray1::from_vec(py, refs), PyArray1::from_vec(py, cached), PyArray1::from_vec(py, owner))
     }
 
+    /// int16[num_blocks]: the KV-cache column each device block serves (the column of the
+    /// block table holding it, or, free, the one it is cached for), -1 for a free block with no
+    /// cached identity. For a live view of KV cache groups.
+    fn block_columns<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i16>> {
+        PyArray1::from_vec(py, self.inner.block_columns())
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "Scheduler(running={}, waiting={}, requests={})",

@@ -1109,6 +1109,13 @@ impl Scheduler {
         (refs, cached, owner)
     }
 
+    /// The device pool block by block: the KV-cache column each block serves (the column of
+    /// the table holding it, or the one it is cached for), -1 for a free uncached block (see
+    /// [`KvCacheManager::block_columns`]). With one column, 0 or -1.
+    pub fn block_columns(&self) -> Vec<i16> {
+        self.kv.block_columns()
+    }
+
     /// What disk slot `slot` holds, for its file: `(hash, parent hash, token ids, cache salt,
     /// KV-cache column)` (`None`: no disk tier, a bad slot, or nothing cached there).
     pub fn disk_block_info(&self, slot: u32) -> Option<DiskEntry> {

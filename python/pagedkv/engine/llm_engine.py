@@ -811,9 +811,12 @@ class LLMEngine:
         ``tier_map`` (host ``host_ref_counts`` / ``host_cached``, H entries; empty without a
         host tier), ``disk_map`` (``disk_ref_counts`` / ``disk_cached``), the requests'
         summaries (``Scheduler.request_summaries``), the last preemptions (time, request id)
-        and the stats."""
+        and the stats; with KV cache groups, ``columns`` (int16[N]: the column each device
+        block serves, -1 free and uncached) and ``column_spans`` (each column's span, as the
+        start-up log names it)."""
         with self._lock:
             refs, cached, owner = self.scheduler.memory_map()
+            columns = self.scheduler.block_columns()
             _, host_refs, host_cached = self.scheduler.tier_map()
             disk_refs, disk_cached = self.scheduler.disk_map()
             summaries = self.scheduler.request_summaries()
@@ -828,6 +831,8 @@ class LLMEngine:
             "host_cached": host_cached,
             "disk_ref_counts": disk_refs,
             "disk_cached": disk_cached,
+            "columns": columns,
+            "column_spans": self.runner.kv_layout.column_names(),
             "recent_preemptions": preemptions,
             "requests": summaries,
             "prompts": prompts,

@@ -27,6 +27,7 @@ __all__ = ["KVLayout", "Span"]
 # One column's span as the Rust core takes it: ("full", None), ("sliding_window", w),
 # ("chunked_local", C).
 Span = tuple[str, int | None]
+_SPAN_NAMES = {"full": "full", "sliding_window": "sliding window", "chunked_local": "chunked"}
 
 
 @dataclass(frozen=True)
@@ -87,11 +88,14 @@ class KVLayout:
             columns.extend([span] * (len(members[span]) // per_page))
         return cls(per_page, tuple(columns), tuple(slot), tuple(column))
 
+    def column_names(self) -> list[str]:
+        """Each column's span in words: ``['full', 'sliding window 512', ...]``."""
+        return [_SPAN_NAMES[kind] + ("" if size is None else f" {size}") for kind, size in self.columns]
+
     def describe(self) -> str:
         """``'1 full + 5 sliding window 512 columns, pages of 3 layers'``."""
         counts: dict[Span, int] = {}
         for span in self.columns:
             counts[span] = counts.get(span, 0) + 1
-        names = {"full": "full", "sliding_window": "sliding window", "chunked_local": "chunked"}
-        parts = [f"{n} {names[kind]}{'' if size is None else f' {size}'}" for (kind, size), n in counts.items()]
+        parts = [f"{n} {_SPAN_NAMES[kind]}{'' if size is None else f' {size}'}" for (kind, size), n in counts.items()]
         return f"{' + '.join(parts)} column{'s' if self.num_columns > 1 else ''}, pages of {self.page_layers} layers"
