@@ -144,13 +144,7 @@ impl BlockHasher {
         extra: &ExtraKey,
         max_blocks: usize,
     ) {
-        let full = (tokens.len() / block_size).min(max_blocks);
-        while hashes.len() < full {
-            let k = hashes.len();
-            let parent = hashes.last().copied();
-            let h = self.hash_block(parent, extra, &tokens[k * block_size..(k + 1) * block_size]);
-            hashes.push(h);
-        }
+        self.extend_with(hashes, tokens, block_size, extra, max_blocks, |hashes, k| k.checked_sub(1).map(|p| hashes[p]));
     }
 
     /// Extends `hashes` with the *leaf* hashes of the first full blocks of `tokens` (at most
@@ -168,11 +162,24 @@ impl BlockHasher {
         extra: &ExtraKey,
         max_blocks: usize,
     ) {
+        self.extend_with(hashes, tokens, block_size, extra, max_blocks, |_, k| k.checked_sub(1).map(|p| trunk[p]));
+    }
+
+    /// Appends the hashes of the full blocks of `tokens` not hashed yet, up to `max_blocks`
+    /// in all, block `k` chained from `parent(hashes, k)`.
+    fn extend_with(
+        &mut self,
+        hashes: &mut Vec<BlockHash>,
+        tokens: &[u32],
+        block_size: usize,
+        extra: &ExtraKey,
+        max_blocks: usize,
+        parent: impl Fn(&[BlockHash], usize) -> Option<BlockHash>,
+    ) {
         let full = (tokens.len() / block_size).min(max_blocks);
         while hashes.len() < full {
             let k = hashes.len();
-            let parent = k.checked_sub(1).map(|p| trunk[p]);
-            let h = self.hash_block(parent, extra, &tokens[k * block_size..(k + 1) * block_size]);
+            let h = self.hash_block(parent(hashes, k), extra, &tokens[k * block_size..(k + 1) * block_size]);
             hashes.push(h);
         }
     }

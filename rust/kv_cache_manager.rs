@@ -1236,6 +1236,18 @@ impl KvCacheManager {
         col.num_released = dead;
     }
 
+    /// The block size and the number of full blocks within the first `upto` computed tokens,
+    /// when some of them were not offered to the prefix cache yet (device sequences with
+    /// caching on only).
+    fn blocks_to_offer(pool: &BlockPool, num_computed: usize, tier: Tier, col: &Column, upto: usize) -> Option<(usize, usize)> {
+        if !pool.prefix_caching() || tier != Tier::Device {
+            return None;
+        }
+        let bs = pool.block_size();
+        let full = upto.min(num_computed) / bs;
+        (full > col.num_registered).then_some((bs, full))
+    }
+
     /// Offers the trunk's (column 0's) full blocks within the sequence's first `upto` computed
     /// tokens, not offered yet, to the prefix cache as a chain (device sequences only).
     fn register_full_blocks(
@@ -1247,14 +1259,7 @@ impl KvCacheManager {
         col: &mut Column,
         upto: usize,
     ) {
-        if !pool.prefix_caching() || tier != Tier::Device {
-            return;
-        }
-        let bs = pool.block_size();
-        let full = upto.min(num_computed) / bs;
-        if full <= col.num_registered {
-            return;
-        }
+        let Some((bs, full)) = Self::blocks_to_offer(pool, num_computed, tier, col, upto) else { return };
         hasher.extend_chain(&mut col.hashes, tokens, bs, &col.extra, full);
         // Given-back blocks were registered before they were given back (`release_behind`).
         debug_assert!(col.num_registered >= col.num_released);
@@ -1280,14 +1285,7 @@ impl KvCacheManager {
         col: &mut Column,
         upto: usize,
     ) {
-        if !pool.prefix_caching() || tier != Tier::Device {
-            return;
-        }
-        let bs = pool.block_size();
-        let full = upto.min(num_computed) / bs;
-        if full <= col.num_registered {
-            return;
-        }
+        let Some((bs, full)) = Self::blocks_to_offer(pool, num_computed, tier, col, upto) else { return };
         hasher.extend_chain(&mut trunk.hashes, tokens, bs, &trunk.extra, full);
         hasher.extend_leaves(&mut col.hashes, &trunk.hashes, tokens, bs, &col.extra, full);
         debug_assert!(col.num_registered >= col.num_released);

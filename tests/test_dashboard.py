@@ -118,28 +118,13 @@ def test_kv_cache_groups_show_each_columns_blocks(tmp_path: Any) -> None:
     one full and one sliding column, pages of two layers): the state says which column each
     device block serves, and while requests longer than the window run, the sliding column
     holds fewer blocks than the full one."""
-    from tiny_models import save_seeded
-    from transformers import AutoConfig
+    from tiny_models import save_tiny_windowed
 
     from pagedkv import LLM, SamplingParams
     from pagedkv.server.dashboard import encode_state
     from pagedkv.worker.model_files import default_model_dir
 
-    config = AutoConfig.for_model(
-        "gemma3_text",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_window=12,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        query_pre_attn_scalar=16,
-    )
-    save_seeded(config, tmp_path, embedding_scale=8.0)
+    save_tiny_windowed(tmp_path)
     llm = LLM(
         str(tmp_path),
         tokenizer=str(default_model_dir()),

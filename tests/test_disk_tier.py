@@ -150,26 +150,9 @@ WINDOWED_PROMPTS = [[(11 * i + 5 * j) % 500 + 5 for j in range(n)] for i, n in e
 
 @pytest.fixture(scope="module")
 def windowed_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tiny_models import save_seeded
-    from transformers import AutoConfig
+    from tiny_models import save_tiny_windowed
 
-    folder = tmp_path_factory.mktemp("windowed")
-    config = AutoConfig.for_model(
-        "gemma3_text",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_window=12,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        query_pre_attn_scalar=16,
-    )
-    save_seeded(config, folder, embedding_scale=8.0)
-    return str(folder)
+    return save_tiny_windowed(tmp_path_factory.mktemp("windowed"))
 
 
 def test_kv_cache_groups_restart_from_the_disk_tier(windowed_model: str, tmp_path: Path) -> None:

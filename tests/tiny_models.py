@@ -62,3 +62,28 @@ def save_tiny_qwen2(folder: Path, *, hidden_size: int = 128, max_position_embedd
         if (tokenizer / name).is_file():
             shutil.copy(tokenizer / name, folder / name)
     return folder
+
+
+def save_tiny_windowed(folder: Path) -> str:
+    """Writes a random gemma3_text model with KV cache groups to ``folder``: four layers
+    alternating a 12-token sliding window and full attention (one full and one sliding column,
+    pages of two layers), a 512-token vocabulary (pass ``tokenizer=default_model_dir()`` and
+    prompt token ids below 512). Returns the folder as a string."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "gemma3_text",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        query_pre_attn_scalar=16,
+    )
+    save_seeded(config, folder, embedding_scale=8.0)
+    return str(folder)
