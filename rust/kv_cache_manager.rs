@@ -641,22 +641,18 @@ impl KvCacheManager {
         // on its own: a sliding column serves a prefix from the blocks its next query sees
         // even when the blocks before them were evicted. The hit is the longest prefix every
         // column can serve (for a sliding column, one whose live blocks are all found).
-        let mut found: Vec<Vec<Option<TierBlock>>> = Vec::with_capacity(leaves.len());
+        // A block not found is a null entry: a prefix whose live hits include one is not served.
+        let missing = TierBlock { tier: Tier::Device, block: BlockId::NULL };
         for (c, col) in leaves.iter_mut().enumerate() {
             let key = extra.for_column(c as u32 + 1);
             self.hasher.extend_leaves(&mut col.hashes, &trunk.hashes, tokens, bs, &key, len);
-            let column: Vec<Option<TierBlock>> = (0..len)
+            col.hits = (0..len)
                 .map(|k| {
                     let parent = k.checked_sub(1).map(|p| nodes[p]);
-                    self.lookup_tiers(col.hashes[k], parent, &tokens[k * bs..(k + 1) * bs], &key).map(|(hit, _)| hit)
+                    let found = self.lookup_tiers(col.hashes[k], parent, &tokens[k * bs..(k + 1) * bs], &key);
+                    found.map_or(missing, |(hit, _)| hit)
                 })
                 .collect();
-            found.push(column);
-        }
-        // A block not found is a null entry: a prefix whose live hits include one is not served.
-        let missing = TierBlock { tier: Tier::Device, block: BlockId::NULL };
-        for (col, column) in leaves.iter_mut().zip(found) {
-            col.hits = column.into_iter().map(|h| h.unwrap_or(missing)).collect();
         }
         while len > 0 && !self.serves(&m, len, false) {
             len -= 1;
