@@ -323,6 +323,12 @@ def test_kv_cache_groups_travel_every_column(windowed: tuple[str, LLMEngine, LLM
         full = (len(prompt) - 1) // BLOCK
         assert consumer.get_stats()["kv_blocks_pulled"] - pulled == columns * (full - hits)
         assert out.num_cached_tokens == full * BLOCK
+    # Block ids that are not whole columns: a typed refusal before anything is held.
+    params = prefill(producer, rid("p"), {"prompt_token_ids": long})
+    torn = {**params, "remote_block_ids": params["remote_block_ids"][:-1]}
+    with pytest.raises(InvalidArgumentError, match="column"):
+        consumer.add_request(rid("bad"), {"prompt_token_ids": long}, greedy, kv_transfer_params=torn)
+    producer.kv_connector.drop_lease(params["remote_request_id"])  # type: ignore[union-attr]
     # A producer whose KV is laid out otherwise (here: every layer whole, as with
     # disable_hybrid_kv_cache_manager) is refused at the handshake: its fingerprint lacks this
     # layout. The prompt is recomputed.
