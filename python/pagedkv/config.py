@@ -124,6 +124,8 @@ def kv_dtype_info(name: str) -> tuple[str, int, int]:
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 ATTENTION_BACKENDS = (None, "auto", "triton", "cpu", "torch")
 LINEAR_KERNELS = ("default", "onednn")
+# Weight quantization applied when the model loads (None: the checkpoint's weights as they are).
+QUANTIZATIONS = (None, "int8")
 POLICIES = ("fcfs", "priority")
 # What preemption does with a preempted branch's KV: drop it and recompute it later, copy it to
 # the host tier and back ("swap"), or choose per preemption from the measured costs ("auto").
@@ -258,6 +260,10 @@ class ModelConfig:
       ``"onednn"`` (CPU, float32: the linears through oneDNN with prepacked weights, decode
       steps 1.2x (batch 1) to 2x (batch 16) faster on AMD EPYC; logits differ in the last
       bits; the weights take twice the memory; :mod:`pagedkv.worker.onednn_linear`).
+    - ``quantization``: ``None`` (the weights as loaded) or ``"int8"`` (CPU: every linear's
+      weight stored as int8 with a float32 scale per output channel, multiplied by torch's
+      weight-only int8 kernel on bfloat16-rounded inputs; a quarter of the linears' memory and
+      memory traffic; :mod:`pagedkv.worker.int8_linear`).
     - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's
       forward under ``torch.compile`` (a first path: compiles on the first steps, logits not
       bit-identical to eager; :mod:`pagedkv.worker.compiled_forward`).
@@ -276,6 +282,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     max_logprobs: int = 20
     linear_kernel: str = "default"
+    quantization: str | None = None
     enforce_eager: bool = True
 
     def __post_init__(self) -> None:
@@ -312,6 +319,18 @@ class ModelConfig:
             raise ConfigError(
                 f"linear_kernel 'onednn' runs float32 linears on the CPU, but device is {device!r} and dtype {dtype!r}"
             )
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization == "int8":
+            if device.startswith("cuda"):
+                raise ConfigError(f"quantization 'int8' runs torch's CPU int8 kernel, but device is {device!r}")
+            if self.linear_kernel != "default":
+                raise ConfigError(
+                    f"quantization 'int8' has its own linears; it cannot be combined with linear_kernel "
+                    f"{self.linear_kernel!r}"
+                )
+            if not self.enforce_eager:
+                raise ConfigError("quantization 'int8' is not available with enforce_eager=False yet")
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,9 @@ class EngineArgs:
       the model's linears through oneDNN with prepacked weights, decode steps 1.2x (batch 1)
       to 2x (batch 16) faster on AMD EPYC; logits differ in the last bits; the weights take
       twice the memory).
+    - ``quantization``: ``None`` (the weights as loaded) or ``"int8"`` (CPU: the linears' weights
+      as int8 with a scale per output channel, a quarter of their memory; torch's weight-only
+      int8 kernel on bfloat16-rounded inputs; quality in benches/RESULTS.md).
     - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's forward
       under ``torch.compile`` (inductor; the first steps compile, tens of seconds to minutes on a
       CPU, cached on disk; logits not bit-identical to eager).
@@ -118,6 +121,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     max_logprobs: int = 20
     linear_kernel: str = "default"
+    quantization: str | None = None
     enforce_eager: bool = True
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -156,6 +160,7 @@ class EngineArgs:
                 trust_remote_code=self.trust_remote_code,
                 max_logprobs=self.max_logprobs,
                 linear_kernel=self.linear_kernel,
+                quantization=self.quantization,
                 enforce_eager=self.enforce_eager,
             ),
             cache=CacheConfig(

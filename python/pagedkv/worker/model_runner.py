@@ -92,6 +92,7 @@ from pagedkv.worker.compiled_forward import CompiledForward
 from pagedkv.worker.disk_cache import DiskKVStore, disk_fingerprint
 from pagedkv.worker.head_rows import HeadSplit, HiddenRows
 from pagedkv.worker.host_cache import HostKVCache
+from pagedkv.worker.int8_linear import int8_linears_available, use_int8_linears
 from pagedkv.worker.kv_layout import KVLayout
 from pagedkv.worker.model_files import resolve_model
 from pagedkv.worker.model_support import check_config, check_probe, context_length_of, layer_attentions
@@ -211,6 +212,12 @@ class ModelRunner:
             shard_model(self.model, self.tp_group)
         # linear_kernel="onednn": the linears through oneDNN (worker/onednn_linear.py); None: torch's own.
         self.onednn_linears = self._switch_linear_kernel(model_config.linear_kernel)
+        # quantization="int8": the linears' weights as int8 (worker/int8_linear.py); after the
+        # sharding, so each rank quantizes its own shard.
+        if model_config.quantization == "int8":
+            if self.device.type != "cpu" or not int8_linears_available():
+                raise ConfigError(f"quantization 'int8' needs torch's CPU int8 kernel; the model is on {self.device}")
+            use_int8_linears(self.model)
         head = self.model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(text_config.vocab_size)
         self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
@@ -746,7 +753,9 @@ class ModelRunner:
         to be valid here: the model (path, a digest of its config and weight files) and the KV
         format (layers, heads, head_dim, dtypes, scale mode, block size) and, with KV cache
         groups, the page layout (a page and a column mean other layers under another layout;
-        with every layer whole the key is absent, so those fingerprints are what they were)."""
+        with every layer whole the key is absent, so those fingerprints are what they were), and
+        a weight quantization (int8 weights compute other K/V than the checkpoint's; absent
+        without one)."""
         geometry: dict[str, Any] = {
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
@@ -756,6 +765,8 @@ class ModelRunner:
             "kv_cache_scales": "checkpoint" if self.kv_static_scales else "dynamic",
             "block_size": self.block_size,
         }
+        if self.model_config.quantization is not None:
+            geometry["quantization"] = self.model_config.quantization
         layout = self.kv_layout
         if layout.grouped:
             # Lists, not tuples: the fingerprint is compared with its JSON round trip.
