@@ -196,6 +196,23 @@ def summarize(kl: np.ndarray, agree: np.ndarray, nll: np.ndarray, ref_nll: np.nd
     }
 
 
+def overall_row(name: str, s: dict[str, float], agree: np.ndarray, near_tie: np.ndarray) -> list[object]:
+    """One variant's row of the overall table: :func:`summarize`'s figures, the top-1 flips
+    (those at the reference's near-ties) and the agreement away from near-ties."""
+    return [
+        name,
+        int(s["n"]),
+        s["kl_mean"],
+        s["kl_p99"],
+        s["kl_max"],
+        f"{100 * s['agree']:.2f}%",
+        f"{int((~agree).sum())} ({int((~agree & near_tie).sum())})",
+        f"{100 * agree[~near_tie].mean():.2f}%",
+        s["ppl"],
+        f"{100 * s['ppl_change']:+.3f}%",
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-seqs", type=int, default=24, help="sequences (24 x 1023 = 24,552 positions)")
@@ -300,20 +317,7 @@ def main() -> None:
     for name in dtypes:
         kl, agree, nll, pos = accs[name].arrays()
         s = results[name] = summarize(kl, agree, nll, base_nll)
-        overall_rows.append(
-            [
-                name,
-                int(s["n"]),
-                s["kl_mean"],
-                s["kl_p99"],
-                s["kl_max"],
-                f"{100 * s['agree']:.2f}%",
-                f"{int((~agree).sum())} ({int((~agree & near_tie).sum())})",
-                f"{100 * agree[~near_tie].mean():.2f}%",
-                s["ppl"],
-                f"{100 * s['ppl_change']:+.3f}%",
-            ]
-        )
+        overall_rows.append(overall_row(name, s, agree, near_tie))
         for lo, hi in BUCKETS:
             if lo >= args.seq_len - 1:
                 continue

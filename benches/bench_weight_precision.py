@@ -45,6 +45,7 @@ from bench_kv_quality import (  # noqa: E402
     compare,
     held_out_sequences,
     make_step,
+    overall_row,
     reference_stats,
     summarize,
 )
@@ -93,21 +94,7 @@ def quality(args: argparse.Namespace) -> list[str]:
     ]
     for name in others:
         kl, agree, nll, _ = accs[name].arrays()
-        s = summarize(kl, agree, nll, base_nll)
-        rows.append(
-            [
-                name,
-                int(s["n"]),
-                s["kl_mean"],
-                s["kl_p99"],
-                s["kl_max"],
-                f"{100 * s['agree']:.2f}%",
-                f"{int((~agree).sum())} ({int((~agree & near_tie).sum())})",
-                f"{100 * agree[~near_tie].mean():.2f}%",
-                s["ppl"],
-                f"{100 * s['ppl_change']:+.3f}%",
-            ]
-        )
+        rows.append(overall_row(name, summarize(kl, agree, nll, base_nll), agree, near_tie))
     header = [
         "weights",
         "positions",
