@@ -72,6 +72,23 @@ def test_switched_linears_compute_the_dequantized_product(rows: int) -> None:
             x = got
 
 
+@pytest.mark.parametrize("k", [32, 160, 576])
+@pytest.mark.parametrize("n", [1, 5, 17, 49])
+@pytest.mark.parametrize("rows", [1, 4, 5, 17])
+def test_every_width_that_is_a_multiple_of_32_gives_the_dequantized_product(k: int, n: int, rows: int) -> None:
+    """The shapes the kernel is trusted with (int8_linear._K_MULTIPLE): odd output widths and
+    row counts around its blocking, inputs of a few multiples of 32."""
+    torch.manual_seed(k * 1000 + n * 10 + rows)
+    linear = torch.nn.Linear(k, n)
+    assert use_int8_linears(torch.nn.Sequential(linear)) == [linear]
+    x = torch.randn(rows, k)
+    with torch.inference_mode():
+        want = F.linear(x, linear.weight.float() * linear.weight_scale[:, None], linear.bias)
+        got = linear(x)
+    assert bool(torch.isfinite(got).all())
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
 def test_a_tied_head_leaves_the_input_embedding_float() -> None:
     model = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.float32)
     embedding = model.get_input_embeddings().weight
