@@ -39,6 +39,9 @@ async def poll_during_workload(engine: AsyncLLM, server_args: ServerArgs) -> lis
             {"prompt": PREAMBLE + f"question {i}", "max_tokens": 64, "ignore_eos": True, "n": 1 + i % 2, "seed": i}
             for i in range(6)
         ]
+        # Preemption must not hang on how arrivals interleave with steps: these six samples alone
+        # need 3 shared prompt blocks + 6 x 7 of their own (54 + 96 tokens each) > 32 blocks.
+        bodies.append({"prompt": PREAMBLE + "six samples", "max_tokens": 96, "ignore_eos": True, "n": 6, "seed": 9})
         tasks = [asyncio.create_task(http.post("/v1/completions", json=b)) for b in bodies]
         aborted = asyncio.create_task(
             http.post("/v1/completions", json={"prompt": "to be cut", "max_tokens": 200, "ignore_eos": True})
