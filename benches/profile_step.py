@@ -247,6 +247,9 @@ def linear_child(rounds: int) -> None:
     print(json.dumps(run_linear_study(llm.llm_engine.runner.model, rounds)))
 
 
+KERNEL_NAMES = {"onednn": "oneDNN", "pagedkv": "pagedkv kernel"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,16")
@@ -256,8 +259,10 @@ def main() -> None:
     parser.add_argument("--linear", action="store_true", help="add the study of one linear call")
     parser.add_argument(
         "--compare-linear-kernel",
-        action="store_true",
-        help="profile each batch size with the default linears (MKL) and linear_kernel='onednn', interleaved",
+        nargs="?",
+        const="onednn",
+        choices=["onednn", "pagedkv"],
+        help="profile each batch size with the default linears (MKL) and this linear_kernel, interleaved",
     )
     parser.add_argument("--linear-rounds", type=int, default=15)
     parser.add_argument("--linear-child", type=int, help=argparse.SUPPRESS)
@@ -266,6 +271,7 @@ def main() -> None:
         action="store_true",
         help="also time plain steps eager vs enforce_eager=False (torch.compile), with the compile time",
     )
+    parser.add_argument("--section", default=SECTION, help="the RESULTS.md section --write replaces")
     add_write_flag(parser)
     args = parser.parse_args()
     if args.linear_child:
@@ -273,17 +279,18 @@ def main() -> None:
         return
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
 
-    llm = build_llm(args, **({"linear_kernel": "onednn"} if args.compare_linear_kernel else {}))
+    kernel = args.compare_linear_kernel
+    llm = build_llm(args, **({"linear_kernel": kernel} if kernel else {}))
     engine = llm.llm_engine
     model = engine.runner.model
     variants: dict[str, Callable[[], None]] = {"": lambda: None}
-    if args.compare_linear_kernel:
-        switch = engine.runner.onednn_linears
+    if kernel:
+        switch = engine.runner.linear_switch
 
         def use(enabled: bool) -> Callable[[], None]:
             return lambda: setattr(switch, "enabled", enabled)
 
-        variants = {"MKL (before)": use(False), "oneDNN (after)": use(True)}
+        variants = {"MKL (before)": use(False), f"{KERNEL_NAMES[kernel]} (after)": use(True)}
     runs = []
     for batch in args.batch_sizes:
         for run in profile_batch(engine, batch, args, f"b{batch}", variants):
@@ -337,7 +344,7 @@ def main() -> None:
         body += compile_section(args)
     if not args.no_write:
         command = "python benches/profile_step.py " + " ".join(sys.argv[1:])
-        write_section(SECTION, command.strip(), body, HEADING)
+        write_section(args.section, command.strip(), body, HEADING)
 
 
 if __name__ == "__main__":

@@ -44,12 +44,13 @@
 //! each scaled score `s` to `cap * tanh(s / cap)`; a sink is one more logit per query head in
 //! the softmax, attending to nothing: it joins the max and the normaliser, not the sum over V.
 //!
-//! Work is split across threads by rows, balanced by sequence length; each thread writes its
-//! own rows into a private buffer that is copied into `out` after the join, so no two threads
-//! ever hold the same output memory. Every length and index is checked before any work starts:
+//! Work is split across the crate's threads ([`crate::thread_pool`]) by rows, balanced by
+//! sequence length; each thread writes its own rows into a private buffer that is copied into
+//! `out` after the join, so no two threads ever hold the same output memory. Every length and index is checked before any work starts:
 //! bad input is an error, never a panic or an out-of-bounds read.
 
 use crate::error::{CoreError, Result};
+use crate::thread_pool::run_jobs;
 
 /// Shapes of a paged-attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -319,29 +320,10 @@ pub fn paged_decode_attention_layer(
     validate(query, &caches, dims, rows, &variant, out)?;
     let row_elems = dims.num_heads * dims.head_dim;
     let chunks = balance(rows, &variant, num_threads.max(1));
-    let results: Vec<Vec<f32>> = if chunks.len() <= 1 {
-        vec![attend_rows_dispatch(
-            query, caches, dims, rows, scale, &variant,
-        )]
-    } else {
-        // The calling thread takes the first chunk itself (one thread fewer to start and
-        // schedule; it would only wait in `join` otherwise).
-        std::thread::scope(|s| {
-            let handles: Vec<_> = chunks[1..]
-                .iter()
-                .map(|&(a, b)| {
-                    s.spawn(move || {
-                        attend_rows_dispatch(query, caches, dims, &rows[a..b], scale, &variant)
-                    })
-                })
-                .collect();
-            let (a, b) = chunks[0];
-            let first = attend_rows_dispatch(query, caches, dims, &rows[a..b], scale, &variant);
-            std::iter::once(first)
-                .chain(handles.into_iter().map(|h| h.join().unwrap_or_default()))
-                .collect()
-        })
-    };
+    let results = run_jobs(chunks.len(), |i| {
+        let (a, b) = chunks[i];
+        attend_rows_dispatch(query, caches, dims, &rows[a..b], scale, &variant)
+    });
     let mut produced = 0;
     for ((a, b), buf) in chunks.iter().zip(&results) {
         if buf.len() != (b - a) * row_elems {

@@ -22,8 +22,11 @@
 //! - [`attention_span`]: what a KV-cache column's layers see (full, sliding window, chunked
 //!   local), and so which blocks a sequence can give back.
 //! - [`slab`]: generation-checked slab (sequence and request storage).
+//! - [`thread_pool`]: the worker threads of the CPU kernels (rayon's, rebuilt after a fork).
 //! - [`kv_cache_manager`]: sequences over the pool: prefix hits, slots, copy-on-write, fork.
 //! - [`cpu_attention`]: paged decode attention on the CPU, straight from the block cache.
+//! - [`cpu_linear`]: linear layers on the CPU for a decode step's few rows (float32 or int8
+//!   weights), summed in an order that does not depend on the batch.
 //! - [`scheduler`]: continuous batching: token budget, chunked prefill, prefix-cache
 //!   admission, preemption, stops, and the flat step output.
 //!
@@ -36,6 +39,7 @@ pub mod block_hash;
 pub mod block_pool;
 pub mod block_table;
 pub mod cpu_attention;
+pub mod cpu_linear;
 pub mod error;
 pub mod eviction_queue;
 pub mod ids;
@@ -43,6 +47,7 @@ pub mod kv_cache_manager;
 pub mod kv_events;
 pub mod scheduler;
 pub mod slab;
+pub mod thread_pool;
 pub mod token_store;
 
 #[cfg(feature = "python")]

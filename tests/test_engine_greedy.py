@@ -80,6 +80,8 @@ SMOLLM2, TINY = "smollm2", "tiny"
         pytest.param(SMOLLM2, {"block_size": 16, "enable_prefix_caching": True}, id="bs16-prefix-cache"),
         # The linears through oneDNN (logits differ from MKL's in the last bits; tokens must not).
         pytest.param(SMOLLM2, {"block_size": 16, "linear_kernel": "onednn"}, id="onednn-linears"),
+        # Decode-sized products through pagedkv's own kernel (the same: last bits, not tokens).
+        pytest.param(SMOLLM2, {"block_size": 16, "linear_kernel": "pagedkv"}, id="pagedkv-linears"),
         # The step's forward under torch.compile (a tiny model: compiling SmolLM2 takes minutes here).
         pytest.param(TINY, {"block_size": 16, "enforce_eager": False}, id="compiled"),
         pytest.param(TINY, {"block_size": 16, "enable_prefix_caching": False}, id="bs16-no-prefix-cache"),

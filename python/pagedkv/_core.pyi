@@ -21,6 +21,7 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "block_hashes",
+    "cpu_linear",
     "paged_decode_attention_cpu",
 ]
 
@@ -499,3 +500,16 @@ def paged_decode_attention_cpu(
     A layer variant (pagedkv.kernels.LayerAttention): ``sliding_window`` / ``chunk_size`` (a row
     reads only the blocks from its first visible position on), ``logits_soft_cap``, ``sinks``.
     Returns the number of decode rows written."""
+
+def cpu_linear(
+    x: npt.NDArray[np.float32],  # [M, K]
+    weight: npt.NDArray[np.float32] | npt.NDArray[np.int8],  # [N, K]
+    out: npt.NDArray[np.float32],  # [M, N], written
+    num_threads: int,
+    scales: npt.NDArray[np.float32] | None = None,  # [N], with int8 weights
+    bias: npt.NDArray[np.float32] | None = None,  # [N]
+) -> None:
+    """``out = x @ (weight * scales[:, None]).T + bias`` (pagedkv.worker.cpu_linear uses it).
+
+    Float32 weights take no ``scales``; int8 codes need them. Every array C-contiguous. Row ``m``
+    of ``out`` is bit for bit what ``x[m:m+1]`` alone gives, on any thread count."""

@@ -8,7 +8,11 @@
 //! takes (a `SchedulerConfig`, a `SchedulerOutput`). The binding modules call these helpers
 //! and check nothing inline.
 
-use numpy::{PyArray1, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::ndarray::Dimension;
+use numpy::{
+    Element, PyArray1, PyArrayMethods, PyReadonlyArray, PyReadwriteArray, PyUntypedArray,
+    PyUntypedArrayMethods,
+};
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
 use pyo3::type_object::PyTypeCheck;
@@ -140,14 +144,30 @@ pub fn seq_ids_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<SeqId>> {
         .collect()
 }
 
-/// The data of a numpy array that must be C-contiguous.
-pub fn contiguous_arg<'a, T>(s: Result<&'a [T], numpy::AsSliceError>, name: &str) -> PyResult<&'a [T]> {
-    s.map_err(|_| invalid_argument(format!("{name} must be C-contiguous")))
+/// The data of a numpy array, which must be C-contiguous. (numpy's `as_slice` alone also takes
+/// a Fortran-order array, e.g. a transposed view, whose memory is not in the shape's row-major
+/// order: a kernel would read the wrong elements.)
+pub fn contiguous_arg<'a, T: Element, D: Dimension>(
+    arr: &'a PyReadonlyArray<'_, T, D>,
+    name: &str,
+) -> PyResult<&'a [T]> {
+    if !arr.is_c_contiguous() {
+        return Err(invalid_argument(format!("{name} must be C-contiguous")));
+    }
+    arr.as_slice()
+        .map_err(|_| invalid_argument(format!("{name} must be C-contiguous")))
 }
 
 /// The data of a numpy array written in place, which must be C-contiguous.
-pub fn contiguous_mut_arg<'a, T>(s: Result<&'a mut [T], numpy::AsSliceError>, name: &str) -> PyResult<&'a mut [T]> {
-    s.map_err(|_| invalid_argument(format!("{name} must be C-contiguous")))
+pub fn contiguous_mut_arg<'a, T: Element, D: Dimension>(
+    arr: &'a mut PyReadwriteArray<'_, T, D>,
+    name: &str,
+) -> PyResult<&'a mut [T]> {
+    if !arr.is_c_contiguous() {
+        return Err(invalid_argument(format!("{name} must be C-contiguous")));
+    }
+    arr.as_slice_mut()
+        .map_err(|_| invalid_argument(format!("{name} must be C-contiguous")))
 }
 
 /// A 1-D sequence of integers: a list/tuple/iterable of ints, or a 1-D C-contiguous int32 or

@@ -125,9 +125,9 @@ pub fn paged_decode_attention_cpu(
     // Every array is borrowed (read-only, or read-write for `out`) for the whole call, so the
     // slices below stay valid while the GIL is released.
     let (b, w) = (block_tables.shape()[0], block_tables.shape()[1]);
-    let lens = contiguous(seq_lens.as_slice(), "seq_lens")?;
-    let cu = contiguous(cu_seqlens_q.as_slice(), "cu_seqlens_q")?;
-    let tables = contiguous(block_tables.as_slice(), "block_tables")?;
+    let lens = contiguous(&seq_lens, "seq_lens")?;
+    let cu = contiguous(&cu_seqlens_q, "cu_seqlens_q")?;
+    let tables = contiguous(&block_tables, "block_tables")?;
     if lens.len() != b || cu.len() != b + 1 {
         return Err(invalid_argument(format!(
             "{b} block-table rows, {} seq_lens, {} cu_seqlens_q (want B and B + 1)",
@@ -151,7 +151,7 @@ pub fn paged_decode_attention_cpu(
             });
         }
     }
-    let q = contiguous(query.as_slice(), "query")?;
+    let q = contiguous(&query, "query")?;
 
     // The borrows of the arrays the format uses; they must outlive `caches`.
     let (kc_f32, vc_f32, kc_i8, vc_i8, kc_u8, vc_u8);
@@ -160,8 +160,8 @@ pub fn paged_decode_attention_cpu(
         kc_f32 = cache_array::<f32>(key_cache, "key_cache", format)?;
         vc_f32 = cache_array::<f32>(value_cache, "value_cache", format)?;
         KvCaches::F32 {
-            key: contiguous(kc_f32.as_slice(), "key_cache")?,
-            value: contiguous(vc_f32.as_slice(), "value_cache")?,
+            key: contiguous(&kc_f32, "key_cache")?,
+            value: contiguous(&vc_f32, "value_cache")?,
         }
     } else {
         let expected_scales = [ks[0], ks[1], ks[2]];
@@ -175,11 +175,11 @@ pub fn paged_decode_attention_cpu(
             kc_i8 = cache_array::<i8>(key_cache, "key_cache", format)?;
             vc_i8 = cache_array::<i8>(value_cache, "value_cache", format)?;
             let key = Quantized {
-                data: contiguous(kc_i8.as_slice(), "key_cache")?,
+                data: contiguous(&kc_i8, "key_cache")?,
                 scales: k_bits,
             };
             let value = Quantized {
-                data: contiguous(vc_i8.as_slice(), "value_cache")?,
+                data: contiguous(&vc_i8, "value_cache")?,
                 scales: v_bits,
             };
             KvCaches::Int8 { key, value }
@@ -187,11 +187,11 @@ pub fn paged_decode_attention_cpu(
             kc_u8 = cache_array::<u8>(key_cache, "key_cache", format)?;
             vc_u8 = cache_array::<u8>(value_cache, "value_cache", format)?;
             let key = Quantized {
-                data: contiguous(kc_u8.as_slice(), "key_cache")?,
+                data: contiguous(&kc_u8, "key_cache")?,
                 scales: k_bits,
             };
             let value = Quantized {
-                data: contiguous(vc_u8.as_slice(), "value_cache")?,
+                data: contiguous(&vc_u8, "value_cache")?,
                 scales: v_bits,
             };
             if format == KvFormat::Fp8E4M3 {
@@ -202,7 +202,7 @@ pub fn paged_decode_attention_cpu(
         }
     };
     let sinks = match &sinks {
-        Some(array) => Some(contiguous(array.as_slice(), "sinks")?),
+        Some(array) => Some(contiguous(array, "sinks")?),
         None => None,
     };
     let variant = LayerVariant {
@@ -211,7 +211,7 @@ pub fn paged_decode_attention_cpu(
         logits_soft_cap,
         sinks,
     };
-    let o = contiguous_mut(out.as_slice_mut(), "out")?;
+    let o = contiguous_mut(&mut out, "out")?;
     let n = rows.len();
     py.detach(|| {
         paged_decode_attention_layer(q, caches, dims, &rows, scale, variant, o, num_threads)
@@ -288,7 +288,7 @@ fn scales_array<'py>(
 
 /// The bfloat16 bit patterns of an int16 scales array, as `u16`.
 fn bf16_bits<'a>(arr: &'a PyReadonlyArray3<'_, i16>, name: &str) -> PyResult<&'a [u16]> {
-    let s = contiguous(arr.as_slice(), name)?;
+    let s = contiguous(arr, name)?;
     // SAFETY: i16 and u16 have the same size and alignment and every bit pattern is valid for
     // both; the slice borrows `arr`, so it lives no longer than the array's read-only borrow.
     Ok(unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u16>(), s.len()) })

@@ -66,13 +66,15 @@ class EngineArgs:
     - ``seed``: seed of the global generator used by unseeded random sampling.
     - ``trust_remote_code``: run the Python code a model repository ships (transformers'
       option of the same name); only for repositories you trust.
-    - ``linear_kernel``: ``"default"`` (torch's matrix products) or ``"onednn"`` (CPU, float32:
-      the model's linears through oneDNN with prepacked weights, decode steps 1.2x (batch 1)
-      to 2x (batch 16) faster on AMD EPYC; logits differ in the last bits; the weights take
-      twice the memory).
+    - ``linear_kernel``: ``"default"`` (torch's matrix products), ``"pagedkv"`` (CPU, float32:
+      products of up to 32 rows, i.e. decode steps, through pagedkv's own kernel, which streams
+      the weights faster: the linears of a batch-1 step 1.5x faster, of a batch-16 one 1.4x,
+      on AMD EPYC) or ``"onednn"`` (CPU, float32: oneDNN with prepacked weights, decode steps
+      1.2x (batch 1) to 2x (batch 16) faster; the weights take twice the memory). Either way
+      logits differ from the default's in the last bits.
     - ``quantization``: ``None`` (the weights as loaded) or ``"int8"`` (CPU: the linears' weights
-      as int8 with a scale per output channel, a quarter of their memory; torch's weight-only
-      int8 kernel on bfloat16-rounded inputs; quality in benches/RESULTS.md).
+      as int8 with a scale per output channel, a quarter of their memory, multiplied by
+      pagedkv's kernel on float32 inputs; quality in benches/RESULTS.md).
     - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's forward
       under ``torch.compile`` (inductor; the first steps compile, tens of seconds to minutes on a
       CPU, cached on disk; logits not bit-identical to eager).

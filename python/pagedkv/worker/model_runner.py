@@ -89,14 +89,15 @@ from pagedkv.worker.attention_backend import (
 )
 from pagedkv.worker.checkpoint_scales import load_checkpoint_kv_scales
 from pagedkv.worker.compiled_forward import CompiledForward
+from pagedkv.worker.cpu_linear import LinearSwitch, use_pagedkv_linears
 from pagedkv.worker.disk_cache import DiskKVStore, disk_fingerprint
 from pagedkv.worker.head_rows import HeadSplit, HiddenRows
 from pagedkv.worker.host_cache import HostKVCache
-from pagedkv.worker.int8_linear import int8_linears_available, use_int8_linears
+from pagedkv.worker.int8_linear import use_int8_linears
 from pagedkv.worker.kv_layout import KVLayout
 from pagedkv.worker.model_files import resolve_model
 from pagedkv.worker.model_support import check_config, check_probe, context_length_of, layer_attentions
-from pagedkv.worker.onednn_linear import OneDNNLinears, use_onednn_linears
+from pagedkv.worker.onednn_linear import use_onednn_linears
 
 __all__ = ["ModelRunner", "DEFAULT_CPU_KV_CACHE_MEMORY"]
 
@@ -210,13 +211,17 @@ class ModelRunner:
         self.model = _load_model(self.model_path, self.dtype, self.device, model_config.trust_remote_code)
         if self.tp_group is not None:
             shard_model(self.model, self.tp_group)
-        # linear_kernel="onednn": the linears through oneDNN (worker/onednn_linear.py); None: torch's own.
-        self.onednn_linears = self._switch_linear_kernel(model_config.linear_kernel)
+        # linear_kernel="onednn": the linears through oneDNN (worker/onednn_linear.py); "pagedkv":
+        # decode-sized products through the Rust kernel (worker/cpu_linear.py). None: torch's
+        # own. Benchmarks turn the switch off and on.
+        self.linear_switch = self._switch_linear_kernel(model_config.linear_kernel)
         # quantization="int8": the linears' weights as int8 (worker/int8_linear.py); after the
         # sharding, so each rank quantizes its own shard.
         if model_config.quantization == "int8":
-            if self.device.type != "cpu" or not int8_linears_available():
-                raise ConfigError(f"quantization 'int8' needs torch's CPU int8 kernel; the model is on {self.device}")
+            if self.device.type != "cpu":
+                raise ConfigError(
+                    f"quantization 'int8' runs pagedkv's CPU linear kernel; the model is on {self.device}"
+                )
             use_int8_linears(self.model)
         head = self.model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(text_config.vocab_size)
@@ -347,13 +352,15 @@ class ModelRunner:
                 for layer in range(self.num_layers)
             ]
 
-    def _switch_linear_kernel(self, kernel: str) -> OneDNNLinears | None:
+    def _switch_linear_kernel(self, kernel: str) -> LinearSwitch | None:
         if kernel == "default":
             return None
         if self.device.type != "cpu" or self.dtype != torch.float32:
             raise ConfigError(
                 f"linear_kernel={kernel!r} runs float32 linears on the CPU, but the model is {self.dtype} on {self.device}"
             )
+        if kernel == "pagedkv":
+            return use_pagedkv_linears(self.model)
         return use_onednn_linears(self.model)
 
     @property

@@ -23,13 +23,13 @@ on the CPU is switched to :class:`_OneDNNLinear` in place: same parameters, same
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from pagedkv.errors import ConfigError
+from pagedkv.worker.cpu_linear import LinearSwitch
 
 __all__ = ["OneDNNLinears", "onednn_available", "use_onednn_linears"]
 
@@ -48,12 +48,8 @@ def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-@dataclass
-class OneDNNLinears:
-    """The switched linears; ``enabled = False`` runs them through ``F.linear`` again."""
-
-    enabled: bool = True
-    modules: list[torch.nn.Linear] = field(default_factory=list)
+# The switched linears; ``enabled = False`` runs them through ``F.linear`` again.
+OneDNNLinears = LinearSwitch
 
 
 class _OneDNNLinear(torch.nn.Linear):
