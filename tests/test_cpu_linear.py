@@ -110,7 +110,7 @@ def test_switched_linears_run_the_kernel_up_to_max_rows(rows: int) -> None:
     seen = []
     model[0].register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert use_pagedkv_linears(model) == [model[0], model[1]]
+    assert use_pagedkv_linears(model).modules == [model[0], model[1]]
     assert type(model[2]) is _OwnLinear and type(model[3]) is torch.nn.Linear
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     x = torch.randn(1, rows, 64)

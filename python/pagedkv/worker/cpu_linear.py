@@ -12,6 +12,9 @@ faster than torch's weight-only int8 product at 1 to 512 rows (12 vs 16 ms at on
 at 16, 1.0 vs 1.36 s at 512) and multiplies float32 inputs exactly where torch's kernel wants
 them rounded to bfloat16. (benches/RESULTS.md, "Weight precision" and "Decode step profile".)
 
+The parameters' numpy views are made once, when a linear is switched (:class:`KernelArrays`):
+code that later replaces a parameter object (rather than copying into it) must switch again.
+
 The kernel sums every output element in one order whatever the row count and threads, so a
 row's product does not depend on the other rows of the step (within products the kernel runs:
 with ``linear_kernel="pagedkv"`` a decode row of a step with more than ``MAX_KERNEL_ROWS``
@@ -26,13 +29,15 @@ dispatch cost (~10 microseconds a call, about 2 ms per step).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from pagedkv import _core
 
-__all__ = ["MAX_KERNEL_ROWS", "LinearSwitch", "kernel_linear", "use_pagedkv_linears"]
+__all__ = ["MAX_KERNEL_ROWS", "KernelArrays", "LinearSwitch", "kernel_linear", "use_pagedkv_linears"]
 
 # Float32 products of more rows than this go to torch (see the module docstring: MKL's blocked
 # product overtakes the kernel between 16 and 64 rows on AMD EPYC).
@@ -79,32 +84,60 @@ def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, bias: 
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
 
+class KernelArrays(NamedTuple):
+    """A linear's parameters as the kernel reads them: numpy views sharing the tensors' memory,
+    made once when the linear is switched (a view per call cost microseconds of the ~10 a
+    decode-sized call has to spare)."""
+
+    weight: np.ndarray  # [N, K] float32, or int8 codes; C-contiguous
+    scales: np.ndarray | None  # [N] float32, with int8 codes
+    bias: np.ndarray | None  # [N] float32
+
+    @staticmethod
+    def of(weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None) -> KernelArrays:
+        def view(t: torch.Tensor | None) -> np.ndarray | None:
+            return None if t is None else t.detach().contiguous().numpy()
+
+        w = view(weight)
+        assert w is not None
+        return KernelArrays(w, view(scales), view(bias))
+
+
 def kernel_linear(
     x: torch.Tensor,  # [..., K] floating point
-    weight: torch.Tensor,  # [N, K] float32, or int8 codes; C-contiguous
-    scales: torch.Tensor | None,  # [N] float32, with int8 codes
-    bias: torch.Tensor | None,  # [N] float32
+    arrays: KernelArrays,
+    weight: torch.Tensor,  # arrays' tensors, for the op of a compiled graph
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:  # [..., N] x.dtype
     """``x @ (weight * scales[:, None]).T + bias`` through the kernel, in ``x``'s dtype."""
-    rows = x.reshape(-1, x.shape[-1]).detach().to(torch.float32).contiguous()
+    n = weight.shape[0]
     if torch.compiler.is_compiling():
+        rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
         out = torch.ops.pagedkv.cpu_linear(rows, weight, scales, bias)
-    else:
-        out = _run(rows, weight, scales, bias)
-    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        return out.to(x.dtype).view(*x.shape[:-1], n)
+    # Eager: as few torch calls as possible (each costs about a microsecond).
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32 or rows.requires_grad or not rows.is_contiguous():
+        rows = rows.detach().to(torch.float32).contiguous()
+    out = torch.empty((rows.shape[0], n), dtype=torch.float32)
+    _core.cpu_linear(rows.numpy(), arrays.weight, out.numpy(), torch.get_num_threads(), arrays.scales, arrays.bias)
+    if x.dtype != torch.float32:
+        out = out.to(x.dtype)
+    return out.view(*x.shape[:-1], n)
 
 
 class _PagedkvLinear(torch.nn.Linear):
     """A float32 CPU linear whose products of up to :data:`MAX_KERNEL_ROWS` rows run the kernel."""
 
     _switch: LinearSwitch
+    _arrays: KernelArrays
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         few_rows = x.numel() <= MAX_KERNEL_ROWS * x.shape[-1]
         if not (self._switch.enabled and few_rows and x.dtype == torch.float32 and x.device.type == "cpu"):
             return F.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.detach()
-        return kernel_linear(x, self.weight.detach(), None, bias)
+        return kernel_linear(x, self._arrays, self.weight, None, self.bias)
 
 
 @torch.no_grad()
@@ -121,5 +154,6 @@ def use_pagedkv_linears(model: torch.nn.Module) -> LinearSwitch:
             continue
         module.__class__ = _PagedkvLinear
         module._switch = switch  # type: ignore[assignment]
+        module._arrays = KernelArrays.of(weight, None, module.bias)  # type: ignore[assignment]
         switch.modules.append(module)
     return switch

@@ -36,7 +36,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from pagedkv.worker.cpu_linear import kernel_linear
+from pagedkv.worker.cpu_linear import KernelArrays, kernel_linear
 
 __all__ = ["quantize_per_channel", "use_int8_linears"]
 
@@ -53,9 +53,10 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 class _Int8Linear(nn.Linear):
     weight_scale: torch.Tensor  # float32 [N]
     _bias_f32: torch.Tensor | None  # float32 [N]: the bias as the kernel reads it
+    _arrays: KernelArrays
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] float -> [..., N] x.dtype
-        return kernel_linear(x, self.weight, self.weight_scale, self._bias_f32)
+        return kernel_linear(x, self._arrays, self.weight, self.weight_scale, self._bias_f32)
 
 
 @torch.no_grad()
@@ -74,6 +75,7 @@ def use_int8_linears(model: nn.Module) -> list[nn.Linear]:
         module.register_buffer("weight_scale", scales)
         bias = None if module.bias is None else module.bias.detach().float().contiguous()
         module.register_buffer("_bias_f32", bias, persistent=False)
+        module._arrays = KernelArrays.of(q, scales, bias)  # type: ignore[assignment]
         module.__class__ = _Int8Linear
         switched.append(cast(_Int8Linear, module))
     return switched
