@@ -168,7 +168,7 @@ def main() -> None:
     lines = [
         f"SmolLM2-135M-Instruct (embedded) on the CPU, torch {torch.__version__}, {torch.get_num_threads()} threads. "
         "int8 weights: every linear (the LM head too) as int8 with a float32 scale per output channel, "
-        "torch's `_weight_int8pack_mm` on bfloat16-rounded inputs (python/pagedkv/worker/int8_linear.py); "
+        "pagedkv's CPU linear kernel on float32 inputs (python/pagedkv/worker/int8_linear.py, rust/cpu_linear.rs); "
         "bfloat16: `dtype='bfloat16'`, the whole model and its KV cache in bfloat16.",
         "",
         *quality(args),
