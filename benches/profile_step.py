@@ -135,30 +135,38 @@ def profile_batch(
 def compile_ab(engine: Any, batch: int, args: argparse.Namespace, tag: str) -> dict[str, Any]:
     """Plain steps eager vs compiled (``enforce_eager=False``), interleaved rounds; the first
     compiled steps' seconds (the compile: this token count's graph, after any other graph
-    compiled before it in this process). No instrumentation: hooks inside a compiled graph would
-    time nothing real."""
+    compiled before it in this process). With a linear kernel switched in, eager with it turned
+    off (MKL) is a third variant. No instrumentation: hooks inside a compiled graph would time
+    nothing real."""
     runner = engine.runner
     compiled = runner.compiled_forward
+    switch = runner.linear_switch
     runner.compiled_forward = None
     ids = start_decoding(engine, batch, args, tag, 2)
     runner.compiled_forward = compiled
     start = time.perf_counter()
     engine.step()
     compile_s = time.perf_counter() - start
-    steps: dict[str, list[float]] = {"eager": [], "compiled": []}
+    names = ["eager", "compiled"] + (["eager MKL"] if switch is not None else [])
+    steps: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(args.rounds):
         for name in steps:
             runner.compiled_forward = compiled if name == "compiled" else None
+            if switch is not None:
+                switch.enabled = name != "eager MKL"
             engine.step()
             for _ in range(args.steps):
                 start = time.perf_counter()
                 engine.step()
                 steps[name].append(time.perf_counter() - start)
     runner.compiled_forward = compiled
+    if switch is not None:
+        switch.enabled = True
     engine.abort_request(ids)
-    eager_ms = statistics.median(steps["eager"]) * 1e3
-    compiled_ms = statistics.median(steps["compiled"]) * 1e3
-    return {"batch": batch, "eager_ms": eager_ms, "compiled_ms": compiled_ms, "compile_s": compile_s}
+    out = {"batch": batch, "compile_s": compile_s}
+    for name, times in steps.items():
+        out[name.replace(" ", "_") + "_ms"] = statistics.median(times) * 1e3
+    return out
 
 
 def profile_table(runs: list[dict[str, Any]]) -> str:
@@ -208,27 +216,32 @@ def linear_in_model(runs: list[dict[str, Any]], num_linears: int) -> list[list[o
 
 
 def compile_section(args: argparse.Namespace) -> str:
-    """Eager vs compiled in a fresh engine (its own process state: default linears)."""
+    """Eager vs compiled in a fresh engine (its own process state), with the linears of
+    ``--compare-linear-kernel`` if given (then eager with MKL's linears too)."""
     print("compiled forward ...", flush=True)
-    llm = build_llm(args, enforce_eager=False)
+    kernel = args.compare_linear_kernel
+    llm = build_llm(args, enforce_eager=False, **({"linear_kernel": kernel} if kernel else {}))
     runs = [compile_ab(llm.llm_engine, batch, args, f"c{batch}") for batch in args.batch_sizes]
-    rows = [
-        [
-            f"B={r['batch']}",
-            f"{r['eager_ms']:.2f}",
-            f"{r['compiled_ms']:.2f}",
-            f"{r['eager_ms'] / r['compiled_ms']:.2f}x",
-            f"{r['compile_s']:.1f}",
-        ]
-        for r in runs
-    ]
-    table = md_table(["batch", "eager ms/step", "compiled ms/step", "speedup", "first compiled step s"], rows)
+    linears = f"{KERNEL_NAMES[kernel]} linears" if kernel else "the default linears (MKL)"
+    headers = ["batch", "eager ms/step", "compiled ms/step", "speedup", "first compiled step s"]
+    if kernel:
+        headers[1:1] = ["eager, MKL linears ms/step"]
+        headers.insert(-1, "compiled vs eager MKL")
+    rows = []
+    for r in runs:
+        row = [f"B={r['batch']}", f"{r['eager_ms']:.2f}", f"{r['compiled_ms']:.2f}"]
+        row += [f"{r['eager_ms'] / r['compiled_ms']:.2f}x"]
+        if kernel:
+            row[1:1] = [f"{r['eager_MKL_ms']:.2f}"]
+            row += [f"{r['eager_MKL_ms'] / r['compiled_ms']:.2f}x"]
+        rows.append(row + [f"{r['compile_s']:.1f}"])
+    table = md_table(headers, rows)
     print(table)
     return (
-        "\nA first compiled forward (`enforce_eager=False`: torch.compile, inductor, dynamic shapes, paged "
-        "attention as one custom op, freezing on the CPU; python/pagedkv/worker/compiled_forward.py) against eager "
-        "with the default linears (MKL), plain steps "
-        f"interleaved with eager ({args.rounds} rounds of {args.steps}); the first compiled step of each batch "
+        "\nThe compiled forward (`enforce_eager=False`: torch.compile, inductor, dynamic shapes, paged "
+        "attention as one custom op, freezing on the CPU; python/pagedkv/worker/compiled_forward.py) against eager, "
+        f"both with {linears}, plain steps "
+        f"interleaved ({args.rounds} rounds of {args.steps}); the first compiled step of each batch "
         f"size includes its compile (a one-token step is its own graph).\n\n{table}\n"
     )
 

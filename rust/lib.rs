@@ -22,7 +22,8 @@
 //! - [`attention_span`]: what a KV-cache column's layers see (full, sliding window, chunked
 //!   local), and so which blocks a sequence can give back.
 //! - [`slab`]: generation-checked slab (sequence and request storage).
-//! - [`thread_pool`]: the worker threads of the CPU kernels (rayon's, rebuilt after a fork).
+//! - [`thread_pool`]: the worker threads of the CPU kernels (they spin between a step's kernel
+//!   calls; rebuilt after a fork).
 //! - [`kv_cache_manager`]: sequences over the pool: prefix hits, slots, copy-on-write, fork.
 //! - [`cpu_attention`]: paged decode attention on the CPU, straight from the block cache.
 //! - [`cpu_linear`]: linear layers on the CPU for a decode step's few rows (float32 or int8

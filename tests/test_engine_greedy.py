@@ -84,6 +84,10 @@ SMOLLM2, TINY = "smollm2", "tiny"
         pytest.param(SMOLLM2, {"block_size": 16, "linear_kernel": "pagedkv"}, id="pagedkv-linears"),
         # The step's forward under torch.compile (a tiny model: compiling SmolLM2 takes minutes here).
         pytest.param(TINY, {"block_size": 16, "enforce_eager": False}, id="compiled"),
+        # Compiled with pagedkv's linear kernel as the op pagedkv::cpu_linear in the graph.
+        pytest.param(
+            TINY, {"block_size": 16, "enforce_eager": False, "linear_kernel": "pagedkv"}, id="compiled-pagedkv-linears"
+        ),
         pytest.param(TINY, {"block_size": 16, "enable_prefix_caching": False}, id="bs16-no-prefix-cache"),
         pytest.param(TINY, {"block_size": 32, "enable_prefix_caching": True}, id="bs32"),
         # 12 blocks x 16 = 192 slots for 17 requests of up to ~40 tokens each: preemption.

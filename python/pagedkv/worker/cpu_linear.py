@@ -4,13 +4,15 @@ and int8 weights at every row count (``quantization="int8"``, :mod:`pagedkv.work
 
 Why: a batch-1 decode step is bound by reading the weights, and torch's default product (MKL,
 AVX2 on this project's AMD EPYC machines) streamed SmolLM2's decoder linears at 13-14 GB/s
-where the kernel, on the crate's worker threads, reads them at 19-20 GB/s: 31 vs 21 ms per
+where the kernel, on the crate's worker threads, reads them at 19-20 GB/s: 31 vs 22 ms per
 step for the 210 linears, 61 vs 44 ms at 16 rows; from 64 rows on MKL's blocked product is the
 faster one (122 vs 135 ms), so ``linear_kernel="pagedkv"`` hands products of more than
-:data:`MAX_KERNEL_ROWS` rows to torch. Int8 weights take the kernel at every row count: it was
-faster than torch's weight-only int8 product at 1 to 512 rows (12 vs 16 ms at one row, 36 vs 53
-at 16, 1.0 vs 1.36 s at 512) and multiplies float32 inputs exactly where torch's kernel wants
-them rounded to bfloat16. (benches/RESULTS.md, "Weight precision" and "Decode step profile".)
+:data:`MAX_KERNEL_ROWS` rows to torch. In the engine's step: 1.28x at batch 1, 1.33x at 16;
+compiled, 1.50x and 1.56x eager with MKL. Int8 weights take the kernel at every row count: it
+was faster than torch's weight-only int8 product at 1 to 512 rows (12 vs 16 ms at one row, 36
+vs 53 at 16, 1.0 vs 1.36 s at 512) and multiplies float32 inputs exactly where torch's kernel
+wants them rounded to bfloat16. (benches/RESULTS.md, "Decode step with pagedkv's CPU linear
+kernel" and "Weight precision".)
 
 The parameters' numpy views are made once, when a linear is switched (:class:`KernelArrays`):
 code that later replaces a parameter object (rather than copying into it) must switch again.
@@ -22,8 +24,8 @@ tokens goes through MKL instead). Against MKL's product it differs in the last b
 1e-6 relative): greedy tokens can differ at a near-tie, as with ``"onednn"``, so it is an option.
 
 Under ``torch.compile`` the product is the custom op ``pagedkv::cpu_linear`` (opaque to the
-compiler, as the attention op is); eager forwards call the kernel directly, without the op's
-dispatch cost (~10 microseconds a call, about 2 ms per step).
+compiler, as the attention op is; :func:`op_linear`); eager forwards call the kernel directly
+(:func:`kernel_linear`), without the op's dispatch.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 
 from pagedkv import _core
 
-__all__ = ["MAX_KERNEL_ROWS", "KernelArrays", "LinearSwitch", "kernel_linear", "use_pagedkv_linears"]
+__all__ = ["MAX_KERNEL_ROWS", "KernelArrays", "LinearSwitch", "kernel_linear", "op_linear", "use_pagedkv_linears"]
 
 # Float32 products of more rows than this go to torch (see the module docstring: MKL's blocked
 # product overtakes the kernel between 16 and 64 rows on AMD EPYC).
@@ -103,20 +105,24 @@ class KernelArrays(NamedTuple):
         return KernelArrays(w, view(scales), view(bias))
 
 
-def kernel_linear(
+def op_linear(
     x: torch.Tensor,  # [..., K] floating point
-    arrays: KernelArrays,
-    weight: torch.Tensor,  # arrays' tensors, for the op of a compiled graph
-    scales: torch.Tensor | None,
-    bias: torch.Tensor | None,
+    weight: torch.Tensor,  # [N, K] float32, or int8 codes
+    scales: torch.Tensor | None,  # [N] float32, with int8 codes
+    bias: torch.Tensor | None,  # [N] float32
 ) -> torch.Tensor:  # [..., N] x.dtype
-    """``x @ (weight * scales[:, None]).T + bias`` through the kernel, in ``x``'s dtype."""
-    n = weight.shape[0]
-    if torch.compiler.is_compiling():
-        rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
-        out = torch.ops.pagedkv.cpu_linear(rows, weight, scales, bias)
-        return out.to(x.dtype).view(*x.shape[:-1], n)
-    # Eager: as few torch calls as possible (each costs about a microsecond).
+    """``x @ (weight * scales[:, None]).T + bias`` as the op ``pagedkv::cpu_linear``: what a
+    compiled graph calls (a forward checks ``torch.compiler.is_compiling()`` before it touches
+    its :class:`KernelArrays`, which dynamo would otherwise take for graph inputs)."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    out = torch.ops.pagedkv.cpu_linear(rows, weight, scales, bias)
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def kernel_linear(x: torch.Tensor, arrays: KernelArrays) -> torch.Tensor:  # [..., K] -> [..., N] x.dtype
+    """``x @ (weight * scales[:, None]).T + bias`` through the kernel, eager: as few torch calls
+    as possible (each costs about a microsecond, a small product ~60)."""
+    n = arrays.weight.shape[0]
     rows = x.reshape(-1, x.shape[-1])
     if rows.dtype != torch.float32 or rows.requires_grad or not rows.is_contiguous():
         rows = rows.detach().to(torch.float32).contiguous()
@@ -137,7 +143,9 @@ class _PagedkvLinear(torch.nn.Linear):
         few_rows = x.numel() <= MAX_KERNEL_ROWS * x.shape[-1]
         if not (self._switch.enabled and few_rows and x.dtype == torch.float32 and x.device.type == "cpu"):
             return F.linear(x, self.weight, self.bias)
-        return kernel_linear(x, self._arrays, self.weight, None, self.bias)
+        if torch.compiler.is_compiling():
+            return op_linear(x, self.weight, None, self.bias)
+        return kernel_linear(x, self._arrays)
 
 
 @torch.no_grad()

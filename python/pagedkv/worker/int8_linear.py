@@ -36,7 +36,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from pagedkv.worker.cpu_linear import KernelArrays, kernel_linear
+from pagedkv.worker.cpu_linear import KernelArrays, kernel_linear, op_linear
 
 __all__ = ["quantize_per_channel", "use_int8_linears"]
 
@@ -56,7 +56,9 @@ class _Int8Linear(nn.Linear):
     _arrays: KernelArrays
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] float -> [..., N] x.dtype
-        return kernel_linear(x, self._arrays, self.weight, self.weight_scale, self._bias_f32)
+        if torch.compiler.is_compiling():
+            return op_linear(x, self.weight, self.weight_scale, self._bias_f32)
+        return kernel_linear(x, self._arrays)
 
 
 @torch.no_grad()
