@@ -85,7 +85,16 @@ pub fn cpu_linear(
     let ranges = column_ranges(n, threads_for(dims, num_threads));
     let buffers = run_jobs(ranges.len(), |i| {
         let (a, b) = ranges[i];
-        columns_dispatch(x, weight, bias, dims, a, b)
+        columns_dispatch(
+            Product {
+                x,
+                weight,
+                bias,
+                dims,
+            },
+            a,
+            b,
+        )
     });
     for (&(a, b), buf) in ranges.iter().zip(&buffers) {
         let width = b - a;
@@ -185,36 +194,31 @@ fn column_ranges(n: usize, threads: usize) -> Vec<(usize, usize)> {
     out
 }
 
-/// One thread's columns `a..b` of the product, as an `[M, b - a]` buffer.
-fn columns_dispatch(
-    x: &[f32],
-    weight: LinearWeight<'_>,
-    bias: Option<&[f32]>,
+/// A validated product's inputs.
+#[derive(Clone, Copy)]
+struct Product<'a> {
+    x: &'a [f32],
+    weight: LinearWeight<'a>,
+    bias: Option<&'a [f32]>,
     dims: LinearDims,
-    a: usize,
-    b: usize,
-) -> Vec<f32> {
+}
+
+/// One thread's columns `a..b` of the product, as an `[M, b - a]` buffer.
+fn columns_dispatch(p: Product<'_>, a: usize, b: usize) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
             // SAFETY: the CPU has AVX2 and FMA (checked just above).
-            return unsafe { columns_avx2(x, weight, bias, dims, a, b) };
+            return unsafe { columns_avx2(p, a, b) };
         }
     }
-    columns::<Portable>(x, weight, bias, dims, a, b)
+    columns::<Portable>(p, a, b)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn columns_avx2(
-    x: &[f32],
-    weight: LinearWeight<'_>,
-    bias: Option<&[f32]>,
-    dims: LinearDims,
-    a: usize,
-    b: usize,
-) -> Vec<f32> {
-    columns::<avx2::Avx2>(x, weight, bias, dims, a, b)
+unsafe fn columns_avx2(p: Product<'_>, a: usize, b: usize) -> Vec<f32> {
+    columns::<avx2::Avx2>(p, a, b)
 }
 
 /// The dot products of a register tile, per instruction set. `w` holds `NR` rows and `x` `R`
@@ -376,14 +380,13 @@ mod avx2 {
 
 /// Columns `a..b` of the product (see the module docs) as an `[M, b - a]` buffer.
 #[inline(always)]
-fn columns<I: Isa>(
-    x: &[f32],
-    weight: LinearWeight<'_>,
-    bias: Option<&[f32]>,
-    d: LinearDims,
-    a: usize,
-    b: usize,
-) -> Vec<f32> {
+fn columns<I: Isa>(p: Product<'_>, a: usize, b: usize) -> Vec<f32> {
+    let Product {
+        x,
+        weight,
+        bias,
+        dims: d,
+    } = p;
     let (m, k) = (d.rows, d.in_features);
     let width = b - a;
     let mut out = vec![0.0f32; m * width];
