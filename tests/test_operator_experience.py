@@ -75,6 +75,7 @@ group = TPGroup.create(1, 2, sys.argv[1], torch.device("cpu"), timeout=float(sys
 step = recv_step(group)
 print("got", step.input_ids.tolist(), flush=True)
 assert recv_step(group) is None
+group.close()
 """
 
 

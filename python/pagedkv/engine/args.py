@@ -71,7 +71,7 @@ class EngineArgs:
       the weights faster: decode steps 1.3x faster at batch 1 and 16, 1.5x compiled,
       on AMD EPYC) or ``"onednn"`` (CPU, float32: oneDNN with prepacked weights, decode steps
       1.2x (batch 1) to 2x (batch 16) faster; the weights take twice the memory). Either way
-      logits differ from the default's in the last bits.
+      logits differ from torch's in the last bits.
     - ``quantization``: ``None`` (the weights as loaded) or ``"int8"`` (CPU: the linears' weights
       as int8 with a scale per output channel, a quarter of their memory, multiplied by
       pagedkv's kernel on float32 inputs; quality in benches/RESULTS.md).

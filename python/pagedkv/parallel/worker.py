@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from pagedkv.orphan import leave_when_orphaned
+from pagedkv.parallel.group import TPGroup
 from pagedkv.parallel.spec import TPSpec
 from pagedkv.parallel.step_broadcast import recv_step
 from pagedkv.worker.model_runner import ModelRunner
@@ -44,6 +45,13 @@ def run_worker(spec: TPSpec, engine_config: Any) -> None:
     runner = ModelRunner(engine_config.model, engine_config.cache, engine_config.scheduling, tp=spec)
     group = runner.tp_group
     assert group is not None
+    try:
+        _serve_steps(runner, group)
+    finally:
+        group.close()  # now, not in the interpreter's teardown (TPGroup.close)
+
+
+def _serve_steps(runner: ModelRunner, group: TPGroup) -> None:
     while True:
         try:
             step = recv_step(group)
