@@ -258,7 +258,7 @@ class ModelConfig:
     - ``seed``: seed of the global generator used by unseeded random sampling.
     - ``linear_kernel``: ``"default"`` (torch's matrix products: MKL on the CPU),
       ``"pagedkv"`` (CPU, float32: products of up to 32 rows through pagedkv's own kernel, the
-      decode steps 1.3x faster at batch 1 and 16 on AMD EPYC, 1.5x with ``enforce_eager=False``;
+      decode steps 1.3x faster at batch 1 and 16 on AMD EPYC;
       :mod:`pagedkv.worker.cpu_linear`) or ``"onednn"`` (CPU, float32: the linears through
       oneDNN with prepacked weights, decode steps 1.2x (batch 1) to 2x (batch 16) faster; the
       weights take twice the memory; :mod:`pagedkv.worker.onednn_linear`). Logits differ from

@@ -68,7 +68,7 @@ class EngineArgs:
       option of the same name); only for repositories you trust.
     - ``linear_kernel``: ``"default"`` (torch's matrix products), ``"pagedkv"`` (CPU, float32:
       products of up to 32 rows, i.e. decode steps, through pagedkv's own kernel, which streams
-      the weights faster: decode steps 1.3x faster at batch 1 and 16, 1.5x compiled,
+      the weights faster: decode steps 1.3x faster at batch 1 and 16,
       on AMD EPYC) or ``"onednn"`` (CPU, float32: oneDNN with prepacked weights, decode steps
       1.2x (batch 1) to 2x (batch 16) faster; the weights take twice the memory). Either way
       logits differ from torch's in the last bits.

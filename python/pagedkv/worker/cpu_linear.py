@@ -8,7 +8,9 @@ where the kernel, on the crate's worker threads, reads them at 19-20 GB/s: 31 vs
 step for the 210 linears, 61 vs 44 ms at 16 rows; from 64 rows on MKL's blocked product is the
 faster one (122 vs 135 ms), so ``linear_kernel="pagedkv"`` hands products of more than
 :data:`MAX_KERNEL_ROWS` rows to torch. In the engine's step: 1.28x at batch 1, 1.33x at 16;
-compiled, 1.50x and 1.56x eager with MKL. Int8 weights take the kernel at every row count: it
+compiled, 1.50x and 1.56x eager with MKL in fixed batches, but a compiled server with it ran
+4-8x slower than eager (varying batches; not found yet: benches/RESULTS.md, "pagedkv vs
+llama.cpp with pagedkv's kernel"). Int8 weights take the kernel at every row count: it
 was faster than torch's weight-only int8 product at 1 to 512 rows (12 vs 16 ms at one row, 36
 vs 53 at 16, 1.0 vs 1.36 s at 512) and multiplies float32 inputs exactly where torch's kernel
 wants them rounded to bfloat16. (benches/RESULTS.md, "Decode step with pagedkv's CPU linear
