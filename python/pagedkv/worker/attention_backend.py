@@ -186,17 +186,15 @@ def _probe_attention(
     return out.transpose(1, 2), None
 
 
-def _pagedkv_mask(*args: Any, **kwargs: Any) -> None:
-    """No mask: ``paged_attention`` masks from the step metadata."""
-    return None
-
-
 @functools.cache
 def register_pagedkv_attention() -> str:
-    """Register the attention and mask functions with transformers (idempotent); return the name."""
+    """Register the attention function with transformers (idempotent); return the name.
+
+    No mask function is registered, on purpose: ``paged_attention`` masks from the step
+    metadata, and transformers skips building masks (its packed-sequence detection over
+    ``position_ids`` included, a few torch ops per step, and guards on the token count in a
+    compiled forward) for an attention name its mask interface does not know."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTENTION_NAME, pagedkv_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, _pagedkv_mask)
     return ATTENTION_NAME

@@ -10,36 +10,52 @@ every layer (a compile with a graph break per layer ran no faster than eager). S
 attention function registered by :func:`install` sees no context and calls
 ``torch.ops.pagedkv.paged_attention_step(q, k, v, layer, scale)``, and that op (opaque to the
 compiler: a fake implementation gives its shape) runs the eager attention function with the
-context (one code path: KV cache groups, quantized KV, windows and all). The op's output feeds the next layer,
-so the compiled graph keeps the layers' stores and reads in order.
+context (one code path: KV cache groups, quantized KV, windows and all). The op's output
+feeds the next layer, which orders the layers' calls; that the compiler keeps every call is
+the op's registered effect (below).
 
 What stays eager (the caller's choice, :meth:`CompiledForward.applies`): probe and profiling
 forwards, and steps whose prompt rows go back to the LM head as hidden states (the head's
-pre-hook changes per step). Shapes: ``dynamic=True``, so one graph serves every token count but
-one, with dynamo's own 0/1 specialisation for a single token (a batch-1 decode step): two
-compiles, each cached on disk by inductor's FX graph cache for the next process. On the CPU
-the runner compiles with inductor's freezing (``freeze=True``): the weights become graph
-constants and the linears oneDNN's prepacked products; without it the linears stay MKL's and
-the compiled step was 1.02x (batch 1) and 1.33x (batch 16) eager's, with it 1.40x and 2.49x
-(SmolLM2, first compiles 42 s and 58 s on 2 shared cores; benches/RESULTS.md, "Decode step
-profile").
+pre-hook changes per step).
+
+One graph for every step: the step's token count and its sampled rows are *unbacked* sizes
+(``mark_unbacked``), so dynamo neither specialises a one-token decode or a one-row sample into
+graphs of their own nor guards on the counts; each compile of SmolLM2 took 30-50 s on 2 cores
+and a server whose steps changed size compiled up to five (benches/RESULTS.md). That needs
+transformers' mask code out of the graph: pagedkv registers no mask function, so it builds
+none (:func:`~pagedkv.worker.attention_backend.register_pagedkv_attention`). The graph is
+cached on disk by inductor's FX graph cache and AOT autograd's cache, so a second process
+only traces it again (dynamo has no disk cache): about 10 s for SmolLM2.
+
+On the CPU with torch's own linears the runner compiles with inductor's freezing
+(``freeze=True``): the weights become graph constants and the linears oneDNN's prepacked
+products; without it the linears stay MKL's and the compiled step was 1.02x (batch 1) and 1.33x
+(batch 16) eager's, with it 1.40x and 2.49x (SmolLM2; benches/RESULTS.md, "Decode step
+profile"). A frozen graph is not cached across processes (AOT autograd refuses it), so with
+pagedkv's own linears (``linear_kernel="pagedkv"``, int8 weights: ops of their own, nothing to
+pack) the runner does not freeze.
+
+The attention op's K/V store is a side effect, so the op is registered as effectful: a graph
+specialised for a step that samples no row (a prefill chunk before the prompt's last) once
+removed the last layer's call as dead code, and that layer's K/V for the chunk was never
+written (tiny Gemma 2/3 gave other greedy tokens on chunked prefills; tests/test_compiled_forward.py
+counts every layer's call in every step).
 
 Outputs are not bit-identical to eager (inductor fuses the norms and elementwise ops, which
-sums in other orders): greedy tokens are checked against transformers
-(tests/test_compiled_forward.py), and the default stays eager. Known bug, not found yet: tiny
-Gemma 2 / Gemma 3 models (sliding and full layers, KV cache groups) gave other greedy tokens
-compiled than eager on chunked prefills (not on whole prompts; a tiny Mistral, all layers
-sliding, agreed), so the runner compiles only models whose every layer is plain full attention.
+sums in other orders): greedy tokens are checked against transformers and eager
+(tests/test_compiled_forward.py, tests/test_engine_greedy.py), and the default stays eager.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from torch._library.effects import EffectType
 
 from pagedkv.worker.attention_backend import (
     ATTENTION_NAME,
@@ -58,6 +74,9 @@ class _Step(threading.local):
 
 
 _STEP = _Step()
+
+# (keyword argument, its dimension that counts the step's tokens or sampled rows)
+_TOKEN_DIMS = (("input_ids", 1), ("position_ids", 1), ("logits_to_keep", 0))
 
 
 @torch.library.custom_op("pagedkv::paged_attention_step", mutates_args=())
@@ -84,6 +103,12 @@ def paged_attention_step(
 @paged_attention_step.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], value.shape[3])
+
+
+# The op writes the layer's K/V into the cache, a side effect its signature cannot name (the
+# cache is not an argument): registered as effectful, the compiler keeps and orders every call
+# even where its output reaches no logit (the module docstring says what happened without).
+torch.library._register_effectful_op("pagedkv::paged_attention_step", EffectType.ORDERED)
 
 
 def _attention(
@@ -134,13 +159,25 @@ class CompiledForward:
 
     def __call__(self, **kwargs: Any) -> Any:
         context = kwargs.pop(CONTEXT_KWARG)
+        # The step's token count and its sampled rows as unbacked sizes: one graph for every
+        # count, 1 included (a backed size gets dynamo's 0/1 specialisation: a decode step of
+        # one sequence, or one sampled row, would be a graph of its own, ~30-50 s to compile).
+        for name, dim in _TOKEN_DIMS:
+            tensor = kwargs.get(name)
+            if isinstance(tensor, torch.Tensor):
+                if tensor.numel() == 0:  # a step that samples no row: its view may have stride 0,
+                    tensor = kwargs[name] = tensor.new_empty(tensor.shape)  # a guard of its own
+                torch._dynamo.decorators.mark_unbacked(tensor, dim)
         _STEP.context = context
         try:
-            if not self._freeze:
-                return self._compiled(**kwargs)
-            import torch._inductor.config as inductor_config
+            # specialize_float: the layers' attention scales are constants of the graph; as
+            # symbolic floats (what dynamic=True makes them) dynamo traced the model twice.
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+                if self._freeze:
+                    import torch._inductor.config as inductor_config
 
-            with inductor_config.patch(freezing=True):
+                    stack.enter_context(inductor_config.patch(freezing=True))
                 return self._compiled(**kwargs)
         finally:
             _STEP.context = None

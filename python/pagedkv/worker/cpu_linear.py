@@ -8,9 +8,10 @@ where the kernel, on the crate's worker threads, reads them at 19-20 GB/s: 31 vs
 step for the 210 linears, 61 vs 44 ms at 16 rows; from 64 rows on MKL's blocked product is the
 faster one (122 vs 135 ms), so ``linear_kernel="pagedkv"`` hands products of more than
 :data:`MAX_KERNEL_ROWS` rows to torch. In the engine's step: 1.28x at batch 1, 1.33x at 16;
-compiled, 1.50x and 1.56x eager with MKL in fixed batches, but a compiled server with it ran
-4-8x slower than eager (varying batches; not found yet: benches/RESULTS.md, "pagedkv vs
-llama.cpp with pagedkv's kernel"). Int8 weights take the kernel at every row count: it
+compiled, 1.50x and 1.56x eager with MKL. (A compiled server with it once ran 4-8x slower
+than eager: the row limit, checked in the forward, was a guard on the step's token count, and
+each side of it, times dynamo's one-token and one-row specialisations, a graph of its own at
+~50 s a compile; the op checks it now, and one graph serves every step.) Int8 weights take the kernel at every row count: it
 was faster than torch's weight-only int8 product at 1 to 512 rows (12 vs 16 ms at one row, 36
 vs 53 at 16, 1.0 vs 1.36 s at 512) and multiplies float32 inputs exactly where torch's kernel
 wants them rounded to bfloat16. (benches/RESULTS.md, "Decode step with pagedkv's CPU linear
@@ -79,7 +80,12 @@ def _run(
 def cpu_linear_op(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """The kernel as an op for compiled graphs (shapes as :func:`_run`)."""
+    """The kernel as an op for compiled graphs (shapes as :func:`_run`). Float32 products of
+    more than :data:`MAX_KERNEL_ROWS` rows go to torch here, at run time, and not in the
+    module's forward: a branch on the row count there would be a guard on the step's token
+    count, and every side of it a graph of its own (a ~50 s compile each on 2 cores)."""
+    if scales is None and x.shape[0] > MAX_KERNEL_ROWS:
+        return F.linear(x, weight, bias)
     return _run(x.contiguous(), weight, scales, bias)
 
 
@@ -142,11 +148,12 @@ class _PagedkvLinear(torch.nn.Linear):
     _arrays: KernelArrays
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
-        few_rows = x.numel() <= MAX_KERNEL_ROWS * x.shape[-1]
-        if not (self._switch.enabled and few_rows and x.dtype == torch.float32 and x.device.type == "cpu"):
+        if not (self._switch.enabled and x.dtype == torch.float32 and x.device.type == "cpu"):
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
-            return op_linear(x, self.weight, None, self.bias)
+            return op_linear(x, self.weight, None, self.bias)  # the op checks the row count
+        if x.numel() > MAX_KERNEL_ROWS * x.shape[-1]:
+            return F.linear(x, self.weight, self.bias)
         return kernel_linear(x, self._arrays)
 
 

@@ -234,15 +234,11 @@ class ModelRunner:
         self.geometry, self.layer_attention = self._probe()
         # enforce_eager=False: the step's forward under torch.compile (worker/compiled_forward.py).
         if not model_config.enforce_eager:
-            # Gemma 2/3 tiny models gave other greedy tokens compiled than eager on chunked
-            # prefills (a bug not found yet; Mistral's all-sliding layers agreed): until it is,
-            # only models whose every layer is plain full attention compile.
-            if not all(layer.is_full for layer in self.layer_attention):
-                raise ConfigError(
-                    "enforce_eager=False is not available yet for models with sliding-window, chunked, "
-                    "soft-capped or sink layers: leave enforce_eager=True"
-                )
-            self.compiled_forward = CompiledForward(self.model, freeze=self.device.type == "cpu")
+            # Freezing lets inductor pack torch's linears for oneDNN, but a frozen graph is not
+            # cached on disk (AOT autograd refuses it): with pagedkv's kernels for the linears
+            # there is nothing to pack, and a restart reuses the cache.
+            torch_linears = model_config.linear_kernel == "default" and model_config.quantization is None
+            self.compiled_forward = CompiledForward(self.model, freeze=self.device.type == "cpu" and torch_linears)
         geometry = self.geometry
         self.num_layers = geometry.num_layers
         self.num_heads = geometry.num_heads
