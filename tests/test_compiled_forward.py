@@ -31,6 +31,18 @@ def test_the_op_needs_a_compiled_forward() -> None:
         torch.ops.pagedkv.paged_attention_step(x, x, x, 0, 0.5)
 
 
+def test_no_compiler_pass_may_drop_the_attention_op() -> None:
+    """The op stores K/V, a side effect its schema does not show: marked impure, dead-code
+    elimination keeps a call whose output reaches no logit (a graph specialised for a step that
+    samples no row once dropped the last layer's call, and its K/V)."""
+    from torch._library.utils import is_impure
+
+    import pagedkv.worker.cpu_linear  # noqa: F401  (registers pagedkv::cpu_linear)
+
+    assert is_impure(torch.ops.pagedkv.paged_attention_step.default)
+    assert not is_impure(torch.ops.pagedkv.cpu_linear.default)  # a pure product: droppable
+
+
 def test_enforce_eager_must_be_a_bool() -> None:
     with pytest.raises(ConfigError, match="enforce_eager"):
         ModelConfig(enforce_eager="no")  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ attention function registered by :func:`install` sees no context and calls
 compiler: a fake implementation gives its shape) runs the eager attention function with the
 context (one code path: KV cache groups, quantized KV, windows and all). The op's output
 feeds the next layer, which orders the layers' calls; that the compiler keeps every call is
-the op's registered effect (below).
+the op's side-effect mark (below).
 
 What stays eager (the caller's choice, :meth:`CompiledForward.applies`): probe and profiling
 forwards, and steps whose prompt rows go back to the LM head as hidden states (the head's
@@ -35,7 +35,7 @@ profile"). A frozen graph is not cached across processes (AOT autograd refuses i
 pagedkv's own linears (``linear_kernel="pagedkv"``, int8 weights: ops of their own, nothing to
 pack) the runner does not freeze.
 
-The attention op's K/V store is a side effect, so the op is registered as effectful: a graph
+The attention op's K/V store is a side effect, so the op is marked as having one: a graph
 specialised for a step that samples no row (a prefill chunk before the prompt's last) once
 removed the last layer's call as dead code, and that layer's K/V for the chunk was never
 written (tiny Gemma 2/3 gave other greedy tokens on chunked prefills; tests/test_compiled_forward.py
@@ -55,7 +55,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch._library.effects import EffectType
 
 from pagedkv.worker.attention_backend import (
     ATTENTION_NAME,
@@ -106,9 +105,11 @@ def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, s
 
 
 # The op writes the layer's K/V into the cache, a side effect its signature cannot name (the
-# cache is not an argument): registered as effectful, the compiler keeps and orders every call
-# even where its output reaches no logit (the module docstring says what happened without).
-torch.library._register_effectful_op("pagedkv::paged_attention_step", EffectType.ORDERED)
+# cache is not an argument): marked as having one, no compiler pass removes a call whose
+# output reaches no logit (the module docstring says what happened without). Not torch's
+# effect tokens (torch.library._register_effectful_op): inductor does not cache graphs that
+# carry them, and the calls are ordered by their data already.
+torch.fx.node.has_side_effect(torch.ops.pagedkv.paged_attention_step.default)
 
 
 def _attention(
