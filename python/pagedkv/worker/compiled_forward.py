@@ -76,6 +76,10 @@ _STEP = _Step()
 
 # (keyword argument, its dimension that counts the step's tokens or sampled rows)
 _TOKEN_DIMS = (("input_ids", 1), ("position_ids", 1), ("logits_to_keep", 0))
+# The size inductor plans those dimensions for (it decides at compile time which loops run in
+# parallel; with no hint it assumes 8192 rows, and every small elementwise kernel of a decode
+# step opened an OpenMP region).
+_TOKEN_HINT: int | None = 1
 
 
 @torch.library.custom_op("pagedkv::paged_attention_step", mutates_args=())
@@ -168,7 +172,7 @@ class CompiledForward:
             if isinstance(tensor, torch.Tensor):
                 if tensor.numel() == 0:  # a step that samples no row: its view may have stride 0,
                     tensor = kwargs[name] = tensor.new_empty(tensor.shape)  # a guard of its own
-                torch._dynamo.decorators.mark_unbacked(tensor, dim)
+                torch._dynamo.decorators.mark_unbacked(tensor, dim, hint_override=_TOKEN_HINT)
         _STEP.context = context
         try:
             # specialize_float: the layers' attention scales are constants of the graph; as
