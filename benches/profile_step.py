@@ -238,11 +238,12 @@ def compile_section(args: argparse.Namespace) -> str:
     table = md_table(headers, rows)
     print(table)
     return (
-        "\nThe compiled forward (`enforce_eager=False`: torch.compile, inductor, dynamic shapes, paged "
-        "attention as one custom op, freezing on the CPU; python/pagedkv/worker/compiled_forward.py) against eager, "
+        "\nThe compiled forward (`enforce_eager=False`: torch.compile, inductor, one graph for every step size, "
+        "paged attention as one custom op, freezing on the CPU with torch's linears; "
+        "python/pagedkv/worker/compiled_forward.py) against eager, "
         f"both with {linears}, plain steps "
-        f"interleaved ({args.rounds} rounds of {args.steps}); the first compiled step of each batch "
-        f"size includes its compile (a one-token step is its own graph).\n\n{table}\n"
+        f"interleaved ({args.rounds} rounds of {args.steps}); the first compiled step includes the "
+        f"compile (later batch sizes reuse the graph).\n\n{table}\n"
     )
 
 
