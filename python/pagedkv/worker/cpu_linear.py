@@ -8,13 +8,14 @@ where the kernel, on the crate's worker threads, reads them at 19-20 GB/s: 31 vs
 step for the 210 linears, 61 vs 44 ms at 16 rows; from 64 rows on MKL's blocked product is the
 faster one (122 vs 135 ms), so ``linear_kernel="pagedkv"`` hands products of more than
 :data:`MAX_KERNEL_ROWS` rows to torch. In the engine's step: 1.28x at batch 1, 1.33x at 16;
-compiled, 1.50x and 1.56x eager with MKL. (A compiled server with it once ran 4-8x slower
-than eager: the row limit, checked in the forward, was a guard on the step's token count, and
-each side of it, times dynamo's one-token and one-row specialisations, a graph of its own at
-~50 s a compile; the op checks it now, and one graph serves every step.) Int8 weights take the kernel at every row count: it
-was faster than torch's weight-only int8 product at 1 to 512 rows (12 vs 16 ms at one row, 36
-vs 53 at 16, 1.0 vs 1.36 s at 512) and multiplies float32 inputs exactly where torch's kernel
-wants them rounded to bfloat16. (benches/RESULTS.md, "Decode step with pagedkv's CPU linear
+compiled, 1.56x and 1.88x eager with MKL (1.11x and 1.10x eager with the kernel). A compiled
+server with it once ran 4-8x slower than eager: the row limit, checked in the forward, was a
+guard on the step's token count, and each side of it (times dynamo's one-token and one-row
+specialisations) a graph of its own at ~50 s a compile; the op checks it now, and one graph
+serves every step. Int8 weights take the kernel at every row count: it was faster than
+torch's weight-only int8 product at 1 to 512 rows (12 vs 16 ms at one row, 36 vs 53 at 16, 1.0
+vs 1.36 s at 512) and multiplies float32 inputs exactly where torch's kernel wants them
+rounded to bfloat16. (benches/RESULTS.md, "Decode step with pagedkv's CPU linear
 kernel" and "Weight precision".)
 
 The parameters' numpy views are made once, when a linear is switched (:class:`KernelArrays`):
