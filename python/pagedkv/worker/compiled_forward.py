@@ -48,7 +48,6 @@ sums in other orders): greedy tokens are checked against transformers and eager
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 from types import SimpleNamespace
@@ -82,7 +81,12 @@ _TOKEN_DIMS = (("input_ids", 1), ("position_ids", 1), ("logits_to_keep", 0))
 _TOKEN_HINT: int | None = 1
 
 
-@torch.library.custom_op("pagedkv::paged_attention_step", mutates_args=())
+# Defined through torch.library.Library, not torch.library.custom_op: the plain backend kernel
+# costs ~7 us less per call (cpu_linear.py says why that matters at 241 calls per step).
+_LIBRARY = torch.library.Library("pagedkv", "FRAGMENT")
+_LIBRARY.define("paged_attention_step(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor")
+
+
 def paged_attention_step(
     query: torch.Tensor,  # [1, H, T, D]
     key: torch.Tensor,  # [1, Hkv, T, D]
@@ -100,10 +104,14 @@ def paged_attention_step(
     layer_module: Any = SimpleNamespace(layer_idx=layer)
     extra: dict[str, Any] = {CONTEXT_KWARG: context}
     out, _ = pagedkv_attention_forward(layer_module, query, key, value, None, scale, **extra)
-    return out.contiguous()  # a fresh tensor: a custom op's output may not alias its inputs
+    return out.contiguous()  # a fresh tensor: an op's output may not alias its inputs
 
 
-@paged_attention_step.register_fake
+# Every device the backends run on (CPU, CUDA): the function dispatches on the context.
+_LIBRARY.impl("paged_attention_step", paged_attention_step, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("pagedkv::paged_attention_step")
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], value.shape[3])
 
@@ -151,11 +159,19 @@ class CompiledForward:
     def __init__(self, model: Any, *, freeze: bool = False) -> None:
         install()
         self._compiled = torch.compile(model.forward, dynamic=True)
-        # Freezing: the weights become constants of the graph, so inductor may lay them out for
-        # its kernels (on the CPU: oneDNN's packed linears, as linear_kernel="onednn" does). Set
-        # around every call, as compiles happen in calls; torch.compile(options={"freezing":
-        # True}) compiled the same as without (a batch-16 step 143 ms either way, 120 with this).
-        self._freeze = freeze
+        # Inductor's options, set around every call (compiles happen in calls;
+        # torch.compile(options={"freezing": True}) compiled the same as without: a batch-16
+        # step 143 ms either way, 120 with the patch).
+        # - freezing: the weights become constants of the graph, so inductor may lay them out for
+        #   its kernels (on the CPU: oneDNN's packed linears, as linear_kernel="onednn" does).
+        # - cpp.threads = 1: inductor's own CPU kernels (norms, RoPE, activations: the graph's
+        #   products and attention are ops with their own threads) run on the calling thread.
+        #   With torch's threads, a kernel whose loop it split (the MLP's act * up) entered an
+        #   OpenMP region at every layer, waking sleeping threads while pagedkv's kernel threads
+        #   still spun on the other cores: 78 us per call, and the work outside the linears of a
+        #   batch-1 SmolLM2 step took 14.1 ms against 8.5 with one thread (eager: 11.6). One
+        #   thread costs little at prefill: these kernels read a few MB per layer.
+        self._inductor_options: dict[str, Any] = {"freezing": freeze, "cpp.threads": 1}
 
     @staticmethod
     def applies(context: object, hidden_rows: object) -> bool:
@@ -177,12 +193,9 @@ class CompiledForward:
         try:
             # specialize_float: the layers' attention scales are constants of the graph; as
             # symbolic floats (what dynamic=True makes them) dynamo traced the model twice.
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
-                if self._freeze:
-                    import torch._inductor.config as inductor_config
+            import torch._inductor.config as inductor_config  # loaded by torch.compile's first call anyway
 
-                    stack.enter_context(inductor_config.patch(freezing=True))
+            with torch._dynamo.config.patch(specialize_float=True), inductor_config.patch(self._inductor_options):
                 return self._compiled(**kwargs)
         finally:
             _STEP.context = None

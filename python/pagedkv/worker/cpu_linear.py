@@ -77,20 +77,31 @@ def _run(
     return out
 
 
-@torch.library.custom_op("pagedkv::cpu_linear", mutates_args=())
+# The kernel as the op ``pagedkv::cpu_linear`` for compiled graphs, defined through
+# ``torch.library.Library`` rather than ``torch.library.custom_op``: a decode step of SmolLM2
+# calls it 211 times, and custom_op's Python wrapper (autograd and aliasing checks around the
+# kernel) cost ~7 us more per call than a plain backend kernel (3.5 against 10.5 us over the
+# bare call, inference mode; benches/RESULTS.md, "Compiled forward: the step's overhead").
+_LIBRARY = torch.library.Library("pagedkv", "FRAGMENT")
+_LIBRARY.define("cpu_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? bias) -> Tensor")
+
+
 def cpu_linear_op(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """The kernel as an op for compiled graphs (shapes as :func:`_run`). Float32 products of
-    more than :data:`MAX_KERNEL_ROWS` rows go to torch here, at run time, and not in the
-    module's forward: a branch on the row count there would be a guard on the step's token
-    count, and every side of it a graph of its own (a ~50 s compile each on 2 cores)."""
+    """The op's kernel (shapes as :func:`_run`). Float32 products of more than
+    :data:`MAX_KERNEL_ROWS` rows go to torch here, at run time, and not in the module's
+    forward: a branch on the row count there would be a guard on the step's token count, and
+    every side of it a graph of its own (a ~50 s compile each on 2 cores)."""
     if scales is None and x.shape[0] > MAX_KERNEL_ROWS:
         return F.linear(x, weight, bias)
     return _run(x.contiguous(), weight, scales, bias)
 
 
-@cpu_linear_op.register_fake
+_LIBRARY.impl("cpu_linear", cpu_linear_op, "CPU")
+
+
+@torch.library.register_fake("pagedkv::cpu_linear")
 def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
