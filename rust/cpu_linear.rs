@@ -40,6 +40,12 @@ const MR: usize = 3;
 /// Below this many multiply-adds (`M * N * K`) one thread does the whole product: starting a
 /// job to a pool worker costs a few microseconds, about as long as ~100k multiply-adds take.
 const MIN_PARALLEL_MACS: usize = 1 << 17;
+/// How many tiles ahead of the one it computes a thread prefetches weight rows (into L2): a
+/// tile of SmolLM2's rows is 9 KB of float32, so 4 tiles are ~37 KB in flight. One tile ahead
+/// (into L1) gained nothing, 4 into L2 took a batch-1 pass over SmolLM2's 538 MB of linears
+/// from 27.4 to 17-22 ms, 8 were no better than 4 (benches/RESULTS.md, "Compiled forward: the
+/// step's overhead").
+const PREFETCH_TILES: usize = 4;
 
 /// The weight matrix of a linear layer, `[out_features, in_features]` row-major.
 #[derive(Debug, Clone, Copy)]
@@ -77,6 +83,21 @@ pub fn cpu_linear(
     out: &mut [f32],
     num_threads: usize,
 ) -> Result<()> {
+    cpu_linear_with_prefetch(x, weight, bias, dims, out, num_threads, true)
+}
+
+/// [`cpu_linear`], with the prefetch of the weight rows ahead ([`PREFETCH_TILES`]) on or off:
+/// off only to measure what it gains (`benches/bench_step_overhead.py`); the result is the
+/// same bits either way.
+pub fn cpu_linear_with_prefetch(
+    x: &[f32],
+    weight: LinearWeight<'_>,
+    bias: Option<&[f32]>,
+    dims: LinearDims,
+    out: &mut [f32],
+    num_threads: usize,
+    prefetch: bool,
+) -> Result<()> {
     validate(x, weight, bias, dims, out)?;
     let (m, n) = (dims.rows, dims.out_features);
     if m == 0 {
@@ -91,6 +112,7 @@ pub fn cpu_linear(
                 weight,
                 bias,
                 dims,
+                prefetch,
             },
             a,
             b,
@@ -201,6 +223,7 @@ struct Product<'a> {
     weight: LinearWeight<'a>,
     bias: Option<&'a [f32]>,
     dims: LinearDims,
+    prefetch: bool,
 }
 
 /// One thread's columns `a..b` of the product, as an `[M, b - a]` buffer.
@@ -224,12 +247,24 @@ unsafe fn columns_avx2(p: Product<'_>, a: usize, b: usize) -> Vec<f32> {
 /// The dot products of a register tile, per instruction set. `w` holds `NR` rows and `x` `R`
 /// rows (`R <= MR`) of `k` values each; every dot product is summed in the order the module
 /// docs give.
+///
+/// `ahead` holds weight rows the thread reads later (a later tile's): an instruction set may
+/// prefetch them while it computes this tile (see [`avx2`]); they change no result.
 trait Isa {
-    fn dots<W: WeightRow, const R: usize>(w: [W; NR], x: [&[f32]; R], k: usize) -> [[f32; R]; NR];
+    fn dots<W: WeightRow, const R: usize>(
+        w: [W; NR],
+        ahead: [W; NR],
+        x: [&[f32]; R],
+        k: usize,
+    ) -> [[f32; R]; NR];
 }
 
 /// A weight row as the tile reads it: float32 values, or int8 codes converted on the fly.
 trait WeightRow: Copy {
+    /// Bytes per stored value.
+    const BYTES: usize;
+    /// The address of the first value.
+    fn address(self) -> *const u8;
     /// The value at `i` as float32 (the tail past the last whole vector).
     fn at(self, i: usize) -> f32;
     #[cfg(target_arch = "x86_64")]
@@ -243,6 +278,11 @@ trait WeightRow: Copy {
 }
 
 impl WeightRow for &[f32] {
+    const BYTES: usize = 4;
+    #[inline(always)]
+    fn address(self) -> *const u8 {
+        self.as_ptr().cast()
+    }
     #[inline(always)]
     fn at(self, i: usize) -> f32 {
         self[i]
@@ -262,6 +302,11 @@ impl WeightRow for &[f32] {
 }
 
 impl WeightRow for &[i8] {
+    const BYTES: usize = 1;
+    #[inline(always)]
+    fn address(self) -> *const u8 {
+        self.as_ptr().cast()
+    }
     #[inline(always)]
     fn at(self, i: usize) -> f32 {
         f32::from(self[i])
@@ -294,7 +339,12 @@ struct Portable;
 
 impl Isa for Portable {
     #[inline(always)]
-    fn dots<W: WeightRow, const R: usize>(w: [W; NR], x: [&[f32]; R], k: usize) -> [[f32; R]; NR] {
+    fn dots<W: WeightRow, const R: usize>(
+        w: [W; NR],
+        _ahead: [W; NR],
+        x: [&[f32]; R],
+        k: usize,
+    ) -> [[f32; R]; NR] {
         let mut acc = [[[0.0f32; 8]; R]; NR];
         let whole = k / 8 * 8;
         for i in (0..whole).step_by(8) {
@@ -326,6 +376,14 @@ mod avx2 {
     //! The AVX2 + FMA tile. Its functions are `#[inline(always)]` without `#[target_feature]`:
     //! they are inlined into `columns_avx2`, which has the feature, so the intrinsics compile
     //! to single instructions there.
+    //!
+    //! While it computes a tile it prefetches into L2 the weight rows of the tile
+    //! [`super::PREFETCH_TILES`] tiles on, one cache line per row per 64 bytes it reads. At
+    //! one input row the product is a stream of the weights, and a tile reads `NR` rows side
+    //! by side, each only `K` values long (2.3 KB for K = 576): the hardware prefetcher met
+    //! `NR` new short streams at every tile, and without this the kernel read SmolLM2's
+    //! weights at 19.6 GB/s where `torch.sum` reads the same bytes at 32 (benches/RESULTS.md,
+    //! "Compiled forward: the step's overhead").
     use super::{Isa, WeightRow, NR};
     use std::arch::x86_64::*;
 
@@ -336,16 +394,24 @@ mod avx2 {
         #[inline(always)]
         fn dots<W: WeightRow, const R: usize>(
             w: [W; NR],
+            ahead: [W; NR],
             x: [&[f32]; R],
             k: usize,
         ) -> [[f32; R]; NR] {
             // SAFETY: only reached from `columns_avx2` (AVX2 + FMA present); every load reads
-            // `i + 8 <= k` values of a row of `k` (the callers pass rows of exactly `k`).
+            // `i + 8 <= k` values of a row of `k` (the callers pass rows of exactly `k`, in
+            // `ahead` too); a prefetch reads nothing and cannot fault, and its address is
+            // inside a row of `ahead` anyway (`i < k`).
             unsafe {
                 let mut acc = [[_mm256_setzero_ps(); R]; NR];
                 let whole = k / 8 * 8;
                 let mut i = 0;
                 while i < whole {
+                    if (i * W::BYTES) % 64 == 0 {
+                        for row in ahead {
+                            _mm_prefetch::<_MM_HINT_T1>(row.address().add(i * W::BYTES).cast());
+                        }
+                    }
                     for (wi, acc_w) in w.iter().zip(acc.iter_mut()) {
                         let wv = wi.load8(i);
                         for (xr, a) in x.iter().zip(acc_w.iter_mut()) {
@@ -386,6 +452,7 @@ fn columns<I: Isa>(p: Product<'_>, a: usize, b: usize) -> Vec<f32> {
         weight,
         bias,
         dims: d,
+        prefetch,
     } = p;
     let (m, k) = (d.rows, d.in_features);
     let width = b - a;
@@ -402,6 +469,10 @@ fn columns<I: Isa>(p: Product<'_>, a: usize, b: usize) -> Vec<f32> {
         let nr = NR.min(b - n0);
         // A short last tile repeats its last row: the extra dot products are discarded.
         let rows: [usize; NR] = std::array::from_fn(|i| n0 + i.min(nr - 1));
+        // The rows to prefetch while this tile computes: PREFETCH_TILES tiles on, clamped to the
+        // thread's last row (without the prefetch: this tile's own rows, already in cache).
+        let ahead_by = if prefetch { PREFETCH_TILES * NR } else { 0 };
+        let next: [usize; NR] = std::array::from_fn(|i| (n0 + ahead_by + i).min(b - 1));
         let scale = |n: usize| match weight {
             LinearWeight::F32(_) => 1.0,
             LinearWeight::Int8 { scales, .. } => scales[n],
@@ -423,11 +494,13 @@ fn columns<I: Isa>(p: Product<'_>, a: usize, b: usize) -> Vec<f32> {
         match weight {
             LinearWeight::F32(w) => {
                 let wr: [&[f32]; NR] = rows.map(|n| &w[n * k..(n + 1) * k]);
-                row_tiles::<I, _>(wr, &x_rows, k, &mut store);
+                let ahead: [&[f32]; NR] = next.map(|n| &w[n * k..(n + 1) * k]);
+                row_tiles::<I, _>(wr, ahead, &x_rows, k, &mut store);
             }
             LinearWeight::Int8 { codes, .. } if converted.is_empty() => {
                 let wr: [&[i8]; NR] = rows.map(|n| &codes[n * k..(n + 1) * k]);
-                row_tiles::<I, _>(wr, &x_rows, k, &mut store);
+                let ahead: [&[i8]; NR] = next.map(|n| &codes[n * k..(n + 1) * k]);
+                row_tiles::<I, _>(wr, ahead, &x_rows, k, &mut store);
             }
             LinearWeight::Int8 { codes, .. } => {
                 for (i, &n) in rows.iter().enumerate() {
@@ -437,7 +510,8 @@ fn columns<I: Isa>(p: Product<'_>, a: usize, b: usize) -> Vec<f32> {
                     }
                 }
                 let wr: [&[f32]; NR] = std::array::from_fn(|i| &converted[i * k..(i + 1) * k]);
-                row_tiles::<I, _>(wr, &x_rows, k, &mut store);
+                // Converted once, then read by every row tile from L1: nothing to prefetch.
+                row_tiles::<I, _>(wr, wr, &x_rows, k, &mut store);
             }
         }
         n0 += nr;
@@ -450,6 +524,7 @@ fn columns<I: Isa>(p: Product<'_>, a: usize, b: usize) -> Vec<f32> {
 #[inline(always)]
 fn row_tiles<I: Isa, W: WeightRow>(
     w: [W; NR],
+    ahead: [W; NR],
     x_rows: &[&[f32]],
     k: usize,
     store: &mut impl FnMut(usize, &[[f32; MR]; NR], usize),
@@ -462,18 +537,18 @@ fn row_tiles<I: Isa, W: WeightRow>(
         // row, not MR of them.
         match r {
             1 => {
-                let t = I::dots(w, [x_rows[m0]], k);
+                let t = I::dots(w, ahead, [x_rows[m0]], k);
                 for (d, t) in dots.iter_mut().zip(t) {
                     d[0] = t[0];
                 }
             }
             2 => {
-                let t = I::dots(w, [x_rows[m0], x_rows[m0 + 1]], k);
+                let t = I::dots(w, ahead, [x_rows[m0], x_rows[m0 + 1]], k);
                 for (d, t) in dots.iter_mut().zip(t) {
                     d[..2].copy_from_slice(&t);
                 }
             }
-            _ => dots = I::dots(w, [x_rows[m0], x_rows[m0 + 1], x_rows[m0 + 2]], k),
+            _ => dots = I::dots(w, ahead, [x_rows[m0], x_rows[m0 + 1], x_rows[m0 + 2]], k),
         }
         store(m0, &dots, r);
         m0 += r;
@@ -536,6 +611,18 @@ mod tests {
             ] {
                 let mut out = vec![0.0; m * n];
                 cpu_linear(&x, weight, Some(&bias), d, &mut out, threads).unwrap();
+                let mut unprefetched = vec![0.0; m * n];
+                cpu_linear_with_prefetch(
+                    &x,
+                    weight,
+                    Some(&bias),
+                    d,
+                    &mut unprefetched,
+                    threads,
+                    false,
+                )
+                .unwrap();
+                assert_eq!(out, unprefetched, "prefetch changed {d:?}");
                 let (wf, sc): (Vec<f32>, Option<&[f32]>) = match weight {
                     LinearWeight::F32(w) => (w.to_vec(), None),
                     LinearWeight::Int8 { codes, scales } => {

@@ -508,8 +508,10 @@ def cpu_linear(
     num_threads: int,
     scales: npt.NDArray[np.float32] | None = None,  # [N], with int8 weights
     bias: npt.NDArray[np.float32] | None = None,  # [N]
+    prefetch: bool = True,
 ) -> None:
     """``out = x @ (weight * scales[:, None]).T + bias`` (pagedkv.worker.cpu_linear uses it).
 
     Float32 weights take no ``scales``; int8 codes need them. Every array C-contiguous. Row ``m``
-    of ``out`` is bit for bit what ``x[m:m+1]`` alone gives, on any thread count."""
+    of ``out`` is bit for bit what ``x[m:m+1]`` alone gives, on any thread count.
+    ``prefetch=False`` turns off the prefetch of weight rows ahead (to measure it; same bits)."""

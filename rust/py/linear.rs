@@ -9,15 +9,16 @@ use pyo3::prelude::*;
 
 use super::args::{contiguous_arg as contiguous, contiguous_mut_arg as contiguous_mut};
 use super::errors::{invalid_argument, invalid_type};
-use crate::cpu_linear::{cpu_linear as linear, LinearDims, LinearWeight};
+use crate::cpu_linear::{cpu_linear_with_prefetch as linear, LinearDims, LinearWeight};
 
 /// `out = x @ weight.T (* scales) + bias` into `out` on up to `num_threads` threads. `x`:
 /// float32 `[M, K]`; `weight`: float32 `[N, K]`, or int8 `[N, K]` codes with `scales` float32
 /// `[N]` (required for int8, refused for float32); `bias`: float32 `[N]`; `out`: float32
 /// `[M, N]`. Every array C-contiguous. Row `m` of the result is bit for bit what `x[m:m+1]`
-/// alone gives. The GIL is released while the kernel runs.
+/// alone gives. `prefetch=False` turns off the prefetch of weight rows ahead (to measure it;
+/// same bits). The GIL is released while the kernel runs.
 #[pyfunction]
-#[pyo3(signature = (x, weight, out, num_threads, scales = None, bias = None))]
+#[pyo3(signature = (x, weight, out, num_threads, scales = None, bias = None, prefetch = true))]
 pub fn cpu_linear(
     py: Python<'_>,
     x: PyReadonlyArray2<'_, f32>,
@@ -26,6 +27,7 @@ pub fn cpu_linear(
     num_threads: usize,
     scales: Option<PyReadonlyArray1<'_, f32>>,
     bias: Option<PyReadonlyArray1<'_, f32>>,
+    prefetch: bool,
 ) -> PyResult<()> {
     let (m, k) = (x.shape()[0], x.shape()[1]);
     let out_shape = out.shape().to_vec();
@@ -78,6 +80,6 @@ pub fn cpu_linear(
         out_features: n,
     };
     let o = contiguous_mut(&mut out, "out")?;
-    py.detach(|| linear(x_data, w, bias_data, dims, o, num_threads))?;
+    py.detach(|| linear(x_data, w, bias_data, dims, o, num_threads, prefetch))?;
     Ok(())
 }
