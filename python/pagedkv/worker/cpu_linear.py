@@ -4,11 +4,12 @@ and int8 weights at every row count (``quantization="int8"``, :mod:`pagedkv.work
 
 Why: a batch-1 decode step is bound by reading the weights, and torch's default product (MKL,
 AVX2 on this project's AMD EPYC machines) streamed SmolLM2's decoder linears at 13-14 GB/s
-where the kernel, on the crate's worker threads, reads them at 19-20 GB/s: 31 vs 22 ms per
-step for the 210 linears, 61 vs 44 ms at 16 rows; from 64 rows on MKL's blocked product is the
+where the kernel, on the crate's worker threads, read them at 19-20 GB/s: 31 vs 22 ms per
+step for the 210 linears, 61 vs 44 ms at 16 rows (since it prefetches weight rows ahead, 27
+GB/s: "Compiled forward: the step's overhead"); from 64 rows on MKL's blocked product is the
 faster one (122 vs 135 ms), so ``linear_kernel="pagedkv"`` hands products of more than
 :data:`MAX_KERNEL_ROWS` rows to torch. In the engine's step: 1.28x at batch 1, 1.33x at 16;
-compiled, 1.56x and 1.88x eager with MKL (1.11x and 1.10x eager with the kernel). A compiled
+compiled, 1.19x and 1.12x eager with the kernel (benches/bench_step_overhead.py). A compiled
 server with it once ran 4-8x slower than eager: the row limit, checked in the forward, was a
 guard on the step's token count, and each side of it (times dynamo's one-token and one-row
 specialisations) a graph of its own at ~50 s a compile; the op checks it now, and one graph
