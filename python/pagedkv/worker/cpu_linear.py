@@ -81,8 +81,9 @@ def _run(
 # The kernel as the op ``pagedkv::cpu_linear`` for compiled graphs, defined through
 # ``torch.library.Library`` rather than ``torch.library.custom_op``: a decode step of SmolLM2
 # calls it 211 times, and custom_op's Python wrapper (autograd and aliasing checks around the
-# kernel) cost ~7 us more per call than a plain backend kernel (3.5 against 10.5 us over the
-# bare call, inference mode; benches/RESULTS.md, "Compiled forward: the step's overhead").
+# kernel) cost 3-6 us more per call than a plain backend kernel (6.7-10.9 against 3.4-5.2 us
+# over the bare call in two runs, inference mode; benches/RESULTS.md, "Compiled forward: the
+# step's overhead").
 _LIBRARY = torch.library.Library("pagedkv", "FRAGMENT")
 _LIBRARY.define("cpu_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? bias) -> Tensor")
 
