@@ -72,8 +72,29 @@ pub struct LinearDims {
     pub out_features: usize,
 }
 
+/// How a product runs: on up to `threads` threads, with or without the prefetch of weight rows
+/// ahead ([`PREFETCH_TILES`]; off only to measure what it gains, `benches/bench_step_overhead.py`:
+/// the result is the same bits either way).
+#[derive(Debug, Clone, Copy)]
+pub struct LinearRun {
+    /// The most threads the product may use (the caller's among them).
+    pub threads: usize,
+    /// Prefetch the weight rows ahead (the default).
+    pub prefetch: bool,
+}
+
+impl LinearRun {
+    /// Up to `threads` threads, with the prefetch.
+    pub fn on(threads: usize) -> Self {
+        Self {
+            threads,
+            prefetch: true,
+        }
+    }
+}
+
 /// `out[m, n] = sum_k x[m, k] * W[n, k] (* scale[n]) + bias[n]` for `x` `[M, K]`, `out`
-/// `[M, N]` (both float32, row-major) and `bias` `[N]`, on up to `num_threads` threads.
+/// `[M, N]` (both float32, row-major) and `bias` `[N]`, as `run` says.
 /// Errors (before any work): a slice whose length is not its shape's, `K` or `N` of 0.
 pub fn cpu_linear(
     x: &[f32],
@@ -81,29 +102,15 @@ pub fn cpu_linear(
     bias: Option<&[f32]>,
     dims: LinearDims,
     out: &mut [f32],
-    num_threads: usize,
-) -> Result<()> {
-    cpu_linear_with_prefetch(x, weight, bias, dims, out, num_threads, true)
-}
-
-/// [`cpu_linear`], with the prefetch of the weight rows ahead ([`PREFETCH_TILES`]) on or off:
-/// off only to measure what it gains (`benches/bench_step_overhead.py`); the result is the
-/// same bits either way.
-pub fn cpu_linear_with_prefetch(
-    x: &[f32],
-    weight: LinearWeight<'_>,
-    bias: Option<&[f32]>,
-    dims: LinearDims,
-    out: &mut [f32],
-    num_threads: usize,
-    prefetch: bool,
+    run: LinearRun,
 ) -> Result<()> {
     validate(x, weight, bias, dims, out)?;
     let (m, n) = (dims.rows, dims.out_features);
     if m == 0 {
         return Ok(());
     }
-    let ranges = column_ranges(n, threads_for(dims, num_threads));
+    let prefetch = run.prefetch;
+    let ranges = column_ranges(n, threads_for(dims, run.threads));
     let buffers = run_jobs(ranges.len(), |i| {
         let (a, b) = ranges[i];
         columns_dispatch(
@@ -610,18 +617,13 @@ mod tests {
                 },
             ] {
                 let mut out = vec![0.0; m * n];
-                cpu_linear(&x, weight, Some(&bias), d, &mut out, threads).unwrap();
+                cpu_linear(&x, weight, Some(&bias), d, &mut out, LinearRun::on(threads)).unwrap();
                 let mut unprefetched = vec![0.0; m * n];
-                cpu_linear_with_prefetch(
-                    &x,
-                    weight,
-                    Some(&bias),
-                    d,
-                    &mut unprefetched,
+                let no_prefetch = LinearRun {
                     threads,
-                    false,
-                )
-                .unwrap();
+                    prefetch: false,
+                };
+                cpu_linear(&x, weight, Some(&bias), d, &mut unprefetched, no_prefetch).unwrap();
                 assert_eq!(out, unprefetched, "prefetch changed {d:?}");
                 let (wf, sc): (Vec<f32>, Option<&[f32]>) = match weight {
                     LinearWeight::F32(w) => (w.to_vec(), None),
@@ -646,7 +648,7 @@ mod tests {
                         Some(&bias),
                         one,
                         &mut alone,
-                        1,
+                        LinearRun::on(1),
                     )
                     .unwrap();
                     assert_eq!(
@@ -667,27 +669,28 @@ mod tests {
             out_features: 3,
         };
         let (x, w, mut out) = (vec![0.0; 8], vec![0.0; 12], vec![0.0; 6]);
-        assert!(cpu_linear(&x[..7], LinearWeight::F32(&w), None, d, &mut out, 1).is_err());
-        assert!(cpu_linear(&x, LinearWeight::F32(&w[..11]), None, d, &mut out, 1).is_err());
-        assert!(cpu_linear(&x, LinearWeight::F32(&w), Some(&[0.0; 2]), d, &mut out, 1).is_err());
+        let one = LinearRun::on(1);
+        assert!(cpu_linear(&x[..7], LinearWeight::F32(&w), None, d, &mut out, one).is_err());
+        assert!(cpu_linear(&x, LinearWeight::F32(&w[..11]), None, d, &mut out, one).is_err());
+        assert!(cpu_linear(&x, LinearWeight::F32(&w), Some(&[0.0; 2]), d, &mut out, one).is_err());
         let codes = vec![0i8; 12];
         let int8 = LinearWeight::Int8 {
             codes: &codes,
             scales: &[1.0; 2],
         };
-        assert!(cpu_linear(&x, int8, None, d, &mut out, 1).is_err());
+        assert!(cpu_linear(&x, int8, None, d, &mut out, one).is_err());
         let empty = LinearDims {
             in_features: 0,
             ..d
         };
-        assert!(cpu_linear(&[], LinearWeight::F32(&[]), None, empty, &mut [0.0; 6], 1).is_err());
+        assert!(cpu_linear(&[], LinearWeight::F32(&[]), None, empty, &mut [0.0; 6], one).is_err());
         assert!(cpu_linear(
             &[],
             LinearWeight::F32(&w),
             None,
             LinearDims { rows: 0, ..d },
             &mut [],
-            2
+            LinearRun::on(2)
         )
         .is_ok());
     }

@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 
 use super::args::{contiguous_arg as contiguous, contiguous_mut_arg as contiguous_mut};
 use super::errors::{invalid_argument, invalid_type};
-use crate::cpu_linear::{cpu_linear_with_prefetch as linear, LinearDims, LinearWeight};
+use crate::cpu_linear::{cpu_linear as linear, LinearDims, LinearRun, LinearWeight};
 
 /// `out = x @ weight.T (* scales) + bias` into `out` on up to `num_threads` threads. `x`:
 /// float32 `[M, K]`; `weight`: float32 `[N, K]`, or int8 `[N, K]` codes with `scales` float32
@@ -19,6 +19,7 @@ use crate::cpu_linear::{cpu_linear_with_prefetch as linear, LinearDims, LinearWe
 /// same bits). The GIL is released while the kernel runs.
 #[pyfunction]
 #[pyo3(signature = (x, weight, out, num_threads, scales = None, bias = None, prefetch = true))]
+#[allow(clippy::too_many_arguments)] // a Python signature: keywords, not a struct
 pub fn cpu_linear(
     py: Python<'_>,
     x: PyReadonlyArray2<'_, f32>,
@@ -80,6 +81,10 @@ pub fn cpu_linear(
         out_features: n,
     };
     let o = contiguous_mut(&mut out, "out")?;
-    py.detach(|| linear(x_data, w, bias_data, dims, o, num_threads, prefetch))?;
+    let run = LinearRun {
+        threads: num_threads,
+        prefetch,
+    };
+    py.detach(|| linear(x_data, w, bias_data, dims, o, run))?;
     Ok(())
 }
