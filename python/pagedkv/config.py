@@ -269,7 +269,7 @@ class ModelConfig:
       :mod:`pagedkv.worker.int8_linear`).
     - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's
       forward under ``torch.compile``: one graph for every step size, compiled on the first
-      step (30-60 s for SmolLM2 on 2 cores; a later process reuses the disk cache, ~10 s, except
+      step (30-70 s for SmolLM2 on 2 cores; a later process reuses the disk cache, 10-21 s, except
       with the default linears, whose frozen graph is not cached), logits not bit-identical to
       eager; :mod:`pagedkv.worker.compiled_forward`.
     - ``max_logprobs``: the most log-probabilities a request may ask for per token

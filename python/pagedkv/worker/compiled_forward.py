@@ -25,7 +25,8 @@ and a server whose steps changed size compiled up to five (benches/RESULTS.md). 
 transformers' mask code out of the graph: pagedkv registers no mask function, so it builds
 none (:func:`~pagedkv.worker.attention_backend.register_pagedkv_attention`). The graph is
 cached on disk by inductor's FX graph cache and AOT autograd's cache, so a second process
-only traces it again (dynamo has no disk cache): about 10 s for SmolLM2.
+only traces it again (dynamo has no disk cache): 10-21 s more than an eager start for
+SmolLM2 on 2 shared cores (benches/RESULTS.md, "Compiled forward: compile time at start").
 
 On the CPU with torch's own linears the runner compiles with inductor's freezing
 (``freeze=True``): the weights become graph constants and the linears oneDNN's prepacked
