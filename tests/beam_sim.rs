@@ -584,9 +584,14 @@ fn run_sim(spec: &Spec) -> SimResult {
                     let rows = step_beams.get(&id).unwrap_or_else(|| panic!("{}: update for {id} without rows", ctx(step)));
                     assert!(t.end.is_none(), "{}: update for {id} after its end", ctx(step));
                     match (u.parent, u.finish_reason) {
-                        (Some(x), None) => {
-                            let x = x as usize;
-                            let prev = rows.prev_index[x] as usize;
+                        (Some(parent), None) => {
+                            // `parent` is the continued beam's rank before the step; `x` its row.
+                            let prev = parent as usize;
+                            let x = rows
+                                .prev_index
+                                .iter()
+                                .position(|&p| p == parent)
+                                .unwrap_or_else(|| panic!("{}: {id} continues rank {parent}, which had no row", ctx(step)));
                             let (toks, cum) = &t.live[prev];
                             let cands = candidates(rows.digests[x]);
                             let &(_, lp) = cands[..2 * t.spec.width]

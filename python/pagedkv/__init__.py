@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from pagedkv.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
     from pagedkv.sample.beam_search_params import BeamSearchParams
     from pagedkv.sample.sampling_params import SamplingParams
+    from pagedkv.structured.params import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -46,6 +47,7 @@ _LAZY = {
     "EngineArgs": "pagedkv.engine.args",
     "SamplingParams": "pagedkv.sample.sampling_params",
     "BeamSearchParams": "pagedkv.sample.beam_search_params",
+    "StructuredOutputsParams": "pagedkv.structured.params",
     "BeamSearchOutput": "pagedkv.engine.outputs",
     "BeamSearchSequence": "pagedkv.engine.outputs",
     "RequestOutput": "pagedkv.engine.outputs",
@@ -85,5 +87,6 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
+    "StructuredOutputsParams",
     *_errors_all,
 ]

@@ -30,10 +30,11 @@ probe forward, ``pagedkv simulate`` (:mod:`pagedkv.sim.kv_budget`) from a ``conf
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pagedkv._core import MAX_BLOCK_SIZE, MAX_NUM_BLOCKS
@@ -533,6 +534,49 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """Structured outputs (JSON schemas, regexes, choices, grammars; ``pagedkv.structured``).
+
+    - ``compile_timeout_s``: a request whose grammar is not compiled after this many seconds
+      fails alone (the compile itself is bounded by llguidance's fuel limits).
+    - ``max_cached_grammars``: compiled grammars kept for reuse, most recently used first.
+    - ``compile_workers``: threads that compile grammars (off the engine thread).
+    """
+
+    compile_timeout_s: float = 30.0
+    max_cached_grammars: int = 256
+    compile_workers: int = 2
+
+    def __post_init__(self) -> None:
+        timeout = self.compile_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ConfigError(f"structured_outputs_config: compile_timeout_s must be a number > 0, got {timeout!r}")
+        _positive_int("structured_outputs_config: max_cached_grammars", self.max_cached_grammars)
+        _positive_int("structured_outputs_config: compile_workers", self.compile_workers, maximum=64)
+
+    @classmethod
+    def from_any(cls, value: Any) -> StructuredOutputsConfig:
+        """From a StructuredOutputsConfig, a dict of its fields, its JSON text (the CLI flag), or
+        None (the defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ConfigError(f"structured_outputs_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"structured_outputs_config must be a dict, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"structured_outputs_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """The three parts together, with the checks that span them."""
 
@@ -542,6 +586,7 @@ class EngineConfig:
     # KV transfer between engines (pagedkv.distributed.transfer_config.KVTransferConfig), or None.
     kv_transfer: Any = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def __post_init__(self) -> None:
         for name, cls in (
@@ -549,6 +594,7 @@ class EngineConfig:
             ("cache", CacheConfig),
             ("scheduling", SchedulingConfig),
             ("parallel", ParallelConfig),
+            ("structured_outputs", StructuredOutputsConfig),
         ):
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"{name} must be a {cls.__name__}, got {type(getattr(self, name)).__name__}")

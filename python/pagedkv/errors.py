@@ -31,6 +31,7 @@ __all__ = [
     "EngineDeadError",
     "KVTransferError",
     "MissingDependencyError",
+    "StructuredOutputError",
 ]
 
 
@@ -40,6 +41,12 @@ class PagedKVError(Exception):
 
 class ConfigError(PagedKVError, ValueError):
     """A configuration value (pool size, block size, sampling parameter, ...) is invalid."""
+
+
+class StructuredOutputError(ConfigError):
+    """A structured-output request cannot be served: its JSON schema, regex, choice list or
+    grammar is malformed, uses a feature the grammar engine does not implement (the message
+    names it), or took longer than the engine's limit to compile. Only that request fails."""
 
 
 class InvalidArgumentError(PagedKVError, ValueError):

@@ -455,6 +455,9 @@ impl Scheduler {
             self.end_beam_request(req, updates);
             return Ok(());
         }
+        // Each parent's rank before this step (rows come in running order, not rank order):
+        // what an update's `parent` names.
+        let prior_ranks: Vec<u32> = beams.iter().map(|&b| self.branches.get(b).map_or(0, |x| x.index)).collect();
         // Survivors: the first of each parent takes the parent's branch over, the others fork
         // from it (before any token is appended); parents without survivors are freed.
         let mut targets: Vec<BranchKey> = Vec::with_capacity(decision.survivors.len());
@@ -488,7 +491,7 @@ impl Scheduler {
                 token,
                 finish_reason: None,
                 num_cached_tokens: num_cached,
-                parent: Some(x as u32),
+                parent: Some(prior_ranks[x]),
                 cumulative_logprob: Some(cum),
             });
         }

@@ -6,7 +6,14 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from pagedkv.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulingConfig
+from pagedkv.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulingConfig,
+    StructuredOutputsConfig,
+)
 from pagedkv.distributed.transfer_config import KVTransferConfig
 from pagedkv.errors import ConfigError
 from pagedkv.sizes import as_byte_count
@@ -89,6 +96,9 @@ class EngineArgs:
       :class:`~pagedkv.distributed.transfer_config.KVTransferConfig`, a dict, or its JSON text,
       e.g. ``{"role": "consumer", "transport": "nixl"}``); requests then accept
       ``kv_transfer_params``.
+    - ``structured_outputs_config``: a dict, its JSON text, or a
+      :class:`~pagedkv.config.StructuredOutputsConfig`, of ``compile_timeout_s`` (30), ``max_cached_grammars`` (256), ``compile_workers`` (2): how
+      requests' JSON schemas and grammars are compiled (``SamplingParams.structured_outputs``).
 
     Every value is checked when the arguments are built (:meth:`create_engine_config`, called
     by ``__post_init__``): a bad one raises :class:`~pagedkv.errors.ConfigError` naming the
@@ -128,6 +138,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     kv_transfer_config: KVTransferConfig | None = None
+    structured_outputs_config: StructuredOutputsConfig | None = None
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:
@@ -144,6 +155,7 @@ class EngineArgs:
                 setattr(self, name, os.fspath(getattr(self, name)))
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config)
+        self.structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
         for name in BYTE_SIZE_FIELDS:  # "8GiB" -> bytes, once
             setattr(self, name, as_byte_count(getattr(self, name), name))
         self.create_engine_config()
@@ -192,4 +204,5 @@ class EngineArgs:
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
+            structured_outputs=StructuredOutputsConfig.from_any(self.structured_outputs_config),
         )

@@ -40,9 +40,16 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.llm_engine import LLMEngine
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.prompts import PromptType
-from pagedkv.errors import EngineDeadError, PagedKVError, RequestFailedError, UnknownRequestError
+from pagedkv.errors import (
+    EngineDeadError,
+    PagedKVError,
+    RequestFailedError,
+    StructuredOutputError,
+    UnknownRequestError,
+)
 from pagedkv.sample.beam_search_params import BeamSearchParams
 from pagedkv.sample.sampling_params import SamplingParams
+from pagedkv.structured.params import StructuredOutputsParams
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
 
@@ -152,6 +159,9 @@ class AsyncLLM:
         before sending headers). A caller cancelled while this waits leaves nothing behind."""
         if request_id is None:
             request_id = f"async-{next(self._ids)}"
+        constraint = getattr(sampling_params, "structured_outputs", None)
+        if constraint is not None:
+            await self._compile(constraint)
         stream = _Stream(asyncio.get_running_loop())
 
         def add() -> None:
@@ -172,6 +182,20 @@ class AsyncLLM:
             self._post(lambda: self._abort_quietly(request_id, stream))
             raise
         return RequestStream(self, request_id, stream)
+
+    async def _compile(self, constraint: StructuredOutputsParams) -> None:
+        """Waits (without blocking the loop thread) for the constraint's grammar, so that the
+        engine admits the request at once and a schema it cannot serve raises here, before
+        anything streams (StructuredOutputError: a server's 400)."""
+        future = self.engine.grammars.compile(constraint)
+        limit = self.engine.config.structured_outputs.compile_timeout_s
+        try:
+            # shield: a caller that goes away must not cancel a compile other requests share.
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit)
+        except asyncio.TimeoutError:
+            raise StructuredOutputError(
+                f"structured outputs: compiling the constraint took longer than {limit} s"
+            ) from None
 
     async def generate(
         self,

@@ -20,6 +20,7 @@ import torch
 
 from pagedkv._core import RequestUpdate
 from pagedkv.engine.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
+from pagedkv.errors import StructuredOutputError
 from pagedkv.sample.beam_search_params import BeamSearchParams
 
 __all__ = ["BeamTracker", "beam_candidates", "to_beam_search_output"]
@@ -58,17 +59,31 @@ class BeamTracker:
         self.cumulative_logprobs: list[float] = [0.0]
         # The result, best first, once the search ended.
         self.result: list[Hypothesis] | None = None
+        # Structured outputs: one llguidance matcher per live beam (same order as ``beams``);
+        # a beam's matcher forks with it (a deep copy of its parent's, then its new tokens).
+        self.matchers: list[Any] | None = None
 
     def advance(self, updates: Sequence[RequestUpdate]) -> None:
         """The live beams after a step: one update per beam, ``index`` its new rank and
         ``parent`` the rank (before the step) of the beam it continues."""
         beams: list[list[int]] = [[] for _ in updates]
         cums = [0.0] * len(updates)
+        matchers: list[Any] = [None] * len(updates)
         for u in updates:
             parent = u.parent if u.parent is not None else 0
             beams[u.index] = self.beams[parent] + u.new_token_ids
             cums[u.index] = float(u.cumulative_logprob or 0.0)
+            if self.matchers is not None:
+                matcher = self.matchers[parent].deep_copy()
+                if not matcher.consume_tokens(u.new_token_ids):
+                    raise StructuredOutputError(
+                        f"beam token(s) {u.new_token_ids} break the request's structured-output constraint: "
+                        f"{matcher.get_error()}"
+                    )
+                matchers[u.index] = matcher
         self.beams, self.cumulative_logprobs = beams, cums
+        if self.matchers is not None:
+            self.matchers = matchers
 
     def finish(self, hypotheses: list[Hypothesis]) -> None:
         self.result = hypotheses

@@ -121,6 +121,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Adds one request per prompt (all or none) and runs them to the end."""
         engine = self.llm_engine
+        # Every constraint compiled first (in parallel, off the engine): a bad schema raises
+        # here, before any request of this call is queued.
+        engine.compile_grammars(p.structured_outputs for p in params_list)
         ids: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):

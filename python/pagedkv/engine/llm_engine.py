@@ -37,6 +37,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -60,6 +61,7 @@ from pagedkv.errors import (
     ModelLoadError,
     PagedKVError,
     PromptTooLongError,
+    StructuredOutputError,
     UnknownRequestError,
 )
 from pagedkv.parallel.executor import MultiprocExecutor, start_workers
@@ -67,6 +69,9 @@ from pagedkv.sample.beam_search_params import BeamSearchParams
 from pagedkv.sample.penalties import bad_words_bans, bad_words_token_ids
 from pagedkv.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedkv.sample.sampling_params import SamplingParams
+from pagedkv.structured.compiler import CompiledGrammar, GrammarCompiler
+from pagedkv.structured.params import StructuredOutputsParams
+from pagedkv.structured.step_masks import PendingMasks, StepMasks, apply_token_bitmask_
 from pagedkv.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -164,6 +169,19 @@ class LLMEngine:
         # Ids outside the LM head's rows can never be sampled (nor banned: the sampler refuses them).
         self.eos_token_ids = [t for t in self.runner.eos_token_ids if 0 <= t < self.runner.vocab_size]
         self.requests: dict[str, RequestState] = {}
+        # Structured outputs: grammars compile off this thread (cached); requests whose grammar
+        # is still compiling wait here (with their deadline and the rest of their add), and
+        # each step's masks are filled while its forward runs (pagedkv.structured).
+        structured = config.structured_outputs
+        self.grammars = GrammarCompiler(
+            self.tokenizer,
+            self.runner.vocab_size,
+            self.eos_token_ids,
+            workers=structured.compile_workers,
+            max_cached=structured.max_cached_grammars,
+        )
+        self._waiting_for_grammar: dict[str, tuple[Future[CompiledGrammar], float, Callable[[], None]]] = {}
+        self._step_masks = StepMasks(self.runner.vocab_size)
         self._counters = {
             "steps": 0,
             "tokens_computed": 0,
@@ -283,11 +301,107 @@ class LLMEngine:
             # Cached blocks have no logits: a request that wants the prompt's computes it whole.
             skip_prefix_cache=params.prompt_logprobs is not None,
         )
+        constraint = params.structured_outputs if beam is None else beam.structured_outputs
+        compiling = None if constraint is None else self.grammars.compile(constraint)
         with self._lock:
-            if isinstance(transfer, RemotePrefill) and self._start_kv_load(state, transfer, cache_salt, add):
-                return  # waiting for remote KV: added to the scheduler when it arrives
-            add()
-            self.requests[request_id] = state
+            if compiling is not None:
+                if not compiling.done():
+                    # Compiling off this thread: the request waits (checked now as far as it
+                    # can be without adding it) and is admitted by a later step.
+                    self._check_addable(state)
+                    deadline = time.monotonic() + self.config.structured_outputs.compile_timeout_s
+                    self.requests[request_id] = state
+                    self._waiting_for_grammar[request_id] = (
+                        compiling,
+                        deadline,
+                        functools.partial(self._admit, state, transfer, cache_salt, add),
+                    )
+                    return
+                state.attach_grammar(compiling.result())  # a cached grammar, or its error (raised)
+            self._admit(state, transfer, cache_salt, add)
+
+    def _admit(
+        self,
+        state: RequestState,
+        transfer: bool | RemotePrefill | None,
+        cache_salt: str | None,
+        add: Callable[[], None],
+    ) -> None:
+        """The end of ``add_request``: to the scheduler, or first to a remote KV pull."""
+        if state.request_id in self.requests:  # live, waiting for its grammar or remote KV
+            raise DuplicateRequestError(f"request {state.request_id!r} is already live")
+        if isinstance(transfer, RemotePrefill) and self._start_kv_load(state, transfer, cache_salt, add):
+            return  # waiting for remote KV: added to the scheduler when it arrives
+        add()
+        self.requests[state.request_id] = state
+
+    def compile_grammars(
+        self, constraints: Iterable[StructuredOutputsParams | None], timeout: float | None = None
+    ) -> None:
+        """Compile every constraint now (on the compile threads, waiting for them here), so that
+        requests using them are admitted at once; raises the first StructuredOutputError.
+        ``LLM.generate`` calls it before adding its requests, so a bad schema raises there."""
+        limit = self.config.structured_outputs.compile_timeout_s if timeout is None else timeout
+        futures = [self.grammars.compile(c) for c in constraints if c is not None]
+        deadline = time.monotonic() + limit
+        for future in futures:
+            try:
+                future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise StructuredOutputError(
+                    f"structured outputs: compiling the constraint took longer than {limit} s"
+                ) from None
+
+    def _check_addable(self, state: RequestState) -> None:
+        """The scheduler's own checks of a request that waits before it is added (for remote KV
+        or its grammar), so that it can be added later."""
+        rid, prompt_ids = state.request_id, state.prompt_token_ids
+        if rid in self.requests:
+            raise DuplicateRequestError(f"request {rid!r} is already live")
+        if len(prompt_ids) > self.max_model_len:
+            raise PromptTooLongError(
+                f"request {rid!r}: prompt of {len(prompt_ids)} tokens exceeds max_model_len = {self.max_model_len}"
+            )
+        if state.params.n > self.config.scheduling.max_num_seqs:
+            raise InvalidArgumentError(
+                f"request {rid!r}: n = {state.params.n} exceeds max_num_seqs = {self.config.scheduling.max_num_seqs}"
+            )
+
+    def _admit_compiled_requests(self) -> None:
+        """Requests whose grammar compiled are admitted; those whose compile failed or ran past
+        ``compile_timeout_s`` fail alone (their outputs come with this step's)."""
+        if not self._waiting_for_grammar:
+            return
+        if not self.scheduler.has_unfinished_requests():
+            # Only compiles pending: wait for one a moment instead of spinning.
+            first = next(iter(self._waiting_for_grammar.values()))[0]
+            try:
+                first.exception(timeout=0.02)
+            except TimeoutError:
+                pass
+        now = time.monotonic()
+        for rid, (future, deadline, admit) in list(self._waiting_for_grammar.items()):
+            state = self.requests.get(rid)
+            if state is None:  # cannot happen: aborts remove both
+                del self._waiting_for_grammar[rid]
+                continue
+            if not future.done():
+                if now > deadline:
+                    del self._waiting_for_grammar[rid]
+                    limit = self.config.structured_outputs.compile_timeout_s
+                    error = StructuredOutputError(
+                        f"structured outputs: compiling the constraint took longer than {limit} s"
+                    )
+                    self._failed_outputs.append(self._fail_request(state, error))
+                continue
+            del self._waiting_for_grammar[rid]
+            try:
+                state.attach_grammar(future.result())
+                del self.requests[rid]  # _admit puts it back once it is added
+                admit()
+            except Exception as exc:  # the compile's error, or the scheduler refused it
+                self.requests[rid] = state
+                self._failed_outputs.append(self._fail_request(state, exc))
 
     def _check_kv_transfer_params(self, kv_transfer_params: Any) -> bool | RemotePrefill | None:
         """The parsed params (see ``parse_kv_transfer_params``), refused on an engine whose
@@ -313,16 +427,7 @@ class LLMEngine:
         connector = self.kv_connector
         assert connector is not None
         rid, prompt_ids = state.request_id, state.prompt_token_ids
-        if rid in self.requests:
-            raise DuplicateRequestError(f"request {rid!r} is already live")
-        if len(prompt_ids) > self.max_model_len:
-            raise PromptTooLongError(
-                f"request {rid!r}: prompt of {len(prompt_ids)} tokens exceeds max_model_len = {self.max_model_len}"
-            )
-        if state.params.n > self.config.scheduling.max_num_seqs:
-            raise InvalidArgumentError(
-                f"request {rid!r}: n = {state.params.n} exceeds max_num_seqs = {self.config.scheduling.max_num_seqs}"
-            )
+        self._check_addable(state)
         try:
             waiting = connector.start_load(rid, prompt_ids, remote, cache_salt)
         except KVTransferError as exc:  # refused before anything moved (another KV format)
@@ -423,7 +528,9 @@ class LLMEngine:
                 if state is None:
                     unknown.append(rid)
                     continue
-                if self._adds_after_load.pop(rid, None) is not None and self.kv_connector is not None:
+                if self._waiting_for_grammar.pop(rid, None) is not None:
+                    pass  # never reached the scheduler (its compile goes on, into the cache)
+                elif self._adds_after_load.pop(rid, None) is not None and self.kv_connector is not None:
                     # Waiting for remote KV: its blocks are freed when the read ends.
                     self.kv_connector.abandon(rid)
                 else:
@@ -462,6 +569,7 @@ class LLMEngine:
             if connector is not None:
                 connector.poll()
                 self._add_loaded_requests()
+            self._admit_compiled_requests()
             out = self.scheduler.schedule()
             now = time.time()
             if out.preempted_req_ids:
@@ -474,13 +582,17 @@ class LLMEngine:
                 self.scheduler.update(out, [])
                 return self._take_failed_outputs()
             t0 = time.perf_counter()
+            masks = None
             try:
+                masks = self._start_masks(out)  # filled while the forward runs
                 prompt_rows = prompt_logprobs.plan(out, self.requests)
                 prompt_step = None if prompt_rows is None else prompt_logprobs.StepWithPromptRows(out, prompt_rows)
                 logits = self._execute(out, prompt_step)
                 prompt_found = None
                 if prompt_step is not None:
                     logits, prompt_found = prompt_logprobs.compute_step(prompt_step, logits)
+                if masks is not None:
+                    apply_token_bitmask_(logits, masks.rows, masks.wait())
                 sampled = self._sample(out, logits)
                 tokens = sampled.sampled_token_ids.cpu().numpy()
                 beam_ids, beam_logprobs = self._beam_candidates(out, logits)
@@ -491,6 +603,8 @@ class LLMEngine:
                     raise self._stop_workers(exc) from exc
                 raise
             finally:
+                if masks is not None:
+                    masks.join()  # no matcher is left in use by the fill thread
                 self._forget_bad_disk_slots()
             if self._charged:
                 self._clear_failures(out)
@@ -583,11 +697,14 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Flush the KV cache to the disk tier, if there is one (:meth:`flush_kv_cache`), and
-        close the KV connector (its transport, control socket and thread)."""
+        close the KV connector (its transport, control socket and thread), and stop the
+        grammar compile and mask threads."""
         if self.runner.disk_cache is not None:
             self.flush_kv_cache()
         if self.kv_connector is not None:
             self.kv_connector.close()
+        self.grammars.shutdown()
+        self._step_masks.shutdown()
         if self.executor is not None:
             self.executor.shutdown(None if self._dead is not None else self.runner.tp_group)
 
@@ -646,6 +763,24 @@ class LLMEngine:
         self._counters["failed_requests"] += 1
         logger.warning("request %r failed: %s: %s", state.request_id, type(exc).__name__, exc)
         return state.output()
+
+    def _start_masks(self, out: SchedulerOutput) -> PendingMasks | None:
+        """Starts filling the grammar masks of the step's sampled rows that have a matcher (None
+        when no row has one)."""
+        if not self._has_structured_requests():
+            return None
+        rows: list[int] = []
+        matchers = []
+        for row, (rid, index) in enumerate(zip(out.sampled_req_ids, out.sample_indices.tolist())):
+            state = self.requests.get(rid)
+            matcher = None if state is None else state.matcher(index)
+            if matcher is not None:
+                rows.append(row)
+                matchers.append(matcher)
+        return self._step_masks.start(rows, matchers) if rows else None
+
+    def _has_structured_requests(self) -> bool:
+        return any(state.grammar is not None for state in self.requests.values())
 
     def _beam_candidates(
         self, out: SchedulerOutput, logits: torch.Tensor
@@ -732,7 +867,9 @@ class LLMEngine:
                 continue
             touched[u.request_id] = state
         if beam_steps:
-            self._apply_beam_steps(beam_steps, now)
+            for output in self._apply_beam_steps(beam_steps, now):
+                touched.pop(output.request_id, None)
+                failed.append(output)
         outputs = []
         for rid, state in touched.items():
             if state.finished:
@@ -753,6 +890,11 @@ class LLMEngine:
     ) -> None:
         sample = state.samples[u.index]
         token = u.new_token_ids[0]
+        matcher = sample.matcher
+        if matcher is not None and not matcher.consume_token(token):
+            raise StructuredOutputError(
+                f"token {token} breaks the request's structured-output constraint: {matcher.get_error()}"
+            )
         sample.token_ids.append(token)
         if sample.output_buffer is not None:
             sample.output_buffer.append(token)
@@ -770,13 +912,19 @@ class LLMEngine:
         elif stop_str is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop_str
             self.scheduler.finish_sample(u.request_id, u.index)
+        elif matcher is not None and matcher.is_stopped():
+            # The constraint is complete and admits nothing more (only eos would follow).
+            sample.finish_reason = "stop"
+            self.scheduler.finish_sample(u.request_id, u.index)
 
-    def _apply_beam_steps(self, steps: dict[str, list[RequestUpdate]], now: float) -> None:
+    def _apply_beam_steps(self, steps: dict[str, list[RequestUpdate]], now: float) -> list[RequestOutput]:
         """Each beam request's live beams after the step, or its result when the search ended
-        (one update with a finish reason; the result comes from ``take_beam_results``)."""
+        (one update with a finish reason; the result comes from ``take_beam_results``).
+        Returns the outputs of the requests that failed in their own processing."""
         results = {}
         if any(u.finish_reason is not None for rows in steps.values() for u in rows):
             results = dict(self.scheduler.take_beam_results())
+        failed = []
         for rid, rows in steps.items():
             state = self.requests[rid]
             beam = state.beam
@@ -786,10 +934,14 @@ class LLMEngine:
                 state.metrics.num_cached_tokens = rows[0].num_cached_tokens
             reason = rows[0].finish_reason
             if reason is None:
-                beam.advance(rows)
+                try:
+                    beam.advance(rows)
+                except Exception as exc:  # a beam's token broke its constraint: fail it alone
+                    failed.append(self._fail_request(state, exc))
                 continue
             beam.finish(results.get(rid, []))
             state.samples[0].finish_reason = reason
+        return failed
 
     def _record_logprobs(self, state: RequestState, index: int, row: int, sampled: SamplerOutput, token: int) -> None:
         lp = sampled.logprobs
@@ -847,6 +999,10 @@ class LLMEngine:
             stats: dict[str, Any] = self.scheduler.stats().as_dict()
             stats.update(self._counters)
             stats["num_unfinished_requests"] = len(self.requests)
+        stats["structured_compile_seconds"] = self.grammars.compile_time.snapshot()
+        stats["structured_mask_seconds"] = self._step_masks.fill_time.snapshot()
+        stats["structured_grammar_cache_hits"] = self.grammars.num_cache_hits
+        stats["structured_masked_rows"] = self._step_masks.num_masked_rows
         stats["kv_cache_bytes"] = self.runner.kv_cache_bytes
         stats["host_kv_cache_bytes"] = self.runner.host_kv_cache_bytes
         stats["num_restored_disk_blocks"] = self.num_restored_disk_blocks

@@ -17,6 +17,7 @@ from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, Re
 from pagedkv.sample.penalties import TokenBuffer
 from pagedkv.sample.sampler import make_generator
 from pagedkv.sample.sampling_params import SamplingParams
+from pagedkv.structured.compiler import CompiledGrammar
 
 __all__ = ["RequestState", "SampleState"]
 
@@ -36,6 +37,8 @@ class SampleState:
     stop_reason: int | str | None = None
     # The output tokens as an array too, for requests with penalties (the sampler's input).
     output_buffer: TokenBuffer | None = None
+    # Structured outputs: the sample's llguidance matcher, advanced by each committed token.
+    matcher: Any = None
 
     def output(self) -> CompletionOutput:
         return CompletionOutput(
@@ -102,6 +105,27 @@ class RequestState:
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
         self.num_prompt_logprobs = 1 if params.prompt_logprobs is not None else 0
+        # Structured outputs: the compiled constraint, once attached (attach_grammar).
+        self.grammar: CompiledGrammar | None = None
+
+    def attach_grammar(self, grammar: CompiledGrammar) -> None:
+        """Gives every sample (or the beam search's first beam) its own matcher in the
+        constraint's initial state; called before the request reaches the scheduler."""
+        self.grammar = grammar
+        if self.beam is not None:
+            self.beam.matchers = [grammar.new_matcher()]
+            return
+        for sample in self.samples:
+            sample.matcher = grammar.new_matcher()
+
+    def matcher(self, index: int) -> Any:
+        """The matcher of sample (or live beam) ``index``, None without a constraint."""
+        if self.grammar is None:
+            return None
+        if self.beam is not None:
+            matchers = self.beam.matchers
+            return matchers[index] if matchers is not None and index < len(matchers) else None
+        return self.samples[index].matcher
 
     @property
     def finished(self) -> bool:

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedkv.errors import ConfigError
-from pagedkv.sample.sampling_params import _check_bool, _check_float, _check_int
+from pagedkv.sample.sampling_params import _check_bool, _check_float, _check_int, check_structured_outputs
+from pagedkv.structured.params import StructuredOutputsParams
 
 __all__ = ["BeamSearchParams"]
 
@@ -31,6 +32,9 @@ class BeamSearchParams:
       finite.
     - ``include_stop_str_in_output``: keep the eos token's text in ``text`` (vLLM's name; the
       token itself is always in ``tokens``).
+    - ``structured_outputs``: every beam must match this constraint
+      (:class:`~pagedkv.structured.StructuredOutputsParams` or a dict of its fields): candidates
+      are drawn from the masked log-probabilities, and each beam's matcher follows it.
     """
 
     beam_width: int
@@ -39,6 +43,7 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.beam_width = _check_int("beam_width", self.beam_width, minimum=1)
@@ -52,3 +57,4 @@ class BeamSearchParams:
             )
         self.length_penalty = _check_float("length_penalty", self.length_penalty)
         self.include_stop_str_in_output = _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        self.structured_outputs = check_structured_outputs(self.structured_outputs)

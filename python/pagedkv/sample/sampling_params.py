@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.errors import ConfigError
+from pagedkv.structured.params import StructuredOutputsParams
 
 __all__ = ["SAMPLING_EPS", "SamplingParams", "SamplingType"]
 
@@ -84,6 +85,10 @@ class SamplingParams:
     - ``retention_tokens``: the priority covers only the full blocks within the first this many
       prompt tokens, e.g. a shared system prompt (``None``: the whole prompt). Giving a high
       priority to every request's private tail fills the cache with blocks nobody reuses.
+    - ``structured_outputs``: a :class:`~pagedkv.structured.StructuredOutputsParams` (or a dict
+      of its fields): every sample's output must match its JSON schema, regex, choice or grammar
+      (tokens the constraint forbids are masked before sampling; a sample ends when the
+      constraint is complete).
     """
 
     n: int = 1
@@ -110,6 +115,7 @@ class SamplingParams:
     retention_priority: int | None = None
     retention_duration: float | None = None
     retention_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Normalized copy of `stop` (always a list) for the detokenizer; not a constructor argument.
     _stop_strings: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
 
@@ -179,6 +185,7 @@ class SamplingParams:
                 raise ConfigError(f"retention_duration must be >= 0 seconds, got {self.retention_duration}")
         if self.retention_tokens is not None:
             self.retention_tokens = _check_int("retention_tokens", self.retention_tokens, minimum=0)
+        self.structured_outputs = check_structured_outputs(self.structured_outputs)
         if self.temperature < SAMPLING_EPS:
             # Greedy ignores the filters; normalizing them lets the sampler skip their work.
             self.temperature = 0.0
@@ -211,6 +218,19 @@ class SamplingParams:
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
+
+
+def check_structured_outputs(value: Any) -> StructuredOutputsParams | None:
+    """``structured_outputs`` as a StructuredOutputsParams (a dict of its fields is converted)."""
+    if value is None or isinstance(value, StructuredOutputsParams):
+        return value
+    if isinstance(value, dict):
+        known = {"json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"structured_outputs: unknown field(s) {unknown}; known: {sorted(known)}")
+        return StructuredOutputsParams(**value)
+    raise ConfigError(f"structured_outputs must be a StructuredOutputsParams or a dict, got {type(value).__name__}")
 
 
 def _check_int(name: str, value: Any, *, minimum: int) -> int:

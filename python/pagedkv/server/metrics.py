@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pagedkv.engine.outputs import RequestOutput
@@ -226,8 +226,34 @@ _KV_TRANSFER_COUNTERS: tuple[_Spec, ...] = (
     ),
 )
 
+# Structured outputs: (name, stats key, help) of the engine's cumulative duration histograms
+# (pagedkv.structured.stats.SecondsHistogram snapshots); counters of structured requests.
+_HISTOGRAMS: tuple[_Spec, ...] = (
+    (
+        "pagedkv:structured_output_compile_seconds",
+        "structured_compile_seconds",
+        "Seconds to compile a structured-output constraint (JSON schema, regex, choice, grammar); cache "
+        "misses only, off the engine thread.",
+    ),
+    (
+        "pagedkv:structured_output_mask_seconds",
+        "structured_mask_seconds",
+        "Seconds to fill one step's grammar masks (all its structured rows), beside the forward.",
+    ),
+)
+_STRUCTURED_COUNTERS: tuple[_Spec, ...] = (
+    (
+        "pagedkv:structured_output_grammar_cache_hits",
+        "structured_grammar_cache_hits",
+        "Structured-output constraints served from the compiled-grammar cache.",
+    ),
+    ("pagedkv:structured_output_masked_rows", "structured_masked_rows", "Logits rows masked by a grammar."),
+)
+
 # Stats keys exposed as counters: kept monotonic across snapshots (see update_engine_stats).
-_COUNTER_KEYS = frozenset(key for _, key, _ in _COUNTERS + _HOST_COUNTERS + _DISK_COUNTERS + _KV_TRANSFER_COUNTERS)
+_COUNTER_KEYS = frozenset(
+    key for _, key, _ in _COUNTERS + _HOST_COUNTERS + _DISK_COUNTERS + _KV_TRANSFER_COUNTERS + _STRUCTURED_COUNTERS
+)
 
 
 class _EngineStatsCollector(Collector):
@@ -277,6 +303,11 @@ class _EngineStatsCollector(Collector):
             yield from self._families(stats, _DISK_GAUGES, _DISK_COUNTERS)
         if "kv_loads_ok" in stats:
             yield from self._families(stats, _KV_TRANSFER_GAUGES, _KV_TRANSFER_COUNTERS)
+        yield from self._families(stats, (), _STRUCTURED_COUNTERS)
+        for name, key, doc in _HISTOGRAMS:
+            snapshot = stats.get(key)
+            if snapshot is not None:
+                yield _histogram(name, doc, self._model_name, snapshot)
 
     def _families(
         self, stats: Mapping[str, Any], gauges: Iterable[_Spec], counters: Iterable[_Spec]
@@ -292,6 +323,18 @@ class _EngineStatsCollector(Collector):
                 counter = CounterMetricFamily(name, doc, labels=["model_name"])
                 counter.add_metric(labels, _number(stats[key]))
                 yield counter
+
+
+def _histogram(name: str, doc: str, model_name: str, snapshot: Mapping[str, Any]) -> Metric:
+    """A histogram family from a SecondsHistogram snapshot (per-bucket counts, +Inf last)."""
+    family = HistogramMetricFamily(name, doc, labels=["model_name"])
+    running = 0
+    buckets = []
+    for bound, count in zip([*snapshot["buckets"], float("inf")], snapshot["counts"]):
+        running += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+    family.add_metric([model_name], buckets, sum_value=float(snapshot["sum"]))
+    return family
 
 
 def _number(value: Any) -> float:

@@ -29,6 +29,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pagedkv.errors import ConfigError
+from pagedkv.sample.sampling_params import check_structured_outputs
+from pagedkv.structured.params import StructuredOutputsParams
+
 __all__ = [
     "ChatCompletionRequest",
     "CompletionRequest",
@@ -167,6 +171,60 @@ class _SamplingFields(_Strict):
     # vLLM's beam search: `n` is the beam width, every choice a beam, best first.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # Structured outputs: OpenAI's response_format ({"type": "json_object"} or "json_schema"),
+    # vLLM's structured_outputs ({json, regex, choice, grammar, json_object,
+    # disable_any_whitespace}), or vLLM's older guided_* fields; at most one of them.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def constraint(self) -> tuple[StructuredOutputsParams, str] | None:
+        """The request's structured-output constraint and the field that set it (None when
+        unconstrained); a ValueError naming the problem for a malformed one (the handler's 400
+        names that field)."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        response_format = self.response_format
+        if response_format is not None:
+            kind = response_format.get("type")
+            if kind == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = response_format.get("json_schema")
+                if not isinstance(spec, dict) or "schema" not in spec:
+                    raise ConstraintError(
+                        "response_format",
+                        "response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}",
+                    )
+                given.append(("response_format", {"json": spec["schema"]}))
+            elif kind != "text":
+                raise ConstraintError(
+                    "response_format",
+                    f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                )
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                given.append((name, {key: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            raise ConstraintError(given[1][0], f"give one structured-output constraint, not several ({names})")
+        name, fields = given[0]
+        try:
+            return check_structured_outputs(fields), name  # type: ignore[return-value]
+        except ConfigError as exc:
+            raise ConstraintError(name, str(exc)) from None
 
     def unsupported(self) -> tuple[str, str] | None:
         """``(param, message)`` of the first field set to something pagedkv does not implement."""
@@ -201,6 +259,14 @@ class _SamplingFields(_Strict):
                 raise ValueError(f"logit_bias keys must be token ids (integers), got {key[:40]!r}")
             out[int(key)] = value
         return out
+
+
+class ConstraintError(ValueError):
+    """A malformed structured-output constraint; ``param`` names the request field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class CompletionRequest(_SamplingFields):
@@ -262,7 +328,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's chat extras.
     chat_template: str | None = None
     add_generation_prompt: bool = True
@@ -272,8 +337,6 @@ class ChatCompletionRequest(_SamplingFields):
             return "tools", "tools (function calling) are not supported"
         if self.tool_choice not in (None, "none", "auto"):
             return "tool_choice", "tool_choice is not supported"
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            return "response_format", "only response_format {'type': 'text'} is supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
         return super().unsupported()

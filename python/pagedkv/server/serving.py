@@ -37,13 +37,14 @@ from starlette.requests import Request
 from pagedkv.engine.async_llm import AsyncLLM, RequestStream
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedkv.engine.prompts import check_text, check_token_ids, tokenize
-from pagedkv.errors import InvalidArgumentError, PagedKVError, RequestFailedError
+from pagedkv.errors import InvalidArgumentError, PagedKVError, RequestFailedError, StructuredOutputError
 from pagedkv.sample.beam_search_params import BeamSearchParams
 from pagedkv.sample.sampling_params import SamplingParams
 from pagedkv.server.errors import APIError, error_body, from_exception, request_error
 from pagedkv.server.limits import ServerLimits
 from pagedkv.server.metrics import RequestTracker, ServerMetrics
 from pagedkv.server.protocol import (
+    ConstraintError,
     PromptLogprob,
     PromptLogprobs,
     PromptTokensDetails,
@@ -190,6 +191,11 @@ class OpenAIServing:
         """The engine's SamplingParams for ``request``, or BeamSearchParams with
         ``use_beam_search`` (vLLM's mapping: the width is ``n``); a ConfigError on a bad value is
         a 400 naming the field."""
+        try:
+            found = request.constraint()
+        except ConstraintError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
+        constraint = None if found is None else found[0]
         if request.use_beam_search:
             if logprobs is not None:
                 raise APIError(400, "logprobs are not supported with use_beam_search", param="logprobs")
@@ -201,6 +207,7 @@ class OpenAIServing:
                     temperature=request.temperature or 0.0,
                     length_penalty=request.length_penalty,
                     include_stop_str_in_output=request.include_stop_str_in_output,
+                    structured_outputs=constraint,
                 )
             except PagedKVError as exc:
                 raise request_error(exc, type(request).model_fields) from exc
@@ -222,6 +229,7 @@ class OpenAIServing:
             "retention_priority": request.retention_priority,
             "retention_duration": request.retention_duration,
             "retention_tokens": request.retention_tokens,
+            "structured_outputs": constraint,
         }
         # OpenAI's defaults (temperature 1, top_p 1) are SamplingParams' defaults too.
         for name in ("temperature", "top_p", "top_k", "min_p"):
@@ -310,6 +318,11 @@ class OpenAIServing:
                 running.trackers.append(self.metrics.start_request(rid, running.arrival))
         except BaseException as exc:
             running.close()
+            if isinstance(exc, StructuredOutputError):  # its schema or grammar: name that field
+                found = request.constraint()
+                raise APIError(
+                    400, str(exc), param=None if found is None else found[1], code=type(exc).__name__
+                ) from exc
             if isinstance(exc, PagedKVError):  # refused by the engine: a 400 naming the field
                 raise request_error(exc, type(request).model_fields) from exc
             raise
