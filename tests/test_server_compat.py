@@ -366,7 +366,9 @@ BAD = [
     ("prompt id list empty", "/v1/completions", {"prompt": [[1], []]}, "prompt"),
     ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("best_of above n", "/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
-    ("tools", "/v1/chat/completions", {**MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("tool with a bad name", "/v1/chat/completions", {**MESSAGES, "tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools"),
+    ("tool_choice naming no tool", "/v1/chat/completions", {**MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ("tool_choice without tools", "/v1/chat/completions", {**MESSAGES, "tool_choice": "required"}, "tool_choice"),
     ("image content part", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ("penalties with beam search", "/v1/completions", {"prompt": "x", "use_beam_search": True, "presence_penalty": 1}, "presence_penalty"),
 ]  # fmt: skip

@@ -5,9 +5,10 @@
 - Schemas with features the grammar engine does not implement are refused with a
   StructuredOutputError naming the feature (never an unconstrained output).
 - regex, choice, Lark and GBNF grammars; ``n > 1`` and beam search with a schema (every sample
-  and beam valid); a pool small enough to preempt (recompute, and swap to a host tier) in the
-  middle of structured requests; a step that fails in the middle of one; a grammar whose
-  compile waits past ``compile_timeout_s`` fails its request alone.
+  and beam valid); a step that fails in the middle of a structured request; the live page's mark.
+- On the tiny random model (block bookkeeping): a pool small enough to preempt (recompute, and
+  swap to a host tier) in the middle of structured requests; a grammar whose compile waits past
+  ``compile_timeout_s`` fails its request alone.
 """
 
 from __future__ import annotations
@@ -147,24 +148,27 @@ def test_bad_grammar_and_regex_are_refused(llm: LLM) -> None:
             llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=constraint), use_tqdm=False)
 
 
+def tiny_engine(tiny_model: str, **kwargs: object) -> LLMEngine:
+    """The tiny random Qwen2 (SmolLM2's tokenizer): block bookkeeping, not the model. Its JSON
+    ends because whitespace is off and every string of the schemas used is bounded."""
+    from pagedkv.worker.model_files import default_model_dir
+
+    return LLMEngine(model=tiny_model, tokenizer=str(default_model_dir()), dtype="float32", device="cpu", **kwargs)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_in_the_middle_of_structured_requests(mode: str) -> None:
-    # 24 blocks of 16 tokens: six requests of ~60 prompt + up to 96 output tokens cannot all
+def test_preemption_in_the_middle_of_structured_requests(tiny_model: str, mode: str) -> None:
+    # 12 blocks of 16 tokens: six requests of ~20 prompt + up to 100 output tokens cannot all
     # stay; some are preempted in the middle of their JSON and resumed.
     host = {"num_host_blocks": 64} if mode == "swap" else {}
-    engine = LLMEngine(
-        dtype="float32", device="cpu", max_model_len=256, num_blocks=24, preemption_mode=mode, max_num_seqs=6, **host
-    )
-    tokenizer = engine.tokenizer
+    engine = tiny_engine(tiny_model, max_model_len=192, num_blocks=12, preemption_mode=mode, max_num_seqs=6, **host)
     schema = SCHEMAS["nested_required"]
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Reply with a JSON user record with a login and an address."}],
-        tokenize=False,
-        add_generation_prompt=True,
-    )
+    constraint = {"json": schema, "disable_any_whitespace": True}
     for i in range(6):
         engine.add_request(
-            str(i), prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=96, structured_outputs={"json": schema})
+            str(i),
+            f"Record {i}: a user with a login and an address, as JSON:",
+            SamplingParams(temperature=1.0, seed=i, max_tokens=100, structured_outputs=constraint),
         )
     finished = {}
     while engine.has_unfinished_requests():
@@ -219,12 +223,11 @@ def test_a_failed_step_in_the_middle_leaves_the_matcher_as_it_was(llm: LLM) -> N
     check_valid(text, PERSON)
 
 
-def test_a_compile_past_the_time_limit_fails_only_its_request() -> None:
-    engine = LLMEngine(
-        dtype="float32",
-        device="cpu",
+def test_a_compile_past_the_time_limit_fails_only_its_request(tiny_model: str) -> None:
+    engine = tiny_engine(
+        tiny_model,
         max_model_len=256,
-        kv_cache_memory=16 << 20,
+        num_blocks=64,
         structured_outputs_config={"compile_timeout_s": 0.2, "compile_workers": 1},
     )
     # The only compile thread is busy (another grammar's compile, held here): the new grammar
@@ -247,3 +250,17 @@ def test_a_compile_past_the_time_limit_fails_only_its_request() -> None:
     assert outputs["plain"].outputs[0].finish_reason == "length"
     stats = engine.get_stats()
     assert stats["failed_requests"] == 1 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_the_live_page_marks_structured_requests(llm: LLM) -> None:
+    from pagedkv.server.dashboard import encode_state
+
+    engine = llm.llm_engine
+    engine.compile_grammars([StructuredOutputsParams(json=PERSON)])  # cached: admitted at once
+    engine.add_request("page-json", "x", SamplingParams(max_tokens=4, structured_outputs={"json": PERSON}))
+    engine.add_request("page-plain", "x", SamplingParams(max_tokens=4))
+    try:
+        marks = {r["id"]: r["constraint"] for r in encode_state(engine.kv_snapshot(), show_prompts=False)["requests"]}
+        assert marks == {"page-json": "json", "page-plain": ""}
+    finally:
+        engine.abort_request(["page-json", "page-plain"])

@@ -34,8 +34,9 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from pagedkv._core import MAX_BLOCK_SIZE, MAX_NUM_BLOCKS
 from pagedkv.errors import ConfigError
@@ -533,6 +534,28 @@ class ParallelConfig:
             raise ConfigError(f"the tensor-parallel timeout must be a number > 0, got {self.timeout!r}")
 
 
+_C = TypeVar("_C")
+
+
+def config_from_any(cls: type[_C], value: Any, name: str) -> _C:
+    """A config dataclass from itself, a mapping of its fields, or that mapping's JSON text (a
+    CLI flag); ConfigError naming ``name`` for bad JSON, another type or an unknown key."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ConfigError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{name} must be a dict or JSON object, got {type(value).__name__}")
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"unknown {name} key(s) {unknown}; known: {sorted(known)}")
+    return cls(**dict(value))
+
+
 @dataclass(frozen=True)
 class StructuredOutputsConfig:
     """Structured outputs (JSON schemas, regexes, choices, grammars; ``pagedkv.structured``).
@@ -558,22 +581,7 @@ class StructuredOutputsConfig:
     def from_any(cls, value: Any) -> StructuredOutputsConfig:
         """From a StructuredOutputsConfig, a dict of its fields, its JSON text (the CLI flag), or
         None (the defaults)."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ConfigError(f"structured_outputs_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"structured_outputs_config must be a dict, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(f"structured_outputs_config: unknown key(s) {unknown}; known: {sorted(known)}")
-        return cls(**value)
+        return cls() if value is None else config_from_any(cls, value, "structured_outputs_config")
 
 
 @dataclass(frozen=True)

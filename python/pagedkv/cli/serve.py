@@ -31,6 +31,7 @@ from pagedkv.cli.engine_args import add_engine_arguments, engine_args_from
 from pagedkv.engine.args import EngineArgs
 from pagedkv.errors import PagedKVError
 from pagedkv.server.limits import add_limit_arguments, limit_flags, limits_from
+from pagedkv.server.tools import TOOL_CALL_PARSERS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -81,6 +82,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="with --disagg: how the decode engine pulls KV (auto: NIXL when installed, else gloo)",
     )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=list(TOOL_CALL_PARSERS),
+        default="hermes",
+        help="how /v1/chat/completions finds tool calls in the output (vLLM's flag; default: hermes, "
+        '<tool_call>{"name": ..., "arguments": ...}</tool_call> blocks)',
+    )
     add_limit_arguments(p)
     add_engine_arguments(p)
 
@@ -109,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             kv_events_topic=args.kv_events_topic,
             dashboard_show_prompts=args.dashboard_show_prompts,
             limits=limits_from(args),
+            tool_call_parser=args.tool_call_parser,
         )
         run_server(
             engine_args,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from pagedkv.config import config_from_any
 from pagedkv.errors import ConfigError, InvalidArgumentError
 
 __all__ = [
@@ -153,20 +153,7 @@ class KVTransferConfig:
     @classmethod
     def from_any(cls, value: KVTransferConfig | Mapping[str, Any] | str) -> KVTransferConfig:
         """A config from itself, a dict, or its JSON text (the CLI flag)."""
-        if isinstance(value, KVTransferConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ConfigError(f"kv_transfer_config is not valid JSON: {e}") from e
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"kv_transfer_config must be a dict or JSON object, got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(f"unknown kv_transfer_config key(s) {unknown}; known: {sorted(known)}")
-        return cls(**dict(value))
+        return config_from_any(cls, value, "kv_transfer_config")
 
 
 def _check_secret(value: object, name: str) -> None:

@@ -963,7 +963,8 @@ class LLMEngine:
         ``tier_map`` (host ``host_ref_counts`` / ``host_cached``, H entries; empty without a
         host tier), ``disk_map`` (``disk_ref_counts`` / ``disk_cached``), the requests'
         summaries (``Scheduler.request_summaries``), the last preemptions (time, request id)
-        and the stats; with KV cache groups, ``columns`` (int16[N]: the column each device
+        the stats and ``constraints`` (request id -> the kind of its structured-output
+        constraint); with KV cache groups, ``columns`` (int16[N]: the column each device
         block serves, -1 free and uncached) and ``column_spans`` (each column's span, as the
         start-up log names it)."""
         with self._lock:
@@ -973,6 +974,7 @@ class LLMEngine:
             disk_refs, disk_cached = self.scheduler.disk_map()
             summaries = self.scheduler.request_summaries()
             prompts = {rid: state.prompt for rid, state in self.requests.items()}
+            constraints = {rid: state.grammar.kind for rid, state in self.requests.items() if state.grammar is not None}
             preemptions = list(self.recent_preemptions)
         stats = self.get_stats()
         return {
@@ -988,6 +990,7 @@ class LLMEngine:
             "recent_preemptions": preemptions,
             "requests": summaries,
             "prompts": prompts,
+            "constraints": constraints,
             "stats": stats,
         }
 

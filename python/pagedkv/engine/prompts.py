@@ -95,6 +95,7 @@ def chat_prompt(
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     render: Callable[[list[dict[str, Any]]], str] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One conversation rendered with the chat template, as ``{"prompt", "prompt_token_ids"}``.
 
@@ -102,7 +103,8 @@ def chat_prompt(
     adding any (no second BOS). A message's ``content`` is a str or, as in OpenAI's API, a list
     of ``{"type": "text", "text": ...}`` parts (joined with newlines). ``render``, when given,
     renders the normalized messages instead of the tokenizer (a server renders a client's
-    template in a bounded sandbox this way)."""
+    template in a bounded sandbox this way). ``tools``: OpenAI-style function definitions for a
+    template that renders them (transformers' ``apply_chat_template(tools=...)``)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise InvalidArgumentError("a conversation is a non-empty list of dicts with 'role' and 'content'")
     normalized = [_normalize_message(i, m) for i, m in enumerate(messages)]
@@ -112,8 +114,13 @@ def chat_prompt(
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidArgumentError("the tokenizer has no chat template; pass chat_template=...")
     try:
+        extra = {} if tools is None else {"tools": tools}
         text = tokenizer.apply_chat_template(
-            normalized, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+            normalized,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **extra,
         )
     except Exception as exc:  # the template's own checks (role order, ...) or a Jinja error
         raise InvalidArgumentError(f"the chat template cannot render this conversation: {exc}") from exc

@@ -61,6 +61,7 @@ from pagedkv.server.protocol import (
 )
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.tokenizer_info import tokenizer_info
+from pagedkv.server.tools import TOOL_CALL_PARSERS
 
 __all__ = ["ServerArgs", "ServerState", "create_app"]
 
@@ -99,8 +100,12 @@ class ServerArgs:
     dashboard_show_prompts: bool = False
     kv_events_buffer_steps: int = 10_000
     limits: ServerLimits = field(default_factory=ServerLimits)
+    # How chat outputs are parsed for tool calls (pagedkv.server.tools.TOOL_CALL_PARSERS).
+    tool_call_parser: str = "hermes"
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ConfigError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         if isinstance(self.served_model_names, str):
             self.served_model_names = [self.served_model_names]
         if self.max_queued_requests is not None and (

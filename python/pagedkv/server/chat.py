@@ -52,6 +52,14 @@ from pagedkv.server.serving import (
     top_logprobs,
     usage,
 )
+from pagedkv.server.tools import (
+    HermesToolParser,
+    ToolError,
+    ToolRequest,
+    render_without_tool_template,
+    template_knows_tools,
+    tool_request,
+)
 
 __all__ = ["create_chat_completion", "render_chat"]
 
@@ -63,6 +71,7 @@ async def render_chat(
     *,
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
+    tools: ToolRequest | None = None,
 ) -> dict[str, Any] | None:
     """``{"prompt", "prompt_token_ids"}`` of a conversation (in a worker thread: templates and
     tokenizers are CPU work), or None when the client left first. A conversation the template
@@ -80,10 +89,19 @@ async def render_chat(
     dicts = [
         {**m.model_dump(exclude_none=True), "content": m.content if m.content is not None else ""} for m in messages
     ]
+    # Tools: passed to a template that renders them; otherwise written into the conversation in
+    # the hermes convention (pagedkv.server.tools), earlier calls and tool results included.
+    template_tools = None
+    if template_knows_tools(chat_template or getattr(serving.tokenizer, "chat_template", None)):
+        template_tools = [t.as_openai() for t in tools.tools] if tools is not None and tools.active else None
+    else:
+        dicts = render_without_tool_template(dicts, tools)
     cancel = threading.Event()  # set when the client leaves: a request template stops rendering
     render = None
     if chat_template is not None:
         variables = {**_special_tokens(serving.tokenizer), "add_generation_prompt": add_generation_prompt}
+        if template_tools is not None:
+            variables["tools"] = template_tools
         render = functools.partial(
             _render_request_template,
             chat_template,
@@ -101,6 +119,7 @@ async def render_chat(
                 dicts,
                 add_generation_prompt=add_generation_prompt,
                 render=render,
+                tools=template_tools,
             )
         except InvalidArgumentError as exc:  # a message the template or its checks refuse
             raise APIError(400, str(exc), param="messages", code=type(exc).__name__) from None
@@ -132,6 +151,10 @@ def _special_tokens(tokenizer: Any) -> dict[str, str]:
 
 async def create_chat_completion(serving: OpenAIServing, request: ChatCompletionRequest, raw: Request) -> Response:
     serving.check_request(request)
+    try:
+        tools = tool_request(request.tools, request.tool_choice, request.parallel_tool_calls)
+    except ToolError as exc:
+        raise APIError(400, str(exc), param=exc.param) from None
     serving.check_admission(1)
     prompt = await render_chat(
         serving,
@@ -139,20 +162,23 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
         raw,
         chat_template=request.chat_template,
         add_generation_prompt=request.add_generation_prompt,
+        tools=tools,
     )
     if prompt is None:  # the client is gone: nobody reads this
         return Response(status_code=499)
     ids = serving.check_not_empty(prompt["prompt_token_ids"])
     max_tokens = serving.check_length(len(ids), request.output_limit)
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    tool_constraint = None if tools is None else tools.constraint()
     engine_request = EngineRequest(
-        prompt, serving.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs)
+        prompt, serving.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, tool_constraint)
     )
+    parse_calls = tools is not None and tools.active
     request_id = new_request_id("chatcmpl")
     running = await serving.start(request_id, [engine_request], request)
     if request.stream:
         return StreamingResponse(
-            sse_stream(_chunks(serving, request, request_id, running)),
+            sse_stream(_chunks(serving, request, request_id, running, tools if parse_calls else None)),
             media_type="text/event-stream",
             background=BackgroundTask(running.close),  # also when the stream never started
         )
@@ -170,6 +196,16 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
         )
         for c in out.outputs
     ]
+    if parse_calls:
+        assert tools is not None
+        for choice in choices:
+            content, calls = HermesToolParser().parse(choice.message.content or "")
+            if not tools.parallel:
+                calls = calls[:1]
+            if calls:
+                choice.message = AssistantMessage(content=content, tool_calls=[c.as_openai() for c in calls])
+                if choice.finish_reason == "stop":
+                    choice.finish_reason = "tool_calls"
     body = ChatCompletionResponse(
         id=request_id,
         model=serving.model_name,
@@ -209,8 +245,16 @@ def _logprobs(c: CompletionOutput, start: int, k: int | None) -> ChatLogprobs | 
 
 
 async def _chunks(
-    serving: OpenAIServing, request: ChatCompletionRequest, request_id: str, running: RunningRequest
+    serving: OpenAIServing,
+    request: ChatCompletionRequest,
+    request_id: str,
+    running: RunningRequest,
+    tools: ToolRequest | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
+    """The stream's chunks. With ``tools`` each choice's text goes through a HermesToolParser:
+    content deltas, then per call its header and argument fragments (OpenAI's deltas); a choice
+    that made calls ends with ``finish_reason: "tool_calls"``."""
+    parsers: dict[int, HermesToolParser] = {}
     options = request.stream_options
     k = (request.top_logprobs or 0) if request.logprobs else None
     choices = StreamedChoices()
@@ -244,6 +288,26 @@ async def _chunks(
                     }
                 )
             logprobs = _logprobs(c, delta.first_token, k)
+            if tools is not None:
+                parser = parsers.setdefault(c.index, HermesToolParser())
+                pieces = parser.feed(delta.text)
+                if c.finish_reason is not None:
+                    pieces += parser.finish()
+                for piece in pieces:
+                    yield chunk({"index": c.index, "delta": piece, "logprobs": None, "finish_reason": None})
+                if c.finish_reason is None:
+                    continue
+                reason = "tool_calls" if parser.calls and c.finish_reason == "stop" else c.finish_reason
+                yield chunk(
+                    {
+                        "index": c.index,
+                        "delta": {},
+                        "logprobs": None if logprobs is None else logprobs.model_dump(),
+                        "finish_reason": reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+                continue
             yield chunk(
                 {
                     "index": c.index,

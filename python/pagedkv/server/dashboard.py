@@ -43,6 +43,7 @@ def encode_state(snapshot: dict[str, Any], *, show_prompts: bool) -> dict[str, A
     host = block_states(snapshot["host_ref_counts"], snapshot["host_cached"])
     disk = block_states(snapshot["disk_ref_counts"], snapshot["disk_cached"])
     prompts = snapshot["prompts"] if show_prompts else {}
+    constraints = snapshot.get("constraints", {})
     requests = [
         {
             "id": rid,
@@ -53,6 +54,8 @@ def encode_state(snapshot: dict[str, Any], *, show_prompts: bool) -> dict[str, A
             "blocks": num_blocks,
             "cached_tokens": cached_tokens,
             "branches": branches,
+            # A structured request's constraint kind ("json", "regex", "grammar", ...), or "".
+            "constraint": constraints.get(rid, ""),
             **({"prompt": (prompts.get(rid) or "")[:_PROMPT_CHARS]} if show_prompts else {}),
         }
         for rid, arrival, state, prompt_tokens, output_tokens, num_blocks, cached_tokens, branches in snapshot[

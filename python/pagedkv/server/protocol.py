@@ -333,10 +333,6 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.tools:
-            return "tools", "tools (function calling) are not supported"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool_choice is not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
         return super().unsupported()
@@ -435,6 +431,8 @@ class ChatLogprobs(_Response):
 class AssistantMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    # OpenAI's [{"id", "type": "function", "function": {"name", "arguments"}}] (tool calling).
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(_Response):

@@ -51,6 +51,7 @@ from pagedkv.server.protocol import (
     UsageInfo,
     _SamplingFields,
 )
+from pagedkv.structured.params import StructuredOutputsParams
 
 __all__ = [
     "EngineRequest",
@@ -187,6 +188,7 @@ class OpenAIServing:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        tool_constraint: StructuredOutputsParams | None = None,
     ) -> SamplingParams | BeamSearchParams:
         """The engine's SamplingParams for ``request``, or BeamSearchParams with
         ``use_beam_search`` (vLLM's mapping: the width is ``n``); a ConfigError on a bad value is
@@ -196,6 +198,14 @@ class OpenAIServing:
         except ConstraintError as exc:
             raise APIError(400, str(exc), param=exc.param) from None
         constraint = None if found is None else found[0]
+        if tool_constraint is not None:  # tool_choice "required" or a named function
+            if found is not None:
+                raise APIError(
+                    400,
+                    f"tool_choice {getattr(request, 'tool_choice', None)!r} cannot be combined with {found[1]}",
+                    param=found[1],
+                )
+            constraint = tool_constraint
         if request.use_beam_search:
             if logprobs is not None:
                 raise APIError(400, "logprobs are not supported with use_beam_search", param="logprobs")
