@@ -176,6 +176,8 @@ def test_metrics_show_compile_and_mask_times(server: ServerProcess, client: Any)
     mask_count = [v for k, v in metrics.items() if k.startswith("pagedkv:structured_output_mask_seconds_count")]
     assert compile_count and compile_count[0] >= 1
     assert mask_count and mask_count[0] >= 1
+    step_count = [v for k, v in metrics.items() if k.startswith("pagedkv:structured_output_step_seconds_count")]
+    assert step_count and step_count[0] >= 1
 
 
 # ----------------------------------------------------------------------------- tool calls

@@ -182,6 +182,9 @@ class LLMEngine:
         )
         self._waiting_for_grammar: dict[str, tuple[Future[CompiledGrammar], float, Callable[[], None]]] = {}
         self._step_masks = StepMasks(self.runner.vocab_size)
+        # Grammar work on the step's critical path so far (waiting for the masks, applying
+        # them, advancing the matchers): observed into StepMasks.critical_time per step.
+        self._grammar_step_s = 0.0
         self._counters = {
             "steps": 0,
             "tokens_computed": 0,
@@ -592,7 +595,9 @@ class LLMEngine:
                 if prompt_step is not None:
                     logits, prompt_found = prompt_logprobs.compute_step(prompt_step, logits)
                 if masks is not None:
+                    grammar_start = time.perf_counter()
                     apply_token_bitmask_(logits, masks.rows, masks.wait())
+                    self._grammar_step_s += time.perf_counter() - grammar_start
                 sampled = self._sample(out, logits)
                 tokens = sampled.sampled_token_ids.cpu().numpy()
                 beam_ids, beam_logprobs = self._beam_candidates(out, logits)
@@ -616,7 +621,11 @@ class LLMEngine:
             self._counters["generation_tokens"] += len(updates)
             if prompt_rows is not None and prompt_found is not None:
                 prompt_logprobs.record(prompt_rows, prompt_found, self.requests, self.tokenizer)
-            return self._take_failed_outputs() + self._apply_updates(out, updates, sampled)
+            outputs = self._take_failed_outputs() + self._apply_updates(out, updates, sampled)
+            if masks is not None:
+                self._step_masks.critical_time.observe(self._grammar_step_s)
+            self._grammar_step_s = 0.0
+            return outputs
 
     def _execute(
         self, out: SchedulerOutput, prompt_step: prompt_logprobs.StepWithPromptRows | None = None
@@ -891,10 +900,14 @@ class LLMEngine:
         sample = state.samples[u.index]
         token = u.new_token_ids[0]
         matcher = sample.matcher
-        if matcher is not None and not matcher.consume_token(token):
-            raise StructuredOutputError(
-                f"token {token} breaks the request's structured-output constraint: {matcher.get_error()}"
-            )
+        if matcher is not None:
+            start = time.perf_counter()
+            consumed = matcher.consume_token(token)
+            self._grammar_step_s += time.perf_counter() - start
+            if not consumed:
+                raise StructuredOutputError(
+                    f"token {token} breaks the request's structured-output constraint: {matcher.get_error()}"
+                )
         sample.token_ids.append(token)
         if sample.output_buffer is not None:
             sample.output_buffer.append(token)
@@ -1004,6 +1017,7 @@ class LLMEngine:
             stats["num_unfinished_requests"] = len(self.requests)
         stats["structured_compile_seconds"] = self.grammars.compile_time.snapshot()
         stats["structured_mask_seconds"] = self._step_masks.fill_time.snapshot()
+        stats["structured_step_seconds"] = self._step_masks.critical_time.snapshot()
         stats["structured_grammar_cache_hits"] = self.grammars.num_cache_hits
         stats["structured_masked_rows"] = self._step_masks.num_masked_rows
         stats["kv_cache_bytes"] = self.runner.kv_cache_bytes

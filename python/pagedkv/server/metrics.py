@@ -240,6 +240,12 @@ _HISTOGRAMS: tuple[_Spec, ...] = (
         "structured_mask_seconds",
         "Seconds to fill one step's grammar masks (all its structured rows), beside the forward.",
     ),
+    (
+        "pagedkv:structured_output_step_seconds",
+        "structured_step_seconds",
+        "Seconds of grammar work on a step's critical path: waiting for its masks after the forward, "
+        "applying them, advancing the matchers.",
+    ),
 )
 _STRUCTURED_COUNTERS: tuple[_Spec, ...] = (
     (

@@ -65,6 +65,9 @@ class StepMasks:
         self._executor: Any = None
         # Seconds to fill one step's masks (all its structured rows), and rows filled.
         self.fill_time = SecondsHistogram()
+        # Seconds of grammar work on a step's critical path (the engine observes it): waiting
+        # for the fill after the forward, applying the masks, advancing the matchers.
+        self.critical_time = SecondsHistogram()
         self.num_masked_rows = 0
 
     def start(self, rows: list[int], matchers: Sequence[Any]) -> PendingMasks:
