@@ -160,3 +160,20 @@ def test_hermes_parser_whole_and_streamed() -> None:
         assert text.strip() == "Let me check."
         assert names == {0: "get_weather", 1: "add"}
         assert [json.loads(arguments[i]) for i in (0, 1)] == [json.loads(c.arguments) for c in calls]
+
+
+def test_a_template_that_renders_tools_gets_them() -> None:
+    from transformers import AutoTokenizer
+
+    from pagedkv.engine.prompts import chat_prompt
+    from pagedkv.worker.model_files import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
+    template = (
+        "{% for t in tools %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[call {{ c.function.name }}]{% endfor %}{% endfor %}"
+    )
+    assert template_knows_tools(template)
+    rendered = chat_prompt(tokenizer, CONVERSATION, chat_template=template, tools=[WEATHER, ADD])["prompt"]
+    assert rendered == "[tool get_weather][tool add]<user>Weather in Oslo?<assistant>[call get_weather]<tool>sunny"

@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -350,7 +351,7 @@ class LLMEngine:
         for future in futures:
             try:
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
+            except FutureTimeoutError:  # Python 3.10: not the builtin TimeoutError
                 raise StructuredOutputError(
                     f"structured outputs: compiling the constraint took longer than {limit} s"
                 ) from None
@@ -380,7 +381,7 @@ class LLMEngine:
             first = next(iter(self._waiting_for_grammar.values()))[0]
             try:
                 first.exception(timeout=0.02)
-            except TimeoutError:
+            except FutureTimeoutError:
                 pass
         now = time.monotonic()
         for rid, (future, deadline, admit) in list(self._waiting_for_grammar.items()):
@@ -586,6 +587,7 @@ class LLMEngine:
                 return self._take_failed_outputs()
             t0 = time.perf_counter()
             masks = None
+            self._grammar_step_s = 0.0  # a failed step's partial count is not carried over
             try:
                 masks = self._start_masks(out)  # filled while the forward runs
                 prompt_rows = prompt_logprobs.plan(out, self.requests)
@@ -624,7 +626,6 @@ class LLMEngine:
             outputs = self._take_failed_outputs() + self._apply_updates(out, updates, sampled)
             if masks is not None:
                 self._step_masks.critical_time.observe(self._grammar_step_s)
-            self._grammar_step_s = 0.0
             return outputs
 
     def _execute(

@@ -131,6 +131,8 @@ def _normalize_message(index: int, message: Any) -> dict[str, Any]:
     if not isinstance(message, dict) or "role" not in message or "content" not in message:
         raise InvalidArgumentError(f"message {index} must be a dict with 'role' and 'content', got {message!r}")
     role, content = message["role"], message["content"]
+    if content is None and role == "assistant" and message.get("tool_calls"):
+        content = ""  # OpenAI's assistant turn that only calls tools
     if not isinstance(role, str):
         raise InvalidTypeError(f"message {index}: 'role' must be a str, got {type(role).__name__}")
     if isinstance(content, list):
