@@ -33,6 +33,7 @@ use super::beam_search::{barrier_shares, decide, BeamHypothesis};
 use super::finish::FinishReason;
 use super::output::RequestUpdate;
 use super::request::{Branch, BranchKey, RequestKey};
+use super::Release;
 use super::{Scheduler, StepOutput, StepPlan};
 use crate::error::{CoreError, Result};
 use crate::ids::SeqId;
@@ -328,12 +329,9 @@ impl Scheduler {
     fn preempt_beam_group_in_step(&mut self, group: &[BranchKey], allocated: &[SeqId], out: &mut StepOutput) -> Result<()> {
         for &b in group.iter().rev() {
             self.running.retain(|&k| k != b);
-            let Some(branch) = self.branches.get_mut(b) else { continue };
-            let Some(seq) = branch.seq.take() else { continue };
-            branch.tokens = if allocated.contains(&seq) { self.kv.free_discarding_window(seq)? } else { self.kv.free_take_tokens(seq)? };
-            branch.resumed = true;
+            let Some(seq) = self.branches.get(b).and_then(|x| x.seq) else { continue };
+            self.requeue(b, if allocated.contains(&seq) { Release::DiscardWindow } else { Release::TakeTokens })?;
             self.counters.preemptions += 1;
-            self.enqueue_waiting(b, true);
         }
         if let Some(req) = group.first().and_then(|&b| self.branches.get(b)).and_then(|x| self.requests.get(x.req)) {
             out.preempted_req_ids.push(req.id.clone());

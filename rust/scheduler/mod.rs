@@ -64,6 +64,17 @@ use stats::Counters;
 /// for a first block), its token ids and its cache salt.
 pub type DiskEntry = (BlockHash, Option<BlockHash>, Vec<u32>, Option<String>, u32);
 
+/// What [`Scheduler::requeue`] does with a re-queued branch's sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Release {
+    /// Freed; its tokens stay on the branch, to be recomputed (preemption).
+    TakeTokens,
+    /// Freed after dropping the step's unwritten window (a step that will not run).
+    DiscardWindow,
+    /// Kept: it was swapped out to the host tier and comes back from there.
+    Keep,
+}
+
 /// The scheduler (see the module docs).
 #[derive(Debug)]
 pub struct Scheduler {
@@ -347,6 +358,26 @@ impl Scheduler {
         }
     }
 
+    /// Sends branch `b` back to the front of the waiting queue (its priority's front) as a
+    /// resumed branch: the one re-queueing path of preemption, a beam group's preemption in the
+    /// step being built and `rollback_step`. `release` says what happens to its sequence:
+    /// freed with its tokens kept on the branch (recomputed later), freed with the step's
+    /// unwritten window dropped first (a step that never ran), or kept (swapped out, it comes
+    /// back from the host tier). The caller takes it out of `running` and counts it.
+    fn requeue(&mut self, b: BranchKey, release: Release) -> Result<()> {
+        let Some(branch) = self.branches.get_mut(b) else { return Ok(()) }; // aborted since
+        if release != Release::Keep {
+            let Some(seq) = branch.seq.take() else { return Ok(()) };
+            branch.tokens = match release {
+                Release::DiscardWindow => self.kv.free_discarding_window(seq)?,
+                _ => self.kv.free_take_tokens(seq)?,
+            };
+        }
+        branch.resumed = true;
+        self.enqueue_waiting(b, true);
+        Ok(())
+    }
+
     fn insert_running(&mut self, b: BranchKey) {
         let key = self.order_of(b);
         let pos = self.running.partition_point(|&r| self.order_of(r) <= key);
@@ -367,25 +398,20 @@ impl Scheduler {
             },
         });
         let swapped = swap && self.kv.swap_out(seq).unwrap_or(false);
-        let Some(branch) = self.branches.get_mut(b) else { return };
         if swapped {
             plan.swapped_out.push(b);
             self.counters.swap_preemptions += 1;
-        } else {
-            branch.seq = None;
-            match self.kv.free_take_tokens(seq) {
-                Ok(tokens) => branch.tokens = tokens,
-                Err(_) => return,
-            }
         }
-        branch.resumed = true;
+        let Some(req) = self.branches.get(b).map(|x| x.req) else { return };
+        if self.requeue(b, if swapped { Release::Keep } else { Release::TakeTokens }).is_err() {
+            return; // cannot happen: the branch's sequence is live
+        }
         self.counters.preemptions += 1;
-        if let Some(req) = self.requests.get(branch.req) {
+        if let Some(req) = self.requests.get(req) {
             if out.preempted_req_ids.last() != Some(&req.id) {
                 out.preempted_req_ids.push(req.id.clone());
             }
         }
-        self.enqueue_waiting(b, true);
     }
 
     /// Builds the next step. Fails only if the previous step's `update` is still owed.
@@ -821,17 +847,17 @@ impl Scheduler {
         }
         // Reverse row order: each branch goes to the front, so the first row ends up first.
         for &b in undo.iter().rev() {
-            let Some(branch) = self.branches.get_mut(b) else { continue }; // aborted since
-            let Some(seq) = branch.seq.take() else { continue };
-            branch.tokens = self.kv.free_discarding_window(seq)?;
-            branch.resumed = true;
+            let Some(branch) = self.branches.get(b) else { continue }; // aborted since
+            if branch.seq.is_none() {
+                continue;
+            }
             if let Some(req) = self.requests.get(branch.req) {
                 if !ids.contains(&req.id) {
                     ids.push(req.id.clone());
                 }
             }
             self.running.retain(|&k| k != b);
-            self.enqueue_waiting(b, true);
+            self.requeue(b, Release::DiscardWindow)?;
         }
         ids.reverse();
         let mut reported = plan.reported;
