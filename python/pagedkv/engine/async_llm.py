@@ -44,11 +44,11 @@ from pagedkv.errors import (
     EngineDeadError,
     PagedKVError,
     RequestFailedError,
-    StructuredOutputError,
     UnknownRequestError,
 )
 from pagedkv.sample.beam_search_params import BeamSearchParams
 from pagedkv.sample.sampling_params import SamplingParams
+from pagedkv.structured.compiler import compile_timeout_error
 from pagedkv.structured.params import StructuredOutputsParams
 
 __all__ = ["AsyncLLM", "EngineDeadError", "RequestStream"]
@@ -193,9 +193,7 @@ class AsyncLLM:
             # shield: a caller that goes away must not cancel a compile other requests share.
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit)
         except asyncio.TimeoutError:
-            raise StructuredOutputError(
-                f"structured outputs: compiling the constraint took longer than {limit} s"
-            ) from None
+            raise compile_timeout_error(limit) from None
 
     async def generate(
         self,

@@ -70,7 +70,7 @@ from pagedkv.sample.beam_search_params import BeamSearchParams
 from pagedkv.sample.penalties import bad_words_bans, bad_words_token_ids
 from pagedkv.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedkv.sample.sampling_params import SamplingParams
-from pagedkv.structured.compiler import CompiledGrammar, GrammarCompiler
+from pagedkv.structured.compiler import CompiledGrammar, GrammarCompiler, compile_timeout_error
 from pagedkv.structured.params import StructuredOutputsParams
 from pagedkv.structured.step_masks import PendingMasks, StepMasks, apply_token_bitmask_
 from pagedkv.worker.model_runner import ModelRunner
@@ -352,9 +352,7 @@ class LLMEngine:
             try:
                 future.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeoutError:  # Python 3.10: not the builtin TimeoutError
-                raise StructuredOutputError(
-                    f"structured outputs: compiling the constraint took longer than {limit} s"
-                ) from None
+                raise compile_timeout_error(limit) from None
 
     def _check_addable(self, state: RequestState) -> None:
         """The scheduler's own checks of a request that waits before it is added (for remote KV
@@ -392,10 +390,7 @@ class LLMEngine:
             if not future.done():
                 if now > deadline:
                     del self._waiting_for_grammar[rid]
-                    limit = self.config.structured_outputs.compile_timeout_s
-                    error = StructuredOutputError(
-                        f"structured outputs: compiling the constraint took longer than {limit} s"
-                    )
+                    error = compile_timeout_error(self.config.structured_outputs.compile_timeout_s)
                     self._failed_outputs.append(self._fail_request(state, error))
                 continue
             del self._waiting_for_grammar[rid]

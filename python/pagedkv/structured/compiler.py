@@ -30,7 +30,7 @@ from pagedkv.errors import MissingDependencyError, StructuredOutputError
 from pagedkv.structured.params import StructuredOutputsParams
 from pagedkv.structured.stats import SecondsHistogram
 
-__all__ = ["CompiledGrammar", "GrammarCompiler", "load_llguidance"]
+__all__ = ["CompiledGrammar", "GrammarCompiler", "compile_timeout_error", "load_llguidance"]
 
 # Error texts from llguidance can quote the whole schema; the client gets this much.
 _MAX_ERROR_CHARS = 2000
@@ -45,13 +45,17 @@ def load_llguidance() -> Any:
     return llguidance
 
 
+def compile_timeout_error(limit: float) -> StructuredOutputError:
+    """The error of a request whose grammar was not compiled within ``limit`` seconds."""
+    return StructuredOutputError(f"structured outputs: compiling the constraint took longer than {limit} s")
+
+
 @dataclass
 class CompiledGrammar:
     """A compiled constraint: ``template`` is an ``llguidance.LLMatcher`` in its initial state."""
 
     key: tuple[str, str, bool]
     template: Any
-    compile_seconds: float
 
     @property
     def kind(self) -> str:
@@ -145,4 +149,4 @@ class GrammarCompiler:
                 )
         finally:
             self.compile_time.observe(time.perf_counter() - start)
-        return CompiledGrammar(key=key, template=template, compile_seconds=time.perf_counter() - start)
+        return CompiledGrammar(key=key, template=template)
