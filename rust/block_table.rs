@@ -70,6 +70,15 @@ impl BlockTable {
         &mut self.blocks
     }
 
+    /// Drops the entries from logical index `len` on (rejected drafts' blocks), returning them.
+    pub fn truncate(&mut self, len: usize) -> Vec<BlockId> {
+        if len >= self.blocks.len() {
+            return Vec::new();
+        }
+        self.version = self.version.wrapping_add(1);
+        self.blocks.split_off(len)
+    }
+
     /// Takes the blocks out, leaving the table empty.
     pub fn take(&mut self) -> Vec<BlockId> {
         self.version = self.version.wrapping_add(1);

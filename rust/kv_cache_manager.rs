@@ -199,6 +199,11 @@ pub struct Sequence {
     /// (module docs, "KV cache groups"). Set for a sequence whose KV another engine reads
     /// (a `hold_kv` request and its lease) and for a KV-transfer reservation.
     keep_all: bool,
+    /// Trailing tokens that are drafts (speculative decoding), not verified: they get slots
+    /// and are computed like any token, but no block holding one is ever offered to the prefix
+    /// cache, and [`KvCacheManager::accept_drafts`] keeps only the accepted ones. 0 outside a
+    /// step.
+    num_drafts: usize,
 }
 
 impl Sequence {
@@ -258,6 +263,18 @@ impl Sequence {
     /// The cache salt of this sequence's blocks.
     pub fn extra_key(&self) -> &ExtraKey {
         &self.extra
+    }
+
+    /// Trailing draft tokens, unverified (see [`KvCacheManager::append_drafts`]).
+    #[inline]
+    pub fn num_drafts(&self) -> usize {
+        self.num_drafts
+    }
+
+    /// Tokens that are not drafts.
+    #[inline]
+    pub fn num_verified(&self) -> usize {
+        self.tokens.len() - self.num_drafts
     }
 
     /// Whether the sequence holds every block of every column (no give-back behind a window):
@@ -894,6 +911,7 @@ impl KvCacheManager {
             extra,
             retention,
             keep_all,
+            num_drafts: 0,
         };
         (self.insert(seq), hit_tokens)
     }
@@ -1051,6 +1069,7 @@ impl KvCacheManager {
             extra,
             retention: RetentionPolicy::default(),
             keep_all: true,
+            num_drafts: 0,
         };
         Some((self.insert(seq), keep))
     }
@@ -1370,9 +1389,82 @@ impl KvCacheManager {
         Ok(())
     }
 
+    /// Appends `drafts` (speculative decoding) to sequence `id` as unverified tokens: give
+    /// them slots with the pending token before them (`allocate_slots`), compute them, then
+    /// keep the accepted ones with [`Self::accept_drafts`], or drop them unscheduled with
+    /// [`Self::discard_drafts`]. Fails, changing nothing, if the sequence already has drafts or
+    /// is not on the device.
+    pub fn append_drafts(&mut self, id: SeqId, drafts: &[u32]) -> Result<()> {
+        let seq = self.seq_mut(id)?;
+        if seq.num_drafts > 0 || seq.tier != Tier::Device {
+            return Err(CoreError::InvalidArgument(format!(
+                "sequence {id} cannot take drafts: it has {} already or is not on the device",
+                seq.num_drafts
+            )));
+        }
+        seq.tokens.extend_from_slice(drafts);
+        seq.num_drafts = drafts.len();
+        Ok(())
+    }
+
+    /// Drops the drafts of `id` that have no slot yet (an allocation for them failed).
+    pub fn discard_drafts(&mut self, id: SeqId) -> Result<()> {
+        let seq = self.seq_mut(id)?;
+        let verified = seq.num_verified();
+        if seq.num_computed > verified {
+            return Err(CoreError::InvalidArgument(format!(
+                "sequence {id}: its drafts have slots; verify them with accept_drafts"
+            )));
+        }
+        seq.tokens.truncate(verified);
+        seq.num_drafts = 0;
+        Ok(())
+    }
+
+    /// Ends the verification of the computed drafts of `id`: the first `accepted` become
+    /// verified tokens (their KV, computed in the step, stands), the others are dropped with
+    /// their slots, and every block that only rejected drafts occupied goes back to the pool
+    /// now. Returns the blocks given back (over all columns). Fails, changing nothing, if
+    /// `accepted` exceeds the drafts or they were not all computed.
+    pub fn accept_drafts(&mut self, id: SeqId, accepted: usize) -> Result<usize> {
+        let KvCacheManager { pool, seqs, .. } = self;
+        let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
+        if accepted > seq.num_drafts || seq.num_computed != seq.tokens.len() || seq.tier != Tier::Device {
+            return Err(CoreError::InvalidArgument(format!(
+                "sequence {id}: cannot accept {accepted} of {} drafts ({} of {} tokens computed)",
+                seq.num_drafts,
+                seq.num_computed,
+                seq.tokens.len()
+            )));
+        }
+        let len = seq.num_verified() + accepted;
+        seq.tokens.truncate(len);
+        seq.num_drafts = 0;
+        seq.num_computed = len;
+        seq.write_start = seq.write_start.min(len);
+        let bs = pool.block_size();
+        let keep = blocks_for(len, bs);
+        let mut freed = 0;
+        for col in seq.cols.iter_mut() {
+            // Never registered (drafts are not offered to the cache), so plain releases.
+            debug_assert!(col.num_registered <= len / bs);
+            col.num_registered = col.num_registered.min(len / bs);
+            for b in col.table.truncate(keep) {
+                if !b.is_null() {
+                    pool.release_ref_unchecked(b);
+                    freed += 1;
+                }
+            }
+        }
+        Ok(freed)
+    }
+
     /// A new sequence sharing every block of `id` (ref counts + 1), with the same tokens.
     /// Both sequences' write windows close: fork after the step's KV writes are done.
     pub fn fork(&mut self, id: SeqId) -> Result<SeqId> {
+        if self.seq(id)?.num_drafts > 0 {
+            return Err(CoreError::InvalidArgument(format!("sequence {id} has unverified drafts: verify them before forking")));
+        }
         let parent = self.seq_mut(id)?;
         parent.write_start = parent.num_computed;
         let child = parent.clone();
@@ -1429,8 +1521,12 @@ impl KvCacheManager {
     /// request keeps them to be recomputed later).
     pub fn free_take_tokens(&mut self, id: SeqId) -> Result<Vec<u32>> {
         let mut seq = self.seqs.remove(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
-        // Blocks filled by decoding become findable now (see `Sequence::prompt_len`).
-        let upto = seq.num_computed;
+        // Blocks filled by decoding become findable now (see `Sequence::prompt_len`); drafts
+        // never do (they are dropped: a re-queued branch keeps its verified tokens only).
+        let upto = seq.num_computed.min(seq.num_verified());
+        let verified = seq.num_verified();
+        seq.tokens.truncate(verified);
+        seq.num_drafts = 0;
         Self::register_all(&mut self.pool, &mut self.hasher, &mut seq, upto);
         match seq.tier {
             Tier::Device => Self::release_columns(&mut self.pool, &mut seq),
@@ -1508,6 +1604,9 @@ impl KvCacheManager {
         let Some(host) = host.as_mut() else { return Ok(false) };
         if seq.tier != Tier::Device {
             return Err(CoreError::InvalidArgument(format!("sequence {id} is already on the host")));
+        }
+        if seq.num_drafts > 0 {
+            return Err(CoreError::InvalidArgument(format!("sequence {id} has unverified drafts: verify them before swapping it out")));
         }
         // Blocks filled by decoding get their identity now, so their content can be found on
         // either tier later (as when a sequence is freed).
@@ -1945,6 +2044,18 @@ impl KvCacheManager {
                         seq.write_start
                     )));
                 }
+            }
+            // No block holding a draft is offered to the prefix cache.
+            let first_draft_block = seq.num_verified() / bs;
+            let cached = |b: &BlockId| !b.is_null() && self.pool.is_cached(*b);
+            if seq.tier == Tier::Device
+                && seq.num_drafts > 0
+                && seq.cols.iter().any(|c| c.table.blocks().iter().skip(first_draft_block).any(cached))
+            {
+                return Err(CoreError::InvariantViolation(format!(
+                    "sequence in slot {slot}: a block holding one of its {} drafts is in the prefix cache",
+                    seq.num_drafts
+                )));
             }
             if seq.num_computed > seq.tokens.len() || seq.write_start > seq.num_computed {
                 return Err(CoreError::InvariantViolation(format!(

@@ -28,6 +28,8 @@
 //! - [`cpu_attention`]: paged decode attention on the CPU, straight from the block cache.
 //! - [`cpu_linear`]: linear layers on the CPU for a decode step's few rows (float32 or int8
 //!   weights), summed in an order that does not depend on the batch.
+//! - [`speculative`]: speculative decoding: the n-gram proposer, the cost model that decides how
+//!   many drafts a step verifies, and the verification rule.
 //! - [`scheduler`]: continuous batching: token budget, chunked prefill, prefix-cache
 //!   admission, preemption, stops, and the flat step output.
 //!
@@ -48,6 +50,7 @@ pub mod kv_cache_manager;
 pub mod kv_events;
 pub mod scheduler;
 pub mod slab;
+pub mod speculative;
 pub mod thread_pool;
 pub mod token_store;
 

@@ -141,9 +141,19 @@ class SchedulerConfig:
         manual_clock: bool | None = None,
         enable_kv_events: bool | None = None,
         attention_spans: Sequence[tuple[str, SupportsIndex | None]] | None = None,
+        num_speculative_tokens: SupportsIndex | None = None,
+        speculative_method: str | None = None,
+        prompt_lookup_min: SupportsIndex | None = None,
+        prompt_lookup_max: SupportsIndex | None = None,
+        speculative_adaptive: bool | None = None,
     ) -> SchedulerConfig: ...
     @property
     def attention_spans(self) -> list[tuple[str, int | None]]: ...
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Most tokens drafted per row and step (0: speculative decoding off)."""
+    @property
+    def speculative_method(self) -> str | None: ...
     def blocks_for_sequence(self, len: SupportsIndex) -> int: ...
     @property
     def block_size(self) -> int: ...
@@ -209,6 +219,11 @@ class SchedulerOutput:
     @property
     def sample_indices(self) -> npt.NDArray[np.int32]: ...
     @property
+    def draft_offsets(self) -> npt.NDArray[np.int32]:
+        """Per sampled row: the drafts of its row before the position it samples after (0
+        where there are none). A row with ``d`` drafts has ``d + 1`` consecutive sampled rows,
+        offsets ``0 .. d``."""
+    @property
     def beam_rows(self) -> npt.NDArray[np.int64]:
         """Sampled rows (indices into ``logits_indices``) of beam requests: their logits give
         the beam candidates ``update`` needs, not a sampled token."""
@@ -251,6 +266,9 @@ class RequestUpdate:
     @property
     def cumulative_logprob(self) -> float | None:
         """Beam search: the beam's cumulative log-probability (the best sequence's at the end)."""
+    @property
+    def logits_row(self) -> int | None:
+        """The logits row the token was sampled from (None for beam search)."""
 
 @final
 class RequestUpdates(Sequence[RequestUpdate]):
@@ -380,6 +398,18 @@ class SchedulerStats:
     @property
     def num_beam_forks(self) -> int:
         """Beams forked from a parent beam so far."""
+    @property
+    def num_spec_drafts(self) -> int:
+        """Speculative decoding: rows verified with drafts."""
+    @property
+    def num_spec_draft_tokens(self) -> int:
+        """Draft tokens verified."""
+    @property
+    def num_spec_accepted_tokens(self) -> int:
+        """Of those, drafts accepted."""
+    @property
+    def num_spec_blocks_freed(self) -> int:
+        """Blocks given back at once because rejected drafts alone occupied them."""
     def as_dict(self) -> dict[str, int | float]: ...
 
 @final
@@ -409,6 +439,7 @@ class Scheduler:
         beam_width: SupportsIndex | None = None,
         length_penalty: float | None = None,
         skip_prefix_cache: bool | None = None,
+        speculate: bool | None = None,
     ) -> None: ...
     def schedule(self) -> SchedulerOutput: ...
     def update(
@@ -438,6 +469,8 @@ class Scheduler:
     def set_cost_model(
         self, swap_bytes_per_second: float, recompute_tokens_per_second: float, bytes_per_block: SupportsIndex
     ) -> None: ...
+    def set_spec_cost(self, overhead_s: float, per_token_s: float) -> None: ...
+    def spec_accepted_per_position(self) -> list[int]: ...
     def advance_clock(self, seconds: float) -> None: ...
     def schedule_flush(self) -> SchedulerOutput: ...
     def disk_block_info(self, slots: _Ints) -> list[tuple[bytes, bytes | None, list[int], str | None, int] | None]: ...

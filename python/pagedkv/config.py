@@ -56,6 +56,7 @@ __all__ = [
     "KVGeometry",
     "ModelConfig",
     "SchedulingConfig",
+    "SpeculativeConfig",
     "canonical_kv_cache_dtype",
     "check_pool_holds_one_request",
     "check_preemption_mode",
@@ -584,6 +585,65 @@ class StructuredOutputsConfig:
         return cls() if value is None else config_from_any(cls, value, "structured_outputs_config")
 
 
+# Speculative decoding: the proposers the core runs, and the ones vLLM users may name that are
+# not built (refused by name, with what is supported).
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config`` names; docs/architecture.md,
+    "Speculative decoding").
+
+    - ``method``: ``"ngram"`` (prompt lookup over the request's prompt and output, in the Rust
+      core).
+    - ``num_speculative_tokens``: most tokens drafted per sequence and step, 1 .. 16.
+    - ``prompt_lookup_min`` / ``prompt_lookup_max``: the shortest and longest suffix of the
+      sequence looked up (``ngram``; defaults 2 and 5, or the one given when only one is).
+    - ``adaptive``: let the step-time model draft fewer tokens, down to none, where drafts
+      would not pay (large batches); off: always draft what the proposer finds.
+    """
+
+    num_speculative_tokens: int | None = None
+    method: str = "ngram"
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        name = "speculative_config"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"{name}: method {self.method!r} is not supported; supported: {list(SPECULATIVE_METHODS)}"
+            )
+        if self.num_speculative_tokens is None:
+            raise ConfigError(f"{name}: num_speculative_tokens is required (1 .. {MAX_SPECULATIVE_TOKENS})")
+        k = self.num_speculative_tokens
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"{name}: num_speculative_tokens must be an int in 1 .. {MAX_SPECULATIVE_TOKENS}, got {k!r}"
+            )
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        _positive_int(f"{name}: prompt_lookup_min", lo, optional=True, maximum=64)
+        _positive_int(f"{name}: prompt_lookup_max", hi, optional=True, maximum=64)
+        if lo is None:
+            lo = 2 if hi is None else min(2, hi)
+        if hi is None:
+            hi = max(5, lo)
+        if lo > hi:
+            raise ConfigError(f"{name}: prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        _bool(f"{name}: adaptive", self.adaptive)
+
+    @classmethod
+    def from_any(cls, value: Any) -> SpeculativeConfig | None:
+        """From a SpeculativeConfig, a dict of its fields, its JSON text (the CLI flag), or None
+        (speculative decoding off)."""
+        return None if value is None else config_from_any(cls, value, "speculative_config")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The three parts together, with the checks that span them."""
@@ -595,6 +655,7 @@ class EngineConfig:
     kv_transfer: Any = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         for name, cls in (
@@ -611,3 +672,5 @@ class EngineConfig:
         if self.cache.num_blocks is not None and self.model.max_model_len is not None:
             check_pool_holds_one_request(self.cache.num_blocks, self.cache.block_size, self.model.max_model_len)
         check_preemption_mode(self.cache, self.scheduling)
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ConfigError(f"speculative must be a SpeculativeConfig, got {type(self.speculative).__name__}")

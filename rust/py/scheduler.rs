@@ -20,6 +20,8 @@ use crate::scheduler::{
     BeamCandidates, FinishReason, NewRequest, Policy, PreemptionMode, RequestKey, RequestUpdate, Scheduler, SchedulerConfig,
     SchedulerStats, StatValue, StepOutput,
 };
+use crate::error::CoreError;
+use crate::speculative::{SpecMethod, SpeculativeConfig};
 
 /// Scheduler configuration, validated on construction.
 #[pyclass(module = "pagedkv._core", name = "SchedulerConfig", frozen, from_py_object)]
@@ -35,7 +37,9 @@ impl PySchedulerConfig {
         *, num_blocks, block_size = None, max_num_seqs = None, max_num_batched_tokens = None,
         max_model_len = None, enable_prefix_caching = None, policy = None, watermark = None, hash_bits = None,
         num_host_blocks = None, num_disk_blocks = None, preemption_mode = None, bytes_per_block = None, swap_bytes_per_second = None,
-        recompute_tokens_per_second = None, manual_clock = None, enable_kv_events = None, attention_spans = None
+        recompute_tokens_per_second = None, manual_clock = None, enable_kv_events = None, attention_spans = None,
+        num_speculative_tokens = None, speculative_method = None, prompt_lookup_min = None, prompt_lookup_max = None,
+        speculative_adaptive = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -57,6 +61,11 @@ impl PySchedulerConfig {
         manual_clock: Option<&Bound<'_, PyAny>>,
         enable_kv_events: Option<&Bound<'_, PyAny>>,
         attention_spans: Option<&Bound<'_, PyAny>>,
+        num_speculative_tokens: Option<&Bound<'_, PyAny>>,
+        speculative_method: Option<&Bound<'_, PyAny>>,
+        prompt_lookup_min: Option<&Bound<'_, PyAny>>,
+        prompt_lookup_max: Option<&Bound<'_, PyAny>>,
+        speculative_adaptive: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let bs = block_size.map(|o| positive_arg(o, "block_size")).transpose()?.unwrap_or(16);
         let mut c = SchedulerConfig::new(bs, positive_arg(num_blocks, "num_blocks")?);
@@ -107,6 +116,21 @@ impl PySchedulerConfig {
         }
         if let Some(o) = attention_spans.filter(|o| !o.is_none()) {
             c.attention_spans = attention_spans_arg(o)?;
+        }
+        if let Some(o) = num_speculative_tokens.filter(|o| !o.is_none()) {
+            let arg = |o: Option<&Bound<'_, PyAny>>, name: &str, default: usize| o.filter(|o| !o.is_none()).map(|o| count_arg(o, name)).transpose().map(|v| v.unwrap_or(default));
+            let method = match speculative_method.filter(|o| !o.is_none()).map(|o| str_arg(o, "speculative_method")).transpose()?.as_deref() {
+                None | Some("ngram") => SpecMethod::Ngram {
+                    min: arg(prompt_lookup_min, "prompt_lookup_min", 2)?,
+                    max: arg(prompt_lookup_max, "prompt_lookup_max", 5)?,
+                },
+                Some(other) => return Err(CoreError::Config(format!("speculative_method must be \"ngram\", got {other:?}")).into()),
+            };
+            c.speculative = Some(SpeculativeConfig {
+                method,
+                num_speculative_tokens: count_arg(o, "num_speculative_tokens")?,
+                adaptive: speculative_adaptive.filter(|o| !o.is_none()).map(|o| bool_arg(o, "speculative_adaptive")).transpose()?.unwrap_or(true),
+            });
         }
         c.validate()?;
         Ok(PySchedulerConfig { inner: c })
@@ -187,6 +211,18 @@ impl PySchedulerConfig {
         self.inner.attention_spans.iter().map(|s| s.name()).collect()
     }
 
+    /// Most tokens drafted per row and step (0: speculative decoding off).
+    #[getter]
+    fn num_speculative_tokens(&self) -> usize {
+        self.inner.speculative.map_or(0, |s| s.num_speculative_tokens)
+    }
+
+    /// The draft proposer ("ngram"), or None when speculative decoding is off.
+    #[getter]
+    fn speculative_method(&self) -> Option<&'static str> {
+        self.inner.speculative.map(|s| s.method.name())
+    }
+
     fn __repr__(&self) -> String {
         let c = &self.inner;
         format!(
@@ -241,6 +277,10 @@ pub struct PySchedulerOutput {
     sampled_req_ids: Py<PyList>,
     #[pyo3(get)]
     sample_indices: Py<PyArray1<i32>>,
+    /// Speculative decoding: per sampled row, the drafts of its row before the position it
+    /// samples after (0 where there are none): int32[S].
+    #[pyo3(get)]
+    draft_offsets: Py<PyArray1<i32>>,
     #[pyo3(get)]
     beam_rows: Py<PyArray1<i64>>,
     #[pyo3(get)]
@@ -319,6 +359,10 @@ pub struct PyRequestUpdate {
     /// Beam search: the beam's cumulative log-probability (else None).
     #[pyo3(get)]
     cumulative_logprob: Option<f64>,
+    /// The logits row the token was sampled from (None for beam search). With speculative
+    /// decoding one sample gets an update per emitted token, from consecutive rows.
+    #[pyo3(get)]
+    logits_row: Option<u32>,
 }
 
 #[pymethods]
@@ -378,6 +422,7 @@ impl PyRequestUpdates {
                 num_cached_tokens: u.num_cached_tokens,
                 parent: u.parent,
                 cumulative_logprob: u.cumulative_logprob,
+                logits_row: u.row,
             },
         )
     }
@@ -573,6 +618,7 @@ struct StepObjects {
     slot_mapping: ArrayRing<i64, Ix1>,
     logits_indices: ArrayRing<i64, Ix1>,
     sample_indices: ArrayRing<i32, Ix1>,
+    draft_offsets: ArrayRing<i32, Ix1>,
     beam_rows: ArrayRing<i64, Ix1>,
     copy_ops: ArrayRing<i32, Ix2>,
     swap_out: ArrayRing<i32, Ix2>,
@@ -629,7 +675,7 @@ impl PyScheduler {
         request_id, prompt_token_ids, *, max_tokens, min_tokens = None, eos_token_ids = None,
         stop_token_ids = None, ignore_eos = None, priority = None, cache_salt = None, n = None,
         retention_priority = None, retention_duration = None, retention_tokens = None, hold_kv = None,
-        beam_width = None, length_penalty = None, skip_prefix_cache = None
+        beam_width = None, length_penalty = None, skip_prefix_cache = None, speculate = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -651,6 +697,7 @@ impl PyScheduler {
         beam_width: Option<&Bound<'_, PyAny>>,
         length_penalty: Option<&Bound<'_, PyAny>>,
         skip_prefix_cache: Option<&Bound<'_, PyAny>>,
+        speculate: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let id_str = str_obj_arg(request_id, "request_id")?.clone();
         let opt_ids = |o: Option<&Bound<'_, PyAny>>, name: &str| -> PyResult<Vec<u32>> {
@@ -674,6 +721,7 @@ impl PyScheduler {
             hold_kv: hold_kv.map(|o| bool_arg(o, "hold_kv")).transpose()?.unwrap_or(false),
             beam: beam_arg(beam_width, length_penalty)?,
             skip_prefix_cache: skip_prefix_cache.map(|o| bool_arg(o, "skip_prefix_cache")).transpose()?.unwrap_or(false),
+            speculate: speculate.map(|o| bool_arg(o, "speculate")).transpose()?.unwrap_or(true),
         };
         let key = self.inner.add_request(req)?;
         self.names.set(key, id_str.unbind());
@@ -780,6 +828,20 @@ impl PyScheduler {
     /// A snapshot of the scheduler's counters and KV-cache state.
     fn stats(&self) -> SchedulerStats {
         self.inner.stats()
+    }
+
+    /// Speculative decoding's step-time model: `overhead_s` seconds per step plus
+    /// `per_token_s` per token, as measured. A draft is verified only if its expected gain
+    /// beats the tokens per second of a step without it (docs/architecture.md, "Speculative
+    /// decoding").
+    fn set_spec_cost(&mut self, overhead_s: &Bound<'_, PyAny>, per_token_s: &Bound<'_, PyAny>) -> PyResult<()> {
+        Ok(self.inner.set_spec_cost(float_arg(overhead_s, "overhead_s")?, float_arg(per_token_s, "per_token_s")?)?)
+    }
+
+    /// Drafts accepted so far by position within a row's drafts (entry j: accepted
+    /// (j+1)-th drafts), vLLM's `num_accepted_tokens_per_pos`.
+    fn spec_accepted_per_position(&self) -> Vec<u64> {
+        self.inner.spec_accepted_per_position().to_vec()
     }
 
     /// Sets the `auto` preemption cost model from measurements: the copy bandwidth between
@@ -1094,6 +1156,7 @@ impl PyScheduler {
             logits_indices: o.logits_indices.fill(py, Ix1(s), &out.logits_indices)?,
             sampled_req_ids: sampled,
             sample_indices: o.sample_indices.fill(py, Ix1(s), &out.sample_indices)?,
+            draft_offsets: o.draft_offsets.fill(py, Ix1(s), &out.draft_offsets)?,
             beam_rows: o.beam_rows.fill(py, Ix1(out.beam_rows.len()), &out.beam_rows)?,
             copy_ops: o.copy_ops.fill(py, Ix2(k, 2), &out.copy_ops)?,
             swap_out: o.swap_out.fill(py, Ix2(k_out, 2), &out.swap_out)?,

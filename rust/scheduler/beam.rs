@@ -38,6 +38,7 @@ use super::{Scheduler, StepOutput, StepPlan};
 use crate::error::{CoreError, Result};
 use crate::ids::SeqId;
 use crate::kv_cache_manager::{PrefixMatch, Tier};
+use crate::speculative::BranchSpec;
 
 /// The result of a beam search that ended in an `update`.
 #[derive(Debug, Clone, PartialEq)]
@@ -491,6 +492,7 @@ impl Scheduler {
                 num_cached_tokens: num_cached,
                 parent: Some(prior_ranks[x]),
                 cumulative_logprob: Some(cum),
+                row: None,
             });
         }
         Ok(())
@@ -518,6 +520,7 @@ impl Scheduler {
             resumed: false,
             order: (prio, arrival, order),
             cum_logprob: cum,
+            spec: BranchSpec::default(),
         });
         if let Some(r) = self.requests.get_mut(req) {
             r.branches.push(child);
@@ -540,10 +543,7 @@ impl Scheduler {
         let Some(mut request) = self.requests.remove(req) else { return };
         let hypotheses = request.beam.take().map(|s| s.finished).unwrap_or_default();
         let reason = hypotheses.first().map_or(FinishReason::Length, |h| h.finish_reason);
-        match reason {
-            FinishReason::Stop => self.counters.finished_stop += 1,
-            _ => self.counters.finished_length += 1,
-        }
+        self.counters.count_finish(reason);
         updates.push(RequestUpdate {
             request: req,
             index: 0,
@@ -552,6 +552,7 @@ impl Scheduler {
             num_cached_tokens: request.num_cached_tokens,
             parent: None,
             cumulative_logprob: hypotheses.first().map(|h| h.cumulative_logprob),
+            row: None,
         });
         self.by_id.remove(&request.id);
         self.ended.push((req, request.id.clone()));

@@ -4,6 +4,7 @@ use crate::attention_span::AttentionSpan;
 use crate::block_hash::HashMode;
 use crate::block_pool::{MAX_BLOCK_SIZE, MAX_NUM_BLOCKS};
 use crate::error::{CoreError, Result};
+use crate::speculative::SpeculativeConfig;
 
 /// Order in which waiting requests are admitted and running ones are preempted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,6 +117,9 @@ pub struct SchedulerConfig {
     /// column per sequence over the one pool (kv_cache_manager.rs). One full column unless
     /// the model mixes attention types.
     pub attention_spans: Vec<AttentionSpan>,
+    /// Speculative decoding: draft tokens for decoding branches and verify them in the step
+    /// (see [`crate::speculative`]); `None`: off.
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 impl SchedulerConfig {
@@ -154,6 +158,7 @@ impl SchedulerConfig {
             manual_clock: false,
             enable_kv_events: false,
             attention_spans: vec![AttentionSpan::Full],
+            speculative: None,
         }
     }
 
@@ -200,6 +205,9 @@ impl SchedulerConfig {
             if !(v.is_finite() && v > 0.0) {
                 return err(format!("{name} must be a positive finite number, got {v}"));
             }
+        }
+        if let Some(spec) = &self.speculative {
+            spec.validate()?;
         }
         let capacity = self.block_size * self.num_blocks;
         if capacity < self.max_model_len {

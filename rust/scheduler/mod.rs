@@ -56,6 +56,7 @@ use crate::error::{CoreError, Result};
 use crate::ids::{BlockId, SeqId};
 use crate::kv_cache_manager::{KvCacheManager, PrefixMatch, Restore, Tier};
 use crate::slab::Slab;
+use crate::speculative::{BranchSpec, SpecCostModel, SpecMethod};
 use output::StepPlan;
 use request::{Branch, Request};
 use stats::Counters;
@@ -105,6 +106,12 @@ pub struct Scheduler {
     kv_reservations: HashMap<Arc<str>, SeqId>,
     /// Results of beam searches that ended, until [`Scheduler::take_beam_results`].
     beam_results: Vec<BeamResult>,
+    /// Speculative decoding: the step-time model that decides how many drafts pay.
+    spec_cost: SpecCostModel,
+    /// Accepted drafts by position (index j: the (j+1)-th draft of a row), lifetime.
+    spec_accepted_per_position: Vec<u64>,
+    /// Scratch for a proposal.
+    draft_buf: Vec<u32>,
 }
 
 impl Scheduler {
@@ -135,6 +142,9 @@ impl Scheduler {
             kv_leases: HashMap::new(),
             kv_reservations: HashMap::new(),
             beam_results: Vec::new(),
+            spec_cost: SpecCostModel::default(),
+            spec_accepted_per_position: Vec::new(),
+            draft_buf: Vec::new(),
         })
     }
 
@@ -152,6 +162,24 @@ impl Scheduler {
     /// retention duration can expire without waiting for it).
     pub fn advance_clock(&mut self, us: u64) {
         self.clock_offset_us = self.clock_offset_us.saturating_add(us);
+    }
+
+    /// Speculative decoding's step-time model (see [`SpecCostModel`]): `overhead_s` seconds
+    /// per step plus `per_token_s` per token, as the engine measures them.
+    pub fn set_spec_cost(&mut self, overhead_s: f64, per_token_s: f64) -> Result<()> {
+        for (name, v) in [("overhead_s", overhead_s), ("per_token_s", per_token_s)] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(CoreError::InvalidArgument(format!("{name} must be a finite number >= 0, got {v}")));
+            }
+        }
+        self.spec_cost = SpecCostModel { overhead_s: overhead_s.max(1e-9), per_token_s };
+        Ok(())
+    }
+
+    /// Speculative decoding: drafts accepted so far by position within a row's drafts
+    /// (entry `j`: how many `(j+1)`-th drafts were accepted).
+    pub fn spec_accepted_per_position(&self) -> &[u64] {
+        &self.spec_accepted_per_position
     }
 
     /// Sets the `auto` preemption cost model from measurements (see
@@ -262,6 +290,7 @@ impl Scheduler {
             hold_kv: r.hold_kv,
             beam: r.beam.map(|p| beam_search::BeamSearch::new(p, prompt_len)),
             skip_prefix_cache: r.skip_prefix_cache,
+            speculate: r.speculate && r.beam.is_none(),
         });
         let branch = self.branches.insert(Branch {
             req: key,
@@ -272,6 +301,7 @@ impl Scheduler {
             resumed: false,
             order: (priority, arrival, 0),
             cum_logprob: 0.0,
+            spec: BranchSpec::default(),
         });
         if let Some(req) = self.requests.get_mut(key) {
             req.branches.push(branch);
@@ -456,6 +486,10 @@ impl Scheduler {
         let mut scheduled: Vec<(BranchKey, SeqId)> = Vec::with_capacity(self.running.len() + 1);
 
         // 1. Running branches.
+        let threshold = match self.config.speculative {
+            Some(spec) if spec.adaptive => self.spec_cost.threshold(self.running.len()),
+            _ => -1.0, // every draft the proposer finds
+        };
         let mut i = 0;
         let mut preempted_any = false;
         while i < self.running.len() && budget > 0 {
@@ -486,6 +520,20 @@ impl Scheduler {
             if pending == 0 {
                 i += 1;
                 continue;
+            }
+            if pending == 1 && budget > 1 && self.config.speculative.is_some() {
+                // A decoding branch drafts what the budget, its limits and the cost model allow,
+                // and only into free blocks: speculation never preempts anyone.
+                let d = self.propose_drafts(b, seq, budget - 1, threshold)?;
+                if d > 0 {
+                    if self.kv.allocate_slots(seq, 1 + d)? {
+                        budget -= 1 + d;
+                        scheduled.push((b, seq));
+                        i += 1;
+                        continue;
+                    }
+                    self.kv.discard_drafts(seq)?;
+                }
             }
             let n = pending.min(budget);
             let mut preempted_self = false;
@@ -769,7 +817,18 @@ impl Scheduler {
             seq.table().extend_slots(start, end, bs, &mut out.slot_mapping);
             out.cu_seqlens_q.push(out.input_ids.len() as i32);
             out.seq_lens.push(end as i32);
-            if end == seq.num_tokens() {
+            let drafts = seq.num_drafts();
+            if drafts > 0 && end == seq.num_tokens() {
+                // A decoding row with drafts: the logits after its pending token and after each
+                // draft (row j samples the token that would follow draft j; `update` verifies).
+                for j in 0..=drafts {
+                    out.logits_indices.push((out.input_ids.len() - drafts + j) as i64 - 1);
+                    out.sampled_requests.push(branch.req);
+                    out.sample_indices.push(branch.index as i32);
+                    out.draft_offsets.push(j as i32);
+                    plan.sampled.push((b, branch.index));
+                }
+            } else if end == seq.num_tokens() {
                 // Every known token is computed: this row's last logits give the next token,
                 // one sample per branch the request will have after this step.
                 let samples = if req.forked { 1 } else { req.n as u32 };
@@ -781,6 +840,7 @@ impl Scheduler {
                     out.logits_indices.push(out.input_ids.len() as i64 - 1);
                     out.sampled_requests.push(branch.req);
                     out.sample_indices.push(index as i32);
+                    out.draft_offsets.push(0);
                     plan.sampled.push((b, index));
                 }
             }
@@ -923,12 +983,19 @@ impl Scheduler {
                     r.forked = true;
                 }
                 for (k, &t) in targets.iter().enumerate() {
-                    self.append_sampled(t, sampled[i + k], &mut updates, &mut ended)?;
+                    self.append_sampled(t, sampled[i + k], i + k, &mut updates, &mut ended)?;
                 }
                 i += n;
             } else {
-                self.append_sampled(b, sampled[i], &mut updates, &mut ended)?;
-                i += 1;
+                let drafts = branch.seq.and_then(|s| self.kv.seq(s).ok()).map_or(0, |s| s.num_drafts());
+                if drafts > 0 {
+                    // Rows i ..= i + drafts are this branch's (build_rows).
+                    self.verify_drafts(b, &sampled[i..=i + drafts], i, &mut updates, &mut ended)?;
+                    i += drafts + 1;
+                } else {
+                    self.append_sampled(b, sampled[i], i, &mut updates, &mut ended)?;
+                    i += 1;
+                }
             }
         }
         if !ended.is_empty() {
@@ -955,6 +1022,7 @@ impl Scheduler {
             resumed: false,
             order,
             cum_logprob: 0.0,
+            spec: BranchSpec::default(),
         });
         if let Some(r) = self.requests.get_mut(req) {
             r.branches.push(child);
@@ -963,10 +1031,12 @@ impl Scheduler {
         Ok(child)
     }
 
+    /// Appends the token sampled at logits row `row` to branch `b` and applies the stops.
     fn append_sampled(
         &mut self,
         b: BranchKey,
         token: u32,
+        row: usize,
         updates: &mut Vec<RequestUpdate>,
         ended: &mut Vec<(BranchKey, FinishReason)>,
     ) -> Result<()> {
@@ -976,31 +1046,104 @@ impl Scheduler {
         let Some(seq) = branch.seq else { return Ok(()) };
         let num_tokens = self.kv.append_token(seq, token)?;
         branch.num_output += 1;
-        let past_min = branch.num_output >= req.min_tokens;
-        let finish = if past_min && (req.eos_token_ids.contains(&token) || req.stop_token_ids.contains(&token)) {
-            Some(FinishReason::Stop)
-        } else if branch.num_output >= req.max_tokens || num_tokens >= max_model_len {
-            Some(FinishReason::Length)
-        } else {
-            None
-        };
-        updates.push(RequestUpdate {
-            request: branch.req,
-            index: branch.index,
-            token,
-            finish_reason: finish,
-            num_cached_tokens: req.num_cached_tokens,
-            parent: None,
-            cumulative_logprob: None,
-        });
+        let finish = stop_reason(req, branch.num_output, token, num_tokens, max_model_len);
+        updates.push(RequestUpdate::sampled(branch.req, branch.index, token, finish, req.num_cached_tokens, row));
         if let Some(reason) = finish {
             ended.push((b, reason));
-            match reason {
-                FinishReason::Stop => self.counters.finished_stop += 1,
-                _ => self.counters.finished_length += 1,
-            }
+            self.counters.count_finish(reason);
         }
         Ok(())
+    }
+
+    /// Verifies the drafts of branch `b` against `sampled`, the tokens sampled at its logits
+    /// rows `first_row ..` (one after its pending token, one after each draft; see
+    /// [`crate::speculative`]): drafts are accepted while each equals the token sampled before
+    /// it; the sampled tokens up to the first mismatch (or all of them, the last being the
+    /// bonus) are emitted in order, each through the stops, and the branch ends at the first
+    /// that stops it. The rejected drafts' slots go back, with the blocks they emptied.
+    fn verify_drafts(
+        &mut self,
+        b: BranchKey,
+        sampled: &[u32],
+        first_row: usize,
+        updates: &mut Vec<RequestUpdate>,
+        ended: &mut Vec<(BranchKey, FinishReason)>,
+    ) -> Result<()> {
+        let max_model_len = self.config.max_model_len;
+        let Some(branch) = self.branches.get_mut(b) else { return Ok(()) };
+        let Some(req) = self.requests.get(branch.req) else { return Ok(()) };
+        let Some(seq) = branch.seq else { return Ok(()) };
+        let s = self.kv.seq(seq)?;
+        let (base, drafted) = (s.num_verified(), s.num_drafts());
+        let accepted = s.tokens()[base..].iter().zip(sampled).take_while(|(d, t)| d == t).count();
+        let (mut emitted, mut finish) = (0, None);
+        for (j, &token) in sampled[..=accepted].iter().enumerate() {
+            emitted = j + 1;
+            finish = stop_reason(req, branch.num_output + emitted, token, base + emitted, max_model_len);
+            if finish.is_some() {
+                break;
+            }
+        }
+        // The emitted tokens before the last are accepted drafts, already in the sequence.
+        let freed = self.kv.accept_drafts(seq, emitted - 1)?;
+        self.kv.append_token(seq, sampled[emitted - 1])?;
+        branch.num_output += emitted;
+        branch.spec.record(drafted, accepted);
+        let c = &mut self.counters;
+        c.spec_drafts += 1;
+        c.spec_draft_tokens += drafted as u64;
+        c.spec_accepted_tokens += accepted as u64;
+        c.spec_blocks_freed += freed as u64;
+        if self.spec_accepted_per_position.len() < drafted {
+            self.spec_accepted_per_position.resize(drafted, 0);
+        }
+        for n in &mut self.spec_accepted_per_position[..accepted] {
+            *n += 1;
+        }
+        for (j, &token) in sampled[..emitted].iter().enumerate() {
+            let last = j + 1 == emitted;
+            let reason = if last { finish } else { None };
+            updates.push(RequestUpdate::sampled(branch.req, branch.index, token, reason, req.num_cached_tokens, first_row + j));
+        }
+        if let Some(reason) = finish {
+            ended.push((b, reason));
+            self.counters.count_finish(reason);
+        }
+        Ok(())
+    }
+
+    /// Chooses and appends the drafts of decoding branch `b` (sequence `seq`, one pending
+    /// token) for this step: up to `budget` tokens, the request's limits (its remaining
+    /// `max_tokens` and `max_model_len` leave room for the drafts and the token after them) and
+    /// what the cost model finds worth verifying at this step's `threshold`. Returns how many
+    /// were appended (0 for a request that does not speculate or a proposal that found none).
+    fn propose_drafts(&mut self, b: BranchKey, seq: SeqId, budget: usize, threshold: f64) -> Result<usize> {
+        let Some(spec) = self.config.speculative else { return Ok(0) };
+        let Some(branch) = self.branches.get_mut(b) else { return Ok(0) };
+        let Some(req) = self.requests.get(branch.req) else { return Ok(0) };
+        if !req.speculate || !req.forked {
+            return Ok(0);
+        }
+        let s = self.kv.seq(seq)?;
+        let len = s.num_tokens();
+        let room = req
+            .max_tokens
+            .saturating_sub(branch.num_output + 1)
+            .min(self.config.max_model_len.saturating_sub(len + 1))
+            .min(budget)
+            .min(spec.num_speculative_tokens);
+        let k = SpecCostModel::drafts_worth(threshold, branch.spec.acceptance, room);
+        if k == 0 {
+            return Ok(0);
+        }
+        match spec.method {
+            SpecMethod::Ngram { min, max } => branch.spec.index.propose(s.tokens(), min, max, k, &mut self.draft_buf),
+        }
+        let d = self.draft_buf.len();
+        if d > 0 {
+            self.kv.append_drafts(seq, &self.draft_buf)?;
+        }
+        Ok(d)
     }
 
     /// Removes a finished (already unqueued) branch; the request ends with its last branch,
@@ -1109,6 +1252,10 @@ impl Scheduler {
             beam_block_refs,
             beam_blocks_shared,
             num_beam_forks: c.beam_forks,
+            num_spec_drafts: c.spec_drafts,
+            num_spec_draft_tokens: c.spec_draft_tokens,
+            num_spec_accepted_tokens: c.spec_accepted_tokens,
+            num_spec_blocks_freed: c.spec_blocks_freed,
         }
     }
 
@@ -1307,5 +1454,18 @@ impl Scheduler {
             return bad("request and branch tables disagree".into());
         }
         Ok(())
+    }
+}
+
+/// Why a branch of `req` ends with `token`, its `num_output`-th output token, which makes its
+/// sequence `num_tokens` long (eos and stop ids from `min_tokens` on, then the length limits).
+fn stop_reason(req: &Request, num_output: usize, token: u32, num_tokens: usize, max_model_len: usize) -> Option<FinishReason> {
+    let past_min = num_output >= req.min_tokens;
+    if past_min && (req.eos_token_ids.contains(&token) || req.stop_token_ids.contains(&token)) {
+        Some(FinishReason::Stop)
+    } else if num_output >= req.max_tokens || num_tokens >= max_model_len {
+        Some(FinishReason::Length)
+    } else {
+        None
     }
 }

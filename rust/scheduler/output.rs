@@ -49,6 +49,10 @@ pub struct StepOutput {
     pub sampled_requests: Vec<RequestKey>,
     /// Sample index (0 .. n) of each sampled row: int32[S].
     pub sample_indices: Vec<i32>,
+    /// Speculative decoding: for each sampled row, how many of its row's drafts come before the
+    /// position it samples after (0 for a row without drafts, and for the first logits row of
+    /// a row with drafts, which follows its pending token): int32[S].
+    pub draft_offsets: Vec<i32>,
     /// Sampled rows (indices into `logits_indices`) of beam requests: their logits give the
     /// beam candidates of `Scheduler::update_with_beams`, not a sampled token: int64[R].
     pub beam_rows: Vec<i64>,
@@ -85,6 +89,7 @@ impl StepOutput {
         self.logits_indices.clear();
         self.sampled_requests.clear();
         self.sample_indices.clear();
+        self.draft_offsets.clear();
         self.beam_rows.clear();
         self.copy_ops.clear();
         self.swap_out.clear();
@@ -236,4 +241,14 @@ pub struct RequestUpdate {
     pub parent: Option<u32>,
     /// Beam search: the beam's cumulative log-probability (the best hypothesis' at the end).
     pub cumulative_logprob: Option<f64>,
+    /// The logits row the token was sampled from (`None` for a beam update). With drafts a
+    /// branch gets several updates in one step, one per emitted token, from consecutive rows.
+    pub row: Option<u32>,
+}
+
+impl RequestUpdate {
+    /// The update of a sampled (not beam) token.
+    pub(crate) fn sampled(request: RequestKey, index: u32, token: u32, finish_reason: Option<FinishReason>, num_cached_tokens: usize, row: usize) -> Self {
+        RequestUpdate { request, index, token, finish_reason, num_cached_tokens, parent: None, cumulative_logprob: None, row: Some(row as u32) }
+    }
 }

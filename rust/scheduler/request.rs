@@ -14,6 +14,7 @@ use crate::error::{CoreError, Result};
 use crate::ids::SeqId;
 use crate::kv_cache_manager::RetentionPolicy;
 use crate::slab::SlabKey;
+use crate::speculative::BranchSpec;
 
 /// What a caller submits.
 #[derive(Debug, Clone)]
@@ -50,6 +51,9 @@ pub struct NewRequest {
     /// logits of every prompt position (prompt logprobs), which cached blocks do not have.
     /// The request's own blocks are still registered in the cache for others.
     pub skip_prefix_cache: bool,
+    /// May draft tokens when the scheduler speculates (off for requests whose sampling
+    /// depends on state the scheduler cannot see, e.g. a grammar). Beam requests never do.
+    pub speculate: bool,
 }
 
 impl NewRequest {
@@ -70,6 +74,7 @@ impl NewRequest {
             hold_kv: false,
             beam: None,
             skip_prefix_cache: false,
+            speculate: true,
         }
     }
 
@@ -146,6 +151,8 @@ pub(crate) struct Request {
     pub beam: Option<BeamSearch>,
     /// Never admitted on prefix-cache hits (`NewRequest::skip_prefix_cache`).
     pub skip_prefix_cache: bool,
+    /// Its branches may draft (`NewRequest::speculate`, and not a beam search).
+    pub speculate: bool,
 }
 
 /// One sample stream of a request.
@@ -167,4 +174,6 @@ pub(crate) struct Branch {
     pub order: (i64, u64, u32),
     /// A beam's cumulative log-probability (0 otherwise).
     pub cum_logprob: f64,
+    /// Speculative decoding: the branch's n-gram index and running acceptance.
+    pub spec: BranchSpec,
 }

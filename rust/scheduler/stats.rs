@@ -16,6 +16,20 @@ pub(crate) struct Counters {
     pub finished_length: u64,
     pub aborted: u64,
     pub beam_forks: u64,
+    pub spec_drafts: u64,
+    pub spec_draft_tokens: u64,
+    pub spec_accepted_tokens: u64,
+    pub spec_blocks_freed: u64,
+}
+
+impl Counters {
+    /// Counts a branch that ended by a token (a stop or a length limit).
+    pub fn count_finish(&mut self, reason: super::FinishReason) {
+        match reason {
+            super::FinishReason::Stop => self.finished_stop += 1,
+            _ => self.finished_length += 1,
+        }
+    }
 }
 
 /// A statistic's value: a count or a fraction.
@@ -168,6 +182,14 @@ scheduler_stats! {
         pub beam_blocks_shared: usize,
         /// Beams forked from a parent beam so far (a parent with several survivors).
         pub num_beam_forks: u64,
+        /// Speculative decoding: rows verified with drafts (vLLM's `num_drafts`).
+        pub num_spec_drafts: u64,
+        /// Draft tokens verified.
+        pub num_spec_draft_tokens: u64,
+        /// Of those, drafts accepted.
+        pub num_spec_accepted_tokens: u64,
+        /// Blocks given back at once because rejected drafts alone occupied them.
+        pub num_spec_blocks_freed: u64,
     }
 }
 

@@ -12,6 +12,7 @@ from pagedkv.config import (
     ModelConfig,
     ParallelConfig,
     SchedulingConfig,
+    SpeculativeConfig,
     StructuredOutputsConfig,
 )
 from pagedkv.distributed.transfer_config import KVTransferConfig
@@ -99,6 +100,9 @@ class EngineArgs:
     - ``structured_outputs_config``: a dict, its JSON text, or a
       :class:`~pagedkv.config.StructuredOutputsConfig`, of ``compile_timeout_s`` (30), ``max_cached_grammars`` (256), ``compile_workers`` (2): how
       requests' JSON schemas and grammars are compiled (``SamplingParams.structured_outputs``).
+    - ``speculative_config``: a dict, its JSON text, or a
+      :class:`~pagedkv.config.SpeculativeConfig`: speculative decoding, e.g. ``{"method":
+      "ngram", "num_speculative_tokens": 4}`` (None: off).
 
     Every value is checked when the arguments are built (:meth:`create_engine_config`, called
     by ``__post_init__``): a bad one raises :class:`~pagedkv.errors.ConfigError` naming the
@@ -139,6 +143,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     kv_transfer_config: KVTransferConfig | None = None
     structured_outputs_config: StructuredOutputsConfig | None = None
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, **kwargs: Any) -> EngineArgs:
@@ -156,6 +161,7 @@ class EngineArgs:
         if self.kv_transfer_config is not None:
             self.kv_transfer_config = KVTransferConfig.from_any(self.kv_transfer_config)
         self.structured_outputs_config = StructuredOutputsConfig.from_any(self.structured_outputs_config)
+        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
         for name in BYTE_SIZE_FIELDS:  # "8GiB" -> bytes, once
             setattr(self, name, as_byte_count(getattr(self, name), name))
         self.create_engine_config()
@@ -205,4 +211,5 @@ class EngineArgs:
                 distributed_executor_backend=self.distributed_executor_backend,
             ),
             structured_outputs=StructuredOutputsConfig.from_any(self.structured_outputs_config),
+            speculative=SpeculativeConfig.from_any(self.speculative_config),
         )

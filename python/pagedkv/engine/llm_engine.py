@@ -52,6 +52,7 @@ from pagedkv.engine.beam_tracker import BeamTracker, beam_candidates
 from pagedkv.engine.outputs import Logprob, RequestOutput
 from pagedkv.engine.prompts import PromptType, to_token_ids
 from pagedkv.engine.request_state import RequestState
+from pagedkv.engine.spec_decode import DraftContexts, SeededDraws, StepTimeFit
 from pagedkv.errors import (
     ConfigError,
     DuplicateRequestError,
@@ -76,6 +77,7 @@ from pagedkv.structured.step_masks import PendingMasks, StepMasks, apply_token_b
 from pagedkv.worker.model_runner import ModelRunner
 
 if TYPE_CHECKING:
+    from pagedkv.config import SpeculativeConfig
     from pagedkv.distributed.connector import KVConnector
     from pagedkv.parallel.ray_executor import RayExecutor
 
@@ -147,6 +149,7 @@ class LLMEngine:
             enable_kv_events=config.cache.enable_kv_cache_events,
             # KV cache groups: one block table per column (worker/kv_layout.py).
             attention_spans=layout.columns,
+            **_speculative_args(config.speculative),
         )
         check_pool_holds_one_request(
             self.runner.num_blocks,
@@ -167,6 +170,10 @@ class LLMEngine:
         if self.runner.disk_cache is not None:
             self.num_restored_disk_blocks = self.runner.disk_cache.restore(self.scheduler)
         self.sampler = Sampler()
+        # Speculative decoding (the scheduler drafts and verifies; spec_decode.py): seeded
+        # streams kept independent of the drafts, and the step-time fit behind the cost model.
+        self._seeded_draws = SeededDraws()
+        self._step_time = StepTimeFit()
         # Ids outside the LM head's rows can never be sampled (nor banned: the sampler refuses them).
         self.eos_token_ids = [t for t in self.runner.eos_token_ids if 0 <= t < self.runner.vocab_size]
         self.requests: dict[str, RequestState] = {}
@@ -304,6 +311,8 @@ class LLMEngine:
             length_penalty=None if beam is None else beam.length_penalty,
             # Cached blocks have no logits: a request that wants the prompt's computes it whole.
             skip_prefix_cache=params.prompt_logprobs is not None,
+            # A grammar's matcher cannot follow drafts: constrained requests never draft.
+            speculate=(params.structured_outputs if beam is None else beam.structured_outputs) is None,
         )
         constraint = params.structured_outputs if beam is None else beam.structured_outputs
         compiling = None if constraint is None else self.grammars.compile(constraint)
@@ -595,11 +604,14 @@ class LLMEngine:
                     grammar_start = time.perf_counter()
                     apply_token_bitmask_(logits, masks.rows, masks.wait())
                     self._grammar_step_s += time.perf_counter() - grammar_start
-                sampled = self._sample(out, logits)
+                drafts = DraftContexts(out)
+                sampled = self._sample(out, logits, drafts)
                 tokens = sampled.sampled_token_ids.cpu().numpy()
                 beam_ids, beam_logprobs = self._beam_candidates(out, logits)
                 updates = self.scheduler.update(out, tokens, beam_ids, beam_logprobs)
+                self._seeded_draws.settle(updates, self.sampler, self.runner.vocab_size, logits.device)
             except BaseException as exc:
+                self._seeded_draws.forget()
                 self._roll_back(out, exc)
                 if isinstance(exc, EngineDeadError):
                     raise self._stop_workers(exc) from exc
@@ -612,13 +624,16 @@ class LLMEngine:
                 self._clear_failures(out)
             elapsed = time.perf_counter() - t0
             self._update_cost_model(out.num_tokens, elapsed)
+            if self.config.speculative is not None:
+                self._step_time.observe(out.num_tokens, elapsed)
+                self.scheduler.set_spec_cost(*self._step_time.as_args())
             self._counters["model_time_s"] += elapsed
             self._counters["steps"] += 1
             self._counters["tokens_computed"] += out.num_tokens
             self._counters["generation_tokens"] += len(updates)
             if prompt_rows is not None and prompt_found is not None:
                 prompt_logprobs.record(prompt_rows, prompt_found, self.requests, self.tokenizer)
-            outputs = self._take_failed_outputs() + self._apply_updates(out, updates, sampled)
+            outputs = self._take_failed_outputs() + self._apply_updates(out, updates, sampled, drafts)
             if masks is not None:
                 self._step_masks.critical_time.observe(self._grammar_step_s)
             return outputs
@@ -802,7 +817,10 @@ class LLMEngine:
                 width = max(width, state.beam.params.beam_width)
         return beam_candidates(logits, rows, 2 * width)
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput:
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, drafts: DraftContexts) -> SamplerOutput:
+        """One token per logits row. A row after drafts (speculative decoding) is sampled as
+        an ordinary step would sample it after the sample's tokens and those drafts: bans,
+        penalties and ``min_tokens`` see that context (``drafts``)."""
         params: list[SamplingParams] = []
         generators: list[torch.Generator | None] = []
         banned: dict[int, list[int]] = {}
@@ -822,16 +840,22 @@ class LLMEngine:
             params.append(p)
             sample = state.samples[index]
             generators.append(sample.generator)
+            before = drafts.drafts(row) if drafts else []
+            if sample.generator is not None and p.temperature > 0.0 and drafts.drafts(row + 1) and not before:
+                self._seeded_draws.save(sample.generator, rid, index)  # the group's first row
             ban: list[int] = []
-            if len(sample.token_ids) < p.min_tokens:
+            if len(sample.token_ids) + len(before) < p.min_tokens:
                 # As in vLLM, min_tokens also holds back the model's eos when ignore_eos is set.
                 ban = (p.stop_token_ids or []) + self.eos_token_ids
             if state.bad_word_ids:
-                ban = ban + bad_words_bans(state.bad_word_ids, sample.token_ids)
+                ban = ban + bad_words_bans(state.bad_word_ids, sample.token_ids + before)
             if ban:
                 banned[row] = ban
             if p.has_penalties:
-                token_arrays.setdefault("output_token_ids", [None] * num_rows)[row] = state.output_array(index)
+                output_ids = state.output_array(index)
+                if before:
+                    output_ids = np.concatenate([output_ids, np.asarray(before, dtype=np.int64)])
+                token_arrays.setdefault("output_token_ids", [None] * num_rows)[row] = output_ids
                 token_arrays.setdefault("prompt_token_ids", [None] * num_rows)[row] = state.prompt_array()
         metadata = SamplingMetadata.build(
             params,
@@ -844,15 +868,11 @@ class LLMEngine:
         return self.sampler(logits, metadata)
 
     def _apply_updates(
-        self, out: SchedulerOutput, updates: Sequence[RequestUpdate], sampled: SamplerOutput
+        self, out: SchedulerOutput, updates: Sequence[RequestUpdate], sampled: SamplerOutput, drafts: DraftContexts
     ) -> list[RequestOutput]:
         now = time.time()
-        # Logits row of each (request, sample), needed only to read logprobs.
-        rows = (
-            {key: row for row, key in enumerate(zip(out.sampled_req_ids, out.sample_indices.tolist()))}
-            if sampled.logprobs is not None
-            else {}
-        )
+        if drafts:
+            self._count_drafts(out, updates, drafts)
         touched: dict[str, RequestState] = {}
         failed: list[RequestOutput] = []
         beam_steps: dict[str, list[RequestUpdate]] = {}
@@ -864,8 +884,10 @@ class LLMEngine:
                 beam_steps.setdefault(u.request_id, []).append(u)
                 touched[u.request_id] = state
                 continue
+            if state.samples[u.index].finish_reason is not None:
+                continue  # a stop string ended it at an earlier token of this step (drafts)
             try:
-                self._apply_update(state, u, rows, sampled, now)
+                self._apply_update(state, u, sampled, now)
             except Exception as exc:  # this request's own processing: fail it alone
                 touched.pop(u.request_id, None)
                 failed.append(self._fail_request(state, exc))
@@ -889,7 +911,6 @@ class LLMEngine:
         self,
         state: RequestState,
         u: RequestUpdate,
-        rows: dict[tuple[str, int], int],
         sampled: SamplerOutput,
         now: float,
     ) -> None:
@@ -911,7 +932,8 @@ class LLMEngine:
             state.metrics.first_token_time = now
             state.metrics.num_cached_tokens = u.num_cached_tokens
         if sampled.logprobs is not None and state.params.logprobs is not None:
-            self._record_logprobs(state, u.index, rows[(u.request_id, u.index)], sampled, token)
+            assert u.logits_row is not None  # a sampled (not beam) update
+            self._record_logprobs(state, u.index, u.logits_row, sampled, token)
         reason = u.finish_reason
         stop_str = sample.detokenizer.update([token], stop_terminated=reason == "stop")
         if reason is not None:
@@ -925,6 +947,18 @@ class LLMEngine:
             # The constraint is complete and admits nothing more (only eos would follow).
             sample.finish_reason = "stop"
             self.scheduler.finish_sample(u.request_id, u.index)
+
+    def _count_drafts(self, out: SchedulerOutput, updates: Sequence[RequestUpdate], drafts: DraftContexts) -> None:
+        """Each request's drafted and accepted tokens (``RequestOutput.metrics``): a row group
+        of ``d`` drafts that emitted ``m`` tokens accepted ``m - 1`` of them."""
+        emitted_rows = {u.logits_row for u in updates}
+        for first, drafted in drafts.num_drafted().items():
+            state = self.requests.get(out.sampled_req_ids[first])
+            if state is None:
+                continue
+            taken = sum(1 for r in range(first, first + drafted + 1) if r in emitted_rows)
+            state.metrics.num_draft_tokens += drafted
+            state.metrics.num_accepted_tokens += max(taken - 1, 0)
 
     def _apply_beam_steps(self, steps: dict[str, list[RequestUpdate]], now: float) -> list[RequestOutput]:
         """Each beam request's live beams after the step, or its result when the search ended
@@ -1011,6 +1045,9 @@ class LLMEngine:
             stats: dict[str, Any] = self.scheduler.stats().as_dict()
             stats.update(self._counters)
             stats["num_unfinished_requests"] = len(self.requests)
+            stats["spec_accepted_per_position"] = self.scheduler.spec_accepted_per_position()
+        if self.config.speculative is not None:
+            stats["spec_step_overhead_s"], stats["spec_per_token_s"] = self._step_time.as_args()
         stats["structured_compile_seconds"] = self.grammars.compile_time.snapshot()
         stats["structured_mask_seconds"] = self._step_masks.fill_time.snapshot()
         stats["structured_step_seconds"] = self._step_masks.critical_time.snapshot()
@@ -1027,6 +1064,19 @@ class LLMEngine:
             with self._lock:
                 stats.update(self.kv_connector.stats())
         return stats
+
+
+def _speculative_args(spec: SpeculativeConfig | None) -> dict[str, Any]:
+    """The Rust SchedulerConfig's speculative-decoding arguments (none when it is off)."""
+    if spec is None:
+        return {}
+    return {
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        "speculative_method": spec.method,
+        "prompt_lookup_min": spec.prompt_lookup_min,
+        "prompt_lookup_max": spec.prompt_lookup_max,
+        "speculative_adaptive": spec.adaptive,
+    }
 
 
 def _has_copies(out: SchedulerOutput) -> bool:

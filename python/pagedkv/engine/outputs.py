@@ -81,6 +81,16 @@ class RequestMetrics:
     finished_time: float | None = None
     # Prompt tokens whose KV came from the prefix cache instead of being computed.
     num_cached_tokens: int = 0
+    # Speculative decoding: tokens drafted for this request and, of those, accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens (None when nothing was drafted)."""
+        if self.num_draft_tokens == 0:
+            return None
+        return self.num_accepted_tokens / self.num_draft_tokens
 
     @property
     def time_to_first_token(self) -> float | None:

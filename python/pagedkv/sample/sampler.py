@@ -353,6 +353,20 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         return self.sample(logits, metadata)
 
+    def replay_draws(
+        self, generator: torch.Generator, num_rows: int, vocab_size: int, device: torch.device | str
+    ) -> None:
+        """Draws from ``generator`` exactly what sampling ``num_rows`` random (temperature > 0)
+        rows of a seeded sample draws from it: ``_ROUNDS + 1`` uniforms each (inverse CDF) or
+        ``vocab_size`` exponentials (exponential race). Speculative decoding uses it to advance
+        a seeded stream by the tokens a step emitted (``pagedkv.engine.spec_decode``)."""
+        method = self.method or ("exponential" if torch.device(device).type == "cuda" else "inverse_cdf")
+        for _ in range(num_rows):
+            if method == "inverse_cdf":
+                torch.empty(_ROUNDS + 1, device=device).uniform_(generator=generator)
+            else:
+                torch.empty(vocab_size, device=device).exponential_(generator=generator)
+
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """``logits``: [S, V] (float32 preferred; other float dtypes are upcast). Not modified."""
         if logits.dim() != 2 or logits.shape[0] != metadata.num_rows:

@@ -1,0 +1,188 @@
+//! Speculative decoding in the scheduler: which tokens to draft for a decoding branch, and how
+//! many of them a step should verify.
+//!
+//! A decode step at small batch reads every weight to produce one token per row; verifying
+//! `d` drafted tokens in the same forward costs little more, and every accepted draft is a
+//! token gained. The scheduler drafts while it builds the step: for each decoding branch of a
+//! request that allows it, a proposer ([`ngram`]) suggests up to `num_speculative_tokens`
+//! tokens, the [`SpecCostModel`] keeps as many as pay for their compute, and the drafts become
+//! pending tokens of the branch's KV sequence (`KvCacheManager::append_drafts`), computed
+//! with it in one row (`1 + d` tokens, `1 + d` logits rows). `update` takes one sampled token
+//! per logits row: row `j` was sampled from the target's distribution after the branch's
+//! tokens and drafts `1 ..= j`, so the drafts are accepted while each equals the token sampled
+//! before it, the first mismatch is replaced by the sampled token, and when all match the
+//! last row gives one more (the bonus). For a draft chosen without randomness (a point mass),
+//! this *is* the rejection sampler of Leviathan et al. (arXiv 2211.17192): the draft `x` is
+//! accepted with probability `p(x)`, and a rejection emits a token drawn from `p` given that
+//! it is not `x`, the residual `(p - δx)+` renormalized. Every emitted token is thus
+//! distributed exactly as without speculation. The rejected drafts' slots are given back, and
+//! blocks they alone occupied return to the pool at once (`KvCacheManager::accept_drafts`).
+
+pub mod ngram;
+
+pub use ngram::NgramIndex;
+
+use crate::error::{CoreError, Result};
+
+/// Most tokens drafted per row and step.
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
+
+/// Where drafts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecMethod {
+    /// Prompt lookup over the branch's own tokens (prompt and output): the tokens that followed
+    /// the latest earlier occurrence of its last `min ..= max` tokens.
+    Ngram {
+        /// Shortest suffix looked up (>= 1).
+        min: usize,
+        /// Longest suffix matched (>= min).
+        max: usize,
+    },
+}
+
+impl SpecMethod {
+    /// The method's name (vLLM's).
+    pub fn name(self) -> &'static str {
+        match self {
+            SpecMethod::Ngram { .. } => "ngram",
+        }
+    }
+}
+
+/// Speculative decoding settings (vLLM's `speculative_config` names).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SpeculativeConfig {
+    /// The proposer.
+    pub method: SpecMethod,
+    /// Most tokens drafted per row and step (`1 ..= MAX_SPECULATIVE_TOKENS`).
+    pub num_speculative_tokens: usize,
+    /// Let the cost model choose fewer drafts (down to none) when they would not pay; off:
+    /// always draft what the proposer finds, up to `num_speculative_tokens`.
+    pub adaptive: bool,
+}
+
+impl SpeculativeConfig {
+    /// Checks the values.
+    pub fn validate(&self) -> Result<()> {
+        let err = |m: String| Err(CoreError::Config(m));
+        if !(1..=MAX_SPECULATIVE_TOKENS).contains(&self.num_speculative_tokens) {
+            return err(format!(
+                "num_speculative_tokens must be in 1..={MAX_SPECULATIVE_TOKENS}, got {}",
+                self.num_speculative_tokens
+            ));
+        }
+        match self.method {
+            SpecMethod::Ngram { min, max } => {
+                if min == 0 || max < min || max > 64 {
+                    return err(format!(
+                        "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= 64, got {min} and {max}"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How many drafts pay, per row (the "never slower" rule).
+///
+/// The step time is modelled as `overhead + per_token * tokens` (the engine measures both and
+/// feeds them in; see `Scheduler::set_spec_cost`). A row with `d` drafts whose drafts are
+/// accepted with probability `a` each emits `1 + a + a^2 + ... + a^d` tokens on average: its
+/// `j`-th draft adds `a^j` expected tokens for `per_token` seconds. A step of `b` rows
+/// without drafts yields `b / (overhead + per_token * b)` tokens per second; a draft raises that
+/// rate iff its expected tokens per second beat it: `a^j > per_token * b / (overhead +
+/// per_token * b)`. At batch 1 on a memory-bound forward `per_token` is small against
+/// `overhead` and almost any draft pays; at large batch the threshold nears 1 and drafting
+/// stops.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SpecCostModel {
+    /// Seconds of a step that do not grow with its tokens (weights read, launch, sampling).
+    pub overhead_s: f64,
+    /// Seconds each further token adds.
+    pub per_token_s: f64,
+}
+
+impl Default for SpecCostModel {
+    fn default() -> Self {
+        // Until measured: a memory-bound decode (the overhead dominates).
+        SpecCostModel { overhead_s: 0.05, per_token_s: 0.0005 }
+    }
+}
+
+impl SpecCostModel {
+    /// The acceptance a draft must beat in a step of `rows` rows (in `[0, 1)`).
+    pub fn threshold(&self, rows: usize) -> f64 {
+        let work = self.per_token_s * rows.max(1) as f64;
+        work / (self.overhead_s + work)
+    }
+
+    /// Drafts worth verifying for a row whose drafts are accepted with probability
+    /// `acceptance`, out of `available`: the most `d` with `acceptance^d > threshold`.
+    pub fn drafts_worth(threshold: f64, acceptance: f64, available: usize) -> usize {
+        let mut p = 1.0;
+        for d in 0..available {
+            p *= acceptance;
+            if p <= threshold {
+                return d;
+            }
+        }
+        available
+    }
+}
+
+/// A branch's speculation state: its n-gram index and its running acceptance.
+#[derive(Debug, Clone)]
+pub struct BranchSpec {
+    /// The branch's n-gram index (prompt lookup).
+    pub index: NgramIndex,
+    /// Exponential average of the fraction of drafts accepted, per drafted position.
+    pub acceptance: f64,
+}
+
+impl Default for BranchSpec {
+    fn default() -> Self {
+        // An optimistic start, so that a new branch drafts and is measured.
+        BranchSpec { index: NgramIndex::default(), acceptance: 0.7 }
+    }
+}
+
+impl BranchSpec {
+    /// Folds in one verified row: `accepted` of `drafted` drafts (`drafted > 0`). The row's
+    /// per-position acceptance is estimated as `accepted / drafted`, or kept near 1 when all
+    /// were accepted.
+    pub fn record(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        // Geometric acceptance: P(accept j) = a^j; all `drafted` accepted says a is high, the
+        // first rejection at `accepted` says a ~ accepted / (accepted + 1).
+        let sample = if accepted == drafted { 1.0 - 0.5 / (drafted as f64 + 1.0) } else { accepted as f64 / (accepted as f64 + 1.0) };
+        self.acceptance = 0.7 * self.acceptance + 0.3 * sample;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drafting_stops_when_the_batch_is_compute_bound() {
+        let cost = SpecCostModel { overhead_s: 0.09, per_token_s: 0.001 };
+        let small = cost.threshold(1);
+        let large = cost.threshold(256);
+        assert!(small < 0.02 && large > 0.7);
+        assert_eq!(SpecCostModel::drafts_worth(small, 0.6, 5), 5);
+        assert_eq!(SpecCostModel::drafts_worth(large, 0.6, 5), 0);
+        assert_eq!(SpecCostModel::drafts_worth(0.3, 0.6, 5), 2); // 0.6, 0.36 > 0.3; 0.216 not
+    }
+
+    #[test]
+    fn bad_configs_are_refused() {
+        let ok = SpeculativeConfig { method: SpecMethod::Ngram { min: 1, max: 4 }, num_speculative_tokens: 4, adaptive: true };
+        ok.validate().unwrap();
+        assert!(SpeculativeConfig { num_speculative_tokens: 0, ..ok }.validate().is_err());
+        assert!(SpeculativeConfig { num_speculative_tokens: 17, ..ok }.validate().is_err());
+        assert!(SpeculativeConfig { method: SpecMethod::Ngram { min: 3, max: 2 }, ..ok }.validate().is_err());
+    }
+}
