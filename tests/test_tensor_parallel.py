@@ -147,6 +147,26 @@ def test_preemption_prefix_hits_and_parallel_samples_under_tp(llama_engines: tup
         engine.scheduler.check_invariants()
 
 
+def test_speculative_decoding_under_tp(random_llama: str, llama_engines: tuple[LLMEngine, LLMEngine]) -> None:
+    """n-gram drafts verified across two ranks: the tokens of one rank without speculation."""
+    one, _ = llama_engines
+    spec_config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}
+    spec = LLMEngine(
+        **ENGINE,
+        model=random_llama,
+        tokenizer=resolve_model(None),
+        tensor_parallel_size=2,
+        speculative_config=spec_config,
+    )
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+        assert_same(run(one, PROMPTS, params), run(spec, PROMPTS, params))
+        stats = spec.get_stats()
+        assert stats["num_spec_accepted_tokens"] > 0 and stats["num_used_blocks"] == 0
+    finally:
+        spec.shutdown()
+
+
 def test_three_ranks_of_a_smollm2_shaped_model(tmp_path: Path) -> None:
     # 9 heads, 3 KV heads, tied embeddings (SmolLM2-135M's shape): one KV head per rank.
     model = save_random_llama(tmp_path / "llama-9-3", heads=9, kv_heads=3, tied=True)
