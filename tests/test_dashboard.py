@@ -62,7 +62,10 @@ async def poll_during_workload(engine: AsyncLLM, server_args: ServerArgs) -> lis
 
 def test_state_agrees_with_the_scheduler_under_a_workload(tiny_model: str, tmp_path: Any) -> None:
     disk = {"kv_cache_dir": str(tmp_path), "kv_cache_dir_max_bytes": 20 << 20}
-    with AsyncLLM(tiny_model, **ENGINE_ARGS, **disk) as engine:
+    # With speculative decoding too: drafts in flight under preemption, swap, the disk tier and
+    # an abort; the page shows each request's drafted and accepted tokens.
+    spec = {"speculative_config": {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False}}
+    with AsyncLLM(tiny_model, **ENGINE_ARGS, **disk, **spec) as engine:
         states = asyncio.run(poll_during_workload(engine, ServerArgs()))
         engine.engine.scheduler.check_invariants()
     busy = [s for s in states if s["stats"]["num_used_blocks"] > 0]
@@ -88,6 +91,9 @@ def test_state_agrees_with_the_scheduler_under_a_workload(tiny_model: str, tmp_p
             if r["state"] == "running":
                 assert r["blocks"] >= 1 and r["prompt_tokens"] > 0
     assert saw_shared, "the shared preamble's blocks show as shared"
+    assert any(r["drafts"][0] > 0 for s in states for r in s["requests"]), "drafts show per request"
+    assert all(0 <= r["drafts"][1] <= r["drafts"][0] for s in states for r in s["requests"])
+    assert states[-1]["stats"]["num_spec_accepted_tokens"] > 0
     assert states[-1]["stats"]["num_used_blocks"] == 0 and states[-1]["requests"] == []
     last = states[-1]
     assert last["stats"]["num_preemptions"] > 0, "the small pool preempted"

@@ -242,6 +242,27 @@ def test_tier_metrics_appear_only_with_the_tier() -> None:
     assert DISK_NAMES <= got and not (got & HOST_NAMES)
 
 
+def test_spec_decode_metrics_appear_only_with_speculation() -> None:
+    m = ServerMetrics(MODEL)
+    m.update_engine_stats({**BASE_STATS, "num_spec_drafts": 0, "spec_accepted_per_position": []})
+    assert not any(n.startswith("vllm:spec_decode") for n in names(m))
+    spec = {
+        "spec_per_token_s": 0.001,
+        "num_spec_drafts": 10,
+        "num_spec_draft_tokens": 35,
+        "num_spec_accepted_tokens": 21,
+        "num_spec_blocks_freed": 2,
+        "spec_accepted_per_position": [9, 7, 5],
+    }
+    m.update_engine_stats({**BASE_STATS, **spec})
+    assert value(m, "vllm:spec_decode_num_drafts_total") == 10
+    assert value(m, "vllm:spec_decode_num_draft_tokens_total") == 35
+    assert value(m, "vllm:spec_decode_num_accepted_tokens_total") == 21
+    assert value(m, "pagedkv:spec_decode_blocks_freed_total") == 2
+    per_pos = [value(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(p)) for p in range(3)]
+    assert per_pos == [9, 7, 5]
+
+
 # ---------------------------------------------------------------- per-request tracking
 
 

@@ -1006,8 +1006,9 @@ class LLMEngine:
         ``tier_map`` (host ``host_ref_counts`` / ``host_cached``, H entries; empty without a
         host tier), ``disk_map`` (``disk_ref_counts`` / ``disk_cached``), the requests'
         summaries (``Scheduler.request_summaries``), the last preemptions (time, request id)
-        the stats and ``constraints`` (request id -> the kind of its structured-output
-        constraint); with KV cache groups, ``columns`` (int16[N]: the column each device
+        the stats, ``constraints`` (request id -> the kind of its structured-output
+        constraint) and ``drafts`` (request id -> its drafted and accepted tokens, speculative
+        decoding); with KV cache groups, ``columns`` (int16[N]: the column each device
         block serves, -1 free and uncached) and ``column_spans`` (each column's span, as the
         start-up log names it)."""
         with self._lock:
@@ -1018,6 +1019,11 @@ class LLMEngine:
             summaries = self.scheduler.request_summaries()
             prompts = {rid: state.prompt for rid, state in self.requests.items()}
             constraints = {rid: state.grammar.kind for rid, state in self.requests.items() if state.grammar is not None}
+            drafts = {
+                rid: (state.metrics.num_draft_tokens, state.metrics.num_accepted_tokens)
+                for rid, state in self.requests.items()
+                if state.metrics.num_draft_tokens
+            }
             preemptions = list(self.recent_preemptions)
         stats = self.get_stats()
         return {
@@ -1034,6 +1040,7 @@ class LLMEngine:
             "requests": summaries,
             "prompts": prompts,
             "constraints": constraints,
+            "drafts": drafts,
             "stats": stats,
         }
 

@@ -44,6 +44,7 @@ def encode_state(snapshot: dict[str, Any], *, show_prompts: bool) -> dict[str, A
     disk = block_states(snapshot["disk_ref_counts"], snapshot["disk_cached"])
     prompts = snapshot["prompts"] if show_prompts else {}
     constraints = snapshot.get("constraints", {})
+    drafts = snapshot.get("drafts", {})
     requests = [
         {
             "id": rid,
@@ -56,6 +57,8 @@ def encode_state(snapshot: dict[str, Any], *, show_prompts: bool) -> dict[str, A
             "branches": branches,
             # A structured request's constraint kind ("json", "regex", "grammar", ...), or "".
             "constraint": constraints.get(rid, ""),
+            # Speculative decoding: [drafted, accepted] tokens so far ([0, 0] without drafts).
+            "drafts": list(drafts.get(rid, (0, 0))),
             **({"prompt": (prompts.get(rid) or "")[:_PROMPT_CHARS]} if show_prompts else {}),
         }
         for rid, arrival, state, prompt_tokens, output_tokens, num_blocks, cached_tokens, branches in snapshot[
@@ -79,6 +82,8 @@ def encode_state(snapshot: dict[str, Any], *, show_prompts: bool) -> dict[str, A
         "num_host_blocks",
         "num_disk_blocks",
         "num_disk_cached_blocks",
+        "num_spec_draft_tokens",
+        "num_spec_accepted_tokens",
     )
     return {
         "time": time.time(),

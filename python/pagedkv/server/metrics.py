@@ -256,9 +256,33 @@ _STRUCTURED_COUNTERS: tuple[_Spec, ...] = (
     ("pagedkv:structured_output_masked_rows", "structured_masked_rows", "Logits rows masked by a grammar."),
 )
 
+# Speculative decoding (an engine with speculative_config: its stats carry spec_per_token_s);
+# vLLM's names, emitted only then.
+_SPEC_COUNTERS: tuple[_Spec, ...] = (
+    ("vllm:spec_decode_num_drafts", "num_spec_drafts", "Number of spec decoding drafts (rows verified with drafts)."),
+    ("vllm:spec_decode_num_draft_tokens", "num_spec_draft_tokens", "Number of draft tokens."),
+    ("vllm:spec_decode_num_accepted_tokens", "num_spec_accepted_tokens", "Number of accepted tokens."),
+    (
+        "pagedkv:spec_decode_blocks_freed",
+        "num_spec_blocks_freed",
+        "KV blocks given back at once because rejected draft tokens alone occupied them.",
+    ),
+)
+_SPEC_PER_POSITION = (
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "spec_accepted_per_position",
+    "Accepted draft tokens by position within a row's drafts (0: the first draft).",
+)
+
 # Stats keys exposed as counters: kept monotonic across snapshots (see update_engine_stats).
 _COUNTER_KEYS = frozenset(
-    key for _, key, _ in _COUNTERS + _HOST_COUNTERS + _DISK_COUNTERS + _KV_TRANSFER_COUNTERS + _STRUCTURED_COUNTERS
+    key
+    for _, key, _ in _COUNTERS
+    + _HOST_COUNTERS
+    + _DISK_COUNTERS
+    + _KV_TRANSFER_COUNTERS
+    + _STRUCTURED_COUNTERS
+    + _SPEC_COUNTERS
 )
 
 
@@ -310,6 +334,13 @@ class _EngineStatsCollector(Collector):
         if "kv_loads_ok" in stats:
             yield from self._families(stats, _KV_TRANSFER_GAUGES, _KV_TRANSFER_COUNTERS)
         yield from self._families(stats, (), _STRUCTURED_COUNTERS)
+        if "spec_per_token_s" in stats:
+            yield from self._families(stats, (), _SPEC_COUNTERS)
+            name, key, doc = _SPEC_PER_POSITION
+            per_position = CounterMetricFamily(name, doc, labels=["model_name", "position"])
+            for position, count in enumerate(stats.get(key) or []):
+                per_position.add_metric([self._model_name, str(position)], _number(count))
+            yield per_position
         for name, key, doc in _HISTOGRAMS:
             snapshot = stats.get(key)
             if snapshot is not None:
