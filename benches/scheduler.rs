@@ -6,12 +6,19 @@
 //! reuse their arrays: only block-table rows that changed are written); a mixed step of
 //! decodes and prefill chunks of arriving 1024-token prompts under a 2048-token budget. The
 //! Python figures (with the numpy conversion) come from benches/bench_scheduler.py.
+//!
+//! Speculative decoding: the n-gram proposer alone for 256 rows with 2k-token contexts (one
+//! new token per row per step, proposals of up to 5 tokens; contexts over 512 distinct tokens
+//! so that most lookups find earlier occurrences and walk their candidates: the proposer's
+//! expensive case; target <= 50 us per step), and a whole step with drafts (256 decodes, up to
+//! 4 drafts each, verification in `update`).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use pagedkv::scheduler::{NewRequest, Scheduler, SchedulerConfig, StepOutput};
+use pagedkv::speculative::{NgramIndex, SpecMethod, SpeculativeConfig};
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
     (0..len as u32)
@@ -141,5 +148,91 @@ fn mixed_step(c: &mut Criterion) {
     );
 }
 
-criterion_group!(benches, decode_step, decode_step_reused, mixed_step);
+/// Tokens over a small vocabulary with repeats (a copy-heavy context).
+fn repetitive(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| ((i / 3).wrapping_mul(2654435761) ^ seed.wrapping_mul(40503)) % 512).collect()
+}
+
+fn ngram_proposals(c: &mut Criterion) {
+    let (rows, ctx) = (256, 2048);
+    c.bench_function("ngram proposals: 256 rows, 2k contexts, k = 5", |b| {
+        b.iter_custom(|iters| {
+            let mut contexts: Vec<Vec<u32>> = (0..rows).map(|r| repetitive(r as u32, ctx)).collect();
+            let mut indexes = vec![NgramIndex::default(); rows];
+            let mut out = Vec::new();
+            for (idx, t) in indexes.iter_mut().zip(&contexts) {
+                idx.propose(t, 2, 5, 5, &mut out); // the prompt indexed once, before timing
+            }
+            let mut total = Duration::ZERO;
+            for step in 0..iters {
+                for (r, t) in contexts.iter_mut().enumerate() {
+                    let next = t[(step as usize * 7 + r) % ctx];
+                    t.push(next);
+                }
+                let start = Instant::now();
+                for (idx, t) in indexes.iter_mut().zip(&contexts) {
+                    idx.propose(t, 2, 5, 5, &mut out);
+                    black_box(&out);
+                }
+                total += start.elapsed();
+            }
+            total
+        })
+    });
+}
+
+fn spec_decode_step(c: &mut Criterion) {
+    let (num_seqs, ctx, steps_per_setup) = (256, 2048, 200);
+    // The token sampled after each logits row: a function of the row's last token, so the
+    // drafts (copied from earlier occurrences) are right as often as the context repeats.
+    let sample = |out: &StepOutput| -> Vec<u32> {
+        out.logits_indices.iter().map(|&t| ((out.input_ids[t as usize] as u32) * 7 + 1) % 512).collect()
+    };
+    let setup = || {
+        let max_len = ctx + 5 * steps_per_setup + 64;
+        let mut cfg = SchedulerConfig::new(16, num_seqs * (max_len / 16 + 1));
+        cfg.max_model_len = max_len;
+        cfg.max_num_seqs = num_seqs;
+        cfg.max_num_batched_tokens = 8192;
+        let method = SpecMethod::Ngram { min: 2, max: 5 };
+        cfg.speculative = Some(SpeculativeConfig { method, num_speculative_tokens: 4, adaptive: false });
+        let mut s = Scheduler::new(cfg).unwrap();
+        for i in 0..num_seqs {
+            let mut r = NewRequest::new(format!("r{i}"), repetitive(i as u32, ctx), max_len - ctx);
+            r.ignore_eos = true;
+            s.add_request(r).unwrap();
+        }
+        // Prefill until every row decodes.
+        loop {
+            let out = s.schedule().unwrap();
+            let done = out.num_rows() == num_seqs && out.num_sampled() >= num_seqs && out.num_tokens() < 4 * 8192;
+            s.update(out.step_id, &sample(&out)).unwrap();
+            if done && s.num_waiting() == 0 {
+                return s;
+            }
+        }
+    };
+    c.bench_function("schedule+update with n-gram drafts: 256 decodes, 2k contexts, k = 4", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut s = setup();
+            let mut n = 0;
+            for _ in 0..iters {
+                if n == steps_per_setup {
+                    s = setup();
+                    n = 0;
+                }
+                let t = Instant::now();
+                let out = s.schedule().unwrap();
+                let sampled = sample(&out);
+                black_box(s.update(out.step_id, &sampled).unwrap());
+                total += t.elapsed();
+                n += 1;
+            }
+            total
+        })
+    });
+}
+
+criterion_group!(benches, decode_step, decode_step_reused, mixed_step, ngram_proposals, spec_decode_step);
 criterion_main!(benches);
