@@ -19,7 +19,7 @@ mod common;
 use std::collections::HashMap;
 
 use pagedkv::scheduler::{FinishReason, NewRequest, Scheduler, SchedulerConfig, StepOutput};
-use pagedkv::speculative::{SpecMethod, SpeculativeConfig};
+use pagedkv::speculative::{SpecMethod, SpeculativeConfig, SuffixParams};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -204,4 +204,20 @@ fn speculation_changes_no_token() {
     assert_eq!(plain.outputs, spec.outputs);
     assert!(spec.stats.num_steps < plain.stats.num_steps, "accepted drafts save steps");
     assert_eq!(plain.stats.num_spec_drafts, 0);
+}
+
+fn suffix(k: usize) -> SpeculativeConfig {
+    let p = SuffixParams { max_depth: 12, max_spec_factor: 2.0, min_token_prob: 0.2, max_cached_requests: 16 };
+    SpeculativeConfig { method: SpecMethod::Suffix(p), num_speculative_tokens: k, adaptive: false }
+}
+
+#[test]
+fn suffix_drafts_match_the_reference_with_failed_steps() {
+    for seed in 20..24 {
+        let (run, reqs, len) = run(seed, Some(suffix(2 + seed as usize % 6)), if seed % 2 == 0 { 0.0 } else { 0.1 });
+        check_against_reference(&run, &reqs, len);
+        let s = run.stats;
+        assert!(s.num_spec_draft_tokens > 200 && s.num_spec_accepted_tokens > s.num_spec_draft_tokens / 4, "seed {seed}: {s:?}");
+        assert!(s.num_spec_accepted_tokens < s.num_spec_draft_tokens);
+    }
 }

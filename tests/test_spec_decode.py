@@ -34,6 +34,7 @@ from pagedkv.worker.model_files import default_model_dir
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # Not adaptive: the drafts do not depend on measured step times, so every count is reproducible.
 FIXED = {**NGRAM, "adaptive": False}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 6, "suffix_decoding_max_spec_factor": 2.0, "adaptive": False}
 PROMPTS = [
     "one two three one two three one two",
     "def f(x):\n    return x + 1\n\ndef g(x):\n    return",
@@ -102,12 +103,23 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
             SamplingParams(max_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=11, ignore_eos=True),
             id="seeded",
         ),
+        pytest.param({"speculative_config": SUFFIX}, GREEDY, id="suffix"),
+        pytest.param(
+            {"speculative_config": SUFFIX, "num_blocks": 14, "block_size": 16, "max_model_len": 160},
+            GREEDY,
+            id="suffix-preempt",
+        ),
+        pytest.param(
+            {"speculative_config": SUFFIX}, SamplingParams(max_tokens=30, n=2, temperature=1.0, seed=3), id="suffix-n2"
+        ),
     ],
 )
 def test_speculation_changes_no_token(tiny_model: str, engine_kw: dict, params: SamplingParams) -> None:
+    engine_kw = dict(engine_kw)
+    spec_config = engine_kw.pop("speculative_config", FIXED)
     prompts = PROMPTS + [PROMPTS[2] + " Spain is"]  # a prefix hit on the third prompt's first block
     plain = run(LLMEngine(**tiny_args(tiny_model, **engine_kw)), prompts, params)
-    engine = LLMEngine(**tiny_args(tiny_model, **engine_kw, speculative_config=FIXED))
+    engine = LLMEngine(**tiny_args(tiny_model, **engine_kw, speculative_config=spec_config))
     spec = run(engine, prompts, params)
     assert tokens(spec) == tokens(plain)
     st = engine.get_stats()
@@ -120,6 +132,9 @@ def test_speculation_changes_no_token(tiny_model: str, engine_kw: dict, params: 
         assert st["num_preemptions"] > 0
     if engine_kw == {}:
         assert st["prefix_cache_hits"] > 0
+    if spec_config is SUFFIX:  # a second round matches the first round's outputs too
+        again = run(engine, prompts, params)
+        assert tokens(again) == tokens(plain)
 
 
 def test_fewer_steps_and_a_failed_step_with_drafts_in_flight(tiny_model: str) -> None:

@@ -146,6 +146,10 @@ class SchedulerConfig:
         prompt_lookup_min: SupportsIndex | None = None,
         prompt_lookup_max: SupportsIndex | None = None,
         speculative_adaptive: bool | None = None,
+        suffix_decoding_max_tree_depth: SupportsIndex | None = None,
+        suffix_decoding_max_spec_factor: float | None = None,
+        suffix_decoding_min_token_prob: float | None = None,
+        suffix_decoding_max_cached_requests: SupportsIndex | None = None,
     ) -> SchedulerConfig: ...
     @property
     def attention_spans(self) -> list[tuple[str, int | None]]: ...

@@ -587,7 +587,7 @@ class StructuredOutputsConfig:
 
 # Speculative decoding: the proposers the core runs, and the ones vLLM users may name that are
 # not built (refused by name, with what is supported).
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -596,11 +596,17 @@ class SpeculativeConfig:
     """Speculative decoding (vLLM's ``speculative_config`` names; docs/architecture.md,
     "Speculative decoding").
 
-    - ``method``: ``"ngram"`` (prompt lookup over the request's prompt and output, in the Rust
-      core).
+    - ``method``: ``"ngram"`` (prompt lookup over the request's prompt and output) or
+      ``"suffix"`` (suffix decoding: the longest suffix matched in the request's tokens and in
+      recent requests' outputs, a variable number of drafts by continuation frequency); both in
+      the Rust core.
     - ``num_speculative_tokens``: most tokens drafted per sequence and step, 1 .. 16.
     - ``prompt_lookup_min`` / ``prompt_lookup_max``: the shortest and longest suffix of the
       sequence looked up (``ngram``; defaults 2 and 5, or the one given when only one is).
+    - ``suffix_decoding_max_tree_depth`` (24), ``suffix_decoding_max_spec_factor`` (1.0: drafts
+      at most the match length), ``suffix_decoding_min_token_prob`` (0.1: stop drafting when
+      the draft's estimated probability falls below), ``suffix_decoding_max_cached_requests``
+      (1000 recent outputs matched; 0: the request's own tokens only): ``suffix`` only.
     - ``adaptive``: let the step-time model draft fewer tokens, down to none, where drafts
       would not pay (large batches); off: always draft what the proposer finds.
     """
@@ -610,6 +616,10 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     adaptive: bool = True
+    suffix_decoding_max_tree_depth: int | None = None
+    suffix_decoding_max_spec_factor: float | None = None
+    suffix_decoding_min_token_prob: float | None = None
+    suffix_decoding_max_cached_requests: int | None = None
 
     def __post_init__(self) -> None:
         name = "speculative_config"
@@ -624,6 +634,15 @@ class SpeculativeConfig:
             raise ConfigError(
                 f"{name}: num_speculative_tokens must be an int in 1 .. {MAX_SPECULATIVE_TOKENS}, got {k!r}"
             )
+        _bool(f"{name}: adaptive", self.adaptive)
+        if self.method == "suffix":
+            self._check_suffix(name)
+            return
+        suffix_set = [
+            f.name for f in fields(self) if f.name.startswith("suffix_") and getattr(self, f.name) is not None
+        ]
+        if suffix_set:
+            raise ConfigError(f"{name}: {suffix_set} apply to method 'suffix', not {self.method!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         _positive_int(f"{name}: prompt_lookup_min", lo, optional=True, maximum=64)
         _positive_int(f"{name}: prompt_lookup_max", hi, optional=True, maximum=64)
@@ -635,7 +654,32 @@ class SpeculativeConfig:
             raise ConfigError(f"{name}: prompt_lookup_min ({lo}) must not exceed prompt_lookup_max ({hi})")
         object.__setattr__(self, "prompt_lookup_min", lo)
         object.__setattr__(self, "prompt_lookup_max", hi)
-        _bool(f"{name}: adaptive", self.adaptive)
+
+    def _check_suffix(self, name: str) -> None:
+        if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ConfigError(f"{name}: prompt_lookup_min / prompt_lookup_max apply to method 'ngram', not 'suffix'")
+        depth = 24 if self.suffix_decoding_max_tree_depth is None else self.suffix_decoding_max_tree_depth
+        _positive_int(f"{name}: suffix_decoding_max_tree_depth", depth, maximum=256)
+        if depth < 2:
+            raise ConfigError(f"{name}: suffix_decoding_max_tree_depth must be >= 2, got {depth}")
+        factor = 1.0 if self.suffix_decoding_max_spec_factor is None else self.suffix_decoding_max_spec_factor
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < math.inf:
+            raise ConfigError(f"{name}: suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}")
+        prob = 0.1 if self.suffix_decoding_min_token_prob is None else self.suffix_decoding_min_token_prob
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0.0 <= prob <= 1.0:
+            raise ConfigError(f"{name}: suffix_decoding_min_token_prob must be in [0, 1], got {prob!r}")
+        cached = 1000 if self.suffix_decoding_max_cached_requests is None else self.suffix_decoding_max_cached_requests
+        if not _is_int(cached) or not 0 <= cached <= 1_000_000:
+            raise ConfigError(
+                f"{name}: suffix_decoding_max_cached_requests must be an int in 0 .. 1000000, got {cached!r}"
+            )
+        for field_name, value in (
+            ("suffix_decoding_max_tree_depth", depth),
+            ("suffix_decoding_max_spec_factor", float(factor)),
+            ("suffix_decoding_min_token_prob", float(prob)),
+            ("suffix_decoding_max_cached_requests", cached),
+        ):
+            object.__setattr__(self, field_name, value)
 
     @classmethod
     def from_any(cls, value: Any) -> SpeculativeConfig | None:

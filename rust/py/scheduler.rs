@@ -21,7 +21,7 @@ use crate::scheduler::{
     SchedulerStats, StatValue, StepOutput,
 };
 use crate::error::CoreError;
-use crate::speculative::{SpecMethod, SpeculativeConfig};
+use crate::speculative::{SpecMethod, SpeculativeConfig, SuffixParams};
 
 /// Scheduler configuration, validated on construction.
 #[pyclass(module = "pagedkv._core", name = "SchedulerConfig", frozen, from_py_object)]
@@ -39,7 +39,8 @@ impl PySchedulerConfig {
         num_host_blocks = None, num_disk_blocks = None, preemption_mode = None, bytes_per_block = None, swap_bytes_per_second = None,
         recompute_tokens_per_second = None, manual_clock = None, enable_kv_events = None, attention_spans = None,
         num_speculative_tokens = None, speculative_method = None, prompt_lookup_min = None, prompt_lookup_max = None,
-        speculative_adaptive = None
+        speculative_adaptive = None, suffix_decoding_max_tree_depth = None, suffix_decoding_max_spec_factor = None,
+        suffix_decoding_min_token_prob = None, suffix_decoding_max_cached_requests = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -66,6 +67,10 @@ impl PySchedulerConfig {
         prompt_lookup_min: Option<&Bound<'_, PyAny>>,
         prompt_lookup_max: Option<&Bound<'_, PyAny>>,
         speculative_adaptive: Option<&Bound<'_, PyAny>>,
+        suffix_decoding_max_tree_depth: Option<&Bound<'_, PyAny>>,
+        suffix_decoding_max_spec_factor: Option<&Bound<'_, PyAny>>,
+        suffix_decoding_min_token_prob: Option<&Bound<'_, PyAny>>,
+        suffix_decoding_max_cached_requests: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let bs = block_size.map(|o| positive_arg(o, "block_size")).transpose()?.unwrap_or(16);
         let mut c = SchedulerConfig::new(bs, positive_arg(num_blocks, "num_blocks")?);
@@ -124,7 +129,21 @@ impl PySchedulerConfig {
                     min: arg(prompt_lookup_min, "prompt_lookup_min", 2)?,
                     max: arg(prompt_lookup_max, "prompt_lookup_max", 5)?,
                 },
-                Some(other) => return Err(CoreError::Config(format!("speculative_method must be \"ngram\", got {other:?}")).into()),
+                Some("suffix") => {
+                    let d = SuffixParams::default();
+                    let float = |o: Option<&Bound<'_, PyAny>>, name: &str, default: f64| o.filter(|o| !o.is_none()).map(|o| float_arg(o, name)).transpose().map(|v| v.unwrap_or(default));
+                    SpecMethod::Suffix(SuffixParams {
+                        max_depth: arg(suffix_decoding_max_tree_depth, "suffix_decoding_max_tree_depth", d.max_depth)?,
+                        max_spec_factor: float(suffix_decoding_max_spec_factor, "suffix_decoding_max_spec_factor", d.max_spec_factor)?,
+                        min_token_prob: float(suffix_decoding_min_token_prob, "suffix_decoding_min_token_prob", d.min_token_prob)?,
+                        max_cached_requests: suffix_decoding_max_cached_requests
+                            .filter(|o| !o.is_none())
+                            .map(|o| count_arg(o, "suffix_decoding_max_cached_requests"))
+                            .transpose()?
+                            .unwrap_or(d.max_cached_requests),
+                    })
+                }
+                Some(other) => return Err(CoreError::Config(format!("speculative_method must be \"ngram\" or \"suffix\", got {other:?}")).into()),
             };
             c.speculative = Some(SpeculativeConfig {
                 method,

@@ -56,7 +56,7 @@ use crate::error::{CoreError, Result};
 use crate::ids::{BlockId, SeqId};
 use crate::kv_cache_manager::{KvCacheManager, PrefixMatch, Restore, Tier};
 use crate::slab::Slab;
-use crate::speculative::{BranchSpec, SpecCostModel, SpecMethod};
+use crate::speculative::{suffix, BranchSpec, RecentOutputs, SpecCostModel, SpecMethod};
 use output::StepPlan;
 use request::{Branch, Request};
 use stats::Counters;
@@ -112,6 +112,8 @@ pub struct Scheduler {
     spec_accepted_per_position: Vec<u64>,
     /// Scratch for a proposal.
     draft_buf: Vec<u32>,
+    /// Suffix decoding: the outputs of recent finished requests, matched by every proposal.
+    recent_outputs: RecentOutputs,
 }
 
 impl Scheduler {
@@ -145,6 +147,7 @@ impl Scheduler {
             spec_cost: SpecCostModel::default(),
             spec_accepted_per_position: Vec::new(),
             draft_buf: Vec::new(),
+            recent_outputs: RecentOutputs::default(),
         })
     }
 
@@ -1138,6 +1141,7 @@ impl Scheduler {
         }
         match spec.method {
             SpecMethod::Ngram { min, max } => branch.spec.index.propose(s.tokens(), min, max, k, &mut self.draft_buf),
+            SpecMethod::Suffix(p) => suffix::propose(&mut branch.spec.index, s.tokens(), &self.recent_outputs, &p, k, &mut self.draft_buf),
         }
         let d = self.draft_buf.len();
         if d > 0 {
@@ -1151,6 +1155,15 @@ impl Scheduler {
     fn finish_branch(&mut self, b: BranchKey, reason: FinishReason) {
         let req_key = self.branches.get(b).map(|x| x.req);
         let seq = self.branches.get(b).and_then(|x| x.seq);
+        if let (Some(SpecMethod::Suffix(p)), Some(seq), Some(branch)) =
+            (self.config.speculative.map(|s| s.method), seq, self.branches.get(b))
+        {
+            // Suffix decoding matches later requests against this output too.
+            if let Ok(s) = self.kv.seq(seq) {
+                let tokens = &s.tokens()[..s.num_verified()];
+                self.recent_outputs.add(&tokens[tokens.len().saturating_sub(branch.num_output)..], p.max_cached_requests);
+            }
+        }
         if let (Some(req), Some(seq)) = (req_key.and_then(|k| self.requests.get(k)), seq) {
             if req.hold_kv {
                 let id = req.id.clone();

@@ -4,7 +4,7 @@
 //! A decode step at small batch reads every weight to produce one token per row; verifying
 //! `d` drafted tokens in the same forward costs little more, and every accepted draft is a
 //! token gained. The scheduler drafts while it builds the step: for each decoding branch of a
-//! request that allows it, a proposer ([`ngram`]) suggests up to `num_speculative_tokens`
+//! request that allows it, a proposer ([`ngram`], [`suffix`]) suggests up to `num_speculative_tokens`
 //! tokens, the [`SpecCostModel`] keeps as many as pay for their compute, and the drafts become
 //! pending tokens of the branch's KV sequence (`KvCacheManager::append_drafts`), computed
 //! with it in one row (`1 + d` tokens, `1 + d` logits rows). `update` takes one sampled token
@@ -19,8 +19,10 @@
 //! blocks they alone occupied return to the pool at once (`KvCacheManager::accept_drafts`).
 
 pub mod ngram;
+pub mod suffix;
 
 pub use ngram::NgramIndex;
+pub use suffix::{RecentOutputs, SuffixParams};
 
 use crate::error::{CoreError, Result};
 
@@ -28,7 +30,7 @@ use crate::error::{CoreError, Result};
 pub const MAX_SPECULATIVE_TOKENS: usize = 16;
 
 /// Where drafts come from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum SpecMethod {
     /// Prompt lookup over the branch's own tokens (prompt and output): the tokens that followed
     /// the latest earlier occurrence of its last `min ..= max` tokens.
@@ -38,6 +40,9 @@ pub enum SpecMethod {
         /// Longest suffix matched (>= min).
         max: usize,
     },
+    /// Suffix decoding: the longest suffix matched in the branch's tokens and in recent
+    /// requests' outputs, a variable number of drafts by continuation frequency ([`suffix`]).
+    Suffix(SuffixParams),
 }
 
 impl SpecMethod {
@@ -45,6 +50,7 @@ impl SpecMethod {
     pub fn name(self) -> &'static str {
         match self {
             SpecMethod::Ngram { .. } => "ngram",
+            SpecMethod::Suffix(_) => "suffix",
         }
     }
 }
@@ -77,6 +83,20 @@ impl SpeculativeConfig {
                     return err(format!(
                         "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= 64, got {min} and {max}"
                     ));
+                }
+            }
+            SpecMethod::Suffix(p) => {
+                if !(suffix::GRAM..=256).contains(&p.max_depth) {
+                    return err(format!("suffix_decoding_max_tree_depth must be in {}..=256, got {}", suffix::GRAM, p.max_depth));
+                }
+                if !(p.max_spec_factor.is_finite() && p.max_spec_factor > 0.0) {
+                    return err(format!("suffix_decoding_max_spec_factor must be a finite number > 0, got {}", p.max_spec_factor));
+                }
+                if !(0.0..=1.0).contains(&p.min_token_prob) {
+                    return err(format!("suffix_decoding_min_token_prob must be in [0, 1], got {}", p.min_token_prob));
+                }
+                if p.max_cached_requests > 1_000_000 {
+                    return err(format!("suffix_decoding_max_cached_requests must be at most 1000000, got {}", p.max_cached_requests));
                 }
             }
         }

@@ -71,10 +71,10 @@ impl NgramIndex {
         self.prev.is_empty()
     }
 
-    /// Indexes end positions up to `upto` (exclusive) of `tokens`, restarting if the index was
+    /// Indexes end positions up to `upto` (exclusive) of `text`, restarting if the index was
     /// built for another `min` or covers more tokens than there are.
-    fn extend(&mut self, tokens: &[u32], min: usize, upto: usize) {
-        if self.min != min || self.prev.len() > tokens.len() {
+    pub fn extend(&mut self, text: &[u32], min: usize, upto: usize) {
+        if self.min != min || self.prev.len() > text.len() {
             *self = NgramIndex { min, ..NgramIndex::default() };
         }
         for e in self.prev.len()..upto {
@@ -82,9 +82,37 @@ impl NgramIndex {
                 self.prev.push(NONE);
                 continue;
             }
-            let key = gram_hash(&tokens[e + 1 - min..=e]);
+            let key = gram_hash(&text[e + 1 - min..=e]);
             let before = self.head.insert(key, e as u32).unwrap_or(NONE);
             self.prev.push(before);
+        }
+    }
+
+    /// Calls `f(end, n)` for the latest `limit` indexed occurrences in `text` of the last `min`
+    /// tokens of `query` (latest first), `end` being the occurrence's last position and `n` how
+    /// many tokens of `query` it matches backwards (`min ..= max`). Hash collisions are checked
+    /// against `text`. Index `text` first ([`Self::extend`]).
+    pub fn occurrences(&self, text: &[u32], query: &[u32], max: usize, limit: usize, mut f: impl FnMut(usize, usize)) {
+        let (min, len) = (self.min, query.len());
+        if min == 0 || len < min {
+            return;
+        }
+        let suffix = &query[len - min..];
+        let Some(&first) = self.head.get(&gram_hash(suffix)) else { return };
+        let mut e = first;
+        for _ in 0..limit {
+            if e == NONE {
+                break;
+            }
+            let end = e as usize;
+            if text[end + 1 - min..=end] == *suffix {
+                let mut n = min;
+                while n < max && n <= end && n < len && text[end - n] == query[len - 1 - n] {
+                    n += 1;
+                }
+                f(end, n);
+            }
+            e = self.prev[end];
         }
     }
 
@@ -99,32 +127,14 @@ impl NgramIndex {
         }
         // Occurrences must be followed by a token: index end positions up to len - 2.
         self.extend(tokens, min, len - 1);
-        let suffix = &tokens[len - min..];
-        let Some(&first) = self.head.get(&gram_hash(suffix)) else { return };
-        let (mut best_end, mut best_len) = (NONE, 0);
-        let mut e = first;
-        for _ in 0..MAX_CANDIDATES {
-            if e == NONE {
-                break;
+        let (mut best_end, mut best_len) = (NONE as usize, 0);
+        self.occurrences(tokens, tokens, max, MAX_CANDIDATES, |end, n| {
+            if n > best_len {
+                (best_end, best_len) = (end, n);
             }
-            let end = e as usize;
-            if tokens[end + 1 - min..=end] == *suffix {
-                let mut n = min;
-                while n < max && n <= end && tokens[end - n] == tokens[len - 1 - n] {
-                    n += 1;
-                }
-                if n > best_len {
-                    (best_end, best_len) = (e, n);
-                    if n >= max {
-                        break;
-                    }
-                }
-            }
-            e = self.prev[end];
-        }
-        if best_end != NONE {
-            let from = best_end as usize + 1;
-            out.extend_from_slice(&tokens[from..(from + k).min(len)]);
+        });
+        if best_len > 0 {
+            out.extend_from_slice(&tokens[best_end + 1..(best_end + 1 + k).min(len)]);
         }
     }
 }

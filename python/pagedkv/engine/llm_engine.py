@@ -1077,12 +1077,18 @@ def _speculative_args(spec: SpeculativeConfig | None) -> dict[str, Any]:
     """The Rust SchedulerConfig's speculative-decoding arguments (none when it is off)."""
     if spec is None:
         return {}
-    return {
+    args: dict[str, Any] = {
         "num_speculative_tokens": spec.num_speculative_tokens,
         "speculative_method": spec.method,
-        "prompt_lookup_min": spec.prompt_lookup_min,
-        "prompt_lookup_max": spec.prompt_lookup_max,
         "speculative_adaptive": spec.adaptive,
+    }
+    if spec.method == "ngram":
+        return args | {"prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max}
+    return args | {
+        "suffix_decoding_max_tree_depth": spec.suffix_decoding_max_tree_depth,
+        "suffix_decoding_max_spec_factor": spec.suffix_decoding_max_spec_factor,
+        "suffix_decoding_min_token_prob": spec.suffix_decoding_min_token_prob,
+        "suffix_decoding_max_cached_requests": spec.suffix_decoding_max_cached_requests,
     }
 
 
