@@ -144,6 +144,24 @@ fn run(seed: u64, speculate: Option<SpeculativeConfig>, fail_rate: f64) -> (Run,
                 reasons.insert(key, reason);
             }
         }
+        if matches!(speculate.map(|s| s.method), Some(SpecMethod::Provided)) {
+            // A "draft model": the true continuation of each live sample, sometimes corrupted.
+            for ((id, index), out) in &outputs {
+                if reasons.contains_key(&(id.clone(), *index)) {
+                    continue;
+                }
+                let mut ctx = reqs[id].prompt.clone();
+                ctx.extend(out);
+                let len = ctx.len();
+                let mut drafts = Vec::new();
+                for _ in 0..rng.random_range(0..6) {
+                    let t = if rng.random_bool(0.15) { rng.random_range(0..VOCAB as u32) } else { next_token(digest_of(&ctx), *ctx.last().unwrap()) };
+                    drafts.push(t);
+                    ctx.push(t);
+                }
+                sched.set_drafts(id, *index, len, &drafts).unwrap();
+            }
+        }
         sched.check_invariants().unwrap();
     }
     let stats = sched.stats();
@@ -219,5 +237,17 @@ fn suffix_drafts_match_the_reference_with_failed_steps() {
         let s = run.stats;
         assert!(s.num_spec_draft_tokens > 200 && s.num_spec_accepted_tokens > s.num_spec_draft_tokens / 4, "seed {seed}: {s:?}");
         assert!(s.num_spec_accepted_tokens < s.num_spec_draft_tokens);
+    }
+}
+
+#[test]
+fn provided_drafts_match_the_reference() {
+    let provided = SpeculativeConfig { method: SpecMethod::Provided, num_speculative_tokens: 4, adaptive: false };
+    for seed in 30..34 {
+        let (run, reqs, len) = run(seed, Some(provided), if seed % 2 == 0 { 0.0 } else { 0.1 });
+        check_against_reference(&run, &reqs, len);
+        let s = run.stats;
+        assert!(s.num_spec_accepted_tokens > s.num_spec_draft_tokens / 3, "seed {seed}: {s:?}");
+        assert!(s.num_spec_accepted_tokens < s.num_spec_draft_tokens && s.num_preemptions > 0);
     }
 }

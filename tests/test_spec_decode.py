@@ -221,6 +221,69 @@ def test_structured_and_beam_requests_do_not_draft(smol_pair: tuple[LLM, LLM]) -
     assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
 
 
+# ---------------------------------------------------------------- draft model
+
+
+def test_draft_model_drafts_verified_exactly(tiny_model: str, tmp_path: Any) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    # Another random model (untied, unscaled: its greedy tokens have nothing to do with the
+    # target's), with the target's vocabulary.
+    torch.manual_seed(1)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "other-draft")
+    other = str(tmp_path / "other-draft")
+    plain = run(LLMEngine(**tiny_args(tiny_model)), PROMPTS, GREEDY)
+    for draft, good in ((tiny_model, True), (other, False)):
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4, "adaptive": False}
+        # A small target pool: the target preempts with drafts handed in for its samples.
+        engine = LLMEngine(
+            **tiny_args(tiny_model, num_blocks=12, block_size=16, max_model_len=128, speculative_config=spec)
+        )
+        outs = run(engine, PROMPTS, GREEDY)
+        assert tokens(outs) == tokens(plain)
+        st = engine.get_stats()
+        assert st["num_spec_draft_tokens"] > 50 and st["num_preemptions"] > 0
+        rate = st["num_spec_accepted_tokens"] / st["num_spec_draft_tokens"]
+        # The target as its own draft: its drafts are the target's own greedy tokens.
+        assert rate > 0.9 if good else rate < 0.5, (draft, rate)
+        drafter = engine._drafter
+        assert drafter is not None and drafter.num_steps > 0
+        drafter.scheduler.check_invariants()
+        assert not drafter.scheduler.has_unfinished_requests()
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused_before_loading(
+    tiny_model: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=1000,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path / "small-vocab")
+
+    def no_loading(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a model was loaded before the vocabulary check")
+
+    monkeypatch.setattr("pagedkv.engine.llm_engine.ModelRunner", no_loading)
+    spec = {"method": "draft_model", "model": str(tmp_path / "small-vocab"), "num_speculative_tokens": 3}
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLMEngine(**tiny_args(tiny_model, speculative_config=spec))
+
+
 # ---------------------------------------------------------------- exactness on a toy model
 
 V = 4

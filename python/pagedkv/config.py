@@ -587,7 +587,7 @@ class StructuredOutputsConfig:
 
 # Speculative decoding: the proposers the core runs, and the ones vLLM users may name that are
 # not built (refused by name, with what is supported).
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -598,8 +598,9 @@ class SpeculativeConfig:
 
     - ``method``: ``"ngram"`` (prompt lookup over the request's prompt and output) or
       ``"suffix"`` (suffix decoding: the longest suffix matched in the request's tokens and in
-      recent requests' outputs, a variable number of drafts by continuation frequency); both in
-      the Rust core.
+      recent requests' outputs, a variable number of drafts by continuation frequency), both in
+      the Rust core; or ``"draft_model"``: a smaller model (``model``: its id or folder) with
+      the target's vocabulary, on its own paged KV (:mod:`pagedkv.engine.draft_model`).
     - ``num_speculative_tokens``: most tokens drafted per sequence and step, 1 .. 16.
     - ``prompt_lookup_min`` / ``prompt_lookup_max``: the shortest and longest suffix of the
       sequence looked up (``ngram``; defaults 2 and 5, or the one given when only one is).
@@ -620,6 +621,7 @@ class SpeculativeConfig:
     suffix_decoding_max_spec_factor: float | None = None
     suffix_decoding_min_token_prob: float | None = None
     suffix_decoding_max_cached_requests: int | None = None
+    model: str | None = None
 
     def __post_init__(self) -> None:
         name = "speculative_config"
@@ -635,6 +637,14 @@ class SpeculativeConfig:
                 f"{name}: num_speculative_tokens must be an int in 1 .. {MAX_SPECULATIVE_TOKENS}, got {k!r}"
             )
         _bool(f"{name}: adaptive", self.adaptive)
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ConfigError(
+                f"{name}: method 'draft_model' needs model (the draft model's id or folder)"
+                if self.model is None
+                else f"{name}: model applies to method 'draft_model', not {self.method!r}"
+            )
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ConfigError(f"{name}: model must be a model id or folder, got {self.model!r}")
         if self.method == "suffix":
             self._check_suffix(name)
             return
@@ -643,6 +653,10 @@ class SpeculativeConfig:
         ]
         if suffix_set:
             raise ConfigError(f"{name}: {suffix_set} apply to method 'suffix', not {self.method!r}")
+        if self.method == "draft_model":
+            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise ConfigError(f"{name}: prompt_lookup_min / prompt_lookup_max apply to method 'ngram'")
+            return
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         _positive_int(f"{name}: prompt_lookup_min", lo, optional=True, maximum=64)
         _positive_int(f"{name}: prompt_lookup_max", hi, optional=True, maximum=64)

@@ -143,7 +143,10 @@ impl PySchedulerConfig {
                             .unwrap_or(d.max_cached_requests),
                     })
                 }
-                Some(other) => return Err(CoreError::Config(format!("speculative_method must be \"ngram\" or \"suffix\", got {other:?}")).into()),
+                Some("draft_model") => SpecMethod::Provided,
+                Some(other) => {
+                    return Err(CoreError::Config(format!("speculative_method must be \"ngram\", \"suffix\" or \"draft_model\", got {other:?}")).into())
+                }
             };
             c.speculative = Some(SpeculativeConfig {
                 method,
@@ -855,6 +858,16 @@ impl PyScheduler {
     /// decoding").
     fn set_spec_cost(&mut self, overhead_s: &Bound<'_, PyAny>, per_token_s: &Bound<'_, PyAny>) -> PyResult<()> {
         Ok(self.inner.set_spec_cost(float_arg(overhead_s, "overhead_s")?, float_arg(per_token_s, "per_token_s")?)?)
+    }
+
+    /// Hands in drafts for sample `index` of `request_id`, whose `num_tokens` tokens (prompt and
+    /// output) they follow: the next step that schedules it verifies them (method
+    /// "draft_model"). Returns False when nothing was kept (request gone or not running, or
+    /// another method).
+    fn set_drafts(&mut self, request_id: &Bound<'_, PyAny>, index: &Bound<'_, PyAny>, num_tokens: &Bound<'_, PyAny>, token_ids: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let drafts = token_ids_arg(token_ids, "token_ids")?;
+        let id = str_obj_arg(request_id, "request_id")?;
+        Ok(self.inner.set_drafts(id.to_str()?, index_arg(index, "index")?, count_arg(num_tokens, "num_tokens")?, &drafts)?)
     }
 
     /// Drafts accepted so far by position within a row's drafts (entry j: accepted

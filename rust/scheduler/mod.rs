@@ -356,6 +356,36 @@ impl Scheduler {
         Ok(true)
     }
 
+    /// Hands in the drafts for sample `index` of request `id` (speculative decoding with drafts
+    /// from the caller, e.g. a draft model): used by the next step that schedules the branch,
+    /// if its token count is still `num_tokens` (the tokens the drafts follow), cut to what the
+    /// step allows. Returns false (nothing kept) for a request or sample that is gone or is not
+    /// running, a request that does not speculate, or a scheduler whose method takes no drafts.
+    /// Fails on more drafts than a step verifies.
+    pub fn set_drafts(&mut self, id: &str, index: u32, num_tokens: usize, drafts: &[u32]) -> Result<bool> {
+        if !matches!(self.config.speculative.map(|s| s.method), Some(SpecMethod::Provided)) {
+            return Ok(false);
+        }
+        if drafts.len() > crate::speculative::MAX_SPECULATIVE_TOKENS {
+            return Err(CoreError::InvalidArgument(format!(
+                "{} drafts for request {id:?}: at most {} are verified per step",
+                drafts.len(),
+                crate::speculative::MAX_SPECULATIVE_TOKENS
+            )));
+        }
+        let Some(&key) = self.by_id.get(id) else { return Ok(false) };
+        let Some(req) = self.requests.get(key) else { return Ok(false) };
+        if !req.speculate {
+            return Ok(false);
+        }
+        let found = req.branches.iter().copied().find(|&b| self.branches.get(b).is_some_and(|x| x.index == index && x.seq.is_some()));
+        let Some(branch) = found.and_then(|b| self.branches.get_mut(b)) else { return Ok(false) };
+        branch.spec.provided.clear();
+        branch.spec.provided.extend_from_slice(drafts);
+        branch.spec.provided_at = num_tokens;
+        Ok(true)
+    }
+
     /// Frees a branch's sequence and removes it (not from the queues).
     fn drop_branch(&mut self, b: BranchKey) {
         if let Some(branch) = self.branches.remove(b) {
@@ -1142,6 +1172,14 @@ impl Scheduler {
         match spec.method {
             SpecMethod::Ngram { min, max } => branch.spec.index.propose(s.tokens(), min, max, k, &mut self.draft_buf),
             SpecMethod::Suffix(p) => suffix::propose(&mut branch.spec.index, s.tokens(), &self.recent_outputs, &p, k, &mut self.draft_buf),
+            SpecMethod::Provided => {
+                self.draft_buf.clear();
+                if branch.spec.provided_at == len {
+                    let n = branch.spec.provided.len().min(k);
+                    self.draft_buf.extend_from_slice(&branch.spec.provided[..n]);
+                }
+                branch.spec.provided.clear();
+            }
         }
         let d = self.draft_buf.len();
         if d > 0 {

@@ -43,6 +43,9 @@ pub enum SpecMethod {
     /// Suffix decoding: the longest suffix matched in the branch's tokens and in recent
     /// requests' outputs, a variable number of drafts by continuation frequency ([`suffix`]).
     Suffix(SuffixParams),
+    /// Drafts handed in by the caller for each branch ([`crate::scheduler::Scheduler::set_drafts`]),
+    /// e.g. from a smaller draft model run by the engine.
+    Provided,
 }
 
 impl SpecMethod {
@@ -51,6 +54,7 @@ impl SpecMethod {
         match self {
             SpecMethod::Ngram { .. } => "ngram",
             SpecMethod::Suffix(_) => "suffix",
+            SpecMethod::Provided => "draft_model",
         }
     }
 }
@@ -99,6 +103,7 @@ impl SpeculativeConfig {
                     return err(format!("suffix_decoding_max_cached_requests must be at most 1000000, got {}", p.max_cached_requests));
                 }
             }
+            SpecMethod::Provided => {}
         }
         Ok(())
     }
@@ -151,11 +156,17 @@ impl SpecCostModel {
     }
 }
 
-/// A branch's speculation state: its n-gram index and its running acceptance.
+/// A branch's speculation state: its n-gram index, the drafts handed in for it, and its
+/// running acceptance.
 #[derive(Debug, Clone)]
 pub struct BranchSpec {
-    /// The branch's n-gram index (prompt lookup).
+    /// The branch's n-gram index (prompt lookup, suffix decoding).
     pub index: NgramIndex,
+    /// Drafts handed in by the caller ([`SpecMethod::Provided`]), for the branch at
+    /// `provided_at` tokens: stale (ignored) once the branch has another length.
+    pub provided: Vec<u32>,
+    /// The branch's token count the `provided` drafts follow.
+    pub provided_at: usize,
     /// Exponential average of the fraction of drafts accepted, per drafted position.
     pub acceptance: f64,
 }
@@ -163,7 +174,7 @@ pub struct BranchSpec {
 impl Default for BranchSpec {
     fn default() -> Self {
         // An optimistic start, so that a new branch drafts and is measured.
-        BranchSpec { index: NgramIndex::default(), acceptance: 0.7 }
+        BranchSpec { index: NgramIndex::default(), provided: Vec::new(), provided_at: 0, acceptance: 0.7 }
     }
 }
 

@@ -49,6 +49,7 @@ from pagedkv.distributed.transfer_config import RemotePrefill, parse_kv_transfer
 from pagedkv.engine import prompt_logprobs
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_tracker import BeamTracker, beam_candidates
+from pagedkv.engine.draft_model import DraftModelProposer, check_draft_vocabulary
 from pagedkv.engine.outputs import Logprob, RequestOutput
 from pagedkv.engine.prompts import PromptType, to_token_ids
 from pagedkv.engine.request_state import RequestState
@@ -120,6 +121,9 @@ class LLMEngine:
             tp, self.executor = start_workers(config)
         # Set once a tensor-parallel step broke the group: every later step raises it.
         self._dead: EngineDeadError | None = None
+        spec = config.speculative
+        if spec is not None and spec.method == "draft_model":
+            check_draft_vocabulary(spec, config.model)  # before any weights load
         try:
             self.runner = ModelRunner(config.model, config.cache, config.scheduling, tp=tp)
         except BaseException as exc:
@@ -174,6 +178,17 @@ class LLMEngine:
         # streams kept independent of the drafts, and the step-time fit behind the cost model.
         self._seeded_draws = SeededDraws()
         self._step_time = StepTimeFit()
+        self._drafter: DraftModelProposer | None = None
+        if spec is not None and spec.method == "draft_model":
+            self._drafter = DraftModelProposer(
+                spec,
+                config.model,
+                config.scheduling,
+                max_model_len=self.max_model_len,
+                block_size=self.runner.block_size,
+                vocab_size=self.runner.vocab_size,
+                target_kv_bytes=self.runner.kv_cache_bytes,
+            )
         # Ids outside the LM head's rows can never be sampled (nor banned: the sampler refuses them).
         self.eos_token_ids = [t for t in self.runner.eos_token_ids if 0 <= t < self.runner.vocab_size]
         self.requests: dict[str, RequestState] = {}
@@ -634,6 +649,8 @@ class LLMEngine:
             if prompt_rows is not None and prompt_found is not None:
                 prompt_logprobs.record(prompt_rows, prompt_found, self.requests, self.tokenizer)
             outputs = self._take_failed_outputs() + self._apply_updates(out, updates, sampled, drafts)
+            if self._drafter is not None:
+                self._propose_from_draft_model(updates)
             if masks is not None:
                 self._step_masks.critical_time.observe(self._grammar_step_s)
             return outputs
@@ -947,6 +964,24 @@ class LLMEngine:
             # The constraint is complete and admits nothing more (only eos would follow).
             sample.finish_reason = "stop"
             self.scheduler.finish_sample(u.request_id, u.index)
+
+    def _propose_from_draft_model(self, updates: Sequence[RequestUpdate]) -> None:
+        """The draft model's drafts for every sample still decoding after this step, handed to
+        the scheduler for the next step that schedules it."""
+        assert self._drafter is not None
+        samples: dict[tuple[str, int], list[int]] = {}
+        for u in updates:
+            state = self.requests.get(u.request_id)
+            if state is None or state.beam is not None or state.grammar is not None:
+                continue  # gone, or a request that never drafts
+            sample = state.samples[u.index]
+            if sample.finish_reason is None:
+                samples[(u.request_id, u.index)] = state.prompt_token_ids + sample.token_ids
+        if not samples:
+            return
+        proposed = self._drafter.propose([(rid, index, tokens) for (rid, index), tokens in samples.items()])
+        for (rid, index), draft in proposed.items():
+            self.scheduler.set_drafts(rid, index, len(samples[(rid, index)]), draft)
 
     def _count_drafts(self, out: SchedulerOutput, updates: Sequence[RequestUpdate], drafts: DraftContexts) -> None:
         """Each request's drafted and accepted tokens (``RequestOutput.metrics``): a row group

@@ -99,7 +99,7 @@ from pagedkv.worker.model_files import resolve_model
 from pagedkv.worker.model_support import check_config, check_probe, context_length_of, layer_attentions
 from pagedkv.worker.onednn_linear import use_onednn_linears
 
-__all__ = ["ModelRunner", "DEFAULT_CPU_KV_CACHE_MEMORY"]
+__all__ = ["ModelRunner", "DEFAULT_CPU_KV_CACHE_MEMORY", "load_model_config"]
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 _PROBE_TOKENS = 5
@@ -1070,6 +1070,12 @@ def _resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) 
     if resolved not in (torch.float32, torch.float16, torch.bfloat16):
         raise ConfigError(f"dtype must be float32, float16 or bfloat16, got {resolved}")
     return resolved
+
+
+def load_model_config(model: str | None, trust_remote_code: bool = False) -> Any:
+    """The transformers config of ``model`` (a folder, an embedded model's name, a hub id, or
+    None for the default), without loading its weights."""
+    return _load_config(resolve_model(model), trust_remote_code)
 
 
 def _load_config(model_path: str, trust_remote_code: bool) -> Any:
