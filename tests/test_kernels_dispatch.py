@@ -307,6 +307,38 @@ def test_prepared_backend_matches_the_public_functions(backend, monkeypatch):
     torch.testing.assert_close(out, want, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
 
 
+def test_cpu_backend_runs_short_query_runs_as_decodes():
+    """Sequences of up to CPU_KERNEL_MAX_QUERY query rows (speculative decoding's rows) go to
+    the Rust decode kernel as one-row sequences, longer ones to the torch path: the reference's
+    result either way, with a window and sinks too."""
+    b = make_paged_batch(
+        [1, 5, 20, 17, 1], [40, 12, 30, 50, 1], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, poison=False
+    )
+    n = b.query.shape[0]
+    attention = kernels.get_backend(torch.device("cpu"), "cpu", dtype=torch.float32, head_dim=64)
+    meta = attention.prepare(
+        torch.full((n,), -1, dtype=torch.int64),
+        b.block_tables,
+        b.seq_lens,
+        b.cu_seqlens_q,
+        num_tokens=n,
+        key_cache=b.key_cache,
+        value_cache=b.value_cache,
+        dtype=torch.float32,
+    )
+    assert meta.cpu_long_rows == [2] and meta.cpu_num_kernel_rows == 1 + 5 + 17 + 1
+    generator = torch.Generator().manual_seed(5)
+    for layer in (
+        kernels.FULL_ATTENTION,
+        kernels.LayerAttention(sliding_window=7, sinks=torch.randn(4, generator=generator)),
+    ):
+        got = attention.paged_attention(b.query, b.key_cache, b.value_cache, meta, scale=0.2, layer=layer)
+        want = kernels.reference.paged_attention(
+            b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, scale=0.2, layer=layer
+        )
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_prepare_validates_the_step_once_and_layers_only_by_shape():
     b = _host_batch()
     attention = kernels.get_backend(torch.device("cpu"), "cpu")

@@ -639,7 +639,9 @@ class LLMEngine:
                 self._clear_failures(out)
             elapsed = time.perf_counter() - t0
             self._update_cost_model(out.num_tokens, elapsed)
-            if self.config.speculative is not None:
+            if self.config.speculative is not None and out.num_tokens == len(out.logits_indices):
+                # Steps whose every token is sampled (decodes, with or without drafts): what a
+                # draft adds is a token *and* a logits row, which prompt chunks do not have.
                 self._step_time.observe(out.num_tokens, elapsed)
                 self.scheduler.set_spec_cost(*self._step_time.as_args())
             self._counters["model_time_s"] += elapsed

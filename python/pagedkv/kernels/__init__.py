@@ -232,8 +232,52 @@ class AttentionMetadata:
     # torch path of store_kv when some slot is -1: the rows to store and their slots (int64).
     store_rows: torch.Tensor | None = None
     store_slots: torch.Tensor | None = None
-    # cpu backend: numpy views of block_tables, seq_lens, cu_seqlens_q for the Rust kernel.
+    # cpu backend: block_tables, seq_lens, cu_seqlens_q as the Rust decode kernel reads them,
+    # numpy arrays: every sequence of up to CPU_KERNEL_MAX_QUERY query rows as that many
+    # one-row sequences (row j of a sequence of L tokens with q new ones sees L - q + 1 + j
+    # tokens: causal), since its KV is stored before any layer attends; speculative rows and
+    # short chunks then skip the torch path's gather. cpu_long_rows: the (original) sequences
+    # with more query rows, for the torch path.
     cpu_views: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    cpu_long_rows: list[int] | None = None
+    cpu_num_kernel_rows: int = 0  # one-row sequences in cpu_views
+
+
+# Sequences with at most this many query rows (a decode with up to 16 drafts) go to the CPU
+# decode kernel as one-row sequences (AttentionMetadata.cpu_views).
+CPU_KERNEL_MAX_QUERY = 17
+
+
+def _cpu_kernel_rows(tables: torch.Tensor, cu: list[int], lens: list[int]) -> dict[str, Any]:
+    """``cpu_views`` and ``cpu_long_rows`` (see :class:`AttentionMetadata`)."""
+    q_lens = [cu[b + 1] - cu[b] for b in range(len(lens))]
+    table_array = tables.numpy()
+    if all(q == 1 for q in q_lens):
+        # Only decodes (the common step): the arrays as they are, no copy.
+        views = (table_array, np.asarray(lens, dtype=np.int32), np.asarray(cu, dtype=np.int32))
+        return {"cpu_views": views, "cpu_long_rows": [], "cpu_num_kernel_rows": len(lens)}
+    rows: list[int] = []
+    view_lens: list[int] = []
+    spans: list[int] = []
+    long_rows: list[int] = []
+    for b, q in enumerate(q_lens):
+        if q > CPU_KERNEL_MAX_QUERY:
+            # Kept whole (the kernel skips a sequence of several query rows): the torch path's.
+            long_rows.append(b)
+            rows.append(b)
+            view_lens.append(lens[b])
+            spans.append(q)
+            continue
+        first = lens[b] - q + 1
+        rows.extend([b] * q)
+        view_lens.extend(range(first, first + q))
+        spans.extend([1] * q)
+    views = (
+        np.ascontiguousarray(table_array[rows]),
+        np.asarray(view_lens, dtype=np.int32),
+        np.concatenate([[0], np.cumsum(spans)]).astype(np.int32),
+    )
+    return {"cpu_views": views, "cpu_long_rows": long_rows, "cpu_num_kernel_rows": len(rows) - len(long_rows)}
 
 
 class AttentionBackend:
@@ -362,7 +406,7 @@ class AttentionBackend:
             t.to(device, non_blocking=True).contiguous() for t in (block_tables, seq_lens, cu_seqlens_q)
         )
         if self.name == "cpu" and device.type == "cpu" and "host_seq_lens" in facts:
-            facts["cpu_views"] = (tables.numpy(), lens.numpy(), cu.numpy())
+            facts.update(_cpu_kernel_rows(tables, facts["host_cu_seqlens_q"], facts["host_seq_lens"]))
         return AttentionMetadata(
             backend=self.name,
             slot_mapping=None if slot_mapping is None else slot_mapping.to(device, non_blocking=True),

@@ -178,7 +178,8 @@ def paged_attention_prepared(
     assert meta.cpu_views is not None and meta.host_cu_seqlens_q is not None and meta.host_seq_lens is not None
     result = out if out is not None and out.is_contiguous() and out.dtype == torch.float32 else _contiguous_zeros(query)
     fast = supports(query, key_cache, value_cache, kv_scales)
-    if fast and meta.num_decodes:
+    if fast and meta.cpu_num_kernel_rows:
+        # Decodes and short sequences (speculative rows), as one-row sequences (cpu_views).
         tables, lens, cu = meta.cpu_views
         keys, values, quant = _kernel_caches(key_cache, value_cache, kv_scales)
         paged_decode_attention_cpu(
@@ -194,7 +195,7 @@ def paged_attention_prepared(
             **quant,
             **_variant(layer),
         )
-    if not fast or meta.num_extends:
+    if not fast or meta.cpu_long_rows:
         reference.attend_host(
             query,
             key_cache,
@@ -208,6 +209,7 @@ def paged_attention_prepared(
             decodes=not fast,
             kv_scales=kv_scales,
             layer=layer,
+            extend_rows=None if not fast else meta.cpu_long_rows,
         )
     if out is not None and result is not out:
         out.copy_(result)

@@ -175,13 +175,14 @@ def attend_host(
     extends: bool = True,
     kv_scales: KVScales | None = None,
     layer: LayerAttention = FULL_ATTENTION,
+    extend_rows: list[int] | None = None,  # the sequences of several query rows to attend (None: all)
 ) -> None:
     """:func:`paged_attention` with the index arrays already on the host (read once per step
     by the caller, not once per layer); ``decodes`` / ``extends`` select the parts."""
     if decodes:
         _decode_rows(query, key_cache, value_cache, block_tables, seq_lens, cu, lens, scale, out, kv_scales, layer)
     if extends:
-        _extend_rows(query, key_cache, value_cache, block_tables, cu, lens, scale, out, kv_scales, layer)
+        _extend_rows(query, key_cache, value_cache, block_tables, cu, lens, scale, out, kv_scales, layer, extend_rows)
 
 
 def attend_decode_rows(
@@ -270,9 +271,10 @@ def _extend_rows(
     out: torch.Tensor,
     kv_scales: KVScales | None,
     layer: LayerAttention,
+    rows: list[int] | None = None,  # the sequences to attend (None: every one with several query rows)
 ) -> None:
     compute_dtype = _compute_dtype(query)
-    for b in range(len(lens)):
+    for b in range(len(lens)) if rows is None else rows:
         q_len = cu[b + 1] - cu[b]
         if q_len > 1:
             out[cu[b] : cu[b + 1]] = _attend_one_sequence(
