@@ -23,8 +23,8 @@ prompts rendered with the model's chat template (``LLM.chat``). Two parts:
    ``--chat-max-tokens`` each; pagedkv with adaptive ``ngram`` drafts vs without.
 
 Method: each configuration's engine is built once and warmed up once (one short call); then
-``--rounds`` rounds run every configuration in the same order (A, B, A, B, ...) in this one
-process, so slow spells of the shared machine hit all of them. Output tokens/s = generated
+``--rounds`` rounds run every configuration, the order reversed every other round (A, B, B,
+A, ...), in this one process, so slow spells of the shared machine hit all of them. Output tokens/s = generated
 tokens / wall seconds of the calls (prefill included) summed over the rounds; ratios come from
 the same run (each round's ratio is printed too). Greedy outputs with and without speculation
 must be identical: the script counts the prompts whose token ids differ. Speculation figures
@@ -371,10 +371,12 @@ def fmt(v: float, digits: int = 2) -> str:
 
 
 def run_rounds(configs: list[tuple[str, Any]], rounds: int) -> dict[str, list[dict]]:
-    """Every configuration once per round, in the same order each round (A, B, A, B, ...)."""
+    """Every configuration once per round, the order reversed every other round (A, B, B, A,
+    ...): a slow spell of the shared machine that starts or ends mid-round then weighs on both
+    sides alike."""
     runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
     for r in range(rounds):
-        for name, fn in configs:
+        for name, fn in configs if r % 2 == 0 else configs[::-1]:
             res = fn()
             runs[name].append(res)
             print(
@@ -520,7 +522,7 @@ def part_copy(args: argparse.Namespace) -> tuple[str, str]:
         f"transformers: "
         f"`model.generate(do_sample=False, max_new_tokens={n})` with and without `prompt_lookup_num_tokens={k}` "
         f"(default `max_matching_ngram_size`, 2) on the same prompt token ids. Each engine built once and warmed "
-        f"up once; {args.rounds} interleaved rounds (order as in the table), tok/s = tokens / seconds summed over "
+        f"up once; {args.rounds} interleaved rounds (order as in the table, reversed every other round), tok/s = tokens / seconds summed over "
         f"the rounds. Acceptance rate = accepted / drafted tokens; acceptance length = 1 + accepted / rows with "
         f"drafts; chosen k = drafted tokens / rows with drafts; drafted steps = rows with drafts / decode rows."
     )
@@ -630,7 +632,7 @@ def part_chat(args: argparse.Namespace) -> tuple[str, str]:
         f"{sum(lens) / len(lens):.0f} on average), greedy, max_tokens {n} (eos ends a reply). Batch b: "
         f"max(8, min(2b, 64)) requests as `LLM.chat` calls of b conversations. pagedkv "
         f"`speculative_config={ngram_config(args.k)}` vs `None`, {kv >> 20} MiB of KV each, `linear_kernel={args.linear_kernel!r}`, built once, warmed "
-        f"up once; {args.rounds} interleaved rounds (every row's two configurations in each round); tok/s = output "
+        f"up once; {args.rounds} interleaved rounds (every row's two configurations in each round, the order reversed every other round); tok/s = output "
         f"tokens / seconds of the calls (prefill included) summed over the rounds. Acceptance length = 1 + accepted "
         f"/ rows with drafts; chosen k = drafted tokens / rows with drafts; drafted steps = rows with drafts / "
         f"decode rows."

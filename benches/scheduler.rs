@@ -7,18 +7,19 @@
 //! decodes and prefill chunks of arriving 1024-token prompts under a 2048-token budget. The
 //! Python figures (with the numpy conversion) come from benches/bench_scheduler.py.
 //!
-//! Speculative decoding: the n-gram proposer alone for 256 rows with 2k-token contexts (one
-//! new token per row per step, proposals of up to 5 tokens; contexts over 512 distinct tokens
-//! so that most lookups find earlier occurrences and walk their candidates: the proposer's
-//! expensive case; target <= 50 us per step), and a whole step with drafts (256 decodes, up to
-//! 4 drafts each, verification in `update`).
+//! Speculative decoding: the n-gram and suffix proposers alone for 256 rows with 2k-token
+//! contexts (one new token per row per step, proposals of up to 5 tokens; contexts over 512
+//! distinct tokens so that most lookups find earlier occurrences and walk their candidates: the
+//! proposers' expensive case; suffix decoding also matches 1000 recent outputs of 256 tokens;
+//! target <= 50 us per step), and a whole step with drafts (256 decodes, up to 4 drafts each,
+//! verification in `update`).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use pagedkv::scheduler::{NewRequest, Scheduler, SchedulerConfig, StepOutput};
-use pagedkv::speculative::{NgramIndex, SpecMethod, SpeculativeConfig};
+use pagedkv::speculative::{suffix, NgramIndex, RecentOutputs, SpecMethod, SpeculativeConfig, SuffixParams};
 
 fn prompt(seed: u32, len: usize) -> Vec<u32> {
     (0..len as u32)
@@ -181,6 +182,39 @@ fn ngram_proposals(c: &mut Criterion) {
     });
 }
 
+fn suffix_proposals(c: &mut Criterion) {
+    let (rows, ctx) = (256, 2048);
+    let params = SuffixParams::default();
+    let mut recent = RecentOutputs::default();
+    for r in 0..1000u32 {
+        recent.add(&repetitive(r + 7919, 256), params.max_cached_requests);
+    }
+    c.bench_function("suffix proposals: 256 rows, 2k contexts, 1000 recent outputs, k = 5", |b| {
+        b.iter_custom(|iters| {
+            let mut contexts: Vec<Vec<u32>> = (0..rows).map(|r| repetitive(r as u32, ctx)).collect();
+            let mut indexes = vec![NgramIndex::default(); rows];
+            let mut out = Vec::new();
+            for (idx, t) in indexes.iter_mut().zip(&contexts) {
+                suffix::propose(idx, t, &recent, &params, 5, &mut out);
+            }
+            let mut total = Duration::ZERO;
+            for step in 0..iters {
+                for (r, t) in contexts.iter_mut().enumerate() {
+                    let next = t[(step as usize * 7 + r) % ctx];
+                    t.push(next);
+                }
+                let start = Instant::now();
+                for (idx, t) in indexes.iter_mut().zip(&contexts) {
+                    suffix::propose(idx, t, &recent, &params, 5, &mut out);
+                    black_box(&out);
+                }
+                total += start.elapsed();
+            }
+            total
+        })
+    });
+}
+
 fn spec_decode_step(c: &mut Criterion) {
     let (num_seqs, ctx, steps_per_setup) = (256, 2048, 200);
     // The token sampled after each logits row: a function of the row's last token, so the
@@ -234,5 +268,5 @@ fn spec_decode_step(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, decode_step, decode_step_reused, mixed_step, ngram_proposals, spec_decode_step);
+criterion_group!(benches, decode_step, decode_step_reused, mixed_step, ngram_proposals, suffix_proposals, spec_decode_step);
 criterion_main!(benches);
