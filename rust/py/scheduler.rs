@@ -870,6 +870,12 @@ impl PyScheduler {
         Ok(self.inner.set_drafts(id.to_str()?, index_arg(index, "index")?, count_arg(num_tokens, "num_tokens")?, &drafts)?)
     }
 
+    /// How many drafts the cost model would verify for a branch in a step with the branches
+    /// running now (method "draft_model": the draft model drafts no more; 0 when off).
+    fn spec_drafts_worth(&self) -> usize {
+        self.inner.spec_drafts_worth()
+    }
+
     /// Drafts accepted so far by position within a row's drafts (entry j: accepted
     /// (j+1)-th drafts), vLLM's `num_accepted_tokens_per_pos`.
     fn spec_accepted_per_position(&self) -> Vec<u64> {

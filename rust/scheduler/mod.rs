@@ -183,6 +183,21 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Speculative decoding: how many drafts a branch with the recent branches' acceptance
+    /// would verify in a step with the branches running now (the cost model's choice; all of
+    /// `num_speculative_tokens` when not adaptive, 0 when speculation is off). A caller that
+    /// makes drafts (a draft model) makes no more than this.
+    pub fn spec_drafts_worth(&self) -> usize {
+        match self.config.speculative {
+            None => 0,
+            Some(spec) if !spec.adaptive => spec.num_speculative_tokens,
+            Some(spec) => {
+                let threshold = self.spec_cost.threshold(self.running.len());
+                SpecCostModel::drafts_worth(threshold, self.spec_acceptance.rate(), spec.num_speculative_tokens)
+            }
+        }
+    }
+
     /// Speculative decoding: drafts accepted so far by position within a row's drafts
     /// (entry `j`: how many `(j+1)`-th drafts were accepted).
     pub fn spec_accepted_per_position(&self) -> &[u64] {

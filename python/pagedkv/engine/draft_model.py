@@ -95,16 +95,16 @@ class DraftModelProposer:
         self.num_steps = 0
         self.seconds = 0.0
 
-    def propose(self, samples: list[tuple[str, int, list[int]]]) -> dict[tuple[str, int], list[int]]:
-        """Greedy drafts (up to ``k`` each) for ``(request_id, index, tokens)`` samples, by
-        ``(request_id, index)``. Returns what it has on a failure (logged), never raises an
-        Exception."""
+    def propose(self, samples: list[tuple[str, int, list[int]]], k: int) -> dict[tuple[str, int], list[int]]:
+        """Greedy drafts (up to ``k``, at most ``num_speculative_tokens``, each) for
+        ``(request_id, index, tokens)`` samples, by ``(request_id, index)``. Returns no drafts
+        on a failure (logged), never raises an Exception."""
         start = time.perf_counter()
         drafts: dict[tuple[str, int], list[int]] = {}
         names: dict[str, tuple[str, int]] = {}
         try:
             for request_id, index, tokens in samples:
-                room = min(self.k, self.max_model_len - len(tokens))
+                room = min(k, self.k, self.max_model_len - len(tokens))
                 if room < 1:
                     continue
                 name = f"{request_id}\x00{index}"

@@ -979,9 +979,12 @@ class LLMEngine:
             sample = state.samples[u.index]
             if sample.finish_reason is None:
                 samples[(u.request_id, u.index)] = state.prompt_token_ids + sample.token_ids
-        if not samples:
+        # As many drafts as the cost model would verify now (none at a large batch: then the
+        # draft model does not run at all).
+        k = self.scheduler.spec_drafts_worth()
+        if not samples or k == 0:
             return
-        proposed = self._drafter.propose([(rid, index, tokens) for (rid, index), tokens in samples.items()])
+        proposed = self._drafter.propose([(rid, index, tokens) for (rid, index), tokens in samples.items()], k)
         for (rid, index), draft in proposed.items():
             self.scheduler.set_drafts(rid, index, len(samples[(rid, index)]), draft)
 
@@ -1121,12 +1124,14 @@ def _speculative_args(spec: SpeculativeConfig | None) -> dict[str, Any]:
     }
     if spec.method == "ngram":
         return args | {"prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max}
-    return args | {
-        "suffix_decoding_max_tree_depth": spec.suffix_decoding_max_tree_depth,
-        "suffix_decoding_max_spec_factor": spec.suffix_decoding_max_spec_factor,
-        "suffix_decoding_min_token_prob": spec.suffix_decoding_min_token_prob,
-        "suffix_decoding_max_cached_requests": spec.suffix_decoding_max_cached_requests,
-    }
+    if spec.method == "suffix":
+        return args | {
+            "suffix_decoding_max_tree_depth": spec.suffix_decoding_max_tree_depth,
+            "suffix_decoding_max_spec_factor": spec.suffix_decoding_max_spec_factor,
+            "suffix_decoding_min_token_prob": spec.suffix_decoding_min_token_prob,
+            "suffix_decoding_max_cached_requests": spec.suffix_decoding_max_cached_requests,
+        }
+    return args  # draft_model: the drafts come from the engine (Scheduler.set_drafts)
 
 
 def _has_copies(out: SchedulerOutput) -> bool:
