@@ -154,64 +154,46 @@ fn repetitive(seed: u32, len: usize) -> Vec<u32> {
     (0..len as u32).map(|i| ((i / 3).wrapping_mul(2654435761) ^ seed.wrapping_mul(40503)) % 512).collect()
 }
 
-fn ngram_proposals(c: &mut Criterion) {
+/// Times `propose(index, tokens, out)` for 256 rows with 2k-token contexts, one new token per
+/// row per step (the contexts indexed once before timing).
+fn time_proposals(iters: u64, mut propose: impl FnMut(&mut NgramIndex, &[u32], &mut Vec<u32>)) -> Duration {
     let (rows, ctx) = (256, 2048);
+    let mut contexts: Vec<Vec<u32>> = (0..rows).map(|r| repetitive(r as u32, ctx)).collect();
+    let mut indexes = vec![NgramIndex::default(); rows];
+    let mut out = Vec::new();
+    for (idx, t) in indexes.iter_mut().zip(&contexts) {
+        propose(idx, t, &mut out);
+    }
+    let mut total = Duration::ZERO;
+    for step in 0..iters {
+        for (r, t) in contexts.iter_mut().enumerate() {
+            let next = t[(step as usize * 7 + r) % ctx];
+            t.push(next);
+        }
+        let start = Instant::now();
+        for (idx, t) in indexes.iter_mut().zip(&contexts) {
+            propose(idx, t, &mut out);
+            black_box(&out);
+        }
+        total += start.elapsed();
+    }
+    total
+}
+
+fn ngram_proposals(c: &mut Criterion) {
     c.bench_function("ngram proposals: 256 rows, 2k contexts, k = 5", |b| {
-        b.iter_custom(|iters| {
-            let mut contexts: Vec<Vec<u32>> = (0..rows).map(|r| repetitive(r as u32, ctx)).collect();
-            let mut indexes = vec![NgramIndex::default(); rows];
-            let mut out = Vec::new();
-            for (idx, t) in indexes.iter_mut().zip(&contexts) {
-                idx.propose(t, 2, 5, 5, &mut out); // the prompt indexed once, before timing
-            }
-            let mut total = Duration::ZERO;
-            for step in 0..iters {
-                for (r, t) in contexts.iter_mut().enumerate() {
-                    let next = t[(step as usize * 7 + r) % ctx];
-                    t.push(next);
-                }
-                let start = Instant::now();
-                for (idx, t) in indexes.iter_mut().zip(&contexts) {
-                    idx.propose(t, 2, 5, 5, &mut out);
-                    black_box(&out);
-                }
-                total += start.elapsed();
-            }
-            total
-        })
+        b.iter_custom(|iters| time_proposals(iters, |idx, t, out| idx.propose(t, 2, 5, 5, out)))
     });
 }
 
 fn suffix_proposals(c: &mut Criterion) {
-    let (rows, ctx) = (256, 2048);
     let params = SuffixParams::default();
     let mut recent = RecentOutputs::default();
     for r in 0..1000u32 {
         recent.add(&repetitive(r + 7919, 256), params.max_cached_requests);
     }
     c.bench_function("suffix proposals: 256 rows, 2k contexts, 1000 recent outputs, k = 5", |b| {
-        b.iter_custom(|iters| {
-            let mut contexts: Vec<Vec<u32>> = (0..rows).map(|r| repetitive(r as u32, ctx)).collect();
-            let mut indexes = vec![NgramIndex::default(); rows];
-            let mut out = Vec::new();
-            for (idx, t) in indexes.iter_mut().zip(&contexts) {
-                suffix::propose(idx, t, &recent, &params, 5, &mut out);
-            }
-            let mut total = Duration::ZERO;
-            for step in 0..iters {
-                for (r, t) in contexts.iter_mut().enumerate() {
-                    let next = t[(step as usize * 7 + r) % ctx];
-                    t.push(next);
-                }
-                let start = Instant::now();
-                for (idx, t) in indexes.iter_mut().zip(&contexts) {
-                    suffix::propose(idx, t, &recent, &params, 5, &mut out);
-                    black_box(&out);
-                }
-                total += start.elapsed();
-            }
-            total
-        })
+        b.iter_custom(|iters| time_proposals(iters, |idx, t, out| suffix::propose(idx, t, &recent, &params, 5, out)))
     });
 }
 

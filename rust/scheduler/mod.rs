@@ -1093,9 +1093,7 @@ impl Scheduler {
         ended: &mut Vec<(BranchKey, FinishReason)>,
     ) -> Result<()> {
         let max_model_len = self.config.max_model_len;
-        let Some(branch) = self.branches.get_mut(b) else { return Ok(()) };
-        let Some(req) = self.requests.get(branch.req) else { return Ok(()) };
-        let Some(seq) = branch.seq else { return Ok(()) };
+        let Some((branch, req, seq)) = running_branch(&mut self.branches, &self.requests, b) else { return Ok(()) };
         let num_tokens = self.kv.append_token(seq, token)?;
         branch.num_output += 1;
         let finish = stop_reason(req, branch.num_output, token, num_tokens, max_model_len);
@@ -1122,9 +1120,7 @@ impl Scheduler {
         ended: &mut Vec<(BranchKey, FinishReason)>,
     ) -> Result<()> {
         let max_model_len = self.config.max_model_len;
-        let Some(branch) = self.branches.get_mut(b) else { return Ok(()) };
-        let Some(req) = self.requests.get(branch.req) else { return Ok(()) };
-        let Some(seq) = branch.seq else { return Ok(()) };
+        let Some((branch, req, seq)) = running_branch(&mut self.branches, &self.requests, b) else { return Ok(()) };
         let s = self.kv.seq(seq)?;
         let (base, drafted) = (s.num_verified(), s.num_drafts());
         let accepted = s.tokens()[base..].iter().zip(sampled).take_while(|(d, t)| d == t).count();
@@ -1540,4 +1536,13 @@ fn stop_reason(req: &Request, num_output: usize, token: u32, num_tokens: usize, 
     } else {
         None
     }
+}
+
+/// Branch `b`, its request and its sequence, if all three are live (a branch aborted after its
+/// step was scheduled is gone: its tokens are dropped).
+fn running_branch<'a>(branches: &'a mut Slab<Branch>, requests: &'a Slab<Request>, b: BranchKey) -> Option<(&'a mut Branch, &'a Request, SeqId)> {
+    let branch = branches.get_mut(b)?;
+    let req = requests.get(branch.req)?;
+    let seq = branch.seq?;
+    Some((branch, req, seq))
 }
