@@ -112,6 +112,24 @@ GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         pytest.param(
             {"speculative_config": SUFFIX}, SamplingParams(max_tokens=30, n=2, temperature=1.0, seed=3), id="suffix-n2"
         ),
+        pytest.param(
+            {
+                "speculative_config": SUFFIX,
+                "num_blocks": 14,
+                "block_size": 16,
+                "max_model_len": 160,
+                "num_host_blocks": 32,
+                "preemption_mode": "swap",
+                "kv_cache_dtype": "fp8_e4m3",
+            },
+            GREEDY,
+            id="suffix-swap-fp8",
+        ),
+        pytest.param(
+            {"speculative_config": SUFFIX, "max_num_batched_tokens": 24, "max_num_seqs": 4, "kv_cache_dtype": "int8"},
+            GREEDY,
+            id="suffix-chunked-int8",
+        ),
     ],
 )
 def test_speculation_changes_no_token(tiny_model: str, engine_kw: dict, params: SamplingParams) -> None:
@@ -241,12 +259,13 @@ def test_draft_model_drafts_verified_exactly(tiny_model: str, tmp_path: Any) -> 
     LlamaForCausalLM(config).save_pretrained(tmp_path / "other-draft")
     other = str(tmp_path / "other-draft")
     plain = run(LLMEngine(**tiny_args(tiny_model)), PROMPTS, GREEDY)
-    for draft, good in ((tiny_model, True), (other, False)):
+    # A small target pool: the target preempts (by recompute, then by swap, with chunked prefill)
+    # with drafts handed in for its samples.
+    small = {"num_blocks": 12, "block_size": 16, "max_model_len": 128}
+    swap = {**small, "num_host_blocks": 32, "preemption_mode": "swap", "max_num_batched_tokens": 24}
+    for draft, good, pool in ((tiny_model, True, small), (other, False, small), (tiny_model, True, swap)):
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 4, "adaptive": False}
-        # A small target pool: the target preempts with drafts handed in for its samples.
-        engine = LLMEngine(
-            **tiny_args(tiny_model, num_blocks=12, block_size=16, max_model_len=128, speculative_config=spec)
-        )
+        engine = LLMEngine(**tiny_args(tiny_model, **pool, speculative_config=spec))
         outs = run(engine, PROMPTS, GREEDY)
         assert tokens(outs) == tokens(plain)
         st = engine.get_stats()

@@ -19,6 +19,7 @@ the target's step: it is logged, the draft requests are dropped, and the target 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -75,7 +76,9 @@ class DraftModelProposer:
             trust_remote_code=target.trust_remote_code,
         )
         memory = max(int(target_kv_bytes * _DRAFT_KV_FRACTION), _DRAFT_KV_FLOOR)
-        self.runner = ModelRunner(model, CacheConfig(block_size=block_size, kv_cache_memory=memory), scheduling)
+        # The draft pool has no host tier: its scheduler preempts by recompute whatever the target does.
+        draft_scheduling = dataclasses.replace(scheduling, preemption_mode="recompute")
+        self.runner = ModelRunner(model, CacheConfig(block_size=block_size, kv_cache_memory=memory), draft_scheduling)
         if self.runner.vocab_size != vocab_size:
             raise ConfigError(
                 f"speculative_config: the draft model's LM head has {self.runner.vocab_size} rows, the target's "
