@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -326,10 +327,20 @@ class ToyModel:
         return p / p.sum()
 
 
-def sample_toy(model: ToyModel, params: SamplingParams, num: int, speculate: bool, seed: int) -> tuple[list, Any]:
-    """``num`` requests of 4 tokens after TOY_PROMPT through the real scheduler and sampler.
+Drafter = Callable[[list[int]], list[int]]
+
+
+def sample_toy(
+    model: ToyModel, params: SamplingParams, num: int, speculate: bool, seed: int, drafter: Drafter | None = None
+) -> tuple[list, Any]:
+    """``num`` requests of 4 tokens after TOY_PROMPT through the real scheduler and sampler,
+    with n-gram drafts, or with ``drafter(context)``'s drafts handed in (method draft_model).
     Returns each request's first 3 tokens and, per drafted row group, (context, drafts)."""
-    spec = dict(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2, speculative_adaptive=False)
+    spec: dict[str, Any] = dict(num_speculative_tokens=3, speculative_adaptive=False)
+    if drafter is None:
+        spec |= dict(prompt_lookup_min=1, prompt_lookup_max=2)
+    else:
+        spec |= dict(speculative_method="draft_model")
     sched = Scheduler(
         SchedulerConfig(
             num_blocks=4096, block_size=4, max_num_seqs=256, max_num_batched_tokens=4096, **(spec if speculate else {})
@@ -360,6 +371,11 @@ def sample_toy(model: ToyModel, params: SamplingParams, num: int, speculate: boo
         sampled = sampler(logits, md).sampled_token_ids
         for u in sched.update(out, sampled.tolist()):
             outputs[u.request_id].append(u.new_token_ids[0])
+        if drafter is not None:
+            for rid, o in outputs.items():
+                if 0 < len(o) < 4:
+                    ctx = TOY_PROMPT + o
+                    sched.set_drafts(rid, 0, len(ctx), drafter(ctx))
     assert all(len(o) == 4 for o in outputs.values())
     return [tuple(o[:3]) for o in outputs.values()], (groups, sched)
 
@@ -425,6 +441,49 @@ def test_rejection_sampling_is_exact_on_a_toy_model(params: SamplingParams) -> N
         assert abs(measured[j] - expected) < 4 * sigma + 1, (j, measured[j], expected, sigma)
     plain, _ = sample_toy(model, params, num, speculate=False, seed=2)
     assert chi_square_p(plain, dist) > 1e-4
+
+
+def greedy_drafter(model: ToyModel) -> Drafter:
+    """Drafts the greedy continuation of ``model`` (a point mass at its argmax, as a greedy
+    draft model drafts)."""
+
+    def draft(ctx: list[int]) -> list[int]:
+        out: list[int] = []
+        for _ in range(3):
+            out.append(int(np.argmax(model.logits(ctx + out))))
+        return out
+
+    return draft
+
+
+@pytest.mark.parametrize("draft_kind", ["random", "target", "perturbed"])
+def test_handed_in_drafts_are_verified_exactly(draft_kind: str) -> None:
+    """Drafts handed in (method draft_model): random tokens, the target's own greedy tokens, and
+    a perturbed target's greedy tokens. The first three tokens keep the target's exact
+    distribution, and each position's acceptance is the analytic sum(p(draft))."""
+    model, params, num = ToyModel(seed=3), SamplingParams(temperature=1.0), 3000
+    rng = np.random.default_rng(7)
+    perturbed = ToyModel(seed=3)
+    perturbed.table = perturbed.table + np.random.default_rng(11).normal(0.0, 0.8, size=perturbed.table.shape)
+    drafter: Drafter = {
+        "random": lambda ctx: rng.integers(0, V, size=3).tolist(),
+        "target": greedy_drafter(model),
+        "perturbed": greedy_drafter(perturbed),
+    }[draft_kind]
+    samples, (groups, sched) = sample_toy(model, params, num, speculate=True, seed=4, drafter=drafter)
+    assert chi_square_p(samples, exact_distribution(model, params)) > 1e-4
+    measured = sched.spec_accepted_per_position()
+    assert len(groups) > num // 2
+    for j in range(2):
+        probs = []
+        for ctx, drafts in groups:
+            if len(drafts) > j:
+                p = 1.0
+                for i in range(j + 1):
+                    p *= model.probs(ctx + drafts[:i], params)[drafts[i]]
+                probs.append(p)
+        expected, sigma = sum(probs), math.sqrt(sum(p * (1 - p) for p in probs))
+        assert abs(measured[j] - expected) < 4 * sigma + 1, (draft_kind, j, measured[j], expected)
 
 
 # ---------------------------------------------------------------- configuration
