@@ -362,6 +362,11 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def round_ratios(base: list[dict[str, Any]], other: list[dict[str, Any]]) -> list[float]:
+    """Each round's tokens/s of ``other`` over ``base`` (the same round of the interleaved run)."""
+    return [b["tokens"] / b["seconds"] / (a["tokens"] / a["seconds"]) for a, b in zip(base, other)]
+
+
 def mismatches(a: list[list[int]], b: list[list[int]]) -> int:
     return sum(x != y for x, y in zip(a, b))
 
@@ -478,20 +483,11 @@ def part_copy(args: argparse.Namespace) -> tuple[str, str]:
         ],
         rows,
     )
-    per_round_ratio = [
-        b["tokens"] / b["seconds"] / (a["tokens"] / a["seconds"])
-        for a, b in zip(runs[names["none"]], runs[names["ngram"]])
-    ]
-    hf_round_ratio = [
-        b["tokens"] / b["seconds"] / (a["tokens"] / a["seconds"])
-        for a, b in zip(runs[names["hf"]], runs[names["hf_lookup"]])
-    ]
+    per_round_ratio = round_ratios(runs[names["none"]], runs[names["ngram"]])
+    hf_round_ratio = round_ratios(runs[names["hf"]], runs[names["hf_lookup"]])
     speedup = p[names["ngram"]]["tps"] / ref["pagedkv"]
     suffix_speedup = p[names["suffix"]]["tps"] / ref["pagedkv"]
-    suffix_round_ratio = [
-        b["tokens"] / b["seconds"] / (a["tokens"] / a["seconds"])
-        for a, b in zip(runs[names["none"]], runs[names["suffix"]])
-    ]
+    suffix_round_ratio = round_ratios(runs[names["none"]], runs[names["suffix"]])
     per_pos = p[names["ngram"]]["per_position"]
     summary = (
         f"pagedkv ngram vs no speculation: **{speedup:.2f}x** output tok/s (target >= 2x: "
@@ -574,9 +570,7 @@ def part_chat(args: argparse.Namespace) -> tuple[str, str]:
         a, s = pooled(runs[a_name]), pooled(runs[s_name])
         ratio = s["tps"] / a["tps"]
         worst = min(worst, ratio)
-        per_round = [
-            y["tokens"] / y["seconds"] / (x["tokens"] / x["seconds"]) for x, y in zip(runs[a_name], runs[s_name])
-        ]
+        per_round = round_ratios(runs[a_name], runs[s_name])
         differ = sum(mismatches(x["outputs"], y["outputs"]) for x, y in zip(runs[a_name], runs[s_name]))
         differ_total += differ
         f = spec_figures(s["counters"])

@@ -392,6 +392,24 @@ def exact_distribution(model: ToyModel, params: SamplingParams) -> dict[tuple[in
     return dist
 
 
+def assert_acceptance_per_position(
+    model: ToyModel, params: SamplingParams, groups: list[tuple[list[int], list[int]]], measured: list[int]
+) -> None:
+    """The drafts accepted at positions 1 and 2 against the analytic expectation: the sum over
+    drafted rows of the probability that drafts 1 .. j are all what the target samples, within
+    4 sigma (+1)."""
+    for j in range(2):
+        probs = []
+        for ctx, drafts in groups:
+            if len(drafts) > j:
+                p = 1.0
+                for i in range(j + 1):
+                    p *= model.probs(ctx + drafts[:i], params)[drafts[i]]
+                probs.append(p)
+        expected, sigma = sum(probs), math.sqrt(sum(p * (1 - p) for p in probs))
+        assert abs(measured[j] - expected) < 4 * sigma + 1, (j, measured[j], expected, sigma)
+
+
 def chi_square_p(samples: list[tuple[int, ...]], dist: dict[tuple[int, ...], float]) -> float:
     n = len(samples)
     counts: dict[tuple[int, ...], int] = {}
@@ -428,17 +446,7 @@ def test_rejection_sampling_is_exact_on_a_toy_model(params: SamplingParams) -> N
     # Accepted drafts per position against the analytic expectation sum(p(d_1..d_j)).
     assert len(groups) > num // 2
     measured = sched.spec_accepted_per_position()
-    for j in range(2):
-        probs = []
-        for ctx, drafts in groups:
-            if len(drafts) > j:
-                p = 1.0
-                for i in range(j + 1):
-                    p *= model.probs(ctx + drafts[:i], params)[drafts[i]]
-                probs.append(p)
-        expected = sum(probs)
-        sigma = math.sqrt(sum(p * (1 - p) for p in probs))
-        assert abs(measured[j] - expected) < 4 * sigma + 1, (j, measured[j], expected, sigma)
+    assert_acceptance_per_position(model, params, groups, measured)
     plain, _ = sample_toy(model, params, num, speculate=False, seed=2)
     assert chi_square_p(plain, dist) > 1e-4
 
@@ -474,16 +482,7 @@ def test_handed_in_drafts_are_verified_exactly(draft_kind: str) -> None:
     assert chi_square_p(samples, exact_distribution(model, params)) > 1e-4
     measured = sched.spec_accepted_per_position()
     assert len(groups) > num // 2
-    for j in range(2):
-        probs = []
-        for ctx, drafts in groups:
-            if len(drafts) > j:
-                p = 1.0
-                for i in range(j + 1):
-                    p *= model.probs(ctx + drafts[:i], params)[drafts[i]]
-                probs.append(p)
-        expected, sigma = sum(probs), math.sqrt(sum(p * (1 - p) for p in probs))
-        assert abs(measured[j] - expected) < 4 * sigma + 1, (draft_kind, j, measured[j], expected)
+    assert_acceptance_per_position(model, params, groups, measured)
 
 
 # ---------------------------------------------------------------- configuration

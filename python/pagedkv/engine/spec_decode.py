@@ -64,7 +64,7 @@ class SeededDraws:
     """Keeps seeded samples' random streams independent of the drafts (module docs)."""
 
     def __init__(self) -> None:
-        # (generator, its state before the step, request id, sample index, random row?)
+        # (generator, its state before the step, request id, sample index)
         self._saved: list[tuple[torch.Generator, torch.Tensor, str, int]] = []
 
     def save(self, generator: torch.Generator, request_id: str, index: int) -> None:
