@@ -6,8 +6,10 @@ answers one 4-token request; its time from the start of ``LLM(...)`` to the answ
 *start*. The compiled variants start twice on one empty cache folder (``TORCHINDUCTOR_CACHE_DIR``,
 a temporary folder: the first start is cold, the second finds what the first wrote); the eager
 engine with the same linears starts once, and *extra* is a compiled start minus it. The
-process also reports dynamo's graph count and the caches' hits, and the time of a second
-request after the first (a step of the compiled graph, no compile).
+process also reports dynamo's graph count, how its forward was made (compiled and saved, or
+loaded from the saved file: pagedkv.worker.compiled_artifact), inductor's and AOT autograd's
+cache hits, and the time of a second request after the first (a step of the compiled graph, no
+compile).
 
 Linears: torch's (``linear_kernel="default"``: the runner compiles with inductor's freezing,
 whose graphs AOT autograd does not cache), pagedkv's kernel (``"pagedkv"``) and int8 weights
@@ -47,7 +49,9 @@ answered = time.perf_counter()
 llm.generate(["Water boils at a temperature of", "1, 2, 3,"], params, use_tqdm=False)
 again = time.perf_counter()
 from torch._dynamo.utils import counters
+compiled = llm.llm_engine.runner.compiled_forward
 print(json.dumps({
+    "origin": compiled.origin if compiled is not None else None,
     "import_s": imported - start,
     "build_s": built - imported,
     "first_request_s": answered - built,
@@ -68,7 +72,13 @@ VARIANTS = [
 
 
 def start(engine_args: dict, cache_dir: str) -> dict:
+    # Python keeps the bytecode it compiles, as on a machine where pip installed torch (pip
+    # byte-compiles at install; uv and this project's Makefile leave it to the first import).
+    # Under PYTHONDONTWRITEBYTECODE (this project's machines set it) every start compiled
+    # dynamo's and inductor's ~1,000 modules from source again, ~8 s that a compiled start paid
+    # and an eager one did not.
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir, "OMP_WAIT_POLICY": "PASSIVE"}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, json.dumps(engine_args)], env=env, capture_output=True, text=True, check=False
     )
@@ -83,6 +93,8 @@ def main() -> None:
     args = parser.parse_args()
     started = time.perf_counter()
     rows = []
+    with tempfile.TemporaryDirectory(prefix="pagedkv-inductor-") as cache:
+        start({"enforce_eager": True}, cache)  # untimed: writes the bytecode every start imports
     for name, extra in VARIANTS:
         with tempfile.TemporaryDirectory(prefix="pagedkv-inductor-") as cache:
             eager = start({**extra, "enforce_eager": True}, cache)
@@ -106,6 +118,7 @@ def main() -> None:
                     f"{run['start_s']:.1f}",
                     extra_s,
                     "" if label == "eager" else run["graphs"],
+                    run["origin"] or "",
                     caches,
                     f"{1000 * run['second_request_s']:.0f}",
                 ]
@@ -119,6 +132,7 @@ def main() -> None:
             "start s",
             "extra vs eager s",
             "graphs",
+            "forward",
             "cache hits",
             "second request ms",
         ],
@@ -128,7 +142,9 @@ def main() -> None:
         [
             "SmolLM2-135M-Instruct, float32, CPU; each row a fresh process: `LLM(...)` then one 4-token "
             "request (start = both), then a 2-request batch of 4 tokens (second request); compiled starts "
-            "share one empty `TORCHINDUCTOR_CACHE_DIR`, the first cold, the second warm.",
+            "share one empty `TORCHINDUCTOR_CACHE_DIR`, the first cold, the second warm; forward: "
+            "captured (compiled whole and saved), loaded (the saved forward) or jit (torch.compile as "
+            "called: a frozen graph, not saved); Python's bytecode kept (an untimed eager start first).",
             "",
             table,
             "",

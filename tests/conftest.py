@@ -31,6 +31,19 @@ _WORKER_CORES = _cores_per_xdist_worker()
 if _WORKER_CORES is not None:
     os.environ.setdefault("OMP_NUM_THREADS", str(_WORKER_CORES))
 
+# torch.compile's caches (inductor's, and the compiled forwards pagedkv saves beside them:
+# pagedkv.worker.compiled_artifact) start empty in every test process: with the machine's
+# shared cache folder, a second run would load a forward that the first compiled, and its tests
+# would take another path than on a clean machine. Servers and workers the tests start inherit
+# the folder. An explicit TORCHINDUCTOR_CACHE_DIR wins.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="pagedkv-test-inductor-")
+    atexit.register(shutil.rmtree, _INDUCTOR_CACHE, ignore_errors=True)
+
 import pytest  # noqa: E402
 
 

@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 from pagedkv import LLM, SamplingParams
 from pagedkv.config import ModelConfig
 from pagedkv.errors import ConfigError
-from pagedkv.worker import compiled_forward
+from pagedkv.worker import compiled_artifact, compiled_forward
 from pagedkv.worker.attention_backend import PagedAttentionContext, ProbeContext
 from pagedkv.worker.compiled_forward import CompiledForward
 from pagedkv.worker.model_files import default_model_dir
@@ -89,9 +89,13 @@ def test_compiled_engine_generates_what_eager_does(
     eager = LLM(**common).generate([*prompts, long_alone], params, use_tqdm=False)
     graphs_before = counters["stats"]["unique_graphs"]
     llm = LLM(**common, enforce_eager=False)
-    assert llm.llm_engine.runner.compiled_forward is not None
+    forward = llm.llm_engine.runner.compiled_forward
+    assert forward is not None
     calls = _OpCalls(monkeypatch, llm)
     compiled = llm.generate(prompts, params, use_tqdm=False)
+    # torch's linears are compiled frozen (their weights constants of the graph): never saved;
+    # int8 weights are the graph's inputs, so the forward is captured whole and saved.
+    assert forward.origin == ("captured" if extra else "jit")
     assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager[:-1]]
     # A long prompt alone: chunks that sample no row, then one-token decode steps.
     alone = llm.generate([long_alone], params, use_tqdm=False)
@@ -114,3 +118,84 @@ def test_windowed_models_compile(tmp_path) -> None:
     llm = _engine(folder, enforce_eager=False)
     assert llm.llm_engine.runner.compiled_forward is not None
     _check_greedy(llm, expected)
+
+
+_RESTART = r"""
+import json, sys
+from pagedkv import LLM, SamplingParams
+from torch._dynamo.utils import counters
+engine_args, prompts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+llm = LLM(**engine_args)
+params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+out = llm.generate(prompts, params, use_tqdm=False)
+print(json.dumps({
+    "origin": llm.llm_engine.runner.compiled_forward.origin,
+    "graphs": counters["stats"]["unique_graphs"],
+    "tokens": [o.outputs[0].token_ids for o in out],
+}))
+"""
+
+
+def test_a_restart_loads_the_saved_forward(tiny_model: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward compiled by one engine is saved beside inductor's cache; another process
+    with the same model and settings loads it and traces nothing (dynamo makes no graph) and
+    generates the same tokens. A saved file that does not load is a warning, and the engine
+    compiles again and replaces it."""
+    import json
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    engine_args = {"model": tiny_model, "tokenizer": str(default_model_dir()), "dtype": "float32", "device": "cpu"}
+    engine_args |= {"max_model_len": 256, "kv_cache_memory": 16 << 20, "linear_kernel": "pagedkv"}
+    engine_args |= {"enforce_eager": False}
+    prompts = ["Hello, my name is", "one two three " * 12]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    first = LLM(**engine_args)
+    tokens = [o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)]
+    forward = first.llm_engine.runner.compiled_forward
+    assert forward is not None and forward.origin == "captured"
+    path = forward.artifact_path
+    assert path.is_file() and path.parent == tmp_path / "inductor" / "pagedkv"
+
+    restart = subprocess.run(
+        [sys.executable, "-c", _RESTART, json.dumps(engine_args), json.dumps(prompts)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert restart.returncode == 0, restart.stderr[-3000:]
+    second = json.loads(restart.stdout.strip().splitlines()[-1])
+    assert second == {"origin": "loaded", "graphs": 0, "tokens": tokens}
+
+    path.write_bytes(b"not a compiled forward")
+    third = LLM(**engine_args)
+    with pytest.warns(UserWarning, match="did not load"):
+        again = third.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == tokens
+    forward = third.llm_engine.runner.compiled_forward
+    assert forward is not None and forward.origin == "captured" and forward.artifact_path == path
+    assert compiled_artifact.load_artifact(path, vars(compiled_forward)) is not None  # replaced
+
+
+def test_the_artifact_key_names_what_the_trace_depends_on() -> None:
+    """A loaded forward checks no guard, so its file's key must change with the module tree,
+    the call's names, dtypes and ranks, and inductor's options; the weights are inputs, not part
+    of it."""
+    torch.manual_seed(0)
+    call = {"input_ids": torch.zeros(1, 3, dtype=torch.long), "use_cache": False}
+    options = {"cpp.threads": 1}
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    key = compiled_artifact.artifact_key(model, call, options)
+    assert compiled_artifact.artifact_key(torch.nn.Sequential(torch.nn.Linear(4, 4)), call, options) == key
+    changed = [
+        compiled_artifact.artifact_key(torch.nn.Sequential(torch.nn.Linear(4, 5)), call, options),
+        compiled_artifact.artifact_key(torch.nn.Sequential(torch.nn.Linear(4, 4).double()), call, options),
+        compiled_artifact.artifact_key(model, {**call, "input_ids": call["input_ids"].int()}, options),
+        compiled_artifact.artifact_key(model, {**call, "input_ids": call["input_ids"][0]}, options),
+        compiled_artifact.artifact_key(model, {**call, "logits_to_keep": torch.zeros(1)}, options),
+        compiled_artifact.artifact_key(model, call, {"cpp.threads": 2}),
+    ]
+    assert len({key, *changed}) == 1 + len(changed)

@@ -272,9 +272,10 @@ class ModelConfig:
       :mod:`pagedkv.worker.int8_linear`).
     - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's
       forward under ``torch.compile``: one graph for every step size, compiled on the first
-      step (30-70 s for SmolLM2 on 2 cores; a later process reuses the disk cache, 10-21 s, except
-      with the default linears, whose frozen graph is not cached), logits not bit-identical to
-      eager; :mod:`pagedkv.worker.compiled_forward`.
+      step (30-70 s for SmolLM2 on 2 cores) and saved whole beside inductor's cache, so a later
+      process loads it (under 1 s more than an eager start), except with the default linears,
+      whose frozen graph compiles at every start; logits not bit-identical to eager;
+      :mod:`pagedkv.worker.compiled_forward`.
     - ``max_logprobs``: the most log-probabilities a request may ask for per token
       (``SamplingParams.logprobs``; vLLM's default, 20): more is refused when it is added,
       before any work (the answer's size grows with it).

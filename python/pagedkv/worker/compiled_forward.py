@@ -24,17 +24,21 @@ graphs of their own nor guards on the counts; each compile of SmolLM2 took 30-50
 and a server whose steps changed size compiled up to five (benches/RESULTS.md). That needs
 transformers' mask code out of the graph: pagedkv registers no mask function, so it builds
 none (:func:`~pagedkv.worker.attention_backend.register_pagedkv_attention`). The graph is
-cached on disk by inductor's FX graph cache and AOT autograd's cache, so a second process
-only traces it again (dynamo has no disk cache): 10-21 s more than an eager start for
-SmolLM2 on 2 shared cores (benches/RESULTS.md, "Compiled forward: compile time at start").
+captured whole ahead of time (``aot_compile``) and saved to disk
+(:mod:`pagedkv.worker.compiled_artifact`), so a second process loads it instead of tracing the
+model again: under 1 s more than an eager start for SmolLM2, against 10-21 s when only
+inductor's and AOT autograd's caches were reused (benches/RESULTS.md, "Compiled forward:
+compile time at start"). A model that dynamo cannot capture as one graph is compiled the usual
+way (graph breaks allowed), and nothing is saved.
 
 On the CPU with torch's own linears the runner compiles with inductor's freezing
 (``freeze=True``): the weights become graph constants and the linears oneDNN's prepacked
 products; without it the linears stay MKL's and the compiled step was 1.02x (batch 1) and 1.33x
 (batch 16) eager's, with it 1.40x and 2.49x (SmolLM2; benches/RESULTS.md, "Decode step
-profile"). A frozen graph is not cached across processes (AOT autograd refuses it), so with
-pagedkv's own linears (``linear_kernel="pagedkv"``, int8 weights: ops of their own, nothing to
-pack) the runner does not freeze.
+profile"). A frozen graph is neither saved (its weights are constants of the artifact) nor cached
+across processes (AOT autograd refuses it), so with pagedkv's own linears
+(``linear_kernel="pagedkv"``, int8 weights: ops of their own, nothing to pack) the runner does
+not freeze.
 
 The attention op's K/V store is a side effect, so the op is marked as having one: a graph
 specialised for a step that samples no row (a prefill chunk before the prompt's last) once
@@ -49,8 +53,14 @@ sums in other orders): greedy tokens are checked against transformers and eager
 
 from __future__ import annotations
 
+# The bytecode dynamo writes around the graph loads ``collections`` (to rebuild the model's
+# output, an OrderedDict) by name from the captured function's globals, which are this module's:
+# imported here, a saved forward loads with ``f_globals=globals()``.
+import collections  # noqa: F401
 import functools
 import threading
+import warnings
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -62,6 +72,7 @@ from pagedkv.worker.attention_backend import (
     PagedAttentionContext,
     pagedkv_attention_forward,
 )
+from pagedkv.worker.compiled_artifact import artifact_dir, artifact_key, load_artifact, save_artifact
 
 __all__ = ["CompiledForward", "install"]
 
@@ -153,13 +164,42 @@ def install() -> None:
     AttentionInterface.register(ATTENTION_NAME, _attention)
 
 
+def _model_forward(model: Any, **kwargs: Any) -> Any:
+    """The function captured ahead of time: the model is an argument (its weights are the
+    graph's inputs at every call), not a constant of the saved artifact."""
+    return model(**kwargs)
+
+
+def _no_guards(guards: list[Any]) -> list[bool]:
+    """Drops every guard of the captured forward: guards on object ids cannot be saved, and the
+    artifact's key stands for them (:mod:`pagedkv.worker.compiled_artifact`)."""
+    return [False] * len(guards)
+
+
+def _call_signature(kwargs: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """What of a call a compiled forward is specific to: names, and the tensors' dtypes and ranks."""
+    return tuple(
+        (name, f"{value.dtype}/{value.dim()}" if isinstance(value, torch.Tensor) else repr(value))
+        for name, value in sorted(kwargs.items())
+    )
+
+
 class CompiledForward:
     """``model.forward`` under ``torch.compile(dynamic=True)``; call it with the step's
     keyword arguments, the context among them."""
 
     def __init__(self, model: Any, *, freeze: bool = False) -> None:
         install()
-        self._compiled = torch.compile(model.forward, dynamic=True)
+        self._model = model
+        self._freeze = freeze
+        # One forward per call signature (in practice one per engine), made at its first call:
+        # loaded from disk, captured ahead of time and saved, or torch.compile's lazy path.
+        self._forwards: dict[tuple[tuple[str, str], ...], Callable[..., Any]] = {}
+        self._jit: Callable[..., Any] | None = None
+        # How the last forward was made: "loaded" (a saved artifact), "captured" (compiled whole
+        # and saved) or "jit" (torch.compile as called, nothing saved); and the artifact's path.
+        self.origin: str | None = None
+        self.artifact_path: Any = None
         # Inductor's options, set around every call (compiles happen in calls;
         # torch.compile(options={"freezing": True}) compiled the same as without: a batch-16
         # step 143 ms either way, 120 with the patch).
@@ -197,6 +237,44 @@ class CompiledForward:
             import torch._inductor.config as inductor_config  # loaded by torch.compile's first call anyway
 
             with torch._dynamo.config.patch(specialize_float=True), inductor_config.patch(self._inductor_options):
-                return self._compiled(**kwargs)
+                signature = _call_signature(kwargs)
+                forward = self._forwards.get(signature)
+                if forward is None:
+                    forward = self._forwards[signature] = self._make_forward(kwargs)
+                return forward(**kwargs)
         finally:
             _STEP.context = None
+
+    def _make_forward(self, kwargs: dict[str, Any]) -> Callable[..., Any]:
+        """The compiled forward for calls like ``kwargs`` (the first such call's arguments)."""
+        if self._freeze:  # its weights would be constants of a saved artifact
+            return self._jit_forward()
+        path = artifact_dir() / f"forward-{artifact_key(self._model, kwargs, self._inductor_options)}.bin"
+        self.artifact_path = path
+        loaded = load_artifact(path, globals())
+        if loaded is not None:
+            self.origin = "loaded"
+            return functools.partial(loaded, self._model)
+        try:
+            # torch.compile's result gains aot_compile (a prototype API) at run time; its stubs
+            # type it as the plain function.
+            compiler: Any = torch.compile(
+                _model_forward, dynamic=True, fullgraph=True, options={"guard_filter_fn": _no_guards}
+            )
+            captured = compiler.aot_compile(((self._model,), kwargs))
+        except Exception as exc:  # a graph break, or a part the capture cannot save
+            warnings.warn(
+                f"the compiled forward of {type(self._model).__name__} was not captured whole "
+                f"({type(exc).__name__}: {exc}); compiling it as called, and a restart compiles again",
+                stacklevel=3,
+            )
+            return self._jit_forward()
+        save_artifact(captured, path, globals())
+        self.origin = "captured"
+        return functools.partial(captured, self._model)
+
+    def _jit_forward(self) -> Callable[..., Any]:
+        if self._jit is None:
+            self._jit = torch.compile(self._model.forward, dynamic=True)
+        self.origin = "jit"
+        return self._jit
