@@ -153,9 +153,9 @@ def test_a_restart_loads_the_saved_forward(tiny_model: str, tmp_path, monkeypatc
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
     first = LLM(**engine_args)
-    tokens = [o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)]
     forward = first.llm_engine.runner.compiled_forward
-    assert forward is not None and forward.origin == "captured"
+    assert forward is not None and forward.origin == "captured"  # at start, before any request
+    tokens = [o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)]
     path = forward.artifact_path
     assert path.is_file() and path.parent == tmp_path / "inductor" / "pagedkv"
 
@@ -171,9 +171,9 @@ def test_a_restart_loads_the_saved_forward(tiny_model: str, tmp_path, monkeypatc
     assert second == {"origin": "loaded", "graphs": 0, "tokens": tokens}
 
     path.write_bytes(b"not a compiled forward")
-    third = LLM(**engine_args)
     with pytest.warns(UserWarning, match="did not load"):
-        again = third.generate(prompts, params, use_tqdm=False)
+        third = LLM(**engine_args)  # the engine compiles (or loads) its forward as it starts
+    again = third.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == tokens
     forward = third.llm_engine.runner.compiled_forward
     assert forward is not None and forward.origin == "captured" and forward.artifact_path == path

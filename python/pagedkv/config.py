@@ -271,8 +271,8 @@ class ModelConfig:
       CPU kernel on float32 inputs; a quarter of the linears' memory and memory traffic;
       :mod:`pagedkv.worker.int8_linear`).
     - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's
-      forward under ``torch.compile``: one graph for every step size, compiled on the first
-      step (30-70 s for SmolLM2 on 2 cores) and saved whole beside inductor's cache, so a later
+      forward under ``torch.compile``: one graph for every step size, compiled as the engine
+      starts (30-70 s for SmolLM2 on 2 cores) and saved whole beside inductor's cache, so a later
       process loads it (under 1 s more than an eager start), except with the default linears,
       whose frozen graph compiles at every start; logits not bit-identical to eager;
       :mod:`pagedkv.worker.compiled_forward`.

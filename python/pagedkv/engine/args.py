@@ -84,8 +84,9 @@ class EngineArgs:
       as int8 with a scale per output channel, a quarter of their memory, multiplied by
       pagedkv's kernel on float32 inputs; quality in benches/RESULTS.md).
     - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's forward
-      under ``torch.compile`` (inductor; the first step compiles, tens of seconds to minutes on a
-      CPU, and saves the forward on disk for the next start; logits not bit-identical to eager).
+      under ``torch.compile`` (inductor; compiled as the engine starts, tens of seconds to minutes
+      on a CPU, and saved on disk, so the next start loads it in about a second; logits not
+      bit-identical to eager).
     - ``max_logprobs``: the most log-probabilities a request may ask for per token (vLLM's
       default, 20); a request asking for more is refused when it is added.
     - ``tensor_parallel_size``, ``distributed_executor_backend``: split every layer's attention

@@ -163,6 +163,9 @@ class LLMEngine:
             scheduler_config.blocks_for_sequence(self.max_model_len) if layout.grouped else None,
         )
         self.scheduler = Scheduler(scheduler_config)
+        # enforce_eager=False: the forward compiled (or loaded from disk) now, not in the first
+        # request's step; before any block is handed out (the step writes one free block).
+        self.runner.warm_up_compiled()
         # The auto preemption cost model: the tiers' copy bandwidth is measured once here; the
         # forward's throughput is measured on the real steps (see _update_cost_model).
         self.swap_bandwidth: float | None = None

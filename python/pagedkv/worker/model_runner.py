@@ -58,6 +58,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -494,6 +495,26 @@ class ModelRunner:
             context,
             getattr(step, "hidden_rows", None),
         )
+
+    def warm_up_compiled(self) -> None:
+        """With ``enforce_eager=False``: compiles (or loads) the forward now, by one step of one
+        token, so that the first request does not wait for it (tens of seconds on a CPU) and a
+        server is ready when it says so. The token's K/V goes to slot 0 of block 0 in every
+        column: the pool is new, so that block is free and holds nothing anyone reads before
+        writing it. Under tensor parallelism the step reaches every rank like any other."""
+        if self.compiled_forward is None:
+            return
+        num_columns = self.kv_layout.num_columns
+        step = SimpleNamespace(
+            input_ids=np.zeros(1, dtype=np.int64),
+            positions=np.zeros(1, dtype=np.int64),
+            slot_mapping=np.zeros(num_columns, dtype=np.int64),
+            cu_seqlens_q=np.array([0, 1], dtype=np.int32),
+            seq_lens=np.ones(1, dtype=np.int32),
+            block_tables=np.zeros((num_columns, 1), dtype=np.int32),
+            logits_indices=np.zeros(1, dtype=np.int64),
+        )
+        self.execute(step)
 
     @torch.inference_mode()
     def copy_blocks(self, copy_ops: Any) -> None:
