@@ -63,6 +63,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -203,7 +204,7 @@ class CompiledForward:
         # How the last forward was made: "loaded" (a saved artifact), "captured" (compiled whole
         # and saved) or "jit" (torch.compile as called, nothing saved); and the artifact's path.
         self.origin: str | None = None
-        self.artifact_path: Any = None
+        self.artifact_path: Path | None = None
         self.seconds: float | None = None  # making the last forward and its first call
         # Inductor's options, set around every call (compiles happen in calls;
         # torch.compile(options={"freezing": True}) compiled the same as without: a batch-16
