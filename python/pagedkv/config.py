@@ -274,8 +274,10 @@ class ModelConfig:
       forward under ``torch.compile``: one graph for every step size, compiled as the engine
       starts (30-70 s for SmolLM2 on 2 cores) and saved whole beside inductor's cache, so a later
       process loads it (under 1 s more than an eager start), except with the default linears,
-      whose frozen graph compiles at every start; logits not bit-identical to eager;
-      :mod:`pagedkv.worker.compiled_forward`.
+      whose frozen graph compiles at every start; on a GPU (Triton attention, no tensor
+      parallelism), decode steps of up to ``min(max_num_seqs, 256)`` sequences replay CUDA
+      graphs captured at start (:mod:`pagedkv.worker.decode_graphs`); logits not bit-identical
+      to eager; :mod:`pagedkv.worker.compiled_forward`.
     - ``max_logprobs``: the most log-probabilities a request may ask for per token
       (``SamplingParams.logprobs``; vLLM's default, 20): more is refused when it is added,
       before any work (the answer's size grows with it).

@@ -85,7 +85,8 @@ class EngineArgs:
       pagedkv's kernel on float32 inputs; quality in benches/RESULTS.md).
     - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's forward
       under ``torch.compile`` (inductor; compiled as the engine starts, tens of seconds to minutes
-      on a CPU, and saved on disk, so the next start loads it in about a second; logits not
+      on a CPU, and saved on disk, so the next start loads it in about a second; on a GPU,
+      decode steps of up to 256 sequences replay CUDA graphs captured at start; logits not
       bit-identical to eager).
     - ``max_logprobs``: the most log-probabilities a request may ask for per token (vLLM's
       default, 20); a request asking for more is refused when it is added.
