@@ -576,7 +576,8 @@ class ModelRunner:
         token, so that the first request does not wait for it (tens of seconds on a CPU) and a
         server is ready when it says so. The token's K/V goes to slot 0 of block 0 in every
         column: the pool is new, so that block is free and holds nothing anyone reads before
-        writing it. Under tensor parallelism the step reaches every rank like any other."""
+        writing it. Under tensor parallelism the step reaches every rank like any other. On a
+        GPU it then captures the decode steps' CUDA graphs (:meth:`enable_decode_graphs`)."""
         if self.compiled_forward is None:
             return
         self._warm_up_step()
