@@ -307,40 +307,24 @@ class AttentionBackend:
         key_cache: torch.Tensor,  # one layer's cache; every layer's has this geometry
         value_cache: torch.Tensor,
         dtype: torch.dtype,  # the layers' query / key / value dtype
+        static_bounds: tuple[int, int] | None = None,  # (max_seqlen_q, max_seqlen_k) of a captured graph
     ) -> AttentionMetadata:
         """Validate one step's index tensors (values too when on the host: pass them before the
-        upload), move them to the caches' device and record the host facts."""
-        validation.check_step_metadata(
-            slot_mapping, block_tables, seq_lens, cu_seqlens_q, num_tokens, key_cache, value_cache, dtype, self.name
-        )
-        return self._metadata(
-            slot_mapping, block_tables, seq_lens, cu_seqlens_q, num_tokens=num_tokens, key_cache=key_cache, dtype=dtype
-        )
+        upload), move them to the caches' device and record the host facts.
 
-    def prepare_static(
-        self,
-        slot_mapping: torch.Tensor,  # [T] int64
-        block_tables: torch.Tensor,  # [B, max_blocks] int32
-        seq_lens: torch.Tensor,  # [B] int32
-        cu_seqlens_q: torch.Tensor,  # [B + 1] int32
-        *,
-        num_tokens: int,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        dtype: torch.dtype,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-    ) -> AttentionMetadata:
-        """The metadata of a captured graph (worker/decode_graphs.py): over tensors already on
-        the caches' device whose *contents* change between replays, so no host fact is taken
-        from them (the kernels read them on the device) and the launch hints are the caller's
-        bounds. The shapes are checked, and the values they hold now."""
+        With ``static_bounds``: the metadata of a captured graph (worker/decode_graphs.py), over
+        tensors already on the caches' device whose *contents* change between replays, so no
+        host fact is taken from them (the kernels read them on the device) and the launch hints
+        are the bounds given. The values they hold now are checked too."""
         validation.check_step_metadata(
             slot_mapping, block_tables, seq_lens, cu_seqlens_q, num_tokens, key_cache, value_cache, dtype, self.name
         )
-        for name, tensor in (("slot_mapping", slot_mapping), ("block_tables", block_tables)):
-            if tensor.device != key_cache.device or not tensor.is_contiguous():
-                raise InvalidArgumentError(f"{name} must be contiguous on {key_cache.device} for a captured step")
+        bounds: dict[str, Any] = {}
+        if static_bounds is not None:
+            for name, tensor in (("slot_mapping", slot_mapping), ("block_tables", block_tables)):
+                if tensor.device != key_cache.device or not tensor.is_contiguous():
+                    raise InvalidArgumentError(f"{name} must be contiguous on {key_cache.device} for a captured step")
+            bounds = {"max_seqlen_q": static_bounds[0], "max_seqlen_k": static_bounds[1], "host_facts": False}
         return self._metadata(
             slot_mapping,
             block_tables,
@@ -349,9 +333,7 @@ class AttentionBackend:
             num_tokens=num_tokens,
             key_cache=key_cache,
             dtype=dtype,
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
-            host_facts=False,
+            **bounds,
         )
 
     def store_kv(
@@ -411,7 +393,7 @@ class AttentionBackend:
         dtype: torch.dtype,
         max_seqlen_q: int | None = None,  # the caller's launch hints win over the host facts
         max_seqlen_k: int | None = None,
-        host_facts: bool = True,  # False: none even from host tensors (prepare_static)
+        host_facts: bool = True,  # False: none even from host tensors (prepare's static_bounds)
     ) -> AttentionMetadata:
         """The metadata of validated index tensors: moved to the caches' device, host facts
         recorded when the tensors are on the host."""

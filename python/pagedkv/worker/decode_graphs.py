@@ -46,8 +46,6 @@ from typing import Any
 import torch
 
 from pagedkv.kernels import AttentionBackend, AttentionMetadata
-from pagedkv.kernels.kv_quant import KVScales
-from pagedkv.kernels.layer_attention import LayerAttention
 from pagedkv.worker.attention_backend import PagedAttentionContext
 
 __all__ = ["DecodeGraphs", "capture_sizes"]
@@ -84,12 +82,10 @@ class DecodeGraphs:
     def __init__(
         self,
         forward: Forward,
+        make_context: Callable[[list[AttentionMetadata]], PagedAttentionContext],  # one metadata per column
         backend: AttentionBackend,
-        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],  # per layer, [N, block_size, Hkv, D] each
+        caches: tuple[torch.Tensor, torch.Tensor],  # one layer's (key, value), [N, block_size, Hkv, D] each
         *,
-        kv_scales: Sequence[KVScales] | None,
-        layers: Sequence[LayerAttention] | None,
-        layer_columns: Sequence[int] | None,  # per layer, its KV column; None: one column
         num_columns: int,
         max_model_len: int,
         dtype: torch.dtype,  # the layers' query / key / value dtype
@@ -97,17 +93,15 @@ class DecodeGraphs:
         capture: bool,
     ) -> None:
         self._forward = forward
+        self._make_context = make_context
         self._backend = backend
-        self._kv_caches = list(kv_caches)
-        self._kv_scales = None if kv_scales is None else list(kv_scales)
-        self._layers = None if layers is None else list(layers)
-        self._layer_columns = layer_columns
+        self._caches = caches
         self.num_columns = num_columns
         self.max_model_len = max_model_len
         self._dtype = dtype
         self.sizes = sorted(sizes)
         self.capture = capture
-        key_cache = self._kv_caches[0][0]
+        key_cache = caches[0]
         self.device = key_cache.device
         block_size = key_cache.shape[1]
         self.max_blocks = -(-max_model_len // block_size)  # block table width
@@ -143,30 +137,20 @@ class DecodeGraphs:
     def _capture(self, size: int) -> _Bucket:
         self._pad(0, size)
         metadata: list[AttentionMetadata] = [
-            self._backend.prepare_static(
+            self._backend.prepare(
                 self.slots[c, :size],
                 self.block_tables[c, :size],
                 self.seq_lens[:size],
                 self.cu_seqlens_q[: size + 1],
                 num_tokens=size,
-                key_cache=self._kv_caches[0][0],
-                value_cache=self._kv_caches[0][1],
+                key_cache=self._caches[0],
+                value_cache=self._caches[1],
                 dtype=self._dtype,
-                max_seqlen_q=1,
-                max_seqlen_k=self.max_model_len,
+                static_bounds=(1, self.max_model_len),
             )
             for c in range(self.num_columns)
         ]
-        context = PagedAttentionContext(
-            backend=self._backend,
-            kv_caches=self._kv_caches,
-            metadata=metadata[0],
-            kv_scales=self._kv_scales,
-            layers=self._layers,
-            column_metadata=metadata if self.num_columns > 1 else None,
-            layer_columns=self._layer_columns if self.num_columns > 1 else None,
-        )
-        bucket = _Bucket(size, context, None, None)
+        bucket = _Bucket(size, self._make_context(metadata), None, None)
         # One run first: launchers' caches, the compiled forward's first call and the Triton
         # kernels' compiles happen outside the capture (none may run inside one).
         self._run_forward(bucket)

@@ -505,21 +505,25 @@ class ModelRunner:
         if graphed:
             assert self.decode_graphs is not None
             return self.decode_graphs.run(input_ids, positions, slot_mapping, torch.cat(graph_tables), seq_lens)
-        context = PagedAttentionContext(
+        return self._forward(
+            input_ids.to(self.device, non_blocking=True),
+            positions.to(self.device, non_blocking=True),
+            logits_indices.to(self.device, non_blocking=True),
+            self._attention_context(metadata),
+            getattr(step, "hidden_rows", None),
+        )
+
+    def _attention_context(self, metadata: list[kernels.AttentionMetadata]) -> PagedAttentionContext:
+        """The step's attention context over its metadata, one per KV column."""
+        columns = len(metadata) > 1
+        return PagedAttentionContext(
             backend=self.backend,
             kv_caches=self.kv_caches,
             metadata=metadata[0],
             kv_scales=self.kv_scales,
             layers=self.layer_attention,
-            column_metadata=metadata if num_columns > 1 else None,
-            layer_columns=self.kv_layout.layer_column if num_columns > 1 else None,
-        )
-        return self._forward(
-            input_ids.to(self.device, non_blocking=True),
-            positions.to(self.device, non_blocking=True),
-            logits_indices.to(self.device, non_blocking=True),
-            context,
-            getattr(step, "hidden_rows", None),
+            column_metadata=metadata if columns else None,
+            layer_columns=self.kv_layout.layer_column if columns else None,
         )
 
     def _graph_serves(
@@ -557,11 +561,9 @@ class ModelRunner:
         buffers, padding and fixed metadata, the forward run on them instead of a replay."""
         graphs = DecodeGraphs(
             self._forward,
+            self._attention_context,
             self.backend,
-            self.kv_caches,
-            kv_scales=self.kv_scales,
-            layers=self.layer_attention,
-            layer_columns=self.kv_layout.layer_column if self.kv_layout.num_columns > 1 else None,
+            self.kv_caches[0],
             num_columns=self.kv_layout.num_columns,
             max_model_len=self.max_model_len,
             dtype=self.dtype,
