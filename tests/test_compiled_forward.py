@@ -80,7 +80,9 @@ def test_compiled_engine_generates_what_eager_does(
 ) -> None:
     """One graph serves every step (decodes of one and of several sequences, prefill chunks that
     sample no row), every layer's attention runs in every step (a chunk that samples nothing
-    once lost its last layer's K/V to dead-code elimination), and the tokens are eager's."""
+    once lost its last layer's K/V to dead-code elimination), and the tokens are eager's. The
+    forward is made as the engine starts; with int8 weights it is saved, and a restart in
+    another process loads it (:func:`_check_a_restart_loads`)."""
     prompts = ["Hello, my name is", "The capital of France is a city that", "1, 2, 3,", "one two three " * 12]
     long_alone = "four five six seven " * 10
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -90,7 +92,7 @@ def test_compiled_engine_generates_what_eager_does(
     graphs_before = counters["stats"]["unique_graphs"]
     llm = LLM(**common, enforce_eager=False)
     forward = llm.llm_engine.runner.compiled_forward
-    assert forward is not None
+    assert forward is not None and forward.origin is not None  # made at start
     calls = _OpCalls(monkeypatch, llm)
     compiled = llm.generate(prompts, params, use_tqdm=False)
     # torch's linears are compiled frozen (their weights constants of the graph): never saved;
@@ -105,6 +107,9 @@ def test_compiled_engine_generates_what_eager_does(
     assert {(True, 1), (False, 0)} <= kinds  # a lone decode and a chunk that samples nothing
     layers = set(range(llm.llm_engine.runner.num_layers))
     assert all(ran == layers for _, _, ran in calls.steps), calls.steps
+    if forward.origin == "captured":  # saved: a restart loads it
+        tokens = [o.outputs[0].token_ids for o in compiled]
+        _check_a_restart_loads({**common, "enforce_eager": False}, prompts, params, tokens, forward.artifact_path)
 
 
 def test_windowed_models_compile(tmp_path) -> None:
@@ -124,9 +129,9 @@ _RESTART = r"""
 import json, sys
 from pagedkv import LLM, SamplingParams
 from torch._dynamo.utils import counters
-engine_args, prompts = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+engine_args, prompts, max_tokens = (json.loads(arg) for arg in sys.argv[1:4])
 llm = LLM(**engine_args)
-params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 out = llm.generate(prompts, params, use_tqdm=False)
 print(json.dumps({
     "origin": llm.llm_engine.runner.compiled_forward.origin,
@@ -136,30 +141,17 @@ print(json.dumps({
 """
 
 
-def test_a_restart_loads_the_saved_forward(tiny_model: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The forward compiled by one engine is saved beside inductor's cache; another process
-    with the same model and settings loads it and traces nothing (dynamo makes no graph) and
-    generates the same tokens. A saved file that does not load is a warning, not an error."""
+def _check_a_restart_loads(engine_args: dict, prompts: list[str], params: SamplingParams, tokens: list, path) -> None:
+    """Another process with the same engine arguments (and so the same inductor cache folder,
+    tests/conftest.py) loads the forward saved at ``path``, traces nothing (dynamo makes no
+    graph) and generates ``tokens``. A saved file that does not load is a warning, not an error."""
     import json
     import subprocess
     import sys
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    engine_args = {"model": tiny_model, "tokenizer": str(default_model_dir()), "dtype": "float32", "device": "cpu"}
-    engine_args |= {"max_model_len": 256, "kv_cache_memory": 16 << 20, "linear_kernel": "pagedkv"}
-    engine_args |= {"enforce_eager": False}
-    prompts = ["Hello, my name is", "one two three " * 12]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-    first = LLM(**engine_args)
-    forward = first.llm_engine.runner.compiled_forward
-    assert forward is not None and forward.origin == "captured"  # at start, before any request
-    tokens = [o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)]
-    path = forward.artifact_path
-    assert path.is_file() and path.parent == tmp_path / "inductor" / "pagedkv"
-
+    assert path.is_file() and path.parent == compiled_artifact.artifact_dir()
     restart = subprocess.run(
-        [sys.executable, "-c", _RESTART, json.dumps(engine_args), json.dumps(prompts)],
+        [sys.executable, "-c", _RESTART, json.dumps(engine_args), json.dumps(prompts), json.dumps(params.max_tokens)],
         capture_output=True,
         text=True,
         check=False,
@@ -168,9 +160,8 @@ def test_a_restart_loads_the_saved_forward(tiny_model: str, tmp_path, monkeypatc
     assert restart.returncode == 0, restart.stderr[-3000:]
     second = json.loads(restart.stdout.strip().splitlines()[-1])
     assert second == {"origin": "loaded", "graphs": 0, "tokens": tokens}
-
     # A file that does not load (an interrupted write, another torch's format) is a warning
-    # and None, so the engine compiles as on a first start (the path above) and replaces it.
+    # and None, so the engine compiles as on a first start and replaces it.
     path.write_bytes(b"not a compiled forward")
     with pytest.warns(UserWarning, match="did not load"):
         assert compiled_artifact.load_artifact(path, vars(compiled_forward)) is None
