@@ -98,3 +98,54 @@ def test_graphed_decodes_with_kv_cache_groups(tmp_path, monkeypatch: pytest.Monk
     _check_greedy(llm, expected)
     assert len(PROMPTS) in replays.batches
     _assert_pool_whole(llm)
+
+
+def test_a_captured_step_needs_contiguous_metadata_on_the_caches_device() -> None:
+    """``prepare(static_bounds=...)`` keeps the tensors it is given (a graph reads their
+    addresses): a non-contiguous table or host slots for a device cache are a typed error."""
+    import pagedkv
+    from pagedkv.kernels import get_backend
+
+    backend = get_backend(torch.device("cpu"), "torch")
+    key_cache = torch.zeros(4, 16, 1, 8)
+    tables = torch.zeros(2, 6, dtype=torch.int32)[:, ::2]  # a strided view
+    args = (torch.full((2,), -1, dtype=torch.int64), tables, torch.ones(2, dtype=torch.int32))
+    with pytest.raises(pagedkv.InvalidArgumentError, match="block_tables must be contiguous"):
+        backend.prepare(
+            *args,
+            torch.arange(3, dtype=torch.int32),
+            num_tokens=2,
+            key_cache=key_cache,
+            value_cache=key_cache.clone(),
+            dtype=torch.float32,
+            static_bounds=(1, 48),
+        )
+
+
+def test_a_failure_in_a_graphed_step_leaves_the_engine_serving(
+    tiny_model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception inside a graphed decode step is a failed step like any other: the engine
+    retries it, the requests finish with eager's tokens, and no block is lost."""
+    prompts, params = _prompts_and_params()
+    common = {"model": tiny_model, "tokenizer": str(default_model_dir()), "dtype": "float32", "device": "cpu"}
+    common |= {"max_model_len": 256, "kv_cache_memory": 16 << 20, "max_num_seqs": 8}
+    eager = LLM(**common).generate(prompts, params, use_tqdm=False)
+    llm = LLM(**common)
+    runner = llm.llm_engine.runner
+    runner.enable_decode_graphs(capture=False)
+    assert runner.decode_graphs is not None
+    run = runner.decode_graphs.run
+    failures = []
+
+    def failing_once(*args: torch.Tensor) -> torch.Tensor:
+        if not failures:
+            failures.append(args[0].shape[0])
+            raise RuntimeError("graph replay failure (injected)")
+        return run(*args)
+
+    monkeypatch.setattr(runner.decode_graphs, "run", failing_once)
+    graphed = llm.generate(prompts, params, use_tqdm=False)
+    assert failures  # the failure happened in a graphed step
+    assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
+    _assert_pool_whole(llm)
