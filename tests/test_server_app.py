@@ -41,6 +41,10 @@ async def _workload(engine: AsyncLLM) -> tuple[dict[str, float], dict[str, Any],
             assert r.status_code == 200, r.text
             usages.append(r.json()["usage"])
         text = (await http.get("/metrics")).text
+        # Development endpoints exist only with PAGEDKV_SERVER_DEV_MODE=1 (the attack suite's).
+        assert (await http.post("/dev/check_invariants")).status_code == 404
+        health = await http.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok", health.text
     return parse_metrics(text), await engine.get_stats(), usages
 
 

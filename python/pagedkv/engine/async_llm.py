@@ -242,6 +242,10 @@ class AsyncLLM:
         """``LLMEngine.kv_snapshot`` between steps (nothing is computed while nobody asks)."""
         return dict(await self._call(self.engine.kv_snapshot))
 
+    async def check_invariants(self) -> dict[str, int]:
+        """``LLMEngine.check_invariants`` between steps."""
+        return dict(await self._call(self.engine.check_invariants))
+
     async def reset_prefix_cache(self) -> int:
         """``LLMEngine.reset_prefix_cache`` between steps."""
         return int(await self._call(self.engine.reset_prefix_cache))
@@ -252,6 +256,16 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self._dead is None
+
+    def health(self) -> dict[str, Any]:
+        """``{"status": "ok" | "degraded" | "dead", ...}``: ``dead`` once the step loop has
+        ended, ``degraded`` while a background thread that requests need is dead
+        (``LLMEngine.background``: grammar compiles, KV transfer, KV events), with each
+        thread's state and the errors it survived. Read from any thread, without the loop."""
+        report = self.engine.background.health()
+        if not self.is_running:
+            report["status"] = "dead"
+        return report
 
     def shutdown(self) -> None:
         """Stop the step loop; open streams and pending calls end with EngineDeadError. Then

@@ -46,6 +46,7 @@ import torch
 
 from pagedkv._core import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
 from pagedkv.distributed.transfer_config import RemotePrefill, parse_kv_transfer_params
+from pagedkv.background import BackgroundThreads
 from pagedkv.engine import prompt_logprobs
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_tracker import BeamTracker, beam_candidates
@@ -195,6 +196,9 @@ class LLMEngine:
         # Ids outside the LM head's rows can never be sampled (nor banned: the sampler refuses them).
         self.eos_token_ids = [t for t in self.runner.eos_token_ids if 0 <= t < self.runner.vocab_size]
         self.requests: dict[str, RequestState] = {}
+        # The threads besides the stepping one (grammar compiles, KV transfer): each records the
+        # inputs it survived, and a dead one makes the server's /health degraded.
+        self.background = BackgroundThreads()
         # Structured outputs: grammars compile off this thread (cached); requests whose grammar
         # is still compiling wait here (with their deadline and the rest of their add), and
         # each step's masks are filled while its forward runs (pagedkv.structured).
@@ -686,6 +690,25 @@ class LLMEngine:
         with self._lock:
             return int(self.scheduler.reset_prefix_cache())
 
+    def check_invariants(self) -> dict[str, int]:
+        """Checks the KV cache's bookkeeping (ref counts, free queue, prefix index, every
+        sequence's table: ``InvariantViolationError`` on a mismatch, a bug in pagedkv) and
+        returns who holds blocks: ``num_used_blocks`` is 0 once no request, lease or
+        reservation is live, else a block was lost."""
+        with self._lock:
+            self.scheduler.check_invariants()
+            stats = self.scheduler.stats()
+            return {
+                "num_blocks": stats.num_blocks,
+                "num_used_blocks": stats.num_used_blocks,
+                "num_free_blocks": stats.num_free_blocks,
+                "num_running": stats.num_running,
+                "num_waiting": stats.num_waiting,
+                "num_kv_leases": stats.num_kv_leases,
+                "num_kv_reservations": stats.num_kv_reservations,
+                "num_unfinished_requests": len(self.requests),
+            }
+
     def take_kv_events(self) -> bytes | None:
         """The prefix cache's block events since the last call, as one msgpack payload in vLLM's
         ``KVEventBatch`` wire format (``pagedkv.server.kv_events`` decodes it), or ``None`` when
@@ -1113,6 +1136,7 @@ class LLMEngine:
         if self.kv_connector is not None:
             with self._lock:
                 stats.update(self.kv_connector.stats())
+        stats["background_errors"] = self.background.error_counts()
         return stats
 
 

@@ -13,7 +13,11 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/mo
 ``POST /tokenize``, ``POST /detokenize``, ``POST /reset_prefix_cache``, ``GET /kv_cache_info``
 (block size, KV event endpoints and KV transfer role, for ``pagedkv router``), ``GET /version``,
 ``GET``/``POST /ping`` (vLLM's: ``/health``'s answer), ``GET /tokenizer_info`` (vLLM's: the
-tokenizer's class, special tokens, ``model_max_length``, chat template).
+tokenizer's class, special tokens, ``model_max_length``, chat template); with
+``PAGEDKV_SERVER_DEV_MODE=1``, ``POST /dev/check_invariants`` (the KV cache's bookkeeping
+checked, and who holds blocks). ``/health`` is 503 when the engine is dead, or degraded: a
+background thread that requests need (KV transfer, grammar compiles) died; its JSON body says
+which (``AsyncLLM.health``).
 ``/v1/completions`` and ``/v1/chat/completions`` take ``kv_transfer_params`` on an engine with
 ``--kv-transfer-config`` (disaggregated prefill / decode; see pagedkv.distributed.connector).
 With an API key, every path but ``/health``, ``/ping``, ``/metrics`` and ``/version`` needs
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -70,6 +75,9 @@ logger = logging.getLogger(__name__)
 # Paths anyone may read when the server has an API key (load balancers, Prometheus).
 # /dashboard is the page only (no data); its data, /dashboard/state, needs the key like the rest.
 _OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/dashboard"})
+# Set to 1, the server also serves its development endpoints (/dev/...): checks for tests and
+# the attack suite (tests/adversarial), never needed in production.
+DEV_MODE_ENV = "PAGEDKV_SERVER_DEV_MODE"
 
 
 @dataclass
@@ -363,7 +371,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def health() -> Response:
         if not state.engine.is_running:
             return error_response(503, "the engine is not running")
-        return Response(status_code=200)
+        report = state.engine.health()
+        # 503 while a thread that requests need is dead: a load balancer stops sending work
+        # that would hang (the body names the thread and what it died of).
+        return JSONResponse(report, status_code=200 if report["status"] == "ok" else 503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
@@ -472,3 +483,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def reset_prefix_cache() -> dict[str, int]:
         """Drop every cached block that no request uses, on every tier."""
         return {"num_blocks_dropped": await state.engine.reset_prefix_cache()}
+
+    if os.environ.get(DEV_MODE_ENV) == "1":
+        # Development and test endpoints (vLLM's VLLM_SERVER_DEV_MODE): behind the API key.
+
+        @app.post("/dev/check_invariants")
+        async def check_invariants() -> dict[str, int]:
+            """The KV cache's bookkeeping checked between steps, and who holds blocks
+            (``LLMEngine.check_invariants``; a violation is a 500)."""
+            return await state.engine.check_invariants()
