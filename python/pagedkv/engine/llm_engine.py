@@ -45,8 +45,8 @@ import numpy as np
 import torch
 
 from pagedkv._core import RequestUpdate, Scheduler, SchedulerConfig, SchedulerOutput
-from pagedkv.distributed.transfer_config import RemotePrefill, parse_kv_transfer_params
 from pagedkv.background import BackgroundThreads
+from pagedkv.distributed.transfer_config import RemotePrefill, parse_kv_transfer_params
 from pagedkv.engine import prompt_logprobs
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.beam_tracker import BeamTracker, beam_candidates
