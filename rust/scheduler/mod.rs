@@ -56,7 +56,7 @@ use crate::error::{CoreError, Result};
 use crate::ids::{BlockId, SeqId};
 use crate::kv_cache_manager::{KvCacheManager, PrefixMatch, Restore, Tier};
 use crate::slab::Slab;
-use crate::speculative::{suffix, Acceptance, BranchSpec, RecentOutputs, SpecCostModel, SpecMethod, BRANCH_DECAY, GLOBAL_DECAY, PRIOR_WEIGHT};
+use crate::speculative::{suffix, BranchSpec, SpecCostModel, SpecMethod, TenantSpecs, BRANCH_DECAY, GLOBAL_DECAY, PRIOR_WEIGHT};
 use output::StepPlan;
 use request::{Branch, Request};
 use stats::Counters;
@@ -110,12 +110,12 @@ pub struct Scheduler {
     spec_cost: SpecCostModel,
     /// Accepted drafts by position (index j: the (j+1)-th draft of a row), lifetime.
     spec_accepted_per_position: Vec<u64>,
-    /// The acceptance of recent verified rows, all branches: a new branch's prior.
-    spec_acceptance: Acceptance,
+    /// What speculation learned from finished requests and verified rows, per tenant (cache
+    /// salt): suffix decoding's recent outputs and the acceptance prior of new branches. Never
+    /// shared across salts, so one tenant's outputs never become another's drafts.
+    spec_tenants: TenantSpecs,
     /// Scratch for a proposal.
     draft_buf: Vec<u32>,
-    /// Suffix decoding: the outputs of recent finished requests, matched by every proposal.
-    recent_outputs: RecentOutputs,
 }
 
 impl Scheduler {
@@ -148,10 +148,8 @@ impl Scheduler {
             beam_results: Vec::new(),
             spec_cost: SpecCostModel::default(),
             spec_accepted_per_position: Vec::new(),
-            // Until rows are verified: an even chance, worth a couple of rows.
-            spec_acceptance: Acceptance::prior(0.5, 2.0),
+            spec_tenants: TenantSpecs::default(),
             draft_buf: Vec::new(),
-            recent_outputs: RecentOutputs::default(),
         })
     }
 
@@ -183,17 +181,26 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Speculative decoding: how many drafts a branch with the recent branches' acceptance
-    /// would verify in a step with the branches running now (the cost model's choice; all of
-    /// `num_speculative_tokens` when not adaptive, 0 when speculation is off). A caller that
-    /// makes drafts (a draft model) makes no more than this.
+    /// Speculative decoding: how many drafts a new branch of the most accepting tenant among
+    /// the running requests would verify in a step with the branches running now (the cost
+    /// model's choice; all of `num_speculative_tokens` when not adaptive, 0 when speculation
+    /// is off). A caller that makes drafts (a draft model) makes no more than this; each
+    /// branch then keeps as many as its own tenant's acceptance pays for, so no tenant's
+    /// drafts depend on another's.
     pub fn spec_drafts_worth(&self) -> usize {
         match self.config.speculative {
             None => 0,
             Some(spec) if !spec.adaptive => spec.num_speculative_tokens,
             Some(spec) => {
                 let threshold = self.spec_cost.threshold(self.running.len());
-                SpecCostModel::drafts_worth(threshold, self.spec_acceptance.rate(), spec.num_speculative_tokens)
+                let best = self
+                    .running
+                    .iter()
+                    .filter_map(|&b| self.branches.get(b).and_then(|x| self.requests.get(x.req)))
+                    .map(|r| self.spec_tenants.get(r.extra.salt()).acceptance.rate())
+                    .fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))))
+                    .unwrap_or_else(|| self.spec_tenants.get(None).acceptance.rate());
+                SpecCostModel::drafts_worth(threshold, best, spec.num_speculative_tokens)
             }
         }
     }
@@ -1137,7 +1144,7 @@ impl Scheduler {
         self.kv.append_token(seq, sampled[emitted - 1])?;
         branch.num_output += emitted;
         branch.spec.acceptance.record(drafted, accepted, BRANCH_DECAY);
-        self.spec_acceptance.record(drafted, accepted, GLOBAL_DECAY);
+        self.spec_tenants.record_acceptance(req.extra.salt(), drafted, accepted, GLOBAL_DECAY);
         let c = &mut self.counters;
         c.spec_drafts += 1;
         c.spec_draft_tokens += drafted as u64;
@@ -1181,14 +1188,15 @@ impl Scheduler {
             .min(self.config.max_model_len.saturating_sub(len + 1))
             .min(budget)
             .min(spec.num_speculative_tokens);
-        let acceptance = branch.spec.acceptance.rate_with(self.spec_acceptance.rate(), PRIOR_WEIGHT);
+        let tenant = self.spec_tenants.get(req.extra.salt());
+        let acceptance = branch.spec.acceptance.rate_with(tenant.acceptance.rate(), PRIOR_WEIGHT);
         let k = SpecCostModel::drafts_worth(threshold, acceptance, room);
         if k == 0 {
             return Ok(0);
         }
         match spec.method {
             SpecMethod::Ngram { min, max } => branch.spec.index.propose(s.tokens(), min, max, k, &mut self.draft_buf),
-            SpecMethod::Suffix(p) => suffix::propose(&mut branch.spec.index, s.tokens(), &self.recent_outputs, &p, k, &mut self.draft_buf),
+            SpecMethod::Suffix(p) => suffix::propose(&mut branch.spec.index, s.tokens(), &tenant.recent_outputs, &p, k, &mut self.draft_buf),
             SpecMethod::Provided => {
                 self.draft_buf.clear();
                 if branch.spec.provided_at == len {
@@ -1213,10 +1221,12 @@ impl Scheduler {
         if let (Some(SpecMethod::Suffix(p)), Some(seq), Some(branch)) =
             (self.config.speculative.map(|s| s.method), seq, self.branches.get(b))
         {
-            // Suffix decoding matches later requests against this output too.
+            // Suffix decoding matches later requests of the same tenant against this output too.
+            let salt = self.requests.get(branch.req).and_then(|r| r.extra.salt());
             if let Ok(s) = self.kv.seq(seq) {
                 let tokens = &s.tokens()[..s.num_verified()];
-                self.recent_outputs.add(&tokens[tokens.len().saturating_sub(branch.num_output)..], p.max_cached_requests);
+                let output = &tokens[tokens.len().saturating_sub(branch.num_output)..];
+                self.spec_tenants.add_output(salt, output, p.max_cached_requests);
             }
         }
         if let (Some(req), Some(seq)) = (req_key.and_then(|k| self.requests.get(k)), seq) {

@@ -20,9 +20,11 @@
 
 pub mod ngram;
 pub mod suffix;
+pub mod tenants;
 
 pub use ngram::NgramIndex;
 pub use suffix::{RecentOutputs, SuffixParams};
+pub use tenants::TenantSpecs;
 
 use crate::error::{CoreError, Result};
 

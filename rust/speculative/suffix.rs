@@ -46,12 +46,14 @@ impl Default for SuffixParams {
     }
 }
 
-/// Most tokens of recent outputs kept, whatever `max_cached_requests` says.
+/// Most tokens of recent outputs kept, whatever `max_cached_requests` says: over every tenant
+/// together (see [`super::tenants::TenantSpecs`]).
 pub const MAX_CACHED_TOKENS: usize = 1 << 22;
 
 /// The outputs of recent finished requests as one indexed text (module docs), oldest first,
-/// bounded by request count and tokens. Evicted outputs stay in the text, ignored, until half
-/// of it is dead; then it is rebuilt from the live ones (amortized O(1) per token).
+/// bounded by request count (and, by its owner, in tokens). Evicted outputs stay in the text,
+/// ignored, until half of it is dead; then it is rebuilt from the live ones (amortized O(1) per
+/// token).
 #[derive(Debug, Clone, Default)]
 pub struct RecentOutputs {
     text: Vec<u32>,
@@ -72,10 +74,24 @@ impl RecentOutputs {
         self.text.extend_from_slice(output);
         self.text.push(SEPARATOR);
         self.lengths.push_back(output.len() + 1);
-        while self.lengths.len() > max_requests || self.text.len() - self.dead > MAX_CACHED_TOKENS {
+        while self.lengths.len() > max_requests || self.live_tokens() > MAX_CACHED_TOKENS {
             let Some(n) = self.lengths.pop_front() else { break };
             self.dead += n;
         }
+        self.compact();
+    }
+
+    /// Evicts the oldest output; returns the tokens it held (separator included), 0 when
+    /// there was none.
+    pub fn evict_oldest(&mut self) -> usize {
+        let Some(n) = self.lengths.pop_front() else { return 0 };
+        self.dead += n;
+        self.compact();
+        n
+    }
+
+    /// Drops the dead text once it is half of the text, then indexes what is new.
+    fn compact(&mut self) {
         if 2 * self.dead > self.text.len() {
             self.text.drain(..self.dead);
             self.dead = 0;
@@ -87,6 +103,11 @@ impl RecentOutputs {
     /// Outputs kept.
     pub fn num_outputs(&self) -> usize {
         self.lengths.len()
+    }
+
+    /// Tokens of the live outputs (separators included).
+    pub fn live_tokens(&self) -> usize {
+        self.text.len() - self.dead
     }
 }
 

@@ -98,21 +98,24 @@ class DraftModelProposer:
         self.num_steps = 0
         self.seconds = 0.0
 
-    def propose(self, samples: list[tuple[str, int, list[int]]], k: int) -> dict[tuple[str, int], list[int]]:
+    def propose(
+        self, samples: list[tuple[str, int, list[int], str | None]], k: int
+    ) -> dict[tuple[str, int], list[int]]:
         """Greedy drafts (up to ``k``, at most ``num_speculative_tokens``, each) for
-        ``(request_id, index, tokens)`` samples, by ``(request_id, index)``. Returns no drafts
-        on a failure (logged), never raises an Exception."""
+        ``(request_id, index, tokens, cache_salt)`` samples, by ``(request_id, index)``: the
+        draft model's prefix cache is keyed by the request's salt, as the target's is. Returns
+        no drafts on a failure (logged), never raises an Exception."""
         start = time.perf_counter()
         drafts: dict[tuple[str, int], list[int]] = {}
         names: dict[str, tuple[str, int]] = {}
         try:
-            for request_id, index, tokens in samples:
+            for request_id, index, tokens, salt in samples:
                 room = min(k, self.k, self.max_model_len - len(tokens))
                 if room < 1:
                     continue
                 name = f"{request_id}\x00{index}"
                 names[name] = (request_id, index)
-                self.scheduler.add_request(name, tokens, max_tokens=room, ignore_eos=True)
+                self.scheduler.add_request(name, tokens, max_tokens=room, ignore_eos=True, cache_salt=salt)
             while self.scheduler.has_unfinished_requests():
                 out = self.scheduler.schedule()
                 if out.num_tokens == 0:

@@ -308,6 +308,7 @@ class LLMEngine:
         if params.bad_words:
             state.bad_word_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.runner.vocab_size)
         state.hold_kv = transfer is True
+        state.cache_salt = cache_salt
         if beam is not None:
             state.beam = BeamTracker(beam, self.tokenizer, self.eos_token_ids)
         max_tokens = (
@@ -997,22 +998,22 @@ class LLMEngine:
         """The draft model's drafts for every sample still decoding after this step, handed to
         the scheduler for the next step that schedules it."""
         assert self._drafter is not None
-        samples: dict[tuple[str, int], list[int]] = {}
+        samples: dict[tuple[str, int], tuple[list[int], str | None]] = {}
         for u in updates:
             state = self.requests.get(u.request_id)
             if state is None or state.beam is not None or state.grammar is not None:
                 continue  # gone, or a request that never drafts
             sample = state.samples[u.index]
             if sample.finish_reason is None:
-                samples[(u.request_id, u.index)] = state.prompt_token_ids + sample.token_ids
+                samples[(u.request_id, u.index)] = (state.prompt_token_ids + sample.token_ids, state.cache_salt)
         # As many drafts as the cost model would verify now (none at a large batch: then the
         # draft model does not run at all).
         k = self.scheduler.spec_drafts_worth()
         if not samples or k == 0:
             return
-        proposed = self._drafter.propose([(rid, index, tokens) for (rid, index), tokens in samples.items()], k)
+        proposed = self._drafter.propose([(rid, i, tokens, salt) for (rid, i), (tokens, salt) in samples.items()], k)
         for (rid, index), draft in proposed.items():
-            self.scheduler.set_drafts(rid, index, len(samples[(rid, index)]), draft)
+            self.scheduler.set_drafts(rid, index, len(samples[(rid, index)][0]), draft)
 
     def _count_drafts(self, out: SchedulerOutput, updates: Sequence[RequestUpdate], drafts: DraftContexts) -> None:
         """Each request's drafted and accepted tokens (``RequestOutput.metrics``): a row group

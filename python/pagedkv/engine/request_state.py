@@ -80,6 +80,9 @@ class RequestState:
         # params that tell the reader where it is (set when it ends).
         self.hold_kv = False
         self.kv_transfer_params: dict[str, Any] | None = None
+        # The tenant (prefix-cache namespace, vLLM's cache_salt): every cache the request's
+        # tokens reach is keyed by it (the prefix cache, speculation's state, the draft model's).
+        self.cache_salt: str | None = None
         # A beam search (LLMEngine.add_request with BeamSearchParams): its beams and result.
         # ``params`` is then the equivalent greedy SamplingParams with n = 1, and ``samples``
         # holds one sample whose finish_reason is the request's.
