@@ -36,7 +36,26 @@ def machine() -> str:
         mem = f", {kb / 2**20:.0f} GiB RAM"
     except (OSError, ValueError, IndexError):
         pass
-    return f"{cpu}, {os.cpu_count()} cores{mem}, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+    return (
+        f"{cpu}, {os.cpu_count()} cores{mem}{_vector_flags()}, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()}"
+    )
+
+
+# The CPU flags a figure can depend on (the kernels' instruction sets), as /proc/cpuinfo names them.
+_VECTOR_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+
+
+def _vector_flags() -> str:
+    """``, flags: avx2 fma ...``: which of the vector flags the CPU has (empty off Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return ", flags: " + " ".join(f for f in _VECTOR_FLAGS if f in have)
+    except OSError:
+        pass
+    return ""
 
 
 def git_rev() -> str:
