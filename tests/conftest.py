@@ -93,6 +93,7 @@ _SLOWEST_MODULES = (
     "test_beam_search.py",
     "test_clients_eval.py",
     "test_router.py",
+    "test_kv_plane.py",
     "test_kv_quant_triton.py",
     "test_clients_load.py",
     "test_engine_greedy.py",

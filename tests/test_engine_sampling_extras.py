@@ -227,3 +227,58 @@ def test_prompt_logprobs_refuse_a_remote_prefill_without_a_connector(llm: LLM) -
             SamplingParams(prompt_logprobs=1),
             kv_transfer_params={"do_remote_prefill": True, "remote_engine_id": "x"},
         )
+
+
+def test_per_step_structures_are_built_once_per_params(llm: LLM) -> None:
+    # prepare_params: the ids checked against the vocabulary, the allowed mask and the bad
+    # words' tokens built once; every request sharing the params shares them.
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=2, allowed_token_ids=[11, 198, 500], bad_words=["hello"], logit_bias={11: 1.0})
+    prepared = engine.prepare_params(params)
+    assert prepared.bad_word_ids and prepared.logits.allowed_mask is not None
+    engine.add_request("shared-0", PROMPTS[0], params, prepared=prepared)
+    engine.add_request("shared-1", PROMPTS[1], params)  # found on the params, not built again
+    assert engine.requests["shared-0"].prepared is engine.requests["shared-1"].prepared is prepared
+    engine.abort_request(["shared-0", "shared-1"])
+    assert pool_is_whole(llm)
+
+
+def test_async_llm_prepares_off_the_engine_thread(soft_model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Bad words are tokenized (and masks built) in a worker thread: neither the caller's
+    # event loop nor the engine's loop thread does it.
+    import asyncio
+    import threading
+
+    import pagedkv.sample.prepared as prepared_module
+    from pagedkv.engine.args import EngineArgs
+    from pagedkv.engine.async_llm import AsyncLLM
+
+    threads: list[str] = []
+    tokenize = prepared_module.bad_words_token_ids
+
+    def recording(*args: object, **kwargs: object) -> list[list[int]]:
+        threads.append(threading.current_thread().name)
+        return tokenize(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(prepared_module, "bad_words_token_ids", recording)
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs(
+            model=soft_model,
+            tokenizer=str(default_model_dir()),
+            dtype="float32",
+            block_size=8,
+            num_blocks=32,
+            max_model_len=256,
+        )
+    )
+
+    async def run() -> list[int]:
+        params = SamplingParams(max_tokens=3, temperature=0.0, bad_words=["hello", "world"])
+        outputs = [out async for out in engine.generate(PROMPTS[0], params)]
+        return outputs[-1].outputs[0].token_ids
+
+    try:
+        assert len(asyncio.run(run())) == 3
+    finally:
+        engine.shutdown()
+    assert len(threads) == 1 and threads[0] not in ("pagedkv-step-loop", threading.main_thread().name), threads

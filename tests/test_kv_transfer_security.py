@@ -262,7 +262,7 @@ def test_a_consumer_refuses_replies_not_signed_with_the_secret() -> None:
 
     def answer_everything() -> None:  # a nonce, then a forged "ok" with a made-up MAC
         for reply in (
-            {"ok": True, "nonce": "n"},
+            {"ok": True, "nonce": "0" * 32},  # of a nonce's form: the forged MAC is what is refused
             {"body": json.dumps({"ok": True, "metadata": "{}"}), "mac": "0" * 64},
         ):
             if not rogue.poll(int(TIMEOUT * 1000)):

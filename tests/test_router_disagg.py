@@ -172,7 +172,9 @@ def test_kv_transfer_configs() -> None:
     assert prefill["lease_seconds"] == decode["lease_seconds"] == 5.0
     prefill, decode = kv_transfer_configs("nixl", {"gloo_rank": 3})
     assert not any(k.startswith("gloo_") for k in [*prefill, *decode])
-    assert prefill["control_port"] == 0 and prefill["control_host"] == "127.0.0.1"
+    # The decode engine pulls only from its prefill engine's control address (a port of its own).
+    assert prefill["control_port"] > 0 and prefill["control_host"] == "127.0.0.1"
+    assert decode["allowed_producers"] == [f"tcp://127.0.0.1:{prefill['control_port']}"]
     assert "gloo_init_method" in kv_transfer_configs("auto")[0], "auto may resolve to gloo"
     with pytest.raises(ConfigError, match="kv_transport"):
         kv_transfer_configs("tcp")
@@ -287,9 +289,9 @@ class Engines:
         raise AssertionError("unreachable")
 
 
-def make_router(engines: Engines, tokenizer: Any, num_decode: int = 1) -> tuple[Any, Router]:
+def make_router(engines: Engines, tokenizer: Any, num_decode: int = 1, **kw: Any) -> tuple[Any, Router]:
     decode = [f"http://decode{i}:8000" for i in range(num_decode)]
-    args = RouterArgs(prefill=["http://prefill0:8000"], decode=decode)
+    args = RouterArgs(prefill=["http://prefill0:8000"], decode=decode, **kw)
     router = Router(args, [Replica("http://prefill0:8000", 16)], tokenizer, [Replica(u, 16) for u in decode])
     router.client = httpx.AsyncClient(transport=httpx.MockTransport(engines.handle))
     return build_router_app(router), router
@@ -387,9 +389,64 @@ def test_a_failed_prefill_falls_back_to_decoding_everything(tokenizer: Any, mode
     assert all(v == 0 for k, v in m.items() if k.startswith("pagedkv_router:in_flight"))
 
 
-def test_requests_that_skip_the_prefill(tokenizer: Any) -> None:
+def test_a_clients_kv_transfer_params_are_refused_unless_allowed(tokenizer: Any) -> None:
+    # They name the address a decode engine connects to and the lease it claims: only the
+    # router produces them. Refused before anything is forwarded; an explicit null is no claim.
+    engines = Engines()
+    app, _ = make_router(engines, tokenizer)
+
+    async def go() -> None:
+        async with client_of(app) as http:
+            for path, body in (
+                (COMPLETIONS, {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}}),
+                (COMPLETIONS, {"prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}),
+                (CHAT, {"messages": [{"role": "user", "content": "x"}], "kv_transfer_params": "yes"}),
+            ):
+                r = await http.post(path, json=body)
+                assert r.status_code == 400, r.text
+                assert r.json()["error"]["param"] == "kv_transfer_params"
+            assert engines.calls == [], "nothing was forwarded"
+            r = await http.post(COMPLETIONS, json={"prompt": "x", "kv_transfer_params": None})
+            assert r.status_code == 200 and r.json()["decoded_by"] == "decode0"
+
+    run(go())
+
+
+def test_the_routers_health_names_a_thread_of_its_own_that_died(tokenizer: Any) -> None:
+    from pagedkv.router.health import THREAD_NAME, HealthMonitor
+
     engines = Engines()
     app, router = make_router(engines, tokenizer)
+    monitor = HealthMonitor(router.backends, router.args)
+    # /health checks every engine through the monitor's own client, which cannot reach these
+    # stand-ins: they are up as built, and stay so.
+    monitor.check_all = lambda: None  # type: ignore[method-assign]
+
+    def die() -> None:
+        raise SystemExit("killed for the test")  # no guard catches it
+
+    monitor.background.start(THREAD_NAME, die).join(TIMEOUT)
+    router.health_monitor = monitor
+
+    async def go() -> None:
+        async with client_of(app) as http:
+            r = await http.get("/health")
+            # Still answering (200: the router routes without its checks), but not ok.
+            assert r.status_code == 200 and r.json()["status"] == "degraded", r.text
+            assert r.json()["dead"] == [THREAD_NAME]
+            assert "SystemExit" in r.json()["threads"][THREAD_NAME]["died_of"]
+            r = await http.post(COMPLETIONS, json={"prompt": "x"})
+            assert r.status_code == 200, r.text
+
+    try:
+        run(go())
+    finally:
+        monitor.close()
+
+
+def test_requests_that_skip_the_prefill(tokenizer: Any) -> None:
+    engines = Engines()
+    app, router = make_router(engines, tokenizer, allow_client_kv_transfer_params=True)
     several = {"prompt": ["first", "second"], "max_tokens": 2}
     prefilled = {"prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}}
 

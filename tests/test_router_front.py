@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -298,7 +299,7 @@ engine_port, router_port = int(sys.argv[1]), int(sys.argv[2])
 config = uvicorn.Config(engine, host="127.0.0.1", port=engine_port, log_level="warning")
 threading.Thread(target=uvicorn.Server(config).run, daemon=True).start()
 url = f"http://127.0.0.1:{engine_port}"
-args = RouterArgs(replicas=[url], shutdown_timeout=0.5, header_timeout=1.0, max_connections=8)
+args = RouterArgs(replicas=[url], shutdown_timeout=0.5, header_timeout=1.0, body_timeout=2.0, max_connections=8)
 router = Router(args, [Replica(url, 16)], None)
 serve_router(build_router_app(router), "127.0.0.1", router_port, "info")
 """
@@ -317,10 +318,24 @@ def _closed_by_peer(sock: socket.socket) -> bool:
     return True
 
 
+def _dripped_status(port: int) -> bytes:
+    """The status line the router answers a body sent one byte per 0.5 s (each within the idle
+    timeout, the whole never within the body deadline), or b"" if none came in TIMEOUT s."""
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            if select.select([sock], [], [], 0.5)[0]:
+                return sock.recv(4096).split(b"\r\n", 1)[0]
+            sock.sendall(b" ")
+    return b""
+
+
 def _check_connection_guards(port: int) -> None:
-    """The router process's own connection guards (header_timeout=1, max_connections=8): a
-    slowloris client that never finishes its headers is closed, so is a connection past the cap,
-    and a normal request is still served."""
+    """The router process's own connection guards (header_timeout=1, body_timeout=2,
+    max_connections=8): a slowloris client that never finishes its headers is closed, so is a
+    connection past the cap, a dripping body gets 408, and a normal request is still served."""
+    assert _dripped_status(port).startswith(b"HTTP/1.1 408")
     slow = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
     try:
         for sock in slow:

@@ -288,6 +288,44 @@ def test_bad_inputs_raise() -> None:
         SamplingMetadata.build(params, vocab_size=VOCAB, generators=[None])
 
 
+def test_allowed_ids_and_bias_are_built_once_per_request_and_match_a_dense_reference() -> None:
+    import random
+
+    from pagedkv.errors import ConfigError
+    from pagedkv.sample.prepared import prepare_sampling
+
+    rng = random.Random(0)
+    allowed = rng.sample(range(VOCAB), 600) * 2  # duplicates too
+    a = SamplingParams(n=3, temperature=1.0, allowed_token_ids=allowed, logit_bias={3: 50.0, 700: -7.5})
+    b = SamplingParams(temperature=1.0, logit_bias={9: 100.0})
+    c = SamplingParams(temperature=1.0)
+    rows = [a, b, a, c, a]  # request a's three samples, between others
+    prepared = [prepare_sampling(p, vocab_size=VOCAB) for p in rows]
+    # Built once per params object (the prompts of one API request share it), then reused.
+    assert prepared[0] is prepared[2] is prepared[4] is prepare_sampling(a, vocab_size=VOCAB)
+    logits = _logits(len(rows))
+    dense = logits.clone()
+    for r, p in enumerate(rows):
+        for token, bias in (p.logit_bias or {}).items():
+            dense[r, token] += bias
+        if p.allowed_token_ids is not None:
+            outside = torch.ones(VOCAB, dtype=torch.bool)
+            outside[p.allowed_token_ids] = False
+            dense[r, outside] = float("-inf")
+    for given in (prepared, None):  # the engine's tensors, or built by build() itself
+        md = SamplingMetadata.build(rows, vocab_size=VOCAB, prepared=given)
+        assert md.adjustments is not None
+        # One mask for request a, applied to its three rows: per step, nothing per id.
+        ((mask_rows, mask),) = md.adjustments.allowed
+        assert mask_rows.tolist() == [0, 2, 4] and mask.shape == (VOCAB,)
+        if given is not None:
+            assert mask is prepared[0].logits.allowed_mask
+        adjusted = md.adjustments.apply_(logits.clone(), torch.zeros(logits.numel()))
+        assert torch.equal(adjusted, dense)
+    with pytest.raises(ConfigError, match="allowed_token_ids holds 1000"):
+        prepare_sampling(SamplingParams(allowed_token_ids=[1, VOCAB]), vocab_size=VOCAB)
+
+
 @METHODS
 def test_masked_tokens_are_never_drawn(method: str) -> None:
     """Zero-probability tokens at the edges and in the middle of the vocabulary (where the

@@ -7,6 +7,7 @@ import pytest
 
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedkv.errors import ConfigError
+from pagedkv.sample.limits import MAX_BAD_WORDS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID_ENTRIES
 from pagedkv.sample.sampling_params import SamplingParams, SamplingType
 
 
@@ -36,6 +37,30 @@ def test_greedy_normalizes_filters() -> None:
 @pytest.mark.parametrize("top_k", [0, -1])
 def test_top_k_off_accepts_zero_and_minus_one(top_k: int) -> None:
     assert SamplingParams(top_k=top_k).effective_top_k == 0
+
+
+def test_request_sized_lists_are_bounded_before_their_entries_are_read() -> None:
+    # Each bound is checked on the length first: a list of millions costs nothing to refuse
+    # (300,000 stop strings were de-duplicated in quadratic time before).
+    cases = [
+        ({"stop": [f"s{i}" for i in range(300_000)]}, "stop has 300000 strings"),
+        ({"stop": ["x" * 100] * 200}, "stop has more than 16384 characters"),
+        ({"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))}, "stop_token_ids has"),
+        ({"bad_words": [f"w{i}" for i in range(100_000)]}, "bad_words has 100000 words"),
+        ({"bad_words": ["w" * 20_000]}, "bad_words has more than 16384 characters"),
+        ({"allowed_token_ids": [1] * (MAX_TOKEN_ID_ENTRIES + 1)}, "allowed_token_ids has"),
+        ({"logit_bias": dict.fromkeys(range(MAX_TOKEN_ID_ENTRIES + 1), 1.0)}, "logit_bias has"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            SamplingParams(**kwargs)
+    # At the bounds: accepted, duplicates dropped in their first order.
+    stops = [f"s{i}" for i in range(MAX_STOP_STRINGS - 1)] + ["s0"]
+    assert SamplingParams(stop=stops).stop_strings == stops[:-1]
+    assert len(SamplingParams(bad_words=[f"w{i}" for i in range(MAX_BAD_WORDS)]).bad_words or []) == MAX_BAD_WORDS
+    assert SamplingParams(allowed_token_ids=[5, 3, 5, 9, 3]).allowed_token_ids == [5, 3, 9]
+    # Numpy ids take the per-entry path and come back as ints.
+    assert SamplingParams(allowed_token_ids=[np.int64(2), 0, np.int64(2)]).allowed_token_ids == [2, 0]
 
 
 def test_stop_normalized_to_list() -> None:

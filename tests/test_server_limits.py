@@ -95,6 +95,7 @@ def test_limits_are_checked_and_round_trip_through_their_flags() -> None:
         {"max_prompt_chars": -1},
         {"max_connections": True},
         {"header_timeout": 0},
+        {"body_timeout": -1.0},
         {"chat_template_timeout": float("inf")},
         {"trust_request_chat_template": "yes"},
     ):
@@ -103,9 +104,18 @@ def test_limits_are_checked_and_round_trip_through_their_flags() -> None:
     parser = argparse.ArgumentParser()
     add_limit_arguments(parser)
     assert limits_from(parser.parse_args([])) == ServerLimits()
-    given = ["--max-prompt-chars", "99", "--header-timeout", "2.5", "--trust-request-chat-template"]
+    given = [
+        "--max-prompt-chars",
+        "99",
+        "--header-timeout",
+        "2.5",
+        "--body-timeout",
+        "7",
+        "--trust-request-chat-template",
+    ]
     limits = limits_from(parser.parse_args(given))
     assert (limits.max_prompt_chars, limits.header_timeout, limits.trust_request_chat_template) == (99, 2.5, True)
+    assert limits.body_timeout == 7.0
     # What `serve --disagg` passes on to each engine: the same limits.
     assert limits_from(parser.parse_args(limit_flags(parser.parse_args(given)))) == limits
 

@@ -230,10 +230,18 @@ def test_a_compile_past_the_time_limit_fails_only_its_request(tiny_model: str) -
         num_blocks=64,
         structured_outputs_config={"compile_timeout_s": 0.2, "compile_workers": 1},
     )
-    # The only compile thread is busy (another grammar's compile, held here): the new grammar
-    # waits in the queue past its limit.
+    # The only compile thread is busy (another grammar's compile, held here until released):
+    # the new grammar waits in the queue past its limit.
     release = threading.Event()
-    busy = engine.grammars._executor.submit(release.wait)
+    compile_one = engine.grammars._compile
+
+    def held(params, key):  # type: ignore[no-untyped-def]
+        if params.regex == "[0-9]+":
+            release.wait()
+        return compile_one(params, key)
+
+    engine.grammars._compile = held  # type: ignore[method-assign]
+    busy = engine.grammars.compile(StructuredOutputsParams(regex="[0-9]+"))
     try:
         engine.add_request("slow", "x", SamplingParams(max_tokens=4, structured_outputs={"regex": "[a-z]+"}))
         engine.add_request("plain", "Hello", SamplingParams(temperature=0.0, max_tokens=4))
@@ -245,6 +253,9 @@ def test_a_compile_past_the_time_limit_fails_only_its_request(tiny_model: str) -
     finally:
         release.set()
         busy.result()
+    # The request that timed out was the only one waiting for its compile, which had not
+    # started: it was dropped, not left in the queue.
+    assert engine.grammars.num_cancelled == 1 and engine.grammars.num_queued == 0
     assert outputs["slow"].outputs[0].finish_reason == "error"
     assert "longer than 0.2 s" in (outputs["slow"].error or "")
     assert outputs["plain"].outputs[0].finish_reason == "length"

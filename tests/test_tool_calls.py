@@ -162,6 +162,52 @@ def test_hermes_parser_whole_and_streamed() -> None:
         assert [json.loads(arguments[i]) for i in (0, 1)] == [json.loads(c.arguments) for c in calls]
 
 
+def streamed(parser: HermesToolParser, text: str, cuts: list[int]) -> tuple[str, list[tuple[str, str]]]:
+    """The content and the (name, arguments) calls that ``parser``'s deltas of ``text``, fed
+    in the pieces ``cuts`` makes, add up to."""
+    deltas = []
+    for i, j in zip([0, *cuts], [*cuts, len(text)]):
+        deltas += parser.feed(text[i:j])
+    deltas += parser.finish()
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    for d in deltas:
+        for call in d.get("tool_calls", []):
+            if "id" in call:
+                names[call["index"]] = call["function"]["name"]
+            arguments[call["index"]] = arguments.get(call["index"], "") + call["function"]["arguments"]
+    return "".join(d.get("content", "") for d in deltas), [(names[i], arguments[i]) for i in sorted(names)]
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        OUTPUT,
+        OUTPUT + "Done.",  # text after the dropped call stays content
+        OUTPUT + '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}',  # a third call, unclosed
+        OUTPUT.replace('"add", "arguments": {"a": 1, "b": 2}', '"add", "arguments": {"a": 1, "b": }'),  # not JSON
+    ],
+)
+def test_parallel_tool_calls_false_keeps_the_first_call_whole_and_streamed(output: str) -> None:
+    # parallel_tool_calls=false: the first call, whole or streamed however the text is cut;
+    # the calls after it are dropped with their text, a block that is not a call stays content.
+    request = tool_request([WEATHER, ADD], "auto", False)
+    assert request is not None and request.max_calls == 1
+    content, calls = HermesToolParser(max_calls=request.max_calls).parse(output)
+    assert [c.name for c in calls] == ["get_weather"]
+    whole = [(c.name, c.arguments) for c in calls]
+    rng = random.Random(1)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(1, len(output)), rng.randint(1, 40)))
+        text, got = streamed(HermesToolParser(max_calls=1), output, cuts)
+        assert [name for name, _ in got] == ["get_weather"]
+        assert [json.loads(a) for _, a in got] == [json.loads(a) for _, a in whole]
+        assert text.strip().replace("\n", "") == (content or "").replace("\n", ""), (text, content)
+    # Parallel calls allowed: every call, both ways.
+    _, every = HermesToolParser().parse(OUTPUT)
+    assert [c.name for c in every] == ["get_weather", "add"]
+
+
 def test_a_template_that_renders_tools_gets_them() -> None:
     from transformers import AutoTokenizer
 

@@ -120,6 +120,25 @@ class BackgroundThreads:
         thread.start()
         return thread
 
+    def adopt(self, name: str, thread: threading.Thread, *, required: bool = True) -> ThreadHealth:
+        """Registers ``thread``, started elsewhere (its owner needs to start it itself, e.g.
+        to bind sockets first), under ``name``: dead, for :meth:`health`, once it is no longer
+        alive unless :meth:`stopping` was called."""
+        entry = self.register(name, required=required)
+        with self._lock:
+            entry.thread = thread
+            entry.required = required
+            entry.stopping = False
+        return entry
+
+    def died(self, name: str, exc: BaseException) -> None:
+        """``name`` is ending because of ``exc`` (an adopted thread's own last words): shown
+        as what it died of, logged."""
+        entry = self.register(name)
+        with self._lock:
+            entry.died_of = _describe(exc)
+        logger.error("background thread %s died: %s", name, entry.died_of, exc_info=exc)
+
     def stopping(self, name: str) -> None:
         """``name`` is being stopped on purpose: its end is not a failure."""
         with self._lock:

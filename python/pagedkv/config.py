@@ -568,11 +568,15 @@ class StructuredOutputsConfig:
       fails alone (the compile itself is bounded by llguidance's fuel limits).
     - ``max_cached_grammars``: compiled grammars kept for reuse, most recently used first.
     - ``compile_workers``: threads that compile grammars (off the engine thread).
+    - ``max_queued_compiles``: compiles that may wait for a thread; a request that needs one more
+      is refused at once (``OverloadedError``, a server's 503). A compile whose every request
+      went away before a thread took it is dropped (``pagedkv.structured.compiler``).
     """
 
     compile_timeout_s: float = 30.0
     max_cached_grammars: int = 256
     compile_workers: int = 2
+    max_queued_compiles: int = 32
 
     def __post_init__(self) -> None:
         timeout = self.compile_timeout_s
@@ -580,6 +584,7 @@ class StructuredOutputsConfig:
             raise ConfigError(f"structured_outputs_config: compile_timeout_s must be a number > 0, got {timeout!r}")
         _positive_int("structured_outputs_config: max_cached_grammars", self.max_cached_grammars)
         _positive_int("structured_outputs_config: compile_workers", self.compile_workers, maximum=64)
+        _positive_int("structured_outputs_config: max_queued_compiles", self.max_queued_compiles)
 
     @classmethod
     def from_any(cls, value: Any) -> StructuredOutputsConfig:

@@ -32,6 +32,7 @@ __all__ = [
     "KVTransferError",
     "MissingDependencyError",
     "StructuredOutputError",
+    "OverloadedError",
 ]
 
 
@@ -47,6 +48,11 @@ class StructuredOutputError(ConfigError):
     """A structured-output request cannot be served: its JSON schema, regex, choice list or
     grammar is malformed, uses a feature the grammar engine does not implement (the message
     names it), or took longer than the engine's limit to compile. Only that request fails."""
+
+
+class OverloadedError(PagedKVError, RuntimeError):
+    """A shared queue the request needs is full (grammar compiles waiting for a compile
+    thread): nothing of the request was started; retry later (a server's 503)."""
 
 
 class InvalidArgumentError(PagedKVError, ValueError):

@@ -80,7 +80,10 @@ class Attacks:
     """Runs attacks against the server at ``url`` (the router's, for a disaggregated pair);
     ``engines``: the URLs whose ``/dev/check_invariants`` must find no lost block (default:
     ``url`` itself). ``headers``: what the honest client and the checks send (an API key).
-    ``honest_rounds``: honest requests per attack (the benchmark mode sends more)."""
+    ``honest_rounds``: honest requests per attack (the benchmark mode sends more).
+    ``honest_prompt``: the honest client's prompt; ``honest_fields``: called before each honest
+    request for more fields of its body (e.g. a fresh ``cache_salt``, so that every honest
+    request computes, or pulls, its prompt's KV anew: its text does not change)."""
 
     def __init__(
         self,
@@ -91,8 +94,12 @@ class Attacks:
         engine_headers: dict[str, str] | None = None,
         honest_rounds: int = 1,
         quiet_rounds: int = 1,
+        honest_prompt: str = HONEST_PROMPT,
+        honest_fields: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.url = url
+        self.honest_prompt = honest_prompt
+        self.honest_fields = honest_fields
         self.engines = list(engines) if engines is not None else [url]
         self.headers = dict(headers or {})
         self.engine_headers = dict(engine_headers if engine_headers is not None else self.headers)
@@ -106,7 +113,9 @@ class Attacks:
 
     def honest_request(self) -> tuple[str, float]:
         """One honest greedy completion: its text and how long it took."""
-        body = {"prompt": HONEST_PROMPT, "max_tokens": HONEST_MAX_TOKENS, "temperature": 0.0}
+        body = {"prompt": self.honest_prompt, "max_tokens": HONEST_MAX_TOKENS, "temperature": 0.0}
+        if self.honest_fields is not None:
+            body.update(self.honest_fields())
         start = time.perf_counter()
         r = self.client.post(self.url + "/v1/completions", json=body)
         seconds = time.perf_counter() - start
@@ -190,6 +199,38 @@ def post_json(
     return httpx.post(
         url, content=content, headers={"Content-Type": "application/json", **(headers or {})}, timeout=timeout
     )
+
+
+def zmtp_claim_frame(address: str, size: int, timeout: float = 10.0) -> bool:
+    """Connects to the ZMQ socket at ``tcp://host:port`` as a DEALER speaking ZMTP 3.0 by hand,
+    sends an empty frame, then the header of a frame of ``size`` bytes (never the bytes), and
+    returns whether the server closed the connection within ``timeout`` (it does when ``size``
+    is over its ``MAXMSGSIZE``: cut off before anything is buffered).
+
+    By hand, not with pyzmq: libzmq 4.3.5 aborts the *sending* process (``Resource temporarily
+    unavailable (src/session_base.cpp:233)``) when a socket is closed while the peer drops the
+    connection in the middle of its multipart message; an attacker's process may crash, a test's
+    must not."""
+    import socket
+    import struct
+
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    greeting = b"\xff" + b"\0" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31
+    prop = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    ready = b"\x05READY" + prop
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock:
+        sock.sendall(greeting + bytes([0x04, len(ready)]) + ready)
+        sock.sendall(b"\x01\x00" + b"\x02" + struct.pack(">Q", size) + b"x" * min(size, 1024))
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                if not sock.recv(65536):
+                    return True  # closed by the server
+        except ConnectionResetError:
+            return True
+        except TimeoutError:
+            return False
+    return False
 
 
 def error_of(r: httpx.Response, status: int | tuple[int, ...]) -> dict[str, Any]:

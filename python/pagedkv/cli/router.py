@@ -96,6 +96,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trust-remote-code", action="store_true", help="run the model's own tokenizer code (as the engines do)"
     )
+    p.add_argument(
+        "--allow-client-kv-transfer-params",
+        action="store_true",
+        help="pass a client's kv_transfer_params on to the engines (default: refused with 400; only for clients "
+        "that belong to the deployment, e.g. a proxy doing its own prefills)",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -121,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             startup_timeout=args.startup_timeout,
             max_tokenize_bytes=args.max_tokenize_bytes,
             shutdown_timeout=args.shutdown_timeout,
+            allow_client_kv_transfer_params=args.allow_client_kv_transfer_params,
             **{name: getattr(args, name) for name in CONNECTION_LIMITS},
         )
         app = create_router_app(router_args)

@@ -83,6 +83,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --disagg: how the decode engine pulls KV (auto: NIXL when installed, else gloo)",
     )
     p.add_argument(
+        "--allow-client-kv-transfer-params",
+        action="store_true",
+        help="with --disagg: the router passes a client's kv_transfer_params on (default: refused with 400)",
+    )
+    p.add_argument(
         "--tool-call-parser",
         choices=list(TOOL_CALL_PARSERS),
         default="hermes",
@@ -208,7 +213,12 @@ def _run_disagg(args: argparse.Namespace) -> int:
             args.host,
             args.port,
             kv_transfer_config=kv_config,
-            router_flags=["--log-level", args.log_level, *(["--trust-remote-code"] if args.trust_remote_code else [])],
+            router_flags=[
+                "--log-level",
+                args.log_level,
+                *(["--trust-remote-code"] if args.trust_remote_code else []),
+                *(["--allow-client-kv-transfer-params"] if args.allow_client_kv_transfer_params else []),
+            ],
             keep_logs=True,
             api_key=args.api_key,  # the router's clients' key; the engines get one of their own
         )

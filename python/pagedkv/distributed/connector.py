@@ -48,6 +48,19 @@ each column ``c``, remote blocks ``c * n + hits ..`` into that column's fresh bl
 Threading: ``start_load``, ``abandon``, ``take_finished_loads``, ``lease_params``, ``poll`` run
 on the engine's thread under its lock. The transport is used only by the connector's thread
 (and its own internals); the control server's release handler takes the engine's lock.
+
+**The pull thread never dies of a pull.** Its input comes, in the end, from a client (the
+params) and from a peer (the producer's replies, or whatever answers at the address the params
+name), so each pull's every step runs under its own ``except Exception``: a failure is that
+pull's error (the request is recomputed here, or failed, by the policy), recorded in the
+engine's :class:`~pagedkv.background.BackgroundThreads` when it is not an ordinary transfer
+failure (``PagedKVError``), and the loop goes on; a failure outside any one pull fails the pulls
+in flight rather than leaving them waiting. Should the thread die anyway, ``/health`` says
+degraded, naming it, and :meth:`KVConnector.start_load` stops handing it pulls (the prompt is
+computed here). What reaches the thread is bounded first: ``parse_kv_transfer_params`` checks
+every field's type and size at ``add_request``, a consumer with ``allowed_producers`` pulls only
+from those addresses, and the control plane parses replies within bounds
+(:mod:`pagedkv.distributed.control`).
 """
 
 from __future__ import annotations
@@ -63,6 +76,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pagedkv.background import BackgroundThreads
 from pagedkv.distributed.control import ControlServer, control_call
 from pagedkv.distributed.kv_transport import KVTransport, TransferHandle
 from pagedkv.distributed.transfer_config import (
@@ -79,9 +93,11 @@ if TYPE_CHECKING:
     from pagedkv._core import Scheduler
     from pagedkv.worker.model_runner import ModelRunner
 
-__all__ = ["FinishedLoad", "KVConnector"]
+__all__ = ["PULL_THREAD", "FinishedLoad", "KVConnector"]
 
 logger = logging.getLogger(__name__)
+
+PULL_THREAD = "pagedkv-kv-pull"  # the consumer's transfer thread, as /health names it
 
 _POLL_S = 0.0005  # the transfer thread's poll of reads in flight
 
@@ -144,7 +160,9 @@ def _fingerprint_for_peers(runner: ModelRunner) -> dict[str, Any]:
 
 class KVConnector:
     """See the module docs. ``lock`` is the engine's lock; ``wake`` is called (from the
-    connector's thread) when a pull ends, so an idle step loop can pick it up."""
+    connector's thread) when a pull ends, so an idle step loop can pick it up. ``background``:
+    the engine's registry of background threads, where the pull thread and the control server
+    run and report what they survived (a private one by default)."""
 
     def __init__(
         self,
@@ -153,8 +171,11 @@ class KVConnector:
         runner: ModelRunner,
         lock: threading.RLock,
         wake: Callable[[], None] | None = None,
+        *,
+        background: BackgroundThreads | None = None,
     ) -> None:
         self.config = config
+        self.background = background if background is not None else BackgroundThreads()
         self.engine_id = config.engine_id or f"pagedkv-{uuid.uuid4().hex[:12]}"
         self.scheduler = scheduler
         self.block_size = runner.block_size
@@ -199,6 +220,7 @@ class KVConnector:
                     config.control_port,
                     {"metadata": self._on_metadata, "claim": self._on_claim, "release": self._on_release},
                     self._control_key,
+                    background=self.background,
                 )
             except BaseException:
                 self.transport.close()  # e.g. the control port is taken: leave nothing running
@@ -210,8 +232,7 @@ class KVConnector:
         self._peers: dict[str, str] = {}  # control address -> transport peer id (transfer thread)
         self._thread: threading.Thread | None = None
         if config.is_consumer:
-            self._thread = threading.Thread(target=self._run_transfers, name="pagedkv-kv-pull", daemon=True)
-            self._thread.start()
+            self._thread = self.background.start(PULL_THREAD, self._run_transfers)
             for address in config.peers:
                 try:
                     self._ensure_peer(address)
@@ -344,6 +365,13 @@ class KVConnector:
         KVTransferError for a producer whose format cannot match (before anything is held)."""
         if not self.config.is_consumer:
             raise InvalidArgumentError(f"engine {self.engine_id!r} is not a KV consumer (kv_transfer_config.role)")
+        allowed = self.config.allowed_producers
+        if allowed and remote.remote_address not in allowed:
+            # Checked before anything connects anywhere: the address came with the request.
+            raise InvalidArgumentError(
+                f"kv_transfer_params.remote_address {remote.remote_address!r} is not a producer this engine "
+                "pulls from (kv_transfer_config.allowed_producers)"
+            )
         if remote.prompt_digest != prompt_digest(prompt_token_ids):
             raise InvalidArgumentError("kv_transfer_params belong to another prompt (prompt_digest differs)")
         if remote.remote_block_size != self.block_size or remote.remote_kv_dtype != self.kv_dtype:
@@ -358,6 +386,10 @@ class KVConnector:
                 f"kv_transfer_params: {len(remote.remote_block_ids)} block ids are not {columns} column(s) "
                 f"holding {remote.remote_num_tokens} tokens of {self.block_size}-token blocks"
             )
+        if self._thread is None or not self._thread.is_alive():
+            # Never reached while the thread does its job; should it have died, a pull handed to
+            # it would wait forever: the prompt is computed here (or failed, by the policy).
+            raise KVTransferError(f"the KV pull thread is not running ({self.background.health()['dead']})")
         full_blocks = min(remote.remote_num_tokens, len(prompt_token_ids)) // self.block_size
         reserved = self.scheduler.reserve_kv(request_id, prompt_token_ids, full_blocks, cache_salt)
         if reserved is None or not reserved[1]:
@@ -480,14 +512,24 @@ class KVConnector:
         if num_tokens > len(prompt) or reply.get("tokens_digest") != tokens_digest(prompt[:num_tokens]):
             raise KVTransferError("the producer's lease holds the KV of other tokens than this prompt's")
 
+    def _failed(self, load: _Load, exc: Exception, what: str) -> None:
+        """``load`` failed with ``exc`` (the first error is kept). An ordinary transfer failure
+        (a ``PagedKVError``: a dead peer, a refused claim) is the pull's own; anything else (a
+        peer's reply no check foresaw, a bug) is also recorded as an error the thread survived.
+        The peer is handshaken again next time."""
+        self._peers.pop(load.remote.remote_address, None)
+        if load.error is None:
+            load.error = f"{type(exc).__name__}: {exc}"[:1000]
+        if not isinstance(exc, PagedKVError):
+            self.background.record_error(PULL_THREAD, exc, what)
+
     def _start_read(self, load: _Load) -> None:
         try:
             peer = self._ensure_peer(load.remote.remote_address)
             self._claim(load)
             load.handle = self.transport.read_blocks(peer, load.remote_block_ids, load.local_block_ids)
-        except PagedKVError as e:  # KVTransferError, InvalidBlockError (blocks it never had)...
-            self._peers.pop(load.remote.remote_address, None)
-            load.error = f"{type(e).__name__}: {e}"
+        except Exception as e:  # KVTransferError, InvalidBlockError (blocks it never had), anything
+            self._failed(load, e, f"the pull for {load.request_id!r}")
 
     def _release_lease(self, load: _Load) -> None:
         """Ends the producer's lease; a lease that had already ended fails the load (its blocks
@@ -496,47 +538,102 @@ class KVConnector:
             reply = self._call(load.remote.remote_address, self._lease_request("release", load))
             if load.error is None and not reply.get("held"):
                 load.error = "the producer's lease had ended before the read completed (blocks may have been reused)"
-        except KVTransferError as e:
+        except Exception as e:  # noqa: BLE001 - a release is best effort; its failure fails the read
             if load.error is None:
-                load.error = f"lease release failed: {e}"
+                load.error = f"lease release failed: {e}"[:1000]
+            if not isinstance(e, PagedKVError):
+                self.background.record_error(PULL_THREAD, e, f"the lease release for {load.request_id!r}")
 
     def _finish(self, load: _Load) -> None:
-        """The read is over: release the lease (confirming it held throughout), then report."""
+        """The read is over: release the lease (confirming it held throughout), then report.
+        Never raises: the engine waits for every load it handed over to come back here."""
         load.ended = time.monotonic()
         self._release_lease(load)
         self._done.put(load)
         if self.wake is not None:
-            self.wake()
+            try:
+                self.wake()
+            except Exception as e:  # noqa: BLE001 - the engine still finds the load at its next step
+                self.background.record_error(PULL_THREAD, e, "waking the engine")
+
+    def _poll_read(self, load: _Load) -> bool:
+        """Whether ``load``'s read is still in flight (False: it ended, well or not)."""
+        if load.error is not None or load.handle is None:
+            return False
+        try:
+            if self.transport.done(load.handle):
+                return False
+            if time.monotonic() - load.started <= self.config.transfer_timeout:
+                return True
+            self.transport.wait(load.handle, 0.0)  # raises: cancels and reports the timeout
+        except Exception as e:  # KVTransferError, or anything the transport raised
+            self._failed(load, e, f"the read for {load.request_id!r}")
+        return False
 
     def _run_transfers(self) -> None:
+        """The pull thread's body: :meth:`_transfer_loop` until :meth:`close`. Should something
+        end it that no guard catches (``SystemExit``, ``KeyboardInterrupt`` raised in it, an
+        ``Exception`` in a guard itself), the pulls it holds are reported failed first, so that
+        their requests are computed here (or failed) instead of waiting for ever."""
         in_flight: list[_Load] = []
+        try:
+            self._transfer_loop(in_flight)
+        except BaseException as e:
+            self._fail_all(in_flight, e)
+            raise
+
+    def _fail_all(self, in_flight: list[_Load], exc: BaseException) -> None:
+        """Reports every pull the dying thread holds (in flight or queued) as failed, without
+        calling out (no lease release: the producer's leases expire)."""
+        pending = list(in_flight)
         while True:
             try:
-                job = self._jobs.get(timeout=_POLL_S) if in_flight else self._jobs.get()
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None and not job.release_only:
+                pending.append(job)
+        for load in pending:
+            if load.error is None:
+                load.error = f"the KV pull thread died: {type(exc).__name__}: {exc}"[:1000]
+            load.ended = time.monotonic()
+            self._done.put(load)
+        if pending and self.wake is not None:
+            try:
+                self.wake()
+            except Exception:  # noqa: BLE001 - the engine finds them at its next step anyway
+                pass
+
+    def _transfer_loop(self, in_flight: list[_Load]) -> None:
+        """Takes pulls from the queue and drives their reads until the ``None`` that
+        :meth:`close` queues (module docs: no pull's failure ends it)."""
+        while True:
+            try:
+                job: _Load | None = self._jobs.get(timeout=_POLL_S) if in_flight else self._jobs.get()
             except queue.Empty:
                 job = None
             else:
                 if job is None:
                     return  # close()
-                if job.release_only:
-                    self._release_lease(job)
-                else:
-                    self._start_read(job)
-                    in_flight.append(job)
-            still = []
-            for load in in_flight:
-                if load.error is None and load.handle is not None:
-                    try:
-                        if not self.transport.done(load.handle):
-                            if time.monotonic() - load.started <= self.config.transfer_timeout:
-                                still.append(load)
-                                continue
-                            self.transport.wait(load.handle, 0.0)  # raises: cancels and reports the timeout
-                    except KVTransferError as e:
-                        self._peers.pop(load.remote.remote_address, None)
-                        load.error = str(e)
-                self._finish(load)
-            in_flight = still
+            try:
+                if job is not None:
+                    if job.release_only:
+                        self._release_lease(job)
+                    else:
+                        in_flight.append(job)
+                        self._start_read(job)
+                # in_flight is changed in place: it is what _fail_all reports should the thread die.
+                for load in list(in_flight):
+                    if not self._poll_read(load):
+                        in_flight.remove(load)
+                        self._finish(load)
+            except Exception as e:  # noqa: BLE001 - outside any one pull: fail those in flight, go on
+                self.background.record_error(PULL_THREAD, e, "the pulls in flight")
+                for load in in_flight:
+                    if load.error is None:
+                        load.error = f"the pull thread failed: {type(e).__name__}: {e}"[:1000]
+                    self._finish(load)
+                in_flight.clear()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -547,7 +644,10 @@ class KVConnector:
         }
 
     def close(self) -> None:
+        """Stops the pull thread and the control server (their end is not a failure), closes
+        the transport."""
         if self._thread is not None and self._thread.is_alive():
+            self.background.stopping(PULL_THREAD)
             self._jobs.put(None)
             self._thread.join(timeout=10)
         if self.control is not None:

@@ -20,21 +20,25 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import ipaddress
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from pagedkv.bounded_json import describe
 from pagedkv.config import config_from_any
-from pagedkv.errors import ConfigError, InvalidArgumentError
+from pagedkv.errors import ConfigError, InvalidArgumentError, PagedKVError
 
 __all__ = [
     "SECRET_ENV",
     "KVTransferConfig",
     "RemotePrefill",
+    "check_control_address",
     "parse_kv_transfer_params",
     "prompt_digest",
     "tokens_digest",
@@ -65,6 +69,10 @@ class KVTransferConfig:
       remote.
     - ``peers``: control addresses (``tcp://host:port``) of producers a consumer handshakes with
       at start; others are handshaken on first use, from the address in the request's params.
+    - ``allowed_producers``: when not empty, the only control addresses a consumer pulls from:
+      a request whose params name another is refused (InvalidArgumentError, a 400) before
+      anything connects anywhere. Empty (the default): any ``tcp://host:port``. ``pagedkv
+      serve --disagg`` (``pagedkv.router.launcher``) sets it to its prefill engine's address.
     - ``kv_load_failure_policy``: when a pull fails (dead peer, lease gone, transfer error),
       ``"recompute"`` the prompt here or ``"fail"`` the request with ``KVTransferError``.
     - ``lease_seconds``: how long a producer holds a finished request's blocks for a reader
@@ -88,6 +96,7 @@ class KVTransferConfig:
     control_host: str = "127.0.0.1"
     control_port: int = 0
     peers: tuple[str, ...] = field(default_factory=tuple)
+    allowed_producers: tuple[str, ...] = field(default_factory=tuple)
     kv_load_failure_policy: str = "recompute"
     lease_seconds: float = 30.0
     handshake_timeout: float = 10.0
@@ -116,9 +125,13 @@ class KVTransferConfig:
             raise ConfigError(f"kv_transfer_config.control_port must be an int, got {self.control_port!r}")
         if not 0 <= self.control_port < 65536:
             raise ConfigError(f"kv_transfer_config.control_port must be in 0..65535, got {self.control_port}")
-        if isinstance(self.peers, str) or not all(isinstance(p, str) for p in self.peers):
-            raise ConfigError(f"kv_transfer_config.peers must be a list of tcp://host:port, got {self.peers!r}")
-        object.__setattr__(self, "peers", tuple(self.peers))
+        for name in ("peers", "allowed_producers"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)):
+                raise ConfigError(f"kv_transfer_config.{name} must be a list of tcp://host:port, got {value!r}")
+            for address in value:
+                check_control_address(address, f"kv_transfer_config.{name}", ConfigError)
+            object.__setattr__(self, name, tuple(value))
         if self.engine_id is not None and (not isinstance(self.engine_id, str) or not self.engine_id):
             raise ConfigError(f"kv_transfer_config.engine_id must be a non-empty str, got {self.engine_id!r}")
         if self.auth_secret is not None:
@@ -211,21 +224,60 @@ class RemotePrefill:
 _PREFILL_KEYS = {f.name for f in dataclasses.fields(RemotePrefill)}
 _FLAG_KEYS = {"do_remote_prefill", "do_remote_decode"}
 
+# Bounds of kv_transfer_params (docs/limits.md): everything a consumer's pull thread is handed
+# has passed them, so no value it meets can be of a type, size or shape it does not expect.
+MAX_PARAM_CHARS = 256  # remote_engine_id, remote_request_id, remote_kv_dtype, remote_address
+MAX_REMOTE_BLOCK_IDS = 1 << 20  # every column's block ids together
+MAX_BLOCK_ID = (1 << 31) - 1  # block ids and token counts are int32 in the core and on the wire
+MAX_BLOCK_SIZE = 1 << 16
+_LEASE_TOKEN = re.compile(r"[A-Za-z0-9_-]{16,128}")  # secrets.token_urlsafe's alphabet
+_DIGEST = re.compile(r"[0-9a-f]{32}")  # prompt_digest's form
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def check_control_address(address: object, name: str, error: type[PagedKVError] = InvalidArgumentError) -> str:
+    """``address`` if it is a KV control address, ``tcp://HOST:PORT`` (HOST an IPv4 address,
+    ``[IPv6]`` or a DNS name; PORT 1..65535; at most 256 characters), else ``error`` naming
+    ``name``. Wildcards (``*``), other transports (``ipc://``, ``inproc://``) and anything a ZMQ
+    ``connect`` would read differently are refused."""
+    shown = describe(address)
+    if not isinstance(address, str) or not address.isascii() or len(address) > MAX_PARAM_CHARS:
+        raise error(f"{name} must be tcp://host:port (ASCII, at most {MAX_PARAM_CHARS} characters), got {shown}")
+    host, sep, port = address.removeprefix("tcp://").rpartition(":")
+    ok = address.startswith("tcp://") and sep and port.isdigit() and port[0] != "0" and int(port) <= 65535
+    if ok and host.startswith("[") and host.endswith("]"):
+        try:
+            ok = isinstance(ipaddress.ip_address(host[1:-1]), ipaddress.IPv6Address)
+        except ValueError:
+            ok = False
+    elif ok:
+        labels = host.split(".")
+        ok = len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels)
+    if not ok:
+        raise error(f"{name} must be tcp://host:port (a host name or IP address, port 1..65535), got {shown}")
+    return address
+
 
 def parse_kv_transfer_params(params: Any) -> bool | RemotePrefill | None:
     """``None`` (no transfer), ``True`` (``do_remote_decode``: hold the KV for a reader) or the
     :class:`RemotePrefill` to pull. Anything else — unknown keys, both flags, wrong types,
-    negative ids — raises InvalidArgumentError naming the problem."""
+    nested values, strings or lists past their bounds (``MAX_PARAM_CHARS``,
+    ``MAX_REMOTE_BLOCK_IDS``), ids outside int32, an address that is not ``tcp://host:port`` —
+    raises InvalidArgumentError naming ``kv_transfer_params`` and the field; nothing else is
+    raised, whatever ``params`` is. A value returned holds only what the types say."""
     if params is None:
         return None
     if not isinstance(params, Mapping):
         raise InvalidArgumentError(f"kv_transfer_params must be a dict, got {type(params).__name__}")
+    if not all(isinstance(k, str) for k in params):
+        raise InvalidArgumentError("kv_transfer_params keys must be str")
     unknown = sorted(set(params) - _PREFILL_KEYS - _FLAG_KEYS)
     if unknown:
-        raise InvalidArgumentError(f"unknown kv_transfer_params key(s) {unknown}")
+        shown = [describe(k) for k in unknown[:5]]
+        raise InvalidArgumentError(f"unknown kv_transfer_params key(s) {', '.join(shown)}")
     for flag in _FLAG_KEYS:
         if flag in params and not isinstance(params[flag], bool):
-            raise InvalidArgumentError(f"kv_transfer_params.{flag} must be a bool, got {params[flag]!r}")
+            raise InvalidArgumentError(f"kv_transfer_params.{flag} must be a bool, got {describe(params[flag])}")
     decode, prefill = bool(params.get("do_remote_decode")), bool(params.get("do_remote_prefill"))
     if decode and prefill:
         raise InvalidArgumentError("kv_transfer_params cannot ask for both do_remote_decode and do_remote_prefill")
@@ -242,34 +294,45 @@ def parse_kv_transfer_params(params: Any) -> bool | RemotePrefill | None:
     if missing:
         raise InvalidArgumentError(f"kv_transfer_params with do_remote_prefill lack {missing}")
 
-    def text(name: str) -> str:
+    def text(name: str, pattern: re.Pattern[str] | None = None) -> str:
         value = params[name]
-        if not isinstance(value, str) or not value:
-            raise InvalidArgumentError(f"kv_transfer_params.{name} must be a non-empty str, got {value!r}")
-        return value
+        ok = isinstance(value, str) and 0 < len(value) <= MAX_PARAM_CHARS and value.isprintable()
+        if ok and pattern is not None:
+            ok = pattern.fullmatch(value) is not None
+        if not ok:
+            form = "a non-empty printable str" if pattern is None else f"a str matching {pattern.pattern}"
+            raise InvalidArgumentError(
+                f"kv_transfer_params.{name} must be {form} of at most {MAX_PARAM_CHARS} characters, "
+                f"got {describe(value)}"
+            )
+        return str(value)
 
-    def count(name: str, minimum: int) -> int:
+    def count(name: str, minimum: int, maximum: int) -> int:
         value = params[name]
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise InvalidArgumentError(f"kv_transfer_params.{name} must be an int >= {minimum}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+            raise InvalidArgumentError(
+                f"kv_transfer_params.{name} must be an int in [{minimum}, {maximum}], got {describe(value)}"
+            )
         return value
 
     ids = params["remote_block_ids"]
-    if not isinstance(ids, (list, tuple)) or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in ids):
-        raise InvalidArgumentError("kv_transfer_params.remote_block_ids must be a list of ints >= 0")
-    address = text("remote_address")
-    if not address.startswith("tcp://"):
-        raise InvalidArgumentError(f"kv_transfer_params.remote_address must be tcp://host:port, got {address!r}")
+    if not isinstance(ids, (list, tuple)) or len(ids) > MAX_REMOTE_BLOCK_IDS:
+        raise InvalidArgumentError(
+            f"kv_transfer_params.remote_block_ids must be a list of at most {MAX_REMOTE_BLOCK_IDS} ints, "
+            f"got {describe(ids)}"
+        )
+    if any(isinstance(b, bool) or not isinstance(b, int) or not 0 <= b <= MAX_BLOCK_ID for b in ids):
+        raise InvalidArgumentError(f"kv_transfer_params.remote_block_ids must be ints in [0, {MAX_BLOCK_ID}]")
     remote = RemotePrefill(
         remote_engine_id=text("remote_engine_id"),
-        remote_address=address,
+        remote_address=check_control_address(params["remote_address"], "kv_transfer_params.remote_address"),
         remote_request_id=text("remote_request_id"),
         remote_block_ids=tuple(ids),
-        remote_num_tokens=count("remote_num_tokens", 0),
-        remote_block_size=count("remote_block_size", 1),
+        remote_num_tokens=count("remote_num_tokens", 0, MAX_BLOCK_ID),
+        remote_block_size=count("remote_block_size", 1, MAX_BLOCK_SIZE),
         remote_kv_dtype=text("remote_kv_dtype"),
-        prompt_digest=text("prompt_digest"),
-        remote_lease_token=text("remote_lease_token"),
+        prompt_digest=text("prompt_digest", _DIGEST),
+        remote_lease_token=text("remote_lease_token", _LEASE_TOKEN),
     )
     needed = -(-remote.remote_num_tokens // remote.remote_block_size)
     if len(remote.remote_block_ids) < needed:

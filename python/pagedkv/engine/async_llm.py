@@ -44,9 +44,11 @@ from pagedkv.errors import (
     EngineDeadError,
     PagedKVError,
     RequestFailedError,
+    StructuredOutputError,
     UnknownRequestError,
 )
 from pagedkv.sample.beam_search_params import BeamSearchParams
+from pagedkv.sample.prepared import needs_preparation
 from pagedkv.sample.sampling_params import SamplingParams
 from pagedkv.structured.compiler import compile_timeout_error
 from pagedkv.structured.params import StructuredOutputsParams
@@ -161,7 +163,12 @@ class AsyncLLM:
             request_id = f"async-{next(self._ids)}"
         constraint = getattr(sampling_params, "structured_outputs", None)
         if constraint is not None:
-            await self._compile(constraint)
+            await self._compile(constraint, cache_salt)
+        prepared = None
+        if isinstance(sampling_params, SamplingParams) and needs_preparation(sampling_params):
+            # Checked against the model and built here, in a worker thread: neither the caller's
+            # event loop nor the loop thread tokenizes bad words or builds masks.
+            prepared = await asyncio.to_thread(self.engine.prepare_params, sampling_params)
         stream = _Stream(asyncio.get_running_loop())
 
         def add() -> None:
@@ -172,6 +179,7 @@ class AsyncLLM:
                 priority=priority,
                 cache_salt=cache_salt,
                 kv_transfer_params=kv_transfer_params,
+                prepared=prepared,
             )
             self._streams[request_id] = stream
 
@@ -183,17 +191,22 @@ class AsyncLLM:
             raise
         return RequestStream(self, request_id, stream)
 
-    async def _compile(self, constraint: StructuredOutputsParams) -> None:
+    async def _compile(self, constraint: StructuredOutputsParams, cache_salt: str | None) -> None:
         """Waits (without blocking the loop thread) for the constraint's grammar, so that the
         engine admits the request at once and a schema it cannot serve raises here, before
         anything streams (StructuredOutputError: a server's 400)."""
-        future = self.engine.grammars.compile(constraint)
+        # OverloadedError (a 503) at once when max_queued_compiles compiles wait already.
+        handle = self.engine.grammars.acquire(constraint, tenant=cache_salt)
         limit = self.engine.config.structured_outputs.compile_timeout_s
         try:
-            # shield: a caller that goes away must not cancel a compile other requests share.
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit)
+            # shield: cancelling this wait must not cancel the future other requests may share;
+            # release() drops the compile when nobody else waits and no thread took it yet (a
+            # client that went away, or this request's own time limit).
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(handle.future)), limit)
         except asyncio.TimeoutError:
             raise compile_timeout_error(limit) from None
+        finally:
+            handle.release()
 
     async def generate(
         self,
@@ -360,7 +373,11 @@ class AsyncLLM:
             if out.finished:
                 del self._streams[out.request_id]
             if out.error is not None:
-                stream.put(RequestFailedError(f"request {out.request_id!r} failed: {out.error}"))
+                failure = RequestFailedError(f"request {out.request_id!r} failed: {out.error}")
+                if out.error.startswith(f"{StructuredOutputError.__name__}: "):
+                    # Its constraint broke mid-generation: the request's fault (a server's 400).
+                    failure.__cause__ = StructuredOutputError(out.error.partition(": ")[2])
+                stream.put(failure)
                 continue
             if not stream.put(out) and not out.finished:
                 self._abort_quietly(out.request_id)

@@ -75,7 +75,8 @@ class BeamTracker:
             cums[u.index] = float(u.cumulative_logprob or 0.0)
             if self.matchers is not None:
                 matcher = self.matchers[parent].deep_copy()
-                if not matcher.consume_tokens(u.new_token_ids):
+                # A matcher in error consumes eos "successfully": checked too (see step_masks).
+                if matcher.is_error() or not matcher.consume_tokens(u.new_token_ids) or matcher.is_error():
                     raise StructuredOutputError(
                         f"beam token(s) {u.new_token_ids} break the request's structured-output constraint: "
                         f"{matcher.get_error()}"

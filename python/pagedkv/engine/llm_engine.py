@@ -37,7 +37,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import TYPE_CHECKING, Any
 
@@ -70,10 +69,11 @@ from pagedkv.errors import (
 )
 from pagedkv.parallel.executor import MultiprocExecutor, start_workers
 from pagedkv.sample.beam_search_params import BeamSearchParams
-from pagedkv.sample.penalties import bad_words_bans, bad_words_token_ids
+from pagedkv.sample.penalties import bad_words_bans
+from pagedkv.sample.prepared import PreparedSampling, prepare_sampling
 from pagedkv.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedkv.sample.sampling_params import SamplingParams
-from pagedkv.structured.compiler import CompiledGrammar, GrammarCompiler, compile_timeout_error
+from pagedkv.structured.compiler import CompileHandle, GrammarCompiler, compile_timeout_error
 from pagedkv.structured.params import StructuredOutputsParams
 from pagedkv.structured.step_masks import PendingMasks, StepMasks, apply_token_bitmask_
 from pagedkv.worker.model_runner import ModelRunner
@@ -209,8 +209,11 @@ class LLMEngine:
             self.eos_token_ids,
             workers=structured.compile_workers,
             max_cached=structured.max_cached_grammars,
+            max_queued=structured.max_queued_compiles,
+            background=self.background,  # its threads in /health
         )
-        self._waiting_for_grammar: dict[str, tuple[Future[CompiledGrammar], float, Callable[[], None]]] = {}
+        # A parked request holds its compile (released when admitted, failed or aborted).
+        self._waiting_for_grammar: dict[str, tuple[CompileHandle, float, Callable[[], None]]] = {}
         self._step_masks = StepMasks(self.runner.vocab_size)
         # Grammar work on the step's critical path so far (waiting for the masks, applying
         # them, advancing the matchers): observed into StepMasks.critical_time per step.
@@ -239,7 +242,9 @@ class LLMEngine:
         if config.kv_transfer is not None:
             from pagedkv.distributed.connector import KVConnector
 
-            self.kv_connector = KVConnector(config.kv_transfer, self.scheduler, self.runner, self._lock)
+            self.kv_connector = KVConnector(
+                config.kv_transfer, self.scheduler, self.runner, self._lock, background=self.background
+            )
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -260,9 +265,12 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        prepared: PreparedSampling | None = None,
     ) -> None:
         """Queue a request. Raises (changing nothing) on a duplicate id, invalid parameters, an
         empty prompt, a prompt longer than ``max_model_len`` or token ids outside the vocabulary.
+        ``prepared``: :meth:`prepare_params` of ``params``, made beforehand on another thread
+        (AsyncLLM does); without it (or one made for other params) it is made here.
 
         ``priority``: lower is served first under ``scheduling_policy="priority"``.
         ``cache_salt``: the request's prefix-cache namespace: its blocks are shared only with
@@ -298,15 +306,17 @@ class LLMEngine:
         if arrival_time is not None and not isinstance(arrival_time, (int, float)):
             raise InvalidTypeError(f"arrival_time must be a number or None, got {type(arrival_time).__name__}")
         self._check_params_for_model(params)
+        if prepared is None or not prepared.fits(params, self.runner.vocab_size, self.runner.device):
+            prepared = self.prepare_params(params)
         transfer = self._check_kv_transfer_params(kv_transfer_params)
         if isinstance(transfer, RemotePrefill) and params.prompt_logprobs is not None:
             raise InvalidArgumentError(
                 "prompt_logprobs cannot be combined with a remote prefill: the prompt's KV arrives without its logits"
             )
         text, prompt_ids = to_token_ids(prompt, self.tokenizer, self.runner.vocab_size)
-        state = RequestState(request_id, text, prompt_ids, params, self.tokenizer, self.runner.device, arrival_time)
-        if params.bad_words:
-            state.bad_word_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.runner.vocab_size)
+        state = RequestState(
+            request_id, text, prompt_ids, params, self.tokenizer, self.runner.device, arrival_time, prepared
+        )
         state.hold_kv = transfer is True
         state.cache_salt = cache_salt
         if beam is not None:
@@ -338,23 +348,30 @@ class LLMEngine:
             speculate=(params.structured_outputs if beam is None else beam.structured_outputs) is None,
         )
         constraint = params.structured_outputs if beam is None else beam.structured_outputs
-        compiling = None if constraint is None else self.grammars.compile(constraint)
-        with self._lock:
-            if compiling is not None:
-                if not compiling.done():
-                    # Compiling off this thread: the request waits (checked now as far as it
-                    # can be without adding it) and is admitted by a later step.
-                    self._check_addable(state)
-                    deadline = time.monotonic() + self.config.structured_outputs.compile_timeout_s
-                    self.requests[request_id] = state
-                    self._waiting_for_grammar[request_id] = (
-                        compiling,
-                        deadline,
-                        functools.partial(self._admit, state, transfer, cache_salt, add),
-                    )
-                    return
-                state.attach_grammar(compiling.result())  # a cached grammar, or its error (raised)
-            self._admit(state, transfer, cache_salt, add)
+        # OverloadedError here when max_queued_compiles wait already (nothing was changed).
+        compiling = None if constraint is None else self.grammars.acquire(constraint, tenant=cache_salt)
+        parked = False
+        try:
+            with self._lock:
+                if compiling is not None:
+                    if not compiling.future.done():
+                        # Compiling off this thread: the request waits (checked now as far as it
+                        # can be without adding it) and is admitted by a later step.
+                        self._check_addable(state)
+                        deadline = time.monotonic() + self.config.structured_outputs.compile_timeout_s
+                        self.requests[request_id] = state
+                        self._waiting_for_grammar[request_id] = (
+                            compiling,
+                            deadline,
+                            functools.partial(self._admit, state, transfer, cache_salt, add),
+                        )
+                        parked = True
+                        return
+                    state.attach_grammar(compiling.future.result())  # a cached grammar, or its error
+                self._admit(state, transfer, cache_salt, add)
+        finally:
+            if compiling is not None and not parked:
+                compiling.release()
 
     def _admit(
         self,
@@ -372,19 +389,29 @@ class LLMEngine:
         self.requests[state.request_id] = state
 
     def compile_grammars(
-        self, constraints: Iterable[StructuredOutputsParams | None], timeout: float | None = None
+        self,
+        constraints: Iterable[StructuredOutputsParams | None],
+        timeout: float | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> None:
         """Compile every constraint now (on the compile threads, waiting for them here), so that
-        requests using them are admitted at once; raises the first StructuredOutputError.
-        ``LLM.generate`` calls it before adding its requests, so a bad schema raises there."""
+        requests using them (under ``cache_salt``) are admitted at once; raises the first
+        StructuredOutputError. ``LLM.generate`` calls it before adding its requests, so a bad
+        schema raises there."""
         limit = self.config.structured_outputs.compile_timeout_s if timeout is None else timeout
-        futures = [self.grammars.compile(c) for c in constraints if c is not None]
+        # A trusted batch: queued past max_queued_compiles rather than refused.
+        handles = [self.grammars.acquire(c, bounded=False, tenant=cache_salt) for c in constraints if c is not None]
         deadline = time.monotonic() + limit
-        for future in futures:
-            try:
-                future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except FutureTimeoutError:  # Python 3.10: not the builtin TimeoutError
-                raise compile_timeout_error(limit) from None
+        try:
+            for handle in handles:
+                try:
+                    handle.future.result(timeout=max(0.0, deadline - time.monotonic()))
+                except FutureTimeoutError:  # Python 3.10: not the builtin TimeoutError
+                    raise compile_timeout_error(limit) from None
+        finally:
+            for handle in handles:
+                handle.release()  # the cache keeps what compiled
 
     def _check_addable(self, state: RequestState) -> None:
         """The scheduler's own checks of a request that waits before it is added (for remote KV
@@ -408,24 +435,28 @@ class LLMEngine:
             return
         if not self.scheduler.has_unfinished_requests():
             # Only compiles pending: wait for one a moment instead of spinning.
-            first = next(iter(self._waiting_for_grammar.values()))[0]
+            first = next(iter(self._waiting_for_grammar.values()))[0].future
             try:
                 first.exception(timeout=0.02)
             except FutureTimeoutError:
                 pass
         now = time.monotonic()
-        for rid, (future, deadline, admit) in list(self._waiting_for_grammar.items()):
+        for rid, (handle, deadline, admit) in list(self._waiting_for_grammar.items()):
+            future = handle.future
             state = self.requests.get(rid)
             if state is None:  # cannot happen: aborts remove both
                 del self._waiting_for_grammar[rid]
+                handle.release()
                 continue
             if not future.done():
                 if now > deadline:
                     del self._waiting_for_grammar[rid]
+                    handle.release()  # not started and nobody else waits: dropped
                     error = compile_timeout_error(self.config.structured_outputs.compile_timeout_s)
                     self._failed_outputs.append(self._fail_request(state, error))
                 continue
             del self._waiting_for_grammar[rid]
+            handle.release()
             try:
                 state.attach_grammar(future.result())
                 del self.requests[rid]  # _admit puts it back once it is added
@@ -511,6 +542,22 @@ class LLMEngine:
         if num > limit:
             raise InvalidArgumentError(f"{name} = {num} exceeds max_num_seqs = {limit}: its sequences could never run")
 
+    def prepare_params(self, params: SamplingParams) -> PreparedSampling:
+        """What ``params`` need at every step, checked against the model and built once
+        (pagedkv.sample.prepared: token ids inside the vocabulary, the allowed-token mask, the
+        logit-bias tensors, the bad words tokenized); a ConfigError names a bad field. Reads
+        only the tokenizer and the model's vocabulary: safe on any thread, so a caller can keep
+        the work off the engine's (AsyncLLM runs it in a worker thread)."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidTypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        return prepare_sampling(
+            params,
+            vocab_size=self.runner.vocab_size,
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            device=self.runner.device,
+        )
+
     def _check_params_for_model(self, params: SamplingParams) -> None:
         """The checks of ``params`` that need the engine's configuration or the model (its
         vocabulary), before any per-request state is built."""
@@ -528,14 +575,7 @@ class LLMEngine:
                 f"prompt_logprobs = {params.prompt_logprobs} exceeds max_logprobs = {max_logprobs} "
                 "(an engine argument) or the vocabulary"
             )
-        for name, ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", params.logit_bias),
-            ("allowed_token_ids", params.allowed_token_ids),
-        ):
-            for token_id in ids or ():
-                if token_id >= vocab:
-                    raise ConfigError(f"{name} holds {token_id}, outside the vocabulary [0, {vocab})")
+        # Token ids are checked against the vocabulary by prepare_params (once, C-speed).
 
     def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
         """End requests now; their blocks are freed at once. Returns their final outputs
@@ -559,8 +599,11 @@ class LLMEngine:
                 if state is None:
                     unknown.append(rid)
                     continue
-                if self._waiting_for_grammar.pop(rid, None) is not None:
-                    pass  # never reached the scheduler (its compile goes on, into the cache)
+                waiting = self._waiting_for_grammar.pop(rid, None)
+                if waiting is not None:
+                    # Never reached the scheduler; its compile is dropped if nobody else waits
+                    # for it and it has not started (else it goes on, into the cache).
+                    waiting[0].release()
                 elif self._adds_after_load.pop(rid, None) is not None and self.kv_connector is not None:
                     # Waiting for remote KV: its blocks are freed when the read ends.
                     self.kv_connector.abandon(rid)
@@ -826,6 +869,8 @@ class LLMEngine:
             self.kv_connector.drop_lease(state.request_id)
         state.error = exc
         state.end("error")
+        if isinstance(exc, StructuredOutputError) and state.grammar is not None:
+            self.grammars.evict(state.grammar)  # failed mid-generation: never cached as valid
         self._counters["failed_requests"] += 1
         logger.warning("request %r failed: %s: %s", state.request_id, type(exc).__name__, exc)
         return state.output()
@@ -868,8 +913,9 @@ class LLMEngine:
         an ordinary step would sample it after the sample's tokens and those drafts: bans,
         penalties and ``min_tokens`` see that context (``drafts``)."""
         params: list[SamplingParams] = []
+        prepared: list[PreparedSampling | None] = []  # per row, None on greedy stand-ins
         generators: list[torch.Generator | None] = []
-        banned: dict[int, list[int]] = {}
+        banned: dict[int, np.ndarray | list[int]] = {}
         # Token arrays of the rows with penalties (pagedkv.sample.penalties), None elsewhere.
         num_rows = len(out.sampled_req_ids)
         token_arrays: dict[str, list[np.ndarray | None]] = {}
@@ -880,22 +926,31 @@ class LLMEngine:
                 # a row of a request that is gone (cannot happen under the lock: aborts wait
                 # for the step) is dropped by Scheduler.update. Both are sampled greedily.
                 params.append(_GREEDY)
+                prepared.append(None)
                 generators.append(None)
                 continue
             p = state.params
+            prep = state.prepared
             params.append(p)
+            prepared.append(prep)
             sample = state.samples[index]
             generators.append(sample.generator)
             before = drafts.drafts(row) if drafts else []
             if sample.generator is not None and p.temperature > 0.0 and drafts.drafts(row + 1) and not before:
                 self._seeded_draws.save(sample.generator, rid, index)  # the group's first row
-            ban: list[int] = []
+            ban: np.ndarray | list[int] = []
             if len(sample.token_ids) + len(before) < p.min_tokens:
-                # As in vLLM, min_tokens also holds back the model's eos when ignore_eos is set.
-                ban = (p.stop_token_ids or []) + self.eos_token_ids
-            if state.bad_word_ids:
-                ban = ban + bad_words_bans(state.bad_word_ids, sample.token_ids + before)
-            if ban:
+                # As in vLLM, min_tokens also holds back the model's eos when ignore_eos is set
+                # (stop_token_ids and eos, one array made when the request was added).
+                ban = prep.min_tokens_ban
+            if prep.bad_word_ids:
+                # A ban reads at most the last bad_word_context tokens: no copy of the output.
+                context = prep.bad_word_context
+                tail = (sample.token_ids[-context:] + before) if context else []
+                words = bad_words_bans(prep.bad_word_ids, tail)
+                if words:
+                    ban = np.concatenate([np.asarray(ban, dtype=np.int64), np.asarray(words, dtype=np.int64)])
+            if len(ban):
                 banned[row] = ban
             if p.has_penalties:
                 output_ids = state.output_array(index)
@@ -903,13 +958,19 @@ class LLMEngine:
                     output_ids = np.concatenate([output_ids, np.asarray(before, dtype=np.int64)])
                 token_arrays.setdefault("output_token_ids", [None] * num_rows)[row] = output_ids
                 token_arrays.setdefault("prompt_token_ids", [None] * num_rows)[row] = state.prompt_array()
+        # Keyword arguments only in steps that need them (the bench swaps in an older build()):
+        # the token arrays with penalties, the requests' bias and mask tensors (made when they
+        # were added) with logit_bias or allowed_token_ids.
+        extra: dict[str, Any] = dict(token_arrays)
+        if any(prep is not None and prep.logits.used for prep in prepared):
+            extra["prepared"] = prepared
         metadata = SamplingMetadata.build(
             params,
             vocab_size=self.runner.vocab_size,
             device=logits.device,
             generators=generators,
             banned_token_ids=banned or None,
-            **token_arrays,  # only in steps with penalties (the bench swaps in an older build())
+            **extra,
         )
         return self.sampler(logits, metadata)
 
@@ -964,12 +1025,17 @@ class LLMEngine:
         token = u.new_token_ids[0]
         matcher = sample.matcher
         if matcher is not None:
+            # A matcher in error had a mask of eos alone (StepMasks lets every token through
+            # instead), and consumes eos "successfully": checked before and after, so a broken
+            # constraint fails the request (and evicts the grammar, _fail_request) and never
+            # ends it with "" as if it matched.
             start = time.perf_counter()
-            consumed = matcher.consume_token(token)
+            consumed = not matcher.is_error() and matcher.consume_token(token) and not matcher.is_error()
             self._grammar_step_s += time.perf_counter() - start
             if not consumed:
                 raise StructuredOutputError(
-                    f"token {token} breaks the request's structured-output constraint: {matcher.get_error()}"
+                    f"structured outputs: the constraint failed after {len(sample.token_ids)} tokens "
+                    f"(token {token}): {matcher.get_error()[:2000]}"
                 )
         sample.token_ids.append(token)
         if sample.output_buffer is not None:
@@ -1126,6 +1192,10 @@ class LLMEngine:
         stats["structured_mask_seconds"] = self._step_masks.fill_time.snapshot()
         stats["structured_step_seconds"] = self._step_masks.critical_time.snapshot()
         stats["structured_grammar_cache_hits"] = self.grammars.num_cache_hits
+        # Compiles dropped (every request that wanted one left before it started) and refused
+        # (max_queued_compiles waiting already).
+        stats["structured_compiles_cancelled"] = self.grammars.num_cancelled
+        stats["structured_compiles_refused"] = self.grammars.num_refused
         stats["structured_masked_rows"] = self._step_masks.num_masked_rows
         stats["kv_cache_bytes"] = self.runner.kv_cache_bytes
         stats["host_kv_cache_bytes"] = self.runner.host_kv_cache_bytes

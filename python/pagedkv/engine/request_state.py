@@ -15,6 +15,7 @@ from pagedkv.engine.beam_tracker import BeamTracker
 from pagedkv.engine.detokenizer import IncrementalDetokenizer
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
 from pagedkv.sample.penalties import TokenBuffer
+from pagedkv.sample.prepared import PreparedSampling
 from pagedkv.sample.sampler import make_generator
 from pagedkv.sample.sampling_params import SamplingParams
 from pagedkv.structured.compiler import CompiledGrammar
@@ -66,6 +67,7 @@ class RequestState:
         tokenizer: Any,
         device: torch.device,
         arrival_time: float | None = None,
+        prepared: PreparedSampling | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -98,10 +100,11 @@ class RequestState:
             )
             for i in range(params.n)
         ]
-        # Penalties: the prompt as an array (the repetition penalty's input), made on first use;
-        # bad_words: their token sequences (set by the engine, which has the vocabulary size).
+        # Penalties: the prompt as an array (the repetition penalty's input), made on first use.
         self._prompt_array: np.ndarray | None = None
-        self.bad_word_ids: list[list[int]] = []
+        # What sampling needs at every step (allowed-token mask, logit bias, bad words' tokens,
+        # min_tokens' bans), built once when the request was added (pagedkv.sample.prepared).
+        self.prepared = prepared if prepared is not None else PreparedSampling.empty(params, device)
         # prompt_logprobs: one entry per prompt token (the first None), filled as the prompt's
         # chunks are computed; positions recorded so far (a recomputed chunk is not recorded twice).
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None

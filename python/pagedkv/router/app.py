@@ -27,6 +27,10 @@ replica (or prefill engine):
 
 Decode engines are picked by load alone (fewest requests in flight, then the next in turn).
 
+A client's ``kv_transfer_params`` (not null) are refused with a 400 naming them, in both
+modes, unless ``RouterArgs.allow_client_kv_transfer_params``: only the router, from its prefill
+engine's answer, produces them.
+
 With ``api_key`` the router's clients need ``Authorization: Bearer <api_key>``
 (``pagedkv.router.auth``); engines get ``engine_api_key``, never a client's credentials. A
 replica gets the request body unchanged; the answer comes back unchanged (a stream event by
@@ -59,7 +63,7 @@ from starlette.responses import JSONResponse, Response
 
 from pagedkv.router.auth import ClientAuth
 from pagedkv.router.config import POLICIES, RouterArgs
-from pagedkv.router.disagg import forward_disaggregated
+from pagedkv.router.disagg import KV_TRANSFER_PARAMS, forward_disaggregated
 from pagedkv.router.forward import EnginesUnreachable, first_reachable, relay, upstream_headers
 from pagedkv.router.health import HealthMonitor
 from pagedkv.router.replica import Replica
@@ -119,7 +123,12 @@ def build_router_app(router: Router) -> FastAPI:
     app = FastAPI(title="pagedkv router", lifespan=lifespan)
     app.state.router = router
     # The last middleware added runs first: the key is checked before the body is read.
-    app.add_middleware(BodySizeLimit, max_bytes=args.max_request_body_bytes, idle_timeout=args.header_timeout)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=args.max_request_body_bytes,
+        idle_timeout=args.header_timeout,
+        total_timeout=args.body_timeout,
+    )
     if args.api_key is not None:
         app.add_middleware(ClientAuth, api_key=args.api_key)
 
@@ -128,9 +137,12 @@ def build_router_app(router: Router) -> FastAPI:
         if router.health_monitor is not None:
             await asyncio.to_thread(router.health_monitor.check_all)  # the state now, not at the last round
         serving = any(e.up for e in router.answering)
+        threads = _thread_health(router)
+        healthy = all(e.up for e in router.backends) and not threads["dead"]
         body: dict[str, Any] = {
-            "status": "ok" if all(e.up for e in router.backends) else "degraded" if serving else "unavailable",
+            "status": "ok" if healthy else "degraded" if serving else "unavailable",
             "engines": [{"role": _role(router, e), **e.state()} for e in router.backends],
+            **threads,
         }
         if serving:
             return JSONResponse(body)
@@ -157,6 +169,21 @@ def build_router_app(router: Router) -> FastAPI:
     return app
 
 
+def _thread_health(router: Router) -> dict[str, Any]:
+    """The router's own threads: the health checks' and each event subscription's. One that
+    died makes ``/health`` degraded (200 while an engine answers: the router still routes, by
+    load where it lost an engine's events), naming it in ``dead``."""
+    report: dict[str, Any] = {"dead": [], "threads": {}}
+    if router.health_monitor is not None:
+        report = router.health_monitor.background.health()
+        report.pop("status", None)
+    for engine in router.backends:
+        sub = engine.subscriber
+        if sub is not None and not sub.state()["running"] and not sub.closed:
+            report["dead"].append(f"kv-events {engine.url}")
+    return report
+
+
 def _role(router: Router, engine: Replica) -> str:
     if not router.disaggregated:
         return "replica"
@@ -169,6 +196,15 @@ def _make_forwarder(router: Router, path: str) -> Any:
         body = await parse_body(raw)
         if body is None:
             return error_response(400, "the request body must be a JSON object")
+        if body.get(KV_TRANSFER_PARAMS) is not None and not router.args.allow_client_kv_transfer_params:
+            # They name blocks, a lease and an address a decode engine would connect to: only
+            # the router (from its prefill engine's answer) may produce them (RouterArgs).
+            return error_response(
+                400,
+                "kv_transfer_params are set by the router, not by clients (the router's operator can allow "
+                "them: --allow-client-kv-transfer-params)",
+                param=KV_TRANSFER_PARAMS,
+            )
         if router.disaggregated:
             return await forward_disaggregated(router, request, path, raw, body)
         prompt = await router.prompt_of(path, body, len(raw))

@@ -43,10 +43,17 @@ class RouterArgs:
       decides whether it accepts the prompt).
     - ``shutdown_timeout``: on SIGTERM, seconds the router lets streams run before it ends them
       with an error event and ``data: [DONE]``.
-    - ``max_request_body_bytes``, ``header_timeout``, ``max_connections``: the engines'
-      connection guards (:class:`pagedkv.server.limits.ServerLimits`), at the router's own
-      socket: a bigger body gets 413 before it is read (408 when it stalls), a connection that
-      does not send complete headers in time is closed, and so is one past the cap."""
+    - ``max_request_body_bytes``, ``header_timeout``, ``body_timeout``, ``max_connections``:
+      the engines' connection guards (:class:`pagedkv.server.limits.ServerLimits`), at the
+      router's own socket: a bigger body gets 413 before it is read (408 when it stalls, or is
+      not whole ``body_timeout`` after its headers), a connection that does not send complete
+      headers in time is closed, and so is one past the cap.
+    - ``allow_client_kv_transfer_params``: pass a client's ``kv_transfer_params`` on to the
+      engines (in disaggregated mode: straight to a decode engine, which pulls from the
+      address they name). Off (the default): only the router and its prefill engines produce
+      them, and a client body that carries them (not null) gets a 400 naming
+      ``kv_transfer_params`` before anything is forwarded. Turn it on only for clients that
+      are part of the deployment (another proxy that does its own prefills)."""
 
     replicas: list[str] = field(default_factory=list)
     model: str | None = None
@@ -64,7 +71,9 @@ class RouterArgs:
     shutdown_timeout: float = 30.0
     max_request_body_bytes: int = ServerLimits.max_request_body_bytes
     header_timeout: float = ServerLimits.header_timeout
+    body_timeout: float = ServerLimits.body_timeout
     max_connections: int = ServerLimits.max_connections
+    allow_client_kv_transfer_params: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas and (self.prefill or self.decode):
@@ -90,6 +99,7 @@ class RouterArgs:
             "startup_timeout",
             "shutdown_timeout",
             "header_timeout",
+            "body_timeout",
         ):
             value = getattr(self, name)
             if value is not None and not value > 0:

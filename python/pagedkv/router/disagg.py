@@ -30,7 +30,10 @@ Outcomes of the prefill:
 
 Straight to a decode engine, without a prefill: a completion with several prompts (one
 ``kv_transfer_params`` per request cannot carry several prompts' blocks), and a body that
-already carries ``kv_transfer_params`` that are not null (someone else did the prefill).
+already carries ``kv_transfer_params`` that are not null (someone else did the prefill) where
+the operator allows clients to (``RouterArgs.allow_client_kv_transfer_params``); by default such
+a body gets a 400 at the router (``pagedkv.router.app``): the params name the address a decode
+engine connects to and the lease it claims, so only the router may produce them.
 
 A client that disconnects during the prefill cancels it: the prefill engine's connection is
 closed, which aborts the request there (its blocks are freed; no lease is left behind). During

@@ -11,6 +11,11 @@ At start (:meth:`HealthMonitor.wait_until_serving`) the router waits, up to
 ``startup_timeout``, for at least one engine it can answer with (a replica; in disaggregated
 mode a decode engine), logging what it waits for; engines still loading then join as they
 come up. The forwarding marks an engine down as soon as a connection to it fails.
+
+The checking thread runs in :attr:`HealthMonitor.background` (``router-health``): a round that
+fails (an engine that answers something no check foresaw) is counted and logged there and the
+next round runs; should the thread die anyway, the router's ``/health`` says degraded, naming it
+(``/health`` itself still checks every engine when asked).
 """
 
 from __future__ import annotations
@@ -22,13 +27,16 @@ from collections.abc import Sequence
 
 import httpx
 
+from pagedkv.background import BackgroundThreads
 from pagedkv.errors import ConfigError
 from pagedkv.router.config import RouterArgs
 from pagedkv.router.replica import Replica
 
-__all__ = ["HealthMonitor"]
+__all__ = ["THREAD_NAME", "HealthMonitor"]
 
 logger = logging.getLogger(__name__)
+
+THREAD_NAME = "router-health"
 
 _PROBE_TIMEOUT_S = 5.0
 
@@ -43,6 +51,7 @@ class HealthMonitor:
         self._lock = threading.Lock()  # one round at a time (the thread, /health, the start)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.background = BackgroundThreads()
         self._warn_without_events = sum(e.follow_events for e in self.engines) > 1
 
     def check_all(self) -> None:
@@ -100,17 +109,19 @@ class HealthMonitor:
             logger.warning("starting without %s: each joins when it passes a health check", ", ".join(down))
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="router-health", daemon=True)
-        self._thread.start()
+        """Checks every engine every ``health_interval`` seconds, on a thread, until :meth:`close`."""
+        self._thread = self.background.start(THREAD_NAME, self._run)
 
     def _run(self) -> None:
         while not self._stop.wait(self.args.health_interval):
             try:
                 self.check_all()
-            except Exception:  # noqa: BLE001 - the checks must go on whatever one engine does
-                logger.exception("a health check round failed")
+            except Exception as exc:  # noqa: BLE001 - the checks must go on whatever one engine does
+                self.background.record_error(THREAD_NAME, exc, "a health check round")
 
     def close(self) -> None:
+        """Stops the checking thread (its end is not a failure) and closes its client."""
+        self.background.stopping(THREAD_NAME)
         self._stop.set()
         if self._thread is not None:
             self._thread.join(_PROBE_TIMEOUT_S * 2)

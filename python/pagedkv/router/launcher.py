@@ -258,12 +258,20 @@ def kv_transfer_configs(
     ``base`` holds other keys for both (``lease_seconds``, ``kv_load_failure_policy``, ...);
     ``role``, ``transport`` and the ``gloo_*`` keys are the pair's own and override it. gloo
     (also possible under ``auto``: NIXL when installed, else gloo) gets a free port for the
-    group's store, hosted by rank 0, the decode engine."""
+    group's store, hosted by rank 0, the decode engine.
+
+    The prefill engine's control socket gets a port of its own now (a free one unless ``base``
+    names one), so that the decode engine can be told, in ``allowed_producers``, the one address
+    it pulls from: params naming any other address are refused (a 400) before it connects
+    anywhere. A restarted prefill engine binds the same port again."""
     if kv_transport not in KV_TRANSPORTS:
         raise ConfigError(f"kv_transport must be one of {KV_TRANSPORTS}, got {kv_transport!r}")
     common = {"control_host": "127.0.0.1", "control_port": 0, **(base or {}), "transport": kv_transport}
+    if not common["control_port"]:
+        common["control_port"] = free_port(str(common["control_host"]))
     prefill = {**common, "role": "producer"}
-    decode = {**common, "role": "consumer"}
+    producer = f"tcp://{common['control_host']}:{common['control_port']}"
+    decode = {**common, "role": "consumer", "allowed_producers": [*common.get("allowed_producers", ()), producer]}
     if kv_transport in ("gloo", "auto"):
         group = {"gloo_world_size": 2, "gloo_init_method": f"tcp://127.0.0.1:{free_port()}"}
         decode.update(group, gloo_rank=0)

@@ -69,7 +69,13 @@ class EventSubscriber:
         self._thread = threading.Thread(target=self._run, name=f"kv-events {endpoint}", daemon=True)
         self._thread.start()
 
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` was called (the thread's end is then not a failure)."""
+        return self._stop.is_set()
+
     def close(self, timeout: float = 2.0) -> None:
+        """Stops the subscription's thread (waiting up to ``timeout`` s) and its sockets."""
         self._stop.set()
         self._thread.join(timeout)
         self._ctx.term()

@@ -10,6 +10,12 @@ vLLM's semantics (``SamplingParams`` has the definitions): for row ``r`` and tok
   penalties);
 * ``allowed_token_ids``: every other token ``-inf``.
 
+``logit_bias`` and ``allowed_token_ids`` come as tensors built once per request
+(:class:`~pagedkv.sample.prepared.LogitTensors`, when the request was added): a step adds the
+request's bias to its rows in one indexed add (``O(len(bias))`` per row) and its allowed mask
+(``[V]``, 0 or ``-inf``) in one pass per row, whatever the length of the list, with no Python
+work per id. The rows of one request (its ``n`` samples) share the tensors.
+
 Cost: sparse, never a pass per penalty over ``[S, V]``
 -------------------------------------------------------
 A row's penalties touch only the tokens it has seen, a few hundred of ~50k. The step's
@@ -27,16 +33,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
+from pagedkv.sample.prepared import LogitTensors, PreparedSampling, logit_tensors
 from pagedkv.sample.sampling_params import SamplingParams
 
-__all__ = ["LogitsAdjustments", "TokenBuffer", "bad_words_bans", "bad_words_token_ids"]
-
-_NEG_INF = float("-inf")
+__all__ = ["LogitsAdjustments", "TokenBuffer", "bad_words_bans"]
 
 
 class TokenBuffer:
@@ -77,12 +81,10 @@ class LogitsAdjustments:
     repetition: torch.Tensor | None
     frequency: torch.Tensor | None
     presence: torch.Tensor | None
-    # logit_bias: [B] int64 keys (unique) and [B] float32 biases.
-    bias_keys: torch.Tensor | None
-    bias_values: torch.Tensor | None
-    # allowed_token_ids: [A] int64 rows to mask and [K] int64 keys kept in them.
-    allowed_rows: torch.Tensor | None
-    allowed_keys: torch.Tensor | None
+    # logit_bias per request: ([R] int64 rows, [B] int64 distinct ids, [B] float32 biases).
+    biases: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    # allowed_token_ids per request: ([R] int64 rows, [V] float32 mask: 0 allowed, -inf not).
+    allowed: list[tuple[torch.Tensor, torch.Tensor]]
 
     @classmethod
     def build(
@@ -93,11 +95,14 @@ class LogitsAdjustments:
         output_token_ids: Sequence[np.ndarray | None],
         prompt_token_ids: Sequence[np.ndarray | None],
         device: torch.device | str = "cpu",
+        prepared: Sequence[PreparedSampling | None] | None = None,
     ) -> LogitsAdjustments | None:
         """The adjustments of the rows whose ``params`` ask for any; ``None`` when none does.
 
         ``output_token_ids[r]`` / ``prompt_token_ids[r]``: row r's generated and prompt token
-        ids (int64 arrays; needed only on rows with penalties, ``None`` elsewhere)."""
+        ids (int64 arrays; needed only on rows with penalties, ``None`` elsewhere).
+        ``prepared[r]``: row r's request's structures, built when it was added (the engine
+        passes them); a row without them gets them built here, once per params object."""
         penalized = [r for r, p in enumerate(params) if p.has_penalties]
         biased = [r for r, p in enumerate(params) if p.logit_bias]
         allowed = [r for r, p in enumerate(params) if p.allowed_token_ids is not None]
@@ -130,20 +135,26 @@ class LogitsAdjustments:
             frequency = per_row([p.frequency_penalty for p in params])
             presence = per_row([p.presence_penalty for p in params])
 
-        bias_keys = bias_values = None
-        if biased:
-            pairs = [(r * v + t, b) for r in biased for t, b in (params[r].logit_bias or {}).items()]
-            bias_keys = torch.tensor([k for k, _ in pairs], dtype=torch.int64, device=device)
-            bias_values = per_row([b for _, b in pairs])
-
-        allowed_rows = allowed_keys = None
-        if allowed:
-            allowed_rows = torch.tensor(allowed, dtype=torch.int64, device=device)
-            allowed_keys = torch.tensor(
-                [r * v + t for r in allowed for t in dict.fromkeys(params[r].allowed_token_ids or [])],
-                dtype=torch.int64,
-                device=device,
-            )
+        # The rows of each request's tensors (one request's n samples share them): per step, work
+        # per row and per request, none per id.
+        groups: dict[int, tuple[LogitTensors, list[int]]] = {}
+        built: dict[int, LogitTensors] = {}  # rows without prepared tensors, per params object
+        for r in sorted(set(biased) | set(allowed)):
+            found = prepared[r] if prepared is not None else None
+            if found is not None:
+                tensors = found.logits
+            else:
+                tensors = built.get(id(params[r])) or logit_tensors(params[r], v, device)
+                built[id(params[r])] = tensors
+            groups.setdefault(id(tensors), (tensors, []))[1].append(r)
+        biases: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        masks: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for tensors, rows in groups.values():
+            index = torch.tensor(rows, dtype=torch.int64, device=device)
+            if tensors.bias_ids is not None and tensors.bias_values is not None:
+                biases.append((index, tensors.bias_ids, tensors.bias_values))
+            if tensors.allowed_mask is not None:
+                masks.append((index, tensors.allowed_mask))
         return cls(
             vocab_size=v,
             output_keys=output_keys,
@@ -151,10 +162,8 @@ class LogitsAdjustments:
             repetition=repetition,
             frequency=frequency,
             presence=presence,
-            bias_keys=bias_keys,
-            bias_values=bias_values,
-            allowed_rows=allowed_rows,
-            allowed_keys=allowed_keys,
+            biases=biases,
+            allowed=masks,
         )
 
     def apply_(self, logits: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -163,14 +172,14 @@ class LogitsAdjustments:
         ``counts``: [S * V] float32 scratch that is all zero on entry and is left all zero (only
         the touched keys are written, then reset)."""
         flat = logits.view(-1)
-        if self.bias_keys is not None and self.bias_values is not None:
-            flat.index_add_(0, self.bias_keys, self.bias_values)
+        for rows, ids, values in self.biases:
+            # Broadcast (rows x ids) pairs: one indexed add per request (ids are distinct).
+            logits.index_put_((rows.unsqueeze(1), ids.unsqueeze(0)), values, accumulate=True)
         if self.output_keys is not None or self.prompt_keys is not None:
             self._penalize(flat, counts)
-        if self.allowed_rows is not None and self.allowed_keys is not None:
-            kept = flat.index_select(0, self.allowed_keys)
-            logits.index_fill_(0, self.allowed_rows, _NEG_INF)
-            flat.index_copy_(0, self.allowed_keys, kept)
+        for rows, mask in self.allowed:
+            # x + 0 = x (allowed), x + -inf = -inf (the rest): one pass per row.
+            logits.index_add_(0, rows, mask.expand(rows.shape[0], -1))
         return logits
 
     def _penalize(self, flat: torch.Tensor, counts: torch.Tensor) -> None:
@@ -201,16 +210,3 @@ def bad_words_bans(bad_word_ids: Sequence[Sequence[int]], output_ids: Sequence[i
         if head == 0 or (len(output_ids) >= head and list(output_ids[len(output_ids) - head :]) == list(word[:head])):
             bans.append(word[-1])
     return bans
-
-
-def bad_words_token_ids(tokenizer: Any, words: Sequence[str], vocab_size: int) -> list[list[int]]:
-    """The token sequences of ``bad_words``: each word as written and with one leading space
-    (mid-sentence spelling: BPE vocabularies give " word" its own tokens), without duplicates
-    or ids outside the LM head."""
-    sequences: dict[tuple[int, ...], None] = {}
-    for word in words:
-        for spelling in (word, " " + word.lstrip()):
-            ids = tuple(int(t) for t in tokenizer.encode(spelling, add_special_tokens=False))
-            if ids and all(0 <= t < vocab_size for t in ids):
-                sequences[ids] = None
-    return [list(ids) for ids in sequences]

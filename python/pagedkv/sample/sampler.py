@@ -105,6 +105,7 @@ from pagedkv.sample.ops import (
     topk,
 )
 from pagedkv.sample.penalties import LogitsAdjustments
+from pagedkv.sample.prepared import PreparedSampling
 from pagedkv.sample.sampling_params import SamplingParams
 
 __all__ = [
@@ -204,16 +205,20 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str = "cpu",
         generators: Sequence[torch.Generator | None] | None = None,
-        banned_token_ids: Mapping[int, Sequence[int]] | None = None,
+        banned_token_ids: Mapping[int, Sequence[int] | np.ndarray] | None = None,
         output_token_ids: Sequence[np.ndarray | None] | None = None,
         prompt_token_ids: Sequence[np.ndarray | None] | None = None,
+        prepared: Sequence[PreparedSampling | None] | None = None,
     ) -> SamplingMetadata:
         """Batch ``params`` (one per logits row).
 
         ``generators[i]`` is row i's private generator (``None`` for unseeded rows; ignored on
-        greedy rows). ``banned_token_ids`` maps a row to token ids it must not sample.
-        ``output_token_ids[i]`` / ``prompt_token_ids[i]``: row i's generated and prompt token
-        ids as int64 arrays, needed on rows with penalties (see pagedkv.sample.penalties).
+        greedy rows). ``banned_token_ids`` maps a row to token ids it must not sample (a list
+        or an int64 array). ``output_token_ids[i]`` / ``prompt_token_ids[i]``: row i's
+        generated and prompt token ids as int64 arrays, needed on rows with penalties (see
+        pagedkv.sample.penalties). ``prepared[i]``: row i's request's structures built when it
+        was added (pagedkv.sample.prepared: its allowed-token mask and logit-bias tensors);
+        without them they are built here from ``params``.
         """
         num_rows = len(params)
         if generators is not None and len(generators) != num_rows:
@@ -274,25 +279,34 @@ class SamplingMetadata:
             output_token_ids=no_arrays if output_token_ids is None else output_token_ids,
             prompt_token_ids=no_arrays if prompt_token_ids is None else prompt_token_ids,
             device=device,
+            prepared=prepared,
         )
 
         banned_rows = banned_ids = None
         if banned_token_ids:
-            rows: list[int] = []
-            ids: list[int] = []
+            # Per row one array and a range check over it (C-speed), no Python work per id.
+            row_parts: list[np.ndarray] = []
+            id_parts: list[np.ndarray] = []
             for row, token_ids in banned_token_ids.items():
                 if not 0 <= row < num_rows:
                     raise InvalidArgumentError(f"banned_token_ids row {row} is not in [0, {num_rows})")
-                for token_id in token_ids:
-                    if not 0 <= token_id < vocab_size:
-                        raise InvalidArgumentError(
-                            f"banned token id {token_id} (row {row}) is not in [0, {vocab_size})"
-                        )
-                    rows.append(row)
-                    ids.append(token_id)
-            if rows:
-                banned_rows = as_tensor(rows, torch.int64)
-                banned_ids = as_tensor(ids, torch.int64)
+                try:
+                    ids = np.asarray(token_ids, dtype=np.int64)
+                except (OverflowError, TypeError, ValueError):
+                    raise InvalidArgumentError(
+                        f"banned token ids (row {row}) must be ints in [0, {vocab_size})"
+                    ) from None
+                if not ids.size:
+                    continue
+                outside = (ids < 0) | (ids >= vocab_size)
+                if outside.any():
+                    bad = int(ids[np.argmax(outside)])
+                    raise InvalidArgumentError(f"banned token id {bad} (row {row}) is not in [0, {vocab_size})")
+                row_parts.append(np.full(ids.size, row, dtype=np.int64))
+                id_parts.append(ids)
+            if id_parts:
+                banned_rows = torch.from_numpy(np.concatenate(row_parts)).to(device)
+                banned_ids = torch.from_numpy(np.concatenate(id_parts)).to(device)
 
         return cls(
             num_rows=num_rows,

@@ -15,6 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedkv.errors import ConfigError
+from pagedkv.sample.limits import (
+    MAX_BAD_WORDS,
+    MAX_BAD_WORDS_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_ID_ENTRIES,
+    check_count,
+)
 from pagedkv.structured.params import StructuredOutputsParams
 
 __all__ = ["SAMPLING_EPS", "SamplingParams", "SamplingType"]
@@ -56,8 +65,11 @@ class SamplingParams:
     - ``seed``: per-request random seed; the draw is then reproducible whatever else is batched.
       Sample ``i`` of ``n`` uses ``seed + i``.
     - ``stop``: strings that end the completion; the text is cut before the stop string unless
-      ``include_stop_str_in_output``.
-    - ``stop_token_ids``: token ids that end the completion (besides eos).
+      ``include_stop_str_in_output``. At most ``MAX_STOP_STRINGS`` (256) strings of
+      ``MAX_STOP_CHARS`` (16384) characters together (pagedkv.sample.limits); duplicates are
+      dropped.
+    - ``stop_token_ids``: token ids that end the completion (besides eos); at most
+      ``MAX_STOP_TOKEN_IDS`` (1024).
     - ``ignore_eos``: keep generating after eos.
     - ``logprobs``: ``None``, or how many top log-probabilities to return per generated token
       besides the chosen token's own (which is always returned when this is not ``None``).
@@ -70,9 +82,11 @@ class SamplingParams:
       logits divided by it and negative ones multiplied by it (1 = off).
     - ``logit_bias``: ``{token_id: bias}`` added to the logits before sampling; biases are
       clamped to [-100, 100] (OpenAI's range); ids are checked against the vocabulary.
-    - ``allowed_token_ids``: only these tokens may be sampled.
+    - ``allowed_token_ids``: only these tokens may be sampled (duplicates dropped; the engine
+      refuses more ids than its vocabulary has).
     - ``bad_words``: words never generated: a word's last token is banned whenever the output
-      ends with the tokens before it (each word is tried with and without a leading space).
+      ends with the tokens before it (each word is tried with and without a leading space). At
+      most ``MAX_BAD_WORDS`` (256) words of ``MAX_BAD_WORDS_CHARS`` (16384) characters together.
     - ``prompt_logprobs``: ``None``, or how many top log-probabilities to return per prompt
       token besides the prompt token's own; such a request computes its whole prompt (no
       prefix-cache hits: cached blocks have no logits).
@@ -118,6 +132,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # Normalized copy of `stop` (always a list) for the detokenizer; not a constructor argument.
     _stop_strings: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+    # What an engine built from these params for its steps (pagedkv.sample.prepared), per
+    # engine (vocabulary, device, tokenizer): one build however many requests share the params.
+    # Like `_stop_strings`, it reflects the values the params held when it was built.
+    _prepared: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.n = _check_int("n", self.n, minimum=1)
@@ -149,7 +167,7 @@ class SamplingParams:
         if self.stop is not None:
             self.stop = list(self._stop_strings)
         if self.stop_token_ids is not None:
-            self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
+            self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids, MAX_STOP_TOKEN_IDS)
         self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, minimum=0)
@@ -164,7 +182,9 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = _check_logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids)
+            # Distinct ids, in their first order: a repeated id changes nothing but the cost.
+            ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids, MAX_TOKEN_ID_ENTRIES)
+            self.allowed_token_ids = list(dict.fromkeys(ids))
             if not self.allowed_token_ids:
                 raise ConfigError("allowed_token_ids must not be empty (nothing could be sampled)")
         if self.bad_words is not None:
@@ -270,30 +290,49 @@ def _check_bool(name: str, value: Any) -> bool:
 
 
 def _normalize_stop(stop: Any) -> list[str]:
+    """``stop`` as a list of distinct strings (first occurrence kept). Linear: the count is
+    checked before any string is read, duplicates are found with a set."""
     if stop is None:
         return []
     if isinstance(stop, str):
         stop = [stop]
     elif not isinstance(stop, Sequence):
         raise ConfigError(f"stop must be a str or a list of str, got {stop!r}")
+    problem = check_count("stop", len(stop), MAX_STOP_STRINGS, "strings")
+    if problem is not None:
+        raise ConfigError(problem)
     strings: list[str] = []
+    seen: set[str] = set()
+    num_chars = 0
     for item in stop:
         if not isinstance(item, str):
             raise ConfigError(f"stop must be a str or a list of str, got item {item!r}")
         if not item:
             raise ConfigError("stop strings must not be empty")
+        num_chars += len(item)
+        if num_chars > MAX_STOP_CHARS:
+            raise ConfigError(f"stop has more than {MAX_STOP_CHARS} characters in its strings together (the limit)")
         try:  # a lone surrogate ("\ud800", valid JSON) can never match decoded text
             item.encode("utf-8")
         except UnicodeEncodeError as exc:
             raise ConfigError(f"stop string {item!r} is not valid Unicode: {exc.reason}") from None
-        if item not in strings:
+        if item not in seen:
+            seen.add(item)
             strings.append(item)
     return strings
 
 
-def _check_token_ids(name: str, ids: Any) -> list[int]:
+def _check_token_ids(name: str, ids: Any, limit: int) -> list[int]:
+    """``ids`` as a list of ints in [0, 2**31), at most ``limit`` of them (checked first)."""
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         raise ConfigError(f"{name} must be a list of token ids, got {ids!r}")
+    problem = check_count(name, len(ids), limit, "ids")
+    if problem is not None:
+        raise ConfigError(problem)
+    # The common case (a JSON list of ints) in a few C-speed passes; anything else, or a value
+    # out of range, goes through the per-entry checks below for their messages.
+    if all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < 2**31)):
+        return list(ids)
     checked: list[int] = []
     for token_id in ids:
         checked.append(_check_int(name, token_id, minimum=0))
@@ -307,6 +346,9 @@ def _check_logit_bias(bias: Any) -> dict[int, float]:
     finite biases clamped to [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], as OpenAI does."""
     if not isinstance(bias, dict):
         raise ConfigError(f"logit_bias must be a dict of token id -> bias, got {bias!r}")
+    problem = check_count("logit_bias", len(bias), MAX_TOKEN_ID_ENTRIES)
+    if problem is not None:
+        raise ConfigError(problem)
     checked: dict[int, float] = {}
     for token_id, value in bias.items():
         token = _check_int("logit_bias", token_id, minimum=0)
@@ -320,7 +362,16 @@ def _check_logit_bias(bias: Any) -> dict[int, float]:
 def _check_bad_words(words: Any) -> list[str]:
     if isinstance(words, str) or not isinstance(words, Sequence):
         raise ConfigError(f"bad_words must be a list of str, got {words!r}")
+    problem = check_count("bad_words", len(words), MAX_BAD_WORDS, "words")
+    if problem is not None:
+        raise ConfigError(problem)
+    num_chars = 0
     for word in words:
         if not isinstance(word, str) or not word.strip():
             raise ConfigError(f"bad_words entries must be non-empty strings, got {word!r}")
+        num_chars += len(word)
+        if num_chars > MAX_BAD_WORDS_CHARS:
+            raise ConfigError(
+                f"bad_words has more than {MAX_BAD_WORDS_CHARS} characters in its words together (the limit)"
+            )
     return list(words)

@@ -46,7 +46,6 @@ from starlette.responses import Response
 import pagedkv
 from pagedkv.engine.args import EngineArgs
 from pagedkv.engine.async_llm import AsyncLLM
-from pagedkv.engine.prompts import check_token_ids
 from pagedkv.errors import ConfigError, PagedKVError
 from pagedkv.kernels.layer_attention import describe_layers
 from pagedkv.server.body_limit import BodySizeLimit
@@ -208,11 +207,12 @@ def _log_startup(state: ServerState) -> None:
     limits = state.args.limits
     logger.info(
         "limits: body %d bytes, %d prompt characters, %d prompts per request, header timeout %g s, "
-        "%d connections, max_queued_requests %s, request chat templates %s, API key %s",
+        "body timeout %g s, %d connections, max_queued_requests %s, request chat templates %s, API key %s",
         limits.max_request_body_bytes,
         serving.max_prompt_chars,
         limits.max_prompts_per_request,
         limits.header_timeout,
+        limits.body_timeout,
         limits.max_connections,
         state.args.max_queued_requests,
         "trusted" if limits.trust_request_chat_template else "refused",
@@ -263,6 +263,7 @@ def create_app(
             raise ConfigError("kv_events_endpoint needs an engine built with enable_kv_cache_events=True")
         if publisher is not None:
             engine.set_kv_event_sink(publisher.publish)
+            publisher.report_to(engine.engine.background)  # its thread in /health and the metrics
         state = ServerState(engine, server_args, owns_engine=owns_engine, publisher=publisher)
     except BaseException:
         if publisher is not None:
@@ -282,7 +283,12 @@ def create_app(
     # Added before the auth middleware, so inside it: a client without the key is refused
     # before its body is read.
     limits = server_args.limits
-    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes, idle_timeout=limits.header_timeout)
+    app.add_middleware(
+        BodySizeLimit,
+        max_bytes=limits.max_request_body_bytes,
+        idle_timeout=limits.header_timeout,
+        total_timeout=limits.body_timeout,
+    )
     _add_auth(app, server_args.api_key)
     _add_routes(app, state)
     return app
@@ -451,8 +457,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         if body.model is not None and body.model not in serving.served_model_names:
             raise APIError(404, f"The model `{body.model}` does not exist.", param="model", code="model_not_found")
-        ids = serving.check_not_empty(check_token_ids(body.tokens, serving.vocab_size, "token"), "tokens")
-        return {"prompt": serving.tokenizer.decode(ids)}
+        return {"prompt": await serving.detokenize(body.tokens)}
 
     @app.get("/kv_cache_info")
     async def kv_cache_info() -> dict[str, object]:

@@ -1,5 +1,5 @@
-"""An ASGI middleware that reads each request's body with a size limit and an idle timeout
-before the app sees it.
+"""An ASGI middleware that reads each request's body with a size limit, an idle timeout and a
+total deadline before the app sees it.
 
 A body whose ``Content-Length`` is over the limit is answered 413 before a byte of it is read;
 a chunked body is read piece by piece and answered 413 as soon as the limit is passed. Either
@@ -7,7 +7,9 @@ way it is never buffered whole nor parsed, and the connection is closed after th
 rest of the body is not read). A body within the limit is handed to the app as one message,
 after which the app's ``receive`` is the server's again (disconnects are still seen).
 A body that stops arriving for ``idle_timeout`` seconds is answered 408 (a slow-body slowloris
-holds no handler).
+holds no handler), and so is one still arriving ``total_timeout`` seconds after the app was
+called (a body that drips a byte at a time, each within the idle timeout, would otherwise hold
+its connection for as long as its sender likes). Either way the connection is closed.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
 class BodySizeLimit:
     """Wraps ``app``: HTTP request bodies over ``max_bytes`` get 413, bodies idle for
-    ``idle_timeout`` seconds 408 (OpenAI's error body)."""
+    ``idle_timeout`` seconds or not complete ``total_timeout`` seconds after their headers
+    (``None``: no deadline) 408 (OpenAI's error body)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, idle_timeout: float) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, idle_timeout: float, total_timeout: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.idle_timeout = idle_timeout
+        self.total_timeout = total_timeout
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -46,11 +50,21 @@ class BodySizeLimit:
             return
         chunks: list[bytes] = []
         size = 0
+        loop = asyncio.get_running_loop()
+        deadline = None if self.total_timeout is None else loop.time() + self.total_timeout
         while True:
+            # Each wait ends at the idle timeout or at the deadline, whichever comes first.
+            wait = self.idle_timeout if deadline is None else min(self.idle_timeout, deadline - loop.time())
             try:
-                message = await asyncio.wait_for(receive(), self.idle_timeout)
+                if wait <= 0:
+                    raise asyncio.TimeoutError
+                message = await asyncio.wait_for(receive(), wait)
             except asyncio.TimeoutError:
-                await self._refuse(scope, receive, send, 408, f"idle for {self.idle_timeout:g} s (header_timeout)")
+                if deadline is not None and loop.time() >= deadline:
+                    why = f"not complete {self.total_timeout:g} s after its headers (body_timeout)"
+                else:
+                    why = f"idle for {self.idle_timeout:g} s (header_timeout)"
+                await self._refuse(scope, receive, send, 408, why)
                 return
             if message["type"] != "http.request":  # the client left: let the app see it
                 await self.app(scope, _replay([message], receive), send)

@@ -3,8 +3,11 @@ template, then generated like a completion.
 
 A request's own ``chat_template`` is a 400 unless the server trusts request templates
 (``--trust-request-chat-template``); then it is rendered in a bounded sandbox
-(pagedkv.server.chat_template) that stops when the client leaves. Either way the messages'
-characters are counted against ``max_prompt_chars`` before anything is rendered.
+(pagedkv.server.chat_template) that stops when the client leaves. Either way every character
+the conversation carries into the template is counted against ``max_prompt_chars`` before
+anything is rendered (:func:`conversation_chars`: message contents, tool calls' names and
+arguments, tool results, any other field a message carries, and the tools' names,
+descriptions and parameter schemas).
 
 A stream sends, per choice, a first chunk with ``delta.role = "assistant"``, content deltas,
 and ``finish_reason`` on the chunk that ends it; then an optional usage chunk and
@@ -61,7 +64,7 @@ from pagedkv.server.tools import (
     tool_request,
 )
 
-__all__ = ["create_chat_completion", "render_chat"]
+__all__ = ["conversation_chars", "create_chat_completion", "render_chat"]
 
 
 async def render_chat(
@@ -76,9 +79,15 @@ async def render_chat(
     """``{"prompt", "prompt_token_ids"}`` of a conversation (in a worker thread: templates and
     tokenizers are CPU work), or None when the client left first. A conversation the template
     refuses (or a content part that is not text) is a 400 naming ``messages``; a request
-    template the server does not trust, or messages over ``max_prompt_chars``, a 400 before
-    anything is rendered."""
-    serving.check_prompt_chars(sum(_content_chars(m.content) for m in messages), "messages")
+    template the server does not trust, or messages and tools over ``max_prompt_chars``
+    (:func:`conversation_chars`), a 400 before anything is rendered."""
+    limit = serving.max_prompt_chars
+    dicts = [m.model_dump(exclude_none=True) for m in messages]
+    what = "the text of the messages (contents, tool calls and their arguments, tool results, other fields)"
+    serving.check_prompt_chars(conversation_chars(dicts, None, limit), "messages", what=what)
+    if tools is not None and tools.active:
+        num_chars = conversation_chars(dicts, [t.as_openai() for t in tools.tools], limit)
+        serving.check_prompt_chars(num_chars, "tools", what=what + " with the tools (names, descriptions, schemas)")
     if chat_template is not None and not serving.limits.trust_request_chat_template:
         raise APIError(
             400,
@@ -86,16 +95,14 @@ async def render_chat(
             "--trust-request-chat-template)",
             param="chat_template",
         )
-    dicts = [
-        {**m.model_dump(exclude_none=True), "content": m.content if m.content is not None else ""} for m in messages
-    ]
+    dicts = [{**d, "content": d.get("content") if d.get("content") is not None else ""} for d in dicts]
     # Tools: passed to a template that renders them; otherwise written into the conversation in
-    # the hermes convention (pagedkv.server.tools), earlier calls and tool results included.
+    # the hermes convention (pagedkv.server.tools), earlier calls and tool results included
+    # (in the worker thread: it parses and writes the calls' arguments as JSON).
     template_tools = None
-    if template_knows_tools(chat_template or getattr(serving.tokenizer, "chat_template", None)):
+    hermes = not template_knows_tools(chat_template or getattr(serving.tokenizer, "chat_template", None))
+    if not hermes:
         template_tools = [t.as_openai() for t in tools.tools] if tools is not None and tools.active else None
-    else:
-        dicts = render_without_tool_template(dicts, tools)
     cancel = threading.Event()  # set when the client leaves: a request template stops rendering
     render = None
     if chat_template is not None:
@@ -111,16 +118,19 @@ async def render_chat(
             cancel=cancel,
         )
 
+    def prompt() -> dict[str, Any]:
+        conversation = render_without_tool_template(dicts, tools) if hermes else dicts
+        return chat_prompt(
+            serving.tokenizer,
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            render=render,
+            tools=template_tools,
+        )
+
     async def work() -> dict[str, Any]:
         try:
-            return await asyncio.to_thread(
-                chat_prompt,
-                serving.tokenizer,
-                dicts,
-                add_generation_prompt=add_generation_prompt,
-                render=render,
-                tools=template_tools,
-            )
+            return await asyncio.to_thread(prompt)
         except InvalidArgumentError as exc:  # a message the template or its checks refuse
             raise APIError(400, str(exc), param="messages", code=type(exc).__name__) from None
         finally:
@@ -135,12 +145,37 @@ def _render_request_template(
     return render_request_template(source, {**variables, "messages": messages}, **limits)
 
 
-def _content_chars(content: str | list[dict[str, Any]] | None) -> int:
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return 0
+def conversation_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, limit: int) -> int:
+    """The characters a conversation brings to its chat template, counted up to just past
+    ``limit`` (then the count stops: the request is refused anyway, and a 12 MB body costs no
+    more than a 12 KB one to refuse).
+
+    Counted: every string a message carries, at any depth, but its own field names and its
+    ``role`` (its content or text parts, ``tool_calls[].function.name`` and ``.arguments``,
+    a ``tool`` message's result and ``tool_call_id``, ``name``, any other field, which
+    templates may render), the keys of the objects inside it (``arguments`` or a part given as
+    an object is rendered as JSON), one character per number, bool or null, and for ``tools``
+    every key and string of their entries (names, descriptions, parameter schemas: rendered as
+    JSON). Iterative, so nesting depth costs no stack."""
+    total = 0
+    stack: list[Any] = []
+    for message in messages:
+        stack.extend(value for key, value in message.items() if key != "role")
+    if tools:
+        stack.extend(tools)
+    while stack and total <= limit:
+        value = stack.pop()
+        if isinstance(value, str):
+            total += len(value)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                total += len(key) if isinstance(key, str) else 1
+                stack.append(item)
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        else:
+            total += 1
+    return total
 
 
 def _special_tokens(tokenizer: Any) -> dict[str, str]:
@@ -171,11 +206,16 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
     logprobs = (request.top_logprobs or 0) if request.logprobs else None
     tool_constraint = None if tools is None else tools.constraint()
     engine_request = EngineRequest(
-        prompt, serving.sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, tool_constraint)
+        prompt,
+        await serving.build_sampling_params(request, max_tokens, logprobs, request.prompt_logprobs, tool_constraint),
     )
     parse_calls = tools is not None and tools.active
     request_id = new_request_id("chatcmpl")
-    running = await serving.start(request_id, [engine_request], request)
+    # Under the disconnect watch: a client that leaves while its grammar waits to compile
+    # takes that compile with it (dropped if nobody else waits for it).
+    running = await cancel_on_disconnect(raw, serving.start(request_id, [engine_request], request))
+    if running is None:  # the client is gone: nothing of the request is left
+        return Response(status_code=499)
     if request.stream:
         return StreamingResponse(
             sse_stream(_chunks(serving, request, request_id, running, tools if parse_calls else None)),
@@ -199,9 +239,7 @@ async def create_chat_completion(serving: OpenAIServing, request: ChatCompletion
     if parse_calls:
         assert tools is not None
         for choice in choices:
-            content, calls = HermesToolParser().parse(choice.message.content or "")
-            if not tools.parallel:
-                calls = calls[:1]
+            content, calls = HermesToolParser(max_calls=tools.max_calls).parse(choice.message.content or "")
             if calls:
                 choice.message = AssistantMessage(content=content, tool_calls=[c.as_openai() for c in calls])
                 if choice.finish_reason == "stop":
@@ -289,7 +327,7 @@ async def _chunks(
                 )
             logprobs = _logprobs(c, delta.first_token, k)
             if tools is not None:
-                parser = parsers.setdefault(c.index, HermesToolParser())
+                parser = parsers.setdefault(c.index, HermesToolParser(max_calls=tools.max_calls))
                 pieces = parser.feed(delta.text)
                 if c.finish_reason is not None:
                     pieces += parser.finish()

@@ -24,6 +24,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedkv.sample.beam_search_params import BeamSearchParams
+from pagedkv.sample.sampling_params import SamplingParams
 from pagedkv.server.errors import APIError
 from pagedkv.server.protocol import (
     CompletionChoice,
@@ -51,9 +53,23 @@ __all__ = ["create_completion"]
 async def create_completion(serving: OpenAIServing, request: CompletionRequest, raw: Request) -> Response:
     serving.check_request(request)
     prompts = _prompts(serving, request)  # counted and sized before any is tokenized
-    engine_requests = [await _engine_request(serving, request, p) for p in prompts]
+    # echo with max_tokens 0: one token is generated (the engine's minimum) and dropped.
+    max_tokens = 1 if request.echo_only else request.max_tokens
+    shared = None
+    if not request.use_beam_search:
+        # One SamplingParams for every prompt (max_tokens None: each prompt's room, which the
+        # engine computes as check_length does): its lists are checked, and the engine's mask
+        # and tokenized bad words built, once per API request, not once per prompt.
+        shared = await serving.build_sampling_params(
+            request, max_tokens, request.logprobs, request.engine_prompt_logprobs
+        )
+    engine_requests = [await _engine_request(serving, request, p, max_tokens, shared) for p in prompts]
     request_id = new_request_id("cmpl")
-    running = await serving.start(request_id, engine_requests, request)
+    # Under the disconnect watch: a client that leaves while its grammar waits to compile
+    # takes that compile with it (dropped if nobody else waits for it).
+    running = await cancel_on_disconnect(raw, serving.start(request_id, engine_requests, request))
+    if running is None:  # the client is gone: nothing of the request is left
+        return Response(status_code=499)
     if request.stream:
         return StreamingResponse(
             sse_stream(_chunks(serving, request, request_id, engine_requests, running)),
@@ -115,17 +131,31 @@ def _prompts(serving: OpenAIServing, request: CompletionRequest) -> list[str | l
     return prompts
 
 
-async def _engine_request(serving: OpenAIServing, request: CompletionRequest, prompt: str | list[int]) -> EngineRequest:
+async def _engine_request(
+    serving: OpenAIServing,
+    request: CompletionRequest,
+    prompt: str | list[int],
+    max_tokens: int | None,
+    shared: SamplingParams | BeamSearchParams | None,
+) -> EngineRequest:
+    """One prompt's engine request: tokenized, its length checked; ``shared``: the request's
+    SamplingParams (None: a beam search, whose params need the prompt's room)."""
     if isinstance(prompt, str):
         ids = serving.check_not_empty(await serving.tokenize(prompt))
         text: str | None = prompt
     else:
         ids = serving.check_prompt_ids(prompt)
         text = None
-    # echo with max_tokens 0: one token is generated (the engine's minimum) and dropped.
-    max_tokens = serving.check_length(len(ids), 1 if request.echo_only else request.max_tokens)
-    params = serving.sampling_params(request, max_tokens, request.logprobs, request.engine_prompt_logprobs)
-    return EngineRequest({"prompt": text, "prompt_token_ids": ids}, params)
+    room = serving.check_length(len(ids), max_tokens)
+    if shared is None:
+        shared = serving.sampling_params(request, room, request.logprobs, request.engine_prompt_logprobs)
+    elif request.min_tokens > room:  # SamplingParams checks it only against a given max_tokens
+        raise APIError(
+            400,
+            f"min_tokens = {request.min_tokens} is more than the {room} tokens this prompt leaves room for",
+            param="min_tokens",
+        )
+    return EngineRequest({"prompt": text, "prompt_token_ids": ids}, shared)
 
 
 def _echo_text(serving: OpenAIServing, r: EngineRequest) -> str:

@@ -25,8 +25,10 @@ from pagedkv.errors import (
     EngineDeadError,
     InvalidArgumentError,
     KVTransferError,
+    OverloadedError,
     PagedKVError,
     RequestFailedError,
+    StructuredOutputError,
     UnknownRequestError,
 )
 from pagedkv.server.protocol import ErrorInfo, ErrorResponse
@@ -88,7 +90,11 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, EngineDeadError):
         return APIError(503, f"the engine is not running: {exc}")
     if isinstance(exc, RequestFailedError):
+        if isinstance(exc.__cause__, StructuredOutputError):  # its own constraint broke mid-way
+            return APIError(400, str(exc), code=StructuredOutputError.__name__)
         return APIError(500, str(exc))
+    if isinstance(exc, OverloadedError):  # a full shared queue: nothing started, retry
+        return APIError(503, str(exc), code="server_overloaded")
     if isinstance(exc, UnknownRequestError):
         return APIError(404, str(exc))
     if isinstance(exc, KVTransferError):  # the KV producer (a peer) failed or cannot match

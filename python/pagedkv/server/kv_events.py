@@ -44,6 +44,14 @@ Publishing protocol (vLLM's)
     batch (the last ``buffer_steps``) with ``seq >= start_seq``, then the end marker ``[b"",
     (-1).to_bytes(8, "big", signed=True), b""]``. Subscribe first, then replay from the first
     sequence number missed, and drop live batches already replayed.
+
+The publisher's thread answers whoever reaches the replay socket, so it takes every input
+within bounds (a request frame over ``MAX_REPLAY_REQUEST_BYTES`` disconnects its sender: ZMQ
+``MAXMSGSIZE``; a request of more than 3 frames is read, dropped and answered with the end
+marker) and handles each under its own ``except Exception``: a replay or a send that fails is
+counted and logged (:meth:`KVEventPublisher.report_to` an engine's
+:class:`~pagedkv.background.BackgroundThreads`: ``/health``, ``pagedkv:background_errors``),
+and the thread goes on; should it die anyway, ``/health`` is degraded, naming it.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ from types import TracebackType
 import msgspec
 import zmq
 
+from pagedkv.background import BackgroundThreads
 from pagedkv.errors import ConfigError, InvalidArgumentError, InvalidTypeError
 
 __all__ = [
@@ -66,6 +75,8 @@ __all__ = [
     "KVCacheEvent",
     "KVEventBatch",
     "KVEventPublisher",
+    "MAX_REPLAY_REQUEST_BYTES",
+    "PUBLISHER_THREAD",
     "REPLAY_END",
     "decode_event_batch",
     "encode_event_batch",
@@ -75,6 +86,11 @@ logger = logging.getLogger(__name__)
 
 # The sequence-number frame that ends a replay.
 REPLAY_END = (-1).to_bytes(8, "big", signed=True)
+# The publisher's thread, as BackgroundThreads and /health name it.
+PUBLISHER_THREAD = "pagedkv-kv-events"
+# A replay request's frames are an empty one and 8 bytes; anything much larger is not one.
+MAX_REPLAY_REQUEST_BYTES = 1024
+_REPLAY_FRAMES = 3  # [identity, b"", start_seq] as the ROUTER socket reads them
 
 
 class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -185,10 +201,13 @@ class KVEventPublisher:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._ready = threading.Event()
+        # Where the thread reports (a private registry until report_to hands it an engine's).
+        self._background = BackgroundThreads()
         self._error: ConfigError | None = None
         self._bound: tuple[str, str | None] = (endpoint, replay_endpoint)
-        self._thread = threading.Thread(target=self._run, name="pagedkv-kv-events", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=PUBLISHER_THREAD, daemon=True)
         self._thread.start()
+        self._background.adopt(PUBLISHER_THREAD, self._thread)
         if not self._ready.wait(30.0):
             self._error = ConfigError(f"the KV event publisher for {endpoint!r} did not start")
         if self._error is not None:
@@ -206,6 +225,17 @@ class KVEventPublisher:
     def replay_endpoint(self) -> str | None:
         """The replay socket's endpoint as bound, or None without one."""
         return self._bound[1]
+
+    def report_to(self, background: BackgroundThreads) -> None:
+        """From now on the publisher's thread answers for itself in ``background`` (an
+        engine's: the server's ``/health`` and ``/metrics``): the inputs it survived are
+        recorded there, and its death makes ``/health`` degraded."""
+        self._background = background
+        background.adopt(PUBLISHER_THREAD, self._thread)
+
+    def _record(self, exc: BaseException, what: str) -> None:
+        """An input the thread survived: counted and logged (at a bounded rate)."""
+        self._background.record_error(PUBLISHER_THREAD, exc, what)
 
     @property
     def num_dropped(self) -> int:
@@ -243,6 +273,7 @@ class KVEventPublisher:
             self._closing = True
             self._closed = True
             self._close_timeout = max(0.0, float(timeout))
+        self._background.stopping(PUBLISHER_THREAD)
         self._wake()
         self._thread.join(self._close_timeout + 1.0)
         if self._thread.is_alive():
@@ -285,6 +316,7 @@ class KVEventPublisher:
                 replay = ctx.socket(zmq.ROUTER)
                 sockets.append(replay)
                 replay.setsockopt(zmq.LINGER, 0)
+                replay.setsockopt(zmq.MAXMSGSIZE, MAX_REPLAY_REQUEST_BYTES)
                 bound_replay = self._bind(replay, replay_endpoint, "KV event replay endpoint")
             self._bound = (bound_pub, bound_replay)
         except Exception as e:  # noqa: BLE001 - reported to the constructor
@@ -297,8 +329,9 @@ class KVEventPublisher:
         self._ready.set()
         try:
             self._serve(pub, replay)
-        except Exception:  # noqa: BLE001 - the thread must not die silently
-            logger.exception("the KV event publisher thread failed; events are no longer published")
+        except Exception as e:  # noqa: BLE001 - the thread must not die silently
+            logger.error("the KV event publisher thread failed; events are no longer published")
+            self._background.died(PUBLISHER_THREAD, e)
         finally:
             linger = int(self._close_timeout * 1000)
             for s in sockets:
@@ -321,8 +354,14 @@ class KVEventPublisher:
         poller.register(self._wake_r, zmq.POLLIN)
         if replay is not None:
             poller.register(replay, zmq.POLLIN)
+        # Each input (a wake-up, a batch, a replay request) is handled under its own guard: its
+        # failure is counted (self._record) and the loop goes on (module docs).
         while True:
-            ready = dict(poller.poll())
+            try:
+                ready = dict(poller.poll())
+            except zmq.ZMQError as e:  # EINTR and the like: nothing was read
+                self._record(e, "a poll")
+                ready = {}
             if self._wake_r.fileno() in ready or self._wake_r in ready:
                 self._drain_wake()
             with self._lock:
@@ -330,11 +369,17 @@ class KVEventPublisher:
                 self._queue.clear()
                 closing = self._closing
             for seq, payload in batches:
-                pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload], copy=False)
+                try:
+                    pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload], copy=False)
+                except zmq.ZMQError as e:  # the batch is lost: subscribers see a gap and replay it
+                    self._record(e, f"publishing batch {seq}")
                 if keep:
                     buffer.append((seq, payload))
             if replay is not None and replay in ready:
-                self._answer_replays(replay, buffer if keep else ())
+                try:
+                    self._answer_replays(replay, buffer if keep else ())
+                except Exception as e:  # noqa: BLE001 - one replay request's failure is its own
+                    self._record(e, "a replay request")
             if closing:
                 return
 
@@ -345,18 +390,27 @@ class KVEventPublisher:
         except (BlockingIOError, OSError):
             pass
 
-    @staticmethod
-    def _answer_replays(replay: zmq.Socket[bytes], buffer: collections.deque[tuple[int, bytes]] | tuple[()]) -> None:
+    def _answer_replays(
+        self, replay: zmq.Socket[bytes], buffer: collections.deque[tuple[int, bytes]] | tuple[()]
+    ) -> None:
         while True:
             try:
-                frames = replay.recv_multipart(zmq.NOBLOCK)
+                frames = [replay.recv(zmq.NOBLOCK)]
             except zmq.Again:
                 return
+            extra = 0  # frames past the bound: read (ZMQ delivers a message whole) and dropped
+            while replay.getsockopt(zmq.RCVMORE):
+                part = replay.recv(zmq.NOBLOCK)
+                if len(frames) < _REPLAY_FRAMES:
+                    frames.append(part)
+                else:
+                    extra += 1
             client = frames[0]
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                logger.warning(
-                    "malformed KV event replay request (%d frames): answered with the end marker", len(frames)
+            if extra or len(frames) != _REPLAY_FRAMES or frames[1] != b"" or len(frames[2]) != 8:
+                malformed = InvalidArgumentError(
+                    f"a replay request of {len(frames) + extra} frame(s) is not [b'', seq]"
                 )
+                self._record(malformed, "a malformed replay request (answered with the end marker)")
                 start = None
             else:
                 start = int.from_bytes(frames[2], "big")

@@ -39,6 +39,10 @@ class ServerLimits:
     - ``header_timeout``: seconds a connection may take to send a request's complete headers
       (from its opening, or from the end of its previous response); then it is closed. A body
       that stops arriving for as long gets 408.
+    - ``body_timeout``: seconds a request's body may take to arrive whole, from the end of its
+      headers; past it, 408 and the connection is closed (a body dripping a byte at a time,
+      each within ``header_timeout``, holds a connection no longer). 60 s reads the largest
+      body (16 MiB) at 280 KB/s.
     - ``max_connections``: the most open connections; one more is closed as soon as it opens.
     - ``trust_request_chat_template``: accept a request's own ``chat_template`` (vLLM's
       ``--trust-request-chat-template``); off, such a request is a 400. A request template is
@@ -51,6 +55,7 @@ class ServerLimits:
     max_prompt_chars: int | None = None
     max_prompts_per_request: int = 1024
     header_timeout: float = 10.0
+    body_timeout: float = 60.0
     max_connections: int = 1000
     trust_request_chat_template: bool = False
     chat_template_timeout: float = 5.0
@@ -62,7 +67,7 @@ class ServerLimits:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        for name in ("header_timeout", "chat_template_timeout"):
+        for name in ("header_timeout", "body_timeout", "chat_template_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
                 raise ConfigError(f"{name} must be a number of seconds > 0, got {value!r}")
@@ -77,6 +82,7 @@ _HELP = {
     "(default: max_model_len x the longest token's characters)",
     "max_prompts_per_request": "most prompts in one /v1/completions request",
     "header_timeout": "seconds a connection may take to send complete request headers before it is closed",
+    "body_timeout": "seconds a request body may take to arrive whole after its headers; then 408, connection closed",
     "max_connections": "most open connections; more are closed at once",
     "trust_request_chat_template": "accept a chat_template sent in a request (rendered in a bounded sandbox); "
     "off: such requests get 400",
@@ -85,7 +91,7 @@ _HELP = {
 
 
 # The limits that guard a socket, not an engine's work: `pagedkv router` has them too.
-CONNECTION_LIMITS = ("max_request_body_bytes", "header_timeout", "max_connections")
+CONNECTION_LIMITS = ("max_request_body_bytes", "header_timeout", "body_timeout", "max_connections")
 
 
 def add_limit_arguments(

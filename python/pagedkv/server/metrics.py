@@ -254,6 +254,16 @@ _STRUCTURED_COUNTERS: tuple[_Spec, ...] = (
         "Structured-output constraints served from the compiled-grammar cache.",
     ),
     ("pagedkv:structured_output_masked_rows", "structured_masked_rows", "Logits rows masked by a grammar."),
+    (
+        "pagedkv:structured_output_compiles_cancelled",
+        "structured_compiles_cancelled",
+        "Grammar compiles dropped before they started: every request that wanted one went away.",
+    ),
+    (
+        "pagedkv:structured_output_compiles_refused",
+        "structured_compiles_refused",
+        "Structured requests refused (503) because max_queued_compiles compiles were queued.",
+    ),
 )
 
 # Speculative decoding (an engine with speculative_config: its stats carry spec_per_token_s);
@@ -345,6 +355,18 @@ class _EngineStatsCollector(Collector):
             snapshot = stats.get(key)
             if snapshot is not None:
                 yield _histogram(name, doc, self._model_name, snapshot)
+        background = stats.get("background_errors")
+        if background:
+            # Per thread (pagedkv.background): inputs it failed on and went on from. Only grows.
+            family = CounterMetricFamily(
+                "pagedkv:background_errors",
+                "Errors a background thread survived (a malformed control message, a failed pull, a bad "
+                "replay request, ...): counted, logged at a bounded rate, and the thread went on. By thread.",
+                labels=["model_name", "thread"],
+            )
+            for thread, count in sorted(background.items()):
+                family.add_metric([self._model_name, str(thread)], _number(count))
+            yield family
 
     def _families(
         self, stats: Mapping[str, Any], gauges: Iterable[_Spec], counters: Iterable[_Spec]

@@ -6,12 +6,18 @@ Lifecycle of a request (both endpoints):
 
 1. :meth:`OpenAIServing.check_request`: 404 or 400 before any work: unsupported fields, ``n``
    over the engine's ``max_num_seqs``, ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs``
-   over its ``max_logprobs``, a stop string or bad word that is not valid Unicode. Then,
+   over its ``max_logprobs``, lists over their bounds (:meth:`~OpenAIServing.check_sizes`:
+   stop strings, stop token ids, bad words, allowed token ids, logit bias), a stop string or
+   bad word that is not valid Unicode. Then,
    still before tokenizing, :meth:`~OpenAIServing.check_admission` (503 when the prompts
    would not fit under ``max_queued_requests``), the number of prompts
    (``max_prompts_per_request``) and each prompt's characters (``max_prompt_chars``), 400.
 2. The prompt is tokenized here, off the event loop, so ``prompt + max_tokens`` can be checked
    against ``max_model_len`` (400, as vLLM does) and the engine does not tokenize it again.
+   The request's ``SamplingParams`` are built off the event loop too, once per API request
+   (its prompts share them, and with them one allowed-token mask), and the engine's per-step
+   structures are built from them in a worker thread when they are added
+   (``AsyncLLM.add_request``, pagedkv.sample.prepared).
 3. ``start``: admission again (the queue moved while tokenizing), then
    :meth:`AsyncLLM.add_request` (bad parameters: 400, raised before anything streams).
 4. The outputs are read by :meth:`run` (merged across the request's prompts). Leaving it early
@@ -39,6 +45,14 @@ from pagedkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedkv.engine.prompts import check_text, check_token_ids, tokenize
 from pagedkv.errors import InvalidArgumentError, PagedKVError, RequestFailedError, StructuredOutputError
 from pagedkv.sample.beam_search_params import BeamSearchParams
+from pagedkv.sample.limits import (
+    MAX_BAD_WORDS,
+    MAX_BAD_WORDS_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    check_count,
+)
 from pagedkv.sample.sampling_params import SamplingParams
 from pagedkv.server.errors import APIError, error_body, from_exception, request_error
 from pagedkv.server.limits import ServerLimits
@@ -147,11 +161,40 @@ class OpenAIServing:
             value = getattr(request, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > self.max_logprobs:
                 raise APIError(400, f"{name} = {value} exceeds max_logprobs = {self.max_logprobs}", param=name)
+        self.check_sizes(request)
         stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
         for stop in stops:
             self.check_text(stop, "stop")
         for word in request.bad_words or []:
             self.check_text(word, "bad_words")
+
+    def check_sizes(self, request: _SamplingFields) -> None:
+        """A 400 naming the field for a list a step would pay for that is over its bound, before
+        any entry is read (pagedkv.sample.limits; ``allowed_token_ids`` and ``logit_bias``: the
+        vocabulary's size, since distinct ids cannot outnumber it). SamplingParams and the
+        engine check the same bounds again, for callers that do not come through here."""
+        stops = [request.stop] if isinstance(request.stop, str) else request.stop or []
+        vocab = " (the vocabulary's size)"
+        counts = (
+            ("stop", len(stops), MAX_STOP_STRINGS, "strings", ""),
+            ("stop_token_ids", len(request.stop_token_ids or ()), MAX_STOP_TOKEN_IDS, "ids", ""),
+            ("bad_words", len(request.bad_words or ()), MAX_BAD_WORDS, "words", ""),
+            ("allowed_token_ids", len(request.allowed_token_ids or ()), self.vocab_size, "ids", vocab),
+            ("logit_bias", len(request.logit_bias or ()), self.vocab_size, "entries", vocab),
+        )
+        for name, count, limit, what, why in counts:
+            problem = check_count(name, count, limit, what)
+            if problem is not None:
+                raise APIError(400, problem + why, param=name)
+        for name, texts, limit in (
+            ("stop", stops, MAX_STOP_CHARS),
+            ("bad_words", request.bad_words or (), MAX_BAD_WORDS_CHARS),
+        ):
+            num_chars = sum(len(t) for t in texts)
+            if num_chars > limit:
+                raise APIError(
+                    400, f"{name} has {num_chars} characters together, more than the limit of {limit}", param=name
+                )
 
     @staticmethod
     def check_text(text: str, param: str) -> str:
@@ -161,12 +204,14 @@ class OpenAIServing:
         except InvalidArgumentError as exc:
             raise APIError(400, str(exc), param=param, code=type(exc).__name__) from None
 
-    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
-        """A 400 for a prompt longer than ``max_prompt_chars``, before it is tokenized."""
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt", *, what: str | None = None) -> None:
+        """A 400 for a prompt longer than ``max_prompt_chars``, before it is tokenized.
+        ``what``: the text counted, when the count stopped past the limit (a conversation)."""
         if num_chars > self.max_prompt_chars:
+            counted = f"the {param} has {num_chars} characters, more" if what is None else f"{what} has more characters"
             raise APIError(
                 400,
-                f"the {param} has {num_chars} characters, more than max_prompt_chars = {self.max_prompt_chars}",
+                f"{counted} than max_prompt_chars = {self.max_prompt_chars}",
                 param=param,
                 code="context_length_exceeded",
             )
@@ -278,10 +323,43 @@ class OpenAIServing:
             )
         return room if max_tokens is None else max_tokens
 
+    async def build_sampling_params(
+        self,
+        request: _SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        tool_constraint: StructuredOutputsParams | None = None,
+    ) -> SamplingParams | BeamSearchParams:
+        """:meth:`sampling_params` in a worker thread: checking a list of up to a vocabulary's
+        worth of ids is CPU work the event loop should not wait on."""
+        return await asyncio.to_thread(
+            self.sampling_params, request, max_tokens, logprobs, prompt_logprobs, tool_constraint
+        )
+
     async def tokenize(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text`` as the engine would make them (in a worker thread: a long prompt
         does not stall the event loop)."""
         return await asyncio.to_thread(tokenize, self.tokenizer, text, add_special_tokens=add_special_tokens)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """``/detokenize``: the text of ``ids``. At most ``max_model_len`` ids (no sequence the
+        engine reads or writes is longer: a 400 naming ``tokens`` before any is read), each in
+        the vocabulary; checked and decoded in a worker thread."""
+        if len(ids) > self.max_model_len:
+            raise APIError(
+                400, f"tokens has {len(ids)} ids, more than max_model_len = {self.max_model_len}", param="tokens"
+            )
+        self.check_not_empty(ids, "tokens")
+
+        def decode() -> str:
+            try:
+                checked = check_token_ids(ids, self.vocab_size, "token")
+            except InvalidArgumentError as exc:
+                raise APIError(400, str(exc), param="tokens", code=type(exc).__name__) from None
+            return str(self.tokenizer.decode(checked))
+
+        return await asyncio.to_thread(decode)
 
     @staticmethod
     def check_not_empty(ids: list[int], what: str = "prompt") -> list[int]:

@@ -19,7 +19,10 @@
   (:meth:`~HermesToolParser.parse`) or as a stream (:meth:`~HermesToolParser.feed`): content
   deltas, then per call a first delta with its ``id``, ``type`` and ``function.name`` (and empty
   ``arguments``), then argument fragments whose concatenation is the call's arguments JSON.
-  A choice that made calls ends with ``finish_reason: "tool_calls"``.
+  A choice that made calls ends with ``finish_reason: "tool_calls"``. With
+  ``parallel_tool_calls: false`` the parser keeps the first call and drops the ones after it
+  (their text too), whole or streamed alike (``max_calls``), as vLLM does: the same request
+  gives the same calls either way.
 """
 
 from __future__ import annotations
@@ -93,6 +96,11 @@ class ToolRequest:
     @property
     def forced(self) -> bool:
         return self.choice not in ("none", "auto")
+
+    @property
+    def max_calls(self) -> int | None:
+        """The most calls a choice returns: 1 without ``parallel_tool_calls``, else no limit."""
+        return None if self.parallel else 1
 
     def constraint(self) -> StructuredOutputsParams | None:
         """The grammar of ``required`` / a named function (None for ``auto`` and ``none``)."""
@@ -243,8 +251,13 @@ class HermesToolParser:
     """Splits one choice's output into content and hermes ``<tool_call>`` calls, whole or as a
     stream. Streaming invariant: what :meth:`feed` has emitted of a call's arguments is always a
     prefix of its final arguments (text is held back while it could still be the call's closing
-    ``}`` or ``</tool_call>``)."""
+    ``}`` or ``</tool_call>``).
 
+    ``max_calls`` (``parallel_tool_calls: false``: 1): calls past it are dropped, with their
+    text, by :meth:`parse` and :meth:`feed` alike (a streamed call past it is held back until
+    its end shows whether it is a call, which is dropped, or not, which is content)."""
+
+    max_calls: int | None = None
     text: str = ""
     calls: list[ToolCall] = field(default_factory=list)
     _pos: int = 0  # text before this is emitted (content) or consumed (calls)
@@ -262,7 +275,8 @@ class HermesToolParser:
             if call is None:
                 continue
             content.append(text[pos : match.start()])
-            calls.append(call)
+            if self.max_calls is None or len(calls) < self.max_calls:
+                calls.append(call)
             pos = match.end()
         content.append(text[pos:])
         joined = "".join(content).strip()
@@ -290,6 +304,17 @@ class HermesToolParser:
                         out.append({"content": self.text[start:]})
                         self._pos = len(self.text)
                     return out
+                if self._full:
+                    # A call past max_calls: dropped whole once its end is here, as parse()
+                    # drops it; a block that does not parse as a call is content, as there.
+                    close = self.text.find(_CLOSE, head.end())
+                    if close < 0:
+                        self._pos = start  # wait for its end
+                        return out
+                    if _call_from_json(self.text[start + len(_OPEN) : close]) is None:
+                        out.append({"content": self.text[start : close + len(_CLOSE)]})
+                    self._pos = close + len(_CLOSE)
+                    continue
                 name = json.loads(f'"{head.group(1)}"')
                 call = ToolCall(_call_id(), name, "")
                 self.calls.append(call)
@@ -327,12 +352,20 @@ class HermesToolParser:
             self._args_start = None
 
     def finish(self) -> list[dict[str, Any]]:
-        """The deltas of text held back at the end of the output."""
+        """The deltas of text held back at the end of the output (an unclosed call past
+        ``max_calls`` is dropped, as :meth:`parse` drops it)."""
         if self._args_start is None and self._pos < len(self.text):
             piece = self.text[self._pos :]
             self._pos = len(self.text)
+            if self._full and piece.startswith(_OPEN) and _call_from_json(piece[len(_OPEN) :]) is not None:
+                return []
             return [{"content": piece}]
         return []
+
+    @property
+    def _full(self) -> bool:
+        """Whether the calls so far reach ``max_calls``."""
+        return self.max_calls is not None and len(self.calls) >= self.max_calls
 
 
 def _call_from_json(body: str) -> ToolCall | None:

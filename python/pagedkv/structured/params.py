@@ -25,14 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv.errors import ConfigError, StructuredOutputError
+from pagedkv.structured.limits import MAX_CHOICES, MAX_CONSTRAINT_CHARS, MAX_SCHEMA_DEPTH
 
 __all__ = ["MAX_CONSTRAINT_CHARS", "MAX_CHOICES", "StructuredOutputsParams"]
 
-# Bounds checked before any compile work (a request must not make the server do unbounded work):
-# the constraint's text (a schema's JSON, a regex, a grammar, the choices together) and the
-# number of choices. Real schemas and tool lists are a few KB; 256 KB leaves a wide margin.
-MAX_CONSTRAINT_CHARS = 256 * 1024
-MAX_CHOICES = 4096
+# Bounds checked here, before any compile work (a request must not make the server do unbounded
+# work): the constraint's text and the number of choices (pagedkv.structured.limits, with the
+# limits on its complexity that the compile threads check before compiling).
 
 _KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -95,7 +94,10 @@ class StructuredOutputsParams:
         """The constraint as text: the schema's JSON, the regex, the grammar, the choices' JSON."""
         kind = self.kind
         if kind == "json":
-            return json_module.dumps(self.json, separators=(",", ":"), ensure_ascii=False)
+            try:
+                return json_module.dumps(self.json, separators=(",", ":"), ensure_ascii=False)
+            except RecursionError:  # a dict nested past Python's recursion limit
+                raise ConfigError("structured outputs: the json schema is nested too deeply") from None
         if kind == "choice":
             return json_module.dumps(self.choice, ensure_ascii=False)
         if kind == "json_object":
@@ -120,8 +122,10 @@ class StructuredOutputsParams:
             if kind == "regex":
                 return str(LLMatcher.grammar_from_regex(str(self.regex)))
             if kind == "choice":
-                # One Lark alternative per choice, each a JSON-quoted string literal.
-                lark = "start: " + " | ".join(json_module.dumps(c) for c in self.choice or [])
+                # One lexeme, an alternation of the JSON-quoted choices: the lexer matches it
+                # (a trie), so the parser's row holds one item whatever the number of choices
+                # (as a rule of n alternatives, n > 1,999 fails at the first token).
+                lark = "start: CHOICE\nCHOICE: " + " | ".join(json_module.dumps(c) for c in self.choice or [])
                 return str(LLMatcher.grammar_from_lark(lark))
             return str(grammar_from("grammar", str(self.grammar)))
         except ValueError as exc:
@@ -140,6 +144,10 @@ def _schema(value: Any) -> dict[str, Any] | bool:
             value = json_module.loads(value)
         except ValueError as exc:
             raise ConfigError(f"structured outputs: the json schema is not valid JSON: {exc}") from None
+        except RecursionError:  # json recurses on nesting: ~1,000 levels end it (C speed)
+            raise ConfigError(
+                f"structured outputs: the json schema is nested too deeply (the limit is {MAX_SCHEMA_DEPTH} levels)"
+            ) from None
     if isinstance(value, bool) or isinstance(value, dict):
         return value
     raise ConfigError(f"structured outputs: a json schema must be an object or a bool, got {type(value).__name__}")

@@ -14,6 +14,15 @@ ever used by two threads at once.
 
 The bitmask is llguidance's layout: int32 ``[G, ceil(V / 32)]``, token ``t`` allowed iff bit
 ``t % 32`` of word ``t // 32`` is set.
+
+A matcher in llguidance's error state (a grammar that passed its compile but ran past a limit
+mid-generation, or a compiled lexer another copy exhausted) gets a mask of eos alone: the
+sample would end with ``""``, which need not match. The fill lets every token through on such a
+row instead (no row is ever all ``-inf``), and the engine fails that request alone when it
+commits the row's token (``LLMEngine._apply_update``: the matcher is in error).
+
+The fill calls llguidance's executor directly: ``llguidance.torch`` is not imported (its
+``torch.compile`` decorator imports dynamo: ~7 s holding the GIL, every stream stalled).
 """
 
 from __future__ import annotations
@@ -81,10 +90,15 @@ class StepMasks:
         return PendingMasks(rows, bitmask, future)
 
     def _fill(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
-        from llguidance.torch import fill_next_token_bitmask_par
-
         start = time.perf_counter()
-        fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        assert bitmask.is_contiguous() and bitmask.dtype == torch.int32
+        # llguidance.torch.fill_next_token_bitmask_par, without importing that module.
+        self._executor.unsafe_compute_mask_ptr(
+            [(m, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), self.num_words * 4, len(matchers)
+        )
+        for i, matcher in enumerate(matchers):
+            if matcher.is_error():
+                bitmask[i] = -1  # all allowed: the engine fails the request at this row's token
         self.fill_time.observe(time.perf_counter() - start)
         self.num_masked_rows += len(matchers)
 
