@@ -94,6 +94,8 @@ _SLOWEST_MODULES = (
     "test_clients_eval.py",
     "test_router.py",
     "test_kv_plane.py",
+    "test_request_costs.py",
+    "test_grammars.py",
     "test_kv_quant_triton.py",
     "test_clients_load.py",
     "test_engine_greedy.py",
