@@ -12,15 +12,34 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Iterator
 
 import pytest
-from harness import REPORTS
+from harness import DEV_MODE_ENV, REPORTS, Attacks
+
+from pagedkv.server.launch import ServerProcess
 
 
 @pytest.fixture(scope="session")
 def honest_rounds() -> int:
     """Honest requests per attack (and at rest): 1, or N in benchmark mode."""
     return max(1, int(os.environ.get("PAGEDKV_ATTACK_BENCH", "0") or 0))
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    """One real server per attack module, started with the module's ``FLAGS``, serving its
+    development endpoints (``/dev/check_invariants``)."""
+    with ServerProcess(request.module.FLAGS, env=DEV_MODE_ENV, start_timeout=180) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def attacks(server: ServerProcess, honest_rounds: int) -> Iterator[Attacks]:
+    """The harness on the module's server (measured at rest once, when it is made)."""
+    a = Attacks(server.url, honest_rounds=honest_rounds, quiet_rounds=honest_rounds)
+    yield a
+    a.close()
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -4,23 +4,15 @@ the test did not expect)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 pytest.importorskip("fastapi")
 
-from harness import DEV_MODE_ENV, Attacks  # noqa: E402
+from harness import Attacks  # noqa: E402
 
 from pagedkv.server.launch import ServerProcess  # noqa: E402
 
 FLAGS = ["--dtype", "float32", "--device", "cpu", "--block-size", "16", "--num-blocks", "64", "--max-model-len", "256"]
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with ServerProcess(FLAGS, env=DEV_MODE_ENV, start_timeout=180) as proc:
-        yield proc
 
 
 def test_a_harmless_attack_passes_every_check_and_is_measured(server: ServerProcess) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -33,7 +32,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
-from harness import DEV_MODE_ENV, HONEST_PROMPT, Attacks, error_of, post_json  # noqa: E402
+from harness import HONEST_PROMPT, Attacks, error_of, post_json  # noqa: E402
 
 from pagedkv.server.launch import ServerProcess  # noqa: E402
 from pagedkv.server.metrics import parse_metrics  # noqa: E402
@@ -47,19 +46,6 @@ FLAGS = [
 # The honest structured request: a regex the greedy model answers " Paris" to. Each call adds an
 # alternative nobody takes, so its constraint is new (compiled, not a cache hit) every time.
 HONEST_REGEX = r" (Paris|London|Rome)"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with ServerProcess(FLAGS, env=DEV_MODE_ENV, start_timeout=180) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def attacks(server: ServerProcess, honest_rounds: int) -> Iterator[Attacks]:
-    a = Attacks(server.url, honest_rounds=honest_rounds, quiet_rounds=honest_rounds)
-    yield a
-    a.close()
 
 
 _honest_calls = iter(range(10**6))

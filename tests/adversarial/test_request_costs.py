@@ -21,7 +21,6 @@ import random
 import select
 import socket
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -30,7 +29,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from harness import DEV_MODE_ENV, Attacks, error_of, post_json  # noqa: E402
+from harness import Attacks, error_of, post_json  # noqa: E402
 
 from pagedkv.sample.limits import MAX_BAD_WORDS, MAX_STOP_CHARS, MAX_STOP_STRINGS  # noqa: E402
 from pagedkv.server.launch import ServerProcess  # noqa: E402
@@ -43,19 +42,6 @@ FLAGS = [
     "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--body-timeout", str(BODY_TIMEOUT),
 ]  # fmt: skip
 PROMPT = "Write a short poem about the sea:"
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with ServerProcess(FLAGS, env=DEV_MODE_ENV, start_timeout=180) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def attacks(server: ServerProcess, honest_rounds: int) -> Iterator[Attacks]:
-    a = Attacks(server.url, honest_rounds=honest_rounds, quiet_rounds=honest_rounds)
-    yield a
-    a.close()
 
 
 def completion(server: ServerProcess, **fields: Any) -> httpx.Response:

@@ -14,7 +14,6 @@ the drafts alone); B's acceptance is read from the server's own counters
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -22,7 +21,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from harness import DEV_MODE_ENV, Attacks, post_json  # noqa: E402
+from harness import Attacks, post_json  # noqa: E402
 
 from pagedkv.server.launch import ServerProcess  # noqa: E402
 from pagedkv.server.metrics import parse_metrics  # noqa: E402
@@ -36,19 +35,6 @@ FLAGS = [
 # are few, drafts from an earlier output of the same text are many.
 PROMPT = "Write one sentence about the history of the printing press in Europe:"
 MAX_TOKENS = 32
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with ServerProcess(FLAGS, env=DEV_MODE_ENV, start_timeout=180) as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def attacks(server: ServerProcess, honest_rounds: int) -> Iterator[Attacks]:
-    a = Attacks(server.url, honest_rounds=honest_rounds, quiet_rounds=honest_rounds)
-    yield a
-    a.close()
 
 
 def accepted_and_text(server: ServerProcess, salt: str | None) -> tuple[int, int, str]:
