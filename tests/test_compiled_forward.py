@@ -151,13 +151,23 @@ def _check_a_restart_loads(engine_args: dict, prompts: list[str], params: Sampli
 
     assert path.is_file() and path.parent == compiled_artifact.artifact_dir()
     restart = subprocess.run(
-        [sys.executable, "-c", _RESTART, json.dumps(engine_args), json.dumps(prompts), json.dumps(params.max_tokens)],
+        # faulthandler: a crash (a signal, no Python traceback) prints every thread's stack.
+        [
+            sys.executable,
+            "-X",
+            "faulthandler",
+            "-c",
+            _RESTART,
+            json.dumps(engine_args),
+            json.dumps(prompts),
+            json.dumps(params.max_tokens),
+        ],
         capture_output=True,
         text=True,
         check=False,
         timeout=300,
     )
-    assert restart.returncode == 0, restart.stderr[-3000:]
+    assert restart.returncode == 0, f"stdout: {restart.stdout[-1000:]}\nstderr: {restart.stderr[-6000:]}"
     second = json.loads(restart.stdout.strip().splitlines()[-1])
     assert second == {"origin": "loaded", "graphs": 0, "tokens": tokens}
     # A file that does not load (an interrupted write, another torch's format) is a warning
