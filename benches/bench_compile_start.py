@@ -11,7 +11,7 @@ loaded from the saved file: pagedkv.worker.compiled_artifact), inductor's and AO
 cache hits, and the time of a second request after the first (a step of the compiled graph, no
 compile).
 
-Linears: torch's (``linear_kernel="default"``: the runner compiles with inductor's freezing,
+Linears: torch's (``linear_kernel="torch"``: the runner compiles with inductor's freezing,
 whose graphs AOT autograd does not cache), pagedkv's kernel (``"pagedkv"``) and int8 weights
 (``quantization="int8"``).
 
@@ -65,7 +65,7 @@ print(json.dumps({
 """
 
 VARIANTS = [
-    ("torch's linears (frozen)", {}),
+    ("torch's linears (frozen)", {"linear_kernel": "torch"}),
     ("pagedkv kernel", {"linear_kernel": "pagedkv"}),
     ("int8 weights", {"quantization": "int8"}),
 ]

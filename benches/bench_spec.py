@@ -37,7 +37,7 @@ default) a verification step of 6 rows costs about 2.5x a one-row decode step on
 (MKL's small-M products are far from the one-row speed), which caps the gain at batch 1.
 
     python benches/bench_spec.py [--part copy|chat|all] [--num-prompts 8] [--max-tokens 160] \
-        [--rounds 2] [--k 5] [--batches 1,8,64] [--chat-max-tokens 64] [--linear-kernel default] \
+        [--rounds 2] [--k 5] [--batches 1,8,64] [--chat-max-tokens 64] [--linear-kernel torch] \
         [--quick] [--write]
 """
 
@@ -202,7 +202,7 @@ def sharegpt_chat_prompts(tokenizer: Any, n: int, max_prompt: int, seed: int = S
 # ----------------------------------------------------------------------------- pagedkv runs
 
 
-def make_llm(spec: dict | None, kv_cache_memory: int, linear_kernel: str = "default") -> Any:
+def make_llm(spec: dict | None, kv_cache_memory: int, linear_kernel: str = "torch") -> Any:
     from pagedkv import LLM
     from pagedkv.worker.model_files import default_model_dir
 
@@ -213,6 +213,7 @@ def make_llm(spec: dict | None, kv_cache_memory: int, linear_kernel: str = "defa
         kv_cache_memory=kv_cache_memory,
         speculative_config=spec,
         linear_kernel=linear_kernel,
+        enforce_eager=True,  # what this bench measures is speculation, not the compiled forward
     )
 
 
@@ -653,8 +654,8 @@ def main() -> None:
     ap.add_argument("--chat-max-prompt", type=int, default=256, help="chat: longest prompt (tokens)")
     ap.add_argument(
         "--linear-kernel",
-        choices=["default", "pagedkv", "onednn"],
-        default="default",
+        choices=["torch", "pagedkv", "onednn", "auto"],
+        default="torch",
         help="pagedkv engines' linear_kernel (default: torch's products)",
     )
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every configuration")

@@ -52,7 +52,7 @@ def build_llm(args: argparse.Namespace, **engine_args: Any) -> Any:
         max_model_len=2048,
         max_num_seqs=max(args.batch_sizes),
         kv_cache_memory=512 << 20,
-        **engine_args,
+        **({"enforce_eager": True} | engine_args),  # eager unless a study asks for the compiled forward
     )
 
 

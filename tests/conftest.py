@@ -44,6 +44,11 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = _INDUCTOR_CACHE = tempfile.mkdtemp(prefix="pagedkv-test-inductor-")
     atexit.register(shutil.rmtree, _INDUCTOR_CACHE, ignore_errors=True)
 
+# Engines run eager unless a test asks for the compiled forward (enforce_eager=False): on the
+# CPU the default compiles at start, tens of seconds per engine, and the suite starts hundreds
+# (servers and workers inherit it). Tests of the default itself unset it (monkeypatch).
+os.environ.setdefault("PAGEDKV_ENFORCE_EAGER", "1")
+
 import pytest  # noqa: E402
 
 

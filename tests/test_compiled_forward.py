@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from pagedkv import LLM, SamplingParams
-from pagedkv.config import ModelConfig
+from pagedkv.config import ENFORCE_EAGER_ENV_VAR, ModelConfig, resolve_enforce_eager, resolve_linear_kernel
 from pagedkv.errors import ConfigError
 from pagedkv.worker import compiled_artifact, compiled_forward
 from pagedkv.worker.attention_backend import PagedAttentionContext, ProbeContext
@@ -74,30 +74,37 @@ class _OpCalls:
         monkeypatch.setattr(runner, "_forward", recording)
 
 
-@pytest.mark.parametrize("extra", [{}, {"quantization": "int8"}], ids=["float32", "int8"])
+@pytest.mark.parametrize("extra", [{}, {"quantization": "int8"}], ids=["defaults", "int8"])
 def test_compiled_engine_generates_what_eager_does(
     tiny_model: str, monkeypatch: pytest.MonkeyPatch, extra: dict
 ) -> None:
     """One graph serves every step (decodes of one and of several sequences, prefill chunks that
     sample no row), every layer's attention runs in every step (a chunk that samples nothing
     once lost its last layer's K/V to dead-code elimination), and the tokens are eager's. The
-    forward is made as the engine starts; with int8 weights it is saved, and a restart in
-    another process loads it (:func:`_check_a_restart_loads`)."""
+    forward is made as the engine starts and saved; a restart in another process loads it
+    (:func:`_check_a_restart_loads`, on the int8 case's). ``defaults``: an engine given no
+    ``enforce_eager`` and no ``linear_kernel`` on the CPU compiles, with pagedkv's kernel."""
     prompts = ["Hello, my name is", "The capital of France is a city that", "1, 2, 3,", "one two three " * 12]
     long_alone = "four five six seven " * 10
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     common = {"model": tiny_model, "tokenizer": str(default_model_dir()), "dtype": "float32", "device": "cpu"}
     common |= {"max_model_len": 256, "kv_cache_memory": 16 << 20, "max_num_batched_tokens": 16} | extra
-    eager = LLM(**common).generate([*prompts, long_alone], params, use_tqdm=False)
+    eager = LLM(**common, enforce_eager=True).generate([*prompts, long_alone], params, use_tqdm=False)
     graphs_before = counters["stats"]["unique_graphs"]
-    llm = LLM(**common, enforce_eager=False)
+    if extra:
+        llm = LLM(**common, enforce_eager=False)
+    else:  # what a user gets who sets nothing (tests/conftest.py pins eager for the suite)
+        monkeypatch.delenv(ENFORCE_EAGER_ENV_VAR, raising=False)
+        llm = LLM(**common)
+        assert llm.llm_engine.runner.linear_kernel == "pagedkv"
     forward = llm.llm_engine.runner.compiled_forward
     assert forward is not None and forward.origin is not None  # made at start
     calls = _OpCalls(monkeypatch, llm)
     compiled = llm.generate(prompts, params, use_tqdm=False)
-    # torch's linears are compiled frozen (their weights constants of the graph): never saved;
-    # int8 weights are the graph's inputs, so the forward is captured whole and saved.
-    assert forward.origin == ("captured" if extra else "jit")
+    # pagedkv's linears and int8 weights take the weights as the graph's inputs, so the forward is
+    # captured whole and saved (torch's linears compile frozen, their weights constants of the
+    # graph: never saved; the compiled-torch-linears case of tests/test_engine_greedy.py).
+    assert forward.origin == "captured"
     assert [o.outputs[0].token_ids for o in compiled] == [o.outputs[0].token_ids for o in eager[:-1]]
     # A long prompt alone: chunks that sample no row, then one-token decode steps.
     alone = llm.generate([long_alone], params, use_tqdm=False)
@@ -107,9 +114,45 @@ def test_compiled_engine_generates_what_eager_does(
     assert {(True, 1), (False, 0)} <= kinds  # a lone decode and a chunk that samples nothing
     layers = set(range(llm.llm_engine.runner.num_layers))
     assert all(ran == layers for _, _, ran in calls.steps), calls.steps
-    if forward.origin == "captured":  # saved: a restart loads it
+    if extra:  # saved: a restart loads it
         tokens = [o.outputs[0].token_ids for o in compiled]
         _check_a_restart_loads({**common, "enforce_eager": False}, prompts, params, tokens, forward.artifact_path)
+
+
+@pytest.mark.parametrize(
+    "explicit, pinned, device, eager",
+    [
+        (None, None, "cpu", False),  # compiled on the CPU
+        (None, None, "cuda", True),  # eager on a GPU
+        (None, "1", "cpu", True),
+        (None, "0", "cuda", False),
+        (True, "0", "cpu", True),  # an explicit value wins
+        (False, "1", "cpu", False),
+    ],
+)
+def test_enforce_eager_defaults_to_compiled_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, explicit: bool | None, pinned: str | None, device: str, eager: bool
+) -> None:
+    if pinned is None:
+        monkeypatch.delenv(ENFORCE_EAGER_ENV_VAR, raising=False)
+    else:
+        monkeypatch.setenv(ENFORCE_EAGER_ENV_VAR, pinned)
+    assert resolve_enforce_eager(explicit, device) is eager
+
+
+def test_a_bad_pinned_enforce_eager_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENFORCE_EAGER_ENV_VAR, "sometimes")
+    with pytest.raises(ConfigError, match="PAGEDKV_ENFORCE_EAGER must be 1 or 0"):
+        resolve_enforce_eager(None, "cpu")
+
+
+def test_the_auto_linear_kernel_is_pagedkvs_where_it_applies() -> None:
+    assert resolve_linear_kernel("auto", "cpu", "float32", None) == "pagedkv"
+    assert resolve_linear_kernel("auto", "cpu", "float32", "int8") == "torch"  # int8 has its own
+    assert resolve_linear_kernel("auto", "cpu", "bfloat16", None) == "torch"
+    assert resolve_linear_kernel("auto", "cuda", "float32", None) == "torch"
+    assert resolve_linear_kernel("onednn", "cpu", "float32", None) == "onednn"  # a pinned choice stays
+    assert ModelConfig(linear_kernel="default").linear_kernel == "torch"  # its name while it was the default
 
 
 def test_windowed_models_compile(tmp_path) -> None:

@@ -80,13 +80,15 @@ SMOLLM2, TINY = "smollm2", "tiny"
         pytest.param(SMOLLM2, {"block_size": 16, "enable_prefix_caching": True}, id="bs16-prefix-cache"),
         # The linears through oneDNN (logits differ from MKL's in the last bits; tokens must not).
         pytest.param(SMOLLM2, {"block_size": 16, "linear_kernel": "onednn"}, id="onednn-linears"),
-        # Decode-sized products through pagedkv's own kernel (the same: last bits, not tokens).
-        pytest.param(SMOLLM2, {"block_size": 16, "linear_kernel": "pagedkv"}, id="pagedkv-linears"),
-        # The step's forward under torch.compile (a tiny model: compiling SmolLM2 takes minutes here).
+        # torch's products (MKL) instead of the default, pagedkv's kernel at decode-sized products
+        # (the same: last bits, not tokens).
+        pytest.param(SMOLLM2, {"block_size": 16, "linear_kernel": "torch"}, id="torch-linears"),
+        # The step's forward under torch.compile (a tiny model: compiling SmolLM2 takes a minute
+        # here), with the default linears: pagedkv's kernel as the op pagedkv::cpu_linear.
         pytest.param(TINY, {"block_size": 16, "enforce_eager": False}, id="compiled"),
-        # Compiled with pagedkv's linear kernel as the op pagedkv::cpu_linear in the graph.
+        # Compiled with torch's linears (a frozen graph).
         pytest.param(
-            TINY, {"block_size": 16, "enforce_eager": False, "linear_kernel": "pagedkv"}, id="compiled-pagedkv-linears"
+            TINY, {"block_size": 16, "enforce_eager": False, "linear_kernel": "torch"}, id="compiled-torch-linears"
         ),
         pytest.param(TINY, {"block_size": 16, "enable_prefix_caching": False}, id="bs16-no-prefix-cache"),
         pytest.param(TINY, {"block_size": 32, "enable_prefix_caching": True}, id="bs32"),

@@ -126,7 +126,10 @@ def kv_dtype_info(name: str) -> tuple[str, int, int]:
 # Model dtypes the runner serves ("auto": bf16 on CUDA when supported, float32 on the CPU).
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 ATTENTION_BACKENDS = (None, "auto", "triton", "cpu", "torch")
-LINEAR_KERNELS = ("default", "pagedkv", "onednn")
+LINEAR_KERNELS = ("auto", "torch", "pagedkv", "onednn")
+# Earlier names of linear kernels, still accepted: "default" was torch's products' name while
+# they were the default.
+_LINEAR_KERNEL_ALIASES = {"default": "torch"}
 # Weight quantization applied when the model loads (None: the checkpoint's weights as they are).
 QUANTIZATIONS = (None, "int8")
 POLICIES = ("fcfs", "priority")
@@ -239,6 +242,44 @@ def check_pool_holds_one_request(
         )
 
 
+# ---------------------------------------------------------------- defaults chosen for the machine
+
+# Pins ``enforce_eager`` where a ModelConfig leaves it None: "1" eager, "0" compiled. For a
+# process that starts many short-lived engines (a test suite, a notebook) where compiling each
+# would cost more than it saves; an explicit ``enforce_eager`` wins over it.
+ENFORCE_EAGER_ENV_VAR = "PAGEDKV_ENFORCE_EAGER"
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def resolve_enforce_eager(enforce_eager: bool | None, device_type: str) -> bool:
+    """Whether the engine runs eager: ``enforce_eager`` when it is set, else
+    ``PAGEDKV_ENFORCE_EAGER`` when that is set, else compiled on the CPU (the compiled forward
+    is saved, so only a machine's first start pays the compile) and eager on a GPU."""
+    if enforce_eager is not None:
+        return enforce_eager
+    pinned = os.environ.get(ENFORCE_EAGER_ENV_VAR, "").strip().lower()
+    if pinned in _TRUE_WORDS:
+        return True
+    if pinned in _FALSE_WORDS:
+        return False
+    if pinned:
+        raise ConfigError(f"{ENFORCE_EAGER_ENV_VAR} must be 1 or 0 (or unset), got {pinned!r}")
+    return device_type != "cpu"
+
+
+def resolve_linear_kernel(linear_kernel: str, device_type: str, dtype_name: str, quantization: str | None) -> str:
+    """The linear kernel ``linear_kernel`` means for a model of ``dtype_name`` (``"float32"``,
+    ...) on ``device_type``: itself, or for ``"auto"`` pagedkv's kernel where it applies (float32
+    on the CPU, weights as loaded; it hands products of more than 32 rows to torch, the faster
+    one there) and torch's products elsewhere."""
+    if linear_kernel != "auto":
+        return linear_kernel
+    if device_type == "cpu" and dtype_name == "float32" and quantization is None:
+        return "pagedkv"
+    return "torch"
+
+
 # ---------------------------------------------------------------- the configs
 
 
@@ -259,25 +300,28 @@ class ModelConfig:
       (``PAGEDKV_ATTENTION_BACKEND`` if set, else Triton on CUDA and the Rust decode kernel +
       torch on the CPU); resolved once, when the runner is built.
     - ``seed``: seed of the global generator used by unseeded random sampling.
-    - ``linear_kernel``: ``"default"`` (torch's matrix products: MKL on the CPU),
-      ``"pagedkv"`` (CPU, float32: products of up to 32 rows through pagedkv's own kernel, the
-      decode steps 1.3x faster at batch 1 and 16 on AMD EPYC;
-      :mod:`pagedkv.worker.cpu_linear`) or ``"onednn"`` (CPU, float32: the linears through
-      oneDNN with prepacked weights, decode steps 1.2x (batch 1) to 2x (batch 16) faster; the
-      weights take twice the memory; :mod:`pagedkv.worker.onednn_linear`). Logits differ from
-      the default's in the last bits with either.
+    - ``linear_kernel``: ``"auto"`` (the default: pagedkv's kernel for a float32 model on the
+      CPU without ``quantization``, torch's products otherwise; :func:`resolve_linear_kernel`),
+      ``"torch"`` (torch's matrix products: MKL on the CPU), ``"pagedkv"`` (CPU, float32:
+      products of up to 32 rows through pagedkv's own kernel, which streams the weights faster
+      than MKL at a decode step's few rows; :mod:`pagedkv.worker.cpu_linear`) or ``"onednn"``
+      (CPU, float32: the linears through oneDNN with prepacked weights, which take twice the
+      memory; :mod:`pagedkv.worker.onednn_linear`). Logits differ from torch's in the last bits
+      with any but ``"torch"``.
     - ``quantization``: ``None`` (the weights as loaded) or ``"int8"`` (CPU: every linear's
       weight stored as int8 with a float32 scale per output channel, multiplied by pagedkv's
       CPU kernel on float32 inputs; a quarter of the linears' memory and memory traffic;
       :mod:`pagedkv.worker.int8_linear`).
-    - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's
-      forward under ``torch.compile``: one graph for every step size, compiled as the engine
-      starts (30-70 s for SmolLM2 on 2 cores) and saved whole beside inductor's cache, so a later
-      process loads it (under 1 s more than an eager start), except with the default linears,
-      whose frozen graph compiles at every start; on a GPU (Triton attention, no tensor
-      parallelism), decode steps of up to ``min(max_num_seqs, 256)`` sequences replay CUDA
-      graphs captured at start (:mod:`pagedkv.worker.decode_graphs`); logits not bit-identical
-      to eager; :mod:`pagedkv.worker.compiled_forward`.
+    - ``enforce_eager``: ``True`` runs the model op by op; ``False`` runs each step's forward
+      under ``torch.compile``: one graph for every step size, compiled as the engine starts
+      (about a minute for SmolLM2 on 2 cores, said in the log) and saved whole beside inductor's
+      cache, so a later process loads it in a second or two, except with ``linear_kernel=
+      "torch"``, whose frozen graph compiles at every start; on a GPU (Triton attention, no
+      tensor parallelism), decode steps of up to ``min(max_num_seqs, 256)`` sequences replay
+      CUDA graphs captured at start (:mod:`pagedkv.worker.decode_graphs`); logits not
+      bit-identical to eager; :mod:`pagedkv.worker.compiled_forward`. ``None`` (the default):
+      ``PAGEDKV_ENFORCE_EAGER`` if set (``1`` / ``0``), else compiled on the CPU and eager on a
+      GPU (:func:`resolve_enforce_eager`).
     - ``max_logprobs``: the most log-probabilities a request may ask for per token
       (``SamplingParams.logprobs``; vLLM's default, 20): more is refused when it is added,
       before any work (the answer's size grows with it).
@@ -292,9 +336,9 @@ class ModelConfig:
     seed: int = 0
     trust_remote_code: bool = False
     max_logprobs: int = 20
-    linear_kernel: str = "default"
+    linear_kernel: str = "auto"
     quantization: str | None = None
-    enforce_eager: bool = True
+    enforce_eager: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("model", "tokenizer"):
@@ -323,10 +367,13 @@ class ModelConfig:
         _bool("trust_remote_code", self.trust_remote_code)
         if not _is_int(self.max_logprobs) or self.max_logprobs < 0:
             raise ConfigError(f"max_logprobs must be an int >= 0, got {self.max_logprobs!r}")
-        _bool("enforce_eager", self.enforce_eager)
+        if self.enforce_eager is not None:
+            _bool("enforce_eager", self.enforce_eager)
+        object.__setattr__(self, "linear_kernel", _LINEAR_KERNEL_ALIASES.get(self.linear_kernel, self.linear_kernel))
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ConfigError(f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}")
-        if self.linear_kernel != "default" and (device.startswith("cuda") or dtype not in ("auto", "float32", "float")):
+        explicit_kernel = self.linear_kernel not in ("auto", "torch")
+        if explicit_kernel and (device.startswith("cuda") or dtype not in ("auto", "float32", "float")):
             raise ConfigError(
                 f"linear_kernel {self.linear_kernel!r} runs float32 linears on the CPU, but device is {device!r} "
                 f"and dtype {dtype!r}"
@@ -336,7 +383,7 @@ class ModelConfig:
         if self.quantization == "int8":
             if device.startswith("cuda"):
                 raise ConfigError(f"quantization 'int8' runs pagedkv's CPU linear kernel, but device is {device!r}")
-            if self.linear_kernel != "default":
+            if explicit_kernel:
                 raise ConfigError(
                     f"quantization 'int8' has its own linears; it cannot be combined with linear_kernel "
                     f"{self.linear_kernel!r}"

@@ -21,6 +21,7 @@ tier the output is the same as before the tiers existed.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import textwrap
 import time
@@ -77,12 +78,25 @@ def _sharegpt_prompts(tokenizer: Any, num: int, max_tokens: int) -> list[tuple[s
     return prompts
 
 
+def _forward_origin(runner: Any) -> str:
+    """ "eager", or how the compiled forward was made and in how long."""
+    forward = runner.compiled_forward
+    if forward is None:
+        return "eager"
+    seconds = "" if forward.seconds is None else f" in {forward.seconds:.1f} s"
+    return f"compiled ({forward.origin}{seconds})"
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from pagedkv.engine.llm_engine import LLMEngine
     from pagedkv.sample.sampling_params import SamplingParams
 
+    # The compiled forward's log lines (compiling / loaded, and how long) reach the terminal: a
+    # machine's first start compiles for about a minute, and should say so.
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("pagedkv.worker.compiled_forward").setLevel(logging.INFO)
     t_load = time.perf_counter()
     try:
         engine = LLMEngine(
@@ -101,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     runner = engine.runner
     print(
-        f"model {runner.model_path} ({runner.dtype}, {runner.device}, attention: {runner.attention_backend}), "
+        f"model {runner.model_path} ({runner.dtype}, {runner.device}, attention: {runner.attention_backend}, "
+        f"linears: {runner.linear_kernel}, forward: {_forward_origin(runner)}), "
         f"loaded in {time.perf_counter() - t_load:.1f} s"
     )
     print(

@@ -74,20 +74,22 @@ class EngineArgs:
     - ``seed``: seed of the global generator used by unseeded random sampling.
     - ``trust_remote_code``: run the Python code a model repository ships (transformers'
       option of the same name); only for repositories you trust.
-    - ``linear_kernel``: ``"default"`` (torch's matrix products), ``"pagedkv"`` (CPU, float32:
-      products of up to 32 rows, i.e. decode steps, through pagedkv's own kernel, which streams
-      the weights faster: decode steps 1.3x faster at batch 1 and 16,
-      on AMD EPYC) or ``"onednn"`` (CPU, float32: oneDNN with prepacked weights, decode steps
-      1.2x (batch 1) to 2x (batch 16) faster; the weights take twice the memory). Either way
-      logits differ from torch's in the last bits.
+    - ``linear_kernel``: ``"auto"`` (pagedkv's kernel for a float32 model on the CPU without
+      ``quantization``, torch's products otherwise), ``"torch"`` (torch's matrix products),
+      ``"pagedkv"`` (CPU, float32: products of up to 32 rows, i.e. decode steps, through
+      pagedkv's own kernel, which streams the weights faster) or ``"onednn"`` (CPU, float32:
+      oneDNN with prepacked weights, which take twice the memory). Logits differ from torch's
+      in the last bits with any but ``"torch"``. Default: auto.
     - ``quantization``: ``None`` (the weights as loaded) or ``"int8"`` (CPU: the linears' weights
       as int8 with a scale per output channel, a quarter of their memory, multiplied by
       pagedkv's kernel on float32 inputs; quality in benches/RESULTS.md).
-    - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's forward
-      under ``torch.compile`` (inductor; compiled as the engine starts, tens of seconds to minutes
-      on a CPU, and saved on disk, so the next start loads it in about a second; on a GPU,
-      decode steps of up to 256 sequences replay CUDA graphs captured at start; logits not
-      bit-identical to eager).
+    - ``enforce_eager``: run the model op by op (``--enforce-eager``), or not
+      (``--no-enforce-eager``: each step's forward under ``torch.compile``, compiled as the
+      engine starts, about a minute on a 2-core CPU the first time, and saved on disk, so the
+      next start loads it in a second or two; on a GPU, decode steps of up to 256 sequences
+      replay CUDA graphs captured at start; logits not bit-identical to eager). Default:
+      compiled on the CPU, eager on a GPU; the environment variable ``PAGEDKV_ENFORCE_EAGER``
+      (1 or 0) sets it for every engine that does not say.
     - ``max_logprobs``: the most log-probabilities a request may ask for per token (vLLM's
       default, 20); a request asking for more is refused when it is added.
     - ``tensor_parallel_size``, ``distributed_executor_backend``: split every layer's attention
@@ -138,9 +140,9 @@ class EngineArgs:
     seed: int = 0
     trust_remote_code: bool = False
     max_logprobs: int = 20
-    linear_kernel: str = "default"
+    linear_kernel: str = "auto"
     quantization: str | None = None
-    enforce_eager: bool = True
+    enforce_eager: bool | None = None
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     kv_transfer_config: KVTransferConfig | None = None

@@ -74,6 +74,9 @@ class DraftModelProposer:
             max_model_len=max_model_len,
             attention_backend=target.attention_backend,
             trust_remote_code=target.trust_remote_code,
+            # Eager: a draft model is small next to its target, and compiling it too would
+            # add a second compile to the engine's first start.
+            enforce_eager=True,
         )
         memory = max(int(target_kv_bytes * _DRAFT_KV_FRACTION), _DRAFT_KV_FLOOR)
         # The draft pool has no host tier: its scheduler preempts by recompute whatever the target does.

@@ -273,6 +273,12 @@ class CompiledForward:
         if loaded is not None:
             self.origin = "loaded"
             return functools.partial(loaded, self._model)
+        logger.info(
+            "compiling the forward of %s (once per model and machine: the next start loads it from %s; "
+            "enforce_eager=True skips it)",
+            type(self._model).__name__,
+            path,
+        )
         try:
             # torch.compile's result gains aot_compile (a prototype API) at run time; its stubs
             # type it as the plain function.

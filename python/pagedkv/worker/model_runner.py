@@ -52,6 +52,7 @@ cached block in a subfolder named by the model/layout fingerprint, at most
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import shutil
 import sys
@@ -72,6 +73,8 @@ from pagedkv.config import (
     ModelConfig,
     SchedulingConfig,
     check_preemption_mode,
+    resolve_enforce_eager,
+    resolve_linear_kernel,
 )
 from pagedkv.errors import ConfigError, EngineDeadError, InvalidArgumentError, ModelLoadError, UnsupportedModelError
 from pagedkv.kernels.kv_quant import SCALE_DTYPE, KVScales, byte_view, key_rotation, kv_format
@@ -102,6 +105,8 @@ from pagedkv.worker.model_support import check_config, check_probe, context_leng
 from pagedkv.worker.onednn_linear import use_onednn_linears
 
 __all__ = ["ModelRunner", "DEFAULT_CPU_KV_CACHE_MEMORY", "load_model_config"]
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # 1 GiB
 _PROBE_TOKENS = 5
@@ -215,8 +220,15 @@ class ModelRunner:
             shard_model(self.model, self.tp_group)
         # linear_kernel="onednn": the linears through oneDNN (worker/onednn_linear.py); "pagedkv":
         # decode-sized products through the Rust kernel (worker/cpu_linear.py). None: torch's
-        # own. Benchmarks turn the switch off and on.
-        self.linear_switch = self._switch_linear_kernel(model_config.linear_kernel)
+        # own. "auto" resolves here, where the device and dtype are known. Benchmarks turn the
+        # switch off and on.
+        self.linear_kernel = resolve_linear_kernel(
+            model_config.linear_kernel,
+            self.device.type,
+            str(self.dtype).removeprefix("torch."),
+            model_config.quantization,
+        )
+        self.linear_switch = self._switch_linear_kernel(self.linear_kernel)
         # quantization="int8": the linears' weights as int8 (worker/int8_linear.py); after the
         # sharding, so each rank quantizes its own shard.
         if model_config.quantization == "int8":
@@ -236,11 +248,12 @@ class ModelRunner:
         # Per layer (index = layer): its window, chunk, soft-cap and sinks.
         self.geometry, self.layer_attention = self._probe()
         # enforce_eager=False: the step's forward under torch.compile (worker/compiled_forward.py).
-        if not model_config.enforce_eager:
+        self.enforce_eager = resolve_enforce_eager(model_config.enforce_eager, self.device.type)
+        if not self.enforce_eager:
             # Freezing lets inductor pack torch's linears for oneDNN, but a frozen graph is not
             # cached on disk (AOT autograd refuses it): with pagedkv's kernels for the linears
             # there is nothing to pack, and a restart reuses the cache.
-            torch_linears = model_config.linear_kernel == "default" and model_config.quantization is None
+            torch_linears = self.linear_kernel == "torch" and model_config.quantization is None
             self.compiled_forward = CompiledForward(self.model, freeze=self.device.type == "cpu" and torch_linears)
         geometry = self.geometry
         self.num_layers = geometry.num_layers
@@ -261,6 +274,17 @@ class ModelRunner:
             cache_dtype=self.kv_cache_dtype,
         )
         self.attention_backend = self.backend.name
+        logger.info(
+            "%s on %s (%s, %d threads): linears %s%s, forward %s, attention %s",
+            type(self.model).__name__,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+            torch.get_num_threads(),
+            self.linear_kernel if model_config.quantization is None else "pagedkv",
+            "" if model_config.quantization is None else f" ({model_config.quantization} weights)",
+            "eager" if self.enforce_eager else "compiled",
+            self.attention_backend,
+        )
         static_scales = None
         if cache_config.kv_cache_scales == "checkpoint":
             static_scales = load_checkpoint_kv_scales(self.model_path, self.num_layers, self.num_kv_heads)
@@ -352,7 +376,7 @@ class ModelRunner:
             ]
 
     def _switch_linear_kernel(self, kernel: str) -> LinearSwitch | None:
-        if kernel == "default":
+        if kernel == "torch":
             return None
         if self.device.type != "cpu" or self.dtype != torch.float32:
             raise ConfigError(
