@@ -128,7 +128,7 @@ DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 ATTENTION_BACKENDS = (None, "auto", "triton", "cpu", "torch")
 LINEAR_KERNELS = ("default", "pagedkv", "onednn")
 # Weight quantization applied when the model loads (None: the checkpoint's weights as they are).
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "bf16")
 POLICIES = ("fcfs", "priority")
 # What preemption does with a preempted branch's KV: drop it and recompute it later, copy it to
 # the host tier and back ("swap"), or choose per preemption from the measured costs ("auto").
@@ -266,10 +266,12 @@ class ModelConfig:
       oneDNN with prepacked weights, decode steps 1.2x (batch 1) to 2x (batch 16) faster; the
       weights take twice the memory; :mod:`pagedkv.worker.onednn_linear`). Logits differ from
       the default's in the last bits with either.
-    - ``quantization``: ``None`` (the weights as loaded) or ``"int8"`` (CPU: every linear's
+    - ``quantization``: ``None`` (the weights as loaded), ``"int8"`` (CPU: every linear's
       weight stored as int8 with a float32 scale per output channel, multiplied by pagedkv's
       CPU kernel on float32 inputs; a quarter of the linears' memory and memory traffic;
-      :mod:`pagedkv.worker.int8_linear`).
+      :mod:`pagedkv.worker.int8_linear`) or ``"bf16"`` (CPU: every linear's weight stored as
+      bfloat16, the rest of the model float32; half the linears' memory; with AVX512-BF16 the
+      inputs are rounded to bfloat16 too; :mod:`pagedkv.worker.bf16_linear`).
     - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's
       forward under ``torch.compile``: one graph for every step size, compiled as the engine
       starts (30-70 s for SmolLM2 on 2 cores) and saved whole beside inductor's cache, so a later
@@ -333,12 +335,14 @@ class ModelConfig:
             )
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization == "int8":
+        if self.quantization is not None:
             if device.startswith("cuda"):
-                raise ConfigError(f"quantization 'int8' runs pagedkv's CPU linear kernel, but device is {device!r}")
+                raise ConfigError(
+                    f"quantization {self.quantization!r} runs pagedkv's CPU linear kernel, but device is {device!r}"
+                )
             if self.linear_kernel != "default":
                 raise ConfigError(
-                    f"quantization 'int8' has its own linears; it cannot be combined with linear_kernel "
+                    f"quantization {self.quantization!r} has its own linears; it cannot be combined with linear_kernel "
                     f"{self.linear_kernel!r}"
                 )
 

@@ -80,9 +80,11 @@ class EngineArgs:
       on AMD EPYC) or ``"onednn"`` (CPU, float32: oneDNN with prepacked weights, decode steps
       1.2x (batch 1) to 2x (batch 16) faster; the weights take twice the memory). Either way
       logits differ from torch's in the last bits.
-    - ``quantization``: ``None`` (the weights as loaded) or ``"int8"`` (CPU: the linears' weights
+    - ``quantization``: ``None`` (the weights as loaded), ``"int8"`` (CPU: the linears' weights
       as int8 with a scale per output channel, a quarter of their memory, multiplied by
-      pagedkv's kernel on float32 inputs; quality in benches/RESULTS.md).
+      pagedkv's kernel on float32 inputs; quality in benches/RESULTS.md) or ``"bf16"`` (CPU: the
+      linears' weights as bfloat16, half their memory, the rest float32; with AVX512-BF16 the
+      kernel rounds the inputs to bfloat16 too).
     - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's forward
       under ``torch.compile`` (inductor; compiled as the engine starts, tens of seconds to minutes
       on a CPU, and saved on disk, so the next start loads it in about a second; on a GPU,
