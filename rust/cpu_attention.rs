@@ -380,7 +380,7 @@ fn validate(
     if d.num_kv_heads == 0
         || d.head_dim == 0
         || d.block_size == 0
-        || d.num_heads % d.num_kv_heads != 0
+        || !d.num_heads.is_multiple_of(d.num_kv_heads)
     {
         return bad(format!("invalid attention shape {d:?}"));
     }
@@ -411,7 +411,7 @@ fn validate(
         }
     }
     let row_elems = d.num_heads * d.head_dim;
-    if row_elems == 0 || query.len() % row_elems != 0 || out.len() != query.len() {
+    if row_elems == 0 || !query.len().is_multiple_of(row_elems) || out.len() != query.len() {
         return bad(format!(
             "query ({}) and out ({}) must be [T, {}, {}]",
             query.len(),
@@ -903,10 +903,7 @@ fn attend_rows_dispatch(
 ) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx2")
-            && std::is_x86_feature_detected!("fma")
-            && std::is_x86_feature_detected!("f16c")
-        {
+        if crate::cpu_isa::attention_path() == "avx2" {
             // SAFETY: the features this function is compiled for were just detected at runtime.
             return unsafe { attend_rows_avx2(q, caches, d, rows, scale, variant) };
         }

@@ -2183,7 +2183,7 @@ fn spill(
 #[inline]
 fn cow_index(pool: &BlockPool, col: &Column, num_computed: usize) -> Option<usize> {
     let bs = pool.block_size();
-    if num_computed % bs == 0 {
+    if num_computed.is_multiple_of(bs) {
         return None; // the next write starts a fresh block
     }
     let i = num_computed / bs;

@@ -26,8 +26,10 @@
 //!   calls; rebuilt after a fork).
 //! - [`kv_cache_manager`]: sequences over the pool: prefix hits, slots, copy-on-write, fork.
 //! - [`cpu_attention`]: paged decode attention on the CPU, straight from the block cache.
-//! - [`cpu_linear`]: linear layers on the CPU for a decode step's few rows (float32 or int8
-//!   weights), summed in an order that does not depend on the batch.
+//! - [`cpu_isa`]: which x86 instruction sets the CPU has (detected once) and the path each CPU
+//!   kernel takes.
+//! - [`cpu_linear`]: linear layers on the CPU for a decode step's few rows (float32, int8 or
+//!   bfloat16 weights), summed in an order that does not depend on the batch.
 //! - [`speculative`]: speculative decoding: the n-gram proposer, the cost model that decides how
 //!   many drafts a step verifies, and the verification rule.
 //! - [`scheduler`]: continuous batching: token budget, chunked prefill, prefix-cache
@@ -42,6 +44,7 @@ pub mod block_hash;
 pub mod block_pool;
 pub mod block_table;
 pub mod cpu_attention;
+pub mod cpu_isa;
 pub mod cpu_linear;
 pub mod error;
 pub mod eviction_queue;

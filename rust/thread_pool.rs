@@ -105,7 +105,7 @@ impl Shared {
                 return epoch;
             }
             spins = spins.wrapping_add(1);
-            if spins % 64 != 0 {
+            if !spins.is_multiple_of(64) {
                 std::hint::spin_loop();
                 continue;
             }
@@ -226,7 +226,7 @@ pub fn run_jobs<T: Send + Default>(jobs: usize, job: impl Fn(usize) -> T + Sync)
             let mut spins = 0u32;
             while shared.done.load(Ordering::Acquire) < jobs {
                 spins = spins.wrapping_add(1);
-                if spins % 64 == 0 {
+                if spins.is_multiple_of(64) {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();

@@ -79,7 +79,7 @@ fn candidates(digest: u64) -> Vec<(u32, f32)> {
         out.push((t, lp));
     }
     h = chain(h, 2);
-    if h % 8 == 0 {
+    if h.is_multiple_of(8) {
         let from = 1 + (h >> 8) as usize % (K_MAX - 1);
         for c in &mut out[from..] {
             c.1 = f32::NEG_INFINITY;

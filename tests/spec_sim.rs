@@ -31,7 +31,7 @@ const EOS: u32 = 3;
 
 /// The token sampled after a context whose digest is `digest` and whose last token is `last`.
 fn next_token(digest: u64, last: u32) -> u32 {
-    if digest % 7 == 0 {
+    if digest.is_multiple_of(7) {
         ((digest >> 11) % VOCAB) as u32
     } else {
         (last * 5 + 1) % 40 + 10

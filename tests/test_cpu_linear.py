@@ -60,7 +60,7 @@ def test_products_match_float64_and_every_row_alone(rows: int, k: int, n: int, i
 def test_bad_arrays_are_typed_errors() -> None:
     x, w, out = np.zeros((2, 8), np.float32), np.zeros((3, 8), np.float32), np.zeros((2, 3), np.float32)
     codes, scales = np.zeros((3, 8), np.int8), np.ones(3, np.float32)
-    with pytest.raises(InvalidTypeError, match="float32 or int8"):
+    with pytest.raises(InvalidTypeError, match="float32, int8 or uint16"):
         _core.cpu_linear(x, w.astype(np.float64), out, 1)
     with pytest.raises(InvalidArgumentError, match="want \\[2, 3\\]"):
         _core.cpu_linear(x, w, np.zeros((3, 2), np.float32), 1)
@@ -79,6 +79,10 @@ def test_bad_arrays_are_typed_errors() -> None:
     with pytest.raises(InvalidArgumentError, match=">= 1"):
         _core.cpu_linear(np.zeros((2, 0), np.float32), np.zeros((3, 0), np.float32), out, 1)
     _core.cpu_linear(np.zeros((0, 8), np.float32), w, np.zeros((0, 3), np.float32), 2)  # no rows: nothing to do
+    with pytest.raises(InvalidArgumentError, match="isa must be"):
+        _core.cpu_linear(x, w, out, 1, isa="sse9")
+    with pytest.raises(InvalidArgumentError, match="take no scales"):
+        _core.cpu_linear(x, np.zeros((3, 8), np.uint16), out, 1, scales=scales)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
@@ -138,3 +142,101 @@ def test_switched_linears_run_the_kernel_up_to_max_rows(rows: int) -> None:
 def test_config_refuses_what_the_kernel_cannot_run(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ModelConfig(**kwargs)
+
+
+# The CPU features each forced path of the kernel needs (rust/cpu_isa.rs).
+PATH_NEEDS = {
+    "portable": [],
+    "avx2": ["avx2", "fma"],
+    "avx512": ["avx512f", "avx512bw", "avx512vl"],
+    "avx512_bf16": ["avx512f", "avx512bw", "avx512vl", "avx512_bf16"],
+}
+
+
+def _need(isa: str) -> None:
+    """Skips the test where this CPU lacks what the path ``isa`` needs, naming the flags."""
+    missing = [f for f in PATH_NEEDS[isa] if f not in _core.cpu_isa()["features"]]
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)} (the {isa!r} path)")
+
+
+def test_cpu_isa_names_the_paths_it_takes() -> None:
+    info = _core.cpu_isa()
+    assert set(info) == {"features", "linear_paths", "linear", "attention"}
+    assert info["linear_paths"][0] == "portable"
+    for isa in info["linear_paths"]:
+        assert all(f in info["features"] for f in PATH_NEEDS[isa])
+    for isa in set(PATH_NEEDS) - set(info["linear_paths"]):  # a path it lacks: a typed error
+        with pytest.raises(InvalidArgumentError, match="lacks"):
+            _linear_on(isa, np.zeros((1, 8), np.float32), np.zeros((2, 8), np.float32), 1)
+    assert set(info["linear"]) == {"float32", "int8", "bfloat16"}
+    assert all(path in info["linear_paths"] for path in info["linear"].values())
+    fastest = [isa for isa in info["linear_paths"] if isa != "avx512_bf16"][-1]
+    assert info["linear"]["float32"] == info["linear"]["int8"] == fastest
+    assert info["attention"] in ("avx2", "portable")
+
+
+def _linear_on(isa: str, x: np.ndarray, weight: np.ndarray, threads: int, scales=None, bias=None) -> np.ndarray:
+    out = np.full((x.shape[0], weight.shape[0]), np.nan, dtype=np.float32)
+    _core.cpu_linear(x, weight, out, threads, scales=scales, bias=bias, isa=isa)
+    return out
+
+
+def _bf16_bits(w: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 (torch's rounding) as the uint16 bit patterns the kernel takes."""
+    return torch.from_numpy(w).bfloat16().view(torch.int16).numpy().view(np.uint16)
+
+
+def _weights(fmt: str, w: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """(the kernel's weight, its scales, the float64 weights it stands for)."""
+    if fmt == "int8":
+        codes, scales = quantize_per_channel(torch.from_numpy(w))
+        return codes.numpy(), scales.numpy(), codes.double().numpy() * scales.double().numpy()[:, None]
+    if fmt == "bfloat16":
+        bits = _bf16_bits(w)
+        return bits, None, torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).double().numpy()
+    return w, None, w.astype(np.float64)
+
+
+@pytest.mark.parametrize("rows, k, n", SHAPES)
+@pytest.mark.parametrize("fmt", ["float32", "int8", "bfloat16"])
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "avx512_bf16"])
+def test_every_path_matches_the_portable_one(isa: str, fmt: str, rows: int, k: int, n: int) -> None:
+    """Each path against the portable one, and a row alone against the batch on that path.
+
+    The paths sum in different orders (8 or 16 lanes, the tail before or after the horizontal
+    sum) and the SIMD ones fuse each multiply-add where the portable one rounds twice: their
+    results differ in the last bits, within a few float32 ulps of the terms' size per term
+    (``1e-6 * k * max|x| * max|w|``). ``avx512_bf16`` on bfloat16 weights multiplies the inputs
+    rounded to bfloat16: it is compared with torch's ``x.bfloat16().float() @ w.float().T``
+    instead (and with any other weights it is the ``avx512`` path)."""
+    _need(isa)
+    rng = np.random.default_rng(rows * 10_000 + k * 10 + n)
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    weight, scales, exact = _weights(fmt, rng.standard_normal((n, k), dtype=np.float32))
+    bias = rng.standard_normal(n, dtype=np.float32)
+    got = _linear_on(isa, x, weight, 2, scales=scales, bias=bias)
+    tol = 1e-6 * k * (np.abs(x).max() * np.abs(exact).max() + 1)
+    if isa == "avx512_bf16" and fmt == "bfloat16":
+        xb = torch.from_numpy(x).bfloat16().float()
+        want = (xb @ torch.from_numpy(exact).float().T + torch.from_numpy(bias)).numpy()
+        np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+        # And against the float32 product: the inputs' rounding, 2^-9 relative each.
+        loose = 2.0**-8 * (np.abs(x) @ np.abs(exact).T) + tol
+        assert bool((np.abs(got - (x.astype(np.float64) @ exact.T + bias)) <= loose).all())
+    else:
+        np.testing.assert_allclose(got, _linear_on("portable", x, weight, 2, scales, bias), rtol=0, atol=tol)
+    for threads in (1, 3):
+        assert np.array_equal(_linear_on(isa, x, weight, threads, scales, bias), got)
+    for r in range(rows):  # bit for bit, alone or in any batch, on one path
+        assert np.array_equal(_linear_on(isa, x[r : r + 1], weight, 1, scales, bias)[0], got[r])
+
+
+def test_auto_takes_the_fastest_path() -> None:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 40), dtype=np.float32)
+    w = rng.standard_normal((9, 40), dtype=np.float32)
+    info = _core.cpu_isa()
+    assert np.array_equal(_linear(x, w, 1), _linear_on(info["linear"]["float32"], x, w, 1))
+    bits = _bf16_bits(w)
+    assert np.array_equal(_linear(x, bits, 1), _linear_on(info["linear"]["bfloat16"], x, bits, 1))

@@ -132,6 +132,7 @@ def test_startup_log_names_model_dtype_kv_pool_tiers_and_limits(server: ServerPr
     assert "(1536 tokens)" in log and "host tier: none; disk tier: none" in log, log
     assert f"body {MAX_BODY} bytes, {MAX_PROMPT_CHARS} prompt characters" in log, log
     assert "request chat templates trusted" in log, log
+    assert "CPU kernel paths: linear float32 " in log and "; attention " in log, log
 
 
 # ---------------------------------------------------------------------------- 4: n

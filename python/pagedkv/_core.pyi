@@ -1,7 +1,7 @@
 # Type stubs for the Rust extension module pagedkv._core (rust/py/). Checked against the
 # compiled module with `python -m mypy.stubtest pagedkv._core` (make lint, and a test).
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Literal, SupportsIndex, final, overload
+from typing import Any, Literal, SupportsIndex, final, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -21,6 +21,7 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "block_hashes",
+    "cpu_isa",
     "cpu_linear",
     "paged_decode_attention_cpu",
 ]
@@ -544,15 +545,25 @@ def paged_decode_attention_cpu(
 
 def cpu_linear(
     x: npt.NDArray[np.float32],  # [M, K]
-    weight: npt.NDArray[np.float32] | npt.NDArray[np.int8],  # [N, K]
+    weight: npt.NDArray[np.float32] | npt.NDArray[np.int8] | npt.NDArray[np.uint16],  # [N, K]
     out: npt.NDArray[np.float32],  # [M, N], written
     num_threads: int,
     scales: npt.NDArray[np.float32] | None = None,  # [N], with int8 weights
     bias: npt.NDArray[np.float32] | None = None,  # [N]
     prefetch: bool = True,
+    isa: str = "auto",
 ) -> None:
     """``out = x @ (weight * scales[:, None]).T + bias`` (pagedkv.worker.cpu_linear uses it).
 
-    Float32 weights take no ``scales``; int8 codes need them. Every array C-contiguous. Row ``m``
-    of ``out`` is bit for bit what ``x[m:m+1]`` alone gives, on any thread count.
-    ``prefetch=False`` turns off the prefetch of weight rows ahead (to measure it; same bits)."""
+    Float32 weights take no ``scales``; int8 codes need them; uint16 weights are bfloat16 bit
+    patterns (no scales). Every array C-contiguous. Row ``m`` of ``out`` is bit for bit what
+    ``x[m:m+1]`` alone gives, on any thread count (on one path).
+    ``prefetch=False`` turns off the prefetch of weight rows ahead (to measure it; same bits).
+    ``isa``: ``"auto"`` (the fastest path this CPU has, :func:`cpu_isa`), ``"portable"``,
+    ``"avx2"``, ``"avx512"`` or ``"avx512_bf16"`` (bfloat16 weights: the inputs rounded to
+    bfloat16; other weights run ``"avx512"``); a path the CPU lacks is an InvalidArgumentError."""
+
+def cpu_isa() -> dict[str, Any]:
+    """The CPU's instruction-set extensions (``features``), the paths of :func:`cpu_linear` it
+    can run (``linear_paths``), the one ``isa="auto"`` takes per weight format (``linear``:
+    ``float32``, ``int8``, ``bfloat16``) and the decode attention kernel's path (``attention``)."""

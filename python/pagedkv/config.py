@@ -131,7 +131,7 @@ LINEAR_KERNELS = ("auto", "torch", "pagedkv", "onednn")
 # they were the default.
 _LINEAR_KERNEL_ALIASES = {"default": "torch"}
 # Weight quantization applied when the model loads (None: the checkpoint's weights as they are).
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "bf16")
 POLICIES = ("fcfs", "priority")
 # What preemption does with a preempted branch's KV: drop it and recompute it later, copy it to
 # the host tier and back ("swap"), or choose per preemption from the measured costs ("auto").
@@ -308,10 +308,12 @@ class ModelConfig:
       (CPU, float32: the linears through oneDNN with prepacked weights, which take twice the
       memory; :mod:`pagedkv.worker.onednn_linear`). Logits differ from torch's in the last bits
       with any but ``"torch"``.
-    - ``quantization``: ``None`` (the weights as loaded) or ``"int8"`` (CPU: every linear's
+    - ``quantization``: ``None`` (the weights as loaded), ``"int8"`` (CPU: every linear's
       weight stored as int8 with a float32 scale per output channel, multiplied by pagedkv's
       CPU kernel on float32 inputs; a quarter of the linears' memory and memory traffic;
-      :mod:`pagedkv.worker.int8_linear`).
+      :mod:`pagedkv.worker.int8_linear`) or ``"bf16"`` (CPU: every linear's weight stored as
+      bfloat16, the rest of the model float32; half the linears' memory; with AVX512-BF16 the
+      inputs are rounded to bfloat16 too; :mod:`pagedkv.worker.bf16_linear`).
     - ``enforce_eager``: ``True`` runs the model op by op; ``False`` runs each step's forward
       under ``torch.compile``: one graph for every step size, compiled as the engine starts
       (about a minute for SmolLM2 on 2 cores, said in the log) and saved whole beside inductor's
@@ -380,12 +382,14 @@ class ModelConfig:
             )
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization == "int8":
+        if self.quantization is not None:
             if device.startswith("cuda"):
-                raise ConfigError(f"quantization 'int8' runs pagedkv's CPU linear kernel, but device is {device!r}")
+                raise ConfigError(
+                    f"quantization {self.quantization!r} runs pagedkv's CPU linear kernel, but device is {device!r}"
+                )
             if explicit_kernel:
                 raise ConfigError(
-                    f"quantization 'int8' has its own linears; it cannot be combined with linear_kernel "
+                    f"quantization {self.quantization!r} has its own linears; it cannot be combined with linear_kernel "
                     f"{self.linear_kernel!r}"
                 )
 

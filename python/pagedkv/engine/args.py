@@ -80,9 +80,11 @@ class EngineArgs:
       pagedkv's own kernel, which streams the weights faster) or ``"onednn"`` (CPU, float32:
       oneDNN with prepacked weights, which take twice the memory). Logits differ from torch's
       in the last bits with any but ``"torch"``. Default: auto.
-    - ``quantization``: ``None`` (the weights as loaded) or ``"int8"`` (CPU: the linears' weights
+    - ``quantization``: ``None`` (the weights as loaded), ``"int8"`` (CPU: the linears' weights
       as int8 with a scale per output channel, a quarter of their memory, multiplied by
-      pagedkv's kernel on float32 inputs; quality in benches/RESULTS.md).
+      pagedkv's kernel on float32 inputs; quality in benches/RESULTS.md) or ``"bf16"`` (CPU: the
+      linears' weights as bfloat16, half their memory, the rest float32; with AVX512-BF16 the
+      kernel rounds the inputs to bfloat16 too).
     - ``enforce_eager``: run the model op by op (``--enforce-eager``), or not
       (``--no-enforce-eager``: each step's forward under ``torch.compile``, compiled as the
       engine starts, about a minute on a 2-core CPU the first time, and saved on disk, so the

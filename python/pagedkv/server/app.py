@@ -66,6 +66,7 @@ from pagedkv.server.protocol import (
 from pagedkv.server.serving import OpenAIServing
 from pagedkv.server.tokenizer_info import tokenizer_info
 from pagedkv.server.tools import TOOL_CALL_PARSERS
+from pagedkv.worker.cpu_linear import describe_cpu_kernels
 
 __all__ = ["ServerArgs", "ServerState", "create_app"]
 
@@ -218,6 +219,8 @@ def _log_startup(state: ServerState) -> None:
         "trusted" if limits.trust_request_chat_template else "refused",
         "required" if state.args.api_key else "not required",
     )
+    if runner.device.type == "cpu":
+        logger.info("%s", describe_cpu_kernels())
 
 
 def _mib(num_bytes: int) -> str:

@@ -1,6 +1,9 @@
 """pagedkv's own CPU linear kernel for the model's linears (the Rust core's ``cpu_linear``,
-rust/cpu_linear.rs): float32 weights at a decode step's few rows (``linear_kernel="pagedkv"``)
-and int8 weights at every row count (``quantization="int8"``, :mod:`pagedkv.worker.int8_linear`).
+rust/cpu_linear.rs): float32 weights at a decode step's few rows (``linear_kernel="pagedkv"``),
+int8 weights at every row count (``quantization="int8"``, :mod:`pagedkv.worker.int8_linear`)
+and bfloat16 weights at every row count (``quantization="bf16"``,
+:mod:`pagedkv.worker.bf16_linear`). The kernel takes the fastest path the CPU has (portable,
+AVX2, AVX-512, AVX512-BF16; ``_core.cpu_isa()`` says which).
 
 Why: a batch-1 decode step is bound by reading the weights, and torch's default product (MKL,
 AVX2 on this project's AMD EPYC machines) streamed SmolLM2's decoder linears at 13-14 GB/s
@@ -44,11 +47,28 @@ import torch.nn.functional as F
 
 from pagedkv import _core
 
-__all__ = ["MAX_KERNEL_ROWS", "KernelArrays", "LinearSwitch", "kernel_linear", "op_linear", "use_pagedkv_linears"]
+__all__ = [
+    "MAX_KERNEL_ROWS",
+    "KernelArrays",
+    "LinearSwitch",
+    "describe_cpu_kernels",
+    "kernel_linear",
+    "op_linear",
+    "use_pagedkv_linears",
+]
 
 # Float32 products of more rows than this go to torch (see the module docstring: MKL's blocked
 # product overtakes the kernel between 16 and 64 rows on AMD EPYC).
 MAX_KERNEL_ROWS = 32
+
+
+def describe_cpu_kernels() -> str:
+    """One line for logs and benchmarks: the path each of pagedkv's CPU kernels takes on this
+    CPU (``_core.cpu_isa()``, rust/cpu_isa.rs) and the instruction sets it found."""
+    info = _core.cpu_isa()
+    linear = ", ".join(f"{fmt} {path}" for fmt, path in info["linear"].items())
+    features = ", ".join(info["features"]) or "none beyond the baseline"
+    return f"CPU kernel paths: linear {linear}; attention {info['attention']} (the CPU has {features})"
 
 
 @dataclass
@@ -62,14 +82,16 @@ class LinearSwitch:
 
 def _run(
     x: torch.Tensor,  # [M, K] float32, C-contiguous
-    weight: torch.Tensor,  # [N, K] float32, or int8 codes
+    weight: torch.Tensor,  # [N, K] float32, int8 codes or bfloat16
     scales: torch.Tensor | None,  # [N] float32, with int8 codes
     bias: torch.Tensor | None,  # [N] float32
 ) -> torch.Tensor:  # [M, N] float32
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    # numpy has no bfloat16: the kernel takes bfloat16 weights as their uint16 bit patterns.
+    w = weight.view(torch.int16).numpy().view(np.uint16) if weight.dtype == torch.bfloat16 else weight.numpy()
     _core.cpu_linear(
         x.numpy(),
-        weight.numpy(),
+        w,
         out.numpy(),
         torch.get_num_threads(),
         scales=None if scales is None else scales.numpy(),
@@ -95,7 +117,7 @@ def cpu_linear_op(
     :data:`MAX_KERNEL_ROWS` rows go to torch here, at run time, and not in the module's
     forward: a branch on the row count there would be a guard on the step's token count, and
     every side of it a graph of its own (a ~50 s compile each on 2 cores)."""
-    if scales is None and x.shape[0] > MAX_KERNEL_ROWS:
+    if weight.dtype == torch.float32 and x.shape[0] > MAX_KERNEL_ROWS:
         return F.linear(x, weight, bias)
     return _run(x.contiguous(), weight, scales, bias)
 

@@ -91,6 +91,7 @@ from pagedkv.worker.attention_backend import (
     ProfileContext,
     register_pagedkv_attention,
 )
+from pagedkv.worker.bf16_linear import use_bf16_linears
 from pagedkv.worker.checkpoint_scales import load_checkpoint_kv_scales
 from pagedkv.worker.compiled_forward import CompiledForward
 from pagedkv.worker.cpu_linear import LinearSwitch, use_pagedkv_linears
@@ -231,12 +232,17 @@ class ModelRunner:
         self.linear_switch = self._switch_linear_kernel(self.linear_kernel)
         # quantization="int8": the linears' weights as int8 (worker/int8_linear.py); after the
         # sharding, so each rank quantizes its own shard.
-        if model_config.quantization == "int8":
+        # quantization="bf16": bfloat16 weights, float32 activations (worker/bf16_linear.py).
+        if model_config.quantization is not None:
             if self.device.type != "cpu":
                 raise ConfigError(
-                    f"quantization 'int8' runs pagedkv's CPU linear kernel; the model is on {self.device}"
+                    f"quantization {model_config.quantization!r} runs pagedkv's CPU linear kernel; "
+                    f"the model is on {self.device}"
                 )
-            use_int8_linears(self.model)
+            if model_config.quantization == "bf16":
+                use_bf16_linears(self.model)
+            else:
+                use_int8_linears(self.model)
         head = self.model.get_output_embeddings()
         self.vocab_size = int(head.weight.shape[0]) if head is not None else int(text_config.vocab_size)
         self._accepts_logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
