@@ -127,8 +127,9 @@ def kv_dtype_info(name: str) -> tuple[str, int, int]:
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 ATTENTION_BACKENDS = (None, "auto", "triton", "cpu", "torch")
 LINEAR_KERNELS = ("default", "pagedkv", "onednn")
-# Weight quantization applied when the model loads (None: the checkpoint's weights as they are).
-QUANTIZATIONS = (None, "int8")
+# Weight quantization applied when the model loads (None: the checkpoint's weights as they are;
+# "auto": a GGUF model's own blocks on the CPU, else None; "none" is read as None).
+QUANTIZATIONS = (None, "int8", "gguf", "auto")
 POLICIES = ("fcfs", "priority")
 # What preemption does with a preempted branch's KV: drop it and recompute it later, copy it to
 # the host tier and back ("swap"), or choose per preemption from the measured costs ("auto").
@@ -269,7 +270,12 @@ class ModelConfig:
     - ``quantization``: ``None`` (the weights as loaded) or ``"int8"`` (CPU: every linear's
       weight stored as int8 with a float32 scale per output channel, multiplied by pagedkv's
       CPU kernel on float32 inputs; a quarter of the linears' memory and memory traffic;
-      :mod:`pagedkv.worker.int8_linear`).
+      :mod:`pagedkv.worker.int8_linear`), ``"gguf"`` (CPU, a GGUF model: the linears whose
+      tensors are Q4_0, Q4_1, Q8_0 or Q4_K multiplied straight from those blocks, a fifth to a
+      quarter of float32's memory traffic; :mod:`pagedkv.worker.gguf_linear`) or ``"auto"``
+      (the default: ``"gguf"`` for a GGUF model, a ``.gguf`` file or an embedded model, on the
+      CPU without tensor parallelism, else ``None``); ``"none"`` is ``None`` (a GGUF model
+      then runs dequantized to float32).
     - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's
       forward under ``torch.compile``: one graph for every step size, compiled as the engine
       starts (30-70 s for SmolLM2 on 2 cores) and saved whole beside inductor's cache, so a later
@@ -293,7 +299,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     max_logprobs: int = 20
     linear_kernel: str = "default"
-    quantization: str | None = None
+    quantization: str | None = "auto"
     enforce_eager: bool = True
 
     def __post_init__(self) -> None:
@@ -331,8 +337,12 @@ class ModelConfig:
                 f"linear_kernel {self.linear_kernel!r} runs float32 linears on the CPU, but device is {device!r} "
                 f"and dtype {dtype!r}"
             )
+        if self.quantization == "none":
+            object.__setattr__(self, "quantization", None)
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantization == "gguf" and device.startswith("cuda"):
+            raise ConfigError(f"quantization 'gguf' runs pagedkv's CPU GGUF kernel, but device is {device!r}")
         if self.quantization == "int8":
             if device.startswith("cuda"):
                 raise ConfigError(f"quantization 'int8' runs pagedkv's CPU linear kernel, but device is {device!r}")

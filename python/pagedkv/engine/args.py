@@ -82,7 +82,10 @@ class EngineArgs:
       logits differ from torch's in the last bits.
     - ``quantization``: ``None`` (the weights as loaded) or ``"int8"`` (CPU: the linears' weights
       as int8 with a scale per output channel, a quarter of their memory, multiplied by
-      pagedkv's kernel on float32 inputs; quality in benches/RESULTS.md).
+      pagedkv's kernel on float32 inputs; quality in benches/RESULTS.md), ``"gguf"`` (CPU, a
+      GGUF model: its Q4_0 / Q4_1 / Q8_0 / Q4_K linears multiplied straight from the file's
+      blocks) or ``"auto"`` (the default: ``"gguf"`` for a GGUF model, a ``.gguf`` file or an
+      embedded model, on the CPU, else the weights as loaded); ``"none"`` is ``None``.
     - ``enforce_eager``: run the model op by op (the default); ``False`` runs each step's forward
       under ``torch.compile`` (inductor; compiled as the engine starts, tens of seconds to minutes
       on a CPU, and saved on disk, so the next start loads it in about a second; on a GPU,
@@ -139,7 +142,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     max_logprobs: int = 20
     linear_kernel: str = "default"
-    quantization: str | None = None
+    quantization: str | None = "auto"
     enforce_eager: bool = True
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
