@@ -266,3 +266,12 @@ def test_gguf_arrays_eager_path_takes_other_dtypes() -> None:
     assert got.dtype == torch.bfloat16 and got.shape == (2, 8)
     want = gguf_linear(x.float(), arrays)
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_an_unreadable_blocks_file_means_float32(tmp_path) -> None:
+    from pagedkv.worker.gguf_blocks import has_gguf_blocks
+
+    assert not has_gguf_blocks(tmp_path)
+    (tmp_path / BLOCKS_FILE).write_bytes(b"not safetensors")
+    with pytest.warns(UserWarning, match="unreadable"):
+        assert not has_gguf_blocks(tmp_path)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,11 +37,16 @@ _CHECKED_ROWS = 16
 
 
 def has_gguf_blocks(folder: str | os.PathLike[str]) -> bool:
-    """Whether ``folder`` holds a blocks file with at least one tensor."""
+    """Whether ``folder`` holds a blocks file with at least one tensor (an unreadable one counts
+    as none, with a ``UserWarning``: the model is then served as float32)."""
     path = Path(folder) / BLOCKS_FILE
     if not path.is_file():
         return False
-    return bool(_read_header(path)[1])
+    try:
+        return bool(_read_header(path)[1])
+    except Exception as exc:  # noqa: BLE001 (safetensors raises its own errors on a damaged file)
+        warnings.warn(f"ignoring the unreadable GGUF blocks file {path} ({exc})", UserWarning, stacklevel=2)
+        return False
 
 
 def _read_header(path: Path) -> tuple[dict[str, str], dict[str, str]]:
