@@ -141,7 +141,7 @@ def linears(args: argparse.Namespace) -> list[str]:
     rng = np.random.default_rng(0)
     decoder = LAYER_SHAPES * LAYERS
     downs = [(HIDDEN, INTERMEDIATE)] * LAYERS
-    isa = gguf_isas()[0] if args.isa == "auto" else args.isa
+    isa = args.isa
     sets = [
         ("decoder (210 linears)", decoder, ["float32 torch", "float32 pagedkv", "int8", "Q8_0", "Q4_1", "Q4_0"]),
         (

@@ -576,4 +576,5 @@ def cpu_linear_gguf(
     on any thread count (on one instruction set)."""
 
 def gguf_linear_isas() -> list[str]:
-    """The instruction sets this CPU runs :func:`cpu_linear_gguf` on, best first; ``"portable"`` last."""
+    """The instruction sets this CPU runs :func:`cpu_linear_gguf` on (``"avx512"``, ``"avx2"``, then
+    ``"portable"``, always last); ``"auto"`` picks ``"avx2"`` where the CPU has it."""

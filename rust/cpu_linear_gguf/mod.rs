@@ -122,7 +122,10 @@ impl GgufType {
 /// Which instruction set runs the product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgufIsa {
-    /// The best the CPU has: AVX-512 (F + BW), else AVX2 + FMA, else portable.
+    /// AVX2 + FMA where the CPU has them, else portable. Not AVX-512: on the Zen 4 this was
+    /// measured on its path ran products of more than `MR` rows (the decoded-tile path) about
+    /// twice as slow as AVX2's, and no faster at one row (benches/bench_gguf_linear.py); it
+    /// stays selectable (`Avx512`) until it is tuned.
     Auto,
     /// Plain Rust, any CPU.
     Portable,
@@ -162,14 +165,15 @@ impl GgufIsa {
         }
     }
 
-    /// `Auto` made concrete: the first of AVX-512, AVX2, portable the CPU runs; another set
+    /// `Auto` made concrete (AVX2, else portable); another set
     /// as it is, or an error if the CPU lacks it.
     pub fn resolve(self) -> Result<Self> {
         match self {
-            Self::Auto => Ok([Self::Avx512, Self::Avx2]
-                .into_iter()
-                .find(|isa| isa.available())
-                .unwrap_or(Self::Portable)),
+            Self::Auto => Ok(if Self::Avx2.available() {
+                Self::Avx2
+            } else {
+                Self::Portable
+            }),
             isa if isa.available() => Ok(isa),
             isa => Err(CoreError::InvalidArgument(format!(
                 "this CPU cannot run the {isa:?} GGUF linear kernel"

@@ -82,8 +82,8 @@ pub fn cpu_linear_gguf(
     Ok(())
 }
 
-/// The instruction sets this CPU runs the GGUF kernel on, best first (`"auto"` picks the
-/// first); `"portable"` is always last.
+/// The instruction sets this CPU runs the GGUF kernel on (`"avx512"`, `"avx2"`, then
+/// `"portable"`, always last); `"auto"` picks `"avx2"` where the CPU has it.
 #[pyfunction]
 pub fn gguf_linear_isas() -> Vec<&'static str> {
     [GgufIsa::Avx512, GgufIsa::Avx2, GgufIsa::Portable]

@@ -47,7 +47,8 @@ GGUF_BLOCK_FORMATS: dict[str, tuple[int, int]] = {
 
 
 def gguf_isas() -> list[str]:
-    """The instruction sets this CPU runs the kernel on, best first (``"portable"`` last)."""
+    """The instruction sets this CPU runs the kernel on (``"portable"`` last; ``"auto"`` is AVX2
+    where the CPU has it: see rust/cpu_linear_gguf/mod.rs, ``GgufIsa::Auto``)."""
     return list(_core.gguf_linear_isas())
 
 
