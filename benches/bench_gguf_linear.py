@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import md_table  # noqa: E402
 
 from pagedkv import LLM, _core  # noqa: E402
-from pagedkv.worker.gguf_linear import GGUF_BLOCK_FORMATS, gguf_isas  # noqa: E402
+from pagedkv.worker.gguf_linear import GGUF_BLOCK_FORMATS  # noqa: E402
 
 HIDDEN, INTERMEDIATE, KV, LAYERS = 576, 1536, 192, 30
 LAYER_SHAPES = [  # (N, K) of one decoder layer's linears
