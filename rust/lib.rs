@@ -30,6 +30,8 @@
 //!   kernel takes.
 //! - [`cpu_linear`]: linear layers on the CPU for a decode step's few rows (float32, int8 or
 //!   bfloat16 weights), summed in an order that does not depend on the batch.
+//! - [`cpu_linear_gguf`]: linear layers on the CPU straight from GGUF block-quantized weights
+//!   (Q4_0, Q4_1, Q8_0, Q4_K), per instruction set (AVX-512, AVX2, portable).
 //! - [`speculative`]: speculative decoding: the n-gram proposer, the cost model that decides how
 //!   many drafts a step verifies, and the verification rule.
 //! - [`scheduler`]: continuous batching: token budget, chunked prefill, prefix-cache
@@ -46,6 +48,7 @@ pub mod block_table;
 pub mod cpu_attention;
 pub mod cpu_isa;
 pub mod cpu_linear;
+pub mod cpu_linear_gguf;
 pub mod error;
 pub mod eviction_queue;
 pub mod ids;

@@ -144,7 +144,10 @@ def test_greedy_tokens_equal_transformers(
 ) -> None:
     folder = str(default_model_dir()) if model == SMOLLM2 else tiny_model
     reference = references(folder)
+    # quantization="none": the float32 weights transformers runs (the embedded model's folder
+    # would otherwise be served from its GGUF blocks, tests/test_gguf_linear.py).
     kwargs = {"dtype": "float32", "device": "cpu", "max_model_len": 512, "kv_cache_memory": 64 << 20}
+    kwargs |= {"quantization": "none"}
     kwargs |= {"model": folder, "tokenizer": str(default_model_dir())}
     kwargs.update(engine_args)
     if kwargs.get("kv_cache_dir") == "TMP":

@@ -211,6 +211,7 @@ def test_concurrent_first_calls_convert_once(monkeypatch: pytest.MonkeyPatch, tm
         staging.mkdir()
         time.sleep(0.2)
         (staging / model_files._MARKER_FILE).write_text("{}")
+        (staging / model_files.BLOCKS_FILE).write_bytes(b"")  # as a conversion writes it
         staging.rename(target)
 
     monkeypatch.setattr(model_files, "_convert_gguf", slow_convert)

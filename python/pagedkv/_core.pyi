@@ -23,6 +23,8 @@ __all__ = [
     "block_hashes",
     "cpu_isa",
     "cpu_linear",
+    "cpu_linear_gguf",
+    "gguf_linear_isas",
     "paged_decode_attention_cpu",
 ]
 
@@ -567,3 +569,23 @@ def cpu_isa() -> dict[str, Any]:
     """The CPU's instruction-set extensions (``features``), the paths of :func:`cpu_linear` it
     can run (``linear_paths``), the one ``isa="auto"`` takes per weight format (``linear``:
     ``float32``, ``int8``, ``bfloat16``) and the decode attention kernel's path (``attention``)."""
+
+def cpu_linear_gguf(
+    x: npt.NDArray[np.float32],  # [M, K]
+    blocks: npt.NDArray[np.uint8],  # [N, K / block_values * block_bytes]
+    kind: str,  # "Q4_0" | "Q4_1" | "Q8_0" | "Q4_K"
+    out: npt.NDArray[np.float32],  # [M, N], written
+    num_threads: int,
+    bias: npt.NDArray[np.float32] | None = None,  # [N]
+    isa: str = "auto",  # "auto" | "portable" | "avx2" | "avx512"
+) -> None:
+    """``out = x @ W.T + bias`` with ``W`` read straight from GGUF blocks (pagedkv.worker.gguf_linear).
+
+    Each row of ``blocks`` is one weight row's blocks as a GGUF file stores them. ``isa`` forces
+    an instruction set (one the CPU lacks is an error; :func:`gguf_linear_isas` lists them).
+    Every array C-contiguous. Row ``m`` of ``out`` is bit for bit what ``x[m:m+1]`` alone gives,
+    on any thread count (on one instruction set)."""
+
+def gguf_linear_isas() -> list[str]:
+    """The instruction sets this CPU runs :func:`cpu_linear_gguf` on (``"avx512"``, ``"avx2"``, then
+    ``"portable"``, always last); ``"auto"`` picks ``"avx2"`` where the CPU has it."""

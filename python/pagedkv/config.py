@@ -130,8 +130,9 @@ LINEAR_KERNELS = ("auto", "torch", "pagedkv", "onednn")
 # Earlier names of linear kernels, still accepted: "default" was torch's products' name while
 # they were the default.
 _LINEAR_KERNEL_ALIASES = {"default": "torch"}
-# Weight quantization applied when the model loads (None: the checkpoint's weights as they are).
-QUANTIZATIONS = (None, "int8", "bf16")
+# Weight quantization applied when the model loads (None: the checkpoint's weights as they are;
+# "auto": a GGUF model's own blocks on the CPU, else None; "none" is read as None).
+QUANTIZATIONS = (None, "int8", "bf16", "gguf", "auto")
 POLICIES = ("fcfs", "priority")
 # What preemption does with a preempted branch's KV: drop it and recompute it later, copy it to
 # the host tier and back ("swap"), or choose per preemption from the measured costs ("auto").
@@ -270,13 +271,13 @@ def resolve_enforce_eager(enforce_eager: bool | None, device_type: str) -> bool:
 
 def resolve_linear_kernel(linear_kernel: str, device_type: str, dtype_name: str, quantization: str | None) -> str:
     """The linear kernel ``linear_kernel`` means for a model of ``dtype_name`` (``"float32"``,
-    ...) on ``device_type``: itself, or for ``"auto"`` pagedkv's kernel where it applies (float32
-    on the CPU, weights as loaded; it hands products of more than 32 rows to torch, the faster
+    ...) on ``device_type`` with ``quantization`` resolved: itself, or for ``"auto"`` pagedkv's
+    kernel where it applies (float32 on the CPU, weights as loaded or GGUF blocks; it hands products of more than 32 rows to torch, the faster
     one there) and torch's products elsewhere."""
     if linear_kernel != "auto":
         return linear_kernel
-    if device_type == "cpu" and dtype_name == "float32" and quantization is None:
-        return "pagedkv"
+    if device_type == "cpu" and dtype_name == "float32" and quantization in (None, "gguf"):
+        return "pagedkv"  # with "gguf": the linears whose tensors are not in blocks
     return "torch"
 
 
@@ -311,9 +312,15 @@ class ModelConfig:
     - ``quantization``: ``None`` (the weights as loaded), ``"int8"`` (CPU: every linear's
       weight stored as int8 with a float32 scale per output channel, multiplied by pagedkv's
       CPU kernel on float32 inputs; a quarter of the linears' memory and memory traffic;
-      :mod:`pagedkv.worker.int8_linear`) or ``"bf16"`` (CPU: every linear's weight stored as
+      :mod:`pagedkv.worker.int8_linear`), ``"bf16"`` (CPU: every linear's weight stored as
       bfloat16, the rest of the model float32; half the linears' memory; with AVX512-BF16 the
-      inputs are rounded to bfloat16 too; :mod:`pagedkv.worker.bf16_linear`).
+      inputs are rounded to bfloat16 too; :mod:`pagedkv.worker.bf16_linear`), ``"gguf"`` (CPU,
+      a GGUF model: the linears whose tensors are Q4_0, Q4_1, Q8_0 or Q4_K multiplied straight
+      from those blocks, a fifth to a quarter of float32's memory traffic;
+      :mod:`pagedkv.worker.gguf_linear`) or ``"auto"`` (``"gguf"`` for a GGUF model, a ``.gguf``
+      file or an embedded model, on the CPU without tensor parallelism, else ``None``);
+      ``"none"`` is ``None``. Default ``None``: a GGUF model runs dequantized to float32, which
+      is still faster than its blocks at a batch of 16 (benches/RESULTS.md).
     - ``enforce_eager``: ``True`` runs the model op by op; ``False`` runs each step's forward
       under ``torch.compile``: one graph for every step size, compiled as the engine starts
       (about a minute for SmolLM2 on 2 cores, said in the log) and saved whole beside inductor's
@@ -380,9 +387,13 @@ class ModelConfig:
                 f"linear_kernel {self.linear_kernel!r} runs float32 linears on the CPU, but device is {device!r} "
                 f"and dtype {dtype!r}"
             )
+        if self.quantization == "none":
+            object.__setattr__(self, "quantization", None)
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization is not None:
+        if self.quantization == "gguf" and device.startswith("cuda"):
+            raise ConfigError(f"quantization 'gguf' runs pagedkv's CPU GGUF kernel, but device is {device!r}")
+        if self.quantization in ("int8", "bf16"):
             if device.startswith("cuda"):
                 raise ConfigError(
                     f"quantization {self.quantization!r} runs pagedkv's CPU linear kernel, but device is {device!r}"

@@ -8,6 +8,7 @@ mod attention;
 mod args;
 mod errors;
 mod linear;
+mod linear_gguf;
 mod manager;
 mod reuse;
 mod scheduler;
@@ -28,6 +29,8 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(attention::paged_decode_attention_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(linear::cpu_linear, m)?)?;
     m.add_function(wrap_pyfunction!(linear::cpu_isa, m)?)?;
+    m.add_function(wrap_pyfunction!(linear_gguf::cpu_linear_gguf, m)?)?;
+    m.add_function(wrap_pyfunction!(linear_gguf::gguf_linear_isas, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler::block_hashes, m)?)?;
     m.add("MAX_NUM_BLOCKS", crate::block_pool::MAX_NUM_BLOCKS)?;
     m.add("MAX_BLOCK_SIZE", crate::block_pool::MAX_BLOCK_SIZE)?;

@@ -82,9 +82,12 @@ class EngineArgs:
       in the last bits with any but ``"torch"``. Default: auto.
     - ``quantization``: ``None`` (the weights as loaded), ``"int8"`` (CPU: the linears' weights
       as int8 with a scale per output channel, a quarter of their memory, multiplied by
-      pagedkv's kernel on float32 inputs; quality in benches/RESULTS.md) or ``"bf16"`` (CPU: the
+      pagedkv's kernel on float32 inputs; quality in benches/RESULTS.md), ``"bf16"`` (CPU: the
       linears' weights as bfloat16, half their memory, the rest float32; with AVX512-BF16 the
-      kernel rounds the inputs to bfloat16 too).
+      kernel rounds the inputs to bfloat16 too), ``"gguf"`` (CPU, a GGUF model: its Q4_0 / Q4_1
+      / Q8_0 / Q4_K linears multiplied straight from the file's blocks) or ``"auto"``
+      (``"gguf"`` for a GGUF model, a ``.gguf`` file or an embedded model, on the CPU, else the
+      weights as loaded); ``"none"`` is ``None``, the default (a GGUF model dequantized to float32).
     - ``enforce_eager``: run the model op by op (``--enforce-eager``), or not
       (``--no-enforce-eager``: each step's forward under ``torch.compile``, compiled as the
       engine starts, about a minute on a 2-core CPU the first time, and saved on disk, so the

@@ -21,6 +21,14 @@ The converted folder holds float32 weights: a Q4_1 value is ``d * q + m`` with f
 cannot hold exactly, so only float32 keeps the dequantized weights bit-identical to what the
 GGUF loader produces.
 
+A GGUF file of the user's (``model="path/to/file.gguf"``) is converted the same way, into a
+cache folder named by the file's name and a digest of its path, size and modification time.
+
+Beside the float32 weights, the folder holds the GGUF's quantized linear weights as they are
+(pagedkv.worker.gguf_blocks: Q4_0, Q4_1, Q8_0 and Q4_K tensors, rows in the model's order),
+which the CPU serves by default (``quantization="gguf"``, pagedkv.worker.gguf_linear). A folder
+converted before that file existed gets it on its next load (written once, atomically).
+
 Conversion is atomic and safe against concurrent processes: it writes into a private temporary
 folder next to the target and renames it into place; a file lock (where ``fcntl`` exists)
 keeps two processes from converting at once, and a lost rename race is tolerated anyway.
@@ -28,18 +36,21 @@ keeps two processes from converting at once, and a lost rename race is tolerated
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from pagedkv.errors import ModelLoadError
+from pagedkv.worker.gguf_blocks import BLOCKS_FILE, write_gguf_blocks
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -50,6 +61,7 @@ __all__ = [
     "default_model_dir",
     "embedded_model_dir",
     "find_embedded_model",
+    "gguf_model_dir",
     "resolve_model",
 ]
 
@@ -197,15 +209,42 @@ def embedded_model_dir(name: str) -> Path:
     if model is None:
         raise ModelLoadError(f"no embedded model is called {name!r}; embedded: {', '.join(EMBEDDED_MODELS)}")
     model.check_installed()
+    return _converted_dir(model)
+
+
+def _converted_dir(model: EmbeddedModel) -> Path:
+    """``model``'s converted folder in the cache, converting its GGUF file first if needed (and
+    adding the blocks file to a folder converted without it)."""
     target = cache_dir() / model.converted_subdir
-    if _is_complete(target):
+    if _is_complete(target) and (target / BLOCKS_FILE).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.parent / f".{model.converted_subdir}.lock"):
         # Another process may have finished while this one waited for the lock.
         if not _is_complete(target):
             _convert_gguf(model, target)
+        elif not (target / BLOCKS_FILE).is_file():
+            _add_gguf_blocks(model, target)
     return target
+
+
+def gguf_model_dir(path: str | os.PathLike[str]) -> Path:
+    """The converted folder of the GGUF file at ``path``, converting it on the first call
+    (a cache folder per file path, size and modification time)."""
+    gguf = Path(path).expanduser().resolve()
+    try:
+        stat = gguf.stat()
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read the GGUF file {str(path)!r}: {exc}") from exc
+    key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    model = EmbeddedModel(
+        name=gguf.stem,
+        aliases=(),
+        pip_specs=(),
+        gguf_path=lambda _scratch: gguf,
+        converted_subdir=f"gguf-{gguf.stem}-{key}-float32-v1",
+    )
+    return _converted_dir(model)
 
 
 def resolve_model(model: str | os.PathLike[str] | None) -> str:
@@ -213,7 +252,8 @@ def resolve_model(model: str | os.PathLike[str] | None) -> str:
 
     ``None`` means the embedded default model. An existing folder is returned as is; then a
     name or alias of an embedded model (``EMBEDDED_MODELS``: ``SmolLM2-135M-Instruct``,
-    ``gemma-3-270m`` or ``google/gemma-3-270m``) means its converted folder. A string that looks
+    ``gemma-3-270m`` or ``google/gemma-3-270m``) means its converted folder, and a ``.gguf``
+    file the folder it is converted into (:func:`gguf_model_dir`). A string that looks
     like a filesystem path (absolute, ``./``, ``~``, or an ``os.PathLike``) but does not exist
     raises ``ModelLoadError``; anything else is passed through as a Hugging Face model id
     (``from_pretrained`` reports a missing id itself).
@@ -222,6 +262,8 @@ def resolve_model(model: str | os.PathLike[str] | None) -> str:
         return str(default_model_dir())
     if isinstance(model, os.PathLike):
         path = Path(model).expanduser()
+        if _is_gguf_file(path):
+            return str(gguf_model_dir(path))
         if not path.is_dir():
             raise ModelLoadError(f"model folder {str(model)!r} does not exist or is not a directory")
         return str(path)
@@ -234,11 +276,17 @@ def resolve_model(model: str | os.PathLike[str] | None) -> str:
         return str(path)
     if find_embedded_model(model) is not None:
         return str(embedded_model_dir(model))
+    if _is_gguf_file(path):
+        return str(gguf_model_dir(path))
     if path.exists():
-        raise ModelLoadError(f"model path {model!r} is a file, not a model folder")
+        raise ModelLoadError(f"model path {model!r} is a file, neither a model folder nor a .gguf file")
     if _looks_like_path(model):
         raise ModelLoadError(f"model folder {model!r} does not exist")
     return model
+
+
+def _is_gguf_file(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf" and path.is_file()
 
 
 def _looks_like_path(model: str) -> bool:
@@ -298,10 +346,10 @@ def _convert_gguf(model: EmbeddedModel, target: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:
         raise ModelLoadError(
-            f"converting the embedded model {model.name} needs torch and transformers ({exc}); install pagedkv[engine]"
+            f"converting the GGUF model {model.name} needs torch and transformers ({exc}); install pagedkv[engine]"
         ) from exc
     if importlib.util.find_spec("gguf") is None:
-        raise ModelLoadError(f"converting the embedded model {model.name} needs the `gguf` package: `pip install gguf`")
+        raise ModelLoadError(f"converting the GGUF model {model.name} needs the `gguf` package: `pip install gguf`")
 
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     # Where a GGUF assembled from parts lives during the conversion: in the cache directory
@@ -321,6 +369,7 @@ def _convert_gguf(model: EmbeddedModel, target: Path) -> None:
         loaded.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         loaded.generation_config.save_pretrained(staging)
+        write_gguf_blocks(gguf_path, loaded, staging)
         marker = {
             "model": model.name,
             "packages": list(model.pip_specs),
@@ -342,7 +391,27 @@ def _convert_gguf(model: EmbeddedModel, target: Path) -> None:
     except ModelLoadError:
         raise
     except Exception as exc:
-        raise ModelLoadError(f"converting the embedded model {model.name} to {target} failed: {exc}") from exc
+        raise ModelLoadError(f"converting the GGUF model {model.name} to {target} failed: {exc}") from exc
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _add_gguf_blocks(model: EmbeddedModel, target: Path) -> None:
+    """Writes the blocks file into ``target``, a folder converted before it existed. On failure
+    the model is still served, as float32 (``UserWarning``)."""
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.gguf.", dir=target.parent))
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+        write_gguf_blocks(model.gguf_path(scratch), loaded, target)
+    except Exception as exc:  # noqa: BLE001 (the float32 folder still serves)
+        warnings.warn(
+            f"could not extract the quantized blocks of {model.name} into {target} ({exc}); it is served as float32",
+            UserWarning,
+            stacklevel=3,
+        )
+    finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -97,6 +97,8 @@ from pagedkv.worker.compiled_forward import CompiledForward
 from pagedkv.worker.cpu_linear import LinearSwitch, use_pagedkv_linears
 from pagedkv.worker.decode_graphs import DecodeGraphs, capture_sizes
 from pagedkv.worker.disk_cache import DiskKVStore, disk_fingerprint
+from pagedkv.worker.gguf_blocks import has_gguf_blocks, load_gguf_blocks
+from pagedkv.worker.gguf_linear import use_gguf_linears
 from pagedkv.worker.head_rows import HeadSplit, HiddenRows
 from pagedkv.worker.host_cache import HostKVCache
 from pagedkv.worker.int8_linear import use_int8_linears
@@ -219,6 +221,12 @@ class ModelRunner:
         self.model = _load_model(self.model_path, self.dtype, self.device, model_config.trust_remote_code)
         if self.tp_group is not None:
             shard_model(self.model, self.tp_group)
+        # quantization="gguf" (or "auto" for a GGUF model on the CPU): the linears of the GGUF's
+        # Q4_0 / Q4_1 / Q8_0 / Q4_K tensors straight from their blocks (worker/gguf_linear.py);
+        # before the linear kernel's switch, which takes the linears left.
+        self.quantization = self._resolve_quantization(model_config.quantization)
+        if self.quantization == "gguf":
+            use_gguf_linears(self.model, load_gguf_blocks(self.model_path))
         # linear_kernel="onednn": the linears through oneDNN (worker/onednn_linear.py); "pagedkv":
         # decode-sized products through the Rust kernel (worker/cpu_linear.py). None: torch's
         # own. "auto" resolves here, where the device and dtype are known. Benchmarks turn the
@@ -227,19 +235,19 @@ class ModelRunner:
             model_config.linear_kernel,
             self.device.type,
             str(self.dtype).removeprefix("torch."),
-            model_config.quantization,
+            self.quantization,
         )
         self.linear_switch = self._switch_linear_kernel(self.linear_kernel)
         # quantization="int8": the linears' weights as int8 (worker/int8_linear.py); after the
         # sharding, so each rank quantizes its own shard.
         # quantization="bf16": bfloat16 weights, float32 activations (worker/bf16_linear.py).
-        if model_config.quantization is not None:
+        if self.quantization in ("int8", "bf16"):
             if self.device.type != "cpu":
                 raise ConfigError(
                     f"quantization {model_config.quantization!r} runs pagedkv's CPU linear kernel; "
                     f"the model is on {self.device}"
                 )
-            if model_config.quantization == "bf16":
+            if self.quantization == "bf16":
                 use_bf16_linears(self.model)
             else:
                 use_int8_linears(self.model)
@@ -259,7 +267,7 @@ class ModelRunner:
             # Freezing lets inductor pack torch's linears for oneDNN, but a frozen graph is not
             # cached on disk (AOT autograd refuses it): with pagedkv's kernels for the linears
             # there is nothing to pack, and a restart reuses the cache.
-            torch_linears = self.linear_kernel == "torch" and model_config.quantization is None
+            torch_linears = self.linear_kernel == "torch" and self.quantization is None
             self.compiled_forward = CompiledForward(self.model, freeze=self.device.type == "cpu" and torch_linears)
         geometry = self.geometry
         self.num_layers = geometry.num_layers
@@ -286,8 +294,8 @@ class ModelRunner:
             self.device,
             str(self.dtype).removeprefix("torch."),
             torch.get_num_threads(),
-            self.linear_kernel if model_config.quantization is None else "pagedkv",
-            "" if model_config.quantization is None else f" ({model_config.quantization} weights)",
+            self.linear_kernel,
+            "" if self.quantization is None else f" ({self.quantization} weights through pagedkv's kernels)",
             "eager" if self.enforce_eager else "compiled",
             self.attention_backend,
         )
@@ -380,6 +388,26 @@ class ModelRunner:
                 )
                 for layer in range(self.num_layers)
             ]
+
+    def _resolve_quantization(self, requested: str | None) -> str | None:
+        """``quantization`` made concrete: ``"auto"`` is ``"gguf"`` for a GGUF model (a folder
+        with the GGUF's blocks, worker/gguf_blocks.py) on the CPU without tensor parallelism,
+        else None; ``"gguf"`` where it cannot be served is a ConfigError."""
+        if requested not in ("auto", "gguf"):
+            return requested
+        blocks = os.path.isdir(self.model_path) and has_gguf_blocks(self.model_path)
+        if requested == "auto":
+            return "gguf" if blocks and self.device.type == "cpu" and self.tp_group is None else None
+        if not blocks:
+            raise ConfigError(
+                f"quantization 'gguf' serves a GGUF model's own blocks, but {self.model_path!r} is not a GGUF "
+                "model (a .gguf file or an embedded model) or has no Q4_0 / Q4_1 / Q8_0 / Q4_K linears"
+            )
+        if self.device.type != "cpu":
+            raise ConfigError(f"quantization 'gguf' runs pagedkv's CPU GGUF kernel; the model is on {self.device}")
+        if self.tp_group is not None:
+            raise ConfigError("quantization 'gguf' cannot be combined with tensor parallelism")
+        return "gguf"
 
     def _switch_linear_kernel(self, kernel: str) -> LinearSwitch | None:
         if kernel == "torch":
@@ -905,8 +933,8 @@ class ModelRunner:
             "kv_cache_scales": "checkpoint" if self.kv_static_scales else "dynamic",
             "block_size": self.block_size,
         }
-        if self.model_config.quantization is not None:
-            geometry["quantization"] = self.model_config.quantization
+        if self.quantization is not None:
+            geometry["quantization"] = self.quantization
         layout = self.kv_layout
         if layout.grouped:
             # Lists, not tuples: the fingerprint is compared with its JSON round trip.
