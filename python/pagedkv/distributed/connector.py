@@ -355,14 +355,11 @@ class KVConnector:
 
     # ------------------------------------------------------------------ consumer side
 
-    def start_load(
-        self, request_id: str, prompt_token_ids: list[int], remote: RemotePrefill, cache_salt: str | None
-    ) -> bool:
-        """Reserves blocks for ``remote``'s KV and starts pulling the ones not cached here.
-        Returns False when there is nothing to wait for (nothing to pull, or no room now: the
-        caller adds the request at once and it computes what it lacks). Raises
-        InvalidArgumentError for params that do not belong to this prompt, and
-        KVTransferError for a producer whose format cannot match (before anything is held)."""
+    def check_load(self, prompt_token_ids: list[int], remote: RemotePrefill) -> None:
+        """Checks a pull of ``remote``'s KV for ``prompt_token_ids`` before its request is added
+        (nothing is held, nothing connects): InvalidArgumentError for params that do not belong
+        to this prompt or name a producer this engine does not pull from, KVTransferError for a
+        producer whose format cannot match or a pull thread that is not running."""
         if not self.config.is_consumer:
             raise InvalidArgumentError(f"engine {self.engine_id!r} is not a KV consumer (kv_transfer_config.role)")
         allowed = self.config.allowed_producers
@@ -390,6 +387,17 @@ class KVConnector:
             # Never reached while the thread does its job; should it have died, a pull handed to
             # it would wait forever: the prompt is computed here (or failed, by the policy).
             raise KVTransferError(f"the KV pull thread is not running ({self.background.health()['dead']})")
+
+    def start_load(
+        self, request_id: str, prompt_token_ids: list[int], remote: RemotePrefill, cache_salt: str | None
+    ) -> bool:
+        """Reserves blocks (a reservation named ``request_id``) for ``remote``'s KV and starts
+        pulling the ones not cached here; the params passed :meth:`check_load`, and the request
+        is in the scheduler, blocked on ``"remote_kv"``. Returns False when there is nothing to
+        wait for (nothing to pull, or no room now: the caller unblocks the request at once and
+        it computes what it lacks); else the request waits for :meth:`take_finished_loads`."""
+        columns = self.num_columns
+        per_column = len(remote.remote_block_ids) // columns
         full_blocks = min(remote.remote_num_tokens, len(prompt_token_ids)) // self.block_size
         reserved = self.scheduler.reserve_kv(request_id, prompt_token_ids, full_blocks, cache_salt)
         if reserved is None or not reserved[1]:
