@@ -646,7 +646,9 @@ class KVConnector:
     def stats(self) -> dict[str, Any]:
         return {
             **self.counters,
-            "num_kv_waiting_for_remote": len(self.loads),
+            # Pulls in flight, those of aborted requests included (their reads still end here);
+            # the requests waiting for them are the scheduler's num_waiting_for_remote_kv.
+            "num_kv_pulls_in_flight": len(self.loads),
             "kv_transfer_engine_id": self.engine_id,
             "kv_transfer_address": self.address,
         }
