@@ -18,6 +18,11 @@
 //! 3. The step output is built as flat arrays (input ids, positions, slots, block tables,
 //!    logits rows, swap and copy-on-write ops).
 //!
+//! A request enters at `add_request` ([`admission`]); one that waits for something outside
+//! the scheduler (its grammar, its prompt's KV from another engine) is blocked — in neither
+//! queue — until [`Scheduler::unblock`] lifts every [`Wait`]; `abort_request` ends a request
+//! in any state.
+//!
 //! `update(step, sampled)` appends one sampled token per logits row, forks `n > 1` requests
 //! into their branches at the end of their prompt, and applies the token-based stops (eos,
 //! stop ids, min_tokens, max_tokens, max_model_len). A finished branch frees its blocks.

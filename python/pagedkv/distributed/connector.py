@@ -25,16 +25,24 @@ is a failed pull, handled by the policy (recompute: the prompt is computed here,
 foreign enters the cache). An unknown or forged token is refused by the producer.
 
 **Consumer** (``role`` consumer/both). A request added with ``{"do_remote_prefill": true, ...}``
-is not given to the scheduler at once. :meth:`start_load` reserves blocks for the prompt's full
-blocks (sharing what this engine already caches; only the rest is pulled) and hands the pull
-to the connector's thread, which handshakes with the producer when it first meets it (the
-transport refuses another layout; the fingerprint must match), reads the blocks (coalesced
-runs), and releases the lease; a release that finds the lease gone means the blocks may have
-been reused mid-read, so the pull failed (a claim happens just before the read). Meanwhile the request is *waiting for remote KV*: not
-scheduled, its blocks outside the prefix cache. :meth:`take_finished_loads`, called by the
-engine before every step, commits the blocks that arrived (they enter the prefix cache, and the
-request added next hits them) or cancels the reservation; the engine then adds the request to
-the scheduler (recompute policy, or success) or fails it (``fail`` policy).
+enters the scheduler at once, *blocked* on ``"remote_kv"`` (``Scheduler.add_request(...,
+wait_for=["remote_kv"])``: live, never scheduled, holding no block; see
+rust/scheduler/admission.rs). :meth:`check_load` checks the params before that add (nothing held,
+nothing connected); :meth:`start_load`, after it, reserves blocks (a reservation named after the
+request) for the prompt's full blocks (sharing what this engine already caches; only the rest
+is pulled) and hands the pull to the connector's thread, which handshakes with the producer
+when it first meets it (the transport refuses another layout; the fingerprint must match),
+reads the blocks (coalesced runs), and releases the lease; a release that finds the lease gone
+means the blocks may have been reused mid-read, so the pull failed (a claim happens just before
+the read). Nothing to pull (all cached here, or no room now): the engine unblocks the request
+at once and it computes its prompt. :meth:`take_finished_loads`, called by the engine before
+every step, commits the blocks that arrived (they enter the prefix cache, and the request,
+unblocked next, hits them) or cancels the reservation; the engine then unblocks the request
+(recompute policy, or success) or fails it (``fail`` policy). The connector holds only the pull
+(:attr:`KVConnector.loads`); whether a request waits for it is the scheduler's
+(``Scheduler.waiting_for``). A request aborted meanwhile leaves the scheduler at once; its
+pull is :meth:`abandon`-ed and its reservation ends when the read does (the read may still
+write the blocks), unreported.
 
 **KV cache groups.** A model whose KV is kept in columns (worker/kv_layout.py: one block
 table per column) moves every column: a lease's block ids are every column's table,

@@ -17,6 +17,16 @@ Bad input (unknown ids, invalid parameters, empty or too long prompts, token ids
 vocabulary) raises a typed :mod:`pagedkv.errors` exception in ``add_request`` /
 ``abort_request`` before anything changes, so the engine keeps serving its other requests.
 
+Every request enters the scheduler in ``add_request``, where all of the scheduler's checks run.
+One that must first wait — for its grammar to compile (structured outputs), for its prompt's
+KV to arrive from another engine (``do_remote_prefill``), or both — enters *blocked* on what it
+waits for (``Scheduler.add_request(..., wait_for=[...])``): live, never scheduled, holding no
+block. What it waits on is held where it is owned — the compile handle by
+``GrammarCompiler.held``, the pull by the ``KVConnector`` — and each step, before scheduling,
+lifts the reasons that ended (``Scheduler.unblock``) or fails the request whose compile or
+pull failed. ``abort_request`` (and a failure) is one ``Scheduler.abort_request``, whatever the
+request's state; it returns what the request still waited for, whose holders then drop it.
+
 Failures inside a step cannot wedge the engine: an exception between ``schedule()`` and
 ``update()`` (an interrupt, out of memory, a bug) rolls the step back in the scheduler and
 propagates; the next ``step()`` retries it. Requests are charged one failure per failed step

@@ -211,8 +211,7 @@ _KV_TRANSFER_GAUGES: tuple[_Spec, ...] = (
     (
         "pagedkv:kv_requests_waiting_for_remote",
         "num_waiting_for_remote_kv",
-        "Requests waiting for their prompt's KV from a prefill engine (blocked in the scheduler, not yet "
-        "scheduled).",
+        "Requests waiting for their prompt's KV from a prefill engine (blocked in the scheduler, not yet scheduled).",
     ),
 )
 _KV_TRANSFER_COUNTERS: tuple[_Spec, ...] = (
