@@ -189,6 +189,42 @@ def test_abort_frees_blocks_at_once_and_is_reported_next_step() -> None:
     assert s.stats().num_aborted == 2
 
 
+def test_blocked_requests_wait_for_unblock_and_abort_says_what_they_waited_for() -> None:
+    s, model = make()
+    s.add_request("g", [1, 2, 3], max_tokens=2, wait_for=["grammar"])
+    s.add_request("gk", [4, 5, 6], max_tokens=2, wait_for=("grammar", "remote_kv"))
+    s.add_request("a", [7, 8], max_tokens=2)
+    assert (s.waiting_for("g"), s.waiting_for("gk"), s.waiting_for("a"), s.waiting_for("x")) == (
+        ["grammar"],
+        ["grammar", "remote_kv"],
+        [],
+        None,
+    )
+    stats = s.stats()
+    assert (stats.num_waiting, stats.num_waiting_for_grammar, stats.num_waiting_for_remote_kv) == (1, 2, 1)
+    out = s.schedule()
+    assert out.req_ids == ["a"]  # blocked requests are never scheduled
+    s.update(out, model.execute(out))
+    # Bad reasons change nothing.
+    for bad in ("grammar", ["grammar", "gpu"], [1]):
+        with pytest.raises((pagedkv.InvalidArgumentError, pagedkv.InvalidTypeError)):
+            s.add_request("z", [1], max_tokens=1, wait_for=bad)  # type: ignore[arg-type]
+    with pytest.raises(pagedkv.InvalidArgumentError):
+        s.unblock("g", "remote_kv")  # it does not wait for that
+    with pytest.raises(pagedkv.InvalidArgumentError):
+        s.unblock("g", "gpu")
+    with pytest.raises(pagedkv.UnknownRequestError):
+        s.unblock("x", "grammar")
+    assert s.unblock("g", "grammar") is True
+    assert s.unblock("gk", "grammar") is False  # still waits for its KV
+    out = s.schedule()
+    assert set(out.req_ids) == {"a", "g"}
+    s.update(out, model.execute(out))
+    assert s.abort_request("gk") == ["remote_kv"]
+    assert s.abort_request("g") == []
+    s.check_invariants()
+
+
 def test_abort_between_schedule_and_update_drops_the_token() -> None:
     s, model = make()
     s.add_request("a", [1, 2, 3], max_tokens=5)

@@ -25,7 +25,7 @@ use crate::error::CoreError;
 use crate::eviction_queue::MAX_RETENTION_PRIORITY;
 use crate::ids::SeqId;
 use crate::kv_cache_manager::RetentionPolicy;
-use crate::scheduler::BeamParams;
+use crate::scheduler::{BeamParams, Wait, WaitSet};
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
@@ -337,4 +337,24 @@ pub fn beam_candidates_arg(
         lps.extend(row_lps.into_iter().map(|x| x as f32));
     }
     Ok((ids, lps, k.unwrap_or(0)))
+}
+
+/// A request's wait reasons: an iterable of "grammar" / "remote_kv" (a bare str is refused:
+/// its characters are no reasons).
+pub fn wait_set_arg(obj: &Bound<'_, PyAny>) -> PyResult<WaitSet> {
+    if obj.is_none() {
+        return Ok(WaitSet::NONE);
+    }
+    if obj.is_instance_of::<PyString>() {
+        return Err(invalid_type(format!("wait_for must be an iterable of str, got str {obj}")));
+    }
+    let iter = obj
+        .try_iter()
+        .map_err(|_| invalid_type(format!("wait_for must be an iterable of str, got {}", type_name(obj))))?;
+    let mut set = WaitSet::NONE;
+    for item in iter {
+        let item = item?;
+        set = set.with(Wait::parse(str_obj_arg(&item, "wait_for's items")?.to_str()?)?);
+    }
+    Ok(set)
 }

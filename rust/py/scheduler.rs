@@ -13,12 +13,12 @@ use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyString};
 
 use super::args::{
     attention_spans_arg, beam_arg, beam_candidates_arg, bool_arg, count_arg, float_arg, hash_mode_arg, index_arg, int_arg, int_list_arg, object_arg, positive_arg, retention_arg, salt_arg,
-    str_arg, str_obj_arg, token_ids_arg,
+    str_arg, str_obj_arg, token_ids_arg, wait_set_arg,
 };
 use super::reuse::{ArrayRing, EmptyLists, ListRing, TableRing};
 use crate::scheduler::{
     BeamCandidates, FinishReason, NewRequest, Policy, PreemptionMode, RequestKey, RequestUpdate, Scheduler, SchedulerConfig,
-    SchedulerStats, StatValue, StepOutput,
+    SchedulerStats, StatValue, StepOutput, Wait,
 };
 use crate::error::CoreError;
 use crate::speculative::{SpecMethod, SpeculativeConfig, SuffixParams};
@@ -691,13 +691,17 @@ impl PyScheduler {
         self.config.clone_ref(py)
     }
 
-    /// Queues a request. Raises (changing nothing) on a duplicate id, an empty or too long
-    /// prompt, invalid token ids or parameters.
+    /// Adds a request. Raises (changing nothing) on a duplicate id, an empty or too long
+    /// prompt, invalid token ids or parameters. `wait_for` (names among "grammar",
+    /// "remote_kv"): what it waits for before it may be scheduled; it is blocked (live, never
+    /// scheduled, holding no block) until `unblock` lifts each. A request waiting for
+    /// "remote_kv" is refused (DuplicateRequestError) while a reservation of its name is held.
+    /// Without `wait_for` it is queued at once.
     #[pyo3(signature = (
         request_id, prompt_token_ids, *, max_tokens, min_tokens = None, eos_token_ids = None,
         stop_token_ids = None, ignore_eos = None, priority = None, cache_salt = None, n = None,
         retention_priority = None, retention_duration = None, retention_tokens = None, hold_kv = None,
-        beam_width = None, length_penalty = None, skip_prefix_cache = None, speculate = None
+        beam_width = None, length_penalty = None, skip_prefix_cache = None, speculate = None, wait_for = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -720,6 +724,7 @@ impl PyScheduler {
         length_penalty: Option<&Bound<'_, PyAny>>,
         skip_prefix_cache: Option<&Bound<'_, PyAny>>,
         speculate: Option<&Bound<'_, PyAny>>,
+        wait_for: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let id_str = str_obj_arg(request_id, "request_id")?.clone();
         let opt_ids = |o: Option<&Bound<'_, PyAny>>, name: &str| -> PyResult<Vec<u32>> {
@@ -744,6 +749,7 @@ impl PyScheduler {
             beam: beam_arg(beam_width, length_penalty)?,
             skip_prefix_cache: skip_prefix_cache.map(|o| bool_arg(o, "skip_prefix_cache")).transpose()?.unwrap_or(false),
             speculate: speculate.map(|o| bool_arg(o, "speculate")).transpose()?.unwrap_or(true),
+            wait_for: wait_for.map(wait_set_arg).transpose()?.unwrap_or_default(),
         };
         let key = self.inner.add_request(req)?;
         self.names.set(key, id_str.unbind());
@@ -815,10 +821,30 @@ impl PyScheduler {
         Ok(ids.iter().map(|id| PyString::new(py, id).unbind()).collect())
     }
 
-    /// Ends a request now, freeing its blocks; it is reported with reason "abort" in the
-    /// next output's finished ids.
-    fn abort_request(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
-        Ok(self.inner.abort_request(str_obj_arg(request_id, "request_id")?.to_str()?)?)
+    /// Ends a request now, in any state (blocked, waiting, running, swapped), freeing its
+    /// blocks; it is reported with reason "abort" in the next output's finished ids. Returns
+    /// what it was still waiting for (e.g. `["grammar"]`; empty unless it was blocked), so
+    /// the caller can drop what it holds for it. A reservation of its name is left to
+    /// `commit_kv` / `cancel_kv`.
+    fn abort_request(&mut self, request_id: &Bound<'_, PyAny>) -> PyResult<Vec<&'static str>> {
+        let waited = self.inner.abort_request(str_obj_arg(request_id, "request_id")?.to_str()?)?;
+        Ok(waited.iter().map(Wait::as_str).collect())
+    }
+
+    /// Lifts `what` ("grammar" or "remote_kv") of blocked request `request_id`. Returns True
+    /// when it was the last reason: the request is now queued for scheduling. Raises
+    /// UnknownRequestError for an unknown id, InvalidArgumentError for a request that does
+    /// not wait for `what`.
+    fn unblock(&mut self, request_id: &Bound<'_, PyAny>, what: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let what = Wait::parse(str_obj_arg(what, "what")?.to_str()?)?;
+        Ok(self.inner.unblock(str_obj_arg(request_id, "request_id")?.to_str()?, what)?)
+    }
+
+    /// What live request `request_id` still waits for (empty once queued or running), None
+    /// for an unknown id.
+    fn waiting_for(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Option<Vec<&'static str>>> {
+        let id = str_obj_arg(request_id, "request_id")?.to_str()?;
+        Ok(self.inner.waiting_for(id).map(|w| w.iter().map(Wait::as_str).collect()))
     }
 
     /// Ends one sample of a request with reason "stop" (e.g. a stop string matched), freeing
@@ -1239,3 +1265,4 @@ pub fn block_hashes(
     let salt = salt_arg(cache_salt)?;
     Ok(crate::kv_events::wire_block_hashes(&tokens, bs, salt.as_deref(), crate::block_hash::HashMode::Xxh3))
 }
+

@@ -11,8 +11,9 @@
 //! - A **reservation** (decode side). [`Scheduler::reserve_kv`] takes device blocks for a
 //!   prompt's first full blocks — the ones this pool already caches are shared (only the rest
 //!   is pulled) — and [`Scheduler::commit_kv`] (the KV arrived: the blocks enter the prefix
-//!   cache) or [`Scheduler::cancel_kv`] (it did not) ends it. The request itself is added
-//!   after the commit and finds those blocks as a prefix hit at admission.
+//!   cache) or [`Scheduler::cancel_kv`] (it did not) ends it. The request itself was added
+//!   before, blocked on [`super::Wait::RemoteKv`] (`admission`), and is unblocked after the
+//!   commit: it finds those blocks as a prefix hit at admission.
 //!
 //! Both are sequences of the KV-cache manager, so its invariants (ref counts = tables) cover
 //! them, and `stats()` counts their blocks as used.
@@ -24,7 +25,7 @@
 //! back behind its window: `KvCacheManager::add_sequence_keeping_all`), so its lease holds
 //! the whole prompt in every column; its memory is that of every layer whole, bounded by
 //! its length. A reservation holds its hits in every column, also those behind a window;
-//! the request added after the commit gives those back at admission as usual.
+//! the request unblocked after the commit gives those back at admission as usual.
 
 use super::Scheduler;
 use crate::block_hash::ExtraKey;

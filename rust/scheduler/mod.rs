@@ -18,6 +18,11 @@
 //! 3. The step output is built as flat arrays (input ids, positions, slots, block tables,
 //!    logits rows, swap and copy-on-write ops).
 //!
+//! A request enters at `add_request` ([`admission`]); one that waits for something outside
+//! the scheduler (its grammar, its prompt's KV from another engine) is blocked — in neither
+//! queue — until [`Scheduler::unblock`] lifts every [`Wait`]; `abort_request` ends a request
+//! in any state.
+//!
 //! `update(step, sampled)` appends one sampled token per logits row, forks `n > 1` requests
 //! into their branches at the end of their prompt, and applies the token-based stops (eos,
 //! stop ids, min_tokens, max_tokens, max_model_len). A finished branch frees its blocks.
@@ -26,6 +31,7 @@
 //! [`Scheduler::take_kv_events`] hands them out, one batch per step, in vLLM's wire format
 //! ([`crate::kv_events`]); [`Scheduler::block_hashes`] gives a prompt's wire hashes.
 
+mod admission;
 mod beam;
 mod beam_search;
 mod config;
@@ -36,11 +42,14 @@ mod request;
 mod snapshot;
 mod stats;
 #[cfg(test)]
+mod admission_tests;
+#[cfg(test)]
 mod tests;
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+pub use admission::{Wait, WaitSet};
 pub use beam::{BeamCandidates, BeamResult};
 pub use beam_search::{BeamHypothesis, BeamParams};
 pub use config::{Policy, PreemptionMode, SchedulerConfig};
@@ -262,101 +271,6 @@ impl Scheduler {
             Some(r) => Some(&r.id),
             None => self.ended.iter().find(|(k, _)| *k == key).map(|(_, id)| id),
         }
-    }
-
-    /// Queues a request. Fails, changing nothing, on a duplicate id, invalid parameters, or a
-    /// prompt that can never be served (longer than max_model_len or than the whole pool).
-    pub fn add_request(&mut self, r: NewRequest) -> Result<RequestKey> {
-        r.validate()?;
-        if self.by_id.contains_key(r.id.as_str()) {
-            return Err(CoreError::DuplicateRequest(r.id));
-        }
-        let max_len = self.config.max_model_len;
-        if r.prompt.len() > max_len {
-            return Err(CoreError::PromptTooLong(format!(
-                "request {:?}: prompt of {} tokens exceeds max_model_len = {max_len}",
-                r.id,
-                r.prompt.len()
-            )));
-        }
-        if r.n > self.config.max_num_seqs {
-            return Err(CoreError::InvalidArgument(format!(
-                "request {:?}: n = {} exceeds max_num_seqs = {}",
-                r.id, r.n, self.config.max_num_seqs
-            )));
-        }
-        if let Some(beam) = r.beam {
-            self.check_beam_fits(&r.id, beam.width, r.prompt.len() + r.max_tokens)?;
-        }
-        if r.hold_kv {
-            self.check_kv_lease_fits(&r.id, (r.prompt.len() + r.max_tokens).min(max_len))?;
-        }
-        let id: Arc<str> = Arc::from(r.id.as_str());
-        let arrival = self.next_arrival;
-        self.next_arrival += 1;
-        let prompt_len = r.prompt.len();
-        // Room for every token the branch can ever hold, so appends never reallocate.
-        let capacity = (prompt_len + r.max_tokens).min(max_len + 1);
-        let mut tokens = Vec::with_capacity(capacity);
-        tokens.extend_from_slice(&r.prompt);
-        let priority = match self.config.policy {
-            Policy::Priority => r.priority,
-            Policy::Fcfs => 0,
-        };
-        let key = self.requests.insert(Request {
-            id: id.clone(),
-            n: r.n,
-            max_tokens: r.max_tokens,
-            min_tokens: r.min_tokens,
-            eos_token_ids: if r.ignore_eos { Vec::new() } else { r.eos_token_ids },
-            stop_token_ids: r.stop_token_ids,
-            extra: ExtraKey::new(r.cache_salt.as_deref()),
-            retention: r.retention,
-            branches: Vec::with_capacity(r.n),
-            forked: r.n == 1,
-            num_cached_tokens: 0,
-            admitted_once: false,
-            hold_kv: r.hold_kv,
-            beam: r.beam.map(|p| beam_search::BeamSearch::new(p, prompt_len)),
-            skip_prefix_cache: r.skip_prefix_cache,
-            speculate: r.speculate && r.beam.is_none(),
-        });
-        let branch = self.branches.insert(Branch {
-            req: key,
-            index: 0,
-            tokens,
-            seq: None,
-            num_output: 0,
-            resumed: false,
-            order: (priority, arrival, 0),
-            cum_logprob: 0.0,
-            spec: BranchSpec::default(),
-        });
-        if let Some(req) = self.requests.get_mut(key) {
-            req.branches.push(branch);
-        }
-        self.by_id.insert(id, key);
-        self.enqueue_waiting(branch, false);
-        Ok(key)
-    }
-
-    /// Ends a request now: its blocks are freed and it is reported with reason "abort" in the
-    /// next step's finished ids.
-    pub fn abort_request(&mut self, id: &str) -> Result<()> {
-        let key = *self.by_id.get(id).ok_or_else(|| CoreError::UnknownRequest(id.to_string()))?;
-        let branches = self.requests.get(key).map(|r| r.branches.clone()).unwrap_or_default();
-        for b in branches {
-            self.running.retain(|&k| k != b);
-            self.waiting.retain(|&k| k != b);
-            self.drop_branch(b);
-        }
-        if let Some(req) = self.requests.remove(key) {
-            self.by_id.remove(&req.id);
-            self.ended.push((key, req.id.clone()));
-            self.finished.push((req.id, FinishReason::Abort));
-            self.counters.aborted += 1;
-        }
-        Ok(())
     }
 
     /// Ends one sample (branch) of a request with reason "stop", e.g. when a stop string
@@ -1293,6 +1207,8 @@ impl Scheduler {
             slots_allocated: slots,
             num_running: self.running.len(),
             num_waiting: self.waiting.len(),
+            num_waiting_for_grammar: self.num_waiting_for(Wait::Grammar),
+            num_waiting_for_remote_kv: self.num_waiting_for(Wait::RemoteKv),
             num_preemptions: c.preemptions,
             prefix_cache_queries: c.prefix_queries,
             prefix_cache_hits: c.prefix_hits,
@@ -1456,8 +1372,9 @@ impl Scheduler {
     }
 
     /// Checks the KV manager's invariants and the scheduler's own bookkeeping: every running
-    /// branch has a sequence and every waiting one has its tokens; queues and request lists
-    /// agree; ids map both ways.
+    /// branch has a sequence and every waiting one has its tokens; a blocked request's one
+    /// branch is in no queue and holds no sequence; queues and request lists agree; ids map
+    /// both ways.
     pub fn check_invariants(&self) -> Result<()> {
         self.kv.check_invariants()?;
         let bad = |m: String| Err(CoreError::InvariantViolation(m));
@@ -1484,6 +1401,16 @@ impl Scheduler {
                 }
                 _ => return bad(format!("waiting branch {b:?} is missing, has a device sequence, or has no tokens")),
             }
+        }
+        // Blocked requests (admission.rs): one branch each, never run, holding its tokens only.
+        for (_, req) in self.requests.iter().filter(|(_, r)| !r.waiting_for.is_empty()) {
+            let ok = req.branches.len() == 1
+                && !req.admitted_once
+                && self.branches.get(req.branches[0]).is_some_and(|x| x.seq.is_none() && !x.tokens.is_empty() && x.num_output == 0);
+            if !ok || self.waiting.contains(&req.branches[0]) || self.running.contains(&req.branches[0]) {
+                return bad(format!("blocked request {:?} has a queued, running or started branch", req.id));
+            }
+            seen += 1;
         }
         for &b in &self.running {
             if self.branches.get(b).and_then(|x| x.seq).and_then(|s| self.kv.seq(s).ok()).is_some_and(|s| s.tier() != Tier::Device) {

@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use super::admission::WaitSet;
 use super::beam_search::{BeamParams, BeamSearch};
 use crate::block_hash::ExtraKey;
 use crate::error::{CoreError, Result};
@@ -54,6 +55,9 @@ pub struct NewRequest {
     /// May draft tokens when the scheduler speculates (off for requests whose sampling
     /// depends on state the scheduler cannot see, e.g. a grammar). Beam requests never do.
     pub speculate: bool,
+    /// What it waits for before it may be scheduled (empty: queued at once); see
+    /// `scheduler::admission`.
+    pub wait_for: WaitSet,
 }
 
 impl NewRequest {
@@ -75,6 +79,7 @@ impl NewRequest {
             beam: None,
             skip_prefix_cache: false,
             speculate: true,
+            wait_for: WaitSet::NONE,
         }
     }
 
@@ -153,6 +158,9 @@ pub(crate) struct Request {
     pub skip_prefix_cache: bool,
     /// Its branches may draft (`NewRequest::speculate`, and not a beam search).
     pub speculate: bool,
+    /// What it still waits for; while not empty it is blocked: its one branch is in neither
+    /// queue and holds no sequence (`scheduler::admission`).
+    pub waiting_for: WaitSet,
 }
 
 /// One sample stream of a request.

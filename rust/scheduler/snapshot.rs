@@ -5,7 +5,7 @@
 use std::collections::HashSet;
 use std::sync::Arc;
 
-use super::Scheduler;
+use super::{Scheduler, Wait};
 use crate::ids::BlockId;
 use crate::kv_cache_manager::Tier;
 
@@ -16,7 +16,9 @@ pub struct RequestSummary {
     pub id: Arc<str>,
     /// Arrival number (0, 1, ... in `add_request` order): what `memory_map`'s owners name.
     pub arrival: u64,
-    /// "running" (a branch runs), "swapped" (a branch waits on the host tier) or "waiting".
+    /// "running" (a branch runs), "swapped" (a branch waits on the host tier), "waiting"
+    /// (queued), or, for a blocked request, "waiting_for_grammar" / "waiting_for_remote_kv"
+    /// (the grammar first when it waits for both).
     pub state: &'static str,
     /// Prompt tokens.
     pub prompt_tokens: usize,
@@ -38,7 +40,12 @@ impl Scheduler {
             .requests
             .iter()
             .map(|(_, req)| {
-                let (mut state, mut arrival) = ("waiting", u64::MAX);
+                let mut state = match req.waiting_for.iter().next() {
+                    Some(Wait::Grammar) => "waiting_for_grammar",
+                    Some(Wait::RemoteKv) => "waiting_for_remote_kv",
+                    None => "waiting",
+                };
+                let mut arrival = u64::MAX;
                 let (mut tokens, mut output) = (0usize, 0usize);
                 let mut blocks = HashSet::new();
                 for &b in &req.branches {

@@ -105,8 +105,12 @@ scheduler_stats! {
         pub slots_allocated: usize,
         /// Running branches.
         pub num_running: usize,
-        /// Waiting branches.
+        /// Waiting branches (queued for admission; blocked requests are not among them).
         pub num_waiting: usize,
+        /// Blocked requests whose grammar is compiling (`scheduler::admission`).
+        pub num_waiting_for_grammar: usize,
+        /// Blocked requests whose prompt's KV is arriving from another engine.
+        pub num_waiting_for_remote_kv: usize,
         /// Preemptions so far (recompute and swap).
         pub num_preemptions: u64,
         /// Prompt tokens looked up in the prefix cache at first admissions.

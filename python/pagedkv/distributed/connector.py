@@ -25,16 +25,24 @@ is a failed pull, handled by the policy (recompute: the prompt is computed here,
 foreign enters the cache). An unknown or forged token is refused by the producer.
 
 **Consumer** (``role`` consumer/both). A request added with ``{"do_remote_prefill": true, ...}``
-is not given to the scheduler at once. :meth:`start_load` reserves blocks for the prompt's full
-blocks (sharing what this engine already caches; only the rest is pulled) and hands the pull
-to the connector's thread, which handshakes with the producer when it first meets it (the
-transport refuses another layout; the fingerprint must match), reads the blocks (coalesced
-runs), and releases the lease; a release that finds the lease gone means the blocks may have
-been reused mid-read, so the pull failed (a claim happens just before the read). Meanwhile the request is *waiting for remote KV*: not
-scheduled, its blocks outside the prefix cache. :meth:`take_finished_loads`, called by the
-engine before every step, commits the blocks that arrived (they enter the prefix cache, and the
-request added next hits them) or cancels the reservation; the engine then adds the request to
-the scheduler (recompute policy, or success) or fails it (``fail`` policy).
+enters the scheduler at once, *blocked* on ``"remote_kv"`` (``Scheduler.add_request(...,
+wait_for=["remote_kv"])``: live, never scheduled, holding no block; see
+rust/scheduler/admission.rs). :meth:`check_load` checks the params before that add (nothing held,
+nothing connected); :meth:`start_load`, after it, reserves blocks (a reservation named after the
+request) for the prompt's full blocks (sharing what this engine already caches; only the rest
+is pulled) and hands the pull to the connector's thread, which handshakes with the producer
+when it first meets it (the transport refuses another layout; the fingerprint must match),
+reads the blocks (coalesced runs), and releases the lease; a release that finds the lease gone
+means the blocks may have been reused mid-read, so the pull failed (a claim happens just before
+the read). Nothing to pull (all cached here, or no room now): the engine unblocks the request
+at once and it computes its prompt. :meth:`take_finished_loads`, called by the engine before
+every step, commits the blocks that arrived (they enter the prefix cache, and the request,
+unblocked next, hits them) or cancels the reservation; the engine then unblocks the request
+(recompute policy, or success) or fails it (``fail`` policy). The connector holds only the pull
+(:attr:`KVConnector.loads`); whether a request waits for it is the scheduler's
+(``Scheduler.waiting_for``). A request aborted meanwhile leaves the scheduler at once; its
+pull is :meth:`abandon`-ed and its reservation ends when the read does (the read may still
+write the blocks), unreported.
 
 **KV cache groups.** A model whose KV is kept in columns (worker/kv_layout.py: one block
 table per column) moves every column: a lease's block ids are every column's table,
@@ -355,14 +363,11 @@ class KVConnector:
 
     # ------------------------------------------------------------------ consumer side
 
-    def start_load(
-        self, request_id: str, prompt_token_ids: list[int], remote: RemotePrefill, cache_salt: str | None
-    ) -> bool:
-        """Reserves blocks for ``remote``'s KV and starts pulling the ones not cached here.
-        Returns False when there is nothing to wait for (nothing to pull, or no room now: the
-        caller adds the request at once and it computes what it lacks). Raises
-        InvalidArgumentError for params that do not belong to this prompt, and
-        KVTransferError for a producer whose format cannot match (before anything is held)."""
+    def check_load(self, prompt_token_ids: list[int], remote: RemotePrefill) -> None:
+        """Checks a pull of ``remote``'s KV for ``prompt_token_ids`` before its request is added
+        (nothing is held, nothing connects): InvalidArgumentError for params that do not belong
+        to this prompt or name a producer this engine does not pull from, KVTransferError for a
+        producer whose format cannot match or a pull thread that is not running."""
         if not self.config.is_consumer:
             raise InvalidArgumentError(f"engine {self.engine_id!r} is not a KV consumer (kv_transfer_config.role)")
         allowed = self.config.allowed_producers
@@ -390,6 +395,17 @@ class KVConnector:
             # Never reached while the thread does its job; should it have died, a pull handed to
             # it would wait forever: the prompt is computed here (or failed, by the policy).
             raise KVTransferError(f"the KV pull thread is not running ({self.background.health()['dead']})")
+
+    def start_load(
+        self, request_id: str, prompt_token_ids: list[int], remote: RemotePrefill, cache_salt: str | None
+    ) -> bool:
+        """Reserves blocks (a reservation named ``request_id``) for ``remote``'s KV and starts
+        pulling the ones not cached here; the params passed :meth:`check_load`, and the request
+        is in the scheduler, blocked on ``"remote_kv"``. Returns False when there is nothing to
+        wait for (nothing to pull, or no room now: the caller unblocks the request at once and
+        it computes what it lacks); else the request waits for :meth:`take_finished_loads`."""
+        columns = self.num_columns
+        per_column = len(remote.remote_block_ids) // columns
         full_blocks = min(remote.remote_num_tokens, len(prompt_token_ids)) // self.block_size
         reserved = self.scheduler.reserve_kv(request_id, prompt_token_ids, full_blocks, cache_salt)
         if reserved is None or not reserved[1]:
@@ -638,7 +654,9 @@ class KVConnector:
     def stats(self) -> dict[str, Any]:
         return {
             **self.counters,
-            "num_kv_waiting_for_remote": len(self.loads),
+            # Pulls in flight, those of aborted requests included (their reads still end here);
+            # the requests waiting for them are the scheduler's num_waiting_for_remote_kv.
+            "num_kv_pulls_in_flight": len(self.loads),
             "kv_transfer_engine_id": self.engine_id,
             "kv_transfer_address": self.address,
         }

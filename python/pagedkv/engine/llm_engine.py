@@ -17,6 +17,16 @@ Bad input (unknown ids, invalid parameters, empty or too long prompts, token ids
 vocabulary) raises a typed :mod:`pagedkv.errors` exception in ``add_request`` /
 ``abort_request`` before anything changes, so the engine keeps serving its other requests.
 
+Every request enters the scheduler in ``add_request``, where all of the scheduler's checks run.
+One that must first wait — for its grammar to compile (structured outputs), for its prompt's
+KV to arrive from another engine (``do_remote_prefill``), or both — enters *blocked* on what it
+waits for (``Scheduler.add_request(..., wait_for=[...])``): live, never scheduled, holding no
+block. What it waits on is held where it is owned — the compile handle by
+``GrammarCompiler.held``, the pull by the ``KVConnector`` — and each step, before scheduling,
+lifts the reasons that ended (``Scheduler.unblock``) or fails the request whose compile or
+pull failed. ``abort_request`` (and a failure) is one ``Scheduler.abort_request``, whatever the
+request's state; it returns what the request still waited for, whose holders then drop it.
+
 Failures inside a step cannot wedge the engine: an exception between ``schedule()`` and
 ``update()`` (an interrupt, out of memory, a bug) rolls the step back in the scheduler and
 propagates; the next ``step()`` retries it. Requests are charged one failure per failed step
@@ -32,11 +42,10 @@ for the step in flight to end. ``AsyncLLM`` drives the engine from one thread in
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import TYPE_CHECKING, Any
 
@@ -56,14 +65,13 @@ from pagedkv.engine.request_state import RequestState
 from pagedkv.engine.spec_decode import DraftContexts, SeededDraws, StepTimeFit
 from pagedkv.errors import (
     ConfigError,
-    DuplicateRequestError,
     EngineDeadError,
     InvalidArgumentError,
     InvalidTypeError,
+    InvariantViolationError,
     KVTransferError,
     ModelLoadError,
     PagedKVError,
-    PromptTooLongError,
     StructuredOutputError,
     UnknownRequestError,
 )
@@ -73,7 +81,7 @@ from pagedkv.sample.penalties import bad_words_bans
 from pagedkv.sample.prepared import PreparedSampling, prepare_sampling
 from pagedkv.sample.sampler import Sampler, SamplerOutput, SamplingMetadata
 from pagedkv.sample.sampling_params import SamplingParams
-from pagedkv.structured.compiler import CompileHandle, GrammarCompiler, compile_timeout_error
+from pagedkv.structured.compiler import CompiledGrammar, GrammarCompiler, compile_timeout_error
 from pagedkv.structured.params import StructuredOutputsParams
 from pagedkv.structured.step_masks import PendingMasks, StepMasks, apply_token_bitmask_
 from pagedkv.worker.model_runner import ModelRunner
@@ -199,9 +207,10 @@ class LLMEngine:
         # The threads besides the stepping one (grammar compiles, KV transfer): each records the
         # inputs it survived, and a dead one makes the server's /health degraded.
         self.background = BackgroundThreads()
-        # Structured outputs: grammars compile off this thread (cached); requests whose grammar
-        # is still compiling wait here (with their deadline and the rest of their add), and
-        # each step's masks are filled while its forward runs (pagedkv.structured).
+        # Structured outputs: grammars compile off this thread (cached); a request whose grammar
+        # is still compiling waits in the scheduler, blocked on "grammar" (its compile handle
+        # and deadline held by grammars.held), and each step's masks are filled while its
+        # forward runs (pagedkv.structured).
         structured = config.structured_outputs
         self.grammars = GrammarCompiler(
             self.tokenizer,
@@ -212,8 +221,6 @@ class LLMEngine:
             max_queued=structured.max_queued_compiles,
             background=self.background,  # its threads in /health
         )
-        # A parked request holds its compile (released when admitted, failed or aborted).
-        self._waiting_for_grammar: dict[str, tuple[CompileHandle, float, Callable[[], None]]] = {}
         self._step_masks = StepMasks(self.runner.vocab_size)
         # Grammar work on the step's critical path so far (waiting for the masks, applying
         # them, advancing the matchers): observed into StepMasks.critical_time per step.
@@ -235,10 +242,9 @@ class LLMEngine:
         self._failed_outputs: list[RequestOutput] = []
         # The last preemptions, (time, request id), for the live KV page.
         self.recent_preemptions: collections.deque[tuple[float, str]] = collections.deque(maxlen=20)
-        # KV transfer between engines (kv_transfer_config): the connector, and the scheduler
-        # add of each request waiting for remote KV (run once its KV arrived or failed).
+        # KV transfer between engines (kv_transfer_config): a request whose prompt's KV is
+        # pulled waits in the scheduler, blocked on "remote_kv"; the connector holds the pull.
         self.kv_connector: KVConnector | None = None
-        self._adds_after_load: dict[str, Callable[[], None]] = {}
         if config.kv_transfer is not None:
             from pagedkv.distributed.connector import KVConnector
 
@@ -324,69 +330,56 @@ class LLMEngine:
         max_tokens = (
             params.max_tokens if params.max_tokens is not None else max(1, self.max_model_len - len(prompt_ids))
         )
-        add = functools.partial(
-            self.scheduler.add_request,
-            request_id,
-            prompt_ids,
-            max_tokens=max_tokens,
-            min_tokens=params.min_tokens,
-            eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
-            stop_token_ids=params.stop_token_ids or [],
-            ignore_eos=params.ignore_eos,
-            priority=priority,
-            n=params.n,
-            retention_priority=params.retention_priority,
-            retention_duration=params.retention_duration,
-            retention_tokens=params.retention_tokens,
-            cache_salt=cache_salt,
-            hold_kv=state.hold_kv,
-            beam_width=None if beam is None else beam.beam_width,
-            length_penalty=None if beam is None else beam.length_penalty,
-            # Cached blocks have no logits: a request that wants the prompt's computes it whole.
-            skip_prefix_cache=params.prompt_logprobs is not None,
-            # A grammar's matcher cannot follow drafts: constrained requests never draft.
-            speculate=(params.structured_outputs if beam is None else beam.structured_outputs) is None,
-        )
         constraint = params.structured_outputs if beam is None else beam.structured_outputs
         # OverloadedError here when max_queued_compiles wait already (nothing was changed).
         compiling = None if constraint is None else self.grammars.acquire(constraint, tenant=cache_salt)
-        parked = False
         try:
             with self._lock:
+                wait_for = []
                 if compiling is not None:
-                    if not compiling.future.done():
-                        # Compiling off this thread: the request waits (checked now as far as it
-                        # can be without adding it) and is admitted by a later step.
-                        self._check_addable(state)
-                        deadline = time.monotonic() + self.config.structured_outputs.compile_timeout_s
-                        self.requests[request_id] = state
-                        self._waiting_for_grammar[request_id] = (
-                            compiling,
-                            deadline,
-                            functools.partial(self._admit, state, transfer, cache_salt, add),
-                        )
-                        parked = True
-                        return
-                    state.attach_grammar(compiling.future.result())  # a cached grammar, or its error
-                self._admit(state, transfer, cache_salt, add)
+                    if compiling.future.done():
+                        state.attach_grammar(compiling.future.result())  # a cached grammar, or its error
+                    else:
+                        wait_for.append("grammar")  # compiling off this thread: a later step unblocks it
+                remote = self._check_remote_prefill(state, transfer)
+                if remote is not None:
+                    wait_for.append("remote_kv")
+                # Every check that can refuse the request runs here (nothing changed on a refusal);
+                # a request with reasons to wait is blocked: live, but never scheduled until
+                # unblocked (Scheduler.unblock).
+                self.scheduler.add_request(
+                    request_id,
+                    prompt_ids,
+                    max_tokens=max_tokens,
+                    min_tokens=params.min_tokens,
+                    eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
+                    stop_token_ids=params.stop_token_ids or [],
+                    ignore_eos=params.ignore_eos,
+                    priority=priority,
+                    n=params.n,
+                    retention_priority=params.retention_priority,
+                    retention_duration=params.retention_duration,
+                    retention_tokens=params.retention_tokens,
+                    cache_salt=cache_salt,
+                    hold_kv=state.hold_kv,
+                    beam_width=None if beam is None else beam.beam_width,
+                    length_penalty=None if beam is None else beam.length_penalty,
+                    # Cached blocks have no logits: a request that wants the prompt's computes it whole.
+                    skip_prefix_cache=params.prompt_logprobs is not None,
+                    # A grammar's matcher cannot follow drafts: constrained requests never draft.
+                    speculate=constraint is None,
+                    wait_for=wait_for,
+                )
+                self.requests[request_id] = state
+                if compiling is not None and "grammar" in wait_for:
+                    deadline = time.monotonic() + self.config.structured_outputs.compile_timeout_s
+                    self.grammars.held.hold(request_id, compiling, deadline)
+                    compiling = None  # released when the compile ends or the request leaves
+                if remote is not None:
+                    self._start_kv_load(state, remote, cache_salt)
         finally:
-            if compiling is not None and not parked:
+            if compiling is not None:
                 compiling.release()
-
-    def _admit(
-        self,
-        state: RequestState,
-        transfer: bool | RemotePrefill | None,
-        cache_salt: str | None,
-        add: Callable[[], None],
-    ) -> None:
-        """The end of ``add_request``: to the scheduler, or first to a remote KV pull."""
-        if state.request_id in self.requests:  # live, waiting for its grammar or remote KV
-            raise DuplicateRequestError(f"request {state.request_id!r} is already live")
-        if isinstance(transfer, RemotePrefill) and self._start_kv_load(state, transfer, cache_salt, add):
-            return  # waiting for remote KV: added to the scheduler when it arrives
-        add()
-        self.requests[state.request_id] = state
 
     def compile_grammars(
         self,
@@ -413,57 +406,30 @@ class LLMEngine:
             for handle in handles:
                 handle.release()  # the cache keeps what compiled
 
-    def _check_addable(self, state: RequestState) -> None:
-        """The scheduler's own checks of a request that waits before it is added (for remote KV
-        or its grammar), so that it can be added later."""
-        rid, prompt_ids = state.request_id, state.prompt_token_ids
-        if rid in self.requests:
-            raise DuplicateRequestError(f"request {rid!r} is already live")
-        if len(prompt_ids) > self.max_model_len:
-            raise PromptTooLongError(
-                f"request {rid!r}: prompt of {len(prompt_ids)} tokens exceeds max_model_len = {self.max_model_len}"
-            )
-        if state.params.n > self.config.scheduling.max_num_seqs:
-            raise InvalidArgumentError(
-                f"request {rid!r}: n = {state.params.n} exceeds max_num_seqs = {self.config.scheduling.max_num_seqs}"
-            )
-
-    def _admit_compiled_requests(self) -> None:
-        """Requests whose grammar compiled are admitted; those whose compile failed or ran past
-        ``compile_timeout_s`` fail alone (their outputs come with this step's)."""
-        if not self._waiting_for_grammar:
+    def _unblock_compiled_requests(self) -> None:
+        """Requests whose grammar compiled are unblocked (``"grammar"``); those whose compile
+        failed or ran past ``compile_timeout_s`` fail alone (their outputs come with this step's)."""
+        held = self.grammars.held
+        if not held:
             return
-        if not self.scheduler.has_unfinished_requests():
-            # Only compiles pending: wait for one a moment instead of spinning.
-            first = next(iter(self._waiting_for_grammar.values()))[0].future
-            try:
-                first.exception(timeout=0.02)
-            except FutureTimeoutError:
-                pass
-        now = time.monotonic()
-        for rid, (handle, deadline, admit) in list(self._waiting_for_grammar.items()):
-            future = handle.future
+        if self._nothing_schedulable():
+            held.wait_any(0.02)  # only compiles pending: wait for one a moment instead of spinning
+        timeout_s = self.config.structured_outputs.compile_timeout_s
+        for rid, result in held.take_ended(time.monotonic(), timeout_s):
             state = self.requests.get(rid)
-            if state is None:  # cannot happen: aborts remove both
-                del self._waiting_for_grammar[rid]
-                handle.release()
+            if state is None:  # cannot happen: a request that leaves releases its compile
                 continue
-            if not future.done():
-                if now > deadline:
-                    del self._waiting_for_grammar[rid]
-                    handle.release()  # not started and nobody else waits: dropped
-                    error = compile_timeout_error(self.config.structured_outputs.compile_timeout_s)
-                    self._failed_outputs.append(self._fail_request(state, error))
-                continue
-            del self._waiting_for_grammar[rid]
-            handle.release()
             try:
-                state.attach_grammar(future.result())
-                del self.requests[rid]  # _admit puts it back once it is added
-                admit()
-            except Exception as exc:  # the compile's error, or the scheduler refused it
-                self.requests[rid] = state
+                if not isinstance(result, CompiledGrammar):
+                    raise result  # the compile's error, or its timeout
+                state.attach_grammar(result)
+                self.scheduler.unblock(rid, "grammar")
+            except Exception as exc:
                 self._failed_outputs.append(self._fail_request(state, exc))
+
+    def _nothing_schedulable(self) -> bool:
+        """No request is queued or running: whatever is live is blocked (or none is)."""
+        return self.scheduler.num_waiting == 0 and self.scheduler.num_running == 0
 
     def _check_kv_transfer_params(self, kv_transfer_params: Any) -> bool | RemotePrefill | None:
         """The parsed params (see ``parse_kv_transfer_params``), refused on an engine whose
@@ -480,45 +446,56 @@ class LLMEngine:
             raise InvalidArgumentError("do_remote_prefill needs a KV consumer (kv_transfer_config.role)")
         return transfer
 
-    def _start_kv_load(
-        self, state: RequestState, remote: RemotePrefill, cache_salt: str | None, add: Callable[[], None]
-    ) -> bool:
-        """Starts pulling ``state``'s prompt KV; True when the request now waits for it (its
-        scheduler ``add`` runs when it arrives). The scheduler's own checks run first, as far
-        as they can without adding it, so that a request that waits can be added later."""
+    def _check_remote_prefill(self, state: RequestState, transfer: bool | RemotePrefill | None) -> RemotePrefill | None:
+        """The pull ``state`` waits for, checked before its request is added (``KVConnector.check_load``),
+        or None when its prompt is computed here: no pull asked for, or one refused under the
+        ``recompute`` policy (another KV format; under ``fail`` it raises)."""
+        if not isinstance(transfer, RemotePrefill):
+            return None
         connector = self.kv_connector
         assert connector is not None
-        rid, prompt_ids = state.request_id, state.prompt_token_ids
-        self._check_addable(state)
         try:
-            waiting = connector.start_load(rid, prompt_ids, remote, cache_salt)
+            connector.check_load(state.prompt_token_ids, transfer)
         except KVTransferError as exc:  # refused before anything moved (another KV format)
             if connector.config.kv_load_failure_policy == "fail":
                 raise
-            logger.warning("request %r: %s; its prompt is computed here", rid, exc)
-            waiting = False
-        if waiting:
-            self.requests[rid] = state
-            self._adds_after_load[rid] = add
-        return waiting
+            logger.warning("request %r: %s; its prompt is computed here", state.request_id, exc)
+            return None
+        return transfer
 
-    def _add_loaded_requests(self) -> None:
-        """Requests whose remote KV arrived (or failed) go to the scheduler (or fail, under the
-        ``fail`` policy)."""
+    def _start_kv_load(self, state: RequestState, remote: RemotePrefill, cache_salt: str | None) -> None:
+        """Starts pulling the prompt's KV of ``state``, added blocked on ``"remote_kv"``; when
+        there is nothing to wait for (all cached here, or no room now) it is unblocked at once."""
+        connector = self.kv_connector
+        assert connector is not None
+        rid = state.request_id
+        try:
+            if not connector.start_load(rid, state.prompt_token_ids, remote, cache_salt):
+                self.scheduler.unblock(rid, "remote_kv")
+        except BaseException:
+            # Cannot happen (the scheduler's add checked what a reservation needs): leave
+            # nothing of the request behind.
+            self.requests.pop(rid, None)
+            self._leave_scheduler(rid)
+            raise
+
+    def _unblock_loaded_requests(self) -> None:
+        """Requests whose remote KV arrived (or failed) are unblocked (``"remote_kv"``: they
+        compute what did not arrive), or fail under the ``fail`` policy. Pulls of aborted
+        requests are not reported (``KVConnector.abandon``)."""
         connector = self.kv_connector
         if connector is None or not connector.loads:
             return
         for load in connector.take_finished_loads():
-            add = self._adds_after_load.pop(load.request_id, None)
             state = self.requests.get(load.request_id)
-            if add is None or state is None:
+            if state is None:  # cannot happen: a request that leaves abandons its pull
                 continue
             if load.error is not None and connector.config.kv_load_failure_policy == "fail":
                 self._failed_outputs.append(self._fail_request(state, KVTransferError(load.error)))
                 continue
             try:
-                add()
-            except PagedKVError as exc:  # cannot happen: checked at add_request
+                self.scheduler.unblock(load.request_id, "remote_kv")
+            except PagedKVError as exc:  # cannot happen: it waits for its KV until this point
                 self._failed_outputs.append(self._fail_request(state, exc))
 
     def poll_kv_transfer(self) -> None:
@@ -599,16 +576,7 @@ class LLMEngine:
                 if state is None:
                     unknown.append(rid)
                     continue
-                waiting = self._waiting_for_grammar.pop(rid, None)
-                if waiting is not None:
-                    # Never reached the scheduler; its compile is dropped if nobody else waits
-                    # for it and it has not started (else it goes on, into the cache).
-                    waiting[0].release()
-                elif self._adds_after_load.pop(rid, None) is not None and self.kv_connector is not None:
-                    # Waiting for remote KV: its blocks are freed when the read ends.
-                    self.kv_connector.abandon(rid)
-                else:
-                    self.scheduler.abort_request(rid)
+                self._leave_scheduler(rid)
                 state.end("abort")
                 outputs.append(state.output())
         if unknown:
@@ -635,15 +603,15 @@ class LLMEngine:
         failure in one request's output processing (detokenization, logprobs) fails only that
         request, in this step's outputs."""
         connector = self.kv_connector
-        if connector is not None and connector.loads and not self.scheduler.has_unfinished_requests():
+        if connector is not None and connector.loads and self._nothing_schedulable():
             connector.wait_for_loads(0.02)  # only pulls in flight: wait for one, not spin
         with self._lock:
             if self._dead is not None:
                 raise self._dead
             if connector is not None:
                 connector.poll()
-                self._add_loaded_requests()
-            self._admit_compiled_requests()
+                self._unblock_loaded_requests()
+            self._unblock_compiled_requests()
             out = self.scheduler.schedule()
             now = time.time()
             if out.preempted_req_ids:
@@ -736,20 +704,47 @@ class LLMEngine:
 
     def check_invariants(self) -> dict[str, int]:
         """Checks the KV cache's bookkeeping (ref counts, free queue, prefix index, every
-        sequence's table: ``InvariantViolationError`` on a mismatch, a bug in pagedkv) and
-        returns who holds blocks: ``num_used_blocks`` is 0 once no request, lease or
-        reservation is live, else a block was lost."""
+        sequence's table) and that the engine, the scheduler, the grammar compiler and the KV
+        connector agree on the live requests and what each waits for: every live request is
+        the scheduler's, a compile is held exactly for each request blocked on ``"grammar"``,
+        and a pull is in flight for each one blocked on ``"remote_kv"``
+        (``InvariantViolationError`` on a mismatch, a bug in pagedkv). Returns who holds
+        blocks: ``num_used_blocks`` is 0 once no request, lease or reservation is live, else a
+        block was lost."""
         with self._lock:
             self.scheduler.check_invariants()
             stats = self.scheduler.stats()
+            held = self.grammars.held
+            connector = self.kv_connector
+            loads = {} if connector is None else {r: load for r, load in connector.loads.items() if not load.abandoned}
+            problems = []
+            if stats.num_waiting_for_grammar != len(held) or stats.num_waiting_for_remote_kv != len(loads):
+                problems.append(
+                    f"{stats.num_waiting_for_grammar} requests wait for a grammar and {len(held)} compiles are held; "
+                    f"{stats.num_waiting_for_remote_kv} wait for remote KV and {len(loads)} pulls are in flight"
+                )
+            for rid in self.requests:
+                waiting = self.scheduler.waiting_for(rid)
+                if waiting is None:
+                    problems.append(f"request {rid!r} is live in the engine, not in the scheduler")
+                elif ("grammar" in waiting) != (rid in held) or ("remote_kv" in waiting) != (rid in loads):
+                    problems.append(
+                        f"request {rid!r} waits for {waiting} in the scheduler, which the holders disagree with"
+                    )
+            if problems:
+                raise InvariantViolationError("; ".join(problems))
             return {
                 "num_blocks": stats.num_blocks,
                 "num_used_blocks": stats.num_used_blocks,
                 "num_free_blocks": stats.num_free_blocks,
                 "num_running": stats.num_running,
                 "num_waiting": stats.num_waiting,
+                "num_waiting_for_grammar": stats.num_waiting_for_grammar,
+                "num_waiting_for_remote_kv": stats.num_waiting_for_remote_kv,
                 "num_kv_leases": stats.num_kv_leases,
                 "num_kv_reservations": stats.num_kv_reservations,
+                "num_kv_loads": 0 if connector is None else len(connector.loads),
+                "num_held_compiles": len(held),
                 "num_unfinished_requests": len(self.requests),
             }
 
@@ -858,13 +853,24 @@ class LLMEngine:
                 state.num_failed_steps = 0
         self._charged = {rid for rid in self._charged - stepped if rid in self.requests}
 
+    def _leave_scheduler(self, rid: str) -> None:
+        """Ends request ``rid`` in the scheduler, whatever its state (its blocks are freed), and
+        drops what was held for what it still waited for: its grammar compile (cancelled if
+        nobody else waits for it and it has not started; else it goes on, into the cache), its
+        KV pull (the reserved blocks are freed when the read ends: it may still write them)."""
+        try:
+            waited = self.scheduler.abort_request(rid)
+        except UnknownRequestError:
+            return  # it had just finished in the scheduler
+        if "grammar" in waited:
+            self.grammars.held.release(rid)
+        if "remote_kv" in waited and self.kv_connector is not None:
+            self.kv_connector.abandon(rid)
+
     def _fail_request(self, state: RequestState, exc: BaseException) -> RequestOutput:
         """Take ``state`` out of the engine (its blocks are freed) with ``finish_reason="error"``."""
         self.requests.pop(state.request_id, None)
-        try:
-            self.scheduler.abort_request(state.request_id)
-        except UnknownRequestError:
-            pass  # it had just finished in the scheduler (or was waiting for remote KV)
+        self._leave_scheduler(state.request_id)
         if state.hold_kv and self.kv_connector is not None:
             self.kv_connector.drop_lease(state.request_id)
         state.error = exc

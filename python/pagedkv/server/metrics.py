@@ -106,6 +106,11 @@ _GAUGES: tuple[_Spec, ...] = (
         "Number of sequences waiting to be scheduled (swapped-out ones included).",
     ),
     (
+        "pagedkv:requests_waiting_for_grammar",
+        "num_waiting_for_grammar",
+        "Requests whose structured-output grammar is compiling (blocked in the scheduler, not yet scheduled).",
+    ),
+    (
         "vllm:kv_cache_usage_perc",
         "kv_usage",
         "KV-cache usage: blocks held by running sequences / blocks in the pool. 1 means 100 percent usage.",
@@ -205,8 +210,8 @@ _KV_TRANSFER_GAUGES: tuple[_Spec, ...] = (
     ("pagedkv:kv_leases", "num_kv_leases", "Finished requests whose KV blocks are held for a remote reader."),
     (
         "pagedkv:kv_requests_waiting_for_remote",
-        "num_kv_waiting_for_remote",
-        "Requests waiting for their prompt's KV from a prefill engine (not yet scheduled).",
+        "num_waiting_for_remote_kv",
+        "Requests waiting for their prompt's KV from a prefill engine (blocked in the scheduler, not yet scheduled).",
     ),
 )
 _KV_TRANSFER_COUNTERS: tuple[_Spec, ...] = (

@@ -48,6 +48,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,7 @@ __all__ = [
     "CompileHandle",
     "CompiledGrammar",
     "GrammarCompiler",
+    "HeldCompiles",
     "compile_timeout_error",
     "llguidance_tokenizer",
     "load_llguidance",
@@ -175,6 +177,70 @@ class CompileHandle:
             self._compiler._release(job)
 
 
+class HeldCompiles:
+    """The compiles that requests blocked in the scheduler wait for (``Scheduler.add_request``
+    with ``wait_for=["grammar"]``), by request id, each with its deadline (monotonic). The
+    request itself, and the fact that it waits, live in the scheduler; this keeps only the
+    handle, so that it is released exactly once: when the compile ended (:meth:`take_ended`),
+    ran past its deadline (idem), or the request was aborted or failed (:meth:`release`).
+    Engine thread only (under the engine's lock)."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, tuple[CompileHandle, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._held
+
+    def hold(self, request_id: str, handle: CompileHandle, deadline: float) -> None:
+        """Keeps ``handle`` for ``request_id`` (which must hold none) until it is taken or released."""
+        if request_id in self._held:
+            raise ValueError(f"a compile is already held for request {request_id!r}")
+        self._held[request_id] = (handle, deadline)
+
+    def release(self, request_id: str) -> bool:
+        """Drops ``request_id``'s handle (its request left the scheduler): a compile nobody else
+        waits for that has not started is cancelled. False when none was held."""
+        held = self._held.pop(request_id, None)
+        if held is None:
+            return False
+        held[0].release()
+        return True
+
+    def wait_any(self, timeout: float) -> None:
+        """Blocks up to ``timeout`` seconds for one held compile to end (the oldest)."""
+        if self._held:
+            first = next(iter(self._held.values()))[0].future
+            try:
+                first.exception(timeout=timeout)
+            except FutureTimeoutError:
+                pass
+
+    def take_ended(self, now: float, timeout_s: float) -> list[tuple[str, CompiledGrammar | BaseException]]:
+        """The requests whose compile ended (the grammar, or its error) or whose deadline passed
+        before (``compile_timeout_error(timeout_s)``), in hold order; their handles are released."""
+        ended: list[tuple[str, CompiledGrammar | BaseException]] = []
+        for request_id, (handle, deadline) in list(self._held.items()):
+            future = handle.future
+            if future.done():
+                result: CompiledGrammar | BaseException
+                exc = None if future.cancelled() else future.exception()
+                if future.cancelled():
+                    result = StructuredOutputError("structured outputs: the grammar compile was cancelled")
+                else:
+                    result = exc if exc is not None else future.result()
+            elif now > deadline:
+                result = compile_timeout_error(timeout_s)
+            else:
+                continue
+            del self._held[request_id]
+            handle.release()  # a compile past its deadline, not started, nobody else waits: dropped
+            ended.append((request_id, result))
+        return ended
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; see the module docs.
 
@@ -219,6 +285,8 @@ class GrammarCompiler:
         self._stack_bytes = stack_bytes
         self._started = False  # the compile threads start with the first compile
         self._alive = 0  # of them, how many started
+        # The compiles that blocked requests wait for (the engine's; see HeldCompiles).
+        self.held = HeldCompiles()
         # The tokenizer now, on a thread of its own: built before the first request needs it.
         threading.Thread(target=self._build_tokenizer, name="pagedkv-grammar-tokenizer", daemon=True).start()
 
