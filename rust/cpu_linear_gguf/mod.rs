@@ -269,7 +269,7 @@ fn validate(
             d.in_features, d.out_features
         ));
     }
-    if d.in_features % kind.block_values() != 0 {
+    if !d.in_features.is_multiple_of(kind.block_values()) {
         return bad(format!(
             "{kind:?} blocks hold {} values: in_features {} is not a multiple",
             kind.block_values(),

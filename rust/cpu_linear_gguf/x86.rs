@@ -36,7 +36,7 @@ pub(super) unsafe fn columns_avx512(p: Product<'_>, a: usize, b: usize) -> Vec<f
 /// Prefetches the groups' bytes of the rows read later, about once per cache line.
 #[inline(always)]
 unsafe fn prefetch_ahead<const KIND: u8>(ahead: &[*const u8; NR], g: usize) {
-    if KIND != KIND_F32 && (KIND == KIND_Q8_0 || g % 2 == 0) {
+    if KIND != KIND_F32 && (KIND == KIND_Q8_0 || g.is_multiple_of(2)) {
         for row in ahead {
             // A prefetch reads nothing and cannot fault; the address is inside the row.
             _mm_prefetch::<_MM_HINT_T1>(row.add(group_data::<KIND>(g)).cast());
