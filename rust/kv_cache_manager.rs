@@ -66,7 +66,7 @@ use crate::slab::Slab;
 use smallvec::SmallVec;
 
 pub use prefix::{ColumnMatch, PrefixCounters, PrefixMatch};
-pub use sequence::{Column, RetentionPolicy, Sequence};
+pub use sequence::{AddSequence, Column, RetentionPolicy, Sequence};
 pub use tier_ledger::{BlockPair, Restore, Tier, TierBlock, TierCounters, TierLedger};
 
 /// The most columns (block tables per sequence) a manager has.
@@ -243,39 +243,17 @@ impl KvCacheManager {
         SeqId::from_key(self.seqs.insert(seq))
     }
 
-    /// Creates a sequence over `tokens` whose first blocks are `m`'s cached prefix (taking a
-    /// reference on each device hit; host hits are loaded into fresh device blocks, as many as
-    /// the free pool allows, and the prefix ends before the first that does not fit). Returns
-    /// the id and the number of cached tokens; those tokens count as computed.
-    pub fn add_sequence(&mut self, tokens: Vec<u32>, extra: ExtraKey, m: PrefixMatch) -> (SeqId, usize) {
-        self.add_sequence_with_retention(tokens, extra, m, RetentionPolicy::default())
-    }
-
-    /// [`Self::add_sequence`] with the retention of the prompt's blocks (validate it first).
-    pub fn add_sequence_with_retention(
-        &mut self,
-        tokens: Vec<u32>,
-        extra: ExtraKey,
-        m: PrefixMatch,
-        retention: RetentionPolicy,
-    ) -> (SeqId, usize) {
-        self.add_sequence_keeping_all(tokens, extra, m, retention, false)
-    }
-
-    /// [`Self::add_sequence_with_retention`]; with `keep_all` the sequence (and every fork of
-    /// it) holds every block of every column for its whole life: it takes every hit, also
-    /// those behind a sliding or chunked column's window, and gives nothing back as it grows.
-    /// For a sequence whose KV another engine reads whole (a `hold_kv` request: KV transfer
-    /// carries every column's table). Its cost in a windowed column is its whole length, as
-    /// in a full one; admission counts it with [`Self::admission_cost_keeping`].
-    pub fn add_sequence_keeping_all(
-        &mut self,
-        tokens: Vec<u32>,
-        extra: ExtraKey,
-        mut m: PrefixMatch,
-        retention: RetentionPolicy,
-        keep_all: bool,
-    ) -> (SeqId, usize) {
+    /// Creates a device sequence over `new.tokens` whose first blocks are its cached prefix
+    /// (`new.prefix`, or matched now): a reference is taken on each device hit, host and disk
+    /// hits are loaded into fresh device blocks as far as the pools have room (the prefix
+    /// ends before the first that does not fit). Returns the id and the number of cached
+    /// tokens; those tokens count as computed.
+    pub fn add_sequence(&mut self, new: AddSequence) -> (SeqId, usize) {
+        let AddSequence { tokens, extra, prefix, retention, keep_all } = new;
+        let mut m = match prefix {
+            Some(m) => m,
+            None => self.match_prefix(&tokens, &extra),
+        };
         if m.evictions_at_match != self.evictions() || m.cols.len() != self.spans.len() {
             m = self.match_prefix(&tokens, &extra);
         }
@@ -352,12 +330,6 @@ impl KvCacheManager {
         self.prefix.disk_hits += from_disk * bs as u64;
         let seq = Sequence::on_device(tokens, cols, (hit_tokens, hit_tokens), extra, retention, keep_all);
         (self.insert(seq), hit_tokens)
-    }
-
-    /// Looks up the cached prefix and creates the sequence (see [`Self::add_sequence`]).
-    pub fn add_sequence_cached(&mut self, tokens: Vec<u32>, extra: ExtraKey) -> (SeqId, usize) {
-        let m = self.match_prefix(&tokens, &extra);
-        self.add_sequence(tokens, extra, m)
     }
 
     /// Reserves device blocks to receive the KV of `tokens`' first `num_blocks` full blocks

@@ -198,7 +198,7 @@ impl KvCacheManager {
     }
 
     /// [`Self::admission_cost`] of a sequence that keeps all its blocks when `keep_all` (it
-    /// takes every hit of every column, see [`Self::add_sequence_keeping_all`]).
+    /// takes every hit of every column, see [`super::AddSequence::keep_all`]).
     pub fn admission_cost_keeping(&self, m: &PrefixMatch, num_new_tokens: usize, keep_all: bool) -> usize {
         let bs = self.block_size();
         let k = m.num_blocks();

@@ -9,6 +9,7 @@ use crate::eviction_queue::{DEFAULT_RETENTION_PRIORITY, MAX_RETENTION_PRIORITY};
 use crate::ids::BlockId;
 use smallvec::SmallVec;
 
+use super::prefix::PrefixMatch;
 use super::tier_ledger::Tier;
 
 /// How long a sequence's prompt blocks are kept in the prefix cache once free: a retention
@@ -43,6 +44,39 @@ impl RetentionPolicy {
             )));
         }
         Ok(())
+    }
+}
+
+/// A new sequence for [`super::KvCacheManager::add_sequence`]: its prompt, salt, the cached
+/// prefix it starts from and how its blocks are kept. `AddSequence::new(tokens, extra)` and
+/// struct-update syntax (`..Default::default()`) for the rest.
+#[derive(Debug, Clone, Default)]
+pub struct AddSequence {
+    /// Every known token id (the prompt).
+    pub tokens: Vec<u32>,
+    /// The cache salt of its blocks: prefix hits are found under it only.
+    pub extra: ExtraKey,
+    /// The cached prefix to start from, from [`super::KvCacheManager::match_prefix`] (or
+    /// [`super::KvCacheManager::no_prefix_match`] to compute every token). Matched again when
+    /// the pools evicted blocks since or it has no columns (`PrefixMatch::default()`); `None`:
+    /// matched now.
+    pub prefix: Option<PrefixMatch>,
+    /// How long the prompt's blocks stay in the prefix cache once free (validate it first).
+    pub retention: RetentionPolicy,
+    /// The sequence (and every fork of it) holds every block of every column for its whole
+    /// life: it takes every hit, also those behind a sliding or chunked column's window, and
+    /// gives nothing back as it grows. For a sequence whose KV another engine reads whole (a
+    /// `hold_kv` request: KV transfer carries every column's table). Its cost in a windowed
+    /// column is its whole length, as in a full one; admission counts it with
+    /// [`super::KvCacheManager::admission_cost_keeping`].
+    pub keep_all: bool,
+}
+
+impl AddSequence {
+    /// A sequence over `tokens` under `extra`, its prefix matched when it is added, with the
+    /// default retention, giving back what its windows no longer see.
+    pub fn new(tokens: Vec<u32>, extra: ExtraKey) -> Self {
+        AddSequence { tokens, extra, ..Default::default() }
     }
 }
 
@@ -205,7 +239,7 @@ impl Sequence {
     }
 
     /// Whether the sequence holds every block of every column (no give-back behind a window):
-    /// see [`super::KvCacheManager::add_sequence_keeping_all`].
+    /// see [`AddSequence::keep_all`].
     #[inline]
     pub fn keeps_all(&self) -> bool {
         self.keep_all

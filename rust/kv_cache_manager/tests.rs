@@ -14,7 +14,7 @@ fn toks(r: std::ops::Range<u32>) -> Vec<u32> {
 #[test]
 fn seven_tokens_hold_two_blocks() {
     let mut m = mgr(8, 4);
-    let (s, hit) = m.add_sequence_cached(toks(0..7), ExtraKey::new(None));
+    let (s, hit) = m.add_sequence(AddSequence::new(toks(0..7), ExtraKey::new(None)));
     assert_eq!(hit, 0);
     assert!(m.allocate_slots(s, 7).unwrap());
     assert_eq!(m.seq(s).unwrap().table().len(), 2);
@@ -33,7 +33,7 @@ fn seven_tokens_hold_two_blocks() {
 #[test]
 fn allocation_failure_changes_nothing() {
     let mut m = mgr(2, 4);
-    let (s, _) = m.add_sequence_cached(toks(0..12), ExtraKey::new(None));
+    let (s, _) = m.add_sequence(AddSequence::new(toks(0..12), ExtraKey::new(None)));
     assert!(!m.allocate_slots(s, 12).unwrap());
     assert_eq!(m.seq(s).unwrap().num_computed(), 0);
     assert!(m.allocate_slots(s, 8).unwrap());
@@ -47,18 +47,18 @@ fn allocation_failure_changes_nothing() {
 fn prefix_hit_leaves_one_token_and_is_verified() {
     let mut m = mgr(16, 4);
     let prompt = toks(0..10);
-    let (a, hit) = m.add_sequence_cached(prompt.clone(), ExtraKey::new(None));
+    let (a, hit) = m.add_sequence(AddSequence::new(prompt.clone(), ExtraKey::new(None)));
     assert_eq!(hit, 0);
     m.allocate_slots(a, 10).unwrap();
     // Same prompt: two full blocks (8 tokens) cached, 2 left to compute.
-    let (b, hit) = m.add_sequence_cached(prompt.clone(), ExtraKey::new(None));
+    let (b, hit) = m.add_sequence(AddSequence::new(prompt.clone(), ExtraKey::new(None)));
     assert_eq!(hit, 8);
     assert_eq!(m.seq(b).unwrap().table().blocks(), &m.seq(a).unwrap().table().blocks()[..2]);
     // A prompt of exactly 8 tokens: at most 1 block may hit (one token must be computed).
-    let (c, hit) = m.add_sequence_cached(toks(0..8), ExtraKey::new(None));
+    let (c, hit) = m.add_sequence(AddSequence::new(toks(0..8), ExtraKey::new(None)));
     assert_eq!(hit, 4);
     // Another salt: no hit.
-    let (d, hit) = m.add_sequence_cached(prompt, ExtraKey::new(Some("other")));
+    let (d, hit) = m.add_sequence(AddSequence::new(prompt, ExtraKey::new(Some("other"))));
     assert_eq!(hit, 0);
     m.check_invariants().unwrap();
     for s in [a, b, c, d] {
@@ -72,10 +72,10 @@ fn prefix_hit_leaves_one_token_and_is_verified() {
 #[test]
 fn freed_sequence_blocks_stay_findable() {
     let mut m = mgr(4, 2);
-    let (a, _) = m.add_sequence_cached(toks(0..5), ExtraKey::new(None));
+    let (a, _) = m.add_sequence(AddSequence::new(toks(0..5), ExtraKey::new(None)));
     m.allocate_slots(a, 5).unwrap();
     m.free(a).unwrap();
-    let (b, hit) = m.add_sequence_cached(toks(0..5), ExtraKey::new(None));
+    let (b, hit) = m.add_sequence(AddSequence::new(toks(0..5), ExtraKey::new(None)));
     assert_eq!(hit, 4);
     assert_eq!(m.pool().num_free(), 2);
     m.free(b).unwrap();
@@ -84,7 +84,7 @@ fn freed_sequence_blocks_stay_findable() {
 #[test]
 fn fork_then_copy_on_write() {
     let mut m = mgr(8, 4);
-    let (a, _) = m.add_sequence_cached(toks(0..6), ExtraKey::new(None));
+    let (a, _) = m.add_sequence(AddSequence::new(toks(0..6), ExtraKey::new(None)));
     m.allocate_slots(a, 6).unwrap();
     let b = m.fork(a).unwrap();
     let shared_last = m.seq(a).unwrap().table().blocks()[1];
@@ -110,10 +110,10 @@ fn fork_then_copy_on_write() {
 #[test]
 fn stale_and_unknown_ids() {
     let mut m = mgr(4, 4);
-    let (a, _) = m.add_sequence_cached(toks(0..3), ExtraKey::new(None));
+    let (a, _) = m.add_sequence(AddSequence::new(toks(0..3), ExtraKey::new(None)));
     m.free(a).unwrap();
     assert_eq!(m.free(a), Err(CoreError::UnknownSequence(a.0)));
-    let (b, _) = m.add_sequence_cached(toks(0..3), ExtraKey::new(None));
+    let (b, _) = m.add_sequence(AddSequence::new(toks(0..3), ExtraKey::new(None)));
     assert_eq!(a.key().slot, b.key().slot);
     assert!(m.seq(a).is_err());
     assert!(m.seq(b).is_ok());
