@@ -234,11 +234,13 @@ impl KvCacheManager {
         self.seqs.get(id.key()).ok_or(CoreError::UnknownSequence(id.0))
     }
 
+    /// The live sequence `id`, mutable.
     #[inline]
     fn seq_mut(&mut self, id: SeqId) -> Result<&mut Sequence> {
         self.seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))
     }
 
+    /// Stores a new sequence; returns its id.
     fn insert(&mut self, seq: Sequence) -> SeqId {
         SeqId::from_key(self.seqs.insert(seq))
     }

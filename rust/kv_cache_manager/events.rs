@@ -12,6 +12,7 @@ impl KvCacheManager {
         std::iter::once(&self.pool).chain(self.ledger.pools())
     }
 
+    /// The pools that exist, mutable.
     fn pools_mut(&mut self) -> impl Iterator<Item = &mut BlockPool> {
         std::iter::once(&mut self.pool).chain(self.ledger.pools_mut())
     }
@@ -56,6 +57,7 @@ impl KvCacheManager {
         self.record_events
     }
 
+    /// Every pool's events, device first.
     fn drain_pool_events(&mut self) -> Vec<KvEvent> {
         let mut out = Vec::new();
         for p in self.pools_mut() {

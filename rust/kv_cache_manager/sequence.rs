@@ -101,6 +101,8 @@ pub struct Column {
 }
 
 impl Column {
+    /// A column over `table`, of which the first `num_registered` blocks were offered to the
+    /// prefix cache (or came from it), the chain continuing at `link`.
     pub(super) fn new(table: BlockTable, hashes: Vec<BlockHash>, num_registered: usize, link: ChainLink, extra: ExtraKey) -> Self {
         Column { table, num_released: 0, hashes, num_registered, link, extra }
     }

@@ -286,7 +286,7 @@ impl TierLedger {
 
     /// Writes the cached blocks evicted since the last call one tier down: `device` blocks to
     /// the host tier (`swap_out`), then host blocks — including those just evicted to make
-    /// room — to the disk tier (`disk_store`). See [`spill`].
+    /// room — to the disk tier (`disk_store`), room permitting (see `spill`).
     #[inline]
     pub fn write_back_evicted(&mut self, device: &mut BlockPool) {
         // The common case (nothing evicted, or no tier below) stays a couple of loads on the
@@ -296,6 +296,7 @@ impl TierLedger {
         }
     }
 
+    /// [`Self::write_back_evicted`] when something was evicted.
     fn spill_evicted(&mut self, device: &mut BlockPool) {
         let Some(host) = self.host.as_mut() else { return };
         if device.has_evicted() {
