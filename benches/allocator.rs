@@ -9,7 +9,7 @@ use std::time::Instant;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use pagedkv::block_hash::{ExtraKey, HashMode};
 use pagedkv::block_pool::BlockPool;
-use pagedkv::kv_cache_manager::KvCacheManager;
+use pagedkv::kv_cache_manager::{AddSequence, KvCacheManager};
 
 fn pool_ops(c: &mut Criterion) {
     let mut g = c.benchmark_group("pool");
@@ -45,7 +45,7 @@ fn prefix_lookup(c: &mut Criterion) {
     let prompt: Vec<u32> = (0..2048u32)
         .map(|i| i.wrapping_mul(2654435761) % 50_000)
         .collect();
-    let (s, _) = m.add_sequence_cached(prompt.clone(), ExtraKey::new(None));
+    let (s, _) = m.add_sequence(AddSequence::new(prompt.clone(), ExtraKey::new(None)));
     assert!(m.allocate_slots(s, prompt.len()).unwrap());
     let key = ExtraKey::new(None);
     g.throughput(Throughput::Elements(prompt.len() as u64));
@@ -81,7 +81,7 @@ fn decode_append(c: &mut Criterion) {
             .map(|i| {
                 let mut tokens: Vec<u32> = Vec::with_capacity(ctx + steps_per_cycle);
                 tokens.extend((0..ctx as u32).map(|t| t ^ (i as u32) << 16));
-                let (s, _) = m.add_sequence_cached(tokens, ExtraKey::new(None));
+                let (s, _) = m.add_sequence(AddSequence::new(tokens, ExtraKey::new(None)));
                 assert!(m.allocate_slots(s, ctx).unwrap());
                 s
             })

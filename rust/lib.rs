@@ -24,7 +24,9 @@
 //! - [`slab`]: generation-checked slab (sequence and request storage).
 //! - [`thread_pool`]: the worker threads of the CPU kernels (they spin between a step's kernel
 //!   calls; rebuilt after a fork).
-//! - [`kv_cache_manager`]: sequences over the pool: prefix hits, slots, copy-on-write, fork.
+//! - [`kv_cache_manager`]: sequences over the pool: prefix hits, slots, copy-on-write, fork;
+//!   its [`kv_cache_manager::tier_ledger`] keeps the host and disk tiers and the step's copies
+//!   between tiers.
 //! - [`cpu_attention`]: paged decode attention on the CPU, straight from the block cache.
 //! - [`cpu_isa`]: which x86 instruction sets the CPU has (detected once) and the path each CPU
 //!   kernel takes.

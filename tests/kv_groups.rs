@@ -7,7 +7,7 @@
 use pagedkv::attention_span::AttentionSpan;
 use pagedkv::block_hash::{ExtraKey, HashMode};
 use pagedkv::ids::{BlockId, SeqId};
-use pagedkv::kv_cache_manager::KvCacheManager;
+use pagedkv::kv_cache_manager::{AddSequence, KvCacheManager};
 
 const BS: usize = 4;
 
@@ -28,7 +28,7 @@ fn gemma_like(num_blocks: usize) -> KvCacheManager {
 /// Adds `prompt` and gives every prompt token a slot in one step.
 fn prefill(m: &mut KvCacheManager, prompt: Vec<u32>) -> (SeqId, usize) {
     let len = prompt.len();
-    let (s, hit) = m.add_sequence_cached(prompt, ExtraKey::new(None));
+    let (s, hit) = m.add_sequence(AddSequence::new(prompt, ExtraKey::new(None)));
     assert!(m.allocate_slots(s, len - hit).unwrap());
     m.check_invariants().unwrap();
     (s, hit)
@@ -124,7 +124,7 @@ fn given_back_blocks_stay_findable_and_a_sliding_column_serves_from_its_window()
     assert_eq!(m.seq(a).unwrap().columns()[1].num_released(), 5);
     m.free(a).unwrap();
     // Same prompt: 7 full blocks, both columns still cache them all.
-    let (b, hit) = m.add_sequence_cached(prompt.clone(), ExtraKey::new(None));
+    let (b, hit) = m.add_sequence(AddSequence::new(prompt.clone(), ExtraKey::new(None)));
     assert_eq!(hit, 28);
     let seq = m.seq(b).unwrap();
     // The full column takes every hit; the sliding one only what the query at 28 sees.
@@ -147,7 +147,7 @@ fn given_back_blocks_stay_findable_and_a_sliding_column_serves_from_its_window()
     // whole prompt is still served.
     // 14 blocks are cached (7 per column) and 50 free without content: 54 new blocks evict 4.
     let filler = m
-        .add_sequence_cached((500..500 + 4 * 60).collect(), ExtraKey::new(Some("other")))
+        .add_sequence(AddSequence::new((500..500 + 4 * 60).collect(), ExtraKey::new(Some("other"))))
         .0;
     assert!(m.allocate_slots(filler, 4 * 27).unwrap());
     assert!(
@@ -159,7 +159,7 @@ fn given_back_blocks_stay_findable_and_a_sliding_column_serves_from_its_window()
     let live: Vec<_> = after.cols[1].hits[5..].iter().map(|h| h.block).collect();
     assert!(live.iter().all(|&b| !b.is_null() && m.pool().is_cached(b)), "{live:?}");
     // A sequence admitted on it reads the full column's 7 blocks and the sliding column's 2.
-    let (c, hit) = m.add_sequence_cached(prompt.clone(), ExtraKey::new(None));
+    let (c, hit) = m.add_sequence(AddSequence::new(prompt.clone(), ExtraKey::new(None)));
     assert_eq!(hit, 28);
     assert_eq!(m.seq(c).unwrap().columns()[1].held(), &live[..]);
     m.free(c).unwrap();
@@ -237,7 +237,7 @@ fn admission_cost_counts_only_the_live_hits() {
     assert_eq!(hit.num_blocks(), 10);
     assert_eq!(m.admission_cost(&hit, 1), 10 + 2 + 2);
     let before = m.pool().num_free();
-    let (b, cached) = m.add_sequence(prompt, ExtraKey::new(None), hit);
+    let (b, cached) = m.add_sequence(AddSequence { prefix: Some(hit), ..AddSequence::new(prompt, ExtraKey::new(None)) });
     assert_eq!(cached, 40);
     assert!(m.allocate_slots(b, 1).unwrap());
     assert_eq!(before - m.pool().num_free(), 14);
@@ -275,9 +275,8 @@ fn a_sequence_keeping_all_gives_nothing_back_and_reservations_fill_every_column(
     // Every hit of every column is taken (the sliding column's behind the window too).
     let hit = m.match_prefix(&prompt, &ExtraKey::new(None));
     assert_eq!(m.admission_cost_keeping(&hit, 1, true), 2 * (10 + 1));
-    let retention = Default::default();
-    let (k, cached) =
-        m.add_sequence_keeping_all(prompt.clone(), ExtraKey::new(None), hit, retention, true);
+    let keeping = AddSequence { prefix: Some(hit), keep_all: true, ..AddSequence::new(prompt.clone(), ExtraKey::new(None)) };
+    let (k, cached) = m.add_sequence(keeping);
     assert_eq!(cached, 40);
     assert!(m.allocate_slots(k, 1).unwrap());
     assert_eq!(m.pool().num_free(), 64 - 22);

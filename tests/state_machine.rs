@@ -19,7 +19,7 @@ use pagedkv::attention_span::AttentionSpan;
 use pagedkv::block_hash::{ExtraKey, HashMode};
 use pagedkv::block_pool::BlockPool;
 use pagedkv::ids::{BlockId, SeqId};
-use pagedkv::kv_cache_manager::KvCacheManager;
+use pagedkv::kv_cache_manager::{AddSequence, KvCacheManager};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -241,7 +241,7 @@ fn run_columns_machine(ops: Vec<SeqOp>, hash_mode: HashMode, spans: Vec<Attentio
                 };
                 let len = tokens.len();
                 let found = m.match_prefix(&tokens, &key);
-                let (id, hit) = m.add_sequence_keeping_all(tokens, key, found, Default::default(), keep_all);
+                let (id, hit) = m.add_sequence(AddSequence { prefix: Some(found), keep_all, ..AddSequence::new(tokens, key) });
                 prop_assert!(hit % bs == 0 && hit < len);
                 prop_assert_eq!(m.seq(id).unwrap().keeps_all(), keep_all);
                 model.seqs.push(id);

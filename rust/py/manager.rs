@@ -9,7 +9,7 @@ use super::args::{count_arg, int_arg, salt_arg, seq_id_arg, seq_ids_arg, token_i
 use crate::block_hash::ExtraKey;
 use crate::error::CoreError;
 use crate::ids::SeqId;
-use crate::kv_cache_manager::KvCacheManager;
+use crate::kv_cache_manager::{AddSequence, KvCacheManager};
 
 /// `rows` × `cols` int32 array from a row-major vector.
 pub(crate) fn array2_i32<'py>(py: Python<'py>, data: Vec<i32>, rows: usize, cols: usize) -> PyResult<Bound<'py, PyArray2<i32>>> {
@@ -56,7 +56,7 @@ impl PyKvCacheManager {
         let tokens = token_ids_arg(token_ids, "token_ids")?;
         let extra = ExtraKey::new(salt_arg(cache_salt)?.as_deref());
         let inner = &mut self.inner;
-        let (id, hit) = py.detach(|| inner.add_sequence_cached(tokens, extra));
+        let (id, hit) = py.detach(|| inner.add_sequence(AddSequence::new(tokens, extra)));
         Ok((id.0, hit))
     }
 

@@ -37,7 +37,7 @@ use super::Release;
 use super::{Scheduler, StepOutput, StepPlan};
 use crate::error::{CoreError, Result};
 use crate::ids::SeqId;
-use crate::kv_cache_manager::{PrefixMatch, Tier};
+use crate::kv_cache_manager::{AddSequence, PrefixMatch, Tier};
 use crate::speculative::BranchSpec;
 
 /// The result of a beam search that ended in an `update`.
@@ -226,7 +226,8 @@ impl Scheduler {
             let tokens = std::mem::take(&mut branch.tokens);
             let num_tokens = tokens.len();
             let m = if self.config.enable_prefix_caching { self.kv.match_prefix(&tokens, &extra) } else { PrefixMatch::default() };
-            let (seq, hit) = self.kv.add_sequence_with_retention(tokens, extra.clone(), m, retention);
+            let new = AddSequence { tokens, extra: extra.clone(), prefix: Some(m), retention, keep_all: false };
+            let (seq, hit) = self.kv.add_sequence(new);
             added.push((b, seq, num_tokens, hit));
         }
         let pending: Vec<usize> = added.iter().map(|&(_, s, _, _)| self.kv.seq(s).map_or(0, |x| x.num_pending())).collect();

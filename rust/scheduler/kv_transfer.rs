@@ -22,7 +22,7 @@
 //! carry every column, as one list of block ids, **column-major**: column 0's `n` blocks,
 //! then column 1's `n`, and so on, every column the same length `n`. A `hold_kv` request's
 //! sequence keeps every block of every column (a sliding or chunked column gives nothing
-//! back behind its window: `KvCacheManager::add_sequence_keeping_all`), so its lease holds
+//! back behind its window: `AddSequence::keep_all`), so its lease holds
 //! the whole prompt in every column; its memory is that of every layer whole, bounded by
 //! its length. A reservation holds its hits in every column, also those behind a window;
 //! the request unblocked after the commit gives those back at admission as usual.

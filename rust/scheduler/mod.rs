@@ -63,7 +63,7 @@ pub use stats::{SchedulerStats, StatValue};
 use crate::block_hash::{BlockHash, ExtraKey};
 use crate::error::{CoreError, Result};
 use crate::ids::{BlockId, SeqId};
-use crate::kv_cache_manager::{KvCacheManager, PrefixMatch, Restore, Tier};
+use crate::kv_cache_manager::{AddSequence, KvCacheManager, PrefixMatch, Restore, Tier};
 use crate::slab::Slab;
 use crate::speculative::{suffix, BranchSpec, SpecCostModel, SpecMethod, TenantSpecs, BRANCH_DECAY, GLOBAL_DECAY, PRIOR_WEIGHT};
 use output::StepPlan;
@@ -671,7 +671,7 @@ impl Scheduler {
             let tokens = std::mem::take(&mut branch.tokens);
             let num_tokens = tokens.len();
             let before = self.kv.prefix_counters();
-            let (seq, hit) = self.kv.add_sequence_keeping_all(tokens, extra, m, retention, keep_all);
+            let (seq, hit) = self.kv.add_sequence(AddSequence { tokens, extra, prefix: Some(m), retention, keep_all });
             let after = self.kv.prefix_counters();
             match self.kv.allocate_slots(seq, n) {
                 Ok(true) => {}
