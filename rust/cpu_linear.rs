@@ -60,7 +60,7 @@ use portable::Portable;
 use rows::{f32_to_bf16, WeightRow};
 
 /// Output rows (weight rows) per register tile (every path).
-const NR: usize = 4;
+pub(crate) const NR: usize = 4;
 /// The most input rows per register tile of any path (AVX-512's).
 const MAX_MR: usize = 6;
 /// Below this many multiply-adds (`M * N * K`) one thread does the whole product: starting a
@@ -258,7 +258,9 @@ fn validate(
     Ok(())
 }
 
-fn threads_for(d: LinearDims, num_threads: usize) -> usize {
+/// How many threads a product of `d` takes: one below [`MIN_PARALLEL_MACS`] multiply-adds (a
+/// pool job costs more than it saves), else `num_threads` (at least one). The GGUF kernel too.
+pub(crate) fn threads_for(d: LinearDims, num_threads: usize) -> usize {
     let macs = d
         .rows
         .saturating_mul(d.out_features)
@@ -271,8 +273,8 @@ fn threads_for(d: LinearDims, num_threads: usize) -> usize {
 }
 
 /// `threads` contiguous column ranges covering `0..n`, each a multiple of `NR` wide (but the
-/// last), none empty.
-fn column_ranges(n: usize, threads: usize) -> Vec<(usize, usize)> {
+/// last), none empty. The GGUF kernel's tiles are `NR` rows too.
+pub(crate) fn column_ranges(n: usize, threads: usize) -> Vec<(usize, usize)> {
     let tiles = n.div_ceil(NR);
     let threads = threads.clamp(1, tiles);
     let per = tiles / threads;

@@ -38,7 +38,7 @@
 //! as in [`crate::cpu_linear`]. Every length is checked before any work: bad input is an error,
 //! never a panic.
 
-use crate::cpu_linear::LinearDims;
+use crate::cpu_linear::{column_ranges, threads_for, LinearDims};
 use crate::error::{CoreError, Result};
 use crate::thread_pool::run_jobs;
 
@@ -49,14 +49,12 @@ mod x86;
 #[cfg(test)]
 mod tests;
 
-/// Weight rows per register tile.
-pub(crate) const NR: usize = 4;
+/// Weight rows per register tile: the float32 kernel's, whose column ranges this kernel uses.
+pub(crate) const NR: usize = crate::cpu_linear::NR;
 /// Input rows per register tile.
 pub(crate) const MR: usize = 3;
 /// Values per group: one scale and offset each.
 pub(crate) const GROUP: usize = 32;
-/// Below this many multiply-adds one thread does the product (see [`crate::cpu_linear`]).
-const MIN_PARALLEL_MACS: usize = 1 << 17;
 /// How many tiles ahead a thread prefetches weight rows (as [`crate::cpu_linear`] does).
 pub(crate) const PREFETCH_TILES: usize = 4;
 
@@ -303,34 +301,6 @@ fn validate(
         }
     }
     Ok(())
-}
-
-fn threads_for(d: LinearDims, num_threads: usize) -> usize {
-    let macs = d
-        .rows
-        .saturating_mul(d.out_features)
-        .saturating_mul(d.in_features);
-    if macs < MIN_PARALLEL_MACS {
-        1
-    } else {
-        num_threads.max(1)
-    }
-}
-
-/// `threads` contiguous column ranges covering `0..n`, each a multiple of `NR` wide (but the
-/// last), none empty.
-fn column_ranges(n: usize, threads: usize) -> Vec<(usize, usize)> {
-    let tiles = n.div_ceil(NR);
-    let threads = threads.clamp(1, tiles);
-    let (per, extra) = (tiles / threads, tiles % threads);
-    let mut out = Vec::with_capacity(threads);
-    let mut start = 0;
-    for t in 0..threads {
-        let end = (start + (per + usize::from(t < extra)) * NR).min(n);
-        out.push((start, end));
-        start = end;
-    }
-    out
 }
 
 /// A validated product's inputs.
