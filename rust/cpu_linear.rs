@@ -165,7 +165,7 @@ pub fn cpu_linear(
             missing.join(", ")
         )));
     }
-    let (m, n) = (dims.rows, dims.out_features);
+    let m = dims.rows;
     if m == 0 {
         return Ok(());
     }
@@ -184,17 +184,37 @@ pub fn cpu_linear(
         prefetch: run.prefetch,
         isa,
     };
-    let ranges = column_ranges(n, threads_for(dims, run.threads));
+    run_in_column_ranges(
+        dims,
+        run.threads,
+        out,
+        "a CPU linear worker failed",
+        |a, b| columns_dispatch(product, a, b),
+    )
+}
+
+/// The product's output columns split across threads ([`column_ranges`], [`threads_for`]):
+/// `columns(a, b)` computes columns `a..b` of every row into its own `[rows, b - a]` buffer on a
+/// pool thread, and each buffer is copied into `out` (`[rows, out_features]`) after the join. A
+/// buffer of the wrong size (a job that panicked) is `InvariantViolation(failed)`. The GGUF
+/// kernel runs its products through it too.
+pub(crate) fn run_in_column_ranges(
+    dims: LinearDims,
+    threads: usize,
+    out: &mut [f32],
+    failed: &str,
+    columns: impl Fn(usize, usize) -> Vec<f32> + Sync,
+) -> Result<()> {
+    let (m, n) = (dims.rows, dims.out_features);
+    let ranges = column_ranges(n, threads_for(dims, threads));
     let buffers = run_jobs(ranges.len(), |i| {
         let (a, b) = ranges[i];
-        columns_dispatch(product, a, b)
+        columns(a, b)
     });
     for (&(a, b), buf) in ranges.iter().zip(&buffers) {
         let width = b - a;
         if buf.len() != m * width {
-            return Err(CoreError::InvariantViolation(
-                "a CPU linear worker failed".into(),
-            ));
+            return Err(CoreError::InvariantViolation(failed.into()));
         }
         for row in 0..m {
             out[row * n + a..row * n + b].copy_from_slice(&buf[row * width..(row + 1) * width]);
@@ -259,8 +279,8 @@ fn validate(
 }
 
 /// How many threads a product of `d` takes: one below [`MIN_PARALLEL_MACS`] multiply-adds (a
-/// pool job costs more than it saves), else `num_threads` (at least one). The GGUF kernel too.
-pub(crate) fn threads_for(d: LinearDims, num_threads: usize) -> usize {
+/// pool job costs more than it saves), else `num_threads` (at least one).
+fn threads_for(d: LinearDims, num_threads: usize) -> usize {
     let macs = d
         .rows
         .saturating_mul(d.out_features)
@@ -273,8 +293,8 @@ pub(crate) fn threads_for(d: LinearDims, num_threads: usize) -> usize {
 }
 
 /// `threads` contiguous column ranges covering `0..n`, each a multiple of `NR` wide (but the
-/// last), none empty. The GGUF kernel's tiles are `NR` rows too.
-pub(crate) fn column_ranges(n: usize, threads: usize) -> Vec<(usize, usize)> {
+/// last), none empty.
+fn column_ranges(n: usize, threads: usize) -> Vec<(usize, usize)> {
     let tiles = n.div_ceil(NR);
     let threads = threads.clamp(1, tiles);
     let per = tiles / threads;

@@ -38,9 +38,8 @@
 //! as in [`crate::cpu_linear`]. Every length is checked before any work: bad input is an error,
 //! never a panic.
 
-use crate::cpu_linear::{column_ranges, threads_for, LinearDims};
+use crate::cpu_linear::{run_in_column_ranges, LinearDims};
 use crate::error::{CoreError, Result};
-use crate::thread_pool::run_jobs;
 
 mod portable;
 #[cfg(target_arch = "x86_64")]
@@ -215,7 +214,7 @@ pub fn cpu_linear_gguf(
 ) -> Result<()> {
     validate(x, weight, bias, dims, out)?;
     let isa = isa.resolve()?;
-    let (m, n, k) = (dims.rows, dims.out_features, dims.in_features);
+    let (m, k) = (dims.rows, dims.in_features);
     if m == 0 {
         return Ok(());
     }
@@ -233,23 +232,9 @@ pub fn cpu_linear_gguf(
         dims,
         row_bytes: k / weight.kind.block_values() * weight.kind.block_bytes(),
     };
-    let ranges = column_ranges(n, threads_for(dims, threads));
-    let buffers = run_jobs(ranges.len(), |i| {
-        let (a, b) = ranges[i];
+    run_in_column_ranges(dims, threads, out, "a GGUF linear worker failed", |a, b| {
         columns_dispatch(isa, p, a, b)
-    });
-    for (&(a, b), buf) in ranges.iter().zip(&buffers) {
-        let width = b - a;
-        if buf.len() != m * width {
-            return Err(CoreError::InvariantViolation(
-                "a GGUF linear worker failed".into(),
-            ));
-        }
-        for row in 0..m {
-            out[row * n + a..row * n + b].copy_from_slice(&buf[row * width..(row + 1) * width]);
-        }
-    }
-    Ok(())
+    })
 }
 
 fn validate(
