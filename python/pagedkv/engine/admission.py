@@ -46,7 +46,6 @@ class Admission:
         grammars: GrammarCompiler,
         kv_connector: KVConnector | None,
         lock: threading.RLock,
-        *,
         compile_timeout_s: float,
         eos_token_ids: list[int],
     ) -> None:

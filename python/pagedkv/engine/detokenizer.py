@@ -57,12 +57,12 @@ def make_decode_fn(tokenizer: Any) -> DecodeFn:
     ):
 
         def decode_backend(ids: Sequence[int], skip_special_tokens: bool) -> str:
-            return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            return str(backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
         return decode_backend
 
     def decode_python(ids: Sequence[int], skip_special_tokens: bool) -> str:
-        return tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return str(tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     return decode_python
 

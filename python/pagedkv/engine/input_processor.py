@@ -12,10 +12,9 @@ request is added to it (``Admission.add``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from pagedkv.distributed.transfer_config import RemotePrefill, parse_kv_transfer_params
 from pagedkv.engine.beam_tracker import BeamTracker
@@ -30,8 +29,9 @@ from pagedkv.structured.params import StructuredOutputsParams
 if TYPE_CHECKING:
     from pagedkv.config import EngineConfig
     from pagedkv.distributed.connector import KVConnector
+    from pagedkv.worker.model_runner import ModelRunner
 
-__all__ = ["InputProcessor", "NewRequest"]
+__all__ = ["InputProcessor", "NewRequest", "request_ids"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,18 +65,15 @@ class InputProcessor:
         self,
         config: EngineConfig,
         tokenizer: Any,
-        *,
-        vocab_size: int,
-        device: torch.device,
-        max_model_len: int,
+        runner: ModelRunner,
         eos_token_ids: list[int],
         kv_connector: KVConnector | None,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.device = device
-        self.max_model_len = max_model_len
+        self.vocab_size = runner.vocab_size
+        self.device = runner.device
+        self.max_model_len = runner.max_model_len
         self.eos_token_ids = eos_token_ids
         self.kv_connector = kv_connector
 
@@ -85,7 +82,6 @@ class InputProcessor:
         request_id: str,
         prompt: PromptType,
         params: SamplingParams | BeamSearchParams | None,
-        *,
         arrival_time: float | None,
         priority: int,
         cache_salt: str | None,
@@ -209,3 +205,17 @@ class InputProcessor:
                 f"prompt_logprobs = {params.prompt_logprobs} exceeds max_logprobs = {max_logprobs} "
                 "(an engine argument) or the vocabulary"
             )
+
+
+def request_ids(request_id: str | Iterable[str]) -> list[str]:
+    """One request id or an iterable of them, as a list of distinct ids in order (InvalidTypeError
+    on anything else)."""
+    if isinstance(request_id, str):
+        return [request_id]
+    if not isinstance(request_id, Iterable) or isinstance(request_id, (bytes, dict)):
+        raise InvalidTypeError(f"request_id must be a str or an iterable of str, got {type(request_id).__name__}")
+    ids = list(dict.fromkeys(request_id))  # each id once, in order
+    bad = [rid for rid in ids if not isinstance(rid, str)]
+    if bad:
+        raise InvalidTypeError(f"request ids must be str, got {bad[0]!r} ({type(bad[0]).__name__})")
+    return ids

@@ -14,11 +14,13 @@ import collections
 from collections.abc import Mapping
 from typing import Any
 
-from pagedkv._core import Scheduler, SchedulerOutput
+from pagedkv._core import Scheduler, SchedulerOutput, SchedulerStats
 from pagedkv.engine.request_state import RequestState
 from pagedkv.engine.spec_decode import StepTimeFit
+from pagedkv.structured.compiler import GrammarCompiler
+from pagedkv.structured.step_masks import StepMasks
 
-__all__ = ["StepStats"]
+__all__ = ["StepStats", "invariant_counts", "kv_maps", "structured_stats"]
 
 # Steps of at least this many tokens measure the forward's throughput (a recompute is a prefill).
 _MIN_COST_MODEL_TOKENS = 64
@@ -28,7 +30,7 @@ class StepStats:
     """Counters and cost models over an engine's steps (module docs)."""
 
     def __init__(
-        self, scheduler: Scheduler, *, bytes_per_block: int, swap_bandwidth: float | None, speculative: bool
+        self, scheduler: Scheduler, bytes_per_block: int, swap_bandwidth: float | None, speculative: bool
     ) -> None:
         self.scheduler = scheduler
         self.bytes_per_block = bytes_per_block
@@ -90,3 +92,72 @@ class StepStats:
         stats["swap_bandwidth_bytes_per_s"] = self.swap_bandwidth
         stats["recompute_tokens_per_s"] = self.recompute_tokens_per_s
         return stats
+
+
+def structured_stats(grammars: GrammarCompiler, masks: StepMasks) -> dict[str, Any]:
+    """Structured outputs' timings and counts: compiles (cache hits; dropped because every
+    request that wanted one left before it started; refused because ``max_queued_compiles``
+    waited already), mask fills, grammar work on the step's critical path, masked rows."""
+    return {
+        "structured_compile_seconds": grammars.compile_time.snapshot(),
+        "structured_mask_seconds": masks.fill_time.snapshot(),
+        "structured_step_seconds": masks.critical_time.snapshot(),
+        "structured_grammar_cache_hits": grammars.num_cache_hits,
+        "structured_compiles_cancelled": grammars.num_cancelled,
+        "structured_compiles_refused": grammars.num_refused,
+        "structured_masked_rows": masks.num_masked_rows,
+    }
+
+
+def kv_maps(scheduler: Scheduler, requests: Mapping[str, RequestState]) -> dict[str, Any]:
+    """The KV cache as a live view draws it (``LLMEngine.kv_snapshot`` adds the last
+    preemptions, the column spans and the stats): ``memory_map`` (device ``ref_counts``
+    int32[N], ``cached`` bool[N], ``owner`` int64[N]: the arrival number of the earliest
+    running request holding each block, -1 if none), ``tier_map`` (host ``host_ref_counts`` /
+    ``host_cached``; empty without a host tier), ``disk_map`` (``disk_ref_counts`` /
+    ``disk_cached``), ``columns`` (KV cache groups: int16[N], the column each device block
+    serves, -1 free and uncached), the requests' summaries (``Scheduler.request_summaries``),
+    prompts, ``constraints`` (request id -> the kind of its structured-output constraint) and
+    ``drafts`` (request id -> its drafted and accepted tokens)."""
+    refs, cached, owner = scheduler.memory_map()
+    _, host_refs, host_cached = scheduler.tier_map()
+    disk_refs, disk_cached = scheduler.disk_map()
+    live = requests.items()
+    return {
+        "ref_counts": refs,
+        "cached": cached,
+        "owner": owner,
+        "host_ref_counts": host_refs,
+        "host_cached": host_cached,
+        "disk_ref_counts": disk_refs,
+        "disk_cached": disk_cached,
+        "columns": scheduler.block_columns(),
+        "requests": scheduler.request_summaries(),
+        "prompts": {rid: state.prompt for rid, state in live},
+        "constraints": {rid: state.grammar.kind for rid, state in live if state.grammar is not None},
+        "drafts": {
+            rid: (state.metrics.num_draft_tokens, state.metrics.num_accepted_tokens)
+            for rid, state in live
+            if state.metrics.num_draft_tokens
+        },
+    }
+
+
+def invariant_counts(
+    stats: SchedulerStats, num_kv_loads: int, num_held_compiles: int, num_requests: int
+) -> dict[str, int]:
+    """What ``LLMEngine.check_invariants`` returns: who holds blocks, and who waits."""
+    return {
+        "num_blocks": stats.num_blocks,
+        "num_used_blocks": stats.num_used_blocks,
+        "num_free_blocks": stats.num_free_blocks,
+        "num_running": stats.num_running,
+        "num_waiting": stats.num_waiting,
+        "num_waiting_for_grammar": stats.num_waiting_for_grammar,
+        "num_waiting_for_remote_kv": stats.num_waiting_for_remote_kv,
+        "num_kv_leases": stats.num_kv_leases,
+        "num_kv_reservations": stats.num_kv_reservations,
+        "num_kv_loads": num_kv_loads,
+        "num_held_compiles": num_held_compiles,
+        "num_unfinished_requests": num_requests,
+    }
