@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Admission", "Fail"]
 
-# Takes a request out of the engine with finish_reason "error" (LLMEngine._fail_request).
+# Takes a request out of the engine with finish_reason "error" (Failures.fail_later).
 Fail = Callable[[RequestState, Exception], None]
 
 

@@ -307,9 +307,7 @@ class LLMEngine:
             self._seeded_draws.save(generator, rid, index)
         return self.sampler(logits, metadata), drafts
 
-    def _update_scheduler(
-        self, out: SchedulerOutput, logits: torch.Tensor, sampled: SamplerOutput
-    ) -> RequestUpdates:
+    def _update_scheduler(self, out: SchedulerOutput, logits: torch.Tensor, sampled: SamplerOutput) -> RequestUpdates:
         """``Scheduler.update`` with the sampled tokens and the beam rows' candidates
         (``2 * beam_width`` per row, the widest beam request's); its updates."""
         rows: list[int] = out.beam_rows.tolist()
@@ -350,11 +348,11 @@ class LLMEngine:
         self._seeded_draws.forget()
         self.scheduler.rollback_step(out)
         self._counters["failed_steps"] += 1
+        if isinstance(exc, Exception):  # not KeyboardInterrupt, SystemExit: not the requests' fault
+            self.failures.charge(out.req_ids, exc)
         if isinstance(exc, EngineDeadError):
             self._dead = stop_workers(self.executor, exc)
             raise self._dead from exc
-        if isinstance(exc, Exception):  # not KeyboardInterrupt, SystemExit: not the requests' fault
-            self.failures.charge(out.req_ids, exc)
 
     # ------------------------------------------------------------------ the KV cache
 

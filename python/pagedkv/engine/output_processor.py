@@ -101,7 +101,7 @@ class OutputProcessor:
         if matcher is not None:
             # A matcher in error had a mask of eos alone (StepMasks lets every token through
             # instead), and consumes eos "successfully": checked before and after, so a broken
-            # constraint fails the request (and evicts the grammar, LLMEngine._fail_request)
+            # constraint fails the request (and evicts the grammar, Failures.fail)
             # and never ends it with "" as if it matched.
             start = time.perf_counter()
             consumed = not matcher.is_error() and matcher.consume_token(token) and not matcher.is_error()

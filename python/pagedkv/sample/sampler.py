@@ -23,43 +23,6 @@ most-likely prefix reaching ``p`` of a full descending sort, plus its ties. Deci
 on the float32 weights (top-k on the candidate path below: on the scaled logits), so two tokens
 whose weights round to the same float32 tie.
 
-Cost: a few passes over the logits, never a sort
-------------------------------------------------
-On the CPU a pass over ``[256, 49152]`` float32 costs 1-3 ms *if it writes into memory that is
-already mapped*; a fresh 50 MB result costs ~20 ms of page faults, and a sort ~850 ms. So the
-sampler writes only into :class:`~pagedkv.sample.ops.Workspace` buffers kept between steps and
-uses elementwise arithmetic (``relu``, ``sign``, a compare into a float buffer) where a bool
-``masked_fill_`` / ``where`` / bool sum is 5-10x slower. Per random row (CPU, ``inverse_cdf``):
-
-* temperature: divide (into the workspace), ``max``, subtract + ``exp`` in place, one read for
-  the per-chunk sums, then the draw (:func:`~pagedkv.sample.ops.blocked_draw`: the chunk by a
-  search over ~200 chunk sums, the token by a cumulative sum of that 256-token chunk only);
-* min-p: one more in-place pass (a scalar ``threshold_`` when the rows share one ``min_p``);
-* top-k, ``k <= 256``: the top ``k + 1`` scaled logits (:func:`~pagedkv.sample.ops.topk`: one
-  read for per-chunk maxima, then ``torch.topk`` over the few chunks that hold the largest
-  values), then min-p, top-p and the draw on those ``k`` candidates alone (sorted, so top-p is a
-  cumulative sum). A row whose k-th value repeats just past the candidates goes the general way
-  below. The candidate set grows with k (at 256 x 49152: ~5 ms for k = 50, ~30 ms for 257),
-  hence the limit;
-* top-p (and top-k > 256): *rejection*. Draw ``t`` from the min-p/top-k-filtered weights, then
-  test whether ``t`` is in the nucleus: the mass of tokens strictly more likely than ``t`` is
-  ``< p`` (and fewer than ``k`` of them are, for top-k by rejection) — one pass over the row
-  (:func:`~pagedkv.sample.ops.mass_and_count_above`), skipped when the answer is known without
-  it: ``t`` is the most likely token, or holds more than ``1 - p`` of the mass itself (in), or
-  the most likely token alone holds ``p`` (out). An accepted draw is a draw from the filtered distribution conditioned on the
-  nucleus, i.e. exactly from the renormalized nucleus, whatever the shape of the row. A row is
-  accepted with probability = nucleus mass >= p (0.95 at ``top_p=0.95``; flat rows included),
-  so rejected rows are redrawn (only they) for up to ``_ROUNDS`` rounds; rows still rejected
-  (small ``p`` on flat rows) get the exact boundary by a radix select on the float bits
-  (:func:`~pagedkv.sample.ops.radix_threshold`: three histogram passes, no sort) and one draw
-  from the masked row. Rows with both top-k > 256 and top-p get the top-k boundary by radix
-  select first (the nucleus is relative to the top-k mass, unknown otherwise).
-
-Measured (benches/bench_sampler.py; RESULTS.md, "Sampler: cost per setting"), 256 rows x 49152,
-2-core EPYC: the engine's sampling call per decode step is ~4 ms greedy, ~11 ms temperature,
-~9 ms top-k 50, ~12 ms min-p, ~18 ms top-p 0.95 (flat rows from a random model), against ~50,
-~65, ~80 and ~600 ms for the sort-based sampler this replaced.
-
 How a token is drawn, and why a seeded row's draw does not depend on the batch
 -------------------------------------------------------------------------------
 Two exact methods, chosen by device (``Sampler(method=...)`` overrides):
@@ -70,8 +33,8 @@ Two exact methods, chosen by device (``Sampler(method=...)`` overrides):
   minimum of independent exponentials is the one of rate ``e_i`` with probability
   ``e_i / sum(e)``, the winner is distributed exactly as ``e``. Elementwise passes and a few
   histograms: no scan, no sort. ``V`` exponentials per row per step.
-* ``"inverse_cdf"`` (default on the CPU; ``V`` exponentials cost ~1 ms per 50k-token row on a CPU
-  core): as above. Every random row takes ``_ROUNDS + 1`` uniforms per step, used or not: draw
+* ``"inverse_cdf"`` (default on the CPU, where ``V`` exponentials per row are expensive): as
+  above. Every random row takes ``_ROUNDS + 1`` uniforms per step, used or not: draw
   ``r`` uses column ``r``, the radix fallback the last one.
 
 Either way a seeded request's random numbers come from the request's own ``torch.Generator``,
@@ -155,7 +118,7 @@ class Sampler:
     own), so it holds up to two ``[S, V]`` float32 buffers plus radix blocks.
 
     ``method``: ``"exponential"``, ``"inverse_cdf"`` or ``None`` (by device: exponential race
-    on CUDA, inverse CDF on the CPU); see the module docstring.
+    on CUDA, inverse CDF on the CPU); see the module docstring and ``_Step``.
     """
 
     METHODS = ("exponential", "inverse_cdf")
@@ -226,7 +189,36 @@ def _greedy(logits: torch.Tensor, metadata: SamplingMetadata, workspace: Workspa
 
 
 class _Step:
-    """One call's random sampling (see the module docstring for the paths)."""
+    """One call's random sampling.
+
+    Cost: a few passes over the logits, never a sort
+    ------------------------------------------------
+    A pass over the logits is cheap only when it writes into memory that is already mapped; a fresh
+    ``[S, V]`` result pays page faults, and a sort costs far more than either. So the sampler writes
+    only into :class:`~pagedkv.sample.ops.Workspace` buffers kept between steps and uses elementwise
+    arithmetic (``relu``, ``sign``, a compare into a float buffer) where a bool ``masked_fill_`` /
+    ``where`` / bool sum is slower. Per random row (CPU, ``inverse_cdf``):
+
+    * temperature: divide (into the workspace), ``max``, subtract + ``exp`` in place, one read for
+      the per-chunk sums, then the draw (:func:`~pagedkv.sample.ops.blocked_draw`: the chunk by a
+      search over the chunk sums, the token by a cumulative sum of that 256-token chunk only);
+    * min-p: one more in-place pass (a scalar ``threshold_`` when the rows share one ``min_p``);
+    * top-k, ``k <= 256``: the top ``k + 1`` scaled logits (:func:`~pagedkv.sample.ops.topk`),
+      then min-p, top-p and the draw on those candidates alone (sorted, so top-p is a cumulative
+      sum). A row whose k-th value repeats just past the candidates goes the general way below.
+      The candidate set's cost grows with k, hence the limit;
+    * top-p (and top-k > 256): *rejection*. Draw ``t`` from the min-p/top-k-filtered weights, then
+      test whether ``t`` is in the nucleus: the mass of tokens strictly more likely than ``t`` is
+      ``< p`` (and fewer than ``k`` of them are, for top-k by rejection) — one pass over the row
+      (:func:`~pagedkv.sample.ops.mass_and_count_above`), skipped when the answer is known without
+      it. An accepted draw is a draw from the filtered distribution conditioned on the nucleus,
+      i.e. exactly from the renormalized nucleus, whatever the shape of the row. A row is accepted
+      with probability = nucleus mass >= p, so rejected rows are redrawn (only they) for up to
+      ``_ROUNDS`` rounds; rows still rejected get the exact boundary by a radix select on the float
+      bits (:func:`~pagedkv.sample.ops.radix_threshold`: three histogram passes, no sort) and one
+      draw from the masked row. Rows with both top-k > 256 and top-p get the top-k boundary by
+      radix select first (the nucleus is relative to the top-k mass, unknown otherwise).
+    """
 
     def __init__(self, logits: torch.Tensor, metadata: SamplingMetadata, method: str, workspace: Workspace) -> None:
         self.logits = logits
