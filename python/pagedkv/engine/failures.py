@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from pagedkv._core import SchedulerOutput
 from pagedkv.engine.admission import Admission
 from pagedkv.engine.outputs import RequestOutput
 from pagedkv.engine.request_state import RequestState
@@ -90,11 +91,11 @@ class Failures:
             if state.num_failed_steps >= self.max_step_failures:
                 self.fail_later(state, exc)
 
-    def clear(self, req_ids: Iterable[str]) -> None:
-        """A step went through: its requests' failure counts start over."""
+    def clear(self, out: SchedulerOutput) -> None:
+        """Step ``out`` went through: its requests' failure counts start over."""
         if not self._charged:
-            return
-        stepped = self._charged.intersection(req_ids)
+            return  # (no look at the step's request ids: nothing is charged in most steps)
+        stepped = self._charged.intersection(out.req_ids)
         for rid in stepped:
             state = self.requests.get(rid)
             if state is not None:

@@ -96,8 +96,10 @@ class LLMEngine:
         runner.warm_up_compiled()
         # The auto preemption cost model: the tiers' copy bandwidth is measured once here, the
         # forward's throughput on the real steps (StepStats).
-        bandwidth = runner.measure_swap_bandwidth() if runner.num_host_blocks > 0 else None
-        self.stats = StepStats(self.scheduler, runner.bytes_per_block, bandwidth, config.speculative is not None)
+        self.swap_bandwidth = runner.measure_swap_bandwidth() if runner.num_host_blocks > 0 else None
+        self.stats = StepStats(
+            self.scheduler, runner.bytes_per_block, self.swap_bandwidth, config.speculative is not None
+        )
         self._counters = self.stats.counters
         self.forward = StepForward(runner, self.scheduler)
         # The disk tier: entries an earlier engine on the same model left in kv_cache_dir.
@@ -331,7 +333,7 @@ class LLMEngine:
         masks: PendingMasks | None,
     ) -> list[RequestOutput]:
         """The step's outputs (after those of requests failed earlier); then the next drafts."""
-        self.failures.clear(out.req_ids)
+        self.failures.clear(out)
         if prompt is not None:
             self.output_processor.record_prompt_logprobs(*prompt)
         outputs = self.failures.take_outputs() + self.output_processor.process(out, updates, sampled, drafts)
