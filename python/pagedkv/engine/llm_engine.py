@@ -100,7 +100,7 @@ class LLMEngine:
         self.stats = StepStats(
             self.scheduler, runner.bytes_per_block, self.swap_bandwidth, config.speculative is not None
         )
-        self._counters = self.stats.counters
+        self._counters, self.recent_preemptions = self.stats.counters, self.stats.recent_preemptions
         self.forward = StepForward(runner, self.scheduler)
         # The disk tier: entries an earlier engine on the same model left in kv_cache_dir.
         cache = runner.disk_cache
