@@ -242,14 +242,14 @@ def build_model(folder: Path, quick: bool) -> dict[str, int]:
 @contextlib.contextmanager
 def old_sampler_in(engine: Any, old: ModuleType) -> Iterator[None]:
     """The engine samples with the old module for the duration."""
-    from pagedkv.engine import llm_engine
+    from pagedkv.sample import metadata
 
-    saved = engine.sampler, llm_engine.SamplingMetadata
-    engine.sampler, llm_engine.SamplingMetadata = old.Sampler(), old.SamplingMetadata
+    saved = engine.sampler, metadata.SamplingMetadata
+    engine.sampler, metadata.SamplingMetadata = old.Sampler(), old.SamplingMetadata
     try:
         yield
     finally:
-        engine.sampler, llm_engine.SamplingMetadata = saved
+        engine.sampler, metadata.SamplingMetadata = saved
 
 
 def set_params(engine: Any, kwargs: dict[str, Any], max_tokens: int) -> None:

@@ -298,7 +298,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused_before_loading(
     def no_loading(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a model was loaded before the vocabulary check")
 
-    monkeypatch.setattr("pagedkv.engine.llm_engine.ModelRunner", no_loading)
+    monkeypatch.setattr("pagedkv.engine.startup.ModelRunner", no_loading)
     spec = {"method": "draft_model", "model": str(tmp_path / "small-vocab"), "num_speculative_tokens": 3}
     with pytest.raises(ConfigError, match="vocabulary"):
         LLMEngine(**tiny_args(tiny_model, speculative_config=spec))

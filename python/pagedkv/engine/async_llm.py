@@ -249,7 +249,7 @@ class AsyncLLM:
 
     async def get_stats(self) -> dict[str, Any]:
         """The engine's statistics (see ``LLMEngine.get_stats``), read between steps."""
-        return await self._call(self.engine.get_stats)
+        return dict(await self._call(self.engine.get_stats))
 
     async def kv_snapshot(self) -> dict[str, Any]:
         """``LLMEngine.kv_snapshot`` between steps (nothing is computed while nobody asks)."""

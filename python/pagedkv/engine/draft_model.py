@@ -22,12 +22,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from pagedkv._core import Scheduler, SchedulerConfig
+from pagedkv._core import RequestUpdate, Scheduler, SchedulerConfig
 from pagedkv.config import CacheConfig, ModelConfig, SchedulingConfig, SpeculativeConfig
 from pagedkv.errors import ConfigError
 from pagedkv.worker.model_runner import ModelRunner, load_model_config
+
+if TYPE_CHECKING:
+    from pagedkv.engine.request_state import RequestState
 
 __all__ = ["DraftModelProposer", "check_draft_vocabulary"]
 
@@ -100,6 +104,28 @@ class DraftModelProposer:
         )
         self.num_steps = 0
         self.seconds = 0.0
+
+    def propose_after_step(
+        self, target: Scheduler, updates: Sequence[RequestUpdate], requests: Mapping[str, RequestState]
+    ) -> None:
+        """The drafts for every sample still decoding after a target step (its ``updates``),
+        handed to the ``target`` scheduler for the next step that schedules the sample."""
+        samples: dict[tuple[str, int], tuple[list[int], str | None]] = {}
+        for u in updates:
+            state = requests.get(u.request_id)
+            if state is None or state.beam is not None or state.grammar is not None:
+                continue  # gone, or a request that never drafts
+            sample = state.samples[u.index]
+            if sample.finish_reason is None:
+                samples[(u.request_id, u.index)] = (state.prompt_token_ids + sample.token_ids, state.cache_salt)
+        # As many drafts as the cost model would verify now (none at a large batch: then the
+        # draft model does not run at all).
+        k = target.spec_drafts_worth()
+        if not samples or k == 0:
+            return
+        proposed = self.propose([(rid, i, tokens, salt) for (rid, i), (tokens, salt) in samples.items()], k)
+        for (rid, index), draft in proposed.items():
+            target.set_drafts(rid, index, len(samples[(rid, index)][0]), draft)
 
     def propose(
         self, samples: list[tuple[str, int, list[int], str | None]], k: int

@@ -23,19 +23,30 @@ nothing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from pagedkv._core import SchedulerOutput
 from pagedkv.engine.outputs import Logprob
 from pagedkv.engine.request_state import RequestState
 from pagedkv.sample.ops import topk
 from pagedkv.worker.head_rows import Head, HiddenRows
 
-__all__ = ["PromptRows", "PromptLogprobs", "StepWithPromptRows", "compute", "compute_step", "plan", "record"]
+__all__ = [
+    "Found",
+    "PromptLogprobs",
+    "PromptRows",
+    "StepWithPromptRows",
+    "compute",
+    "compute_step",
+    "plan",
+    "record",
+    "run_step",
+]
 
 
 @dataclass
@@ -115,7 +126,7 @@ def plan(step: Any, requests: Mapping[str, RequestState]) -> PromptRows | None:
 
 
 # Rows per pass of the statistics: a block of [32, V] float32 (6 MB at 49k tokens) stays in
-# the cache between its passes (max, exp-sum, rank, top-k); whole [E, V] passes ran ~3x slower.
+# the cache between its passes (max, exp-sum, rank, top-k); whole [E, V] passes would not.
 _BLOCK_ROWS = 32
 
 
@@ -179,6 +190,23 @@ def compute_step(step: StepWithPromptRows, logits: torch.Tensor) -> tuple[torch.
     if reply.hidden is not None and reply.head is not None:
         return logits, compute(step.rows, reply.hidden, reply.head)
     return logits[: step.num_sampled], compute(step.rows, logits[step.num_sampled :])
+
+
+# A step's prompt logprobs: the rows it computed and what they found.
+Found = tuple[PromptRows, PromptLogprobs]
+
+
+def run_step(
+    step: SchedulerOutput, requests: Mapping[str, RequestState], forward: Callable[[Any], torch.Tensor]
+) -> tuple[torch.Tensor, Found | None]:
+    """``forward(step)`` (the runner's execute), with the prompt rows the step's requests want
+    added (:func:`plan`): the sampled rows' logits [S, V], and the prompt rows' logprobs if any."""
+    rows = plan(step, requests)
+    if rows is None:
+        return forward(step), None
+    with_rows = StepWithPromptRows(step, rows)
+    logits, found = compute_step(with_rows, forward(with_rows))
+    return logits, (rows, found)
 
 
 def record(rows: PromptRows, found: PromptLogprobs, requests: Mapping[str, RequestState], tokenizer: Any) -> None:

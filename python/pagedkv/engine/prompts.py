@@ -13,7 +13,7 @@ __all__ = ["PromptType", "chat_prompt", "check_text", "check_token_ids", "is_sin
 
 # A text prompt, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]} (with an
 # optional "prompt" text kept for the output).
-PromptType = str | Sequence[int] | dict
+PromptType = str | Sequence[int] | dict[str, Any]
 
 
 def is_single_prompt(prompts: Any) -> bool:

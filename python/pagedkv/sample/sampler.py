@@ -23,43 +23,6 @@ most-likely prefix reaching ``p`` of a full descending sort, plus its ties. Deci
 on the float32 weights (top-k on the candidate path below: on the scaled logits), so two tokens
 whose weights round to the same float32 tie.
 
-Cost: a few passes over the logits, never a sort
-------------------------------------------------
-On the CPU a pass over ``[256, 49152]`` float32 costs 1-3 ms *if it writes into memory that is
-already mapped*; a fresh 50 MB result costs ~20 ms of page faults, and a sort ~850 ms. So the
-sampler writes only into :class:`~pagedkv.sample.ops.Workspace` buffers kept between steps and
-uses elementwise arithmetic (``relu``, ``sign``, a compare into a float buffer) where a bool
-``masked_fill_`` / ``where`` / bool sum is 5-10x slower. Per random row (CPU, ``inverse_cdf``):
-
-* temperature: divide (into the workspace), ``max``, subtract + ``exp`` in place, one read for
-  the per-chunk sums, then the draw (:func:`~pagedkv.sample.ops.blocked_draw`: the chunk by a
-  search over ~200 chunk sums, the token by a cumulative sum of that 256-token chunk only);
-* min-p: one more in-place pass (a scalar ``threshold_`` when the rows share one ``min_p``);
-* top-k, ``k <= 256``: the top ``k + 1`` scaled logits (:func:`~pagedkv.sample.ops.topk`: one
-  read for per-chunk maxima, then ``torch.topk`` over the few chunks that hold the largest
-  values), then min-p, top-p and the draw on those ``k`` candidates alone (sorted, so top-p is a
-  cumulative sum). A row whose k-th value repeats just past the candidates goes the general way
-  below. The candidate set grows with k (at 256 x 49152: ~5 ms for k = 50, ~30 ms for 257),
-  hence the limit;
-* top-p (and top-k > 256): *rejection*. Draw ``t`` from the min-p/top-k-filtered weights, then
-  test whether ``t`` is in the nucleus: the mass of tokens strictly more likely than ``t`` is
-  ``< p`` (and fewer than ``k`` of them are, for top-k by rejection) — one pass over the row
-  (:func:`~pagedkv.sample.ops.mass_and_count_above`), skipped when the answer is known without
-  it: ``t`` is the most likely token, or holds more than ``1 - p`` of the mass itself (in), or
-  the most likely token alone holds ``p`` (out). An accepted draw is a draw from the filtered distribution conditioned on the
-  nucleus, i.e. exactly from the renormalized nucleus, whatever the shape of the row. A row is
-  accepted with probability = nucleus mass >= p (0.95 at ``top_p=0.95``; flat rows included),
-  so rejected rows are redrawn (only they) for up to ``_ROUNDS`` rounds; rows still rejected
-  (small ``p`` on flat rows) get the exact boundary by a radix select on the float bits
-  (:func:`~pagedkv.sample.ops.radix_threshold`: three histogram passes, no sort) and one draw
-  from the masked row. Rows with both top-k > 256 and top-p get the top-k boundary by radix
-  select first (the nucleus is relative to the top-k mass, unknown otherwise).
-
-Measured (benches/bench_sampler.py; RESULTS.md, "Sampler: cost per setting"), 256 rows x 49152,
-2-core EPYC: the engine's sampling call per decode step is ~4 ms greedy, ~11 ms temperature,
-~9 ms top-k 50, ~12 ms min-p, ~18 ms top-p 0.95 (flat rows from a random model), against ~50,
-~65, ~80 and ~600 ms for the sort-based sampler this replaced.
-
 How a token is drawn, and why a seeded row's draw does not depend on the batch
 -------------------------------------------------------------------------------
 Two exact methods, chosen by device (``Sampler(method=...)`` overrides):
@@ -70,8 +33,8 @@ Two exact methods, chosen by device (``Sampler(method=...)`` overrides):
   minimum of independent exponentials is the one of rate ``e_i`` with probability
   ``e_i / sum(e)``, the winner is distributed exactly as ``e``. Elementwise passes and a few
   histograms: no scan, no sort. ``V`` exponentials per row per step.
-* ``"inverse_cdf"`` (default on the CPU; ``V`` exponentials cost ~1 ms per 50k-token row on a CPU
-  core): as above. Every random row takes ``_ROUNDS + 1`` uniforms per step, used or not: draw
+* ``"inverse_cdf"`` (default on the CPU, where ``V`` exponentials per row are expensive): as
+  above. Every random row takes ``_ROUNDS + 1`` uniforms per step, used or not: draw
   ``r`` uses column ``r``, the radix fallback the last one.
 
 Either way a seeded request's random numbers come from the request's own ``torch.Generator``,
@@ -88,13 +51,13 @@ global generator in one batched call.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.sample.metadata import SamplingMetadata
 from pagedkv.sample.ops import (
     Workspace,
     blocked_draw,
@@ -105,8 +68,6 @@ from pagedkv.sample.ops import (
     topk,
 )
 from pagedkv.sample.penalties import LogitsAdjustments
-from pagedkv.sample.prepared import PreparedSampling
-from pagedkv.sample.sampling_params import SamplingParams
 
 __all__ = [
     "LogprobsTensors",
@@ -137,202 +98,6 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 
 
 @dataclass
-class SamplingMetadata:
-    """The sampling parameters of one step's rows, as batched tensors on the logits' device
-    (and as host lists, which decide which rows take which path without a device sync).
-
-    Filters a step does not use are ``None`` so the sampler skips them. Build it with
-    :meth:`build` (once per step); rows are in ``logits_indices`` order.
-    """
-
-    num_rows: int
-    # [S] float32; 1.0 on greedy rows so that dividing by it is always safe.
-    temperature: torch.Tensor
-    # [S] bool, True on greedy rows; None when all rows are greedy or none is.
-    greedy_mask: torch.Tensor | None
-    all_greedy: bool
-    all_random: bool
-    # [S] float32 min-p per row (0 = off); None when no row uses min-p.
-    min_p: torch.Tensor | None
-    # [S] int64 top-k per row, with "off" stored as V (a no-op); None when no row uses top-k.
-    top_k: torch.Tensor | None
-    # Largest top-k among the rows that use it (known on the host: no device sync per step).
-    max_top_k: int | None
-    # [S] float32 top-p per row (1 = off); None when no row uses top-p.
-    top_p: torch.Tensor | None
-    # [F] int64: the rows that use top-k or top-p; None if all rows do (or none).
-    filtered_rows: torch.Tensor | None
-    # Row -> the request's own generator, for seeded random rows only.
-    generators: dict[int, torch.Generator]
-    # Largest number of top logprobs any row asked for; None when no row wants logprobs.
-    max_num_logprobs: int | None
-    # [N] int64 pairs (row, token id) whose logits are set to -inf (e.g. eos before min_tokens).
-    banned_rows: torch.Tensor | None
-    banned_token_ids: torch.Tensor | None
-    # Penalties, logit_bias and allowed_token_ids (applied before the bans); None when unused.
-    adjustments: LogitsAdjustments | None = None
-    # Host copies: row indices by kind, and the per-row filter values (random rows; greedy rows
-    # hold the "off" values). top_k_list stores "off" as V.
-    greedy_rows: list[int] = field(default_factory=list)
-    random_rows: list[int] = field(default_factory=list)
-    top_k_list: list[int] = field(default_factory=list)
-    top_p_list: list[float] = field(default_factory=list)
-    min_p_list: list[float] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        # Metadata made without build(): derive the host lists from the tensors (one sync).
-        if not self.greedy_rows and not self.random_rows and self.num_rows:
-            if self.all_greedy:
-                self.greedy_rows = list(range(self.num_rows))
-            elif self.greedy_mask is None:
-                self.random_rows = list(range(self.num_rows))
-            else:
-                greedy = self.greedy_mask.tolist()
-                self.greedy_rows = [i for i, g in enumerate(greedy) if g]
-                self.random_rows = [i for i, g in enumerate(greedy) if not g]
-        if self.top_k is not None and not self.top_k_list:
-            self.top_k_list = self.top_k.tolist()
-        if self.top_p is not None and not self.top_p_list:
-            self.top_p_list = self.top_p.tolist()
-        if self.min_p is not None and not self.min_p_list:
-            self.min_p_list = self.min_p.tolist()
-
-    @classmethod
-    def build(
-        cls,
-        params: Sequence[SamplingParams],
-        *,
-        vocab_size: int,
-        device: torch.device | str = "cpu",
-        generators: Sequence[torch.Generator | None] | None = None,
-        banned_token_ids: Mapping[int, Sequence[int] | np.ndarray] | None = None,
-        output_token_ids: Sequence[np.ndarray | None] | None = None,
-        prompt_token_ids: Sequence[np.ndarray | None] | None = None,
-        prepared: Sequence[PreparedSampling | None] | None = None,
-    ) -> SamplingMetadata:
-        """Batch ``params`` (one per logits row).
-
-        ``generators[i]`` is row i's private generator (``None`` for unseeded rows; ignored on
-        greedy rows). ``banned_token_ids`` maps a row to token ids it must not sample (a list
-        or an int64 array). ``output_token_ids[i]`` / ``prompt_token_ids[i]``: row i's
-        generated and prompt token ids as int64 arrays, needed on rows with penalties (see
-        pagedkv.sample.penalties). ``prepared[i]``: row i's request's structures built when it
-        was added (pagedkv.sample.prepared: its allowed-token mask and logit-bias tensors);
-        without them they are built here from ``params``.
-        """
-        num_rows = len(params)
-        if generators is not None and len(generators) != num_rows:
-            raise InvalidArgumentError(f"generators has {len(generators)} entries for {num_rows} rows")
-        temperatures = [p.temperature for p in params]
-        greedy_rows = [i for i, t in enumerate(temperatures) if t == 0.0]
-        all_greedy = len(greedy_rows) == num_rows
-        all_random = not greedy_rows
-
-        def as_tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        temperature = as_tensor([t if t > 0.0 else 1.0 for t in temperatures], torch.float32)
-        greedy_mask = None
-        if not (all_greedy or all_random):
-            greedy_mask = as_tensor([t == 0.0 for t in temperatures], torch.bool)
-
-        min_p = top_k = top_p = filtered_rows = max_top_k = None
-        row_generators: dict[int, torch.Generator] = {}
-        random_rows: list[int] = []
-        top_ks: list[int] = []
-        top_ps: list[float] = []
-        min_ps: list[float] = []
-        if not all_greedy:
-            random_rows = [i for i, t in enumerate(temperatures) if t != 0.0]
-            # Greedy rows carry normalized "off" values (SamplingParams does that), so they
-            # never switch a filter on.
-            min_ps = [p.min_p for p in params]
-            top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-            top_ps = [p.top_p for p in params]
-            if any(m > 0.0 for m in min_ps):
-                min_p = as_tensor(min_ps, torch.float32)
-            k_used = [k for k in top_ks if k < vocab_size]
-            if k_used:
-                top_k = as_tensor(top_ks, torch.int64)
-                max_top_k = max(k_used)
-            p_used = any(p < 1.0 for p in top_ps)
-            if p_used:
-                top_p = as_tensor(top_ps, torch.float32)
-            if k_used or p_used:
-                filtered = [i for i in range(num_rows) if top_ks[i] < vocab_size or top_ps[i] < 1.0]
-                if len(filtered) < num_rows:
-                    filtered_rows = as_tensor(filtered, torch.int64)
-            if generators is not None:
-                row_generators = {
-                    row: generator
-                    for row, generator in enumerate(generators)
-                    if generator is not None and temperatures[row] != 0.0
-                }
-
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        max_num_logprobs = max(wanted) if wanted else None
-
-        no_arrays: list[np.ndarray | None] = [None] * num_rows
-        adjustments = LogitsAdjustments.build(
-            params,
-            vocab_size=vocab_size,
-            output_token_ids=no_arrays if output_token_ids is None else output_token_ids,
-            prompt_token_ids=no_arrays if prompt_token_ids is None else prompt_token_ids,
-            device=device,
-            prepared=prepared,
-        )
-
-        banned_rows = banned_ids = None
-        if banned_token_ids:
-            # Per row one array and a range check over it (C-speed), no Python work per id.
-            row_parts: list[np.ndarray] = []
-            id_parts: list[np.ndarray] = []
-            for row, token_ids in banned_token_ids.items():
-                if not 0 <= row < num_rows:
-                    raise InvalidArgumentError(f"banned_token_ids row {row} is not in [0, {num_rows})")
-                try:
-                    ids = np.asarray(token_ids, dtype=np.int64)
-                except (OverflowError, TypeError, ValueError):
-                    raise InvalidArgumentError(
-                        f"banned token ids (row {row}) must be ints in [0, {vocab_size})"
-                    ) from None
-                if not ids.size:
-                    continue
-                outside = (ids < 0) | (ids >= vocab_size)
-                if outside.any():
-                    bad = int(ids[np.argmax(outside)])
-                    raise InvalidArgumentError(f"banned token id {bad} (row {row}) is not in [0, {vocab_size})")
-                row_parts.append(np.full(ids.size, row, dtype=np.int64))
-                id_parts.append(ids)
-            if id_parts:
-                banned_rows = torch.from_numpy(np.concatenate(row_parts)).to(device)
-                banned_ids = torch.from_numpy(np.concatenate(id_parts)).to(device)
-
-        return cls(
-            num_rows=num_rows,
-            temperature=temperature,
-            greedy_mask=greedy_mask,
-            all_greedy=all_greedy,
-            all_random=all_random,
-            min_p=min_p,
-            top_k=top_k,
-            max_top_k=max_top_k,
-            top_p=top_p,
-            filtered_rows=filtered_rows,
-            generators=row_generators,
-            max_num_logprobs=max_num_logprobs,
-            banned_rows=banned_rows,
-            banned_token_ids=banned_ids,
-            adjustments=adjustments,
-            greedy_rows=greedy_rows,
-            random_rows=random_rows,
-            top_k_list=top_ks,
-            top_p_list=top_ps,
-            min_p_list=min_ps,
-        )
-
-
-@dataclass
 class LogprobsTensors:
     """Per-row log-probabilities: column 0 is the sampled token, columns 1.. the top-k tokens."""
 
@@ -353,7 +118,7 @@ class Sampler:
     own), so it holds up to two ``[S, V]`` float32 buffers plus radix blocks.
 
     ``method``: ``"exponential"``, ``"inverse_cdf"`` or ``None`` (by device: exponential race
-    on CUDA, inverse CDF on the CPU); see the module docstring.
+    on CUDA, inverse CDF on the CPU); see the module docstring and ``_Step``.
     """
 
     METHODS = ("exponential", "inverse_cdf")
@@ -424,7 +189,36 @@ def _greedy(logits: torch.Tensor, metadata: SamplingMetadata, workspace: Workspa
 
 
 class _Step:
-    """One call's random sampling (see the module docstring for the paths)."""
+    """One call's random sampling.
+
+    Cost: a few passes over the logits, never a sort
+    ------------------------------------------------
+    A pass over the logits is cheap only when it writes into memory that is already mapped; a fresh
+    ``[S, V]`` result pays page faults, and a sort costs far more than either. So the sampler writes
+    only into :class:`~pagedkv.sample.ops.Workspace` buffers kept between steps and uses elementwise
+    arithmetic (``relu``, ``sign``, a compare into a float buffer) where a bool ``masked_fill_`` /
+    ``where`` / bool sum is slower. Per random row (CPU, ``inverse_cdf``):
+
+    * temperature: divide (into the workspace), ``max``, subtract + ``exp`` in place, one read for
+      the per-chunk sums, then the draw (:func:`~pagedkv.sample.ops.blocked_draw`: the chunk by a
+      search over the chunk sums, the token by a cumulative sum of that 256-token chunk only);
+    * min-p: one more in-place pass (a scalar ``threshold_`` when the rows share one ``min_p``);
+    * top-k, ``k <= 256``: the top ``k + 1`` scaled logits (:func:`~pagedkv.sample.ops.topk`),
+      then min-p, top-p and the draw on those candidates alone (sorted, so top-p is a cumulative
+      sum). A row whose k-th value repeats just past the candidates goes the general way below.
+      The candidate set's cost grows with k, hence the limit;
+    * top-p (and top-k > 256): *rejection*. Draw ``t`` from the min-p/top-k-filtered weights, then
+      test whether ``t`` is in the nucleus: the mass of tokens strictly more likely than ``t`` is
+      ``< p`` (and fewer than ``k`` of them are, for top-k by rejection) — one pass over the row
+      (:func:`~pagedkv.sample.ops.mass_and_count_above`), skipped when the answer is known without
+      it. An accepted draw is a draw from the filtered distribution conditioned on the nucleus,
+      i.e. exactly from the renormalized nucleus, whatever the shape of the row. A row is accepted
+      with probability = nucleus mass >= p, so rejected rows are redrawn (only they) for up to
+      ``_ROUNDS`` rounds; rows still rejected get the exact boundary by a radix select on the float
+      bits (:func:`~pagedkv.sample.ops.radix_threshold`: three histogram passes, no sort) and one
+      draw from the masked row. Rows with both top-k > 256 and top-p get the top-k boundary by
+      radix select first (the nucleus is relative to the top-k mass, unknown otherwise).
+    """
 
     def __init__(self, logits: torch.Tensor, metadata: SamplingMetadata, method: str, workspace: Workspace) -> None:
         self.logits = logits

@@ -259,12 +259,12 @@ def _check_int(name: str, value: Any, *, minimum: int) -> int:
     if isinstance(value, bool):
         raise ConfigError(f"{name} must be an int, got {value!r}")
     try:
-        value = operator.index(value)
+        number = operator.index(value)
     except TypeError:
         raise ConfigError(f"{name} must be an int, got {value!r}") from None
-    if value < minimum:
-        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    if number < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {number}")
+    return number
 
 
 def _check_float(name: str, value: Any) -> float:
@@ -277,10 +277,10 @@ def _check_float(name: str, value: Any) -> float:
             value = float(value)  # numpy scalars, 0-d tensors
         except (TypeError, ValueError):
             raise ConfigError(f"{name} must be a number, got {value!r}") from None
-    value = float(value)
-    if math.isnan(value) or math.isinf(value):
-        raise ConfigError(f"{name} must be finite, got {value}")
-    return value
+    number = float(value)
+    if math.isnan(number) or math.isinf(number):
+        raise ConfigError(f"{name} must be finite, got {number}")
+    return number
 
 
 def _check_bool(name: str, value: Any) -> bool:

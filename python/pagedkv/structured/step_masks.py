@@ -8,7 +8,7 @@ Timeline of a step with structured rows (``LLMEngine.step``)::
 
 Only the rows that sample this step and whose sample has a matcher get a mask. The matchers are
 read, never advanced, here: they advance only when a step's tokens are committed
-(``LLMEngine._apply_update``), so a step that fails and is rolled back leaves them as they were;
+(``OutputProcessor._apply_update``), so a step that fails and is rolled back leaves them as they were;
 the engine always waits for the fill to end before it returns from a step, so no matcher is
 ever used by two threads at once.
 
@@ -19,7 +19,7 @@ A matcher in llguidance's error state (a grammar that passed its compile but ran
 mid-generation, or a compiled lexer another copy exhausted) gets a mask of eos alone: the
 sample would end with ``""``, which need not match. The fill lets every token through on such a
 row instead (no row is ever all ``-inf``), and the engine fails that request alone when it
-commits the row's token (``LLMEngine._apply_update``: the matcher is in error).
+commits the row's token (``OutputProcessor._apply_update``: the matcher is in error).
 
 The fill calls llguidance's executor directly: ``llguidance.torch`` is not imported (its
 ``torch.compile`` decorator imports dynamo: ~7 s holding the GIL, every stream stalled).
