@@ -65,11 +65,31 @@ def _fields(step: StepArrays) -> tuple[IndexArray, ...]:
     )
 
 
+def _step_of(arrays: list[IndexArray]) -> StepInput:
+    """The step of ``arrays`` in ``_FIELDS`` order."""
+    (input_ids, positions, slot_mapping, logits_indices, cu_seqlens_q, seq_lens, block_tables) = arrays[:7]
+    copy_ops, swap_out, swap_in, disk_store, disk_load = arrays[7:]
+    return StepInput(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        logits_indices=logits_indices,
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        copy_ops=copy_ops,
+        swap_out=swap_out,
+        swap_in=swap_in,
+        disk_store=disk_store,
+        disk_load=disk_load,
+    )
+
+
 def empty_step() -> StepInput:
     """A step with no tokens and no copies (every array empty): what the broadcast costs alone."""
-    arrays = {name: np.zeros((0, 2) if ndim == 2 else 0, dtype=dtype) for name, dtype, ndim in _FIELDS}
-    arrays["cu_seqlens_q"] = np.zeros(1, dtype=np.int32)  # B + 1 offsets for B = 0 rows
-    return StepInput(**arrays)
+    arrays: list[IndexArray] = [np.zeros((0, 2) if ndim == 2 else 0, dtype=dtype) for _, dtype, ndim in _FIELDS]
+    arrays[4] = np.zeros(1, dtype=np.int32)  # cu_seqlens_q: B + 1 offsets for B = 0 rows
+    return _step_of(arrays)
 
 
 def _as_array(value: IndexArray, dtype: type[np.int64] | type[np.int32], ndim: int) -> npt.NDArray[np.int64]:
@@ -118,12 +138,13 @@ def recv_step(group: TPGroup) -> StepInput | None:
     if total > inline:
         rest = group.broadcast(torch.zeros(total - inline, dtype=torch.int64)).numpy()
         payload = np.concatenate([payload, rest])
-    fields: dict[str, npt.NDArray[np.int64] | npt.NDArray[np.int32]] = {}
+    arrays: list[IndexArray] = []
     offset = 0
-    for i, (name, dtype, ndim) in enumerate(_FIELDS):
+    for i, (_, dtype, ndim) in enumerate(_FIELDS):
         rows, cols = int(frame[2 + 2 * i]), int(frame[3 + 2 * i])
         size = rows * cols if ndim == 2 else rows
-        chunk = payload[offset : offset + size].astype(dtype)
-        fields[name] = chunk.reshape(rows, cols) if ndim == 2 else chunk
+        raw = payload[offset : offset + size]
+        chunk: npt.NDArray[np.int64 | np.int32] = raw.astype(np.int32) if dtype is np.int32 else raw.astype(np.int64)
+        arrays.append(chunk.reshape(rows, cols) if ndim == 2 else chunk)
         offset += size
-    return StepInput(**fields)
+    return _step_of(arrays)

@@ -279,6 +279,6 @@ def _load_model(model_path: str, dtype: torch.dtype, device: torch.device, trust
         raise UnsupportedModelError(f"cannot load {model_path!r} as a pagedkv causal LM: {exc}") from exc
     except OSError as exc:
         raise ModelLoadError(f"cannot load the weights of model {model_path!r}: {exc}") from exc
-    model.eval()
+    model.eval()  # type: ignore[no-untyped-call]
     # transformers decorates `to`; mypy mis-reads its signature.
     return model.to(device)  # type: ignore[arg-type]

@@ -581,7 +581,8 @@ class ModelRunner:
                 logits = model(**kwargs, logits_to_keep=logits_indices).logits[0]
         else:
             logits = model(**kwargs).logits[0].index_select(0, logits_indices)
-        return logits.float()
+        out: torch.Tensor = logits.float()
+        return out
 
     @torch.inference_mode()
     def _probe(self) -> tuple[KVGeometry, list[LayerAttention]]:

@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 # An index array as the scheduler hands it over (numpy) or a caller built it (torch).
-IndexArray: TypeAlias = "npt.NDArray[np.int64] | npt.NDArray[np.int32] | torch.Tensor"
+IndexArray: TypeAlias = "npt.NDArray[np.int64 | np.int32] | torch.Tensor"
 # A disk slot's identity, written into its file (``Scheduler.disk_block_info``): block hash,
 # parent hash, token ids, cache salt, KV-cache column.
 DiskBlockInfo: TypeAlias = "tuple[bytes, bytes | None, list[int], str | None, int]"
