@@ -50,7 +50,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -59,6 +58,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import add_write_flag, md_table, write_section  # noqa: E402
+
+from pagedkv.worker.step_input import StepInput  # noqa: E402
 
 SECTION = "KV cache quality: quantized vs full-precision KV (issue 10)"
 QUANT_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
@@ -97,10 +98,10 @@ def held_out_sequences(num: int, seq_len: int, start: int) -> tuple[list[np.ndar
     return out, last
 
 
-def make_step(tokens: np.ndarray, block_size: int) -> SimpleNamespace:
+def make_step(tokens: np.ndarray, block_size: int) -> StepInput:
     """One sequence, all tokens scheduled at once, logits at every position."""
     t = len(tokens)
-    return SimpleNamespace(
+    return StepInput(
         input_ids=tokens,
         positions=np.arange(t, dtype=np.int64),
         cu_seqlens_q=np.array([0, t], dtype=np.int32),
@@ -122,7 +123,7 @@ def decode_logits(runner: object, tokens: np.ndarray, num: int, block_size: int)
     runner.execute(prefix)  # type: ignore[attr-defined]
     rows = []
     for p in range(t - num, t):
-        step = SimpleNamespace(
+        step = StepInput(
             input_ids=tokens[p : p + 1],
             positions=np.array([p], dtype=np.int64),
             cu_seqlens_q=np.array([0, 1], dtype=np.int32),

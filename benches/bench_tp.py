@@ -112,7 +112,8 @@ def run(
         engine.add_request("warm-up", {"prompt_token_ids": requests[0][0]}, SamplingParams(max_tokens=4))
         while engine.has_unfinished_requests():
             engine.step()
-        group = engine.runner.tp_group
+        rank = engine.runner.tp_group  # rank 0's TPRank: its group counts the collectives
+        group = None if rank is None else rank.group  # type: ignore[attr-defined]
         if group is not None:
             for kind in group.seconds:
                 group.seconds[kind], group.calls[kind] = 0.0, 0

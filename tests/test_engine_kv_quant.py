@@ -6,7 +6,6 @@ quantized blocks; the pool size follows the bytes per token; checkpoint scales l
 from __future__ import annotations
 
 import pathlib
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -105,12 +104,13 @@ def _all_logits(kv_cache_dtype: str, tokens: np.ndarray) -> torch.Tensor:  # [T,
     reads the quantized K/V of all earlier tokens, as a decode would)."""
     from pagedkv.config import CacheConfig, ModelConfig
     from pagedkv.worker.model_runner import ModelRunner
+    from pagedkv.worker.step_input import StepInput
 
     runner = ModelRunner(
         ModelConfig(device="cpu", max_model_len=512), CacheConfig(kv_cache_dtype=kv_cache_dtype, num_blocks=40)
     )
     n = len(tokens)
-    step = SimpleNamespace(
+    step = StepInput(
         input_ids=tokens,
         positions=np.arange(n),
         cu_seqlens_q=np.array([0, n], dtype=np.int32),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from pagedkv.engine.args import EngineArgs
 from pagedkv.errors import ConfigError, InvalidArgumentError
 from pagedkv.kernels.kv_quant import byte_view
 from pagedkv.worker.model_runner import ModelRunner
+from pagedkv.worker.step_input import StepInput
 
 BLOCK_SIZE = 16
 
@@ -196,10 +196,10 @@ def test_swap_preemption_without_a_host_tier_is_refused_by_the_runner(tiny_model
 
 
 def test_a_host_pool_larger_than_memory_is_refused_before_allocation(tiny_model: str, monkeypatch) -> None:
-    import pagedkv.worker.model_runner as model_runner
+    import pagedkv.worker.kv_cache_plan as kv_cache_plan
 
     # On a CPU device the host tier sits beside the device pool (16 blocks = 65,536 bytes).
-    monkeypatch.setattr(model_runner, "_available_memory", lambda device: 100_000)
+    monkeypatch.setattr(kv_cache_plan, "_available_memory", lambda device: 100_000)
     with pytest.raises(
         ConfigError,
         match=r"the host KV cache would take 40,960 bytes \(10 host blocks x 4,096 bytes\), more than the "
@@ -210,9 +210,9 @@ def test_a_host_pool_larger_than_memory_is_refused_before_allocation(tiny_model:
 
 
 def test_a_host_budget_past_max_num_blocks_is_clamped(tiny_model: str, monkeypatch) -> None:
-    import pagedkv.worker.model_runner as model_runner
+    import pagedkv.worker.kv_cache_plan as kv_cache_plan
 
-    monkeypatch.setattr(model_runner, "MAX_NUM_BLOCKS", 64)
+    monkeypatch.setattr(kv_cache_plan, "MAX_NUM_BLOCKS", 64)
     with pytest.warns(UserWarning, match=r"makes room for 256 blocks .* host tier is clamped to 64 blocks"):
         runner = _tiny(tiny_model, host_kv_cache_memory=256 * TINY_BYTES_PER_BLOCK)
     assert runner.num_host_blocks == 64 and runner.host_kv_cache is not None
@@ -401,11 +401,11 @@ def test_measure_swap_bandwidth_is_positive_and_leaves_the_kv_alone(smol_int8: M
 # ---------------------------------------------------------------- swaps in a step
 
 
-def _step(tokens: list[int], blocks: list[int], start: int, end: int, **fields) -> SimpleNamespace:
+def _step(tokens: list[int], blocks: list[int], start: int, end: int, **fields) -> StepInput:
     """One sequence's tokens ``start:end`` over ``blocks``, sampling the last one (the fields
     of a ``SchedulerOutput``; no swaps or copies unless given)."""
     empty = np.zeros((0, 2), dtype=np.int32)
-    step = SimpleNamespace(
+    step = StepInput(
         input_ids=np.array(tokens[start:end], dtype=np.int64),
         positions=np.arange(start, end, dtype=np.int64),
         cu_seqlens_q=np.array([0, end - start], dtype=np.int32),

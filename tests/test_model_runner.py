@@ -19,22 +19,13 @@ from pagedkv.kernels.layer_attention import FULL_ATTENTION
 from pagedkv.worker.attention_backend import AttentionCall
 from pagedkv.worker.model_runner import ModelRunner
 from pagedkv.worker.model_support import check_config, check_probe, layer_attentions
+from pagedkv.worker.step_input import StepInput
 
 BLOCK_SIZE = 16
 
 
-@dataclass
-class Step:
-    """A hand-built step with the fields of the Rust ``SchedulerOutput``."""
-
-    input_ids: np.ndarray  # int64[T]
-    positions: np.ndarray  # int64[T]
-    cu_seqlens_q: np.ndarray  # int32[B + 1]
-    seq_lens: np.ndarray  # int32[B]
-    block_tables: np.ndarray  # int32[B, max_blocks]
-    slot_mapping: np.ndarray  # int64[T]
-    logits_indices: np.ndarray  # int64[S]
-    copy_ops: np.ndarray  # int32[K, 2]
+# A hand-built step: the runner's step contract (pagedkv.worker.step_input).
+Step = StepInput
 
 
 @dataclass
@@ -546,9 +537,9 @@ def test_a_pool_beyond_the_core_limits_is_refused_before_loading() -> None:
 
 
 def test_a_pool_larger_than_memory_is_refused_before_allocation(tiny_qwen2, monkeypatch) -> None:
-    import pagedkv.worker.model_runner as model_runner
+    import pagedkv.worker.kv_cache_plan as kv_cache_plan
 
-    monkeypatch.setattr(model_runner, "_available_memory", lambda device: 1 << 30)
+    monkeypatch.setattr(kv_cache_plan, "_available_memory", lambda device: 1 << 30)
     model = ModelConfig(tiny_qwen2, dtype="float32", device="cpu")
     with pytest.raises(
         ConfigError,
@@ -562,9 +553,9 @@ def test_a_pool_larger_than_memory_is_refused_before_allocation(tiny_qwen2, monk
 
 
 def test_a_budget_past_max_num_blocks_is_clamped_with_a_warning(tiny_qwen2, monkeypatch) -> None:
-    import pagedkv.worker.model_runner as model_runner
+    import pagedkv.worker.kv_cache_plan as kv_cache_plan
 
-    monkeypatch.setattr(model_runner, "MAX_NUM_BLOCKS", 64)  # a small stand-in for 2^24
+    monkeypatch.setattr(kv_cache_plan, "MAX_NUM_BLOCKS", 64)  # a small stand-in for 2^24
     with pytest.warns(UserWarning, match=r"kv_cache_memory=1048576 makes room for 256 blocks .* clamped to 64"):
         runner = ModelRunner(
             ModelConfig(tiny_qwen2, dtype="float32", device="cpu"), CacheConfig(block_size=8, kv_cache_memory=1 << 20)

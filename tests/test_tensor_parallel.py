@@ -368,6 +368,7 @@ def test_a_step_packs_into_one_frame_unless_it_is_large(rows: int) -> None:
         block_tables = np.arange(rows * 9, dtype=np.int32).reshape(rows, 9)
         copy_ops = np.array([[1, 2], [3, 4]], dtype=np.int32)
         swap_out = np.zeros((0, 2), dtype=np.int32)
+        swap_in = disk_store = disk_load = np.zeros((0, 2), dtype=np.int32)
 
     sender = _Recorder()
     send_step(sender, Step)  # type: ignore[arg-type]

@@ -313,7 +313,7 @@ class KVConnector:
         if lease is None:
             return "no lease has this token (forged, or the lease was released or expired)"
         if lease.consumer is None:
-            lease.consumer, lease.reader = consumer, reader  # type: ignore[assignment]
+            lease.consumer, lease.reader = consumer, reader
             self.transport.allow_reads(lease.reader, lease.request_id, lease.block_ids)  # type: ignore[arg-type]
         elif (lease.consumer, lease.reader) != (consumer, reader):
             logger.warning("KV lease of %r: claim by %r refused (claimed by %r)", request_id, consumer, lease.consumer)

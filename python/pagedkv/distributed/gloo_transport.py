@@ -107,12 +107,15 @@ class GlooTransport(KVTransport):
         # Rank 0 listens on the configured host only: its own socket, handed to the store.
         listen_fd = listening_socket(host, port, "gloo KV transport").detach() if rank == 0 else None
         # Blocks until all ranks have connected (or raises after `timeout`).
-        self._store: Any = dist.TCPStore(host, port, world_size, rank == 0, td, master_listen_fd=listen_fd)
+        self._store: Any = dist.TCPStore(host, port, world_size, rank == 0, td, master_listen_fd=listen_fd)  # type: ignore[attr-defined]
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = td
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address_towards(host, port))]
         self._pg: Any = dist.ProcessGroupGloo(
-            dist.PrefixStore("pagedkv-kv-pg/", self._store), rank, world_size, options
+            dist.PrefixStore("pagedkv-kv-pg/", self._store),  # type: ignore[attr-defined]
+            rank,
+            world_size,
+            options,
         )
         self._kv: torch.Tensor | None = None
         self._scale: torch.Tensor | None = None

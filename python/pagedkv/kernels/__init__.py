@@ -523,7 +523,7 @@ class AttentionBackend:
             return out
         if out is None:
             out = torch.zeros_like(query)
-        return _triton_module("triton_attention").paged_attention(
+        attended: torch.Tensor = _triton_module("triton_attention").paged_attention(
             query,
             key_cache,
             value_cache,
@@ -537,6 +537,7 @@ class AttentionBackend:
             kv_scales=kv_scales,
             layer=layer,
         )
+        return attended
 
 
 def get_backend(

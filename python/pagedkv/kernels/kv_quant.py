@@ -172,7 +172,8 @@ def _rotation_float64(head_dim: int) -> torch.Tensor:  # [D, D] float64, orthogo
         return hadamard * signs[None, :] / math.sqrt(head_dim)
     # Other sizes (80, 96, ...): a seeded random orthogonal matrix (QR of a Gaussian).
     q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64))
-    return q * torch.sign(torch.diagonal(r))[None, :] * signs[None, :]
+    rotation: torch.Tensor = q * torch.sign(torch.diagonal(r))[None, :] * signs[None, :]
+    return rotation
 
 
 def key_rotation(head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:

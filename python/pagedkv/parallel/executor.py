@@ -30,14 +30,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedkv.errors import ConfigError
-from pagedkv.parallel.group import host_store
+from pagedkv.parallel.group import TPGroup, host_store
 from pagedkv.parallel.preflight import check_model_divides
+from pagedkv.parallel.rank import TPRank
 from pagedkv.parallel.spec import TPSpec
 
 if TYPE_CHECKING:
     from pagedkv.parallel.ray_executor import RayExecutor
 
-__all__ = ["MultiprocExecutor", "TPSpec", "start_workers"]
+__all__ = ["MultiprocExecutor", "TPSpec", "start_workers", "usable_group"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,17 +108,26 @@ class MultiprocExecutor:
             if p.poll() is not None
         ]
 
-    def shutdown(self, group: Any = None) -> None:
-        """Stops every worker: a shutdown broadcast when ``group`` is usable, then a join, then
-        SIGTERM and SIGKILL for any still running. Idempotent."""
-        if group is not None and all(self.alive()):
+    def shutdown(self, group: object = None) -> None:
+        """Stops every worker: a shutdown broadcast when ``group`` (rank 0's :class:`TPRank`, or
+        its :class:`TPGroup`; None: not usable) is usable, then a join, then SIGTERM and
+        SIGKILL for any still running. Idempotent."""
+        tp_group = usable_group(group)
+        if tp_group is not None and all(self.alive()):
             from pagedkv.parallel.step_broadcast import send_shutdown
 
             try:
-                send_shutdown(group)
+                send_shutdown(tp_group)
             except Exception:  # a worker is already gone: the others leave on their own
                 pass
         _stop(self.processes, self.timeout)
+
+
+def usable_group(group: object) -> TPGroup | None:
+    """The group to broadcast the shutdown on: ``group`` itself, or a joined rank's."""
+    if isinstance(group, TPRank):
+        return group.group
+    return group if isinstance(group, TPGroup) else None
 
 
 def _on_cuda(config: Any) -> bool:
@@ -125,11 +135,11 @@ def _on_cuda(config: Any) -> bool:
     return device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
 
 
-def start_workers(config: Any) -> tuple[TPSpec, MultiprocExecutor | RayExecutor]:
+def start_workers(config: Any) -> tuple[TPRank, MultiprocExecutor | RayExecutor]:
     """Starts ranks 1..N-1 with ``distributed_executor_backend`` (``"mp"``: local processes,
     the default; ``"ray"``: Ray actors, joining a running Ray or starting a local one) and
-    returns rank 0's place in the group: its store, already listening on this node at the
-    address the workers reach it by. The model and the machine are checked first (``preflight``): nothing starts
+    returns rank 0's :class:`TPRank` (for ``ModelRunner(..., tp=...)``), whose store is already
+    listening on this node at the address the workers reach it by. The model and the machine are checked first (``preflight``): nothing starts
     for a size that cannot work."""
     parallel = config.parallel
     n = parallel.tensor_parallel_size
@@ -152,4 +162,5 @@ def start_workers(config: Any) -> tuple[TPSpec, MultiprocExecutor | RayExecutor]
     else:
         store, init_method = host_store("127.0.0.1", n, parallel.timeout)
         executor = MultiprocExecutor(config, init_method, parallel.timeout)
-    return TPSpec(0, n, init_method, parallel.timeout, store=store, peer_failures=executor.failures), executor
+    spec = TPSpec(0, n, init_method, parallel.timeout, store=store, peer_failures=executor.failures)
+    return TPRank(spec), executor

@@ -55,7 +55,7 @@ def host_store(host: str, world_size: int, timeout: float) -> tuple[Any, str]:
     with listening_socket(host, 0, "tensor-parallel store") as sock:
         port = int(sock.getsockname()[1])
         # The store takes the socket over (it closes the descriptor when it is destroyed).
-        store = dist.TCPStore(
+        store = dist.TCPStore(  # type: ignore[attr-defined]
             host, port, world_size, True, timeout=td, wait_for_workers=False, master_listen_fd=sock.detach()
         )
     return store, f"tcp://{host}:{port}"
@@ -129,12 +129,12 @@ class TPGroup:
             raise ConfigError(f"a tensor-parallel init_method is tcp://host:port, got {init_method!r}")
         td = datetime.timedelta(seconds=timeout)
         if store is None:
-            store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=td)
+            store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=td)  # type: ignore[attr-defined]
         _wait_for_every_rank(store, rank, world_size, peer_failures)
-        control = _gloo_group(dist.PrefixStore("pagedkv-tp/", store), rank, world_size, url.hostname, td)
+        control = _gloo_group(dist.PrefixStore("pagedkv-tp/", store), rank, world_size, url.hostname, td)  # type: ignore[attr-defined]
         pg: Any = control
         if device.type == "cuda":
-            nccl_store = dist.PrefixStore("pagedkv-tp-nccl/", store)
+            nccl_store = dist.PrefixStore("pagedkv-tp-nccl/", store)  # type: ignore[attr-defined]
             pg = dist.ProcessGroupNCCL(nccl_store, rank, world_size, dist.ProcessGroupNCCL.Options())
         return cls(rank=rank, world_size=world_size, device=device, _pg=pg, _store=store, _control=control)
 

@@ -133,18 +133,21 @@ class RayExecutor:
         done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
         return [ref not in done for ref in self.runs]
 
-    def shutdown(self, group: Any = None) -> None:
-        """A shutdown broadcast when ``group`` is usable, then waits for the actors' ``run``
+    def shutdown(self, group: object = None) -> None:
+        """A shutdown broadcast when ``group`` (as ``MultiprocExecutor.shutdown``) is usable, then waits for the actors' ``run``
         and kills them; removes the placement group, and stops Ray if this executor started
         it. Idempotent."""
         ray = self._ray
         if not ray.is_initialized():
             return
-        if group is not None and all(self.alive()):
+        from pagedkv.parallel.executor import usable_group
+
+        tp_group = usable_group(group)
+        if tp_group is not None and all(self.alive()):
             from pagedkv.parallel.step_broadcast import send_shutdown
 
             try:
-                send_shutdown(group)
+                send_shutdown(tp_group)
                 ray.wait(self.runs, num_returns=len(self.runs), timeout=self.timeout)
             except Exception:
                 pass

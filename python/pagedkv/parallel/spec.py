@@ -1,9 +1,7 @@
 """Where a tensor-parallel rank joins its group: :class:`TPSpec`, the one piece that the engine's
-side (``executor``, ``ray_executor``) and the rank's side (``worker``,
-:class:`~pagedkv.worker.model_runner.ModelRunner`) both use.
+side (``executor``, ``ray_executor``) and the rank's side (``worker``, ``rank``) both use.
 
-It lives in this leaf module (no pagedkv imports) so the executors never import the model
-runner and the model runner never imports an executor: the import graph has no circle.
+It lives in this leaf module (no pagedkv imports): it is pickled to every worker process.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ __all__ = ["TPSpec"]
 
 @dataclass(frozen=True)
 class TPSpec:
-    """Where a rank joins the tensor-parallel group (``ModelRunner(..., tp=TPSpec(...))``)."""
+    """Where a rank joins the tensor-parallel group (``TPRank(spec)``, then ``ModelRunner(..., tp=rank)``)."""
 
     rank: int
     world_size: int

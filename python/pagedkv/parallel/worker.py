@@ -26,6 +26,7 @@ import torch
 
 from pagedkv.orphan import leave_when_orphaned
 from pagedkv.parallel.group import TPGroup
+from pagedkv.parallel.rank import TPRank
 from pagedkv.parallel.spec import TPSpec
 from pagedkv.parallel.step_broadcast import recv_step
 from pagedkv.worker.model_runner import ModelRunner
@@ -42,13 +43,12 @@ def run_worker(spec: TPSpec, engine_config: Any) -> None:
     # The ranks share the machine's cores on the CPU: split them.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
     torch.manual_seed(engine_config.model.seed)
-    runner = ModelRunner(engine_config.model, engine_config.cache, engine_config.scheduling, tp=spec)
-    group = runner.tp_group
-    assert group is not None
+    rank = TPRank(spec)
+    runner = ModelRunner(engine_config.model, engine_config.cache, engine_config.scheduling, tp=rank)
     try:
-        _serve_steps(runner, group)
+        _serve_steps(runner, rank.group)
     finally:
-        group.close()  # now, not in the interpreter's teardown (TPGroup.close)
+        rank.close()
 
 
 def _serve_steps(runner: ModelRunner, group: TPGroup) -> None:

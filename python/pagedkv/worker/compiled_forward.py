@@ -100,8 +100,8 @@ _TOKEN_HINT: int | None = 1
 
 # Defined through torch.library.Library, not torch.library.custom_op: the plain backend kernel
 # costs 3-6 us less per call (cpu_linear.py says why that matters at 241 calls per step).
-_LIBRARY = torch.library.Library("pagedkv", "FRAGMENT")
-_LIBRARY.define("paged_attention_step(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor")
+_LIBRARY = torch.library.Library("pagedkv", "FRAGMENT")  # type: ignore[no-untyped-call]
+_LIBRARY.define("paged_attention_step(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor")  # type: ignore[no-untyped-call]
 
 
 def paged_attention_step(
@@ -125,10 +125,10 @@ def paged_attention_step(
 
 
 # Every device the backends run on (CPU, CUDA): the function dispatches on the context.
-_LIBRARY.impl("paged_attention_step", paged_attention_step, "CompositeExplicitAutograd")
+_LIBRARY.impl("paged_attention_step", paged_attention_step, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
 
 
-@torch.library.register_fake("pagedkv::paged_attention_step")
+@torch.library.register_fake("pagedkv::paged_attention_step")  # type: ignore[untyped-decorator]
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     return query.new_empty(1, query.shape[2], query.shape[1], value.shape[3])
 

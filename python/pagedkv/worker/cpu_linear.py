@@ -106,8 +106,8 @@ def _run(
 # kernel) cost 3-6 us more per call than a plain backend kernel (6.7-10.9 against 3.4-5.2 us
 # over the bare call in two runs, inference mode; benches/RESULTS.md, "Compiled forward: the
 # step's overhead").
-_LIBRARY = torch.library.Library("pagedkv", "FRAGMENT")
-_LIBRARY.define("cpu_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? bias) -> Tensor")
+_LIBRARY = torch.library.Library("pagedkv", "FRAGMENT")  # type: ignore[no-untyped-call]
+_LIBRARY.define("cpu_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? bias) -> Tensor")  # type: ignore[no-untyped-call]
 
 
 def cpu_linear_op(
@@ -122,10 +122,10 @@ def cpu_linear_op(
     return _run(x.contiguous(), weight, scales, bias)
 
 
-_LIBRARY.impl("cpu_linear", cpu_linear_op, "CPU")
+_LIBRARY.impl("cpu_linear", cpu_linear_op, "CPU")  # type: ignore[no-untyped-call]
 
 
-@torch.library.register_fake("pagedkv::cpu_linear")
+@torch.library.register_fake("pagedkv::cpu_linear")  # type: ignore[untyped-decorator]
 def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0], dtype=torch.float32)
 
@@ -159,7 +159,7 @@ def op_linear(
     compiled graph calls (a forward checks ``torch.compiler.is_compiling()`` before it touches
     its :class:`KernelArrays`, which dynamo would otherwise take for graph inputs)."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    out = torch.ops.pagedkv.cpu_linear(rows, weight, scales, bias)
+    out: torch.Tensor = torch.ops.pagedkv.cpu_linear(rows, weight, scales, bias)
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 

@@ -108,7 +108,7 @@ def write_gguf_blocks(gguf_path: str | os.PathLike[str], model: Any, folder: str
     reader = GGUFReader(str(gguf_path))
     field = reader.fields.get("general.architecture")
     architecture = bytes(field.parts[field.data[0]]).decode() if field is not None else ""
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())  # type: ignore[no-untyped-call]
     mapping = get_gguf_hf_weights_map(model, processor)
     state = model.state_dict()
     tensors: dict[str, torch.Tensor] = {}

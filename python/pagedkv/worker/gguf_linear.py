@@ -72,18 +72,18 @@ def _run(
 
 # The op for compiled graphs, a plain backend kernel as ``pagedkv::cpu_linear`` is (see
 # pagedkv.worker.cpu_linear for why not torch.library.custom_op).
-_LIBRARY = torch.library.Library("pagedkv", "FRAGMENT")
-_LIBRARY.define("cpu_linear_gguf(Tensor x, Tensor blocks, str kind, Tensor? bias) -> Tensor")
+_LIBRARY = torch.library.Library("pagedkv", "FRAGMENT")  # type: ignore[no-untyped-call]
+_LIBRARY.define("cpu_linear_gguf(Tensor x, Tensor blocks, str kind, Tensor? bias) -> Tensor")  # type: ignore[no-untyped-call]
 
 
 def _op_kernel(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None) -> torch.Tensor:
     return _run(x.contiguous(), blocks, kind, bias)
 
 
-_LIBRARY.impl("cpu_linear_gguf", _op_kernel, "CPU")
+_LIBRARY.impl("cpu_linear_gguf", _op_kernel, "CPU")  # type: ignore[no-untyped-call]
 
 
-@torch.library.register_fake("pagedkv::cpu_linear_gguf")
+@torch.library.register_fake("pagedkv::cpu_linear_gguf")  # type: ignore[untyped-decorator]
 def _(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
 
@@ -120,7 +120,7 @@ def gguf_linear(
 def op_gguf_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, bias: torch.Tensor | None) -> torch.Tensor:
     """:func:`gguf_linear` as the op ``pagedkv::cpu_linear_gguf``: what a compiled graph calls."""
     rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    out = torch.ops.pagedkv.cpu_linear_gguf(rows, blocks, kind, bias)
+    out: torch.Tensor = torch.ops.pagedkv.cpu_linear_gguf(rows, blocks, kind, bias)
     return out.to(x.dtype).view(*x.shape[:-1], blocks.shape[0])
 
 

@@ -156,7 +156,8 @@ class _ModelHead:
         module = self._model.get_output_embeddings()
         plain_linear = type(module) is nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
         if not (plain_linear and hidden.device.type == "cpu" and module.weight.dtype == torch.float32 == hidden.dtype):
-            return module(hidden).float()  # (on CUDA the caching allocator reuses the memory)
+            logits: torch.Tensor = module(hidden).float()  # (on CUDA the caching allocator reuses the memory)
+            return logits
         rows, vocab = hidden.shape[0], module.weight.shape[0]
         if self._buffer is None or self._buffer.shape[0] < rows or self._buffer.shape[1] != vocab:
             self._buffer = torch.empty(rows, vocab, dtype=torch.float32)

@@ -52,7 +52,9 @@ class HostKVCache:
         self.kv_scale_cache: torch.Tensor | None = host[1] if len(host) > 1 else None
         self._host_tensors = host
         self.nbytes = sum(t.numel() * t.element_size() for t in host)
-        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        self._stream = (
+            torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        )
 
     def swap(self, swap_out: torch.Tensor | None, swap_in: torch.Tensor | None) -> None:
         """Run one step's swaps: ``swap_out`` int64 ``[K, 2]`` (device, host) rows, then
@@ -119,7 +121,7 @@ class HostKVCache:
                     pinned = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
                     pinned.copy_(gathered, non_blocking=True)
                     staged.append((host_t, pinned))
-                copied = torch.cuda.Event()
+                copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 copied.record(side)
                 copied.synchronize()  # the pinned buffers now hold the rows
                 for host_t, pinned in staged:
@@ -131,6 +133,6 @@ class HostKVCache:
                     pinned = torch.empty(shape, dtype=host_t.dtype, pin_memory=True)
                     torch.index_select(host_t, 2, swap_in[:, 0], out=pinned)
                     device_t.index_copy_(2, rows, pinned.to(self.device, non_blocking=True))
-        done = torch.cuda.Event()
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(side)
         compute.wait_event(done)

@@ -45,7 +45,8 @@ _ONE_ROW_THREADS = 1
 
 
 def onednn_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    available = bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+    return available and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 # The switched linears; ``enabled = False`` runs them through ``F.linear`` again.
@@ -59,12 +60,15 @@ class _OneDNNLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
         if not self._switch.enabled or x.dtype != torch.float32 or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
+        out: torch.Tensor
         if x.numel() != x.shape[-1]:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [None], "")
+            out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [None], "")
+            return out
         threads = torch.get_num_threads()  # one row: see _ONE_ROW_THREADS
         torch.set_num_threads(_ONE_ROW_THREADS)
         try:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [None], "")
+            out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [None], "")
+            return out
         finally:
             torch.set_num_threads(threads)
 
