@@ -151,8 +151,8 @@ def test_kv_cache_groups_show_each_columns_blocks(tmp_path: Any) -> None:
     while engine.has_unfinished_requests():
         engine.step()
         s = encode_state(engine.kv_snapshot(), show_prompts=False)
-        assert s["column_spans"] == ["full", "sliding window 12"]
-        columns = decode(s["block_columns"], np.int16)
+        assert s["kv_group_spans"] == ["full", "sliding window 12"]
+        columns = decode(s["block_kv_groups"], np.int16)
         blocks = decode(s["block_states"], np.uint8)
         used = np.isin(blocks, (USED, SHARED))
         assert columns.size == blocks.size == 64
@@ -164,5 +164,5 @@ def test_kv_cache_groups_show_each_columns_blocks(tmp_path: Any) -> None:
         if s["stats"]["num_running"] == 3 and held[0] >= 3 * 8:
             seen += held[1] <= 3 * 3
     assert seen, "the page saw the sliding column give its blocks back"
-    final = decode(encode_state(engine.kv_snapshot(), show_prompts=False)["block_columns"], np.int16)
+    final = decode(encode_state(engine.kv_snapshot(), show_prompts=False)["block_kv_groups"], np.int16)
     assert set(final.tolist()) <= {-1, 0, 1} and (final >= 0).any(), "the prompts stay cached, per column"

@@ -326,7 +326,7 @@ def test_kv_cache_groups_travel_every_column(windowed: tuple[str, LLMEngine, LLM
     # Block ids that are not whole columns: a typed refusal before anything is held.
     params = prefill(producer, rid("p"), {"prompt_token_ids": long})
     torn = {**params, "remote_block_ids": params["remote_block_ids"][:-1]}
-    with pytest.raises(InvalidArgumentError, match="column"):
+    with pytest.raises(InvalidArgumentError, match="KV cache group"):
         consumer.add_request(rid("bad"), {"prompt_token_ids": long}, greedy, kv_transfer_params=torn)
     producer.kv_connector.drop_lease(params["remote_request_id"])  # type: ignore[union-attr]
     # A producer whose KV is laid out otherwise (here: every layer whole, as with

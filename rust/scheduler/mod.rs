@@ -132,7 +132,7 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
         let mut kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching, config.hash_mode)?
-            .with_columns(config.attention_spans.clone())?
+            .with_kv_groups(config.attention_spans.clone())?
             .with_host_tier(config.num_host_blocks)?
             .with_disk_tier(config.num_disk_blocks)?;
         kv.set_record_events(config.enable_kv_events);
@@ -437,13 +437,13 @@ impl Scheduler {
         }
         let rows = out.num_rows();
         let width = out.block_table_width;
-        out.block_tables.resize(out.num_columns * rows * width, 0);
+        out.block_tables.resize(out.num_kv_groups * rows * width, 0);
         let StepOutput { row_seqs, table_rows, block_tables, .. } = out;
         table_rows.write(&self.kv, row_seqs, width, block_tables)
     }
 
     /// Writes the block tables of `out`, the step just scheduled, into `dst`
-    /// (`out.num_columns * out.num_rows() * out.block_table_width` entries), which holds what `rows`
+    /// (`out.num_kv_groups * out.num_rows() * out.block_table_width` entries), which holds what `rows`
     /// says (see [`BlockTableRows`]).
     #[cfg_attr(not(feature = "python"), allow(dead_code))]
     pub(crate) fn write_block_tables(&self, out: &StepOutput, dst: &mut [i32], rows: &mut BlockTableRows) -> Result<()> {
@@ -572,7 +572,7 @@ impl Scheduler {
     /// manager's step (clock, copy targets).
     fn open_step(&mut self, out: &mut StepOutput) -> Result<u64> {
         out.clear(self.next_step);
-        out.num_columns = self.kv.num_columns();
+        out.num_kv_groups = self.kv.num_kv_groups();
         if let Some(plan) = &self.in_flight {
             return Err(CoreError::StaleOutput(format!(
                 "step {} was scheduled but update() was not called for it",
@@ -651,7 +651,7 @@ impl Scheduler {
             }
             let extra = req.extra.clone();
             let retention = req.retention;
-            // A request whose KV another engine reads keeps every column's blocks.
+            // A request whose KV another engine reads keeps every KV cache group's blocks.
             let keep_all = req.hold_kv;
             let m = if !self.config.enable_prefix_caching {
                 PrefixMatch::default()
@@ -779,7 +779,7 @@ impl Scheduler {
         plan.sampled.reserve(n);
         out.input_ids.reserve(total);
         out.positions.reserve(total);
-        out.slot_mapping.reserve(total * out.num_columns);
+        out.slot_mapping.reserve(total * out.num_kv_groups);
         for (b, seq_id, seq, branch, req) in rows.iter().copied() {
             let (start, end) = (seq.write_start(), seq.num_computed());
             out.row_seqs.push(seq_id);
@@ -818,11 +818,11 @@ impl Scheduler {
                 }
             }
         }
-        // Column-major slots: column 0's for the whole batch came with the rows above, then
-        // every other column's (same positions, that column's blocks).
-        for c in 1..out.num_columns {
+        // Group-major slots: KV cache group 0's for the whole batch came with the rows above, then
+        // every other KV cache group's (same positions, that KV cache group's blocks).
+        for c in 1..out.num_kv_groups {
             for &(_, _, seq, _, _) in &rows {
-                seq.columns()[c].table().extend_slots(seq.write_start(), seq.num_computed(), bs, &mut out.slot_mapping);
+                seq.kv_groups()[c].table().extend_slots(seq.write_start(), seq.num_computed(), bs, &mut out.slot_mapping);
             }
         }
         Ok(())
@@ -1180,8 +1180,8 @@ impl Scheduler {
         for &b in &self.running {
             if let Some(seq) = self.branches.get(b).and_then(|x| x.seq).and_then(|s| self.kv.seq(s).ok()) {
                 let n = seq.num_computed();
-                for col in seq.columns() {
-                    for (j, blk) in col.table().blocks().iter().enumerate().skip(col.num_released()) {
+                for group in seq.kv_groups() {
+                    for (j, blk) in group.table().blocks().iter().enumerate().skip(group.num_released()) {
                         if !std::mem::replace(&mut seen[blk.index()], true) {
                             tokens_held += (n - j * bs).min(bs);
                         }
@@ -1276,18 +1276,18 @@ impl Scheduler {
         (refs, cached, owner)
     }
 
-    /// The device pool block by block: the KV-cache column each block serves (the column of
+    /// The device pool block by block: the KV cache group each block serves (the KV cache group of
     /// the table holding it, or the one it is cached for), -1 for a free uncached block (see
-    /// [`KvCacheManager::block_columns`]). With one column, 0 or -1.
-    pub fn block_columns(&self) -> Vec<i16> {
-        self.kv.block_columns()
+    /// [`KvCacheManager::block_kv_groups`]). With one KV cache group, 0 or -1.
+    pub fn block_kv_groups(&self) -> Vec<i16> {
+        self.kv.block_kv_groups()
     }
 
     /// What disk slot `slot` holds, for its file: `(hash, parent hash, token ids, cache salt,
-    /// KV-cache column)` (`None`: no disk tier, a bad slot, or nothing cached there).
+    /// KV cache group)` (`None`: no disk tier, a bad slot, or nothing cached there).
     pub fn disk_block_info(&self, slot: u32) -> Option<DiskEntry> {
         let (id, tokens) = self.kv.disk_block(BlockId(slot))?;
-        Some((id.hash, id.parent_hash, tokens.to_vec(), id.extra.salt().map(str::to_string), id.extra.column()))
+        Some((id.hash, id.parent_hash, tokens.to_vec(), id.extra.salt().map(str::to_string), id.extra.group()))
     }
 
     /// Restores disk entries written by an earlier process (see
@@ -1301,12 +1301,12 @@ impl Scheduler {
         loop {
             let before = pending.len();
             pending.retain(|&i| {
-                let (hash, parent, tokens, salt, column) = &entries[i];
-                // A column this pool does not have cannot be served (its hash would check out).
-                if *column as usize >= self.kv.num_columns() {
+                let (hash, parent, tokens, salt, group) = &entries[i];
+                // A KV cache group this pool does not have cannot be served (its hash would check out).
+                if *group as usize >= self.kv.num_kv_groups() {
                     return false;
                 }
-                let extra = ExtraKey::new(salt.as_deref()).for_column(*column);
+                let extra = ExtraKey::new(salt.as_deref()).for_group(*group);
                 match self.kv.restore_disk_block(*hash, *parent, tokens, &extra) {
                     Restore::Done(slot) => {
                         slots[i] = Some(slot.0);

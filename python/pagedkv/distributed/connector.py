@@ -44,14 +44,14 @@ unblocked next, hits them) or cancels the reservation; the engine then unblocks 
 pull is :meth:`abandon`-ed and its reservation ends when the read does (the read may still
 write the blocks), unreported.
 
-**KV cache groups.** A model whose KV is kept in columns (worker/kv_layout.py: one block
-table per column) moves every column: a lease's block ids are every column's table,
-column-major (column 0's ``n`` ids, then column 1's ``n``, ...), the producer's sliding and
-chunked columns holding the whole prompt (the scheduler gives nothing back behind a window for
-a ``hold_kv`` request). Both engines have the same columns — the fingerprint checked at the
-handshake names the layout — so the consumer splits the ids into its column count, reserves
-the same blocks in every column (``reserve_kv``: fresh ones column-major too) and reads, for
-each column ``c``, remote blocks ``c * n + hits ..`` into that column's fresh blocks.
+**KV cache groups.** A model whose KV is kept in KV cache groups (worker/kv_layout.py: one
+block table per group) moves every group: a lease's block ids are every group's table,
+group-major (group 0's ``n`` ids, then group 1's ``n``, ...), the producer's sliding and
+chunked groups holding the whole prompt (the scheduler gives nothing back behind a window for
+a ``hold_kv`` request). Both engines have the same groups — the fingerprint checked at the
+handshake names the layout — so the consumer splits the ids into its group count, reserves
+the same blocks in every group (``reserve_kv``: fresh ones group-major too) and reads, for
+each group ``g``, remote blocks ``g * n + hits ..`` into that group's fresh blocks.
 
 Threading: ``start_load``, ``abandon``, ``take_finished_loads``, ``lease_params``, ``poll`` run
 on the engine's thread under its lock. The transport is used only by the connector's thread
@@ -127,7 +127,7 @@ class _Lease:
 @dataclass
 class _Load:
     """One pull: the producer's ``remote_block_ids`` into ``local_block_ids``, pairwise (every
-    column's blocks after the hits, column-major)."""
+    KV cache group's blocks after the hits, group-major)."""
 
     request_id: str
     remote: RemotePrefill
@@ -187,8 +187,8 @@ class KVConnector:
         self.engine_id = config.engine_id or f"pagedkv-{uuid.uuid4().hex[:12]}"
         self.scheduler = scheduler
         self.block_size = runner.block_size
-        # KV cache groups: one block table per column, carried column-major (module docs).
-        self.num_columns = runner.kv_layout.num_columns
+        # KV cache groups: one block table per group, carried group-major (module docs).
+        self.num_kv_groups = runner.kv_layout.num_columns
         self.kv_dtype = str(runner.kv_cache.dtype).removeprefix("torch.")
         self.fingerprint = _fingerprint_for_peers(runner)
         self._lock = lock
@@ -384,11 +384,11 @@ class KVConnector:
                 f"producer {remote.remote_engine_id!r} has {remote.remote_block_size}-token blocks of "
                 f"{remote.remote_kv_dtype}, this engine {self.block_size}-token blocks of {self.kv_dtype}"
             )
-        columns = self.num_columns
-        per_column, rest = divmod(len(remote.remote_block_ids), columns)
-        if rest or per_column < -(-remote.remote_num_tokens // self.block_size):
+        groups = self.num_kv_groups
+        per_group, rest = divmod(len(remote.remote_block_ids), groups)
+        if rest or per_group < -(-remote.remote_num_tokens // self.block_size):
             raise InvalidArgumentError(
-                f"kv_transfer_params: {len(remote.remote_block_ids)} block ids are not {columns} column(s) "
+                f"kv_transfer_params: {len(remote.remote_block_ids)} block ids are not {groups} KV cache group(s) "
                 f"holding {remote.remote_num_tokens} tokens of {self.block_size}-token blocks"
             )
         if self._thread is None or not self._thread.is_alive():
@@ -404,8 +404,8 @@ class KVConnector:
         is in the scheduler, blocked on ``"remote_kv"``. Returns False when there is nothing to
         wait for (nothing to pull, or no room now: the caller unblocks the request at once and
         it computes what it lacks); else the request waits for :meth:`take_finished_loads`."""
-        columns = self.num_columns
-        per_column = len(remote.remote_block_ids) // columns
+        groups = self.num_kv_groups
+        per_group = len(remote.remote_block_ids) // groups
         full_blocks = min(remote.remote_num_tokens, len(prompt_token_ids)) // self.block_size
         reserved = self.scheduler.reserve_kv(request_id, prompt_token_ids, full_blocks, cache_salt)
         if reserved is None or not reserved[1]:
@@ -417,12 +417,10 @@ class KVConnector:
             self._jobs.put(_Load(request_id, remote, [], [], [], release_only=True))
             return False
         num_hits, fresh = reserved
-        # Column c's blocks after the hits, on both sides: the remote ones from c * per_column.
-        fresh_per_column = len(fresh) // columns
+        # Group g's blocks after the hits, on both sides: the remote ones from g * per_group.
+        fresh_per_group = len(fresh) // groups
         remote_ids = [
-            remote.remote_block_ids[c * per_column + num_hits + k]
-            for c in range(columns)
-            for k in range(fresh_per_column)
+            remote.remote_block_ids[g * per_group + num_hits + k] for g in range(groups) for k in range(fresh_per_group)
         ]
         load = _Load(
             request_id=request_id,

@@ -1152,7 +1152,7 @@ class LLMEngine:
         start-up log names it)."""
         with self._lock:
             refs, cached, owner = self.scheduler.memory_map()
-            columns = self.scheduler.block_columns()
+            columns = self.scheduler.block_kv_groups()
             _, host_refs, host_cached = self.scheduler.tier_map()
             disk_refs, disk_cached = self.scheduler.disk_map()
             summaries = self.scheduler.request_summaries()

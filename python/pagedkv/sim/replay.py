@@ -114,8 +114,8 @@ class PagedConfig:
     bytes_per_block: int = 0
     swap_bytes_per_second: float = DEFAULT_SWAP_BYTES_PER_SECOND
     recompute_tokens_per_second: float | None = None  # None: max_num_batched_tokens / step_duration_s
-    # KV cache groups: one (kind, size) per KV-cache column (pagedkv.sim.kv_groups.column_spans);
-    # None: one full column. With groups, a "block" of this config is a page of some layers.
+    # KV cache groups: one (kind, size) per KV cache group (pagedkv.sim.kv_groups.kv_group_spans);
+    # None: one full-attention group. With groups, a "block" of this config is a page of some layers.
     attention_spans: tuple[tuple[str, int | None], ...] | None = None
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-//! A sequence's columns over one pool: giving slots (fresh blocks, copy-on-write of a shared
+//! A sequence's groups over one pool: giving slots (fresh blocks, copy-on-write of a shared
 //! partial block, give-back behind a sliding or chunked window), offering full blocks to the
 //! prefix cache, and releasing blocks with their retention. Free functions over the pieces of
 //! the manager they touch, so that the manager can lend them disjoint fields.
@@ -11,10 +11,10 @@ use crate::eviction_queue::{Retention, DEFAULT_RETENTION_PRIORITY};
 use crate::ids::BlockId;
 use smallvec::SmallVec;
 
-use super::sequence::{Column, RetentionPolicy, Sequence};
+use super::sequence::{GroupTable, RetentionPolicy, Sequence};
 use super::tier_ledger::{BlockPair, Tier};
 
-/// What giving slots to `n` more tokens of `seq` takes from the pool, over its columns:
+/// What giving slots to `n` more tokens of `seq` takes from the pool, over its groups:
 /// the blocks it needs (fresh ones and copy-on-write copies) and the blocks it gives back
 /// to the free pool first (held by it alone, and behind every query from its next
 /// position on).
@@ -23,17 +23,17 @@ pub(super) fn allocation_need(pool: &BlockPool, spans: &[AttentionSpan], seq: &S
         return (0, 0);
     }
     let bs = pool.block_size();
-    let fresh = blocks_for(seq.num_computed + n, bs) - seq.cols[0].table.len();
-    if let ([col], [AttentionSpan::Full]) = (&seq.cols[..], spans) {
-        // One full column (no groups): nothing is ever given back.
-        return (fresh + usize::from(cow_index(pool, col, seq.num_computed).is_some()), 0);
+    let fresh = blocks_for(seq.num_computed + n, bs) - seq.groups[0].table.len();
+    if let ([group], [AttentionSpan::Full]) = (&seq.groups[..], spans) {
+        // One full group (no groups): nothing is ever given back.
+        return (fresh + usize::from(cow_index(pool, group, seq.num_computed).is_some()), 0);
     }
-    let (mut need, mut freed) = (fresh * seq.cols.len(), 0);
-    for (col, &span) in seq.cols.iter().zip(spans) {
-        need += usize::from(cow_index(pool, col, seq.num_computed).is_some());
+    let (mut need, mut freed) = (fresh * seq.groups.len(), 0);
+    for (group, &span) in seq.groups.iter().zip(spans) {
+        need += usize::from(cow_index(pool, group, seq.num_computed).is_some());
         if !span.is_full() && !seq.keep_all {
-            let dead = span.dead_blocks(seq.num_computed, bs).min(col.table.len());
-            let behind = &col.table.blocks()[col.num_released.min(dead)..dead];
+            let dead = span.dead_blocks(seq.num_computed, bs).min(group.table.len());
+            let behind = &group.table.blocks()[group.num_released.min(dead)..dead];
             freed += behind.iter().filter(|&&b| pool.ref_count_unchecked(b) == 1).count();
         }
     }
@@ -54,21 +54,21 @@ pub(super) fn allocate_slots(
     if n == 0 {
         return true;
     }
-    if let ([col], [AttentionSpan::Full]) = (&mut seq.cols[..], spans) {
-        // One full column (a model without groups): the decode path as it was before
-        // columns, with nothing to give back.
+    if let ([group], [AttentionSpan::Full]) = (&mut seq.groups[..], spans) {
+        // One full group (a model without groups): the decode path as it was before
+        // groups, with nothing to give back.
         let target = seq.num_computed + n;
-        let fresh = blocks_for(target, pool.block_size()) - col.table.len();
-        let cow = cow_index(pool, col, seq.num_computed);
+        let fresh = blocks_for(target, pool.block_size()) - group.table.len();
+        let cow = cow_index(pool, group, seq.num_computed);
         if fresh + usize::from(cow.is_some()) > pool.num_free() {
             return false;
         }
-        copy_on_write(pool, copy_ops, col, cow);
-        pool.allocate_into(fresh, col.table.blocks_mut());
+        copy_on_write(pool, copy_ops, group, cow);
+        pool.allocate_into(fresh, group.table.blocks_mut());
         seq.write_start = seq.num_computed;
         seq.num_computed = target;
         let upto = target.min(seq.prompt_len);
-        register_full_blocks(pool, hasher, &seq.tokens, target, seq.tier, col, upto);
+        register_full_blocks(pool, hasher, &seq.tokens, target, seq.tier, group, upto);
         return true;
     }
     let (need, freed) = allocation_need(pool, spans, seq, n);
@@ -77,34 +77,34 @@ pub(super) fn allocate_slots(
     }
     let bs = pool.block_size();
     let target = seq.num_computed + n;
-    let fresh = blocks_for(target, bs) - seq.cols[0].table.len();
-    let Sequence { tokens, cols, num_computed, tier, prompt_len, retention, keep_all, .. } = seq;
-    // Every column gives back first, so that any column's allocation can use those blocks.
+    let fresh = blocks_for(target, bs) - seq.groups[0].table.len();
+    let Sequence { tokens, groups, num_computed, tier, prompt_len, retention, keep_all, .. } = seq;
+    // Every group gives back first, so that any group's allocation can use those blocks.
     // What it gives back is registered first, so that it stays a prefix-cache candidate
-    // until evicted: the trunk (column 0) as far as any column gives back, then each
-    // giving column (a leaf block links to the trunk's block before it).
-    let dead: SmallVec<[usize; 8]> = cols
+    // until evicted: the trunk (group 0) as far as any group gives back, then each
+    // giving group (a leaf block links to the trunk's block before it).
+    let dead: SmallVec<[usize; 8]> = groups
         .iter()
         .zip(spans)
-        .map(|(col, &span)| if span.is_full() || *keep_all { 0 } else { span.dead_blocks(*num_computed, bs).min(col.table.len()) })
+        .map(|(group, &span)| if span.is_full() || *keep_all { 0 } else { span.dead_blocks(*num_computed, bs).min(group.table.len()) })
         .collect();
-    let furthest = cols.iter().zip(&dead).filter(|(col, &d)| d > col.num_released).map(|(_, &d)| d).max();
+    let furthest = groups.iter().zip(&dead).filter(|(group, &d)| d > group.num_released).map(|(_, &d)| d).max();
     if let Some(furthest) = furthest {
-        let (trunk, leaves) = cols.split_first_mut().expect("a manager has at least one column");
+        let (trunk, leaves) = groups.split_first_mut().expect("a manager has at least one group");
         register_full_blocks(pool, hasher, tokens, *num_computed, *tier, trunk, furthest * bs);
-        for (col, &d) in leaves.iter_mut().zip(&dead[1..]) {
-            if d > col.num_released {
-                register_leaf_blocks(pool, hasher, tokens, *num_computed, *tier, trunk, col, d * bs);
+        for (group, &d) in leaves.iter_mut().zip(&dead[1..]) {
+            if d > group.num_released {
+                register_leaf_blocks(pool, hasher, tokens, *num_computed, *tier, trunk, group, d * bs);
             }
         }
-        for (col, &d) in cols.iter_mut().zip(&dead) {
-            release_behind(pool, *prompt_len, retention, col, d);
+        for (group, &d) in groups.iter_mut().zip(&dead) {
+            release_behind(pool, *prompt_len, retention, group, d);
         }
     }
-    for col in cols.iter_mut() {
-        let cow = cow_index(pool, col, *num_computed);
-        copy_on_write(pool, copy_ops, col, cow);
-        let allocated = pool.allocate_into(fresh, col.table.blocks_mut());
+    for group in groups.iter_mut() {
+        let cow = cow_index(pool, group, *num_computed);
+        copy_on_write(pool, copy_ops, group, cow);
+        let allocated = pool.allocate_into(fresh, group.table.blocks_mut());
         debug_assert!(allocated, "checked above: enough free blocks");
     }
     seq.write_start = seq.num_computed;
@@ -114,58 +114,58 @@ pub(super) fn allocate_slots(
     true
 }
 
-/// The logical index of the shared partial block the column's next write would go into
+/// The logical index of the shared partial block the group's next write would go into
 /// (copy-on-write needed), if any.
 #[inline]
-fn cow_index(pool: &BlockPool, col: &Column, num_computed: usize) -> Option<usize> {
+fn cow_index(pool: &BlockPool, group: &GroupTable, num_computed: usize) -> Option<usize> {
     let bs = pool.block_size();
     if num_computed.is_multiple_of(bs) {
         return None; // the next write starts a fresh block
     }
     let i = num_computed / bs;
-    (pool.ref_count_unchecked(col.table.blocks()[i]) > 1).then_some(i)
+    (pool.ref_count_unchecked(group.table.blocks()[i]) > 1).then_some(i)
 }
 
-/// Gives `col` a private copy of its shared partial block `cow` (if any), recording the
+/// Gives `group` a private copy of its shared partial block `cow` (if any), recording the
 /// copy for the runner. The caller checked that a block is free for it.
 #[inline]
-fn copy_on_write(pool: &mut BlockPool, copy_ops: &mut Vec<BlockPair>, col: &mut Column, cow: Option<usize>) {
+fn copy_on_write(pool: &mut BlockPool, copy_ops: &mut Vec<BlockPair>, group: &mut GroupTable, cow: Option<usize>) {
     if let Some(i) = cow {
         if let Some(private) = pool.allocate_one() {
-            let shared = col.table.replace(i, private);
+            let shared = group.table.replace(i, private);
             pool.release_ref_unchecked(shared);
             copy_ops.push((shared, private));
         }
     }
 }
 
-/// Gives back the blocks of `col` before logical index `dead` that it still holds (the
+/// Gives back the blocks of `group` before logical index `dead` that it still holds (the
 /// caller checked that no query from now on reads them, and registered them), released
 /// with the retention they would get when the sequence ends; their entries become
 /// [`BlockId::NULL`].
-fn release_behind(pool: &mut BlockPool, prompt_len: usize, retention: &RetentionPolicy, col: &mut Column, dead: usize) {
-    if dead <= col.num_released {
+fn release_behind(pool: &mut BlockPool, prompt_len: usize, retention: &RetentionPolicy, group: &mut GroupTable, dead: usize) {
+    if dead <= group.num_released {
         return;
     }
-    let first = col.num_released;
-    let behind: Vec<BlockId> = (first..dead).map(|k| col.table.replace(k, BlockId::NULL)).collect();
+    let first = group.num_released;
+    let behind: Vec<BlockId> = (first..dead).map(|k| group.table.replace(k, BlockId::NULL)).collect();
     release_blocks(pool, retention, prompt_len, &behind, first);
-    col.num_released = dead;
+    group.num_released = dead;
 }
 
 /// The block size and the number of full blocks within the first `upto` computed tokens,
 /// when some of them were not offered to the prefix cache yet (device sequences with
 /// caching on only).
-fn blocks_to_offer(pool: &BlockPool, num_computed: usize, tier: Tier, col: &Column, upto: usize) -> Option<(usize, usize)> {
+fn blocks_to_offer(pool: &BlockPool, num_computed: usize, tier: Tier, group: &GroupTable, upto: usize) -> Option<(usize, usize)> {
     if !pool.prefix_caching() || tier != Tier::Device {
         return None;
     }
     let bs = pool.block_size();
     let full = upto.min(num_computed) / bs;
-    (full > col.num_registered).then_some((bs, full))
+    (full > group.num_registered).then_some((bs, full))
 }
 
-/// Offers the trunk's (column 0's) full blocks within the sequence's first `upto` computed
+/// Offers the trunk's (group 0's) full blocks within the sequence's first `upto` computed
 /// tokens, not offered yet, to the prefix cache as a chain (device sequences only).
 fn register_full_blocks(
     pool: &mut BlockPool,
@@ -173,21 +173,21 @@ fn register_full_blocks(
     tokens: &[u32],
     num_computed: usize,
     tier: Tier,
-    col: &mut Column,
+    group: &mut GroupTable,
     upto: usize,
 ) {
-    let Some((bs, full)) = blocks_to_offer(pool, num_computed, tier, col, upto) else { return };
-    hasher.extend_chain(&mut col.hashes, tokens, bs, &col.extra, full);
+    let Some((bs, full)) = blocks_to_offer(pool, num_computed, tier, group, upto) else { return };
+    hasher.extend_chain(&mut group.hashes, tokens, bs, &group.extra, full);
     // Given-back blocks were registered before they were given back (`release_behind`).
-    debug_assert!(col.num_registered >= col.num_released);
-    let (_, link) = pool.register_chain(col.table.blocks(), &col.hashes, tokens, &col.extra, col.num_registered, full, col.link);
-    col.link = link;
-    col.num_registered = full;
+    debug_assert!(group.num_registered >= group.num_released);
+    let (_, link) = pool.register_chain(group.table.blocks(), &group.hashes, tokens, &group.extra, group.num_registered, full, group.link);
+    group.link = link;
+    group.num_registered = full;
 }
 
-/// Offers the full blocks of a column other than 0 (a leaf column) within the sequence's
+/// Offers the full blocks of a group other than 0 (a leaf group) within the sequence's
 /// first `upto` computed tokens, not offered yet, to the prefix cache: block `k` under the
-/// trunk's node of block `k - 1` (the manager's module docs, "Prefix caching with columns";
+/// trunk's node of block `k - 1` (the manager's module docs, "Prefix caching with groups";
 /// register the trunk that far first). A block whose trunk parent is not registered (the
 /// trunk's chain broke, or a sliding trunk gave that block back) stays out of the cache: it
 /// could never be verified.
@@ -198,16 +198,16 @@ fn register_leaf_blocks(
     tokens: &[u32],
     num_computed: usize,
     tier: Tier,
-    trunk: &mut Column,
-    col: &mut Column,
+    trunk: &mut GroupTable,
+    group: &mut GroupTable,
     upto: usize,
 ) {
-    let Some((bs, full)) = blocks_to_offer(pool, num_computed, tier, col, upto) else { return };
+    let Some((bs, full)) = blocks_to_offer(pool, num_computed, tier, group, upto) else { return };
     hasher.extend_chain(&mut trunk.hashes, tokens, bs, &trunk.extra, full);
-    hasher.extend_leaves(&mut col.hashes, &trunk.hashes, tokens, bs, &col.extra, full);
-    debug_assert!(col.num_registered >= col.num_released);
-    for k in col.num_registered..full {
-        let block = col.table.blocks()[k];
+    hasher.extend_leaves(&mut group.hashes, &trunk.hashes, tokens, bs, &group.extra, full);
+    debug_assert!(group.num_registered >= group.num_released);
+    for k in group.num_registered..full {
+        let block = group.table.blocks()[k];
         if block.is_null() || pool.node_of(block).is_some() {
             continue; // given back (cannot be: registered first), or a hit or a copy
         }
@@ -218,19 +218,19 @@ fn register_leaf_blocks(
                 None => continue,
             },
         };
-        pool.register(block, col.hashes[k], parent, &tokens[k * bs..(k + 1) * bs], &col.extra);
+        pool.register(block, group.hashes[k], parent, &tokens[k * bs..(k + 1) * bs], &group.extra);
     }
-    col.num_registered = full;
+    group.num_registered = full;
 }
 
-/// Offers every column's full blocks within the first `upto` computed tokens to the
-/// prefix cache: the trunk first, then the leaf columns that link to it.
+/// Offers every group's full blocks within the first `upto` computed tokens to the
+/// prefix cache: the trunk first, then the leaf groups that link to it.
 pub(super) fn register_all(pool: &mut BlockPool, hasher: &mut BlockHasher, seq: &mut Sequence, upto: usize) {
-    let Sequence { tokens, cols, num_computed, tier, .. } = seq;
-    let (trunk, leaves) = cols.split_first_mut().expect("a manager has at least one column");
+    let Sequence { tokens, groups, num_computed, tier, .. } = seq;
+    let (trunk, leaves) = groups.split_first_mut().expect("a manager has at least one group");
     register_full_blocks(pool, hasher, tokens, *num_computed, *tier, trunk, upto);
-    for col in leaves {
-        register_leaf_blocks(pool, hasher, tokens, *num_computed, *tier, trunk, col, upto);
+    for group in leaves {
+        register_leaf_blocks(pool, hasher, tokens, *num_computed, *tier, trunk, group, upto);
     }
 }
 
@@ -254,12 +254,12 @@ fn release_blocks(pool: &mut BlockPool, retention: &RetentionPolicy, prompt_len:
     }
 }
 
-/// Releases every column's blocks of `seq` into `pool` (emptying its tables).
-pub(super) fn release_columns(pool: &mut BlockPool, seq: &mut Sequence) {
-    let Sequence { cols, retention, prompt_len, .. } = seq;
-    for col in cols.iter_mut() {
-        let blocks = col.table.take();
+/// Releases every group's blocks of `seq` into `pool` (emptying its tables).
+pub(super) fn release_groups(pool: &mut BlockPool, seq: &mut Sequence) {
+    let Sequence { groups, retention, prompt_len, .. } = seq;
+    for group in groups.iter_mut() {
+        let blocks = group.table.take();
         release_blocks(pool, retention, *prompt_len, &blocks, 0);
-        col.num_released = 0;
+        group.num_released = 0;
     }
 }
