@@ -593,7 +593,7 @@ impl KvCacheManager {
     pub fn free_take_tokens(&mut self, id: SeqId) -> Result<Vec<u32>> {
         let mut seq = self.seqs.remove(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         // Blocks filled by decoding become findable now (see `Sequence::prompt_len`); drafts
-        // never do (they are dropped: a re-queued branch keeps its verified tokens only).
+        // never do (they are dropped: a re-queued sample keeps its verified tokens only).
         let upto = seq.num_computed.min(seq.num_verified());
         let verified = seq.num_verified();
         seq.tokens.truncate(verified);

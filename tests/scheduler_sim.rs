@@ -3,7 +3,7 @@
 //! The fake model keeps one value per KV slot: the digest of the token at that position
 //! chained with the value of the previous position, read *through the row's block table*
 //! (as attention reads earlier keys). A sampled token is a function of the last position's
-//! value and the sample index. The reference computes the same chain over each branch's own
+//! value and the sample index. The reference computes the same chain over each sample's own
 //! token list, as a contiguous cache would. Any error in block tables, slot mappings, prefix
 //! hits, copy-on-write or preemption changes a digest and therefore the tokens.
 //!
@@ -66,7 +66,7 @@ struct Expect {
     aborted: bool,
 }
 
-/// The tokens a branch must produce: the reference chain over its own tokens, in every
+/// The tokens a sample must produce: the reference chain over its own tokens, in every
 /// column, as a contiguous cache computes it.
 fn reference_outputs(e: &Expect, index: usize, max_model_len: usize, spans: &[AttentionSpan]) -> (Vec<u32>, FinishReason) {
     let mut values = Vec::new();

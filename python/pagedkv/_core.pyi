@@ -253,7 +253,7 @@ class SchedulerOutput:
 
 @final
 class RequestUpdate:
-    """The effect of one sampled token on one branch (sample) of a request."""
+    """The effect of one sampled token on one sample of a request."""
 
     @property
     def request_id(self) -> str: ...
@@ -511,7 +511,7 @@ class Scheduler:
     def disk_map(self) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_]]: ...
     def request_summaries(self) -> list[tuple[str, int, str, int, int, int, int, int]]:
         """Per live request: (id, arrival, state, prompt_tokens, output_tokens, num_blocks,
-        cached_tokens, num_branches), in arrival order."""
+        cached_tokens, num_samples), in arrival order."""
     def kv_lease(self, request_id: str) -> tuple[list[int], int] | None:
         """``(block_ids, num_tokens)`` held for ended ``hold_kv`` request ``request_id``; with KV
         cache groups every group's blocks, group-major (group 0's ``n``, then group 1's ...)."""

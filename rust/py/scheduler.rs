@@ -362,7 +362,7 @@ impl PySchedulerOutput {
     }
 }
 
-/// The effect of one sampled token on one request branch.
+/// The effect of one sampled token on one request sample.
 #[pyclass(module = "pagedkv._core", name = "RequestUpdate", frozen)]
 pub struct PyRequestUpdate {
     #[pyo3(get)]
@@ -395,13 +395,13 @@ impl PyRequestUpdate {
         vec![self.token]
     }
 
-    /// "stop", "length" or "abort" when the branch ended with this token, else None.
+    /// "stop", "length" or "abort" when the sample ended with this token, else None.
     #[getter]
     fn finish_reason(&self) -> Option<&'static str> {
         self.finish.map(FinishReason::as_str)
     }
 
-    /// True when the branch ended with this token.
+    /// True when the sample ended with this token.
     #[getter]
     fn finished(&self) -> bool {
         self.finish.is_some()
@@ -499,7 +499,7 @@ impl PyRequestUpdates {
         self.rows.iter().map(|u| u.token).collect()
     }
 
-    /// "stop", "length" or "abort" where the branch ended with the update's token, else None.
+    /// "stop", "length" or "abort" where the sample ended with the update's token, else None.
     #[getter]
     fn finish_reasons(&self) -> Vec<Option<&'static str>> {
         self.rows.iter().map(|u| u.finish_reason.map(FinishReason::as_str)).collect()
@@ -811,7 +811,7 @@ impl PyScheduler {
     }
 
     /// Undoes the step in flight (`output`) after its forward pass or sampling failed: its
-    /// branches go back to the front of the waiting queue with only what was computed before
+    /// samples go back to the front of the waiting queue with only what was computed before
     /// the step, and the blocks the step registered leave the prefix cache. Returns the ids of
     /// the requests that had rows in the step. Raises StaleOutputError, changing nothing, if
     /// `output` is not the step in flight.
@@ -861,13 +861,13 @@ impl PyScheduler {
         self.inner.has_unfinished_requests()
     }
 
-    /// Branches waiting for admission.
+    /// Samples waiting for admission.
     #[getter]
     fn num_waiting(&self) -> usize {
         self.inner.num_waiting()
     }
 
-    /// Branches running.
+    /// Samples running.
     #[getter]
     fn num_running(&self) -> usize {
         self.inner.num_running()
@@ -896,7 +896,7 @@ impl PyScheduler {
         Ok(self.inner.set_drafts(id.to_str()?, index_arg(index, "index")?, count_arg(num_tokens, "num_tokens")?, &drafts)?)
     }
 
-    /// How many drafts the cost model would verify for a branch in a step with the branches
+    /// How many drafts the cost model would verify for a sample in a step with the samples
     /// running now (method "draft_model": the draft model drafts no more; 0 when off).
     fn spec_drafts_worth(&self) -> usize {
         self.inner.spec_drafts_worth()
@@ -1122,9 +1122,9 @@ impl PyScheduler {
     }
 
     /// One summary per live request, in arrival order: `(request_id, arrival, state,
-    /// prompt_tokens, output_tokens, num_blocks, cached_tokens, num_branches)` with `state`
+    /// prompt_tokens, output_tokens, num_blocks, cached_tokens, num_samples)` with `state`
     /// "running", "swapped" or "waiting", `arrival` what `memory_map`'s owners name, and
-    /// `num_blocks` the distinct device blocks its branches hold. No token ids.
+    /// `num_blocks` the distinct device blocks its samples hold. No token ids.
     #[allow(clippy::type_complexity)]
     fn request_summaries(&self) -> Vec<(String, u64, &'static str, usize, usize, usize, usize, usize)> {
         self.inner
@@ -1139,7 +1139,7 @@ impl PyScheduler {
                     r.output_tokens,
                     r.num_blocks,
                     r.cached_tokens,
-                    r.num_branches,
+                    r.num_samples,
                 )
             })
             .collect()

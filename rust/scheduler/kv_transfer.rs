@@ -3,8 +3,8 @@
 //! Two kinds of held sequences, neither of them a scheduled request:
 //!
 //! - A **lease** (prefill side). A request added with `hold_kv` keeps its KV when it ends:
-//!   its first finished branch's sequence is forked into a lease that holds every block the
-//!   branch held (a reference each, so nothing can reuse them), until
+//!   its first finished sample's sequence is forked into a lease that holds every block the
+//!   sample held (a reference each, so nothing can reuse them), until
 //!   [`Scheduler::release_kv_lease`]. A remote engine reads the blocks in between. The blocks
 //!   were registered in the prefix cache as they filled, so once released they stay findable
 //!   like any freed block. An aborted request takes no lease.
@@ -52,13 +52,13 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Forks the sequence of `req`'s branch `seq` into a lease named after the request, once
-    /// per request (called when a branch of a `hold_kv` request finishes, before it is freed).
+    /// Forks the sequence of `req`'s sample `seq` into a lease named after the request, once
+    /// per request (called when a sample of a `hold_kv` request finishes, before it is freed).
     pub(super) fn take_kv_lease(&mut self, id: &std::sync::Arc<str>, seq: crate::ids::SeqId) {
         if self.kv_leases.contains_key(id) {
             return;
         }
-        // The branch's sequence is live by construction, and keeps every block of every KV cache group
+        // The sample's sequence is live by construction, and keeps every block of every KV cache group
         // (`hold_kv`); a lease must hold all of them (a given-back entry could not travel).
         let whole = self.kv.seq(seq).is_ok_and(|s| s.kv_groups().iter().all(|c| c.num_released() == 0));
         if !whole {

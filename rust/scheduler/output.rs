@@ -3,11 +3,11 @@
 use std::sync::Arc;
 
 use super::finish::FinishReason;
-use super::request::{BranchKey, RequestKey};
+use super::request::{SampleKey, RequestKey};
 use crate::ids::SeqId;
 use crate::kv_cache_manager::KvCacheManager;
 
-/// One scheduled step (docs/architecture.md, "Step output"). Rows are branches in batch
+/// One scheduled step (docs/architecture.md, "Step output"). Rows are samples in batch
 /// order: running ones first (decodes and continuing prefills), then newly admitted ones.
 ///
 /// [`super::Scheduler::schedule_into`] refills an existing output in place, reusing its
@@ -16,7 +16,7 @@ use crate::kv_cache_manager::KvCacheManager;
 pub struct StepOutput {
     /// Step number; `update` must be given this step's output.
     pub step_id: u64,
-    /// Request of each row (a request with n > 1 appears once per branch); ids through
+    /// Request of each row (a request with n > 1 appears once per sample); ids through
     /// `Scheduler::request_id` (every row's request is live when the step is built).
     pub row_requests: Vec<RequestKey>,
     /// Tokens computed per row: int32[B].
@@ -208,14 +208,14 @@ impl BlockTableRows {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct StepPlan {
     pub step_id: u64,
-    /// Branch and sample index of each sampled row.
-    pub sampled: Vec<(BranchKey, u32)>,
+    /// The sample (its key and its index) of each sampled row.
+    pub sampled: Vec<(SampleKey, u32)>,
     /// The step's beam rows (`StepOutput::beam_rows`).
     pub beam_rows: Vec<i64>,
-    /// Every branch with rows in the step, in row order (what `rollback_step` undoes).
-    pub scheduled: Vec<BranchKey>,
-    /// Branches swapped out while building the step (their copies run with it).
-    pub swapped_out: Vec<BranchKey>,
+    /// Every sample with rows in the step, in row order (what `rollback_step` undoes).
+    pub scheduled: Vec<SampleKey>,
+    /// Samples swapped out while building the step (their copies run with it).
+    pub swapped_out: Vec<SampleKey>,
     /// The request ends the step reported (given back to the next step on rollback).
     pub reported: Vec<(Arc<str>, FinishReason)>,
 }
@@ -233,7 +233,7 @@ pub struct RequestUpdate {
     pub index: u32,
     /// The token appended.
     pub token: u32,
-    /// Set when this branch ended with this token.
+    /// Set when this sample ended with this token.
     pub finish_reason: Option<FinishReason>,
     /// Prompt tokens served from the prefix cache at the request's first admission.
     pub num_cached_tokens: usize,
@@ -242,7 +242,7 @@ pub struct RequestUpdate {
     /// Beam search: the beam's cumulative log-probability (the best hypothesis' at the end).
     pub cumulative_logprob: Option<f64>,
     /// The logits row the token was sampled from (`None` for a beam update). With drafts a
-    /// branch gets several updates in one step, one per emitted token, from consecutive rows.
+    /// sample gets several updates in one step, one per emitted token, from consecutive rows.
     pub row: Option<u32>,
 }
 

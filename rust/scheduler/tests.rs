@@ -45,7 +45,7 @@ fn reused_outputs_match_fresh_ones(seed: u64, ring: usize, block_size: usize) {
         // The other arrays: a fresh build of the same rows gives the same values.
         let mut fresh = StepOutput::default();
         fresh.cu_seqlens_q.push(0);
-        let scheduled: Vec<(BranchKey, SeqId)> = s
+        let scheduled: Vec<(SampleKey, SeqId)> = s
             .in_flight
             .as_ref()
             .unwrap()

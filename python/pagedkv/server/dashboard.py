@@ -55,14 +55,14 @@ def encode_state(snapshot: dict[str, Any], *, show_prompts: bool) -> dict[str, A
             "output_tokens": output_tokens,
             "blocks": num_blocks,
             "cached_tokens": cached_tokens,
-            "branches": branches,
+            "samples": samples,
             # A structured request's constraint kind ("json", "regex", "grammar", ...), or "".
             "constraint": constraints.get(rid, ""),
             # Speculative decoding: [drafted, accepted] tokens so far ([0, 0] without drafts).
             "drafts": list(drafts.get(rid, (0, 0))),
             **({"prompt": (prompts.get(rid) or "")[:_PROMPT_CHARS]} if show_prompts else {}),
         }
-        for rid, arrival, state, prompt_tokens, output_tokens, num_blocks, cached_tokens, branches in snapshot[
+        for rid, arrival, state, prompt_tokens, output_tokens, num_blocks, cached_tokens, samples in snapshot[
             "requests"
         ]
     ]
