@@ -1,5 +1,5 @@
 """KV cache groups end to end: Gemma 3 270M on the CPU with 4k-token contexts, groups vs every
-layer whole (issue 25).
+layer whole.
 
 The same requests through two engines in one process, on the same KV memory: with KV cache
 groups (the default: 1 full + 5 sliding-window columns, pages of 3 layers) and with

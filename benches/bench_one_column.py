@@ -1,4 +1,4 @@
-"""A model without KV cache groups costs what it cost before groups existed (issue 25): the
+"""A model without KV cache groups costs what it cost before groups existed: the
 engine's output tokens/s on SmolLM2-135M (every layer full attention: one column), this
 checkout against another build of pagedkv, side by side.
 

@@ -1,5 +1,5 @@
 """KV cache groups through the real Rust scheduler: peak KV of Gemma 3 270M at 4k contexts,
-groups vs every layer whole (issue 25).
+groups vs every layer whole.
 
 The analytic table (``study_kv_groups.py``) counts what a layout must hold; this replays a batch
 through the production scheduler, block pool and prefix cache (``pagedkv.sim.replay``, no
