@@ -28,7 +28,7 @@ pub fn index_key(hash: BlockHash) -> u64 {
 }
 
 /// The extra key of a sequence's blocks: an optional cache salt and the KV cache group the
-/// blocks belong to (kv_cache_manager.rs, "KV cache groups": each group's blocks hold other
+/// blocks belong to (kv_cache_manager/kv_groups.rs: each group's blocks hold other
 /// layers, so the same tokens in two groups are two contents), with its hash precomputed.
 /// Equality compares the salt itself and the group, never only the hash.
 #[derive(Clone, Debug, Default)]
@@ -150,8 +150,8 @@ impl BlockHasher {
     /// Extends `hashes` with the *leaf* hashes of the first full blocks of `tokens` (at most
     /// `max_blocks`) under `extra`: block `k`'s hash chains from `trunk[k - 1]` (the trunk
     /// chain's hash of the block before it; none for a first block), not from `hashes[k - 1]`.
-    /// KV cache groups hash every group but group 0 this way (kv_cache_manager.rs, "Prefix
-    /// caching with groups"), so a block's hash needs no hash of its own group before it.
+    /// KV cache groups hash every group but group 0 this way (kv_cache_manager/kv_groups.rs,
+    /// "Prefix caching with groups"), so a block's hash needs no hash of its own group before it.
     /// `trunk` must hold at least the first `min(full, max_blocks) - 1` hashes.
     pub fn extend_leaves(
         &mut self,

@@ -32,17 +32,8 @@
 //!   out), and no block is written again once full.
 //!
 //! KV cache groups ([`KvCacheManager::with_kv_groups`]): a sequence has one block table per
-//! *group*, each with an [`AttentionSpan`], all over the same tokens and the same pool. A
-//! sliding or chunked group gives back, when a step gives the sequence slots, the blocks no
-//! query from `write_start` on can see (registered first; their entries become
-//! [`BlockId::NULL`]); allocation and admission count those blocks net.
-//!
-//! Prefix caching with groups. Group 0 is the *trunk*: its blocks chain as a one-group
-//! sequence's do (a node per block, naming its parent's node). Every other group's block `k`
-//! is a *leaf* of the trunk: its hash chains from the trunk's hash of block `k - 1`
-//! ([`BlockHasher::extend_leaves`]) and its parent is the trunk's node of block `k - 1`, so it
-//! is verified without any block of its own group before it. A prefix hit is the longest one
-//! whose live blocks every group finds (module `prefix`).
+//! *group*, each with an [`AttentionSpan`], all over the same tokens and the same pool (module
+//! `kv_groups` says how slots are given and taken back, and how groups share the prefix cache).
 //!
 //! KV events ([`KvCacheManager::set_record_events`], off by default): every pool logs its
 //! cache's changes ([`crate::kv_events`]; device `"GPU"`, host `"CPU"`, disk `"DISK"`) — the
@@ -80,7 +71,7 @@ pub struct KvCacheManager {
     /// The host and disk tiers and the step's copies between tiers.
     ledger: TierLedger,
     hasher: BlockHasher,
-    /// What each group's layers attend to (module docs, "KV cache groups"); one `Full`
+    /// What each group's layers attend to (module `kv_groups`); one `Full`
     /// group unless [`KvCacheManager::with_kv_groups`] says otherwise.
     spans: Vec<AttentionSpan>,
     seqs: Slab<Sequence>,
@@ -113,7 +104,7 @@ impl KvCacheManager {
     }
 
     /// Sets the groups: one block table per sequence for each, over the one pool, whose layers
-    /// attend as `spans` says (module docs, "KV cache groups"). Group 0 comes first; a full
+    /// attend as `spans` says (module `kv_groups`). Group 0 comes first; a full
     /// group, if any, should be group 0 (its hash chain is the one KV events report). Only
     /// before the first sequence.
     pub fn with_kv_groups(mut self, spans: Vec<AttentionSpan>) -> Result<Self> {
@@ -412,7 +403,7 @@ impl KvCacheManager {
     /// Gives slots to the next `n` pending tokens of `id` (positions `num_computed ..
     /// num_computed + n`), copying a shared partial block on write, and registers blocks that
     /// become full in the prefix cache. In a sliding or chunked group it first gives back the
-    /// blocks no query from `num_computed` on can see (module docs, "KV cache groups").
+    /// blocks no query from `num_computed` on can see (module `kv_groups`).
     /// All-or-nothing: `Ok(false)` and no change when the pool has too few free blocks. The
     /// sequence must be on the device.
     pub fn allocate_slots(&mut self, id: SeqId, n: usize) -> Result<bool> {

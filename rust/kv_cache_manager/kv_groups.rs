@@ -1,7 +1,20 @@
-//! A sequence's groups over one pool: giving slots (fresh blocks, copy-on-write of a shared
-//! partial block, give-back behind a sliding or chunked window), offering full blocks to the
-//! prefix cache, and releasing blocks with their retention. Free functions over the pieces of
+//! A sequence's KV cache groups over one pool: giving slots (fresh blocks, copy-on-write of a
+//! shared partial block, give-back behind a sliding or chunked window), offering full blocks to
+//! the prefix cache, and releasing blocks with their retention. Free functions over the pieces of
 //! the manager they touch, so that the manager can lend them disjoint fields.
+//!
+//! KV cache groups ([`super::KvCacheManager::with_kv_groups`]): a sequence has one block table per
+//! *group*, each with an [`AttentionSpan`], all over the same tokens and the same pool. A
+//! sliding or chunked group gives back, when a step gives the sequence slots, the blocks no
+//! query from `write_start` on can see (registered first; their entries become
+//! [`BlockId::NULL`]); allocation and admission count those blocks net.
+//!
+//! Prefix caching with groups. Group 0 is the *trunk*: its blocks chain as a one-group
+//! sequence's do (a node per block, naming its parent's node). Every other group's block `k`
+//! is a *leaf* of the trunk: its hash chains from the trunk's hash of block `k - 1`
+//! ([`BlockHasher::extend_leaves`]) and its parent is the trunk's node of block `k - 1`, so it
+//! is verified without any block of its own group before it. A prefix hit is the longest one
+//! whose live blocks every group finds (module `prefix`).
 
 use crate::attention_span::AttentionSpan;
 use crate::block_hash::BlockHasher;
@@ -187,7 +200,7 @@ fn register_full_blocks(
 
 /// Offers the full blocks of a group other than 0 (a leaf group) within the sequence's
 /// first `upto` computed tokens, not offered yet, to the prefix cache: block `k` under the
-/// trunk's node of block `k - 1` (the manager's module docs, "Prefix caching with groups";
+/// trunk's node of block `k - 1` (module docs, "Prefix caching with groups";
 /// register the trunk that far first). A block whose trunk parent is not registered (the
 /// trunk's chain broke, or a sliding trunk gave that block back) stays out of the cache: it
 /// could never be verified.

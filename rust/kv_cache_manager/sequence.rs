@@ -80,9 +80,9 @@ impl AddSequence {
     }
 }
 
-/// One block table of a sequence, with the prefix-cache chain of its blocks (the manager's
-/// module docs, "KV cache groups"): every sequence has one per group of the manager, all
-/// over the same tokens and the same pool.
+/// One block table of a sequence, with the prefix-cache chain of its blocks (module
+/// `kv_groups`): every sequence has one per KV cache group of the manager, all over the same
+/// tokens and the same pool.
 #[derive(Debug, Clone)]
 pub struct GroupTable {
     pub(super) table: BlockTable,
@@ -145,7 +145,7 @@ pub struct Sequence {
     pub(super) extra: ExtraKey,
     pub(super) retention: RetentionPolicy,
     /// Holds every block in every group: a sliding or chunked group gives nothing back
-    /// (module docs, "KV cache groups"). Set for a sequence whose KV another engine reads
+    /// (module `kv_groups`). Set for a sequence whose KV another engine reads
     /// (a `hold_kv` request and its lease) and for a KV-transfer reservation.
     pub(super) keep_all: bool,
     /// Trailing tokens that are drafts (speculative decoding), not verified: they get slots
