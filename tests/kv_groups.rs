@@ -51,7 +51,7 @@ fn held(m: &KvCacheManager, s: SeqId, group: usize) -> Vec<BlockId> {
 }
 
 #[test]
-fn sliding_column_gives_back_blocks_behind_the_window() {
+fn sliding_group_gives_back_blocks_behind_the_window() {
     let mut m = gemma_like(64);
     let (s, _) = prefill(&mut m, (0..6).collect());
     // One prefill step: nothing is behind any query yet.
@@ -105,7 +105,7 @@ fn a_sliding_sequence_runs_in_a_bounded_pool() {
 }
 
 #[test]
-fn chunked_column_gives_back_whole_chunks() {
+fn chunked_group_gives_back_whole_chunks() {
     let mut m = manager(32, vec![AttentionSpan::ChunkedLocal(8)]);
     let (s, _) = prefill(&mut m, (0..7).collect());
     decode(&mut m, s, 1); // the query at 7 still sees the chunk 0..8
@@ -116,7 +116,7 @@ fn chunked_column_gives_back_whole_chunks() {
 }
 
 #[test]
-fn given_back_blocks_stay_findable_and_a_sliding_column_serves_from_its_window() {
+fn given_back_blocks_stay_findable_and_a_sliding_group_serves_from_its_window() {
     let mut m = gemma_like(64);
     let prompt: Vec<u32> = (0..30).collect();
     let (a, _) = prefill(&mut m, prompt.clone());
@@ -175,7 +175,7 @@ fn given_back_blocks_stay_findable_and_a_sliding_column_serves_from_its_window()
 }
 
 #[test]
-fn fork_swap_and_a_failed_step_keep_every_column() {
+fn fork_swap_and_a_failed_step_keep_every_group() {
     let mut m = KvCacheManager::new(48, BS, true, HashMode::Xxh3)
         .unwrap()
         .with_kv_groups(vec![
@@ -245,7 +245,7 @@ fn admission_cost_counts_only_the_live_hits() {
 }
 
 #[test]
-fn one_full_column_hashes_as_before_columns() {
+fn one_full_group_hashes_as_before_groups() {
     // Group 0's key is the sequence's own: KV events and routers see the same hashes.
     let key = ExtraKey::new(Some("salt"));
     assert_eq!(key.for_group(0), key);
@@ -260,7 +260,7 @@ fn one_full_column_hashes_as_before_columns() {
 }
 
 #[test]
-fn a_sequence_keeping_all_gives_nothing_back_and_reservations_fill_every_column() {
+fn a_sequence_keeping_all_gives_nothing_back_and_reservations_fill_every_group() {
     // KV transfer (rust/scheduler/kv_transfer.rs): a hold_kv request's sequence keeps every
     // group whole, through admission on hits behind the window, decoding, fork and swap.
     let mut m = KvCacheManager::new(64, BS, true, HashMode::Xxh3)

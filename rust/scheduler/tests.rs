@@ -450,7 +450,7 @@ fn used_blocks(s: &Scheduler) -> usize {
 }
 
 #[test]
-fn kv_lease_with_groups_holds_every_column_whole() {
+fn kv_lease_with_groups_holds_every_group_whole() {
     let mut s = grouped_scheduler(64);
     let prompt: Vec<u32> = (0..30).collect();
     // Without hold_kv the sliding KV cache group gives back behind its window.
@@ -519,7 +519,7 @@ fn hold_kv_with_groups_must_fit_the_pool_whole() {
 }
 
 #[test]
-fn kv_reservation_with_groups_reserves_every_column() {
+fn kv_reservation_with_groups_reserves_every_group() {
     let mut s = grouped_scheduler(64);
     let prompt: Vec<u32> = (0..30).collect();
     // This pool caches the first two blocks of both KV cache groups.
