@@ -1,5 +1,5 @@
 """The attack suite's benchmark mode: an honest client's latency under each attack of
-tests/adversarial against its latency at rest (issue 48's target: within 2x).
+tests/adversarial against its latency at rest (target: within 2x).
 
     python benches/bench_attacks.py                 # 5 honest requests per attack and at rest
     python benches/bench_attacks.py --rounds 9 -k grammar --write

@@ -1,4 +1,4 @@
-"""Per-call cost of the Rust core through the Python bindings (issue 2).
+"""Per-call cost of the Rust core through the Python bindings.
 
 Same operations as `cargo bench --bench allocator`, called from Python, so the crossing cost is
 known. Target: one batched call that appends a token to each of 256 sequences <= 10 us.

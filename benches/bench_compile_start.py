@@ -1,4 +1,4 @@
-"""What ``enforce_eager=False`` costs at start (issue 29): the compile on a first start, and on a
+"""What ``enforce_eager=False`` costs at start: the compile on a first start, and on a
 second start that finds the first one's caches on disk.
 
 Each run is a fresh process (SmolLM2-135M-Instruct, float32, CPU) that builds ``LLM(...)`` and

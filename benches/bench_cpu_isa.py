@@ -1,4 +1,4 @@
-"""pagedkv's CPU linear kernel on each instruction-set path this CPU has (issue 44): a pass over
+"""pagedkv's CPU linear kernel on each instruction-set path this CPU has: a pass over
 all of SmolLM2-135M's linears (the 210 decoder linears and the tied head, 538 MB as float32) at
 M = 1 and 16 input rows, per path (``portable``, ``avx2``, ``avx512``, ``avx512_bf16``) and
 weight format (float32, int8 with per-row scales, bfloat16), against torch's own float32 product

@@ -1,5 +1,5 @@
 """Disaggregated prefill/decode vs a colocated engine vs two replicas behind the router, on
-the same requests (issue 13).
+the same requests.
 
 Deployments, each started fresh, measured, and stopped before the next (loopback only; every
 process in its own process group, stopped in a ``finally``):

@@ -1,4 +1,4 @@
-"""End-to-end throughput (issue 5): pagedkv.LLM.generate against (a) transformers `generate`
+"""End-to-end throughput: pagedkv.LLM.generate against (a) transformers `generate`
 with static batches padded to the batch's longest output and (b) transformers' own continuous
 batching (the manager behind `generate_batch`), in one run, on the same requests: ShareGPT
 first turns (SmolLM2 tokenizer) with their recorded output lengths, greedy, eos ignored,
@@ -9,7 +9,7 @@ peak. The runners take a device and dtype, so benches/gpu_check.py reuses them o
 
     python benches/bench_engine.py [--num-requests 64] [--max-output 2048] [--kv-cache-dtype auto] [--quick]
 
-KV cache dtype (issue 10): ``--kv-cache-dtype`` sets pagedkv's ``kv_cache_dtype`` in the
+KV cache dtype: ``--kv-cache-dtype`` sets pagedkv's ``kv_cache_dtype`` in the
 comparison above. ``--kv-dtypes auto,int8`` instead runs only pagedkv, once per KV dtype, on the
 same requests with the same ``kv_cache_memory`` (each ``--compare-kv-mib`` budget; default
 ``--kv-mib``), one after the other in one process: output tok/s, the KV blocks each pool got,
@@ -19,7 +19,7 @@ It writes its own section of RESULTS.md.
 
     python benches/bench_engine.py --kv-dtypes auto,int8 [--compare-kv-mib 512,128]
 
-Preemption modes (issue 11): ``--preemption-modes recompute,auto,swap`` runs only pagedkv, once
+Preemption modes: ``--preemption-modes recompute,auto,swap`` runs only pagedkv, once
 per mode, on the same requests with a KV pool small enough (``--kv-mib``) that requests are
 preempted, one after the other in one process. ``recompute`` runs without a host tier (the
 engine before the offload tier); ``recompute+host`` recomputes but has the host tier (evicted

@@ -1,4 +1,4 @@
-"""GGUF block linears on the CPU (issue 44): SmolLM2-135M's linears with float32 weights (torch's
+"""GGUF block linears on the CPU: SmolLM2-135M's linears with float32 weights (torch's
 product and pagedkv's kernel), int8 weights (pagedkv's kernel, ``quantization="int8"``) and
 GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K; ``rust/cpu_linear_gguf``), and the engine's decode steps
 with the embedded SmolLM2 served as float32, int8 and from its own Q4_1 blocks.

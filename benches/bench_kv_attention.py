@@ -1,4 +1,4 @@
-"""CPU decode attention per KV-cache dtype (issue 10): float32 against int8, fp8 e4m3 and fp8
+"""CPU decode attention per KV-cache dtype: float32 against int8, fp8 e4m3 and fp8
 e5m2 caches (one bfloat16 scale per token and KV head, dequantized on the fly by the Rust
 kernel, rust/cpu_attention.rs).
 
@@ -12,7 +12,7 @@ counted as bytes read + bytes written like STREAM's copy), and the speed-up over
 dtypes are interleaved round by round, and every cache is larger than the last-level cache of
 a typical CPU, so each call reads its KV from memory, as each layer of a serving step does.
 
-Targets (issue 10): int8 at least 2x faster than float32, and at least 60% of the copy
+Targets: int8 at least 2x faster than float32, and at least 60% of the copy
 bandwidth. The last column is the same kernel on 4 sequences called repeatedly, whose KV stays
 in the last-level cache: the rate its arithmetic allows with memory out of the way.
 

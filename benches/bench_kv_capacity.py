@@ -1,4 +1,4 @@
-"""KV capacity per cache dtype (issue 10): how many blocks the same ``kv_cache_memory`` buys,
+"""KV capacity per cache dtype: how many blocks the same ``kv_cache_memory`` buys,
 and what that does to a serving workload.
 
 1. Pool size: a real :class:`pagedkv.worker.model_runner.ModelRunner` (the embedded SmolLM2,

@@ -1,8 +1,8 @@
 """KV cache groups end to end: Gemma 3 270M on the CPU with 4k-token contexts, groups vs every
-layer whole (issue 25).
+layer whole.
 
 The same requests through two engines in one process, on the same KV memory: with KV cache
-groups (the default: 1 full + 5 sliding-window columns, pages of 3 layers) and with
+groups (the default: 1 full + 5 sliding-window KV cache groups, pages of 3 layers) and with
 ``disable_hybrid_kv_cache_manager=True`` (every layer keeps its whole history). Their steps are
 interleaved one for one, so both see the same machine (see :func:`interleaved_round`). The pool
 holds the whole batch with every layer whole, so neither preempts. Printed per layout: peak KV
@@ -11,7 +11,7 @@ step time, CPU milliseconds per output token, and whether the greedy tokens agre
 targets: peak KV with groups <= 0.35 of every layer whole, output tokens/s at least equal.
 
 The peak is set by the prefill chunk (``max_num_batched_tokens``): a chunk of ``L`` tokens
-needs all its keys in the step in every layer, so a sliding column holds ``w + L`` tokens while
+needs all its keys in the step in every layer, so a sliding-window group holds ``w + L`` tokens while
 a request prefills, against ``w`` while it decodes. The table is printed for each chunk size
 given (``--chunks``, default 512 and the engine's 2048).
 

@@ -1,4 +1,4 @@
-"""Quality of the quantized KV cache against the full-precision one (issue 10): teacher-forced
+"""Quality of the quantized KV cache against the full-precision one: teacher-forced
 next-token distributions of SmolLM2-135M-Instruct (float32, CPU) with ``kv_cache_dtype`` int8,
 fp8_e4m3 and fp8_e5m2, each against ``auto`` (float32 K/V), on held-out ShareGPT text.
 
@@ -27,7 +27,7 @@ per position bucket (0-255, 256-511, 512-1023):
   positions;
 * perplexity of the actual next tokens and its relative change against auto.
 
-Targets (issue 10): int8 top-1 agreement >= 99% and perplexity within 1% of auto.
+Targets: int8 top-1 agreement >= 99% and perplexity within 1% of auto.
 
 Decode cross-check (``--decode-check N``, default 128): sequence 1 again, its first T - N
 tokens prefilled in one step and the last N decoded one token per step (query length 1, the

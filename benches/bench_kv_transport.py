@@ -1,4 +1,4 @@
-"""KV transfer throughput (issue 13): pagedkv.distributed's NIXL and gloo transports moving block
+"""KV transfer throughput: pagedkv.distributed's NIXL and gloo transports moving block
 runs between two processes' paged KV caches, against this machine's memcpy bandwidth (a torch
 ``copy_`` of the same regions between two tensors in one process) measured in the same run.
 

@@ -11,7 +11,7 @@ loglikelihood request per choice, over a local JSONL file). The same lm-eval run
 * lm-eval's ``hf`` model: transformers' ``AutoModelForCausalLM`` on the same folder, float32.
 
 Both see the same tokens (lm-eval's tokenization), so every request's loglikelihood can be
-compared. Issue 26's target: equal accuracy, and every loglikelihood within 1e-3 (float32).
+compared. The target: equal accuracy, and every loglikelihood within 1e-3 (float32).
 Also compared: lm-eval's ``is_greedy`` flag per request (the continuation is the argmax at every
 position), which the server's ``top_logprobs`` decide.
 

@@ -1,9 +1,9 @@
-"""A model without KV cache groups costs what it cost before groups existed (issue 25): the
-engine's output tokens/s on SmolLM2-135M (every layer full attention: one column), this
+"""A model without KV cache groups costs what it cost before groups existed: the
+engine's output tokens/s on SmolLM2-135M (every layer full attention: one KV cache group), this
 checkout against another build of pagedkv, side by side.
 
 The other build is a pagedkv source tree whose extension is built in place
-(``python/pagedkv/_core.abi3.so``), e.g. the commit before columns::
+(``python/pagedkv/_core.abi3.so``), e.g. the commit before KV cache groups::
 
     git worktree add /tmp/before ddacf90
     (cd /tmp/before && cargo build --release --features python && \\
@@ -96,7 +96,7 @@ def main() -> None:
     cpu_ratio = cpu["other"] / cpu["this"]
     same = all(r["tokens"] == runs["other"][0]["tokens"] for rs in runs.values() for r in rs)
     lines = [
-        f"SmolLM2-135M (embedded, float32, one KV column) on the CPU: {args.requests} ShareGPT first turns "
+        f"SmolLM2-135M (embedded, float32, one KV cache group) on the CPU: {args.requests} ShareGPT first turns "
         f"(prompt <= 512 tokens, outputs capped at {args.max_output}, greedy, ignore_eos) through `LLM.generate`, "
         f"one fresh process per run, {args.rounds} alternating rounds; load average {load_before:.2f} before, "
         f"{load_after:.2f} after (2 CPUs).",

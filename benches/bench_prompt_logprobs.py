@@ -1,4 +1,4 @@
-"""What prompt logprobs cost (issue 26): a 1k-token prompt prefilled with
+"""What prompt logprobs cost: a 1k-token prompt prefilled with
 ``SamplingParams(prompt_logprobs=1)`` (what ``echo`` + ``logprobs`` asks for on
 ``/v1/completions``, and what lm-eval's loglikelihood requests send) against the same prefill
 without them. Target: <= 1.2x.

@@ -1,5 +1,5 @@
 """Routing benchmark: prefix hit rate, TTFT and throughput of cache-aware vs round-robin
-routing over two ``pagedkv serve`` replicas, on the shared-system-prompt workload (issue 13).
+routing over two ``pagedkv serve`` replicas, on the shared-system-prompt workload.
 
 Two replicas (``python -m pagedkv serve`` subprocesses on loopback, one thread each, KV events
 on) stay up for the whole run. Each *run* starts a fresh router (``python -m pagedkv router

@@ -1,7 +1,7 @@
-"""Sampling cost for every setting (issue 9, item 11): the sampler alone, and the decode step of
+"""Sampling cost for every setting: the sampler alone, and the decode step of
 an LLMEngine whose model is nearly free, so that the step is host work (the sampler's share
 shows). Target: every setting <= 2x the greedy step; with penalties and a logit_bias on every
-row (issue 26) <= 1.3x.
+row <= 1.3x.
 
 1. Sampler alone: rows {1, 32, 256} x vocab {32000, 49152, 151936} x settings (greedy,
    temperature, top-k, top-p on peaked and on flat rows, min-p, top-k + top-p, logprobs; plus
@@ -63,7 +63,7 @@ SETTINGS: list[tuple[str, dict[str, Any], str]] = [
     ("top_k 50 + top_p 0.95", {"temperature": 0.8, "top_k": 50, "top_p": 0.95}, "peaked"),
     ("logprobs 5", {"temperature": 0.8, "logprobs": 5}, "peaked"),
 ]
-# Issue 26: presence, frequency and repetition penalties and a logit_bias on every row (greedy,
+# Penalties: presence, frequency and repetition penalties and a logit_bias on every row (greedy,
 # so the ratio to greedy is the penalties' own cost). The old sampler has none: not timed.
 PENALTIES_KW: dict[str, Any] = {
     "temperature": 0.0,
@@ -356,7 +356,7 @@ def bench_engine(
 
 
 def penalties_only(no_write: bool) -> None:
-    """Issue 26's figure: one decode step of 256 rows with presence, frequency and repetition
+    """The figure: one decode step of 256 rows with presence, frequency and repetition
     penalties and a logit_bias on every row against a greedy step (target <= 1.3x), and the
     sampler alone at the same shapes."""
     settings = [s for s in SETTINGS if s[0] in ("greedy", PENALTIES)]

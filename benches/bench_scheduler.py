@@ -1,7 +1,7 @@
-"""Scheduler step cost from Python and memory utilization on ShareGPT (issue 3).
+"""Scheduler step cost from Python and memory utilization on ShareGPT.
 
 1. `schedule()` + `update()` per step, numpy outputs included, for 256 running decode requests
-   with 2k-token contexts (target <= 25 us per step, issue 9; 50 us in issue 3), and for mixed
+   with 2k-token contexts (target <= 25 us per step), and for mixed
    steps (prefill chunks of arriving requests + decodes under a 2048-token budget). `update`
    returns a `RequestUpdates` sequence whose items are built when read, so the decode step is
    also timed with the updates read the two ways a caller can: item by item (one

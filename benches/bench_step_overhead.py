@@ -1,4 +1,4 @@
-"""The work of a decode step outside its linears, eager against compiled (issue 29).
+"""The work of a decode step outside its linears, eager against compiled.
 
 A batch-1 SmolLM2 step reads 538 MB of weights; at the rate pagedkv's CPU linear kernel streams
 them that is ~28 ms, so what a step spends beyond the linears (norms, RoPE, attention, the

@@ -1,5 +1,5 @@
 """Structured outputs: what a JSON schema per row costs a decode step, and compile and mask
-times against xgrammar (issue 27).
+times against xgrammar.
 
 Part 1, ``--part step``:
 

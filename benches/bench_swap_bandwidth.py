@@ -1,4 +1,4 @@
-"""Swap copy bandwidth (issue 11): what the runner's swap path (``HostKVCache.swap``, the copies a
+"""Swap copy bandwidth: what the runner's swap path (``HostKVCache.swap``, the copies a
 step's ``swap_out`` / ``swap_in`` arrays run) achieves, against this machine's plain copy
 bandwidth measured in the same run.
 
@@ -152,7 +152,7 @@ def bench_swaps(args: argparse.Namespace, device: torch.device, sync: Callable[[
 def bench_breakdown(args: argparse.Namespace, blocks: int) -> list[list[object]]:
     """Two ways to copy `blocks` scattered float32 blocks on the CPU: the gather (``index_select``
     on the block axis, dim 2), the scatter (``index_copy_``) and the two together (an indexed
-    swap, HostKVCache's CPU path before issue 11's measurements), against one ``copy_`` per block
+    swap, HostKVCache's CPU path before it was measured), against one ``copy_`` per block
     slice (its CPU path since)."""
     layers, heads, head_dim = smollm2_geometry()
     kv, _ = make_caches("float32", layers, heads, head_dim, args.block_size, args.pool_blocks, torch.device("cpu"))

@@ -1,5 +1,5 @@
 """Tensor parallelism on this CPU: step time, the share spent in collectives, and the step
-broadcast against the scheduler's own step cost (issue 14).
+broadcast against the scheduler's own step cost.
 
 For each tensor_parallel_size (default: 1 and 3 for the embedded SmolLM2-135M, whose 9 heads
 and 3 KV heads divide by 3 but not 2), one engine (``device="cpu"``, float32, ``mp``

@@ -1,4 +1,4 @@
-"""Weight precision on the CPU (issue 29): SmolLM2-135M-Instruct with float32 weights, int8
+"""Weight precision on the CPU: SmolLM2-135M-Instruct with float32 weights, int8
 weights (``quantization="int8"``) and bfloat16 weights (``dtype="bfloat16"``, which makes the
 activations and the KV cache bfloat16 too): next-token quality against float32, and decode
 throughput.

@@ -1,4 +1,4 @@
-"""CPU decode attention with a sliding window reads the window only (issue 25).
+"""CPU decode attention with a sliding window reads the window only.
 
 Gemma 3 270M's attention geometry (4 query heads, 1 KV head, head_dim 256), float32 KV, blocks
 of 16, 32 sequences decoding one token each, every block of every sequence scattered over one

@@ -1,4 +1,4 @@
-"""A profile of one decode step (issue 29): where each millisecond of ``LLMEngine.step()`` goes,
+"""A profile of one decode step: where each millisecond of ``LLMEngine.step()`` goes,
 at batch 1 and batch 16, SmolLM2-135M-Instruct float32 on this machine's CPU.
 
 The real engine (``pagedkv.LLM``) decodes ShareGPT first turns (greedy, eos ignored); once

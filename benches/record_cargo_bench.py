@@ -2,9 +2,9 @@
 
     python benches/record_cargo_bench.py [--bench allocator|scheduler]
 
-Targets (issue 2): <= 20 ns per single-block allocate+free; <= 5 us to append one token to each
-of 256 sequences. (Issue 3): the scheduler step for 256 decodes is reported next to the Python
-figure of benches/bench_scheduler.py. (Issue 28): the n-gram proposer for 256 rows <= 50 us per step.
+Targets: <= 20 ns per single-block allocate+free; <= 5 us to append one token to each
+of 256 sequences. The scheduler step for 256 decodes is reported next to the Python
+figure of benches/bench_scheduler.py. The n-gram proposer for 256 rows <= 50 us per step.
 """
 
 from __future__ import annotations

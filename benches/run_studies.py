@@ -1,4 +1,4 @@
-"""Capacity and memory studies on ShareGPT and synthetic traffic, with plots (issue 6).
+"""Capacity and memory studies on ShareGPT and synthetic traffic, with plots.
 
 Runs the studies of :mod:`studies` through the real Rust scheduler and writes
 ``benches/results/<study>.png|json|md`` plus one section per study in benches/RESULTS.md:

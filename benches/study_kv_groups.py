@@ -1,4 +1,4 @@
-"""KV cache groups: sequences and tokens held per GiB of KV, groups vs every layer whole (issue 25).
+"""KV cache groups: sequences and tokens held per GiB of KV, groups vs every layer whole.
 
 For the published configs in ``benches/studies/configs/attention_types.json`` (the fields that
 decide the KV shape, copied from each model's config.json; nothing is downloaded), at 8k, 32k

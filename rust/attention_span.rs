@@ -1,4 +1,4 @@
-//! What the layers of one KV-cache column attend to, and so which of a sequence's blocks they
+//! What the layers of one KV cache group attend to, and so which of a sequence's blocks they
 //! can still read: the rule behind KV cache groups (kv_cache_manager.rs).
 //!
 //! Transformers' conventions, the same as `pagedkv.attention_span` in Python: with a sliding
@@ -9,7 +9,7 @@
 
 use crate::error::{CoreError, Result};
 
-/// What one column's layers attend to.
+/// What one group's layers attend to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AttentionSpan {
     /// Every earlier key (and the query's own).
@@ -38,7 +38,7 @@ impl AttentionSpan {
         self.first_visible(pos) / block_size
     }
 
-    /// The most blocks a sequence holds at once in this column while its queries run
+    /// The most blocks a sequence holds at once in this group while its queries run
     /// `step_tokens` at a time (a bound for admission arithmetic): unbounded (`None`) for
     /// full attention.
     pub fn max_live_blocks(self, step_tokens: usize, block_size: usize) -> Option<usize> {

@@ -27,35 +27,35 @@ pub fn index_key(hash: BlockHash) -> u64 {
     (hash.0 as u64) ^ ((hash.0 >> 64) as u64)
 }
 
-/// The extra key of a sequence's blocks: an optional cache salt and the KV-cache column the
-/// blocks belong to (kv_cache_manager.rs, "KV cache groups": each column's blocks hold other
-/// layers, so the same tokens in two columns are two contents), with its hash precomputed.
-/// Equality compares the salt itself and the column, never only the hash.
+/// The extra key of a sequence's blocks: an optional cache salt and the KV cache group the
+/// blocks belong to (kv_cache_manager/kv_groups.rs: each group's blocks hold other
+/// layers, so the same tokens in two groups are two contents), with its hash precomputed.
+/// Equality compares the salt itself and the group, never only the hash.
 #[derive(Clone, Debug, Default)]
 pub struct ExtraKey {
     salt: Option<Arc<str>>,
-    column: u32,
+    group: u32,
     hash: u64,
 }
 
 impl ExtraKey {
-    /// The key for `salt` (`None`: the shared, unsalted namespace) in column 0.
+    /// The key for `salt` (`None`: the shared, unsalted namespace) in group 0.
     pub fn new(salt: Option<&str>) -> Self {
         match salt {
             None => ExtraKey::default(),
             // Salted keys hash their bytes; the unsalted key hashes to 0. A salt whose hash is 0
             // is still told apart by verification, which compares the strings.
-            Some(s) => ExtraKey { salt: Some(Arc::from(s)), column: 0, hash: xxh3_64(s.as_bytes()) | 1 },
+            Some(s) => ExtraKey { salt: Some(Arc::from(s)), group: 0, hash: xxh3_64(s.as_bytes()) | 1 },
         }
     }
 
-    /// The same salt in column `column`. Column 0 keeps the key's hash, so a model with one
-    /// column hashes its blocks exactly as before columns existed (KV events and routers
+    /// The same salt in group `group`. Group 0 keeps the key's hash, so a model with one
+    /// group hashes its blocks exactly as before groups existed (KV events and routers
     /// that recompute hashes from tokens agree with it).
-    pub fn for_column(&self, column: u32) -> Self {
+    pub fn for_group(&self, group: u32) -> Self {
         let base = self.salt.as_deref().map_or(0, |s| xxh3_64(s.as_bytes()) | 1);
-        let hash = if column == 0 { base } else { base ^ xxh3_64(&(u64::from(column) | (1 << 40)).to_le_bytes()) };
-        ExtraKey { salt: self.salt.clone(), column, hash }
+        let hash = if group == 0 { base } else { base ^ xxh3_64(&(u64::from(group) | (1 << 40)).to_le_bytes()) };
+        ExtraKey { salt: self.salt.clone(), group, hash }
     }
 
     /// The salt, if any.
@@ -63,15 +63,15 @@ impl ExtraKey {
         self.salt.as_deref()
     }
 
-    /// The KV-cache column.
-    pub fn column(&self) -> u32 {
-        self.column
+    /// The KV cache group.
+    pub fn group(&self) -> u32 {
+        self.group
     }
 }
 
 impl PartialEq for ExtraKey {
     fn eq(&self, other: &Self) -> bool {
-        self.salt == other.salt && self.column == other.column
+        self.salt == other.salt && self.group == other.group
     }
 }
 
@@ -150,8 +150,8 @@ impl BlockHasher {
     /// Extends `hashes` with the *leaf* hashes of the first full blocks of `tokens` (at most
     /// `max_blocks`) under `extra`: block `k`'s hash chains from `trunk[k - 1]` (the trunk
     /// chain's hash of the block before it; none for a first block), not from `hashes[k - 1]`.
-    /// KV cache groups hash every column but column 0 this way (kv_cache_manager.rs, "Prefix
-    /// caching with columns"), so a block's hash needs no hash of its own column before it.
+    /// KV cache groups hash every group but group 0 this way (kv_cache_manager/kv_groups.rs,
+    /// "Prefix caching with groups"), so a block's hash needs no hash of its own group before it.
     /// `trunk` must hold at least the first `min(full, max_blocks) - 1` hashes.
     pub fn extend_leaves(
         &mut self,

@@ -357,9 +357,9 @@ impl BlockPool {
         self.meta(block).map(|m| m.node)
     }
 
-    /// The KV-cache column a registered block was registered in (its extra key's), if any.
-    pub fn column_of(&self, block: BlockId) -> Option<u32> {
-        self.meta(block).map(|m| m.extra.column())
+    /// The KV cache group a registered block was registered in (its extra key's), if any.
+    pub fn kv_group_of(&self, block: BlockId) -> Option<u32> {
+        self.meta(block).map(|m| m.extra.group())
     }
 
     /// The token ids of a registered block (empty if it has none).
@@ -442,9 +442,9 @@ impl BlockPool {
     }
 
     /// The index keys (wire hashes) of the registered blocks that KV events name (those of
-    /// KV-cache column 0: see [`BlockPool::register_copy`]), in no particular order.
+    /// KV cache group 0: see [`BlockPool::register_copy`]), in no particular order.
     pub fn registered_keys(&self) -> impl Iterator<Item = u64> + '_ {
-        self.index.iter().filter(|(_, b)| self.cached[b.index()].as_ref().is_some_and(|m| m.extra.column() == 0)).map(|(&k, _)| k)
+        self.index.iter().filter(|(_, b)| self.cached[b.index()].as_ref().is_some_and(|m| m.extra.group() == 0)).map(|(&k, _)| k)
     }
 
     /// Free blocks without a cache identity (reused before any cached block).
@@ -625,7 +625,7 @@ impl BlockPool {
         let Some(meta) = self.cached.get_mut(block.index()).and_then(Option::take) else { return };
         if self.index.get(&meta.key) == Some(&block) {
             self.index.remove(&meta.key);
-            if let Some(log) = self.events.as_deref_mut().filter(|_| meta.extra.column() == 0) {
+            if let Some(log) = self.events.as_deref_mut().filter(|_| meta.extra.group() == 0) {
                 log.removed(meta.key);
             }
         }
@@ -683,9 +683,9 @@ impl BlockPool {
             return false; // no memory for the verification copy: leave the block uncached
         }
         self.index.insert(key, block);
-        // KV events name column 0's blocks only: a router recomputes hashes from tokens, and
-        // those are column 0's (the other columns' blocks of KV cache groups are leaves of it).
-        if let Some(log) = self.events.as_deref_mut().filter(|_| identity.extra.column() == 0) {
+        // KV events name group 0's blocks only: a router recomputes hashes from tokens, and
+        // those are group 0's (the other groups' blocks of KV cache groups are leaves of it).
+        if let Some(log) = self.events.as_deref_mut().filter(|_| identity.extra.group() == 0) {
             log.stored(key, identity.parent_hash.map(index_key), tokens);
         }
         if let Some(h) = self.full_hashes.get_mut(block.index()) {
@@ -718,8 +718,8 @@ impl BlockPool {
         let &block = self.index.get(&index_key(hash))?;
         let meta = self.cached[block.index()].as_ref()?;
         // The extra key is compared at every block, not only at a first one: with KV cache
-        // groups, the blocks of every column at position k share the parent (column 0's node
-        // at k - 1) and the tokens, and only the column tells them apart.
+        // groups, the blocks of every group at position k share the parent (group 0's node
+        // at k - 1) and the tokens, and only the group tells them apart.
         let parent_ok = meta.parent == parent.unwrap_or(0) && meta.extra == *extra;
         (parent_ok && self.cached_tokens.get(block) == tokens).then_some((block, meta.node))
     }

@@ -19,7 +19,7 @@
 //! block boundary. The inner loops exist twice (trait `Isa`): AVX2 + FMA + F16C intrinsics, used
 //! when the CPU has them (runtime check), and portable Rust for the baseline target.
 //!
-//! KV precision (issue 10, python/pagedkv/kernels/kv_quant.py). The caches are float32, or
+//! KV precision (python/pagedkv/kernels/kv_quant.py). The caches are float32, or
 //! quantized ([`KvCaches`]): int8, fp8 e4m3 (`float8_e4m3fn`) or fp8 e5m2 codes
 //! `[num_blocks, block_size, Hkv, D]` with one bfloat16 scale per (slot, KV head)
 //! `[num_blocks, block_size, Hkv]`, so that a stored value is `x ≈ float(q) * scale`. Nothing
@@ -38,7 +38,7 @@
 //! (Subnormal f32 values can only arise from scales near bfloat16's smallest normal, 2^-126,
 //! i.e. vectors whose largest magnitude is below ~1e-35.)
 //!
-//! Layer variants (issue 25, python/pagedkv/kernels/layer_attention.py; [`LayerVariant`]): a
+//! Layer variants (python/pagedkv/kernels/layer_attention.py; [`LayerVariant`]): a
 //! sliding window or a chunk makes a row start at its first visible position, so the blocks
 //! before it are never read (their table entries are not even looked at); soft-capping maps
 //! each scaled score `s` to `cap * tanh(s / cap)`; a sink is one more logit per query head in

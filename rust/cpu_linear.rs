@@ -2,8 +2,8 @@
 //!
 //! A decode step multiplies each weight matrix by one row per running sequence. At one row the
 //! product is bound by reading the weights (SmolLM2-135M: 538 MB of float32 per token), and
-//! torch's default CPU product (MKL, AVX2 path on AMD EPYC) streamed them at 13-15 GB/s where
-//! the machine reads 21-27 GB/s (benches/RESULTS.md, "Decode step profile"). With int8 weights
+//! torch's default CPU product (MKL, AVX2 path on AMD EPYC) streamed them well below the
+//! machine's read bandwidth (benches/RESULTS.md, "Decode step profile"). With int8 weights
 //! the bytes are a quarter, and the product is then bound by converting and multiplying them.
 //!
 //! The kernel, for weights `W` `[N, K]` (float32; int8 codes with one float32 scale per output
@@ -68,9 +68,8 @@ const MAX_MR: usize = 6;
 const MIN_PARALLEL_MACS: usize = 1 << 17;
 /// How many tiles ahead of the one it computes a thread prefetches weight rows (into L2): a
 /// tile of SmolLM2's rows is 9 KB of float32, so 4 tiles are ~37 KB in flight. One tile ahead
-/// (into L1) gained nothing, 4 into L2 took a batch-1 pass over SmolLM2's 538 MB of linears
-/// from 27.4 to 17-22 ms, 8 were no better than 4 (benches/RESULTS.md, "Compiled forward: the
-/// step's overhead").
+/// (into L1) gained nothing, 4 into L2 made a batch-1 pass over SmolLM2's linears much faster,
+/// 8 were no better than 4 (benches/RESULTS.md, "Compiled forward: the step's overhead").
 const PREFETCH_TILES: usize = 4;
 
 /// The weight matrix of a linear layer, `[out_features, in_features]` row-major.
@@ -462,7 +461,7 @@ fn columns<I: Isa>(p: Product<'_>, a: usize, b: usize) -> Vec<f32> {
 /// A trait and not a closure: the tiles' intrinsics must be inlined into the
 /// `#[target_feature]` function at the top (`columns_avx2`, ...), and a closure defined in a
 /// generic function is a function of its own, without the features, that LLVM did not inline
-/// (the AVX2 path ran 4x slower than with this trait).
+/// (the AVX2 path ran several times slower than with this trait).
 trait WeightTiles {
     fn tile(&mut self, rows: [usize; NR], next: [usize; NR], store: &mut Store<'_>);
 }

@@ -15,38 +15,6 @@
 //! push stamp)`, where the stamp is a counter bumped on every `push_cached` (unique, increasing
 //! with push time). The model is TensorRT-LLM's KV cache retention config.
 //!
-//! Data structures (chosen so the common case costs what the plain LRU list did: O(1), no
-//! allocation):
-//!
-//! - one intrusive doubly linked list over index arrays (O(1) removal from the middle when a
-//!   prefix hit revives a block) with one sentinel per list: the uncached stack, and one **bucket** per priority `0 ..= 100`. A
-//!   cached block is appended to its priority's bucket, so every bucket is in stamp order;
-//! - `nonempty`: a 101-bit mask of the non-empty buckets; the lowest set bit is the lowest
-//!   priority present (`trailing_zeros`);
-//! - `demoted`: a `BTreeSet<(stamp, block)>` of blocks whose retention expired while queued.
-//!   Demotion keeps a block's stamp (its LRU position among default-priority blocks), which
-//!   generally falls in the middle of the default bucket; instead of an O(n) sorted insert the
-//!   block moves to this set, and the default priority's order is the merge by stamp of the
-//!   default bucket and this set (each sorted by stamp). O(log n), and only blocks that were
-//!   given an expiring retention ever get here;
-//! - `expiry`: a min-heap of `(expires_at_us, stamp, block)`, one entry per `push_cached` whose
-//!   block entered with a non-default priority and an expiry in the future. A demotion pass
-//!   (run by `pop_front` and `peek_evictable`) pops every entry with `expires_at_us <= now_us`
-//!   and, when the block is still in its bucket *from that same push* (same stamp), moves it
-//!   to `demoted`. Entries of blocks removed or pushed again since are stale and dropped when
-//!   popped. When the heap holds more than `2 * cached + 64` entries, the stale ones are
-//!   dropped in one O(heap) pass, which keeps the heap bounded and costs O(1) amortized per
-//!   push (the pass removes at least half of what it scans).
-//!
-//! Invariants (checked by [`EvictionQueue::check`]):
-//! - every block is in exactly one place: out of the queue, the uncached list, the bucket of
-//!   its priority, or `demoted` (then at the default priority); the per-block place agrees
-//!   with the lists and the set; `len == num_uncached + cached`;
-//! - every bucket is in strictly increasing stamp order, its mask bit is set if and only if it
-//!   is non-empty, and every stamp is below the next one;
-//! - a live heap entry (its block is in a bucket with the entry's stamp) belongs to a block
-//!   whose priority is not the default, and no block has two.
-//!
 //! Cost: `push_uncached`, `push_cached` without expiry, `remove` of a non-demoted block and
 //! `pop_front` / `peek_evictable` with no expiry due are O(1) and allocation-free; an expiring
 //! push, a demotion and anything touching a demoted block are O(log n) (a demotion pass costs
@@ -132,7 +100,40 @@ impl Node {
 /// Entry of the expiry heap: `(expires_at_us, stamp, block)`, smallest expiry on top.
 type ExpiryEntry = Reverse<(u64, u64, u32)>;
 
-/// The free-block queue with retention priorities (see the module docs).
+/// The free-block queue with retention priorities (see the module docs for the order).
+///
+/// Data structures (chosen so the common case costs what the plain LRU list did: O(1), no
+/// allocation):
+///
+/// - one intrusive doubly linked list over index arrays (O(1) removal from the middle when a
+///   prefix hit revives a block) with one sentinel per list: the uncached stack, and one
+///   **bucket** per priority `0 ..= 100`. A cached block is appended to its priority's bucket,
+///   so every bucket is in stamp order;
+/// - `nonempty`: a 101-bit mask of the non-empty buckets; the lowest set bit is the lowest
+///   priority present (`trailing_zeros`);
+/// - `demoted`: a `BTreeSet<(stamp, block)>` of blocks whose retention expired while queued.
+///   Demotion keeps a block's stamp (its LRU position among default-priority blocks), which
+///   generally falls in the middle of the default bucket; instead of an O(n) sorted insert the
+///   block moves to this set, and the default priority's order is the merge by stamp of the
+///   default bucket and this set (each sorted by stamp). O(log n), and only blocks that were
+///   given an expiring retention ever get here;
+/// - `expiry`: a min-heap of `(expires_at_us, stamp, block)`, one entry per `push_cached` whose
+///   block entered with a non-default priority and an expiry in the future. A demotion pass
+///   (run by `pop_front` and `peek_evictable`) pops every entry with `expires_at_us <= now_us`
+///   and, when the block is still in its bucket *from that same push* (same stamp), moves it
+///   to `demoted`. Entries of blocks removed or pushed again since are stale and dropped when
+///   popped. When the heap holds more than `2 * cached + 64` entries, the stale ones are
+///   dropped in one O(heap) pass, which keeps the heap bounded and costs O(1) amortized per
+///   push (the pass removes at least half of what it scans).
+///
+/// Invariants (checked by [`EvictionQueue::check`]):
+/// - every block is in exactly one place: out of the queue, the uncached list, the bucket of
+///   its priority, or `demoted` (then at the default priority); the per-block place agrees
+///   with the lists and the set; `len == num_uncached + cached`;
+/// - every bucket is in strictly increasing stamp order, its mask bit is set if and only if it
+///   is non-empty, and every stamp is below the next one;
+/// - a live heap entry (its block is in a bucket with the entry's stamp) belongs to a block
+///   whose priority is not the default, and no block has two.
 #[derive(Debug, Clone)]
 pub struct EvictionQueue {
     /// Blocks `0 .. n`, then the bucket sentinels, then the uncached sentinel.

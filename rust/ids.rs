@@ -14,7 +14,7 @@ pub struct BlockId(pub u32);
 
 impl BlockId {
     /// The entry of a block table whose block was given back (a sliding-window or chunked
-    /// column's blocks behind every future query): no block. It crosses to Python as `-1`.
+    /// group's blocks behind every future query): no block. It crosses to Python as `-1`.
     pub const NULL: BlockId = BlockId(u32::MAX);
 
     /// True for [`Self::NULL`].

@@ -31,24 +31,15 @@
 //!   fills them is scheduled; blocks filled by decoding when the sequence is freed or swapped
 //!   out), and no block is written again once full.
 //!
-//! KV cache groups ([`KvCacheManager::with_columns`]): a sequence has one block table per
-//! *column*, each with an [`AttentionSpan`], all over the same tokens and the same pool. A
-//! sliding or chunked column gives back, when a step gives the sequence slots, the blocks no
-//! query from `write_start` on can see (registered first; their entries become
-//! [`BlockId::NULL`]); allocation and admission count those blocks net.
-//!
-//! Prefix caching with columns. Column 0 is the *trunk*: its blocks chain as a one-column
-//! sequence's do (a node per block, naming its parent's node). Every other column's block `k`
-//! is a *leaf* of the trunk: its hash chains from the trunk's hash of block `k - 1`
-//! ([`BlockHasher::extend_leaves`]) and its parent is the trunk's node of block `k - 1`, so it
-//! is verified without any block of its own column before it. A prefix hit is the longest one
-//! whose live blocks every column finds (module `prefix`).
+//! KV cache groups ([`KvCacheManager::with_kv_groups`]): a sequence has one block table per
+//! *group*, each with an [`AttentionSpan`], all over the same tokens and the same pool (module
+//! `kv_groups` says how slots are given and taken back, and how groups share the prefix cache).
 //!
 //! KV events ([`KvCacheManager::set_record_events`], off by default): every pool logs its
 //! cache's changes ([`crate::kv_events`]; device `"GPU"`, host `"CPU"`, disk `"DISK"`) — the
 //! trunk's blocks only — and [`KvCacheManager::take_kv_events`] hands them out as one batch.
 
-mod columns;
+mod kv_groups;
 mod events;
 mod invariants;
 mod prefix;
@@ -65,12 +56,12 @@ use crate::kv_events::KvEvent;
 use crate::slab::Slab;
 use smallvec::SmallVec;
 
-pub use prefix::{ColumnMatch, PrefixCounters, PrefixMatch};
-pub use sequence::{AddSequence, Column, RetentionPolicy, Sequence};
+pub use prefix::{GroupMatch, PrefixCounters, PrefixMatch};
+pub use sequence::{AddSequence, GroupTable, RetentionPolicy, Sequence};
 pub use tier_ledger::{BlockPair, Restore, Tier, TierBlock, TierCounters, TierLedger};
 
-/// The most columns (block tables per sequence) a manager has.
-pub const MAX_COLUMNS: usize = 256;
+/// The most groups (block tables per sequence) a manager has.
+pub const MAX_KV_GROUPS: usize = 256;
 
 /// Block tables of many sequences over a device pool, with the lower tiers in a
 /// [`TierLedger`] (see the module docs).
@@ -80,8 +71,8 @@ pub struct KvCacheManager {
     /// The host and disk tiers and the step's copies between tiers.
     ledger: TierLedger,
     hasher: BlockHasher,
-    /// What each column's layers attend to (module docs, "KV cache groups"); one `Full`
-    /// column unless [`KvCacheManager::with_columns`] says otherwise.
+    /// What each group's layers attend to (module `kv_groups`); one `Full`
+    /// group unless [`KvCacheManager::with_kv_groups`] says otherwise.
     spans: Vec<AttentionSpan>,
     seqs: Slab<Sequence>,
     /// Copy-on-write (device, device) copies since the last `take_copy_ops`.
@@ -112,42 +103,42 @@ impl KvCacheManager {
         })
     }
 
-    /// Sets the columns: one block table per sequence for each, over the one pool, whose layers
-    /// attend as `spans` says (module docs, "KV cache groups"). Column 0 comes first; a full
-    /// column, if any, should be column 0 (its hash chain is the one KV events report). Only
+    /// Sets the groups: one block table per sequence for each, over the one pool, whose layers
+    /// attend as `spans` says (module `kv_groups`). Group 0 comes first; a full
+    /// group, if any, should be group 0 (its hash chain is the one KV events report). Only
     /// before the first sequence.
-    pub fn with_columns(mut self, spans: Vec<AttentionSpan>) -> Result<Self> {
+    pub fn with_kv_groups(mut self, spans: Vec<AttentionSpan>) -> Result<Self> {
         if spans.is_empty() {
-            return Err(CoreError::Config("a KV cache needs at least one column".into()));
+            return Err(CoreError::Config("a KV cache needs at least one group".into()));
         }
-        if spans.len() > MAX_COLUMNS {
-            return Err(CoreError::Config(format!("at most {MAX_COLUMNS} KV-cache columns, got {}", spans.len())));
+        if spans.len() > MAX_KV_GROUPS {
+            return Err(CoreError::Config(format!("at most {MAX_KV_GROUPS} KV cache groups, got {}", spans.len())));
         }
         for s in &spans {
             s.validate()?;
         }
         if !self.seqs.is_empty() {
-            return Err(CoreError::InvalidArgument("columns are set before the first sequence".into()));
+            return Err(CoreError::InvalidArgument("groups are set before the first sequence".into()));
         }
         self.spans = spans;
         Ok(self)
     }
 
-    /// What each column's layers attend to, column 0 first.
+    /// What each group's layers attend to, group 0 first.
     #[inline]
     pub fn spans(&self) -> &[AttentionSpan] {
         &self.spans
     }
 
-    /// The device pool block by block: the KV-cache column each block serves — the column
-    /// of the device sequence's table holding it, else (free) the column it is cached for —
+    /// The device pool block by block: the KV cache group each block serves — the group
+    /// of the device sequence's table holding it, else (free) the group it is cached for —
     /// or -1 for a free block without a cached identity. For a live view of the groups.
-    pub fn block_columns(&self) -> Vec<i16> {
+    pub fn block_kv_groups(&self) -> Vec<i16> {
         let n = self.pool.num_blocks();
-        let mut out: Vec<i16> = (0..n).map(|i| self.pool.column_of(BlockId(i as u32)).map_or(-1, |c| c as i16)).collect();
+        let mut out: Vec<i16> = (0..n).map(|i| self.pool.kv_group_of(BlockId(i as u32)).map_or(-1, |c| c as i16)).collect();
         for (_, seq) in self.seqs.iter().filter(|(_, s)| s.tier == Tier::Device) {
-            for (c, col) in seq.cols.iter().enumerate() {
-                for b in col.held() {
+            for (c, group) in seq.groups.iter().enumerate() {
+                for b in group.held() {
                     out[b.index()] = c as i16;
                 }
             }
@@ -155,9 +146,9 @@ impl KvCacheManager {
         out
     }
 
-    /// Number of columns (block tables per sequence).
+    /// Number of groups (block tables per sequence).
     #[inline]
-    pub fn num_columns(&self) -> usize {
+    pub fn num_kv_groups(&self) -> usize {
         self.spans.len()
     }
 
@@ -256,7 +247,7 @@ impl KvCacheManager {
             Some(m) => m,
             None => self.match_prefix(&tokens, &extra),
         };
-        if m.evictions_at_match != self.evictions() || m.cols.len() != self.spans.len() {
+        if m.evictions_at_match != self.evictions() || m.groups.len() != self.spans.len() {
             m = self.match_prefix(&tokens, &extra);
         }
         let bs = self.block_size();
@@ -267,11 +258,11 @@ impl KvCacheManager {
             keep -= 1;
         }
         self.truncate_match(&mut m, keep);
-        let window_hit = m.cols.iter().skip(1).any(|c| c.hits.iter().any(|h| h.block.is_null()));
+        let window_hit = m.groups.iter().skip(1).any(|c| c.hits.iter().any(|h| h.block.is_null()));
         // Take every live hit first (device ones out of the free queue, host and disk ones
         // pinned), so that the fresh blocks allocated below can evict none of them.
-        for (col, &span) in m.cols.iter().zip(&self.spans) {
-            for hit in &col.hits[Self::live_hits(span, keep, bs, keep_all)] {
+        for (group, &span) in m.groups.iter().zip(&self.spans) {
+            for hit in &group.hits[Self::live_hits(span, keep, bs, keep_all)] {
                 match hit.tier {
                     Tier::Device => self.pool.acquire_unchecked(hit.block),
                     Tier::Host | Tier::Disk => self.ledger.pin_hit(*hit),
@@ -279,9 +270,9 @@ impl KvCacheManager {
             }
         }
         let (mut from_host, mut from_disk) = (0u64, 0u64);
-        let mut cols: SmallVec<[Column; 1]> = SmallVec::with_capacity(self.spans.len());
+        let mut groups: SmallVec<[GroupTable; 1]> = SmallVec::with_capacity(self.spans.len());
         let mut loaded_all = true;
-        for (c, (cm, span)) in m.cols.into_iter().zip(self.spans.clone()).enumerate() {
+        for (c, (cm, span)) in m.groups.into_iter().zip(self.spans.clone()).enumerate() {
             let live = Self::live_hits(span, keep, bs, keep_all);
             let mut blocks = vec![BlockId::NULL; live.start];
             for hit in &cm.hits[live.clone()] {
@@ -304,20 +295,20 @@ impl KvCacheManager {
                 }
             }
             loaded_all &= blocks.len() == keep;
-            let mut col = Column::new(BlockTable::from_blocks(blocks), cm.hashes, keep, cm.link, extra.for_column(c as u32));
-            col.num_released = live.start;
-            cols.push(col);
+            let mut group = GroupTable::new(BlockTable::from_blocks(blocks), cm.hashes, keep, cm.link, extra.for_group(c as u32));
+            group.num_released = live.start;
+            groups.push(group);
         }
         if !loaded_all {
-            // Cannot happen (room was counted); stay safe: keep the prefix every column loaded.
-            let held = cols.iter().map(|c| c.table.len()).min().unwrap_or(0);
-            for col in &mut cols {
-                for b in col.table.blocks_mut().drain(held..).filter(|b| !b.is_null()) {
+            // Cannot happen (room was counted); stay safe: keep the prefix every group loaded.
+            let held = groups.iter().map(|c| c.table.len()).min().unwrap_or(0);
+            for group in &mut groups {
+                for b in group.table.blocks_mut().drain(held..).filter(|b| !b.is_null()) {
                     self.pool.release_ref_unchecked(b);
                 }
-                col.num_registered = held;
-                col.num_released = col.num_released.min(held);
-                col.link = ChainLink::Broken;
+                group.num_registered = held;
+                group.num_released = group.num_released.min(held);
+                group.link = ChainLink::Broken;
             }
             keep = held;
         }
@@ -330,71 +321,71 @@ impl KvCacheManager {
         self.prefix.hits += hit_tokens as u64;
         self.prefix.host_hits += from_host * bs as u64;
         self.prefix.disk_hits += from_disk * bs as u64;
-        let seq = Sequence::on_device(tokens, cols, (hit_tokens, hit_tokens), extra, retention, keep_all);
+        let seq = Sequence::on_device(tokens, groups, (hit_tokens, hit_tokens), extra, retention, keep_all);
         (self.insert(seq), hit_tokens)
     }
 
     /// Reserves device blocks to receive the KV of `tokens`' first `num_blocks` full blocks
-    /// from another engine (disaggregated prefill), in every column, or `None` (changing
+    /// from another engine (disaggregated prefill), in every group, or `None` (changing
     /// nothing) if the pool lacks room. The blocks this pool already caches (the longest
-    /// verified *device* prefix hit every column's chain reaches; never more than
-    /// `num_blocks`) are shared — every column holds all of them, also those behind a sliding
-    /// column's window, since nothing is given back in a reservation — and the rest are fresh
-    /// in every column. Returns the sequence and the number of leading blocks that were hits
-    /// (the same in every column): the caller fills each column's blocks after them and then
+    /// verified *device* prefix hit every group's chain reaches; never more than
+    /// `num_blocks`) are shared — every group holds all of them, also those behind a sliding
+    /// group's window, since nothing is given back in a reservation — and the rest are fresh
+    /// in every group. Returns the sequence and the number of leading blocks that were hits
+    /// (the same in every group): the caller fills each group's blocks after them and then
     /// either `free`s the sequence, which registers them in the prefix cache like any computed
     /// block, or `free_discarding_window`s it (transfer failed), which registers nothing it did
-    /// not already hold. At most `(tokens.len() - 1) / block_size` blocks per column, so a
+    /// not already hold. At most `(tokens.len() - 1) / block_size` blocks per group, so a
     /// prompt always keeps a token to compute (like a prefix hit).
     ///
     /// Until one of those calls the fresh blocks are in the sequence's write window: not in
     /// the prefix cache, so no other request can hit them while their KV is arriving.
     pub fn reserve_prefix(&mut self, tokens: Vec<u32>, extra: ExtraKey, num_blocks: usize) -> Option<(SeqId, usize)> {
         let bs = self.block_size();
-        let num_cols = self.spans.len();
+        let num_groups = self.spans.len();
         let num_blocks = num_blocks.min(tokens.len().saturating_sub(1) / bs);
         let mut m = self.match_prefix(&tokens, &extra);
         // Host and disk hits would need copies that only a scheduled step runs: stop at the
-        // first one in any column, and at a leaf column's first block not found (a
-        // reservation holds every hit of every column).
+        // first one in any group, and at a leaf group's first block not found (a
+        // reservation holds every hit of every group).
         let keep = m
-            .cols
+            .groups
             .iter()
             .map(|c| c.hits.iter().take(num_blocks).take_while(|h| h.tier == Tier::Device && !h.block.is_null()).count())
             .min()
             .unwrap_or(0);
         self.truncate_match(&mut m, keep);
-        let hits = m.cols.iter().flat_map(|c| &c.hits);
+        let hits = m.groups.iter().flat_map(|c| &c.hits);
         let revived = hits.filter(|h| self.pool.ref_count_unchecked(h.block) == 0).count();
-        if (num_blocks - keep) * num_cols + revived > self.pool.num_free() {
+        if (num_blocks - keep) * num_groups + revived > self.pool.num_free() {
             return None;
         }
         // Every hit first, so that the fresh allocations below cannot evict one.
-        for hit in m.cols.iter().flat_map(|c| &c.hits) {
+        for hit in m.groups.iter().flat_map(|c| &c.hits) {
             self.pool.acquire_unchecked(hit.block);
         }
-        let mut cols: SmallVec<[Column; 1]> = SmallVec::with_capacity(num_cols);
-        for (c, cm) in m.cols.into_iter().enumerate() {
+        let mut groups: SmallVec<[GroupTable; 1]> = SmallVec::with_capacity(num_groups);
+        for (c, cm) in m.groups.into_iter().enumerate() {
             let mut blocks: Vec<BlockId> = Vec::with_capacity(num_blocks);
             blocks.extend(cm.hits.iter().map(|h| h.block));
             let allocated = self.pool.allocate_into(num_blocks - keep, &mut blocks);
             debug_assert!(allocated, "checked above: enough free blocks");
-            let key = extra.for_column(c as u32);
-            cols.push(Column::new(BlockTable::from_blocks(blocks), cm.hashes, keep, cm.link, key));
+            let key = extra.for_group(c as u32);
+            groups.push(GroupTable::new(BlockTable::from_blocks(blocks), cm.hashes, keep, cm.link, key));
         }
         // A cached block this allocation evicted is not written back to the host tier: the
         // transfer overwrites it before any step could copy it out. It is only a cache miss.
         if self.pool.has_evicted() {
             drop(self.pool.take_evicted());
         }
-        let seq = Sequence::on_device(tokens, cols, (keep * bs, num_blocks * bs), extra, RetentionPolicy::default(), true);
+        let seq = Sequence::on_device(tokens, groups, (keep * bs, num_blocks * bs), extra, RetentionPolicy::default(), true);
         Some((self.insert(seq), keep))
     }
 
-    /// Fresh blocks `seq` takes to grow by `n` slots, in all columns, before any is given back
+    /// Fresh blocks `seq` takes to grow by `n` slots, in all groups, before any is given back
     /// and without copy-on-write: the bound a swapped-out sequence's resumption is costed by.
     pub fn growth_blocks(&self, seq: &Sequence, n: usize) -> usize {
-        (blocks_for(seq.num_computed + n, self.block_size()) - seq.cols[0].table.len()) * seq.cols.len()
+        (blocks_for(seq.num_computed + n, self.block_size()) - seq.groups[0].table.len()) * seq.groups.len()
     }
 
     /// Blocks `allocate_slots(id, n)` would take from the free pool (copy-on-write included,
@@ -405,14 +396,14 @@ impl KvCacheManager {
     }
 
     fn blocks_needed_for(&self, seq: &Sequence, n: usize) -> usize {
-        let (need, freed) = columns::allocation_need(&self.pool, &self.spans, seq, n);
+        let (need, freed) = kv_groups::allocation_need(&self.pool, &self.spans, seq, n);
         need.saturating_sub(freed)
     }
 
     /// Gives slots to the next `n` pending tokens of `id` (positions `num_computed ..
     /// num_computed + n`), copying a shared partial block on write, and registers blocks that
-    /// become full in the prefix cache. In a sliding or chunked column it first gives back the
-    /// blocks no query from `num_computed` on can see (module docs, "KV cache groups").
+    /// become full in the prefix cache. In a sliding or chunked group it first gives back the
+    /// blocks no query from `num_computed` on can see (module `kv_groups`).
     /// All-or-nothing: `Ok(false)` and no change when the pool has too few free blocks. The
     /// sequence must be on the device.
     pub fn allocate_slots(&mut self, id: SeqId, n: usize) -> Result<bool> {
@@ -430,7 +421,7 @@ impl KvCacheManager {
                 "sequence {id} is swapped out to the host: swap it in before giving it slots"
             )));
         }
-        let ok = columns::allocate_slots(pool, hasher, copy_ops, spans, seq, n);
+        let ok = kv_groups::allocate_slots(pool, hasher, copy_ops, spans, seq, n);
         self.ledger.write_back_evicted(&mut self.pool);
         Ok(ok)
     }
@@ -460,7 +451,7 @@ impl KvCacheManager {
         seq.tokens.push(token);
         // One slot for the new token, plus any earlier pending ones (all of them, in order).
         let n = seq.num_pending();
-        let ok = columns::allocate_slots(pool, hasher, copy_ops, spans, seq, n);
+        let ok = kv_groups::allocate_slots(pool, hasher, copy_ops, spans, seq, n);
         if !ok {
             seq.tokens.pop();
         }
@@ -527,7 +518,7 @@ impl KvCacheManager {
     /// Ends the verification of the computed drafts of `id`: the first `accepted` become
     /// verified tokens (their KV, computed in the step, stands), the others are dropped with
     /// their slots, and every block that only rejected drafts occupied goes back to the pool
-    /// now. Returns the blocks given back (over all columns). Fails, changing nothing, if
+    /// now. Returns the blocks given back (over all groups). Fails, changing nothing, if
     /// `accepted` exceeds the drafts or they were not all computed.
     pub fn accept_drafts(&mut self, id: SeqId, accepted: usize) -> Result<usize> {
         let KvCacheManager { pool, seqs, .. } = self;
@@ -548,11 +539,11 @@ impl KvCacheManager {
         let bs = pool.block_size();
         let keep = blocks_for(len, bs);
         let mut freed = 0;
-        for col in seq.cols.iter_mut() {
+        for group in seq.groups.iter_mut() {
             // Never registered (drafts are not offered to the cache), so plain releases.
-            debug_assert!(col.num_registered <= len / bs);
-            col.num_registered = col.num_registered.min(len / bs);
-            for b in col.table.truncate(keep) {
+            debug_assert!(group.num_registered <= len / bs);
+            group.num_registered = group.num_registered.min(len / bs);
+            for b in group.table.truncate(keep) {
                 if !b.is_null() {
                     pool.release_ref_unchecked(b);
                     freed += 1;
@@ -593,17 +584,17 @@ impl KvCacheManager {
     pub fn free_take_tokens(&mut self, id: SeqId) -> Result<Vec<u32>> {
         let mut seq = self.seqs.remove(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         // Blocks filled by decoding become findable now (see `Sequence::prompt_len`); drafts
-        // never do (they are dropped: a re-queued branch keeps its verified tokens only).
+        // never do (they are dropped: a re-queued sample keeps its verified tokens only).
         let upto = seq.num_computed.min(seq.num_verified());
         let verified = seq.num_verified();
         seq.tokens.truncate(verified);
         seq.num_drafts = 0;
-        columns::register_all(&mut self.pool, &mut self.hasher, &mut seq, upto);
+        kv_groups::register_all(&mut self.pool, &mut self.hasher, &mut seq, upto);
         match seq.tier {
-            Tier::Device => columns::release_columns(&mut self.pool, &mut seq),
+            Tier::Device => kv_groups::release_groups(&mut self.pool, &mut seq),
             Tier::Host => {
                 if let Some(host) = self.ledger.host_mut() {
-                    columns::release_columns(host, &mut seq);
+                    kv_groups::release_groups(host, &mut seq);
                 }
             }
             Tier::Disk => {} // never: no sequence lives on disk
@@ -619,14 +610,14 @@ impl KvCacheManager {
         let seq = self.seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         if seq.tier == Tier::Device {
             let first_unsure = seq.write_start / self.pool.block_size();
-            for col in &mut seq.cols {
-                for k in first_unsure..col.num_registered.min(col.table.len()) {
-                    let b = col.table.blocks()[k];
+            for group in &mut seq.groups {
+                for k in first_unsure..group.num_registered.min(group.table.len()) {
+                    let b = group.table.blocks()[k];
                     if !b.is_null() {
                         self.pool.uncache(b);
                     }
                 }
-                col.num_registered = col.num_registered.min(first_unsure);
+                group.num_registered = group.num_registered.min(first_unsure);
             }
             seq.num_computed = seq.write_start;
         }
@@ -643,9 +634,9 @@ impl KvCacheManager {
             return Ok(None);
         }
         let Some(copies) = self.ledger.swap_out_copies(&self.pool, seq.held_blocks()) else { return Ok(None) };
-        // A recompute finds again the prefix every column shares (a given-back entry ends it).
+        // A recompute finds again the prefix every group shares (a given-back entry ends it).
         let shared = seq
-            .cols
+            .groups
             .iter()
             .map(|c| {
                 c.table
@@ -684,18 +675,18 @@ impl KvCacheManager {
         // Blocks filled by decoding get their identity now, so their content can be found on
         // either tier later (as when a sequence is freed).
         let upto = seq.num_computed;
-        columns::register_all(pool, hasher, seq, upto);
-        let held: SmallVec<[&[BlockId]; 4]> = seq.cols.iter().map(Column::held).collect();
+        kv_groups::register_all(pool, hasher, seq, upto);
+        let held: SmallVec<[&[BlockId]; 4]> = seq.groups.iter().map(GroupTable::held).collect();
         let targets = ledger.copy_out(pool, &held)?;
         drop(held);
         let Some(targets) = targets else { return Ok(false) };
-        let released: SmallVec<[usize; 4]> = seq.cols.iter().map(|c| c.num_released).collect();
-        columns::release_columns(pool, seq);
-        for ((col, col_targets), r) in seq.cols.iter_mut().zip(targets).zip(released) {
+        let released: SmallVec<[usize; 4]> = seq.groups.iter().map(|c| c.num_released).collect();
+        kv_groups::release_groups(pool, seq);
+        for ((group, group_targets), r) in seq.groups.iter_mut().zip(targets).zip(released) {
             let mut blocks = vec![BlockId::NULL; r];
-            blocks.extend(col_targets);
-            col.table = BlockTable::from_blocks(blocks);
-            col.num_released = r;
+            blocks.extend(group_targets);
+            group.table = BlockTable::from_blocks(blocks);
+            group.num_released = r;
         }
         seq.tier = Tier::Host;
         seq.write_start = seq.num_computed;
@@ -730,7 +721,7 @@ impl KvCacheManager {
         let seq = seqs.get_mut(id.key()).ok_or(CoreError::UnknownSequence(id.0))?;
         // The held blocks, without a second copy of the tables.
         let held: Vec<Vec<BlockId>> = seq
-            .cols
+            .groups
             .iter_mut()
             .map(|c| {
                 let mut held = c.table.take();
@@ -739,10 +730,10 @@ impl KvCacheManager {
             })
             .collect();
         let targets = ledger.copy_in(pool, &held)?;
-        for (col, col_targets) in seq.cols.iter_mut().zip(targets) {
-            let mut blocks = vec![BlockId::NULL; col.num_released];
-            blocks.extend(col_targets);
-            col.table = BlockTable::from_blocks(blocks);
+        for (group, group_targets) in seq.groups.iter_mut().zip(targets) {
+            let mut blocks = vec![BlockId::NULL; group.num_released];
+            blocks.extend(group_targets);
+            group.table = BlockTable::from_blocks(blocks);
         }
         seq.tier = Tier::Device;
         seq.write_start = seq.num_computed;

@@ -19,7 +19,7 @@
 //! - [`block_pool`]: ref counts, free queue, prefix-cache index with verified lookups (and,
 //!   when asked, a log of its cache changes as [`kv_events`]).
 //! - [`block_table`]: logical → physical mapping and slot computation.
-//! - [`attention_span`]: what a KV-cache column's layers see (full, sliding window, chunked
+//! - [`attention_span`]: what a KV cache group's layers see (full, sliding window, chunked
 //!   local), and so which blocks a sequence can give back.
 //! - [`slab`]: generation-checked slab (sequence and request storage).
 //! - [`thread_pool`]: the worker threads of the CPU kernels (they spin between a step's kernel

@@ -488,7 +488,7 @@ fn run_sim(spec: &Spec) -> SimResult {
                     }
                     if let Some(s) = summaries.iter().find(|s| &s.id == id) {
                         assert_eq!(s.state, "waiting", "{}: beam request {id} after a rollback", ctx(step));
-                        assert_eq!(s.num_branches, t.live.len(), "{}: beam request {id} lost beams in a rollback", ctx(step));
+                        assert_eq!(s.num_samples, t.live.len(), "{}: beam request {id} lost beams in a rollback", ctx(step));
                     }
                 }
             }
@@ -664,7 +664,7 @@ fn run_sim(spec: &Spec) -> SimResult {
         // Every live beam request holds exactly the beams the update stream says.
         for summary in sched.request_summaries() {
             if let Some(Entry { kind: Kind::Beam(t), .. }) = entries.get(&*summary.id) {
-                assert_eq!(summary.num_branches, t.live.len(), "{}: {} holds {} beams", ctx(step), summary.id, summary.num_branches);
+                assert_eq!(summary.num_samples, t.live.len(), "{}: {} holds {} beams", ctx(step), summary.id, summary.num_samples);
             }
         }
         let st = check_stats(&sched, spec, &beam_ids, &ctx(step));
@@ -824,7 +824,7 @@ fn beam_requests_under_recompute_preemption_match_reference() {
         s.caching = caching;
         s.abort_in_flight_prob = 0.02;
         let r = run_sim(&s);
-        // Small budgets limit how many branches grow at once: fewer preemptions.
+        // Small budgets limit how many samples grow at once: fewer preemptions.
         let min_preemptions = if budget < 8 { 0 } else { 20 };
         assert!(r.preemptions > min_preemptions, "{seed}: the pool must force preemption ({r:?})");
         assert!(r.beam_forks > 0 && r.beam_results > 40, "{seed}: {r:?}");

@@ -1,8 +1,8 @@
-//! KV cache groups in the KV-cache manager: one block table per column over one pool; a
-//! sliding or chunked column gives back, in the step that leaves them behind, the blocks no
-//! later query sees; they stay prefix-cache candidates; a prefix hit is what every column
-//! serves; fork, swap and a failed step keep every column consistent; a sequence whose KV
-//! travels to another engine (KV transfer) keeps every column whole.
+//! KV cache groups in the KV-cache manager: one block table per group over one pool; a
+//! sliding or chunked group gives back, in the step that leaves them behind, the blocks no
+//! later query sees; they stay prefix-cache candidates; a prefix hit is what every group
+//! serves; fork, swap and a failed step keep every group consistent; a sequence whose KV
+//! travels to another engine (KV transfer) keeps every group whole.
 
 use pagedkv::attention_span::AttentionSpan;
 use pagedkv::block_hash::{ExtraKey, HashMode};
@@ -14,7 +14,7 @@ const BS: usize = 4;
 fn manager(num_blocks: usize, spans: Vec<AttentionSpan>) -> KvCacheManager {
     KvCacheManager::new(num_blocks, BS, true, HashMode::Xxh3)
         .unwrap()
-        .with_columns(spans)
+        .with_kv_groups(spans)
         .unwrap()
 }
 
@@ -41,17 +41,17 @@ fn decode(m: &mut KvCacheManager, s: SeqId, steps: u32) {
     }
 }
 
-/// How many leading entries each column of `s` has given back.
+/// How many leading entries each group of `s` has given back.
 fn given_back(m: &KvCacheManager, s: SeqId) -> Vec<usize> {
-    m.seq(s).unwrap().columns().iter().map(|c| c.num_released()).collect()
+    m.seq(s).unwrap().kv_groups().iter().map(|c| c.num_released()).collect()
 }
 
-fn held(m: &KvCacheManager, s: SeqId, column: usize) -> Vec<BlockId> {
-    m.seq(s).unwrap().columns()[column].held().to_vec()
+fn held(m: &KvCacheManager, s: SeqId, group: usize) -> Vec<BlockId> {
+    m.seq(s).unwrap().kv_groups()[group].held().to_vec()
 }
 
 #[test]
-fn sliding_column_gives_back_blocks_behind_the_window() {
+fn sliding_group_gives_back_blocks_behind_the_window() {
     let mut m = gemma_like(64);
     let (s, _) = prefill(&mut m, (0..6).collect());
     // One prefill step: nothing is behind any query yet.
@@ -59,7 +59,7 @@ fn sliding_column_gives_back_blocks_behind_the_window() {
     for step in 0..40u32 {
         decode(&mut m, s, 1);
         let seq = m.seq(s).unwrap();
-        let (full, sliding) = (&seq.columns()[0], &seq.columns()[1]);
+        let (full, sliding) = (&seq.kv_groups()[0], &seq.kv_groups()[1]);
         // The step's query sits at `write_start`: it sees the keys from write_start - 7 on.
         let first_seen = (seq.write_start() + 1).saturating_sub(8);
         assert_eq!(
@@ -79,7 +79,7 @@ fn sliding_column_gives_back_blocks_behind_the_window() {
             sliding.held().len() <= 3,
             "a window of 8 over blocks of 4 needs at most 3"
         );
-        // The pool counts exactly what the two columns hold.
+        // The pool counts exactly what the two groups hold.
         assert_eq!(
             m.pool().num_used(),
             full.held().len() + sliding.held().len()
@@ -105,66 +105,66 @@ fn a_sliding_sequence_runs_in_a_bounded_pool() {
 }
 
 #[test]
-fn chunked_column_gives_back_whole_chunks() {
+fn chunked_group_gives_back_whole_chunks() {
     let mut m = manager(32, vec![AttentionSpan::ChunkedLocal(8)]);
     let (s, _) = prefill(&mut m, (0..7).collect());
     decode(&mut m, s, 1); // the query at 7 still sees the chunk 0..8
-    assert_eq!(m.seq(s).unwrap().columns()[0].num_released(), 0);
+    assert_eq!(m.seq(s).unwrap().kv_groups()[0].num_released(), 0);
     decode(&mut m, s, 1); // the query at 8 starts a chunk: blocks 0 and 1 are dead
-    assert_eq!(m.seq(s).unwrap().columns()[0].num_released(), 2);
+    assert_eq!(m.seq(s).unwrap().kv_groups()[0].num_released(), 2);
     assert_eq!(held(&m, s, 0).len(), 1);
 }
 
 #[test]
-fn given_back_blocks_stay_findable_and_a_sliding_column_serves_from_its_window() {
+fn given_back_blocks_stay_findable_and_a_sliding_group_serves_from_its_window() {
     let mut m = gemma_like(64);
     let prompt: Vec<u32> = (0..30).collect();
     let (a, _) = prefill(&mut m, prompt.clone());
-    decode(&mut m, a, 1); // the sliding column gives back blocks 0..5 of the prompt
-    assert_eq!(m.seq(a).unwrap().columns()[1].num_released(), 5);
+    decode(&mut m, a, 1); // the sliding group gives back blocks 0..5 of the prompt
+    assert_eq!(m.seq(a).unwrap().kv_groups()[1].num_released(), 5);
     m.free(a).unwrap();
-    // Same prompt: 7 full blocks, both columns still cache them all.
+    // Same prompt: 7 full blocks, both groups still cache them all.
     let (b, hit) = m.add_sequence(AddSequence::new(prompt.clone(), ExtraKey::new(None)));
     assert_eq!(hit, 28);
     let seq = m.seq(b).unwrap();
-    // The full column takes every hit; the sliding one only what the query at 28 sees.
-    assert_eq!(seq.columns()[0].held().len(), 7);
-    assert_eq!(seq.columns()[1].num_released(), (29 - 8) / BS);
-    assert_eq!(seq.columns()[1].held().len(), 7 - (29 - 8) / BS);
+    // The full group takes every hit; the sliding one only what the query at 28 sees.
+    assert_eq!(seq.kv_groups()[0].held().len(), 7);
+    assert_eq!(seq.kv_groups()[1].num_released(), (29 - 8) / BS);
+    assert_eq!(seq.kv_groups()[1].held().len(), 7 - (29 - 8) / BS);
     m.check_invariants().unwrap();
     assert!(m.allocate_slots(b, 2).unwrap());
     let full_blocks = held(&m, b, 0)[..7].to_vec();
     m.free(b).unwrap();
 
-    // Columns hash apart: the same tokens in another column are other content.
+    // Groups hash apart: the same tokens in another group are other content.
     let full_first = m.match_prefix(&prompt, &ExtraKey::new(None));
-    assert_eq!(full_first.cols.len(), 2);
-    assert_ne!(full_first.cols[0].hashes[0], full_first.cols[1].hashes[0]);
+    assert_eq!(full_first.groups.len(), 2);
+    assert_ne!(full_first.groups[0].hashes[0], full_first.groups[1].hashes[0]);
 
-    // Evict what the sliding column gave back first (released first, the last block first):
-    // the full column still holds the whole prompt, and the sliding column the blocks a
-    // query after it sees (5 and 6), each verified as a leaf of the full column's chain: the
+    // Evict what the sliding group gave back first (released first, the last block first):
+    // the full group still holds the whole prompt, and the sliding group the blocks a
+    // query after it sees (5 and 6), each verified as a leaf of the full group's chain: the
     // whole prompt is still served.
-    // 14 blocks are cached (7 per column) and 50 free without content: 54 new blocks evict 4.
+    // 14 blocks are cached (7 per group) and 50 free without content: 54 new blocks evict 4.
     let filler = m
         .add_sequence(AddSequence::new((500..500 + 4 * 60).collect(), ExtraKey::new(Some("other"))))
         .0;
     assert!(m.allocate_slots(filler, 4 * 27).unwrap());
     assert!(
         full_blocks.iter().all(|&b| m.pool().is_cached(b)),
-        "the full column's prompt blocks are still cached"
+        "the full group's prompt blocks are still cached"
     );
     let after = m.match_prefix(&prompt, &ExtraKey::new(None));
     assert_eq!(after.num_blocks(), 7, "served from the window's last blocks");
-    let live: Vec<_> = after.cols[1].hits[5..].iter().map(|h| h.block).collect();
+    let live: Vec<_> = after.groups[1].hits[5..].iter().map(|h| h.block).collect();
     assert!(live.iter().all(|&b| !b.is_null() && m.pool().is_cached(b)), "{live:?}");
-    // A sequence admitted on it reads the full column's 7 blocks and the sliding column's 2.
+    // A sequence admitted on it reads the full group's 7 blocks and the sliding group's 2.
     let (c, hit) = m.add_sequence(AddSequence::new(prompt.clone(), ExtraKey::new(None)));
     assert_eq!(hit, 28);
-    assert_eq!(m.seq(c).unwrap().columns()[1].held(), &live[..]);
+    assert_eq!(m.seq(c).unwrap().kv_groups()[1].held(), &live[..]);
     m.free(c).unwrap();
-    // Another prompt with the same first 20 tokens: the full column serves 5 blocks, and the
-    // sliding column's blocks for them (3 and 4, what a query at 20 sees) were evicted, so the
+    // Another prompt with the same first 20 tokens: the full group serves 5 blocks, and the
+    // sliding group's blocks for them (3 and 4, what a query at 20 sees) were evicted, so the
     // longest prefix both serve is shorter (the query at 4 sees block 0, still cached).
     let mut other = prompt[..20].to_vec();
     other.extend(900..920);
@@ -175,10 +175,10 @@ fn given_back_blocks_stay_findable_and_a_sliding_column_serves_from_its_window()
 }
 
 #[test]
-fn fork_swap_and_a_failed_step_keep_every_column() {
+fn fork_swap_and_a_failed_step_keep_every_group() {
     let mut m = KvCacheManager::new(48, BS, true, HashMode::Xxh3)
         .unwrap()
-        .with_columns(vec![
+        .with_kv_groups(vec![
             AttentionSpan::Full,
             AttentionSpan::SlidingWindow(6),
             AttentionSpan::ChunkedLocal(8),
@@ -191,10 +191,10 @@ fn fork_swap_and_a_failed_step_keep_every_column() {
     let child = m.fork(a).unwrap();
     m.check_invariants().unwrap();
     assert_eq!(
-        m.seq(child).unwrap().columns()[1].num_released(),
-        m.seq(a).unwrap().columns()[1].num_released()
+        m.seq(child).unwrap().kv_groups()[1].num_released(),
+        m.seq(a).unwrap().kv_groups()[1].num_released()
     );
-    // Both decode on: the shared partial block is copied in every column.
+    // Both decode on: the shared partial block is copied in every group.
     decode(&mut m, a, 1);
     decode(&mut m, child, 1);
     assert_eq!(m.take_copy_ops().len(), 3);
@@ -217,7 +217,7 @@ fn fork_swap_and_a_failed_step_keep_every_column() {
     m.check_invariants().unwrap();
     assert_eq!(given_back(&m, child), released);
     decode(&mut m, child, 3);
-    // A failed step: its window is discarded in every column, and every block returns.
+    // A failed step: its window is discarded in every group, and every block returns.
     assert!(m.append_token_with_slot(a, 7).unwrap());
     m.free_discarding_window(a).unwrap();
     m.free(child).unwrap();
@@ -231,7 +231,7 @@ fn admission_cost_counts_only_the_live_hits() {
     let prompt: Vec<u32> = (0..41).collect();
     let (a, _) = prefill(&mut m, prompt.clone());
     m.free(a).unwrap();
-    // 10 cached blocks per column, all free: the full column revives 10, the sliding one only
+    // 10 cached blocks per group, all free: the full group revives 10, the sliding one only
     // the blocks the query at 40 sees (keys 33..): blocks 8 and 9. Plus one fresh block each.
     let hit = m.match_prefix(&prompt, &ExtraKey::new(None));
     assert_eq!(hit.num_blocks(), 10);
@@ -245,34 +245,34 @@ fn admission_cost_counts_only_the_live_hits() {
 }
 
 #[test]
-fn one_full_column_hashes_as_before_columns() {
-    // Column 0's key is the sequence's own: KV events and routers see the same hashes.
+fn one_full_group_hashes_as_before_groups() {
+    // Group 0's key is the sequence's own: KV events and routers see the same hashes.
     let key = ExtraKey::new(Some("salt"));
-    assert_eq!(key.for_column(0), key);
-    assert_ne!(key.for_column(1), key);
+    assert_eq!(key.for_group(0), key);
+    assert_ne!(key.for_group(1), key);
     let mut plain = KvCacheManager::new(16, BS, true, HashMode::Xxh3).unwrap();
     let mut one = manager(16, vec![AttentionSpan::Full]);
     let prompt: Vec<u32> = (0..9).collect();
     assert_eq!(
-        plain.match_prefix(&prompt, &key).cols[0].hashes,
-        one.match_prefix(&prompt, &key).cols[0].hashes
+        plain.match_prefix(&prompt, &key).groups[0].hashes,
+        one.match_prefix(&prompt, &key).groups[0].hashes
     );
 }
 
 #[test]
-fn a_sequence_keeping_all_gives_nothing_back_and_reservations_fill_every_column() {
+fn a_sequence_keeping_all_gives_nothing_back_and_reservations_fill_every_group() {
     // KV transfer (rust/scheduler/kv_transfer.rs): a hold_kv request's sequence keeps every
-    // column whole, through admission on hits behind the window, decoding, fork and swap.
+    // group whole, through admission on hits behind the window, decoding, fork and swap.
     let mut m = KvCacheManager::new(64, BS, true, HashMode::Xxh3)
         .unwrap()
-        .with_columns(vec![AttentionSpan::Full, AttentionSpan::SlidingWindow(6)])
+        .with_kv_groups(vec![AttentionSpan::Full, AttentionSpan::SlidingWindow(6)])
         .unwrap()
         .with_host_tier(64)
         .unwrap();
     let prompt: Vec<u32> = (0..41).collect();
     let (a, _) = prefill(&mut m, prompt.clone());
     m.free(a).unwrap();
-    // Every hit of every column is taken (the sliding column's behind the window too).
+    // Every hit of every group is taken (the sliding group's behind the window too).
     let hit = m.match_prefix(&prompt, &ExtraKey::new(None));
     assert_eq!(m.admission_cost_keeping(&hit, 1, true), 2 * (10 + 1));
     let keeping = AddSequence { prefix: Some(hit), keep_all: true, ..AddSequence::new(prompt.clone(), ExtraKey::new(None)) };
@@ -300,7 +300,7 @@ fn a_sequence_keeping_all_gives_nothing_back_and_reservations_fill_every_column(
     m.free(child).unwrap();
     m.free(k).unwrap();
     m.check_invariants().unwrap();
-    // A reservation: the cached prefix (10 blocks) is held in both columns, fresh blocks
+    // A reservation: the cached prefix (10 blocks) is held in both groups, fresh blocks
     // after it in both.
     let longer: Vec<u32> = (0..57).collect();
     let free = m.pool().num_free();
@@ -318,7 +318,7 @@ fn a_sequence_keeping_all_gives_nothing_back_and_reservations_fill_every_column(
         2 * 14,
         "the cached hits taken, 4 fresh blocks each"
     );
-    // Committed (freed): every column's chain reaches 14 blocks.
+    // Committed (freed): every group's chain reaches 14 blocks.
     m.free(r).unwrap();
     assert_eq!(
         m.match_prefix(&longer, &ExtraKey::new(None)).num_blocks(),

@@ -3,7 +3,7 @@
 //! The fake model keeps one value per KV slot: the digest of the token at that position
 //! chained with the value of the previous position, read *through the row's block table*
 //! (as attention reads earlier keys). A sampled token is a function of the last position's
-//! value and the sample index. The reference computes the same chain over each branch's own
+//! value and the sample index. The reference computes the same chain over each sample's own
 //! token list, as a contiguous cache would. Any error in block tables, slot mappings, prefix
 //! hits, copy-on-write or preemption changes a digest and therefore the tokens.
 //!
@@ -66,8 +66,8 @@ struct Expect {
     aborted: bool,
 }
 
-/// The tokens a branch must produce: the reference chain over its own tokens, in every
-/// column, as a contiguous cache computes it.
+/// The tokens a sample must produce: the reference chain over its own tokens, in every
+/// group, as a contiguous cache computes it.
 fn reference_outputs(e: &Expect, index: usize, max_model_len: usize, spans: &[AttentionSpan]) -> (Vec<u32>, FinishReason) {
     let mut values = Vec::new();
     for &t in &e.prompt {
@@ -110,7 +110,7 @@ struct SimSpec {
     retention: bool,
     /// Probability of a prefix-cache reset between two steps.
     reset_prob: f64,
-    /// KV cache groups: what each column's layers attend to.
+    /// KV cache groups: what each group's layers attend to.
     spans: Vec<AttentionSpan>,
     /// Shared system prompts' lengths (a few are drawn; half the requests start with one).
     system_len: std::ops::Range<usize>,
@@ -242,7 +242,7 @@ struct SimResult {
     host_hits: u64,
     disk_hits: u64,
     blocks_swapped_in: u64,
-    /// Prefix-hit tokens a sliding column served from its window alone.
+    /// Prefix-hit tokens a sliding group served from its window alone.
     window_hits: u64,
 }
 
@@ -469,18 +469,18 @@ fn swap_and_host_tier_match_contiguous_reference() {
     }
 }
 
-/// KV cache groups: a full column with sliding and chunked ones (Gemma, gpt-oss and Llama 4
+/// KV cache groups: a full group with sliding and chunked ones (Gemma, gpt-oss and Llama 4
 /// shapes), under preemption, prefix hits, failed steps and the host and disk tiers. Every
-/// column's layer reads its whole window through its own table, so a block given back too
-/// early, a wrong hit in one column or a lost swap changes the tokens.
+/// group's layer reads its whole window through its own table, so a block given back too
+/// early, a wrong hit in one group or a lost swap changes the tokens.
 #[test]
 fn kv_cache_groups_match_contiguous_reference() {
     let gemma = vec![AttentionSpan::Full, AttentionSpan::SlidingWindow(24), AttentionSpan::SlidingWindow(24)];
     let mixed = vec![AttentionSpan::SlidingWindow(9), AttentionSpan::ChunkedLocal(32), AttentionSpan::Full];
     let r = run_sim(&SimSpec::basic(31, 600, 160, 8, 256, 128, 32, Policy::Fcfs, true, HashMode::Xxh3, 0.02, 0.0).with_spans(gemma.clone()));
     assert!(r.preemptions > 20 && r.prefix_hits > 0, "{r:?}");
-    // Long shared prompts in a tight pool: the sliding columns' early blocks (given back
-    // first, so evicted first) go while the full column and the windows still cache the
+    // Long shared prompts in a tight pool: the sliding groups' early blocks (given back
+    // first, so evicted first) go while the full group and the windows still cache the
     // prompts, and hits are served from the windows alone (verified as the trunk's leaves;
     // a wrong block would change the tokens).
     let r = run_sim(
@@ -550,10 +550,10 @@ fn restarted_scheduler_serves_hits_from_restored_disk_entries() {
     restart_from_disk_entries(&[AttentionSpan::Full]);
 }
 
-/// The same with KV cache groups: every column's entries carry their column, restore under
-/// its key, and serve hits in every column; an entry of a column the pool lacks is refused.
+/// The same with KV cache groups: every group's entries carry their group, restore under
+/// its key, and serve hits in every group; an entry of a group the pool lacks is refused.
 #[test]
-fn restarted_scheduler_with_columns_restores_every_column() {
+fn restarted_scheduler_with_kv_groups_restores_every_group() {
     restart_from_disk_entries(&[AttentionSpan::Full, AttentionSpan::SlidingWindow(12), AttentionSpan::SlidingWindow(12)]);
 }
 
@@ -617,7 +617,7 @@ fn restart_from_disk_entries(spans: &[AttentionSpan]) {
     let n_restored = restored.iter().filter(|s| s.is_some()).count();
     assert!(n_restored * 4 >= restored.len() * 3, "{n_restored} of {} entries restored", restored.len());
     // The restored entries are announced as stored on DISK (and nothing else); events name
-    // column 0's blocks only.
+    // group 0's blocks only.
     let n_announced = infos.iter().zip(&restored).filter(|(info, s)| info.4 == 0 && s.is_some()).count();
     let mut replay = EventReplay::default();
     replay.sync(&mut second, "after the restore");
@@ -632,19 +632,19 @@ fn restart_from_disk_entries(spans: &[AttentionSpan]) {
         }
     }
     // A tampered entry (tokens that do not match its hash) is refused, and so is an entry
-    // moved to another column (its hash is its column's) or to a column the pool lacks.
-    let (h, p, mut t, salt, column) = infos[0].clone();
+    // moved to another group (its hash is its group's) or to a group the pool lacks.
+    let (h, p, mut t, salt, group) = infos[0].clone();
     t[0] ^= 1;
-    assert_eq!(second.restore_disk_blocks(&[(h, p, t, salt.clone(), column)]), vec![None]);
-    let (h, p, t, salt, column) = infos[0].clone();
-    let other = (column + 1) % spans.len() as u32;
-    if other != column {
+    assert_eq!(second.restore_disk_blocks(&[(h, p, t, salt.clone(), group)]), vec![None]);
+    let (h, p, t, salt, group) = infos[0].clone();
+    let other = (group + 1) % spans.len() as u32;
+    if other != group {
         assert_eq!(second.restore_disk_blocks(&[(h, p, t.clone(), salt.clone(), other)]), vec![None]);
     }
     assert_eq!(second.restore_disk_blocks(&[(h, p, t, salt, spans.len() as u32)]), vec![None]);
     if spans.len() > 1 {
-        let columns: HashSet<u32> = infos.iter().map(|info| info.4).collect();
-        assert_eq!(columns.len(), spans.len(), "every column reached the disk: {columns:?}");
+        let groups: HashSet<u32> = infos.iter().map(|info| info.4).collect();
+        assert_eq!(groups.len(), spans.len(), "every group reached the disk: {groups:?}");
     }
     let outputs = run(&mut second, &mut model2, "b");
     check(&outputs, "b");

@@ -57,7 +57,7 @@ class FakeModel:
 
 
 def reference_tokens(prompt: list[int], num_tokens: int, index: int = 0) -> list[int]:
-    """The first `num_tokens` tokens a branch must produce (ignoring stops)."""
+    """The first `num_tokens` tokens a sample must produce (ignoring stops)."""
     d = ROOT
     for t in prompt:
         d = chain(d, t)

@@ -5,7 +5,7 @@
 //! token (so that prompt lookup finds and drafts continuations that are often right), now and
 //! then a token derived from the context's digest (so that drafts are also often wrong, at
 //! random positions). Each logits row's digest must equal the digest of the exact context it
-//! stands for (the branch's verified tokens plus the drafts before that row), read through the
+//! stands for (the sample's verified tokens plus the drafts before that row), read through the
 //! block tables: a rejected draft's stale slot read later, a wrong slot or a lost block changes
 //! it. Under a pool small enough to force preemption, with `n > 1` forks, eos and length
 //! limits, and steps that fail part-way and are rolled back, the outputs with speculation must

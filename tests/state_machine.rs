@@ -8,9 +8,9 @@
 //! `tokens[..=pos]`); copy ops copy whole blocks. After every step the invariants hold and every
 //! live sequence reads back exactly its own tokens through its block table — the property
 //! attention depends on. At the end every sequence is freed and the pool must be whole.
-//! With KV cache groups (several columns, some of them sliding or chunked) every column
-//! writes its own content (the digest tagged with the column), so a block that two columns
-//! or two sequences both believe theirs shows up as a wrong read; a sliding column reads back
+//! With KV cache groups (several groups, some of them sliding or chunked) every group
+//! writes its own content (the digest tagged with the group), so a block that two groups
+//! or two sequences both believe theirs shows up as a wrong read; a sliding group reads back
 //! every position a future query can see, and holds no more blocks than that needs.
 
 #![allow(clippy::needless_range_loop)] // positions index both the tokens and the block table
@@ -102,7 +102,7 @@ proptest! {
 #[derive(Debug, Clone)]
 enum SeqOp {
     /// New sequence: base prompt index, extra suffix length, salt choice; `keep_all`: it keeps
-    /// every block of every column (a `hold_kv` request's, whose KV another engine reads).
+    /// every block of every group (a `hold_kv` request's, whose KV another engine reads).
     Add { base: usize, suffix: usize, salt: u8, keep_all: bool },
     /// A KV-transfer reservation for a new prompt: its fresh blocks are written (the KV
     /// arriving), then committed into the prefix cache or cancelled.
@@ -171,13 +171,13 @@ impl Model {
     }
 
     /// Writes the tokens of the sequence's write window into the simulated cache, in every
-    /// column.
+    /// group.
     fn write_window(&mut self, m: &KvCacheManager, id: SeqId) {
         let s = m.seq(id).unwrap();
         let digests = prefix_digests(s.tokens());
-        for (c, col) in s.columns().iter().enumerate() {
+        for (c, group) in s.kv_groups().iter().enumerate() {
             for pos in s.write_start()..s.num_computed() {
-                let slot = col.table().slot(pos, self.bs) as usize;
+                let slot = group.table().slot(pos, self.bs) as usize;
                 self.kv[slot] = Some(column_digest(digests[pos], c));
             }
         }
@@ -187,21 +187,21 @@ impl Model {
         for &id in &self.seqs {
             let s = m.seq(id).unwrap();
             let digests = prefix_digests(s.tokens());
-            for (c, (col, &span)) in s.columns().iter().zip(m.spans()).enumerate() {
+            for (c, (group, &span)) in s.kv_groups().iter().zip(m.spans()).enumerate() {
                 // Every position the step in flight (its queries start at `write_start`) or a
                 // later one can see is held and reads back.
-                prop_assert!(col.num_released() * self.bs <= span.first_visible(s.write_start()), "column {} gave back a visible block", c);
-                for pos in col.num_released() * self.bs..s.num_computed() {
-                    let slot = col.table().slot(pos, self.bs) as usize;
-                    prop_assert_eq!(self.kv[slot], Some(column_digest(digests[pos], c)), "sequence {} column {} position {}", id, c, pos);
+                prop_assert!(group.num_released() * self.bs <= span.first_visible(s.write_start()), "group {} gave back a visible block", c);
+                for pos in group.num_released() * self.bs..s.num_computed() {
+                    let slot = group.table().slot(pos, self.bs) as usize;
+                    prop_assert_eq!(self.kv[slot], Some(column_digest(digests[pos], c)), "sequence {} group {} position {}", id, c, pos);
                 }
-                // A sliding or chunked column holds no more blocks than its window needs for the
+                // A sliding or chunked group holds no more blocks than its window needs for the
                 // largest step this machine schedules (`Allocate` gives at most 13 slots),
                 // unless the sequence keeps all its blocks (then it gave none back).
                 if s.keeps_all() {
-                    prop_assert_eq!(col.num_released(), 0, "column {} of a keep-all sequence gave blocks back", c);
+                    prop_assert_eq!(group.num_released(), 0, "group {} of a keep-all sequence gave blocks back", c);
                 } else if let Some(bound) = span.max_live_blocks(13, self.bs) {
-                    prop_assert!(col.held().len() <= bound, "column {} holds {} blocks, bound {}", c, col.held().len(), bound);
+                    prop_assert!(group.held().len() <= bound, "group {} holds {} blocks, bound {}", c, group.held().len(), bound);
                 }
             }
         }
@@ -209,7 +209,7 @@ impl Model {
     }
 }
 
-/// What column `c` writes for a position whose prefix digest is `d` (column 0: `d` itself).
+/// What group `c` writes for a position whose prefix digest is `d` (group 0: `d` itself).
 fn column_digest(d: u64, c: usize) -> u64 {
     d ^ (c as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
@@ -221,7 +221,7 @@ fn run_manager_machine(ops: Vec<SeqOp>, hash_mode: HashMode) -> Result<(), TestC
 fn run_columns_machine(ops: Vec<SeqOp>, hash_mode: HashMode, spans: Vec<AttentionSpan>) -> Result<(), TestCaseError> {
     let bs = 4;
     let n = 24 * spans.len();
-    let mut m = KvCacheManager::new(n, bs, true, hash_mode).unwrap().with_columns(spans).unwrap();
+    let mut m = KvCacheManager::new(n, bs, true, hash_mode).unwrap().with_kv_groups(spans).unwrap();
     let mut model = Model { bs, kv: vec![None; n * bs], seqs: Vec::new(), next_token: 1000 };
     // Base prompts: three share a first block, so hits of different depths happen; the
     // fourth starts differently, so a wrong first-block hit would be visible.
@@ -251,7 +251,7 @@ fn run_columns_machine(ops: Vec<SeqOp>, hash_mode: HashMode, spans: Vec<Attentio
                 let full = (tokens.len() - 1) / bs;
                 if let Some((id, hits)) = m.reserve_prefix(tokens, ExtraKey::new(None), full) {
                     prop_assert!(hits <= full);
-                    // The KV arrives in the fresh blocks of every column (its write window).
+                    // The KV arrives in the fresh blocks of every group (its write window).
                     model.write_window(&m, id);
                     if commit {
                         m.free(id).unwrap();
@@ -338,14 +338,14 @@ proptest! {
         run_manager_machine(ops, HashMode::Truncated(3))?;
     }
 
-    /// KV cache groups: a full column and a sliding one (Gemma's shape).
+    /// KV cache groups: a full group and a sliding one (Gemma's shape).
     #[test]
     fn columns_read_back_their_tokens(ops in prop::collection::vec(seq_op(), 1..150)) {
         run_columns_machine(ops, HashMode::Xxh3, vec![AttentionSpan::Full, AttentionSpan::SlidingWindow(6)])?;
     }
 
-    /// Sliding, chunked and full columns under frequent hash collisions: a hit must be
-    /// verified in every column.
+    /// Sliding, chunked and full groups under frequent hash collisions: a hit must be
+    /// verified in every group.
     #[test]
     fn mixed_columns_survive_hash_collisions(ops in prop::collection::vec(seq_op(), 1..150)) {
         run_columns_machine(

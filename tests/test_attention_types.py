@@ -1,4 +1,4 @@
-"""Models whose layers do not all attend to the whole context, served end to end (issue 25).
+"""Models whose layers do not all attend to the whole context, served end to end.
 
 Tiny random-weight models of eight architectures, built offline with ``from_config``, each
 with a 12-token window (or 16-token chunk) on 8-slot blocks, so windows end on and off block

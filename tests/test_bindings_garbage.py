@@ -82,8 +82,8 @@ def public_methods(obj: object) -> list[tuple[str, int]]:
     return out
 
 
-def call_with_garbage(obj: object, rng: random.Random, rounds: int) -> None:
-    methods = public_methods(obj)
+def call_with_garbage(obj: object, rng: random.Random, rounds: int, skip: tuple[str, ...] = ()) -> None:
+    methods = [m for m in public_methods(obj) if m[0] not in skip]
     assert methods
     for _ in range(rounds):
         name, arity = rng.choice(methods)
@@ -203,7 +203,9 @@ def test_beam_methods_never_panic() -> None:
         else:
             rows = len(out.beam_rows)
             s.update(out, zeros, [[5, 6, 7, 8]] * rows, [[-0.5, -1.0, -1.5, -2.0]] * rows)
-        call_with_garbage(s, rng, 10)
+        # The loop drives the steps: a garbage call that starts one (schedule_flush takes no
+        # argument, so any call of it succeeds) would leave it without its update.
+        call_with_garbage(s, rng, 10, skip=("schedule", "schedule_flush"))
         s.check_invariants()
     assert isinstance(s.take_beam_results(), list)
     assert s.stats().num_used_blocks == 0

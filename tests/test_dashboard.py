@@ -124,8 +124,8 @@ def test_page_auth_and_prompt_text(tiny_model: str) -> None:
 
 def test_kv_cache_groups_show_each_columns_blocks(tmp_path: Any) -> None:
     """A model with KV cache groups (gemma3_text: a 12-token window on two layers of four, so
-    one full and one sliding column, pages of two layers): the state says which column each
-    device block serves, and while requests longer than the window run, the sliding column
+    one full and one sliding-window KV cache group, pages of two layers): the state says which
+    group each device block serves, and while requests longer than the window run, the sliding group
     holds fewer blocks than the full one."""
     from tiny_models import save_tiny_windowed
 
@@ -151,18 +151,18 @@ def test_kv_cache_groups_show_each_columns_blocks(tmp_path: Any) -> None:
     while engine.has_unfinished_requests():
         engine.step()
         s = encode_state(engine.kv_snapshot(), show_prompts=False)
-        assert s["column_spans"] == ["full", "sliding window 12"]
-        columns = decode(s["block_columns"], np.int16)
+        assert s["kv_group_spans"] == ["full", "sliding window 12"]
+        groups = decode(s["block_kv_groups"], np.int16)
         blocks = decode(s["block_states"], np.uint8)
         used = np.isin(blocks, (USED, SHARED))
-        assert columns.size == blocks.size == 64
-        assert set(columns[used].tolist()) <= {0, 1}, "every block in use serves a column"
-        held = [int((used & (columns == c)).sum()) for c in (0, 1)]
+        assert groups.size == blocks.size == 64
+        assert set(groups[used].tolist()) <= {0, 1}, "every block in use serves a group"
+        held = [int((used & (groups == g)).sum()) for g in (0, 1)]
         assert sum(held) == s["stats"]["num_used_blocks"]
-        # Three 60-token prompts: 8 blocks each in the full column; once decoding, the sliding
-        # column has given back all but the blocks its 12-token window reaches (2 or 3).
+        # Three 60-token prompts: 8 blocks each in the full group; once decoding, the sliding
+        # group has given back all but the blocks its 12-token window reaches (2 or 3).
         if s["stats"]["num_running"] == 3 and held[0] >= 3 * 8:
             seen += held[1] <= 3 * 3
-    assert seen, "the page saw the sliding column give its blocks back"
-    final = decode(encode_state(engine.kv_snapshot(), show_prompts=False)["block_columns"], np.int16)
-    assert set(final.tolist()) <= {-1, 0, 1} and (final >= 0).any(), "the prompts stay cached, per column"
+    assert seen, "the page saw the sliding group give its blocks back"
+    final = decode(encode_state(engine.kv_snapshot(), show_prompts=False)["block_kv_groups"], np.int16)
+    assert set(final.tolist()) <= {-1, 0, 1} and (final >= 0).any(), "the prompts stay cached, per group"

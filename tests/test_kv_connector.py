@@ -7,7 +7,7 @@ server-level flow with separate processes and the router is in test_router_disag
 pulls the prompt's KV over NIXL (host memory) or gloo and decodes. Every greedy output is
 compared with a plain engine's, and both engines must end with no block used, no lease and no
 reservation. A tiny Gemma 3 (sliding-window layers, a 12-token window on 8-token blocks) moves
-its KV cache groups: every column's blocks, greedy tokens equal to transformers'.
+its KV cache groups: every group's blocks, greedy tokens equal to transformers'.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ def windowed(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, LLMEngine, LLMEngine]]:
     """A producer / consumer pair serving a tiny Gemma 3 (three sliding-window layers to one
-    full: four KV-cache columns) with KV cache groups on."""
+    full: four KV cache groups) with KV cache groups on."""
     folder = _build(tmp_path_factory.mktemp("windowed") / "gemma3_text", "gemma3_text")
     engine = dict(
         model=folder,
@@ -298,35 +298,35 @@ def windowed(
     producer.shutdown()
 
 
-def test_kv_cache_groups_travel_every_column(windowed: tuple[str, LLMEngine, LLMEngine]) -> None:
+def test_kv_cache_groups_travel_every_group(windowed: tuple[str, LLMEngine, LLMEngine]) -> None:
     folder, producer, consumer = windowed
-    columns = consumer.runner.kv_layout.num_columns
-    assert columns == producer.runner.kv_layout.num_columns == 4  # groups on, with kv_transfer_config
+    groups = consumer.runner.kv_layout.num_columns
+    assert groups == producer.runner.kv_layout.num_columns == 4  # groups on, with kv_transfer_config
     assert consumer.kv_connector is not None and "kv_layout" in consumer.kv_connector.fingerprint
     model = _reference(folder)
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     long, shorter = PROMPTS[1], PROMPTS[0]  # 57 and 40 tokens: several windows long
-    # Decode-side hits: the consumer caches the first two blocks of every column (the sliding
-    # columns' given back behind the window, still cached), so only the rest moves.
+    # Decode-side hits: the consumer caches the first two blocks of every group (the sliding
+    # groups' given back behind the window, still cached), so only the rest moves.
     run(consumer, rid("warm"), {"prompt_token_ids": long[:20]}, SamplingParams(max_tokens=1))
     for prompt, hits in ((long, 2), (shorter, 0)):
         expected, _ = _greedy_reference(model, prompt)
         params = prefill(producer, rid("p"), {"prompt_token_ids": prompt})
-        # The lease holds the whole prompt in every column, column-major.
-        per_column = -(-len(prompt) // BLOCK)
-        assert len(params["remote_block_ids"]) == columns * per_column
-        assert len(set(params["remote_block_ids"])) == columns * per_column
+        # The lease holds the whole prompt in every group, group-major.
+        per_group = -(-len(prompt) // BLOCK)
+        assert len(params["remote_block_ids"]) == groups * per_group
+        assert len(set(params["remote_block_ids"])) == groups * per_group
         pulled = consumer.get_stats()["kv_blocks_pulled"]
         out = run(consumer, rid("d"), {"prompt_token_ids": prompt}, greedy, params)
         assert out.error is None
         assert out.outputs[0].token_ids == expected
         full = (len(prompt) - 1) // BLOCK
-        assert consumer.get_stats()["kv_blocks_pulled"] - pulled == columns * (full - hits)
+        assert consumer.get_stats()["kv_blocks_pulled"] - pulled == groups * (full - hits)
         assert out.num_cached_tokens == full * BLOCK
-    # Block ids that are not whole columns: a typed refusal before anything is held.
+    # Block ids that are not whole groups: a typed refusal before anything is held.
     params = prefill(producer, rid("p"), {"prompt_token_ids": long})
     torn = {**params, "remote_block_ids": params["remote_block_ids"][:-1]}
-    with pytest.raises(InvalidArgumentError, match="column"):
+    with pytest.raises(InvalidArgumentError, match="KV cache group"):
         consumer.add_request(rid("bad"), {"prompt_token_ids": long}, greedy, kv_transfer_params=torn)
     producer.kv_connector.drop_lease(params["remote_request_id"])  # type: ignore[union-attr]
     # A producer whose KV is laid out otherwise (here: every layer whole, as with

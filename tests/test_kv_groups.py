@@ -16,7 +16,7 @@ from pagedkv.sim.kv_groups import (
     blocks_held,
     bytes_per_page,
     bytes_per_sequence,
-    column_spans,
+    kv_group_spans,
     model_kv_of_config,
     page_layers,
 )
@@ -108,7 +108,7 @@ def test_the_study_prints_its_table_and_meets_its_targets() -> None:
     assert out.count(": met.") == 2
 
 
-def test_column_spans_of_a_config() -> None:
+def test_kv_group_spans_of_a_config() -> None:
     gemma = model_kv_of_config(
         "gemma",
         {
@@ -123,11 +123,11 @@ def test_column_spans_of_a_config() -> None:
         },
     )
     # gcd(4, 2) = 2 layers a page: the 2 full layers take one column, the 4 sliding ones two.
-    assert column_spans(gemma) == (("full", None), ("sliding_window", 4), ("sliding_window", 4))
-    assert column_spans(gemma, "whole") == (("full", None),)
+    assert kv_group_spans(gemma) == (("full", None), ("sliding_window", 4), ("sliding_window", 4))
+    assert kv_group_spans(gemma, "whole") == (("full", None),)
     assert bytes_per_page(gemma, "groups", 16) == 2 * (2 * 8 * 2) * 16
     with pytest.raises(ValueError, match="whole' or 'groups"):
-        column_spans(gemma, "vllm")
+        kv_group_spans(gemma, "vllm")
 
 
 def test_the_core_takes_columns_and_gives_back_blocks_behind_the_window() -> None:
@@ -140,7 +140,7 @@ def test_the_core_takes_columns_and_gives_back_blocks_behind_the_window() -> Non
     sched = Scheduler(config)
     sched.add_request("a", list(range(10)), max_tokens=20)
     out = sched.schedule()
-    assert out.num_columns == 2
+    assert out.num_kv_groups == 2
     assert out.block_tables.shape == (2, 3) and out.slot_mapping.shape == (20,)
     tables = out.block_tables.reshape(2, 1, -1)
     assert set(tables[0, 0]).isdisjoint(tables[1, 0]), "the columns hold different pages"

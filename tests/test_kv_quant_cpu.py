@@ -1,4 +1,4 @@
-"""The CPU decode kernel over quantized KV caches (int8, fp8 e4m3, fp8 e5m2; issue 10) against
+"""The CPU decode kernel over quantized KV caches (int8, fp8 e4m3, fp8 e5m2) against
 the float64 oracle, and its bad inputs.
 
 The kernel (rust/cpu_attention.rs) and the oracle (``reference.paged_attention`` on a float64

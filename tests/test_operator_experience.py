@@ -1,4 +1,4 @@
-"""What an operator meets first (issue 24, items 17, 22, 23, 24): idle tensor-parallel workers,
+"""What an operator meets first: idle tensor-parallel workers,
 sizes with units on every command, the benches' opt-in record, clean ``--help`` text, a
 core-only install's error, and a tensor-parallel size refused before anything starts.
 """

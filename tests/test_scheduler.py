@@ -348,7 +348,7 @@ def test_many_random_requests_match_reference() -> None:
     assert s.stats().num_free_blocks == 24
 
 
-def test_finish_sample_ends_one_branch_then_the_request() -> None:
+def test_finish_sample_ends_one_sample_then_the_request() -> None:
     s, model = make(num_blocks=16, block_size=4)
     s.add_request("p", [1, 2, 3, 4, 5], max_tokens=8, n=2)
     out = s.schedule()

@@ -1,4 +1,4 @@
-"""`pagedkv serve` as the tools people point at it use the API (issue 26): penalties,
+"""`pagedkv serve` as the tools people point at it use the API: penalties,
 ``logit_bias``, ``allowed_token_ids``, ``bad_words``; ``echo`` + ``logprobs`` (lm-eval's
 loglikelihood requests) and vLLM's ``prompt_logprobs``; vLLM's leniency (unknown fields,
 ``null``, content-part lists); the small endpoints clients probe; and bad values of all these

@@ -1,5 +1,5 @@
 """`pagedkv serve` against a hostile client: every request that used to take the server down
-(issue 24: a huge ``n``, huge bodies and prompts, huge ``logprobs``, a request chat template that
+(a huge ``n``, huge bodies and prompts, huge ``logprobs``, a request chat template that
 builds gigabytes, slowloris connections, a list of thousands of prompts) gets a bounded 4xx/503
 with OpenAI's error body, and the server answers a normal request right after. Plus the start-up
 log and the end of open streams past the shutdown timeout.

@@ -1,7 +1,7 @@
 """Parallel sampling: KV blocks saved by sharing the prompt between ``n`` samples.
 
 A request with ``n`` samples is prefilled once; when its prompt is done the scheduler forks it
-into ``n`` branches that share every prompt block (ref count ``n``), and the first write into
+into ``n`` samples that share every prompt block (ref count ``n``), and the first write into
 the shared partial last block copies it (copy-on-write). Without sharing, the same work is ``n``
 independent requests with the same prompt, each with its own blocks (prefix caching OFF, so
 they share nothing). Both are replayed through the real scheduler in a pool large enough that

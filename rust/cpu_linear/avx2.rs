@@ -6,9 +6,9 @@
 //! [`super::PREFETCH_TILES`] tiles on, one cache line per row per 64 bytes it reads. At one
 //! input row the product is a stream of the weights, and a tile reads `NR` rows side by side,
 //! each only `K` values long (2.3 KB for K = 576): the hardware prefetcher met `NR` new short
-//! streams at every tile, and without this the kernel read SmolLM2's weights at 19.6 GB/s
-//! where `torch.sum` reads the same bytes at 32 (benches/RESULTS.md, "Compiled forward: the
-//! step's overhead").
+//! streams at every tile, and without this the kernel read SmolLM2's weights well below the
+//! rate `torch.sum` reads the same bytes at (benches/RESULTS.md, "Compiled forward: the step's
+//! overhead").
 
 use super::rows::WeightRow;
 use super::{Isa, NR};

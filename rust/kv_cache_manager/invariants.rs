@@ -18,32 +18,32 @@ impl KvCacheManager {
         for (key, seq) in self.seqs.iter() {
             let slot = key.slot;
             let want = blocks_for(seq.num_computed, bs);
-            if seq.cols.len() != self.spans.len() {
+            if seq.groups.len() != self.spans.len() {
                 return Err(CoreError::InvariantViolation(format!(
-                    "sequence in slot {slot} has {} columns, the manager {}",
-                    seq.cols.len(),
+                    "sequence in slot {slot} has {} groups, the manager {}",
+                    seq.groups.len(),
                     self.spans.len()
                 )));
             }
-            for (c, (col, span)) in seq.cols.iter().zip(&self.spans).enumerate() {
-                if col.table.len() != want {
+            for (c, (group, span)) in seq.groups.iter().zip(&self.spans).enumerate() {
+                if group.table.len() != want {
                     return Err(CoreError::InvariantViolation(format!(
-                        "sequence in slot {slot} holds {} blocks in column {c} for {} computed tokens (want {want})",
-                        col.table.len(),
+                        "sequence in slot {slot} holds {} blocks in group {c} for {} computed tokens (want {want})",
+                        group.table.len(),
                         seq.num_computed
                     )));
                 }
                 // Only blocks no query from `write_start` on sees are given back, and exactly they
                 // are null.
-                let nulls_ok = col.table.blocks().iter().enumerate().all(|(k, b)| b.is_null() == (k < col.num_released));
+                let nulls_ok = group.table.blocks().iter().enumerate().all(|(k, b)| b.is_null() == (k < group.num_released));
                 // A sequence that keeps all its blocks gives none back.
                 let limit = if seq.keep_all { 0 } else { span.dead_blocks(seq.write_start, bs) };
-                let released_ok = col.num_released <= limit;
+                let released_ok = group.num_released <= limit;
                 if !nulls_ok || !released_ok {
                     return Err(CoreError::InvariantViolation(format!(
-                        "sequence in slot {slot}, column {c} ({span:?}): {} entries given back of {:?} at write start {}",
-                        col.num_released,
-                        col.table.blocks(),
+                        "sequence in slot {slot}, group {c} ({span:?}): {} entries given back of {:?} at write start {}",
+                        group.num_released,
+                        group.table.blocks(),
                         seq.write_start
                     )));
                 }
@@ -53,7 +53,7 @@ impl KvCacheManager {
             let cached = |b: &BlockId| !b.is_null() && self.pool.is_cached(*b);
             if seq.tier == Tier::Device
                 && seq.num_drafts > 0
-                && seq.cols.iter().any(|c| c.table.blocks().iter().skip(first_draft_block).any(cached))
+                && seq.groups.iter().any(|c| c.table.blocks().iter().skip(first_draft_block).any(cached))
             {
                 return Err(CoreError::InvariantViolation(format!(
                     "sequence in slot {slot}: a block holding one of its {} drafts is in the prefix cache",
@@ -103,7 +103,7 @@ impl KvCacheManager {
             }
             let first = seq.write_start / bs;
             let last = (seq.num_computed - 1) / bs;
-            for &b in seq.cols.iter().flat_map(|c| &c.table.blocks()[first..=last]) {
+            for &b in seq.groups.iter().flat_map(|c| &c.table.blocks()[first..=last]) {
                 writers[b.index()] += 1;
                 if writers[b.index()] > 1 {
                     return Err(CoreError::InvariantViolation(format!(

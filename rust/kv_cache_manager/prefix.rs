@@ -1,4 +1,4 @@
-//! Prefix-cache lookups over every tier and every column: the verified cached prefix a new
+//! Prefix-cache lookups over every tier and every group: the verified cached prefix a new
 //! sequence can start from, and what admitting it costs the pools.
 
 use crate::attention_span::AttentionSpan;
@@ -10,13 +10,13 @@ use crate::ids::BlockId;
 use super::tier_ledger::{Tier, TierBlock};
 use super::KvCacheManager;
 
-/// The verified cached prefix of one column (part of a [`PrefixMatch`]).
+/// The verified cached prefix of one group (part of a [`PrefixMatch`]).
 #[derive(Debug, Clone, Default)]
-pub struct ColumnMatch {
-    /// Cached blocks holding the column's first `hits.len() * block_size` tokens, in order; a
+pub struct GroupMatch {
+    /// Cached blocks holding the group's first `hits.len() * block_size` tokens, in order; a
     /// block found only on the host is loaded into a fresh device block at admission. In a
-    /// column other than 0 an entry may be [`BlockId::NULL`] (not found): only a column's live
-    /// hits must be found, and a sliding column's earlier entries are never read.
+    /// group other than 0 an entry may be [`BlockId::NULL`] (not found): only a group's live
+    /// hits must be found, and a sliding group's earlier entries are never read.
     pub hits: Vec<TierBlock>,
     /// Chained hashes computed on the way (at least one per hit block).
     pub hashes: Vec<BlockHash>,
@@ -25,22 +25,22 @@ pub struct ColumnMatch {
 }
 
 /// The verified cached prefix of a token sequence (from [`KvCacheManager::match_prefix`]):
-/// the longest prefix every column can serve, so every column has as many hits (a sliding or
-/// chunked column needs only the hits a query after the prefix still sees; admission takes
+/// the longest prefix every group can serve, so every group has as many hits (a sliding or
+/// chunked group needs only the hits a query after the prefix still sees; admission takes
 /// those).
 #[derive(Debug, Clone, Default)]
 pub struct PrefixMatch {
-    /// One per column, column 0 first (empty: no hits in any column).
-    pub cols: Vec<ColumnMatch>,
+    /// One per group, group 0 first (empty: no hits in any group).
+    pub groups: Vec<GroupMatch>,
     /// The pools' eviction counts when matched: if blocks were evicted since, the match may
     /// be stale and is redone.
     pub(super) evictions_at_match: u64,
 }
 
 impl PrefixMatch {
-    /// Number of cached blocks (per column).
+    /// Number of cached blocks (per group).
     pub fn num_blocks(&self) -> usize {
-        self.cols.first().map_or(0, |c| c.hits.len())
+        self.groups.first().map_or(0, |c| c.hits.len())
     }
 
     /// Number of cached tokens.
@@ -48,14 +48,14 @@ impl PrefixMatch {
         self.num_blocks() * block_size
     }
 
-    /// Number of hits found only on the host (all columns).
+    /// Number of hits found only on the host (all groups).
     pub fn num_host_blocks(&self) -> usize {
-        self.cols.iter().flat_map(|c| &c.hits).filter(|h| h.tier == Tier::Host).count()
+        self.groups.iter().flat_map(|c| &c.hits).filter(|h| h.tier == Tier::Host).count()
     }
 
-    /// Number of hits found only on disk (all columns).
+    /// Number of hits found only on disk (all groups).
     pub fn num_disk_blocks(&self) -> usize {
-        self.cols.iter().flat_map(|c| &c.hits).filter(|h| h.tier == Tier::Disk).count()
+        self.groups.iter().flat_map(|c| &c.hits).filter(|h| h.tier == Tier::Disk).count()
     }
 }
 
@@ -70,8 +70,8 @@ pub struct PrefixCounters {
     pub host_hits: u64,
     /// Of the hits, tokens found only on disk (read to the host, then loaded to the device).
     pub disk_hits: u64,
-    /// Of the hits, tokens served while a column other than 0 lacked blocks before the ones
-    /// its next query sees (KV cache groups: a sliding column served from its window alone).
+    /// Of the hits, tokens served while a group other than 0 lacked blocks before the ones
+    /// its next query sees (KV cache groups: a sliding group served from its window alone).
     pub window_hits: u64,
 }
 
@@ -81,7 +81,7 @@ impl KvCacheManager {
         self.pool.counters().evictions + self.ledger.evictions()
     }
 
-    /// The longest verified cached prefix of `tokens` under `extra` that every column holds,
+    /// The longest verified cached prefix of `tokens` under `extra` that every group holds,
     /// leaving at least one token to compute: device hits first at each position, then host
     /// hits, then disk hits. Changes nothing.
     pub fn match_prefix(&mut self, tokens: &[u32], extra: &ExtraKey) -> PrefixMatch {
@@ -90,9 +90,9 @@ impl KvCacheManager {
             return m;
         }
         let bs = self.block_size();
-        // Column 0 (the trunk) walks its chain of verified nodes.
+        // Group 0 (the trunk) walks its chain of verified nodes.
         let limit = (tokens.len() - 1) / bs;
-        let (trunk, leaves) = m.cols.split_first_mut().expect("a manager has at least one column");
+        let (trunk, leaves) = m.groups.split_first_mut().expect("a manager has at least one group");
         self.hasher.extend_chain(&mut trunk.hashes, tokens, bs, extra, limit);
         let mut nodes: Vec<u64> = Vec::new();
         for (k, &h) in trunk.hashes.iter().take(limit).enumerate() {
@@ -107,19 +107,19 @@ impl KvCacheManager {
         if leaves.is_empty() || len == 0 {
             return m;
         }
-        // Every other column's block k is a leaf of the trunk's node k - 1, so it is verified
-        // on its own: a sliding column serves a prefix from the blocks its next query sees
+        // Every other group's block k is a leaf of the trunk's node k - 1, so it is verified
+        // on its own: a sliding group serves a prefix from the blocks its next query sees
         // even when the blocks before them were evicted. The hit is the longest prefix every
-        // column can serve (for a sliding column, one whose live blocks are all found).
+        // group can serve (for a sliding group, one whose live blocks are all found).
         // A block not found is a null entry: a prefix whose live hits include one is not served.
         let missing = TierBlock { tier: Tier::Device, block: BlockId::NULL };
-        for (c, col) in leaves.iter_mut().enumerate() {
-            let key = extra.for_column(c as u32 + 1);
-            self.hasher.extend_leaves(&mut col.hashes, &trunk.hashes, tokens, bs, &key, len);
-            col.hits = (0..len)
+        for (c, group) in leaves.iter_mut().enumerate() {
+            let key = extra.for_group(c as u32 + 1);
+            self.hasher.extend_leaves(&mut group.hashes, &trunk.hashes, tokens, bs, &key, len);
+            group.hits = (0..len)
                 .map(|k| {
                     let parent = k.checked_sub(1).map(|p| nodes[p]);
-                    let found = self.lookup_tiers(col.hashes[k], parent, &tokens[k * bs..(k + 1) * bs], &key);
+                    let found = self.lookup_tiers(group.hashes[k], parent, &tokens[k * bs..(k + 1) * bs], &key);
                     found.map_or(missing, |(hit, _)| hit)
                 })
                 .collect();
@@ -131,13 +131,13 @@ impl KvCacheManager {
         m
     }
 
-    /// Whether every column of `m` has found its live hits of the prefix of `len` blocks
-    /// (a leaf column's other entries may be null: blocks not found, never read), for a
+    /// Whether every group of `m` has found its live hits of the prefix of `len` blocks
+    /// (a leaf group's other entries may be null: blocks not found, never read), for a
     /// sequence that keeps all its blocks when `keep_all` (every entry must be found).
     pub(super) fn serves(&self, m: &PrefixMatch, len: usize, keep_all: bool) -> bool {
         let bs = self.block_size();
-        m.cols.iter().zip(&self.spans).all(|(col, &span)| {
-            col.hits.len() >= len && col.hits[Self::live_hits(span, len, bs, keep_all)].iter().all(|h| !h.block.is_null())
+        m.groups.iter().zip(&self.spans).all(|(group, &span)| {
+            group.hits.len() >= len && group.hits[Self::live_hits(span, len, bs, keep_all)].iter().all(|h| !h.block.is_null())
         })
     }
 
@@ -158,14 +158,14 @@ impl KvCacheManager {
         }
     }
 
-    /// Cuts every column of `m` to its first `keep` hits (the chain continues after the last).
+    /// Cuts every group of `m` to its first `keep` hits (the chain continues after the last).
     pub(super) fn truncate_match(&self, m: &mut PrefixMatch, keep: usize) {
-        for col in &mut m.cols {
-            if col.hits.len() > keep {
-                col.hits.truncate(keep);
-                col.link = match col.hits.last() {
+        for group in &mut m.groups {
+            if group.hits.len() > keep {
+                group.hits.truncate(keep);
+                group.link = match group.hits.last() {
                     None => ChainLink::Root,
-                    Some(h) if h.block.is_null() => ChainLink::Broken, // a leaf column's unused entry
+                    Some(h) if h.block.is_null() => ChainLink::Broken, // a leaf group's unused entry
                     Some(h) => self.node_of(*h).map_or(ChainLink::Broken, ChainLink::Node),
                 };
             }
@@ -175,12 +175,12 @@ impl KvCacheManager {
     /// A match with no hits, current with the pools' evictions (so `add_sequence` keeps it as
     /// it is): the sequence computes every token, and its full blocks are still registered.
     pub fn no_prefix_match(&self) -> PrefixMatch {
-        PrefixMatch { cols: vec![ColumnMatch::default(); self.spans.len()], evictions_at_match: self.evictions() }
+        PrefixMatch { groups: vec![GroupMatch::default(); self.spans.len()], evictions_at_match: self.evictions() }
     }
 
-    /// The hits of each column a sequence admitted with `hits` cached blocks keeps: those a
-    /// query at the first position after them still sees (all of them in a full column, and
-    /// in every column for a sequence that keeps all its blocks).
+    /// The hits of each group a sequence admitted with `hits` cached blocks keeps: those a
+    /// query at the first position after them still sees (all of them in a full group, and
+    /// in every group for a sequence that keeps all its blocks).
     #[inline]
     pub(super) fn live_hits(span: AttentionSpan, hits: usize, block_size: usize, keep_all: bool) -> std::ops::Range<usize> {
         if keep_all {
@@ -192,23 +192,23 @@ impl KvCacheManager {
     /// Blocks a new sequence takes from the free device pool to get `m`'s cached prefix plus
     /// slots for `num_new_tokens` more tokens: fresh blocks (for new tokens and for host hits),
     /// plus the cached device blocks that are free now (taking them removes them from the
-    /// free queue), in every column.
+    /// free queue), in every group.
     pub fn admission_cost(&self, m: &PrefixMatch, num_new_tokens: usize) -> usize {
         self.admission_cost_keeping(m, num_new_tokens, false)
     }
 
     /// [`Self::admission_cost`] of a sequence that keeps all its blocks when `keep_all` (it
-    /// takes every hit of every column, see [`super::AddSequence::keep_all`]).
+    /// takes every hit of every group, see [`super::AddSequence::keep_all`]).
     pub fn admission_cost_keeping(&self, m: &PrefixMatch, num_new_tokens: usize, keep_all: bool) -> usize {
         let bs = self.block_size();
         let k = m.num_blocks();
         let fresh = blocks_for(k * bs + num_new_tokens, bs) - k;
         let mut cost = fresh * self.spans.len();
         for (c, &span) in self.spans.iter().enumerate() {
-            let Some(col) = m.cols.get(c) else { continue };
+            let Some(group) = m.groups.get(c) else { continue };
             // A leaf entry not found (null) is computed in a fresh block, if the sequence keeps
             // it (admission then takes a shorter hit: this counts about what that costs).
-            cost += col.hits[Self::live_hits(span, k, bs, keep_all)]
+            cost += group.hits[Self::live_hits(span, k, bs, keep_all)]
                 .iter()
                 .filter(|h| h.block.is_null() || h.tier != Tier::Device || self.pool.ref_count_unchecked(h.block) == 0)
                 .count();
@@ -223,8 +223,8 @@ impl KvCacheManager {
         let bs = self.block_size();
         let host = self.ledger.host();
         let (mut device_need, mut host_need, mut device_revived, mut host_revived) = (0usize, 0usize, 0usize, 0usize);
-        for (col, &span) in m.cols.iter().zip(&self.spans) {
-            for hit in &col.hits[Self::live_hits(span, k, bs, keep_all)] {
+        for (group, &span) in m.groups.iter().zip(&self.spans) {
+            for hit in &group.hits[Self::live_hits(span, k, bs, keep_all)] {
                 match hit.tier {
                     Tier::Device => device_revived += usize::from(self.pool.ref_count_unchecked(hit.block) == 0),
                     Tier::Host => {

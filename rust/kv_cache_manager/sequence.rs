@@ -1,4 +1,4 @@
-//! A sequence's state: its tokens, how many hold a KV slot, and one block table per column,
+//! A sequence's state: its tokens, how many hold a KV slot, and one block table per group,
 //! with the retention policy its prompt blocks get in the prefix cache once free.
 
 use crate::block_hash::{BlockHash, ExtraKey};
@@ -58,16 +58,16 @@ pub struct AddSequence {
     pub extra: ExtraKey,
     /// The cached prefix to start from, from [`super::KvCacheManager::match_prefix`] (or
     /// [`super::KvCacheManager::no_prefix_match`] to compute every token). Matched again when
-    /// the pools evicted blocks since or it has no columns (`PrefixMatch::default()`); `None`:
+    /// the pools evicted blocks since or it has no groups (`PrefixMatch::default()`); `None`:
     /// matched now.
     pub prefix: Option<PrefixMatch>,
     /// How long the prompt's blocks stay in the prefix cache once free (validate it first).
     pub retention: RetentionPolicy,
-    /// The sequence (and every fork of it) holds every block of every column for its whole
-    /// life: it takes every hit, also those behind a sliding or chunked column's window, and
+    /// The sequence (and every fork of it) holds every block of every group for its whole
+    /// life: it takes every hit, also those behind a sliding or chunked group's window, and
     /// gives nothing back as it grows. For a sequence whose KV another engine reads whole (a
-    /// `hold_kv` request: KV transfer carries every column's table). Its cost in a windowed
-    /// column is its whole length, as in a full one; admission counts it with
+    /// `hold_kv` request: KV transfer carries every group's table). Its cost in a windowed
+    /// group is its whole length, as in a full one; admission counts it with
     /// [`super::KvCacheManager::admission_cost_keeping`].
     pub keep_all: bool,
 }
@@ -80,31 +80,31 @@ impl AddSequence {
     }
 }
 
-/// One block table of a sequence, with the prefix-cache chain of its blocks (the manager's
-/// module docs, "KV cache groups"): every sequence has one per column of the manager, all
-/// over the same tokens and the same pool.
+/// One block table of a sequence, with the prefix-cache chain of its blocks (module
+/// `kv_groups`): every sequence has one per KV cache group of the manager, all over the same
+/// tokens and the same pool.
 #[derive(Debug, Clone)]
-pub struct Column {
+pub struct GroupTable {
     pub(super) table: BlockTable,
     /// Leading entries given back: their blocks are behind every future query of a sliding or
-    /// chunked column, and the entries are [`BlockId::NULL`]. Always 0 in a full column.
+    /// chunked group, and the entries are [`BlockId::NULL`]. Always 0 in a full group.
     pub(super) num_released: usize,
-    /// Chained hashes of the first full blocks of the tokens under this column's key
+    /// Chained hashes of the first full blocks of the tokens under this group's key
     /// (computed lazily, kept for reuse).
     pub(super) hashes: Vec<BlockHash>,
     /// Blocks `0 .. num_registered` were offered to the prefix cache (or came from it).
     pub(super) num_registered: usize,
     /// How the chain of registered blocks continues after block `num_registered - 1`.
     pub(super) link: ChainLink,
-    /// The sequence's extra key in this column.
+    /// The sequence's extra key in this group.
     pub(super) extra: ExtraKey,
 }
 
-impl Column {
-    /// A column over `table`, of which the first `num_registered` blocks were offered to the
+impl GroupTable {
+    /// A group over `table`, of which the first `num_registered` blocks were offered to the
     /// prefix cache (or came from it), the chain continuing at `link`.
     pub(super) fn new(table: BlockTable, hashes: Vec<BlockHash>, num_registered: usize, link: ChainLink, extra: ExtraKey) -> Self {
-        Column { table, num_released: 0, hashes, num_registered, link, extra }
+        GroupTable { table, num_released: 0, hashes, num_registered, link, extra }
     }
 
     /// The block table; entries before [`Self::num_released`] are [`BlockId::NULL`].
@@ -119,7 +119,7 @@ impl Column {
         self.num_released
     }
 
-    /// The blocks the column holds (its table without the given-back entries).
+    /// The blocks the group holds (its table without the given-back entries).
     #[inline]
     pub fn held(&self) -> &[BlockId] {
         &self.table.blocks()[self.num_released..]
@@ -133,9 +133,9 @@ pub struct Sequence {
     pub(super) tier: Tier,
     pub(super) num_computed: usize,
     pub(super) write_start: usize,
-    /// One per column of the manager; column 0 first. Inline for one column (a model
+    /// One per group of the manager; group 0 first. Inline for one group (a model
     /// without groups): the decode path reads its table without another pointer hop.
-    pub(super) cols: SmallVec<[Column; 1]>,
+    pub(super) groups: SmallVec<[GroupTable; 1]>,
     /// Tokens known when the sequence was created (its prompt). Blocks within them are
     /// registered in the prefix cache as soon as their step is scheduled, so that concurrent
     /// requests sharing the prompt hit them; blocks filled later by decoding are registered
@@ -144,8 +144,8 @@ pub struct Sequence {
     pub(super) prompt_len: usize,
     pub(super) extra: ExtraKey,
     pub(super) retention: RetentionPolicy,
-    /// Holds every block in every column: a sliding or chunked column gives nothing back
-    /// (module docs, "KV cache groups"). Set for a sequence whose KV another engine reads
+    /// Holds every block in every group: a sliding or chunked group gives nothing back
+    /// (module `kv_groups`). Set for a sequence whose KV another engine reads
     /// (a `hold_kv` request and its lease) and for a KV-transfer reservation.
     pub(super) keep_all: bool,
     /// Trailing tokens that are drafts (speculative decoding), not verified: they get slots
@@ -156,18 +156,18 @@ pub struct Sequence {
 }
 
 impl Sequence {
-    /// A device sequence over `tokens` (all of them its prompt) with the columns `cols`, of
+    /// A device sequence over `tokens` (all of them its prompt) with the groups `groups`, of
     /// which the first `num_computed` tokens hold slots and `write_start ..` are being written.
     pub(super) fn on_device(
         tokens: Vec<u32>,
-        cols: SmallVec<[Column; 1]>,
+        groups: SmallVec<[GroupTable; 1]>,
         (write_start, num_computed): (usize, usize),
         extra: ExtraKey,
         retention: RetentionPolicy,
         keep_all: bool,
     ) -> Self {
         let prompt_len = tokens.len();
-        Sequence { tokens, tier: Tier::Device, num_computed, write_start, cols, prompt_len, extra, retention, keep_all, num_drafts: 0 }
+        Sequence { tokens, tier: Tier::Device, num_computed, write_start, groups, prompt_len, extra, retention, keep_all, num_drafts: 0 }
     }
 
     /// All known token ids (prompt and generated).
@@ -194,21 +194,21 @@ impl Sequence {
         self.tokens.len() - self.num_computed
     }
 
-    /// The block table of column 0 (block ids of the sequence's tier).
+    /// The block table of group 0 (block ids of the sequence's tier).
     #[inline]
     pub fn table(&self) -> &BlockTable {
-        &self.cols[0].table
+        &self.groups[0].table
     }
 
-    /// Every column's block table and state, column 0 first.
+    /// Every group's block table and state, group 0 first.
     #[inline]
-    pub fn columns(&self) -> &[Column] {
-        &self.cols
+    pub fn kv_groups(&self) -> &[GroupTable] {
+        &self.groups
     }
 
-    /// Every block the sequence holds, all columns (given-back entries skipped).
+    /// Every block the sequence holds, all groups (given-back entries skipped).
     pub fn held_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
-        self.cols.iter().flat_map(|c| c.held().iter().copied())
+        self.groups.iter().flat_map(|c| c.held().iter().copied())
     }
 
     /// The tier holding the sequence's blocks.
@@ -240,7 +240,7 @@ impl Sequence {
         self.tokens.len() - self.num_drafts
     }
 
-    /// Whether the sequence holds every block of every column (no give-back behind a window):
+    /// Whether the sequence holds every block of every group (no give-back behind a window):
     /// see [`AddSequence::keep_all`].
     #[inline]
     pub fn keeps_all(&self) -> bool {

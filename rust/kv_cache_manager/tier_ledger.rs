@@ -323,7 +323,7 @@ impl TierLedger {
         Some(held.filter(|&b| device.find_copy_in(b, host).is_none()).count())
     }
 
-    /// The host blocks for a swap-out of the device blocks `held` (one list per column, in
+    /// The host blocks for a swap-out of the device blocks `held` (one list per group, in
     /// order): a host block already holding a block's content is shared (a reference taken),
     /// the others are fresh, copied by `swap_out` ops and registered with the device block's
     /// identity. All-or-nothing: `None`, changing nothing, without a host tier or with too few
@@ -347,8 +347,8 @@ impl TierLedger {
         for h in targets.iter().flatten().flatten() {
             host.acquire_unchecked(*h);
         }
-        for (col, col_targets) in held.iter().zip(&mut targets) {
-            for (&d, t) in col.iter().zip(col_targets.iter_mut()) {
+        for (group, group_targets) in held.iter().zip(&mut targets) {
+            for (&d, t) in group.iter().zip(group_targets.iter_mut()) {
                 if t.is_some() {
                     continue;
                 }
@@ -375,7 +375,7 @@ impl TierLedger {
         held.filter(|&h| host.find_copy_in(h, device).is_none_or(|d| device.ref_count_unchecked(d) == 0)).count()
     }
 
-    /// The device blocks for a swap-in of the host blocks `held` (one list per column, in
+    /// The device blocks for a swap-in of the host blocks `held` (one list per group, in
     /// order): a block whose content is still cached on the device is shared (a reference
     /// taken); the others get fresh device blocks, copied by `swap_in` ops. The host blocks
     /// keep the sequence's reference as pins until `end_step`. The caller checked the room
@@ -391,8 +391,8 @@ impl TierLedger {
         for d in targets.iter().flatten().flatten() {
             device.acquire_unchecked(*d);
         }
-        for (col, col_targets) in held.iter().zip(&mut targets) {
-            for (&h, t) in col.iter().zip(col_targets.iter_mut()) {
+        for (group, group_targets) in held.iter().zip(&mut targets) {
+            for (&h, t) in group.iter().zip(group_targets.iter_mut()) {
                 if t.is_none() {
                     *t = self.load_from_host(device, h);
                     if t.is_none() {
@@ -402,8 +402,8 @@ impl TierLedger {
             }
         }
         // The host blocks stay referenced until the step's copies are planned (end_step).
-        for col in held {
-            self.pinned_host.extend_from_slice(col);
+        for group in held {
+            self.pinned_host.extend_from_slice(group);
         }
         self.counters.swap_ins += 1;
         Ok(targets.into_iter().map(|c| c.into_iter().flatten().collect()).collect())
@@ -534,8 +534,8 @@ impl TierLedger {
         let parent = match parent_hash {
             None => None,
             Some(ph) => match disk.find_hash(ph).and_then(|b| disk.identity(b)) {
-                // A leaf column's block links to the trunk (column 0) block before it.
-                Some(id) if id.hash == ph && id.extra == extra.for_column(0) => Some(id.node),
+                // A leaf group's block links to the trunk (group 0) block before it.
+                Some(id) if id.hash == ph && id.extra == extra.for_group(0) => Some(id.node),
                 _ => return Restore::MissingParent,
             },
         };

@@ -67,7 +67,7 @@ impl KvFormat {
 /// `"int8"`, uint8 (the fp8 bytes) for `"fp8_e4m3"` / `"fp8_e5m2"`; `key_scales` /
 /// `value_scales`: int16 `[num_blocks, block_size, Hkv]` holding bfloat16 bit patterns,
 /// required for a quantized format and refused for float32; `block_tables` int32 `[B, W]`;
-/// `seq_lens` int32 `[B]`; `cu_seqlens_q` int32 `[B + 1]`. A layer variant (issue 25):
+/// `seq_lens` int32 `[B]`; `cu_seqlens_q` int32 `[B + 1]`. A layer variant:
 /// `sliding_window` / `chunk_size` (a row reads only the blocks from its first visible position
 /// on), `logits_soft_cap`, `sinks` (float32 `[H]`). Returns the number of rows written.
 /// The GIL is released while the kernel runs.

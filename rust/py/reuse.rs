@@ -202,13 +202,13 @@ pub(crate) struct TableRing {
 impl TableRing {
     /// The block tables of `out` (just scheduled by `sched`).
     pub(crate) fn fill(&mut self, py: Python<'_>, sched: &Scheduler, out: &StepOutput) -> PyResult<Py<PyArray<i32, Ix2>>> {
-        // One table per row and column: `[C * B, W]`, column-major (StepOutput::block_tables).
-        let (rows, width) = (out.num_columns * out.num_rows(), out.block_table_width);
+        // One table per row and KV cache group: `[C * B, W]`, group-major (StepOutput::block_tables).
+        let (rows, width) = (out.num_kv_groups * out.num_rows(), out.block_table_width);
         let cfg = sched.config();
         // Room for every row the step can have, and for the width to grow a while (up to the
         // widest table max_model_len allows).
         let max_width = cfg.max_model_len.div_ceil(cfg.block_size).max(width);
-        let capacity = rows.max(cfg.max_num_seqs * out.num_columns) * (width + width / 4 + 8).min(max_width);
+        let capacity = rows.max(cfg.max_num_seqs * out.num_kv_groups) * (width + width / 4 + 8).min(max_width);
         let dims = Ix2(rows, width);
         let i = self.buffers.pick(py, &dims, capacity);
         let (buf, tags) = &mut self.buffers.ring.slots[i];

@@ -223,11 +223,11 @@ impl PySchedulerConfig {
     fn enable_kv_events(&self) -> bool {
         self.inner.enable_kv_events
     }
-    /// The most blocks (pages) one sequence of `len` tokens holds at once, over every column.
+    /// The most blocks (pages) one sequence of `len` tokens holds at once, over every KV cache group.
     fn blocks_for_sequence(&self, len: usize) -> usize {
         self.inner.blocks_for_sequence(len)
     }
-    /// KV cache groups: each column's span as `(kind, size)`, column 0 first.
+    /// KV cache groups: each KV cache group's span as `(kind, size)`, KV cache group 0 first.
     #[getter]
     fn attention_spans(&self) -> Vec<(&'static str, Option<usize>)> {
         self.inner.attention_spans.iter().map(|s| s.name()).collect()
@@ -288,11 +288,11 @@ pub struct PySchedulerOutput {
     block_tables: Py<PyArray2<i32>>,
     #[pyo3(get)]
     slot_mapping: Py<PyArray1<i64>>,
-    /// KV-cache columns `C`: `block_tables` is `int32[C * B, W]` (column `c`'s rows are
+    /// KV cache groups `C`: `block_tables` is `int32[C * B, W]` (KV cache group `c`'s rows are
     /// `c * B .. (c + 1) * B`; `.reshape(C, B, W)` is a view) and `slot_mapping`
     /// `int64[C * T]`; 1 unless the scheduler has KV cache groups.
     #[pyo3(get)]
-    num_columns: usize,
+    num_kv_groups: usize,
     #[pyo3(get)]
     logits_indices: Py<PyArray1<i64>>,
     #[pyo3(get)]
@@ -362,7 +362,7 @@ impl PySchedulerOutput {
     }
 }
 
-/// The effect of one sampled token on one request branch.
+/// The effect of one sampled token on one request sample.
 #[pyclass(module = "pagedkv._core", name = "RequestUpdate", frozen)]
 pub struct PyRequestUpdate {
     #[pyo3(get)]
@@ -395,13 +395,13 @@ impl PyRequestUpdate {
         vec![self.token]
     }
 
-    /// "stop", "length" or "abort" when the branch ended with this token, else None.
+    /// "stop", "length" or "abort" when the sample ended with this token, else None.
     #[getter]
     fn finish_reason(&self) -> Option<&'static str> {
         self.finish.map(FinishReason::as_str)
     }
 
-    /// True when the branch ended with this token.
+    /// True when the sample ended with this token.
     #[getter]
     fn finished(&self) -> bool {
         self.finish.is_some()
@@ -499,7 +499,7 @@ impl PyRequestUpdates {
         self.rows.iter().map(|u| u.token).collect()
     }
 
-    /// "stop", "length" or "abort" where the branch ended with the update's token, else None.
+    /// "stop", "length" or "abort" where the sample ended with the update's token, else None.
     #[getter]
     fn finish_reasons(&self) -> Vec<Option<&'static str>> {
         self.rows.iter().map(|u| u.finish_reason.map(FinishReason::as_str)).collect()
@@ -811,7 +811,7 @@ impl PyScheduler {
     }
 
     /// Undoes the step in flight (`output`) after its forward pass or sampling failed: its
-    /// branches go back to the front of the waiting queue with only what was computed before
+    /// samples go back to the front of the waiting queue with only what was computed before
     /// the step, and the blocks the step registered leave the prefix cache. Returns the ids of
     /// the requests that had rows in the step. Raises StaleOutputError, changing nothing, if
     /// `output` is not the step in flight.
@@ -861,13 +861,13 @@ impl PyScheduler {
         self.inner.has_unfinished_requests()
     }
 
-    /// Branches waiting for admission.
+    /// Samples waiting for admission.
     #[getter]
     fn num_waiting(&self) -> usize {
         self.inner.num_waiting()
     }
 
-    /// Branches running.
+    /// Samples running.
     #[getter]
     fn num_running(&self) -> usize {
         self.inner.num_running()
@@ -896,7 +896,7 @@ impl PyScheduler {
         Ok(self.inner.set_drafts(id.to_str()?, index_arg(index, "index")?, count_arg(num_tokens, "num_tokens")?, &drafts)?)
     }
 
-    /// How many drafts the cost model would verify for a branch in a step with the branches
+    /// How many drafts the cost model would verify for a sample in a step with the samples
     /// running now (method "draft_model": the draft model drafts no more; 0 when off).
     fn spec_drafts_worth(&self) -> usize {
         self.inner.spec_drafts_worth()
@@ -935,8 +935,8 @@ impl PyScheduler {
     }
 
     /// What each disk slot in `slots` holds, for its file: `(hash, parent_hash, token_ids,
-    /// cache_salt, column)` with the hashes as 16 little-endian bytes (`parent_hash` None for a
-    /// first block) and `column` the KV-cache column the block belongs to (0 without KV cache
+    /// cache_salt, KV cache group)` with the hashes as 16 little-endian bytes (`parent_hash` None for a
+    /// first block) and `KV cache group` the KV cache group the block belongs to (0 without KV cache
     /// groups), or None for a slot that holds nothing cached.
     #[allow(clippy::type_complexity)]
     fn disk_block_info<'py>(
@@ -949,22 +949,22 @@ impl PyScheduler {
             .into_iter()
             .map(|s| {
                 let info = u32::try_from(s).ok().and_then(|s| self.inner.disk_block_info(s))?;
-                let (hash, parent, tokens, salt, column) = info;
+                let (hash, parent, tokens, salt, group) = info;
                 Some((
                     PyBytes::new(py, &hash.0.to_le_bytes()),
                     parent.map(|p| PyBytes::new(py, &p.0.to_le_bytes())),
                     tokens,
                     salt,
-                    column,
+                    group,
                 ))
             })
             .collect())
     }
 
     /// Restores disk entries written by an earlier process, each `(hash, parent_hash,
-    /// token_ids, cache_salt, column)` as `disk_block_info` gives them, in any order. Each
-    /// block's hash is recomputed from its parent's, its tokens and its column's key and must
-    /// match; an entry whose parent is not restored, or whose column this pool does not have,
+    /// token_ids, cache_salt, KV cache group)` as `disk_block_info` gives them, in any order. Each
+    /// block's hash is recomputed from its parent's, its tokens and its KV cache group's key and must
+    /// match; an entry whose parent is not restored, or whose KV cache group this pool does not have,
     /// is left out. Returns the slot each entry now occupies (its file
     /// must be renamed to it), or None.
     #[allow(clippy::type_complexity)]
@@ -972,14 +972,14 @@ impl PyScheduler {
         let mut parsed = Vec::new();
         let items = entries.try_iter().map_err(|_| {
             super::errors::invalid_type(format!(
-                "restore_disk_blocks() takes an iterable of (hash, parent_hash, token_ids, cache_salt, column) tuples, got {}",
+                "restore_disk_blocks() takes an iterable of (hash, parent_hash, token_ids, cache_salt, kv_group) tuples, got {}",
                 entries.get_type().name().map(|n| n.to_string()).unwrap_or_default()
             ))
         })?;
         for item in items {
             let item = item?;
             #[allow(clippy::type_complexity)]
-            let (hash, parent, tokens, salt, column): (
+            let (hash, parent, tokens, salt, group): (
                 Vec<u8>,
                 Option<Vec<u8>>,
                 Bound<'_, PyAny>,
@@ -988,13 +988,13 @@ impl PyScheduler {
             ) = item.extract().map_err(|_| {
                 crate::error::CoreError::InvalidArgument(
                     "restore_disk_blocks() takes (hash bytes, parent_hash bytes or None, token ids, salt or None, \
-                     column int >= 0) tuples"
+                     kv_group int >= 0) tuples"
                         .into(),
                 )
             })?;
             let hash = hash_bytes(&hash)?;
             let parent = parent.map(|p| hash_bytes(&p)).transpose()?;
-            parsed.push((hash, parent, token_ids_arg(&tokens, "token_ids")?, salt_arg(salt.as_ref())?, column));
+            parsed.push((hash, parent, token_ids_arg(&tokens, "token_ids")?, salt_arg(salt.as_ref())?, group));
         }
         Ok(self.inner.restore_disk_blocks(&parsed))
     }
@@ -1061,9 +1061,9 @@ impl PyScheduler {
 
     /// The KV lease of ended request `request_id` (added with `hold_kv=True`): `(block_ids,
     /// num_tokens)` — the blocks it held, in order, and how many leading tokens' KV they hold
-    /// (the first `num_tokens // block_size` blocks of each column are full) — or None if
-    /// there is none. With KV cache groups the ids are every column's table, column-major:
-    /// column 0's `n` blocks, then column 1's `n`, ... (`len(block_ids) == num_columns * n`).
+    /// (the first `num_tokens // block_size` blocks of each KV cache group are full) — or None if
+    /// there is none. With KV cache groups the ids are every KV cache group's table, group-major:
+    /// KV cache group 0's `n` blocks, then KV cache group 1's `n`, ... (`len(block_ids) == num_kv_groups * n`).
     fn kv_lease(&self, request_id: &Bound<'_, PyAny>) -> PyResult<Option<(Vec<u32>, usize)>> {
         Ok(self.inner.kv_lease(str_obj_arg(request_id, "request_id")?.to_str()?))
     }
@@ -1084,8 +1084,8 @@ impl PyScheduler {
     /// computed here), under `cache_salt`. Returns `(num_hit_blocks, block_ids)`: the leading
     /// blocks already cached here (shared, not to be transferred) and the fresh blocks that
     /// receive blocks `num_hit_blocks, num_hit_blocks + 1, ...` — or None when the pool has no
-    /// room now. With KV cache groups the hits are the same in every column and the fresh
-    /// blocks are every column's, column-major (`len(block_ids) // num_columns` per column).
+    /// room now. With KV cache groups the hits are the same in every KV cache group and the fresh
+    /// blocks are every KV cache group's, group-major (`len(block_ids) // num_kv_groups` per KV cache group).
     /// End it with `commit_kv` (the KV arrived) or `cancel_kv`.
     #[pyo3(signature = (reservation_id, prompt_token_ids, max_blocks, cache_salt = None))]
     fn reserve_kv(
@@ -1122,9 +1122,9 @@ impl PyScheduler {
     }
 
     /// One summary per live request, in arrival order: `(request_id, arrival, state,
-    /// prompt_tokens, output_tokens, num_blocks, cached_tokens, num_branches)` with `state`
+    /// prompt_tokens, output_tokens, num_blocks, cached_tokens, num_samples)` with `state`
     /// "running", "swapped" or "waiting", `arrival` what `memory_map`'s owners name, and
-    /// `num_blocks` the distinct device blocks its branches hold. No token ids.
+    /// `num_blocks` the distinct device blocks its samples hold. No token ids.
     #[allow(clippy::type_complexity)]
     fn request_summaries(&self) -> Vec<(String, u64, &'static str, usize, usize, usize, usize, usize)> {
         self.inner
@@ -1139,7 +1139,7 @@ impl PyScheduler {
                     r.output_tokens,
                     r.num_blocks,
                     r.cached_tokens,
-                    r.num_branches,
+                    r.num_samples,
                 )
             })
             .collect()
@@ -1162,11 +1162,11 @@ impl PyScheduler {
         (PyArray1::from_vec(py, refs), PyArray1::from_vec(py, cached), PyArray1::from_vec(py, owner))
     }
 
-    /// int16[num_blocks]: the KV-cache column each device block serves (the column of the
+    /// int16[num_blocks]: the KV cache group each device block serves (the KV cache group of the
     /// block table holding it, or, free, the one it is cached for), -1 for a free block with no
     /// cached identity. For a live view of KV cache groups.
-    fn block_columns<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i16>> {
-        PyArray1::from_vec(py, self.inner.block_columns())
+    fn block_kv_groups<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i16>> {
+        PyArray1::from_vec(py, self.inner.block_kv_groups())
     }
 
     fn __repr__(&self) -> String {
@@ -1215,8 +1215,8 @@ impl PyScheduler {
             cu_seqlens_q: o.cu_seqlens_q.fill(py, Ix1(rows + 1), &out.cu_seqlens_q)?,
             seq_lens: o.seq_lens.fill(py, Ix1(rows), &out.seq_lens)?,
             block_tables: o.block_tables.fill(py, &self.inner, out)?,
-            slot_mapping: o.slot_mapping.fill(py, Ix1(out.num_columns * t), &out.slot_mapping)?,
-            num_columns: out.num_columns,
+            slot_mapping: o.slot_mapping.fill(py, Ix1(out.num_kv_groups * t), &out.slot_mapping)?,
+            num_kv_groups: out.num_kv_groups,
             logits_indices: o.logits_indices.fill(py, Ix1(s), &out.logits_indices)?,
             sampled_req_ids: sampled,
             sample_indices: o.sample_indices.fill(py, Ix1(s), &out.sample_indices)?,

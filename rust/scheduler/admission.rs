@@ -8,7 +8,7 @@
 //! **blocked**: live (its id is taken, it can be aborted, it shows in the summaries and the
 //! stats) but in neither queue, so no step schedules it, and it holds no block. The caller
 //! lifts each reason with [`Scheduler::unblock`] once the thing arrived; when none is left,
-//! its branch enters the waiting queue in policy order (its arrival number is the one given
+//! its sample enters the waiting queue in policy order (its arrival number is the one given
 //! at `add_request`). A failure (the grammar did not compile, the KV did not arrive under
 //! the `fail` policy) is an abort: [`Scheduler::abort_request`] ends a request in every state
 //! — blocked, waiting, running, swapped — and says what it was still waiting for, so the
@@ -23,11 +23,11 @@
 
 use std::sync::Arc;
 
-use super::request::{Branch, NewRequest, Request, RequestKey};
+use super::request::{Sample, NewRequest, Request, RequestKey};
 use super::{beam_search, FinishReason, Policy, Scheduler};
 use crate::block_hash::ExtraKey;
 use crate::error::{CoreError, Result};
-use crate::speculative::BranchSpec;
+use crate::speculative::SampleSpec;
 
 /// Something a blocked request waits for before it may be scheduled.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -146,7 +146,7 @@ impl Scheduler {
         let arrival = self.next_arrival;
         self.next_arrival += 1;
         let prompt_len = r.prompt.len();
-        // Room for every token the branch can ever hold, so appends never reallocate.
+        // Room for every token the sample can ever hold, so appends never reallocate.
         let capacity = (prompt_len + r.max_tokens).min(max_len + 1);
         let mut tokens = Vec::with_capacity(capacity);
         tokens.extend_from_slice(&r.prompt);
@@ -163,7 +163,7 @@ impl Scheduler {
             stop_token_ids: r.stop_token_ids,
             extra: ExtraKey::new(r.cache_salt.as_deref()),
             retention: r.retention,
-            branches: Vec::with_capacity(r.n),
+            samples: Vec::with_capacity(r.n),
             forked: r.n == 1,
             num_cached_tokens: 0,
             admitted_once: false,
@@ -173,7 +173,7 @@ impl Scheduler {
             speculate: r.speculate && r.beam.is_none(),
             waiting_for: r.wait_for,
         });
-        let branch = self.branches.insert(Branch {
+        let sample = self.samples.insert(Sample {
             req: key,
             index: 0,
             tokens,
@@ -182,20 +182,20 @@ impl Scheduler {
             resumed: false,
             order: (priority, arrival, 0),
             cum_logprob: 0.0,
-            spec: BranchSpec::default(),
+            spec: SampleSpec::default(),
         });
         if let Some(req) = self.requests.get_mut(key) {
-            req.branches.push(branch);
+            req.samples.push(sample);
         }
         self.by_id.insert(id, key);
         if r.wait_for.is_empty() {
-            self.enqueue_waiting(branch, false);
+            self.enqueue_waiting(sample, false);
         }
         Ok(key)
     }
 
     /// Lifts reason `what` of blocked request `id`. Returns true when that was its last reason:
-    /// its branch is now in the waiting queue, at its place in policy order. Fails, changing
+    /// its sample is now in the waiting queue, at its place in policy order. Fails, changing
     /// nothing, on an unknown id (UnknownRequest) or a request that does not wait for `what`.
     pub fn unblock(&mut self, id: &str, what: Wait) -> Result<bool> {
         let key = *self.by_id.get(id).ok_or_else(|| CoreError::UnknownRequest(id.to_string()))?;
@@ -207,9 +207,9 @@ impl Scheduler {
         if !req.waiting_for.is_empty() {
             return Ok(false);
         }
-        // A blocked request has exactly its first branch (it never ran, so it never forked).
-        let branch = req.branches[0];
-        self.enqueue_waiting(branch, false);
+        // A blocked request has exactly its first sample (it never ran, so it never forked).
+        let sample = req.samples[0];
+        self.enqueue_waiting(sample, false);
         Ok(true)
     }
 
@@ -232,11 +232,11 @@ impl Scheduler {
     /// touched: it ends when the read does (`commit_kv` / `cancel_kv`).
     pub fn abort_request(&mut self, id: &str) -> Result<WaitSet> {
         let key = *self.by_id.get(id).ok_or_else(|| CoreError::UnknownRequest(id.to_string()))?;
-        let (branches, waited) = self.requests.get(key).map(|r| (r.branches.clone(), r.waiting_for)).unwrap_or_default();
-        for b in branches {
+        let (samples, waited) = self.requests.get(key).map(|r| (r.samples.clone(), r.waiting_for)).unwrap_or_default();
+        for b in samples {
             self.running.retain(|&k| k != b);
             self.waiting.retain(|&k| k != b);
-            self.drop_branch(b);
+            self.drop_sample(b);
         }
         if let Some(req) = self.requests.remove(key) {
             self.by_id.remove(&req.id);

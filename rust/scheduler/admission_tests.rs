@@ -82,7 +82,7 @@ fn an_unblocked_request_takes_its_place_in_policy_order() {
     high.priority = 0;
     s.add_request(high).unwrap();
     assert!(s.unblock("high", Wait::Grammar).unwrap());
-    let order: Vec<&str> = s.waiting.iter().map(|&b| &*s.requests.get(s.branches.get(b).unwrap().req).unwrap().id).collect();
+    let order: Vec<&str> = s.waiting.iter().map(|&b| &*s.requests.get(s.samples.get(b).unwrap().req).unwrap().id).collect();
     assert_eq!(order, ["high", "low"]);
     s.check_invariants().unwrap();
 }
@@ -104,7 +104,7 @@ fn abort_ends_a_request_in_every_state_and_says_what_it_waited_for() {
     s.add_request(NewRequest::new("run2", (50..70).collect(), 40)).unwrap();
     step(&mut s);
     s.add_request(NewRequest::new("wait", (70..90).collect(), 4)).unwrap();
-    // Decode until the pool runs out and a branch is swapped out to the host tier.
+    // Decode until the pool runs out and a sample is swapped out to the host tier.
     let mut swapped = None;
     for _ in 0..40 {
         step(&mut s);
@@ -113,7 +113,7 @@ fn abort_ends_a_request_in_every_state_and_says_what_it_waited_for() {
             break;
         }
     }
-    let swapped = swapped.expect("a branch was swapped out");
+    let swapped = swapped.expect("a sample was swapped out");
     assert_eq!(s.abort_request(&swapped).unwrap(), WaitSet::NONE);
     for id in ["run", "run2", "wait"].into_iter().filter(|&id| id != swapped) {
         assert_eq!(s.abort_request(id).unwrap(), WaitSet::NONE);

@@ -1,6 +1,6 @@
 //! Beam search on copy-on-write blocks.
 //!
-//! A beam request (`NewRequest::beam`) of width `W` starts as one branch (its prompt). Every
+//! A beam request (`NewRequest::beam`) of width `W` starts as one sample (its prompt). Every
 //! step that samples it, the caller gives, for each of its live beams, that beam's most likely
 //! next tokens with their log-probabilities ([`BeamCandidates`]); `update` then makes the whole
 //! step's decisions in one call:
@@ -8,7 +8,7 @@
 //!   are walked in order: a stop token (eos or stop id) among the first `W` becomes a finished
 //!   hypothesis, any other candidate a survivor, until `W` survivors are found;
 //! - each survivor continues its parent: the first survivor of a parent takes the parent's
-//!   branch over, the others fork from it (every block shared; the partial last block is copied
+//!   sample over, the others fork from it (every block shared; the partial last block is copied
 //!   on its next write), and a parent with no survivor is freed at once;
 //! - finished hypotheses are kept, the best `W` by score `cumulative_logprob / len ** length_penalty`
 //!   (`len`: generated tokens, the stop token included);
@@ -32,13 +32,13 @@ use std::sync::Arc;
 use super::beam_search::{barrier_shares, decide, BeamHypothesis};
 use super::finish::FinishReason;
 use super::output::RequestUpdate;
-use super::request::{Branch, BranchKey, RequestKey};
+use super::request::{Sample, SampleKey, RequestKey};
 use super::Release;
 use super::{Scheduler, StepOutput, StepPlan};
 use crate::error::{CoreError, Result};
 use crate::ids::SeqId;
 use crate::kv_cache_manager::{AddSequence, PrefixMatch, Tier};
-use crate::speculative::BranchSpec;
+use crate::speculative::SampleSpec;
 
 /// The result of a beam search that ended in an `update`.
 #[derive(Debug, Clone, PartialEq)]
@@ -139,10 +139,10 @@ impl Scheduler {
                 continue;
             };
             let mut e = i + 1;
-            while e < plan.sampled.len() && self.branches.get(plan.sampled[e].0).is_some_and(|x| x.req == req) {
+            while e < plan.sampled.len() && self.samples.get(plan.sampled[e].0).is_some_and(|x| x.req == req) {
                 e += 1;
             }
-            let live = self.requests.get(req).map_or(0, |r| r.branches.len());
+            let live = self.requests.get(req).map_or(0, |r| r.samples.len());
             if seen.contains(&req) || e - i != live {
                 return Err(CoreError::InvariantViolation(format!(
                     "a beam request has {} sampled rows in the step for {live} live beams",
@@ -155,13 +155,13 @@ impl Scheduler {
         Ok(())
     }
 
-    /// The beam request a branch belongs to, if it is one.
-    pub(super) fn beam_request_of(&self, b: BranchKey) -> Option<RequestKey> {
-        let req = self.branches.get(b)?.req;
+    /// The beam request a sample belongs to, if it is one.
+    pub(super) fn beam_request_of(&self, b: SampleKey) -> Option<RequestKey> {
+        let req = self.samples.get(b)?.req;
         self.requests.get(req)?.beam.as_ref().map(|_| req)
     }
 
-    /// The waiting branches of beam request `req` are admitted together, each with the share
+    /// The waiting samples of beam request `req` are admitted together, each with the share
     /// of the budget [`barrier_shares`] gives it, or none is (false: admission stops). A group
     /// swapped out whole comes back by swap-in (when every beam fits, on a conservative count);
     /// otherwise every beam is re-added from its tokens (prefix hits shared: beams sharing
@@ -171,12 +171,12 @@ impl Scheduler {
         req: RequestKey,
         budget: &mut usize,
         reserve: usize,
-        scheduled: &mut Vec<(BranchKey, SeqId)>,
+        scheduled: &mut Vec<(SampleKey, SeqId)>,
     ) -> bool {
-        let group: Vec<BranchKey> = self.waiting.iter().copied().filter(|&w| self.branches.get(w).is_some_and(|x| x.req == req)).collect();
+        let group: Vec<SampleKey> = self.waiting.iter().copied().filter(|&w| self.samples.get(w).is_some_and(|x| x.req == req)).collect();
         let Some(request) = self.requests.get(req) else { return false };
         let (extra, retention) = (request.extra.clone(), request.retention);
-        let seqs: Vec<Option<SeqId>> = group.iter().map(|&b| self.branches.get(b).and_then(|x| x.seq)).collect();
+        let seqs: Vec<Option<SeqId>> = group.iter().map(|&b| self.samples.get(b).and_then(|x| x.seq)).collect();
         let all_swapped = seqs.iter().all(Option::is_some);
         if all_swapped {
             let pending: Vec<usize> = seqs.iter().flatten().map(|&s| self.kv.seq(s).map_or(0, |x| x.num_pending())).collect();
@@ -201,8 +201,8 @@ impl Scheduler {
                     return false;
                 }
                 self.waiting.retain(|&w| w != b);
-                if let Some(branch) = self.branches.get_mut(b) {
-                    branch.resumed = false;
+                if let Some(sample) = self.samples.get_mut(b) {
+                    sample.resumed = false;
                 }
                 self.insert_running(b);
                 scheduled.push((b, s));
@@ -214,16 +214,16 @@ impl Scheduler {
         for (&b, &s) in group.iter().zip(&seqs) {
             let Some(s) = s else { continue };
             debug_assert_eq!(self.kv.seq(s).map(|x| x.tier()).ok(), Some(Tier::Host));
-            if let (Ok(tokens), Some(branch)) = (self.kv.free_take_tokens(s), self.branches.get_mut(b)) {
-                branch.tokens = tokens;
-                branch.seq = None;
+            if let (Ok(tokens), Some(sample)) = (self.kv.free_take_tokens(s), self.samples.get_mut(b)) {
+                sample.tokens = tokens;
+                sample.seq = None;
             }
         }
         // Add every beam (taking its prefix hits, which protects them), then give slots.
-        let mut added: Vec<(BranchKey, SeqId, usize, usize)> = Vec::with_capacity(group.len());
+        let mut added: Vec<(SampleKey, SeqId, usize, usize)> = Vec::with_capacity(group.len());
         for &b in &group {
-            let Some(branch) = self.branches.get_mut(b) else { continue };
-            let tokens = std::mem::take(&mut branch.tokens);
+            let Some(sample) = self.samples.get_mut(b) else { continue };
+            let tokens = std::mem::take(&mut sample.tokens);
             let num_tokens = tokens.len();
             let m = if self.config.enable_prefix_caching { self.kv.match_prefix(&tokens, &extra) } else { PrefixMatch::default() };
             let new = AddSequence { tokens, extra: extra.clone(), prefix: Some(m), retention, keep_all: false };
@@ -246,9 +246,9 @@ impl Scheduler {
         }
         for (&(b, s, num_tokens, hit), &n) in added.iter().zip(&shares) {
             self.waiting.retain(|&w| w != b);
-            if let Some(branch) = self.branches.get_mut(b) {
-                branch.seq = Some(s);
-                let resumed = std::mem::replace(&mut branch.resumed, false);
+            if let Some(sample) = self.samples.get_mut(b) {
+                sample.seq = Some(s);
+                let resumed = std::mem::replace(&mut sample.resumed, false);
                 if resumed {
                     self.counters.resumed_queries += num_tokens as u64;
                     self.counters.resumed_hits += hit as u64;
@@ -265,12 +265,12 @@ impl Scheduler {
 
     /// Takes back a group admission that did not fit: the sequences are freed (nothing was
     /// written) and the beams keep their tokens, still waiting. Returns false.
-    fn undo_group_admission(&mut self, added: &[(BranchKey, SeqId, usize, usize)]) -> bool {
+    fn undo_group_admission(&mut self, added: &[(SampleKey, SeqId, usize, usize)]) -> bool {
         for &(b, s, _, _) in added {
             let tokens = self.kv.free_discarding_window(s).unwrap_or_default();
-            if let Some(branch) = self.branches.get_mut(b) {
-                branch.tokens = tokens;
-                branch.seq = None;
+            if let Some(sample) = self.samples.get_mut(b) {
+                sample.tokens = tokens;
+                sample.seq = None;
             }
         }
         false
@@ -280,20 +280,20 @@ impl Scheduler {
     /// gets its barrier share of the budget and slots for it, preempting from the back of the
     /// running queue as needed (a victim beam request goes whole). When the victim would be
     /// this request itself, the whole group is preempted (recomputed, the slots it got in this
-    /// step given back) and `Err(())` tells the caller to stop scheduling running branches.
+    /// step given back) and `Err(())` tells the caller to stop scheduling running samples.
     /// Otherwise `Ok(preempted_any)`.
     pub(super) fn schedule_beam_group(
         &mut self,
         i: usize,
         j: usize,
         budget: &mut usize,
-        scheduled: &mut Vec<(BranchKey, SeqId)>,
+        scheduled: &mut Vec<(SampleKey, SeqId)>,
         out: &mut StepOutput,
         plan: &mut StepPlan,
     ) -> Result<std::result::Result<bool, ()>> {
-        let group: Vec<BranchKey> = self.running[i..j].to_vec();
-        let req = self.branches.get(group[0]).map(|x| x.req);
-        let seqs: Vec<SeqId> = group.iter().filter_map(|&b| self.branches.get(b).and_then(|x| x.seq)).collect();
+        let group: Vec<SampleKey> = self.running[i..j].to_vec();
+        let req = self.samples.get(group[0]).map(|x| x.req);
+        let seqs: Vec<SeqId> = group.iter().filter_map(|&b| self.samples.get(b).and_then(|x| x.seq)).collect();
         if seqs.len() != group.len() {
             return Err(CoreError::InvariantViolation("a running beam has no sequence".into()));
         }
@@ -308,7 +308,7 @@ impl Scheduler {
             while !self.kv.allocate_slots(s, n)? {
                 preempted = true;
                 let victim = self.running.last().copied();
-                let victim_req = victim.and_then(|v| self.branches.get(v)).map(|x| x.req);
+                let victim_req = victim.and_then(|v| self.samples.get(v)).map(|x| x.req);
                 if victim.is_none() || victim_req == req {
                     let allocated_seqs: Vec<SeqId> = allocated.iter().map(|&a| seqs[a]).collect();
                     self.preempt_beam_group_in_step(&group, &allocated_seqs, out)?;
@@ -328,20 +328,20 @@ impl Scheduler {
     /// Preempts a running beam group that could not get its slots in the step being built:
     /// every beam is recomputed later; the ones that got slots in this step (`allocated`) drop
     /// that window unwritten.
-    fn preempt_beam_group_in_step(&mut self, group: &[BranchKey], allocated: &[SeqId], out: &mut StepOutput) -> Result<()> {
+    fn preempt_beam_group_in_step(&mut self, group: &[SampleKey], allocated: &[SeqId], out: &mut StepOutput) -> Result<()> {
         for &b in group.iter().rev() {
             self.running.retain(|&k| k != b);
-            let Some(seq) = self.branches.get(b).and_then(|x| x.seq) else { continue };
+            let Some(seq) = self.samples.get(b).and_then(|x| x.seq) else { continue };
             self.requeue(b, if allocated.contains(&seq) { Release::DiscardWindow } else { Release::TakeTokens })?;
             self.counters.preemptions += 1;
         }
-        if let Some(req) = group.first().and_then(|&b| self.branches.get(b)).and_then(|x| self.requests.get(x.req)) {
+        if let Some(req) = group.first().and_then(|&b| self.samples.get(b)).and_then(|x| self.requests.get(x.req)) {
             out.preempted_req_ids.push(req.id.clone());
         }
         Ok(())
     }
 
-    /// Preempts the back of the running queue: one branch, or every running branch of the
+    /// Preempts the back of the running queue: one sample, or every running sample of the
     /// beam request it belongs to (swapped as a whole when the mode chooses a swap, every beam
     /// is decoding and the host holds them all on a conservative count; else recomputed).
     pub(super) fn preempt_back(&mut self, out: &mut StepOutput, plan: &mut StepPlan) {
@@ -353,7 +353,7 @@ impl Scheduler {
         };
         let mut group = Vec::new();
         while let Some(&b) = self.running.last() {
-            if self.branches.get(b).map(|x| x.req) != Some(req) {
+            if self.samples.get(b).map(|x| x.req) != Some(req) {
                 break;
             }
             self.running.pop();
@@ -368,9 +368,9 @@ impl Scheduler {
     }
 
     /// Whether a beam group being preempted is swapped (see [`Self::preempt_back`]).
-    fn beam_group_swaps(&self, group: &[BranchKey]) -> bool {
+    fn beam_group_swaps(&self, group: &[SampleKey]) -> bool {
         use super::PreemptionMode;
-        let seqs: Vec<SeqId> = group.iter().filter_map(|&b| self.branches.get(b).and_then(|x| x.seq)).collect();
+        let seqs: Vec<SeqId> = group.iter().filter_map(|&b| self.samples.get(b).and_then(|x| x.seq)).collect();
         let decoding = seqs.iter().all(|&s| self.kv.seq(s).is_ok_and(|x| x.num_pending() <= 1));
         let (mut blocks, mut tokens) = (0usize, 0usize);
         for &s in &seqs {
@@ -401,7 +401,7 @@ impl Scheduler {
     pub(super) fn apply_beam_step(
         &mut self,
         req: RequestKey,
-        beams: &[BranchKey],
+        beams: &[SampleKey],
         rows: &[usize],
         cand: BeamCandidates<'_>,
         updates: &mut Vec<RequestUpdate>,
@@ -411,13 +411,13 @@ impl Scheduler {
         let Some(search) = request.beam.as_ref() else { return Ok(()) };
         let width = search.params.width;
         let take = cand.k.min(2 * width);
-        let num_output = beams.first().and_then(|&b| self.branches.get(b)).map_or(0, |x| x.num_output);
+        let num_output = beams.first().and_then(|&b| self.samples.get(b)).map_or(0, |x| x.num_output);
         let new_len = num_output + 1;
         let past_min = new_len >= request.min_tokens;
         let (eos, stop) = (&request.eos_token_ids, &request.stop_token_ids);
         let mut candidates = Vec::with_capacity(beams.len() * take);
         for (x, (&b, &r)) in beams.iter().zip(rows).enumerate() {
-            let cum = self.branches.get(b).map_or(0.0, |x| x.cum_logprob);
+            let cum = self.samples.get(b).map_or(0.0, |x| x.cum_logprob);
             for c in r * cand.k..r * cand.k + take {
                 candidates.push((cum + f64::from(cand.logprobs[c]), x, cand.token_ids[c]));
             }
@@ -426,7 +426,7 @@ impl Scheduler {
         let decision = decide(width, candidates, is_stop);
         let (num_cached, prompt_len) = (request.num_cached_tokens, search.prompt_len);
         let output_of = |s: &Self, x: usize| -> Vec<u32> {
-            let seq = beams.get(x).and_then(|&b| s.branches.get(b)).and_then(|b| b.seq).and_then(|q| s.kv.seq(q).ok());
+            let seq = beams.get(x).and_then(|&b| s.samples.get(b)).and_then(|b| b.seq).and_then(|q| s.kv.seq(q).ok());
             seq.map(|q| q.tokens()[prompt_len..].to_vec()).unwrap_or_default()
         };
         // Finished hypotheses of this step.
@@ -457,10 +457,10 @@ impl Scheduler {
         }
         // Each parent's rank before this step (rows come in running order, not rank order):
         // what an update's `parent` names.
-        let prior_ranks: Vec<u32> = beams.iter().map(|&b| self.branches.get(b).map_or(0, |x| x.index)).collect();
-        // Survivors: the first of each parent takes the parent's branch over, the others fork
+        let prior_ranks: Vec<u32> = beams.iter().map(|&b| self.samples.get(b).map_or(0, |x| x.index)).collect();
+        // Survivors: the first of each parent takes the parent's sample over, the others fork
         // from it (before any token is appended); parents without survivors are freed.
-        let mut targets: Vec<BranchKey> = Vec::with_capacity(decision.survivors.len());
+        let mut targets: Vec<SampleKey> = Vec::with_capacity(decision.survivors.len());
         let mut taken = vec![false; beams.len()];
         for &(_, x, _) in &decision.survivors {
             if std::mem::replace(&mut taken[x], true) {
@@ -472,19 +472,19 @@ impl Scheduler {
         for (x, &b) in beams.iter().enumerate() {
             if !taken[x] {
                 self.running.retain(|&k| k != b);
-                self.drop_branch(b);
+                self.drop_sample(b);
                 if let Some(r) = self.requests.get_mut(req) {
-                    r.branches.retain(|&k| k != b);
+                    r.samples.retain(|&k| k != b);
                 }
             }
         }
         for (k, (&t, &(cum, x, token))) in targets.iter().zip(&decision.survivors).enumerate() {
-            let Some(branch) = self.branches.get_mut(t) else { continue };
-            let Some(seq) = branch.seq else { continue };
+            let Some(sample) = self.samples.get_mut(t) else { continue };
+            let Some(seq) = sample.seq else { continue };
             self.kv.append_token(seq, token)?;
-            branch.index = k as u32;
-            branch.num_output = new_len;
-            branch.cum_logprob = cum;
+            sample.index = k as u32;
+            sample.num_output = new_len;
+            sample.cum_logprob = cum;
             updates.push(RequestUpdate {
                 request: req,
                 index: k as u32,
@@ -500,8 +500,8 @@ impl Scheduler {
     }
 
     /// A new running beam sharing every block of `parent` (a survivor of the same parent).
-    fn fork_beam(&mut self, parent: BranchKey, req: RequestKey) -> Result<BranchKey> {
-        let p = self.branches.get(parent).ok_or_else(|| CoreError::InvariantViolation("fork of a missing beam".into()))?;
+    fn fork_beam(&mut self, parent: SampleKey, req: RequestKey) -> Result<SampleKey> {
+        let p = self.samples.get(parent).ok_or_else(|| CoreError::InvariantViolation("fork of a missing beam".into()))?;
         let seq = p.seq.ok_or_else(|| CoreError::InvariantViolation("fork of a waiting beam".into()))?;
         let (num_output, cum, (prio, arrival, _)) = (p.num_output, p.cum_logprob, p.order);
         let order = match self.requests.get_mut(req).and_then(|r| r.beam.as_mut()) {
@@ -512,7 +512,7 @@ impl Scheduler {
             None => 0,
         };
         let child_seq = self.kv.fork(seq)?;
-        let child = self.branches.insert(Branch {
+        let child = self.samples.insert(Sample {
             req,
             index: 0,
             tokens: Vec::new(),
@@ -521,10 +521,10 @@ impl Scheduler {
             resumed: false,
             order: (prio, arrival, order),
             cum_logprob: cum,
-            spec: BranchSpec::default(),
+            spec: SampleSpec::default(),
         });
         if let Some(r) = self.requests.get_mut(req) {
-            r.branches.push(child);
+            r.samples.push(child);
         }
         self.counters.beam_forks += 1;
         self.insert_running(child);
@@ -535,11 +535,11 @@ impl Scheduler {
     /// [`Self::take_beam_results`], and one update (sample 0, the best hypothesis' last token
     /// and reason) reports the end.
     fn end_beam_request(&mut self, req: RequestKey, updates: &mut Vec<RequestUpdate>) {
-        let branches = self.requests.get(req).map(|r| r.branches.clone()).unwrap_or_default();
-        for b in branches {
+        let samples = self.requests.get(req).map(|r| r.samples.clone()).unwrap_or_default();
+        for b in samples {
             self.running.retain(|&k| k != b);
             self.waiting.retain(|&k| k != b);
-            self.drop_branch(b);
+            self.drop_sample(b);
         }
         let Some(mut request) = self.requests.remove(req) else { return };
         let hypotheses = request.beam.take().map(|s| s.finished).unwrap_or_default();
@@ -568,11 +568,11 @@ impl Scheduler {
         let mut holders: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
         let mut refs = 0usize;
         for &b in &self.running {
-            let Some(branch) = self.branches.get(b) else { continue };
-            if self.requests.get(branch.req).is_none_or(|r| r.beam.is_none()) {
+            let Some(sample) = self.samples.get(b) else { continue };
+            if self.requests.get(sample.req).is_none_or(|r| r.beam.is_none()) {
                 continue;
             }
-            let Some(seq) = branch.seq.and_then(|s| self.kv.seq(s).ok()) else { continue };
+            let Some(seq) = sample.seq.and_then(|s| self.kv.seq(s).ok()) else { continue };
             for blk in seq.held_blocks() {
                 refs += 1;
                 *holders.entry(blk.0).or_insert(0) += 1;

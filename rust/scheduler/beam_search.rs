@@ -2,9 +2,9 @@
 //! the finished hypotheses kept best first, the ranking of one step's candidates
 //! ([`decide`]) and the split of a step's budget between a beam group ([`barrier_shares`]).
 //!
-//! Nothing here knows requests, branches or blocks: a request (request.rs) holds a
+//! Nothing here knows requests, samples or blocks: a request (request.rs) holds a
 //! [`BeamSearch`], and the scheduler's beam steps (beam.rs) apply what [`decide`] returns to
-//! its branches and their KV. Keeping these pieces below both is what lets request.rs and
+//! its samples and their KV. Keeping these pieces below both is what lets request.rs and
 //! beam.rs depend on them without depending on each other. The rules themselves (ranking,
 //! scores, the end of a search) are described in beam.rs's module docs.
 
@@ -40,7 +40,7 @@ pub(crate) struct BeamSearch {
     pub prompt_len: usize,
     /// Finished hypotheses, best first, at most `W`.
     pub finished: Vec<BeamHypothesis>,
-    /// Next branch order number (each fork gets a fresh one, so that a request's branches stay
+    /// Next sample order number (each fork gets a fresh one, so that a request's samples stay
     /// adjacent and ordered in the running queue).
     pub next_order: u32,
 }

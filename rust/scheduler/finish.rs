@@ -1,8 +1,8 @@
-//! Why a branch (or a beam search) stopped: the lowest piece of the scheduler's request
+//! Why a sample (or a beam search) stopped: the lowest piece of the scheduler's request
 //! model, shared by the requests, the beam search and the step output, so that none of them
 //! has to import another for it.
 
-/// Why a branch stopped.
+/// Why a sample stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
     /// An eos or stop token id was sampled.

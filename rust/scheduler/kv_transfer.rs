@@ -3,8 +3,8 @@
 //! Two kinds of held sequences, neither of them a scheduled request:
 //!
 //! - A **lease** (prefill side). A request added with `hold_kv` keeps its KV when it ends:
-//!   its first finished branch's sequence is forked into a lease that holds every block the
-//!   branch held (a reference each, so nothing can reuse them), until
+//!   its first finished sample's sequence is forked into a lease that holds every block the
+//!   sample held (a reference each, so nothing can reuse them), until
 //!   [`Scheduler::release_kv_lease`]. A remote engine reads the blocks in between. The blocks
 //!   were registered in the prefix cache as they filled, so once released they stay findable
 //!   like any freed block. An aborted request takes no lease.
@@ -18,13 +18,13 @@
 //! Both are sequences of the KV-cache manager, so its invariants (ref counts = tables) cover
 //! them, and `stats()` counts their blocks as used.
 //!
-//! **KV cache groups.** With several columns (one block table per column per sequence) both
-//! carry every column, as one list of block ids, **column-major**: column 0's `n` blocks,
-//! then column 1's `n`, and so on, every column the same length `n`. A `hold_kv` request's
-//! sequence keeps every block of every column (a sliding or chunked column gives nothing
+//! **KV cache groups.** With several KV cache groups (one block table per KV cache group per sequence) both
+//! carry every KV cache group, as one list of block ids, **group-major**: KV cache group 0's `n` blocks,
+//! then KV cache group 1's `n`, and so on, every KV cache group the same length `n`. A `hold_kv` request's
+//! sequence keeps every block of every KV cache group (a sliding or chunked KV cache group gives nothing
 //! back behind its window: `AddSequence::keep_all`), so its lease holds
-//! the whole prompt in every column; its memory is that of every layer whole, bounded by
-//! its length. A reservation holds its hits in every column, also those behind a window;
+//! the whole prompt in every KV cache group; its memory is that of every layer whole, bounded by
+//! its length. A reservation holds its hits in every KV cache group, also those behind a window;
 //! the request unblocked after the commit gives those back at admission as usual.
 
 use super::Scheduler;
@@ -33,34 +33,34 @@ use crate::error::{CoreError, Result};
 
 impl Scheduler {
     /// Fails when a `hold_kv` request of up to `len` tokens could never run: with a sliding
-    /// or chunked column it keeps every block of every column (nothing given back behind a
-    /// window), so it needs `columns * ceil(len / block_size)` blocks, which the whole pool
+    /// or chunked KV cache group it keeps every block of every KV cache group (nothing given back behind a
+    /// window), so it needs `KV cache groups * ceil(len / block_size)` blocks, which the whole pool
     /// must hold.
     pub(super) fn check_kv_lease_fits(&self, id: &str, len: usize) -> Result<()> {
         if self.kv.spans().iter().all(|s| s.is_full()) {
             return Ok(()); // as any request: max_model_len fits the pool
         }
-        let cols = self.kv.num_columns();
-        let need = cols * crate::block_table::blocks_for(len, self.config.block_size);
+        let groups = self.kv.num_kv_groups();
+        let need = groups * crate::block_table::blocks_for(len, self.config.block_size);
         let have = self.kv.pool().num_blocks();
         if need > have {
             return Err(CoreError::InvalidArgument(format!(
                 "request {id:?}: holding its KV for another engine (hold_kv) keeps all {len} tokens in each \
-                 of the {cols} KV-cache columns: {need} blocks, more than the pool's {have}"
+                 of the {groups} KV cache groups: {need} blocks, more than the pool's {have}"
             )));
         }
         Ok(())
     }
 
-    /// Forks the sequence of `req`'s branch `seq` into a lease named after the request, once
-    /// per request (called when a branch of a `hold_kv` request finishes, before it is freed).
+    /// Forks the sequence of `req`'s sample `seq` into a lease named after the request, once
+    /// per request (called when a sample of a `hold_kv` request finishes, before it is freed).
     pub(super) fn take_kv_lease(&mut self, id: &std::sync::Arc<str>, seq: crate::ids::SeqId) {
         if self.kv_leases.contains_key(id) {
             return;
         }
-        // The branch's sequence is live by construction, and keeps every block of every column
+        // The sample's sequence is live by construction, and keeps every block of every KV cache group
         // (`hold_kv`); a lease must hold all of them (a given-back entry could not travel).
-        let whole = self.kv.seq(seq).is_ok_and(|s| s.columns().iter().all(|c| c.num_released() == 0));
+        let whole = self.kv.seq(seq).is_ok_and(|s| s.kv_groups().iter().all(|c| c.num_released() == 0));
         if !whole {
             return;
         }
@@ -70,13 +70,13 @@ impl Scheduler {
     }
 
     /// The blocks leased by ended request `id` and the number of tokens whose KV they hold
-    /// (the leading `num_tokens / block_size` blocks of each column are full), or `None` if
+    /// (the leading `num_tokens / block_size` blocks of each KV cache group are full), or `None` if
     /// no lease has that name (never taken, released, or the request has not ended yet).
-    /// With several columns the ids are every column's table, column-major (column 0's `n`
-    /// blocks, then column 1's `n`, ...; module docs), none given back.
+    /// With several KV cache groups the ids are every KV cache group's table, group-major (KV cache group 0's `n`
+    /// blocks, then KV cache group 1's `n`, ...; module docs), none given back.
     pub fn kv_lease(&self, id: &str) -> Option<(Vec<u32>, usize)> {
         let seq = self.kv.seq(*self.kv_leases.get(id)?).ok()?;
-        let blocks = seq.columns().iter().flat_map(|c| c.table().blocks()).map(|b| b.0).collect();
+        let blocks = seq.kv_groups().iter().flat_map(|c| c.table().blocks()).map(|b| b.0).collect();
         Some((blocks, seq.num_computed()))
     }
 
@@ -97,9 +97,9 @@ impl Scheduler {
     /// Reserves device blocks for the first `max_blocks` full blocks of `prompt` (at most
     /// `(len - 1) / block_size`: the last token is always computed here) under `cache_salt`,
     /// for KV arriving from another engine. Returns `(num_hit_blocks, fresh_block_ids)`: the
-    /// leading blocks this pool already caches, shared (in every column: the longest prefix
-    /// every column's chain reaches), and the fresh blocks for the blocks after them, in
-    /// order; with several columns, every column's fresh blocks, column-major (module docs)
+    /// leading blocks this pool already caches, shared (in every KV cache group: the longest prefix
+    /// every KV cache group's chain reaches), and the fresh blocks for the blocks after them, in
+    /// order; with several KV cache groups, every KV cache group's fresh blocks, group-major (module docs)
     /// — or `None` if the pool has no room now. Fails, changing nothing, on an empty or
     /// over-long prompt, a bad salt or a reservation of that name.
     pub fn reserve_kv(
@@ -125,9 +125,9 @@ impl Scheduler {
         let Some((seq, hits)) = self.kv.reserve_prefix(prompt, ExtraKey::new(cache_salt), max_blocks) else {
             return Ok(None);
         };
-        // Every column's blocks after the hits, column-major.
-        let cols = self.kv.seq(seq)?.columns();
-        let fresh = cols.iter().flat_map(|c| &c.table().blocks()[hits..]).map(|b| b.0).collect();
+        // Every KV cache group's blocks after the hits, group-major.
+        let groups = self.kv.seq(seq)?.kv_groups();
+        let fresh = groups.iter().flat_map(|c| &c.table().blocks()[hits..]).map(|b| b.0).collect();
         self.kv_reservations.insert(std::sync::Arc::from(id), seq);
         Ok(Some((hits, fresh)))
     }

@@ -2,16 +2,16 @@
 //!
 //! Each `schedule()` builds one step under one token budget (`max_num_batched_tokens`) and a
 //! sequence cap (`max_num_seqs`):
-//! 1. Running branches first, in policy order: each gets its pending tokens (1 for a decode,
+//! 1. Running samples first, in policy order: each gets its pending tokens (1 for a decode,
 //!    the next chunk of its prompt otherwise) up to the remaining budget. When the pool has no
-//!    block for one, the lowest-priority / latest-arrived running branch that is not yet in
-//!    this step is preempted, and the allocation is retried; a branch may have to preempt
+//!    block for one, the lowest-priority / latest-arrived running sample that is not yet in
+//!    this step is preempted, and the allocation is retried; a sample may have to preempt
 //!    itself. Preemption ([`PreemptionMode`]) either recomputes (its blocks are freed — full
 //!    ones stay in the prefix cache — its tokens are kept) or swaps (its blocks are copied to
 //!    the host tier, `swap_out` ops); either way it goes back to the front of the waiting
 //!    queue. A swap that does not fit in the host tier becomes a recompute.
-//! 2. If nothing was preempted, waiting branches are admitted in policy order (head-of-line:
-//!    admission stops at the first that does not fit): a swapped branch is copied back
+//! 2. If nothing was preempted, waiting samples are admitted in policy order (head-of-line:
+//!    admission stops at the first that does not fit): a swapped sample is copied back
 //!    (`swap_in` ops) and continues where it stopped; any other starts after its longest
 //!    verified cached prefix — device blocks shared, host blocks loaded into fresh device
 //!    blocks — with a first chunk cut to the remaining budget.
@@ -24,8 +24,8 @@
 //! in any state.
 //!
 //! `update(step, sampled)` appends one sampled token per logits row, forks `n > 1` requests
-//! into their branches at the end of their prompt, and applies the token-based stops (eos,
-//! stop ids, min_tokens, max_tokens, max_model_len). A finished branch frees its blocks.
+//! into their samples at the end of their prompt, and applies the token-based stops (eos,
+//! stop ids, min_tokens, max_tokens, max_model_len). A finished sample frees its blocks.
 //!
 //! With `enable_kv_events` the KV-cache manager logs its pools' cache changes and
 //! [`Scheduler::take_kv_events`] hands them out, one batch per step, in vLLM's wire format
@@ -56,7 +56,7 @@ pub use config::{Policy, PreemptionMode, SchedulerConfig};
 pub(crate) use output::BlockTableRows;
 pub use output::{RequestUpdate, StepOutput};
 pub use finish::FinishReason;
-pub use request::{BranchKey, NewRequest, RequestKey};
+pub use request::{SampleKey, NewRequest, RequestKey};
 pub use snapshot::RequestSummary;
 pub use stats::{SchedulerStats, StatValue};
 
@@ -65,19 +65,19 @@ use crate::error::{CoreError, Result};
 use crate::ids::{BlockId, SeqId};
 use crate::kv_cache_manager::{AddSequence, KvCacheManager, PrefixMatch, Restore, Tier};
 use crate::slab::Slab;
-use crate::speculative::{suffix, BranchSpec, SpecCostModel, SpecMethod, TenantSpecs, BRANCH_DECAY, GLOBAL_DECAY, PRIOR_WEIGHT};
+use crate::speculative::{suffix, SampleSpec, SpecCostModel, SpecMethod, TenantSpecs, SAMPLE_DECAY, GLOBAL_DECAY, PRIOR_WEIGHT};
 use output::StepPlan;
-use request::{Branch, Request};
+use request::{Sample, Request};
 use stats::Counters;
 
 /// A disk-tier entry as a file stores it: the block's chained hash, its parent's (`None`
 /// for a first block), its token ids and its cache salt.
 pub type DiskEntry = (BlockHash, Option<BlockHash>, Vec<u32>, Option<String>, u32);
 
-/// What [`Scheduler::requeue`] does with a re-queued branch's sequence.
+/// What [`Scheduler::requeue`] does with a re-queued sample's sequence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Release {
-    /// Freed; its tokens stay on the branch, to be recomputed (preemption).
+    /// Freed; its tokens stay on the sample, to be recomputed (preemption).
     TakeTokens,
     /// Freed after dropping the step's unwritten window (a step that will not run).
     DiscardWindow,
@@ -92,11 +92,11 @@ pub struct Scheduler {
     kv: KvCacheManager,
     requests: Slab<Request>,
     by_id: HashMap<Arc<str>, RequestKey>,
-    branches: Slab<Branch>,
-    /// Waiting branches in admission order.
-    waiting: VecDeque<BranchKey>,
-    /// Running branches sorted by their order key (preemption takes from the back).
-    running: Vec<BranchKey>,
+    samples: Slab<Sample>,
+    /// Waiting samples in admission order.
+    waiting: VecDeque<SampleKey>,
+    /// Running samples sorted by their order key (preemption takes from the back).
+    running: Vec<SampleKey>,
     next_arrival: u64,
     next_step: u64,
     in_flight: Option<StepPlan>,
@@ -120,7 +120,7 @@ pub struct Scheduler {
     /// Accepted drafts by position (index j: the (j+1)-th draft of a row), lifetime.
     spec_accepted_per_position: Vec<u64>,
     /// What speculation learned from finished requests and verified rows, per tenant (cache
-    /// salt): suffix decoding's recent outputs and the acceptance prior of new branches. Never
+    /// salt): suffix decoding's recent outputs and the acceptance prior of new samples. Never
     /// shared across salts, so one tenant's outputs never become another's drafts.
     spec_tenants: TenantSpecs,
     /// Scratch for a proposal.
@@ -132,7 +132,7 @@ impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
         let mut kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching, config.hash_mode)?
-            .with_columns(config.attention_spans.clone())?
+            .with_kv_groups(config.attention_spans.clone())?
             .with_host_tier(config.num_host_blocks)?
             .with_disk_tier(config.num_disk_blocks)?;
         kv.set_record_events(config.enable_kv_events);
@@ -141,7 +141,7 @@ impl Scheduler {
             kv,
             requests: Slab::default(),
             by_id: HashMap::new(),
-            branches: Slab::default(),
+            samples: Slab::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_arrival: 0,
@@ -190,11 +190,11 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Speculative decoding: how many drafts a new branch of the most accepting tenant among
-    /// the running requests would verify in a step with the branches running now (the cost
+    /// Speculative decoding: how many drafts a new sample of the most accepting tenant among
+    /// the running requests would verify in a step with the samples running now (the cost
     /// model's choice; all of `num_speculative_tokens` when not adaptive, 0 when speculation
     /// is off). A caller that makes drafts (a draft model) makes no more than this; each
-    /// branch then keeps as many as its own tenant's acceptance pays for, so no tenant's
+    /// sample then keeps as many as its own tenant's acceptance pays for, so no tenant's
     /// drafts depend on another's.
     pub fn spec_drafts_worth(&self) -> usize {
         match self.config.speculative {
@@ -205,7 +205,7 @@ impl Scheduler {
                 let best = self
                     .running
                     .iter()
-                    .filter_map(|&b| self.branches.get(b).and_then(|x| self.requests.get(x.req)))
+                    .filter_map(|&b| self.samples.get(b).and_then(|x| self.requests.get(x.req)))
                     .map(|r| self.spec_tenants.get(r.extra.salt()).acceptance.rate())
                     .fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))))
                     .unwrap_or_else(|| self.spec_tenants.get(None).acceptance.rate());
@@ -244,12 +244,12 @@ impl Scheduler {
         &self.kv
     }
 
-    /// Branches waiting for admission.
+    /// Samples waiting for admission.
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
     }
 
-    /// Branches running.
+    /// Samples running.
     pub fn num_running(&self) -> usize {
         self.running.len()
     }
@@ -273,7 +273,7 @@ impl Scheduler {
         }
     }
 
-    /// Ends one sample (branch) of a request with reason "stop", e.g. when a stop string
+    /// Ends one sample of a request with reason "stop", e.g. when a stop string
     /// matched in the detokenized text: its blocks are freed at once, and the request ends
     /// (reported in the next step's finished ids) when its last sample does. Returns false if
     /// that sample had already ended.
@@ -287,17 +287,17 @@ impl Scheduler {
         }
         // Before the n-way fork only sample 0 exists; ending it ends the request.
         req.forked = true;
-        let found = req.branches.iter().copied().find(|&b| self.branches.get(b).is_some_and(|x| x.index == index));
+        let found = req.samples.iter().copied().find(|&b| self.samples.get(b).is_some_and(|x| x.index == index));
         let Some(b) = found else { return Ok(false) };
         self.running.retain(|&k| k != b);
         self.waiting.retain(|&k| k != b);
         self.counters.finished_stop += 1;
-        self.finish_branch(b, FinishReason::Stop);
+        self.end_sample(b, FinishReason::Stop);
         Ok(true)
     }
 
     /// Hands in the drafts for sample `index` of request `id` (speculative decoding with drafts
-    /// from the caller, e.g. a draft model): used by the next step that schedules the branch,
+    /// from the caller, e.g. a draft model): used by the next step that schedules the sample,
     /// if its token count is still `num_tokens` (the tokens the drafts follow), cut to what the
     /// step allows. Returns false (nothing kept) for a request or sample that is gone or is not
     /// running, a request that does not speculate, or a scheduler whose method takes no drafts.
@@ -318,19 +318,19 @@ impl Scheduler {
         if !req.speculate {
             return Ok(false);
         }
-        let found = req.branches.iter().copied().find(|&b| self.branches.get(b).is_some_and(|x| x.index == index && x.seq.is_some()));
-        let Some(branch) = found.and_then(|b| self.branches.get_mut(b)) else { return Ok(false) };
-        branch.spec.provided.clear();
-        branch.spec.provided.extend_from_slice(drafts);
-        branch.spec.provided_at = num_tokens;
+        let found = req.samples.iter().copied().find(|&b| self.samples.get(b).is_some_and(|x| x.index == index && x.seq.is_some()));
+        let Some(sample) = found.and_then(|b| self.samples.get_mut(b)) else { return Ok(false) };
+        sample.spec.provided.clear();
+        sample.spec.provided.extend_from_slice(drafts);
+        sample.spec.provided_at = num_tokens;
         Ok(true)
     }
 
-    /// Frees a branch's sequence and removes it (not from the queues).
-    fn drop_branch(&mut self, b: BranchKey) {
-        if let Some(branch) = self.branches.remove(b) {
-            if let Some(seq) = branch.seq {
-                // A branch with rows in the step in flight (aborted mid-step) may never get its
+    /// Frees a sample's sequence and removes it (not from the queues).
+    fn drop_sample(&mut self, b: SampleKey) {
+        if let Some(sample) = self.samples.remove(b) {
+            if let Some(seq) = sample.seq {
+                // A sample with rows in the step in flight (aborted mid-step) may never get its
                 // window written, if that step fails: its window is not offered to the prefix
                 // cache. The sequence is live by construction; nothing to report otherwise.
                 let in_flight = self.in_flight.as_ref().is_some_and(|p| p.scheduled.contains(&b));
@@ -339,13 +339,13 @@ impl Scheduler {
         }
     }
 
-    fn order_of(&self, b: BranchKey) -> (i64, u64, u32) {
-        self.branches.get(b).map(|x| x.order).unwrap_or((i64::MAX, u64::MAX, u32::MAX))
+    fn order_of(&self, b: SampleKey) -> (i64, u64, u32) {
+        self.samples.get(b).map(|x| x.order).unwrap_or((i64::MAX, u64::MAX, u32::MAX))
     }
 
-    /// Puts a branch in the waiting queue: new ones at their place in policy order (the back,
+    /// Puts a sample in the waiting queue: new ones at their place in policy order (the back,
     /// under FCFS), preempted ones at the front (under priority: the front of their priority).
-    fn enqueue_waiting(&mut self, b: BranchKey, preempted: bool) {
+    fn enqueue_waiting(&mut self, b: SampleKey, preempted: bool) {
         let key = self.order_of(b);
         match (self.config.policy, preempted) {
             (Policy::Fcfs, false) => self.waiting.push_back(b),
@@ -361,37 +361,37 @@ impl Scheduler {
         }
     }
 
-    /// Sends branch `b` back to the front of the waiting queue (its priority's front) as a
-    /// resumed branch: the one re-queueing path of preemption, a beam group's preemption in the
+    /// Sends sample `b` back to the front of the waiting queue (its priority's front) as a
+    /// resumed sample: the one re-queueing path of preemption, a beam group's preemption in the
     /// step being built and `rollback_step`. `release` says what happens to its sequence:
-    /// freed with its tokens kept on the branch (recomputed later), freed with the step's
+    /// freed with its tokens kept on the sample (recomputed later), freed with the step's
     /// unwritten window dropped first (a step that never ran), or kept (swapped out, it comes
     /// back from the host tier). The caller takes it out of `running` and counts it.
-    fn requeue(&mut self, b: BranchKey, release: Release) -> Result<()> {
-        let Some(branch) = self.branches.get_mut(b) else { return Ok(()) }; // aborted since
+    fn requeue(&mut self, b: SampleKey, release: Release) -> Result<()> {
+        let Some(sample) = self.samples.get_mut(b) else { return Ok(()) }; // aborted since
         if release != Release::Keep {
-            let Some(seq) = branch.seq.take() else { return Ok(()) };
-            branch.tokens = match release {
+            let Some(seq) = sample.seq.take() else { return Ok(()) };
+            sample.tokens = match release {
                 Release::DiscardWindow => self.kv.free_discarding_window(seq)?,
                 _ => self.kv.free_take_tokens(seq)?,
             };
         }
-        branch.resumed = true;
+        sample.resumed = true;
         self.enqueue_waiting(b, true);
         Ok(())
     }
 
-    fn insert_running(&mut self, b: BranchKey) {
+    fn insert_running(&mut self, b: SampleKey) {
         let key = self.order_of(b);
         let pos = self.running.partition_point(|&r| self.order_of(r) <= key);
         self.running.insert(pos, b);
     }
 
-    /// Preempts a running branch (not in this step): swapped to the host tier when the mode
+    /// Preempts a running sample (not in this step): swapped to the host tier when the mode
     /// and the cost model say so and the host has room, else recomputed later.
-    /// `swap`: the choice already made for the branch's whole beam group, if it has one.
-    fn preempt(&mut self, b: BranchKey, out: &mut StepOutput, plan: &mut StepPlan, swap: Option<bool>) {
-        let Some(seq) = self.branches.get(b).and_then(|x| x.seq) else { return };
+    /// `swap`: the choice already made for the sample's whole beam group, if it has one.
+    fn preempt(&mut self, b: SampleKey, out: &mut StepOutput, plan: &mut StepPlan, swap: Option<bool>) {
+        let Some(seq) = self.samples.get(b).and_then(|x| x.seq) else { return };
         let swap = swap.unwrap_or_else(|| match self.config.preemption_mode {
             PreemptionMode::Recompute => false,
             PreemptionMode::Swap => true,
@@ -405,9 +405,9 @@ impl Scheduler {
             plan.swapped_out.push(b);
             self.counters.swap_preemptions += 1;
         }
-        let Some(req) = self.branches.get(b).map(|x| x.req) else { return };
+        let Some(req) = self.samples.get(b).map(|x| x.req) else { return };
         if self.requeue(b, if swapped { Release::Keep } else { Release::TakeTokens }).is_err() {
-            return; // cannot happen: the branch's sequence is live
+            return; // cannot happen: the sample's sequence is live
         }
         self.counters.preemptions += 1;
         if let Some(req) = self.requests.get(req) {
@@ -437,13 +437,13 @@ impl Scheduler {
         }
         let rows = out.num_rows();
         let width = out.block_table_width;
-        out.block_tables.resize(out.num_columns * rows * width, 0);
+        out.block_tables.resize(out.num_kv_groups * rows * width, 0);
         let StepOutput { row_seqs, table_rows, block_tables, .. } = out;
         table_rows.write(&self.kv, row_seqs, width, block_tables)
     }
 
     /// Writes the block tables of `out`, the step just scheduled, into `dst`
-    /// (`out.num_columns * out.num_rows() * out.block_table_width` entries), which holds what `rows`
+    /// (`out.num_kv_groups * out.num_rows() * out.block_table_width` entries), which holds what `rows`
     /// says (see [`BlockTableRows`]).
     #[cfg_attr(not(feature = "python"), allow(dead_code))]
     pub(crate) fn write_block_tables(&self, out: &StepOutput, dst: &mut [i32], rows: &mut BlockTableRows) -> Result<()> {
@@ -456,9 +456,9 @@ impl Scheduler {
         let step_id = self.open_step(out)?;
         let mut plan = StepPlan { step_id, ..StepPlan::default() };
         let mut budget = self.config.max_num_batched_tokens;
-        let mut scheduled: Vec<(BranchKey, SeqId)> = Vec::with_capacity(self.running.len() + 1);
+        let mut scheduled: Vec<(SampleKey, SeqId)> = Vec::with_capacity(self.running.len() + 1);
 
-        // 1. Running branches.
+        // 1. Running samples.
         let threshold = match self.config.speculative {
             Some(spec) if spec.adaptive => self.spec_cost.threshold(self.running.len()),
             _ => -1.0, // every draft the proposer finds
@@ -470,7 +470,7 @@ impl Scheduler {
             if let Some(req) = self.beam_request_of(b) {
                 // A beam request's running beams are adjacent: scheduled together or not at all.
                 let mut j = i + 1;
-                while j < self.running.len() && self.branches.get(self.running[j]).is_some_and(|x| x.req == req) {
+                while j < self.running.len() && self.samples.get(self.running[j]).is_some_and(|x| x.req == req) {
                     j += 1;
                 }
                 match self.schedule_beam_group(i, j, &mut budget, &mut scheduled, out, &mut plan)? {
@@ -485,7 +485,7 @@ impl Scheduler {
                     }
                 }
             }
-            let Some(seq) = self.branches.get(b).and_then(|x| x.seq) else {
+            let Some(seq) = self.samples.get(b).and_then(|x| x.seq) else {
                 i += 1;
                 continue;
             };
@@ -495,7 +495,7 @@ impl Scheduler {
                 continue;
             }
             if pending == 1 && budget > 1 && self.config.speculative.is_some() {
-                // A decoding branch drafts what the budget, its limits and the cost model allow,
+                // A decoding sample drafts what the budget, its limits and the cost model allow,
                 // and only into free blocks: speculation never preempts anyone.
                 let d = self.propose_drafts(b, seq, budget - 1, threshold)?;
                 if d > 0 {
@@ -533,7 +533,7 @@ impl Scheduler {
             i += 1;
         }
 
-        // 2. Waiting branches (not in a step that had to preempt).
+        // 2. Waiting samples (not in a step that had to preempt).
         if !preempted_any {
             self.admit_waiting(&mut budget, &mut scheduled);
         }
@@ -572,7 +572,7 @@ impl Scheduler {
     /// manager's step (clock, copy targets).
     fn open_step(&mut self, out: &mut StepOutput) -> Result<u64> {
         out.clear(self.next_step);
-        out.num_columns = self.kv.num_columns();
+        out.num_kv_groups = self.kv.num_kv_groups();
         if let Some(plan) = &self.in_flight {
             return Err(CoreError::StaleOutput(format!(
                 "step {} was scheduled but update() was not called for it",
@@ -609,19 +609,19 @@ impl Scheduler {
         out.swap_in.extend(swap_in.iter().flat_map(|&(h, d)| [h.0 as i32, d.0 as i32]));
     }
 
-    fn admit_waiting(&mut self, budget: &mut usize, scheduled: &mut Vec<(BranchKey, SeqId)>) {
+    fn admit_waiting(&mut self, budget: &mut usize, scheduled: &mut Vec<(SampleKey, SeqId)>) {
         let bs = self.config.block_size;
         while *budget > 0 {
             let Some(&b) = self.waiting.front() else { break };
-            let Some(branch) = self.branches.get(b) else {
+            let Some(sample) = self.samples.get(b) else {
                 self.waiting.pop_front();
                 continue;
             };
-            let Some(req) = self.requests.get(branch.req) else {
+            let Some(req) = self.requests.get(sample.req) else {
                 self.waiting.pop_front();
                 continue;
             };
-            // An unforked request will become n branches, a beam request W beams: reserve room
+            // An unforked request will become n samples, a beam request W beams: reserve room
             // for all of them.
             let seats = match &req.beam {
                 Some(s) => s.params.width,
@@ -631,18 +631,18 @@ impl Scheduler {
             if self.running.len() + seats > self.config.max_num_seqs {
                 break;
             }
-            // The watermark keeps room for running branches to grow; a lone request may use
+            // The watermark keeps room for running samples to grow; a lone request may use
             // the whole pool (else a request near max_model_len could never start).
             let reserve = if self.running.is_empty() { 0 } else { self.config.watermark_blocks() };
-            if req.beam.is_some() && req.branches.len() > 1 {
+            if req.beam.is_some() && req.samples.len() > 1 {
                 // A preempted beam group comes back whole.
-                let req_key = branch.req;
+                let req_key = sample.req;
                 if !self.admit_beam_group(req_key, budget, reserve, scheduled) {
                     break;
                 }
                 continue;
             }
-            if let Some(seq) = branch.seq {
+            if let Some(seq) = sample.seq {
                 // Swapped out: copy it back and continue where it stopped.
                 if !self.resume_swapped(b, seq, budget, reserve, scheduled) {
                     break;
@@ -651,24 +651,24 @@ impl Scheduler {
             }
             let extra = req.extra.clone();
             let retention = req.retention;
-            // A request whose KV another engine reads keeps every column's blocks.
+            // A request whose KV another engine reads keeps every KV cache group's blocks.
             let keep_all = req.hold_kv;
             let m = if !self.config.enable_prefix_caching {
                 PrefixMatch::default()
             } else if req.skip_prefix_cache {
                 self.kv.no_prefix_match()
             } else {
-                self.kv.match_prefix(&branch.tokens, &extra)
+                self.kv.match_prefix(&sample.tokens, &extra)
             };
             let hit = m.num_tokens(bs);
-            let n = (branch.tokens.len() - hit).min(*budget);
+            let n = (sample.tokens.len() - hit).min(*budget);
             let cost = self.kv.admission_cost_keeping(&m, n, keep_all);
             if cost + reserve > self.kv.pool().num_free() {
                 break;
             }
             self.waiting.pop_front();
-            let Some(branch) = self.branches.get_mut(b) else { continue };
-            let tokens = std::mem::take(&mut branch.tokens);
+            let Some(sample) = self.samples.get_mut(b) else { continue };
+            let tokens = std::mem::take(&mut sample.tokens);
             let num_tokens = tokens.len();
             let before = self.kv.prefix_counters();
             let (seq, hit) = self.kv.add_sequence(AddSequence { tokens, extra, prefix: Some(m), retention, keep_all });
@@ -678,15 +678,15 @@ impl Scheduler {
                 _ => {
                     // Cannot happen (cost was checked); undo and stop admitting.
                     if let Ok(tokens) = self.kv.free_take_tokens(seq) {
-                        branch.tokens = tokens;
+                        sample.tokens = tokens;
                     }
                     self.waiting.push_front(b);
                     break;
                 }
             }
-            branch.seq = Some(seq);
-            let resumed = std::mem::replace(&mut branch.resumed, false);
-            let req_key = branch.req;
+            sample.seq = Some(seq);
+            let resumed = std::mem::replace(&mut sample.resumed, false);
+            let req_key = sample.req;
             if resumed {
                 self.counters.resumed_queries += num_tokens as u64;
                 self.counters.resumed_hits += hit as u64;
@@ -708,21 +708,21 @@ impl Scheduler {
         }
     }
 
-    /// Admits the swapped-out waiting branch `b` (at the front of the queue) by copying its
+    /// Admits the swapped-out waiting sample `b` (at the front of the queue) by copying its
     /// blocks back and giving its pending tokens slots within the budget. False (nothing
     /// changed) when the device pool lacks room.
     fn resume_swapped(
         &mut self,
-        b: BranchKey,
+        b: SampleKey,
         seq: SeqId,
         budget: &mut usize,
         reserve: usize,
-        scheduled: &mut Vec<(BranchKey, SeqId)>,
+        scheduled: &mut Vec<(SampleKey, SeqId)>,
     ) -> bool {
         let (Ok(s), Ok(cost)) = (self.kv.seq(seq), self.kv.swap_in_cost(seq)) else { return false };
         let n = s.num_pending().min(*budget);
         if n == 0 {
-            // A swapped branch always has a token to compute (its last sampled one) and the
+            // A swapped sample always has a token to compute (its last sampled one) and the
             // budget is not spent here; resuming one without a row would leave its swap-in out
             // of the step's rollback.
             return false;
@@ -737,15 +737,15 @@ impl Scheduler {
             return false;
         }
         if !matches!(self.kv.allocate_slots(seq, n), Ok(true)) {
-            // Cannot happen (the cost was checked); the branch stays admitted without a row and
+            // Cannot happen (the cost was checked); the sample stays admitted without a row and
             // gets its slots in a later step.
             self.waiting.pop_front();
             self.insert_running(b);
             return false;
         }
         self.waiting.pop_front();
-        if let Some(branch) = self.branches.get_mut(b) {
-            branch.resumed = false;
+        if let Some(sample) = self.samples.get_mut(b) {
+            sample.resumed = false;
         }
         *budget -= n;
         self.insert_running(b);
@@ -753,18 +753,18 @@ impl Scheduler {
         true
     }
 
-    fn build_rows(&self, scheduled: &[(BranchKey, SeqId)], out: &mut StepOutput, plan: &mut StepPlan) -> Result<()> {
+    fn build_rows(&self, scheduled: &[(SampleKey, SeqId)], out: &mut StepOutput, plan: &mut StepPlan) -> Result<()> {
         let bs = self.config.block_size;
-        let vanished = || CoreError::InvariantViolation("a scheduled branch vanished".into());
+        let vanished = || CoreError::InvariantViolation("a scheduled sample vanished".into());
         let mut rows = Vec::with_capacity(scheduled.len());
         let (mut width, mut total) = (0, 0);
         for &(b, seq_id) in scheduled {
             let seq = self.kv.seq(seq_id)?;
-            let branch = self.branches.get(b).ok_or_else(vanished)?;
-            let req = self.requests.get(branch.req).ok_or_else(vanished)?;
+            let sample = self.samples.get(b).ok_or_else(vanished)?;
+            let req = self.requests.get(sample.req).ok_or_else(vanished)?;
             width = width.max(seq.table().len());
             total += seq.num_computed() - seq.write_start();
-            rows.push((b, seq_id, seq, branch, req));
+            rows.push((b, seq_id, seq, sample, req));
         }
         out.block_table_width = width;
         let n = rows.len();
@@ -779,11 +779,11 @@ impl Scheduler {
         plan.sampled.reserve(n);
         out.input_ids.reserve(total);
         out.positions.reserve(total);
-        out.slot_mapping.reserve(total * out.num_columns);
-        for (b, seq_id, seq, branch, req) in rows.iter().copied() {
+        out.slot_mapping.reserve(total * out.num_kv_groups);
+        for (b, seq_id, seq, sample, req) in rows.iter().copied() {
             let (start, end) = (seq.write_start(), seq.num_computed());
             out.row_seqs.push(seq_id);
-            out.row_requests.push(branch.req);
+            out.row_requests.push(sample.req);
             out.num_scheduled_tokens.push((end - start) as i32);
             out.input_ids.extend(seq.tokens()[start..end].iter().map(|&t| t as i64));
             out.positions.extend((start as i64)..(end as i64));
@@ -796,33 +796,33 @@ impl Scheduler {
                 // draft (row j samples the token that would follow draft j; `update` verifies).
                 for j in 0..=drafts {
                     out.logits_indices.push((out.input_ids.len() - drafts + j) as i64 - 1);
-                    out.sampled_requests.push(branch.req);
-                    out.sample_indices.push(branch.index as i32);
+                    out.sampled_requests.push(sample.req);
+                    out.sample_indices.push(sample.index as i32);
                     out.draft_offsets.push(j as i32);
-                    plan.sampled.push((b, branch.index));
+                    plan.sampled.push((b, sample.index));
                 }
             } else if end == seq.num_tokens() {
                 // Every known token is computed: this row's last logits give the next token,
-                // one sample per branch the request will have after this step.
-                let samples = if req.forked { 1 } else { req.n as u32 };
+                // one row per sample the request will have after this step.
+                let rows = if req.forked { 1 } else { req.n as u32 };
                 if req.beam.is_some() {
                     out.beam_rows.push(out.logits_indices.len() as i64);
                 }
-                for k in 0..samples {
-                    let index = if req.forked { branch.index } else { k };
+                for k in 0..rows {
+                    let index = if req.forked { sample.index } else { k };
                     out.logits_indices.push(out.input_ids.len() as i64 - 1);
-                    out.sampled_requests.push(branch.req);
+                    out.sampled_requests.push(sample.req);
                     out.sample_indices.push(index as i32);
                     out.draft_offsets.push(0);
                     plan.sampled.push((b, index));
                 }
             }
         }
-        // Column-major slots: column 0's for the whole batch came with the rows above, then
-        // every other column's (same positions, that column's blocks).
-        for c in 1..out.num_columns {
+        // Group-major slots: KV cache group 0's for the whole batch came with the rows above, then
+        // every other KV cache group's (same positions, that KV cache group's blocks).
+        for c in 1..out.num_kv_groups {
             for &(_, _, seq, _, _) in &rows {
-                seq.columns()[c].table().extend_slots(seq.write_start(), seq.num_computed(), bs, &mut out.slot_mapping);
+                seq.kv_groups()[c].table().extend_slots(seq.write_start(), seq.num_computed(), bs, &mut out.slot_mapping);
             }
         }
         Ok(())
@@ -843,10 +843,10 @@ impl Scheduler {
     }
 
     /// Undoes the step in flight when its forward pass (or its sampling) failed, so none of
-    /// its KV writes can be trusted. Every branch with rows in the step is preempted as if the
+    /// its KV writes can be trusted. Every sample with rows in the step is preempted as if the
     /// step had not been scheduled: only the tokens computed before it count as computed, and
     /// every block the step registered in the prefix cache loses its cached identity, so no
-    /// request can ever hit KV that was not written. The branches keep their tokens and go to
+    /// request can ever hit KV that was not written. The samples keep their tokens and go to
     /// the front of the waiting queue (recomputed from their cached prefix when re-admitted);
     /// request ends that the step reported are reported again by the next step. Returns the
     /// ids of the requests that had rows in the step, each once, in row order. Fails, changing
@@ -854,23 +854,23 @@ impl Scheduler {
     pub fn rollback_step(&mut self, step_id: u64) -> Result<Vec<Arc<str>>> {
         self.plan_in_flight(step_id, "rollback_step()")?;
         let plan = self.in_flight.take().unwrap_or_default();
-        // The step's swap copies may not have run: branches swapped out by it are recomputed
+        // The step's swap copies may not have run: samples swapped out by it are recomputed
         // instead (their host blocks are not trusted), and every block a copy targeted loses
         // its cached identity.
         for &b in &plan.swapped_out {
-            let Some(branch) = self.branches.get_mut(b) else { continue }; // aborted since
-            let Some(seq) = branch.seq.take() else { continue };
-            branch.tokens = self.kv.free_take_tokens(seq)?;
+            let Some(sample) = self.samples.get_mut(b) else { continue }; // aborted since
+            let Some(seq) = sample.seq.take() else { continue };
+            sample.tokens = self.kv.free_take_tokens(seq)?;
         }
         self.kv.rollback_copies();
         let mut ids: Vec<Arc<str>> = Vec::new();
         // A beam request goes back whole: its running beams without rows in the step too.
-        let mut undo: Vec<BranchKey> = Vec::with_capacity(plan.scheduled.len());
+        let mut undo: Vec<SampleKey> = Vec::with_capacity(plan.scheduled.len());
         for &b in &plan.scheduled {
             match self.beam_request_of(b) {
                 Some(req) => {
                     for &r in &self.running {
-                        if self.branches.get(r).is_some_and(|x| x.req == req) && !undo.contains(&r) {
+                        if self.samples.get(r).is_some_and(|x| x.req == req) && !undo.contains(&r) {
                             undo.push(r);
                         }
                     }
@@ -878,13 +878,13 @@ impl Scheduler {
                 None => undo.push(b),
             }
         }
-        // Reverse row order: each branch goes to the front, so the first row ends up first.
+        // Reverse row order: each sample goes to the front, so the first row ends up first.
         for &b in undo.iter().rev() {
-            let Some(branch) = self.branches.get(b) else { continue }; // aborted since
-            if branch.seq.is_none() {
+            let Some(sample) = self.samples.get(b) else { continue }; // aborted since
+            if sample.seq.is_none() {
                 continue;
             }
-            if let Some(req) = self.requests.get(branch.req) {
+            if let Some(req) = self.requests.get(sample.req) {
                 if !ids.contains(&req.id) {
                     ids.push(req.id.clone());
                 }
@@ -923,22 +923,22 @@ impl Scheduler {
         self.check_beam_rows(plan)?;
         let plan = self.in_flight.take().unwrap_or_default();
         let mut updates = Vec::with_capacity(sampled.len());
-        let mut ended: Vec<(BranchKey, FinishReason)> = Vec::new();
+        let mut ended: Vec<(SampleKey, FinishReason)> = Vec::new();
         let mut i = 0;
         while i < plan.sampled.len() {
             let (b, index) = plan.sampled[i];
-            let Some(branch) = self.branches.get(b) else {
+            let Some(sample) = self.samples.get(b) else {
                 i += 1; // aborted after scheduling: its tokens are dropped
                 continue;
             };
-            let req_key = branch.req;
+            let req_key = sample.req;
             if self.requests.get(req_key).is_some_and(|r| r.beam.is_some()) {
                 // Rows i .. e are this beam request's live beams (checked above).
                 let mut e = i + 1;
-                while e < plan.sampled.len() && self.branches.get(plan.sampled[e].0).is_some_and(|x| x.req == req_key) {
+                while e < plan.sampled.len() && self.samples.get(plan.sampled[e].0).is_some_and(|x| x.req == req_key) {
                     e += 1;
                 }
-                let group: Vec<BranchKey> = plan.sampled[i..e].iter().map(|&(b, _)| b).collect();
+                let group: Vec<SampleKey> = plan.sampled[i..e].iter().map(|&(b, _)| b).collect();
                 let ordinals: Vec<usize> = (i..e).map(|row| plan.beam_rows.partition_point(|&r| (r as usize) < row)).collect();
                 self.apply_beam_step(req_key, &group, &ordinals, beams, &mut updates)?;
                 i = e;
@@ -950,7 +950,7 @@ impl Scheduler {
                 let n = self.requests.get(req_key).map(|r| r.n).unwrap_or(1);
                 let mut targets = vec![b];
                 for k in 1..n {
-                    targets.push(self.fork_branch(b, k as u32)?);
+                    targets.push(self.fork_sample(b, k as u32)?);
                 }
                 if let Some(r) = self.requests.get_mut(req_key) {
                     r.forked = true;
@@ -960,9 +960,9 @@ impl Scheduler {
                 }
                 i += n;
             } else {
-                let drafts = branch.seq.and_then(|s| self.kv.seq(s).ok()).map_or(0, |s| s.num_drafts());
+                let drafts = sample.seq.and_then(|s| self.kv.seq(s).ok()).map_or(0, |s| s.num_drafts());
                 if drafts > 0 {
-                    // Rows i ..= i + drafts are this branch's (build_rows).
+                    // Rows i ..= i + drafts are this sample's (build_rows).
                     self.verify_drafts(b, &sampled[i..=i + drafts], i, &mut updates, &mut ended)?;
                     i += drafts + 1;
                 } else {
@@ -974,19 +974,19 @@ impl Scheduler {
         if !ended.is_empty() {
             self.running.retain(|k| !ended.iter().any(|(e, _)| e == k));
             for (b, reason) in ended {
-                self.finish_branch(b, reason);
+                self.end_sample(b, reason);
             }
         }
         Ok(updates)
     }
 
-    /// A new running branch sharing all of `parent`'s blocks.
-    fn fork_branch(&mut self, parent: BranchKey, index: u32) -> Result<BranchKey> {
-        let p = self.branches.get(parent).ok_or_else(|| CoreError::InvariantViolation("fork of a missing branch".into()))?;
-        let seq = p.seq.ok_or_else(|| CoreError::InvariantViolation("fork of a waiting branch".into()))?;
+    /// A new running sample sharing all of `parent`'s blocks.
+    fn fork_sample(&mut self, parent: SampleKey, index: u32) -> Result<SampleKey> {
+        let p = self.samples.get(parent).ok_or_else(|| CoreError::InvariantViolation("fork of a missing sample".into()))?;
+        let seq = p.seq.ok_or_else(|| CoreError::InvariantViolation("fork of a waiting sample".into()))?;
         let (req, order) = (p.req, (p.order.0, p.order.1, index));
         let child_seq = self.kv.fork(seq)?;
-        let child = self.branches.insert(Branch {
+        let child = self.samples.insert(Sample {
             req,
             index,
             tokens: Vec::new(),
@@ -995,30 +995,30 @@ impl Scheduler {
             resumed: false,
             order,
             cum_logprob: 0.0,
-            spec: BranchSpec::default(),
+            spec: SampleSpec::default(),
         });
         if let Some(r) = self.requests.get_mut(req) {
-            r.branches.push(child);
+            r.samples.push(child);
         }
         self.insert_running(child);
         Ok(child)
     }
 
-    /// Appends the token sampled at logits row `row` to branch `b` and applies the stops.
+    /// Appends the token sampled at logits row `row` to sample `b` and applies the stops.
     fn append_sampled(
         &mut self,
-        b: BranchKey,
+        b: SampleKey,
         token: u32,
         row: usize,
         updates: &mut Vec<RequestUpdate>,
-        ended: &mut Vec<(BranchKey, FinishReason)>,
+        ended: &mut Vec<(SampleKey, FinishReason)>,
     ) -> Result<()> {
         let max_model_len = self.config.max_model_len;
-        let Some((branch, req, seq)) = running_branch(&mut self.branches, &self.requests, b) else { return Ok(()) };
+        let Some((sample, req, seq)) = running_sample(&mut self.samples, &self.requests, b) else { return Ok(()) };
         let num_tokens = self.kv.append_token(seq, token)?;
-        branch.num_output += 1;
-        let finish = stop_reason(req, branch.num_output, token, num_tokens, max_model_len);
-        updates.push(RequestUpdate::sampled(branch.req, branch.index, token, finish, req.num_cached_tokens, row));
+        sample.num_output += 1;
+        let finish = stop_reason(req, sample.num_output, token, num_tokens, max_model_len);
+        updates.push(RequestUpdate::sampled(sample.req, sample.index, token, finish, req.num_cached_tokens, row));
         if let Some(reason) = finish {
             ended.push((b, reason));
             self.counters.count_finish(reason);
@@ -1026,29 +1026,29 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Verifies the drafts of branch `b` against `sampled`, the tokens sampled at its logits
+    /// Verifies the drafts of sample `b` against `sampled`, the tokens sampled at its logits
     /// rows `first_row ..` (one after its pending token, one after each draft; see
     /// [`crate::speculative`]): drafts are accepted while each equals the token sampled before
     /// it; the sampled tokens up to the first mismatch (or all of them, the last being the
-    /// bonus) are emitted in order, each through the stops, and the branch ends at the first
+    /// bonus) are emitted in order, each through the stops, and the sample ends at the first
     /// that stops it. The rejected drafts' slots go back, with the blocks they emptied.
     fn verify_drafts(
         &mut self,
-        b: BranchKey,
+        b: SampleKey,
         sampled: &[u32],
         first_row: usize,
         updates: &mut Vec<RequestUpdate>,
-        ended: &mut Vec<(BranchKey, FinishReason)>,
+        ended: &mut Vec<(SampleKey, FinishReason)>,
     ) -> Result<()> {
         let max_model_len = self.config.max_model_len;
-        let Some((branch, req, seq)) = running_branch(&mut self.branches, &self.requests, b) else { return Ok(()) };
+        let Some((sample, req, seq)) = running_sample(&mut self.samples, &self.requests, b) else { return Ok(()) };
         let s = self.kv.seq(seq)?;
         let (base, drafted) = (s.num_verified(), s.num_drafts());
         let accepted = s.tokens()[base..].iter().zip(sampled).take_while(|(d, t)| d == t).count();
         let (mut emitted, mut finish) = (0, None);
         for (j, &token) in sampled[..=accepted].iter().enumerate() {
             emitted = j + 1;
-            finish = stop_reason(req, branch.num_output + emitted, token, base + emitted, max_model_len);
+            finish = stop_reason(req, sample.num_output + emitted, token, base + emitted, max_model_len);
             if finish.is_some() {
                 break;
             }
@@ -1056,8 +1056,8 @@ impl Scheduler {
         // The emitted tokens before the last are accepted drafts, already in the sequence.
         let freed = self.kv.accept_drafts(seq, emitted - 1)?;
         self.kv.append_token(seq, sampled[emitted - 1])?;
-        branch.num_output += emitted;
-        branch.spec.acceptance.record(drafted, accepted, BRANCH_DECAY);
+        sample.num_output += emitted;
+        sample.spec.acceptance.record(drafted, accepted, SAMPLE_DECAY);
         self.spec_tenants.record_acceptance(req.extra.salt(), drafted, accepted, GLOBAL_DECAY);
         let c = &mut self.counters;
         c.spec_drafts += 1;
@@ -1073,7 +1073,7 @@ impl Scheduler {
         for (j, &token) in sampled[..emitted].iter().enumerate() {
             let last = j + 1 == emitted;
             let reason = if last { finish } else { None };
-            updates.push(RequestUpdate::sampled(branch.req, branch.index, token, reason, req.num_cached_tokens, first_row + j));
+            updates.push(RequestUpdate::sampled(sample.req, sample.index, token, reason, req.num_cached_tokens, first_row + j));
         }
         if let Some(reason) = finish {
             ended.push((b, reason));
@@ -1082,15 +1082,15 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Chooses and appends the drafts of decoding branch `b` (sequence `seq`, one pending
+    /// Chooses and appends the drafts of decoding sample `b` (sequence `seq`, one pending
     /// token) for this step: up to `budget` tokens, the request's limits (its remaining
     /// `max_tokens` and `max_model_len` leave room for the drafts and the token after them) and
     /// what the cost model finds worth verifying at this step's `threshold`. Returns how many
     /// were appended (0 for a request that does not speculate or a proposal that found none).
-    fn propose_drafts(&mut self, b: BranchKey, seq: SeqId, budget: usize, threshold: f64) -> Result<usize> {
+    fn propose_drafts(&mut self, b: SampleKey, seq: SeqId, budget: usize, threshold: f64) -> Result<usize> {
         let Some(spec) = self.config.speculative else { return Ok(0) };
-        let Some(branch) = self.branches.get_mut(b) else { return Ok(0) };
-        let Some(req) = self.requests.get(branch.req) else { return Ok(0) };
+        let Some(sample) = self.samples.get_mut(b) else { return Ok(0) };
+        let Some(req) = self.requests.get(sample.req) else { return Ok(0) };
         if !req.speculate || !req.forked {
             return Ok(0);
         }
@@ -1098,26 +1098,26 @@ impl Scheduler {
         let len = s.num_tokens();
         let room = req
             .max_tokens
-            .saturating_sub(branch.num_output + 1)
+            .saturating_sub(sample.num_output + 1)
             .min(self.config.max_model_len.saturating_sub(len + 1))
             .min(budget)
             .min(spec.num_speculative_tokens);
         let tenant = self.spec_tenants.get(req.extra.salt());
-        let acceptance = branch.spec.acceptance.rate_with(tenant.acceptance.rate(), PRIOR_WEIGHT);
+        let acceptance = sample.spec.acceptance.rate_with(tenant.acceptance.rate(), PRIOR_WEIGHT);
         let k = SpecCostModel::drafts_worth(threshold, acceptance, room);
         if k == 0 {
             return Ok(0);
         }
         match spec.method {
-            SpecMethod::Ngram { min, max } => branch.spec.index.propose(s.tokens(), min, max, k, &mut self.draft_buf),
-            SpecMethod::Suffix(p) => suffix::propose(&mut branch.spec.index, s.tokens(), &tenant.recent_outputs, &p, k, &mut self.draft_buf),
+            SpecMethod::Ngram { min, max } => sample.spec.index.propose(s.tokens(), min, max, k, &mut self.draft_buf),
+            SpecMethod::Suffix(p) => suffix::propose(&mut sample.spec.index, s.tokens(), &tenant.recent_outputs, &p, k, &mut self.draft_buf),
             SpecMethod::Provided => {
                 self.draft_buf.clear();
-                if branch.spec.provided_at == len {
-                    let n = branch.spec.provided.len().min(k);
-                    self.draft_buf.extend_from_slice(&branch.spec.provided[..n]);
+                if sample.spec.provided_at == len {
+                    let n = sample.spec.provided.len().min(k);
+                    self.draft_buf.extend_from_slice(&sample.spec.provided[..n]);
                 }
-                branch.spec.provided.clear();
+                sample.spec.provided.clear();
             }
         }
         let d = self.draft_buf.len();
@@ -1127,19 +1127,19 @@ impl Scheduler {
         Ok(d)
     }
 
-    /// Removes a finished (already unqueued) branch; the request ends with its last branch,
-    /// and is reported with that branch's reason.
-    fn finish_branch(&mut self, b: BranchKey, reason: FinishReason) {
-        let req_key = self.branches.get(b).map(|x| x.req);
-        let seq = self.branches.get(b).and_then(|x| x.seq);
-        if let (Some(SpecMethod::Suffix(p)), Some(seq), Some(branch)) =
-            (self.config.speculative.map(|s| s.method), seq, self.branches.get(b))
+    /// Removes a finished (already unqueued) sample; the request ends with its last sample,
+    /// and is reported with that sample's reason.
+    fn end_sample(&mut self, b: SampleKey, reason: FinishReason) {
+        let req_key = self.samples.get(b).map(|x| x.req);
+        let seq = self.samples.get(b).and_then(|x| x.seq);
+        if let (Some(SpecMethod::Suffix(p)), Some(seq), Some(sample)) =
+            (self.config.speculative.map(|s| s.method), seq, self.samples.get(b))
         {
             // Suffix decoding matches later requests of the same tenant against this output too.
-            let salt = self.requests.get(branch.req).and_then(|r| r.extra.salt());
+            let salt = self.requests.get(sample.req).and_then(|r| r.extra.salt());
             if let Ok(s) = self.kv.seq(seq) {
                 let tokens = &s.tokens()[..s.num_verified()];
-                let output = &tokens[tokens.len().saturating_sub(branch.num_output)..];
+                let output = &tokens[tokens.len().saturating_sub(sample.num_output)..];
                 self.spec_tenants.add_output(salt, output, p.max_cached_requests);
             }
         }
@@ -1149,12 +1149,12 @@ impl Scheduler {
                 self.take_kv_lease(&id, seq);
             }
         }
-        self.drop_branch(b);
+        self.drop_sample(b);
         let Some(req_key) = req_key else { return };
         let done = match self.requests.get_mut(req_key) {
             Some(r) => {
-                r.branches.retain(|&k| k != b);
-                r.branches.is_empty() && r.forked
+                r.samples.retain(|&k| k != b);
+                r.samples.is_empty() && r.forked
             }
             None => false,
         };
@@ -1178,10 +1178,10 @@ impl Scheduler {
         let mut seen = vec![false; pool.num_blocks()];
         let mut tokens_held = 0usize;
         for &b in &self.running {
-            if let Some(seq) = self.branches.get(b).and_then(|x| x.seq).and_then(|s| self.kv.seq(s).ok()) {
+            if let Some(seq) = self.samples.get(b).and_then(|x| x.seq).and_then(|s| self.kv.seq(s).ok()) {
                 let n = seq.num_computed();
-                for col in seq.columns() {
-                    for (j, blk) in col.table().blocks().iter().enumerate().skip(col.num_released()) {
+                for group in seq.kv_groups() {
+                    for (j, blk) in group.table().blocks().iter().enumerate().skip(group.num_released()) {
                         if !std::mem::replace(&mut seen[blk.index()], true) {
                             tokens_held += (n - j * bs).min(bs);
                         }
@@ -1225,7 +1225,7 @@ impl Scheduler {
             num_host_cached_blocks: host.map_or(0, |h| h.num_cached_blocks()),
             host_kv_usage: host.map_or(0.0, |h| h.usage()),
             num_host_evictions: host.map_or(0, |h| h.counters().evictions),
-            num_swapped: self.waiting.iter().filter(|&&b| self.branches.get(b).is_some_and(|x| x.seq.is_some())).count(),
+            num_swapped: self.waiting.iter().filter(|&&b| self.samples.get(b).is_some_and(|x| x.seq.is_some())).count(),
             num_swap_preemptions: c.swap_preemptions,
             prefix_cache_host_hits: c.host_prefix_hits,
             blocks_swapped_out: t.blocks_to_host,
@@ -1261,9 +1261,9 @@ impl Scheduler {
         let n = pool.num_blocks();
         let mut owner = vec![-1i64; n];
         for &b in &self.running {
-            let Some(branch) = self.branches.get(b) else { continue };
-            let Some(seq) = branch.seq.and_then(|s| self.kv.seq(s).ok()) else { continue };
-            let arrival = branch.order.1 as i64;
+            let Some(sample) = self.samples.get(b) else { continue };
+            let Some(seq) = sample.seq.and_then(|s| self.kv.seq(s).ok()) else { continue };
+            let arrival = sample.order.1 as i64;
             for blk in seq.held_blocks() {
                 let o = &mut owner[blk.index()];
                 if *o < 0 || arrival < *o {
@@ -1276,18 +1276,18 @@ impl Scheduler {
         (refs, cached, owner)
     }
 
-    /// The device pool block by block: the KV-cache column each block serves (the column of
+    /// The device pool block by block: the KV cache group each block serves (the KV cache group of
     /// the table holding it, or the one it is cached for), -1 for a free uncached block (see
-    /// [`KvCacheManager::block_columns`]). With one column, 0 or -1.
-    pub fn block_columns(&self) -> Vec<i16> {
-        self.kv.block_columns()
+    /// [`KvCacheManager::block_kv_groups`]). With one KV cache group, 0 or -1.
+    pub fn block_kv_groups(&self) -> Vec<i16> {
+        self.kv.block_kv_groups()
     }
 
     /// What disk slot `slot` holds, for its file: `(hash, parent hash, token ids, cache salt,
-    /// KV-cache column)` (`None`: no disk tier, a bad slot, or nothing cached there).
+    /// KV cache group)` (`None`: no disk tier, a bad slot, or nothing cached there).
     pub fn disk_block_info(&self, slot: u32) -> Option<DiskEntry> {
         let (id, tokens) = self.kv.disk_block(BlockId(slot))?;
-        Some((id.hash, id.parent_hash, tokens.to_vec(), id.extra.salt().map(str::to_string), id.extra.column()))
+        Some((id.hash, id.parent_hash, tokens.to_vec(), id.extra.salt().map(str::to_string), id.extra.group()))
     }
 
     /// Restores disk entries written by an earlier process (see
@@ -1301,12 +1301,12 @@ impl Scheduler {
         loop {
             let before = pending.len();
             pending.retain(|&i| {
-                let (hash, parent, tokens, salt, column) = &entries[i];
-                // A column this pool does not have cannot be served (its hash would check out).
-                if *column as usize >= self.kv.num_columns() {
+                let (hash, parent, tokens, salt, group) = &entries[i];
+                // A KV cache group this pool does not have cannot be served (its hash would check out).
+                if *group as usize >= self.kv.num_kv_groups() {
                     return false;
                 }
-                let extra = ExtraKey::new(salt.as_deref()).for_column(*column);
+                let extra = ExtraKey::new(salt.as_deref()).for_group(*group);
                 match self.kv.restore_disk_block(*hash, *parent, tokens, &extra) {
                     Restore::Done(slot) => {
                         slots[i] = Some(slot.0);
@@ -1339,7 +1339,7 @@ impl Scheduler {
     }
 
     /// Drops every free cached block from the prefix cache on every tier (device, host,
-    /// disk); blocks in use (running or swapped branches) stay cached. Returns how many were
+    /// disk); blocks in use (running or swapped samples) stay cached. Returns how many were
     /// dropped. With KV events on, a reset that leaves nothing cached is announced as one
     /// `AllBlocksCleared`; otherwise each dropped block as removed.
     pub fn reset_prefix_cache(&mut self) -> usize {
@@ -1372,58 +1372,58 @@ impl Scheduler {
     }
 
     /// Checks the KV manager's invariants and the scheduler's own bookkeeping: every running
-    /// branch has a sequence and every waiting one has its tokens; a blocked request's one
-    /// branch is in no queue and holds no sequence; queues and request lists agree; ids map
+    /// sample has a sequence and every waiting one has its tokens; a blocked request's one
+    /// sample is in no queue and holds no sequence; queues and request lists agree; ids map
     /// both ways.
     pub fn check_invariants(&self) -> Result<()> {
         self.kv.check_invariants()?;
         let bad = |m: String| Err(CoreError::InvariantViolation(m));
         let mut seen = 0usize;
         for &b in &self.running {
-            match self.branches.get(b) {
+            match self.samples.get(b) {
                 Some(x) if x.seq.is_some() && x.tokens.is_empty() => seen += 1,
-                _ => return bad(format!("running branch {b:?} is missing or has no sequence")),
+                _ => return bad(format!("running sample {b:?} is missing or has no sequence")),
             }
         }
         for w in self.running.windows(2) {
             if self.order_of(w[0]) > self.order_of(w[1]) {
-                return bad("running branches are out of policy order".into());
+                return bad("running samples are out of policy order".into());
             }
         }
         let mut swapped = 0usize;
         for &b in &self.waiting {
-            match self.branches.get(b) {
+            match self.samples.get(b) {
                 Some(x) if x.seq.is_none() && !x.tokens.is_empty() => seen += 1,
                 // Swapped out: its host sequence holds its tokens.
                 Some(x) if x.tokens.is_empty() && x.seq.and_then(|s| self.kv.seq(s).ok()).is_some_and(|s| s.tier() == Tier::Host) => {
                     seen += 1;
                     swapped += 1;
                 }
-                _ => return bad(format!("waiting branch {b:?} is missing, has a device sequence, or has no tokens")),
+                _ => return bad(format!("waiting sample {b:?} is missing, has a device sequence, or has no tokens")),
             }
         }
-        // Blocked requests (admission.rs): one branch each, never run, holding its tokens only.
+        // Blocked requests (admission.rs): one sample each, never run, holding its tokens only.
         for (_, req) in self.requests.iter().filter(|(_, r)| !r.waiting_for.is_empty()) {
-            let ok = req.branches.len() == 1
+            let ok = req.samples.len() == 1
                 && !req.admitted_once
-                && self.branches.get(req.branches[0]).is_some_and(|x| x.seq.is_none() && !x.tokens.is_empty() && x.num_output == 0);
-            if !ok || self.waiting.contains(&req.branches[0]) || self.running.contains(&req.branches[0]) {
-                return bad(format!("blocked request {:?} has a queued, running or started branch", req.id));
+                && self.samples.get(req.samples[0]).is_some_and(|x| x.seq.is_none() && !x.tokens.is_empty() && x.num_output == 0);
+            if !ok || self.waiting.contains(&req.samples[0]) || self.running.contains(&req.samples[0]) {
+                return bad(format!("blocked request {:?} has a queued, running or started sample", req.id));
             }
             seen += 1;
         }
         for &b in &self.running {
-            if self.branches.get(b).and_then(|x| x.seq).and_then(|s| self.kv.seq(s).ok()).is_some_and(|s| s.tier() != Tier::Device) {
-                return bad(format!("running branch {b:?} is not on the device"));
+            if self.samples.get(b).and_then(|x| x.seq).and_then(|s| self.kv.seq(s).ok()).is_some_and(|s| s.tier() != Tier::Device) {
+                return bad(format!("running sample {b:?} is not on the device"));
             }
         }
-        if seen != self.branches.len() {
-            return bad(format!("{} branches exist but {seen} are queued", self.branches.len()));
+        if seen != self.samples.len() {
+            return bad(format!("{} samples exist but {seen} are queued", self.samples.len()));
         }
         let held = self.kv_leases.len() + self.kv_reservations.len();
         if self.kv.num_sequences() != self.running.len() + swapped + held {
             return bad(format!(
-                "{} sequences for {} running and {swapped} swapped branches and {held} KV leases / reservations",
+                "{} sequences for {} running and {swapped} swapped samples and {held} KV leases / reservations",
                 self.kv.num_sequences(),
                 self.running.len()
             ));
@@ -1433,36 +1433,36 @@ impl Scheduler {
                 return bad(format!("KV lease or reservation {seq} is not a device sequence"));
             }
         }
-        let mut branch_count = 0;
+        let mut sample_count = 0;
         for (key, req) in self.requests.iter() {
             if self.by_id.get(&req.id) != Some(&key) {
                 return bad(format!("request {:?} is not indexed by its id", req.id));
             }
-            for &b in &req.branches {
-                if self.branches.get(b).map(|x| x.req) != Some(key) {
-                    return bad(format!("request {:?} lists a branch that is not its own", req.id));
+            for &b in &req.samples {
+                if self.samples.get(b).map(|x| x.req) != Some(key) {
+                    return bad(format!("request {:?} lists a sample that is not its own", req.id));
                 }
             }
-            branch_count += req.branches.len();
+            sample_count += req.samples.len();
         }
         for (_, req) in self.requests.iter() {
             let Some(search) = &req.beam else { continue };
-            let running = req.branches.iter().filter(|b| self.running.contains(b)).count();
-            if running != 0 && running != req.branches.len() {
-                return bad(format!("beam request {:?} has {running} of its {} beams running", req.id, req.branches.len()));
+            let running = req.samples.iter().filter(|b| self.running.contains(b)).count();
+            if running != 0 && running != req.samples.len() {
+                return bad(format!("beam request {:?} has {running} of its {} beams running", req.id, req.samples.len()));
             }
-            if req.branches.len() > search.params.width {
-                return bad(format!("beam request {:?} has {} live beams for a width of {}", req.id, req.branches.len(), search.params.width));
+            if req.samples.len() > search.params.width {
+                return bad(format!("beam request {:?} has {} live beams for a width of {}", req.id, req.samples.len(), search.params.width));
             }
         }
-        if branch_count != self.branches.len() || self.by_id.len() != self.requests.len() {
-            return bad("request and branch tables disagree".into());
+        if sample_count != self.samples.len() || self.by_id.len() != self.requests.len() {
+            return bad("request and sample tables disagree".into());
         }
         Ok(())
     }
 }
 
-/// Why a branch of `req` ends with `token`, its `num_output`-th output token, which makes its
+/// Why a sample of `req` ends with `token`, its `num_output`-th output token, which makes its
 /// sequence `num_tokens` long (eos and stop ids from `min_tokens` on, then the length limits).
 fn stop_reason(req: &Request, num_output: usize, token: u32, num_tokens: usize, max_model_len: usize) -> Option<FinishReason> {
     let past_min = num_output >= req.min_tokens;
@@ -1475,11 +1475,11 @@ fn stop_reason(req: &Request, num_output: usize, token: u32, num_tokens: usize, 
     }
 }
 
-/// Branch `b`, its request and its sequence, if all three are live (a branch aborted after its
+/// Sample `b`, its request and its sequence, if all three are live (a sample aborted after its
 /// step was scheduled is gone: its tokens are dropped).
-fn running_branch<'a>(branches: &'a mut Slab<Branch>, requests: &'a Slab<Request>, b: BranchKey) -> Option<(&'a mut Branch, &'a Request, SeqId)> {
-    let branch = branches.get_mut(b)?;
-    let req = requests.get(branch.req)?;
-    let seq = branch.seq?;
-    Some((branch, req, seq))
+fn running_sample<'a>(samples: &'a mut Slab<Sample>, requests: &'a Slab<Request>, b: SampleKey) -> Option<(&'a mut Sample, &'a Request, SeqId)> {
+    let sample = samples.get_mut(b)?;
+    let req = requests.get(sample.req)?;
+    let seq = sample.seq?;
+    Some((sample, req, seq))
 }

@@ -3,11 +3,11 @@
 use std::sync::Arc;
 
 use super::finish::FinishReason;
-use super::request::{BranchKey, RequestKey};
+use super::request::{SampleKey, RequestKey};
 use crate::ids::SeqId;
 use crate::kv_cache_manager::KvCacheManager;
 
-/// One scheduled step (docs/architecture.md, "Step output"). Rows are branches in batch
+/// One scheduled step (docs/architecture.md, "Step output"). Rows are samples in batch
 /// order: running ones first (decodes and continuing prefills), then newly admitted ones.
 ///
 /// [`super::Scheduler::schedule_into`] refills an existing output in place, reusing its
@@ -16,7 +16,7 @@ use crate::kv_cache_manager::KvCacheManager;
 pub struct StepOutput {
     /// Step number; `update` must be given this step's output.
     pub step_id: u64,
-    /// Request of each row (a request with n > 1 appears once per branch); ids through
+    /// Request of each row (a request with n > 1 appears once per sample); ids through
     /// `Scheduler::request_id` (every row's request is live when the step is built).
     pub row_requests: Vec<RequestKey>,
     /// Tokens computed per row: int32[B].
@@ -29,19 +29,19 @@ pub struct StepOutput {
     pub cu_seqlens_q: Vec<i32>,
     /// KV length of each row after this step (cached + earlier + new tokens): int32[B].
     pub seq_lens: Vec<i32>,
-    /// Block tables, one per KV-cache column: int32[C, B, block_table_width] (C = 1 unless the
+    /// Block tables, one per KV cache group: int32[C, B, block_table_width] (C = 1 unless the
     /// model has KV cache groups), padded with 0; a given-back block (behind a sliding
     /// window) is -1.
     pub block_tables: Vec<i32>,
-    /// Columns `C` of `block_tables` and `slot_mapping`.
-    pub num_columns: usize,
+    /// KV cache groups `C` of `block_tables` and `slot_mapping`.
+    pub num_kv_groups: usize,
     /// Width of `block_tables`: the most blocks any row's sequence holds.
     pub block_table_width: usize,
     /// Sequence of each row (the block tables are written from them).
     pub(crate) row_seqs: Vec<SeqId>,
     /// What each row of `block_tables` holds, for [`super::Scheduler::schedule_into`].
     pub(crate) table_rows: BlockTableRows,
-    /// KV slot of each token in each column: int64[C, T].
+    /// KV slot of each token in each KV cache group: int64[C, T].
     pub slot_mapping: Vec<i64>,
     /// Token rows whose logits are sampled: int64[S].
     pub logits_indices: Vec<i64>,
@@ -116,15 +116,15 @@ impl StepOutput {
     }
 }
 
-/// What each row of a reused `[columns, rows, width]` block-table buffer holds, so that the
+/// What each row of a reused `[KV cache groups, rows, width]` block-table buffer holds, so that the
 /// next step rewrites only the rows that changed: in a decode step, a row whose sequence got a
-/// new block gets one entry written per column, the others none. A buffer whose content is
+/// new block gets one entry written per KV cache group, the others none. A buffer whose content is
 /// unknown (new, or written by someone else) goes with an empty (default) value.
 #[derive(Debug, Clone, Default)]
 pub struct BlockTableRows {
     width: usize,
     num_rows: usize,
-    /// `rows[c * num_rows + r]`: what row `r` of column `c` holds (`None`: unknown).
+    /// `rows[c * num_rows + r]`: what row `r` of KV cache group `c` holds (`None`: unknown).
     rows: Vec<Option<RowTag>>,
 }
 
@@ -143,38 +143,38 @@ impl BlockTableRows {
         self.num_rows = 0;
     }
 
-    /// Adapts the tags to a buffer of `cols` columns of `rows` rows: when the row count
-    /// changes, every column but the first starts elsewhere, so only column 0's rows (and
+    /// Adapts the tags to a buffer of `groups` KV cache groups of `rows` rows: when the row count
+    /// changes, every KV cache group but the first starts elsewhere, so only KV cache group 0's rows (and
     /// only those that still exist) keep what they hold.
-    fn reshape(&mut self, cols: usize, rows: usize) {
-        if rows == self.num_rows && self.rows.len() == cols * rows {
+    fn reshape(&mut self, groups: usize, rows: usize) {
+        if rows == self.num_rows && self.rows.len() == groups * rows {
             return;
         }
         let keep = if self.rows.len() >= self.num_rows { self.num_rows.min(rows) } else { 0 };
-        let mut tags = vec![None; cols * rows];
+        let mut tags = vec![None; groups * rows];
         tags[..keep].copy_from_slice(&self.rows[..keep]);
         self.rows = tags;
         self.num_rows = rows;
     }
 
-    /// Writes the block tables of `seqs` (one row each per column, `width` entries, zero
-    /// padded; given-back entries are -1) into `dst` (`columns * seqs.len() * width` entries,
-    /// column-major then row-major), which holds what `self` says; rows that already hold a
+    /// Writes the block tables of `seqs` (one row each per KV cache group, `width` entries, zero
+    /// padded; given-back entries are -1) into `dst` (`KV cache groups * seqs.len() * width` entries,
+    /// group-major then row-major), which holds what `self` says; rows that already hold a
     /// prefix of the right table are only extended. Fails on an unknown sequence or a table
     /// wider than `width` (leaving `self` consistent with `dst`).
     pub(crate) fn write(&mut self, kv: &KvCacheManager, seqs: &[SeqId], width: usize, dst: &mut [i32]) -> crate::error::Result<()> {
-        let (cols, b) = (kv.num_columns(), seqs.len());
-        debug_assert_eq!(dst.len(), cols * b * width);
+        let (groups, b) = (kv.num_kv_groups(), seqs.len());
+        debug_assert_eq!(dst.len(), groups * b * width);
         if width != self.width {
             // Another row stride: nothing in the buffer is where a row would read it.
             self.clear();
             self.width = width;
         }
-        self.reshape(cols, b);
+        self.reshape(groups, b);
         for (r, &seq) in seqs.iter().enumerate() {
-            let columns = kv.seq(seq)?.columns();
-            for (c, col) in columns.iter().enumerate() {
-                let table = col.table();
+            let groups = kv.seq(seq)?.kv_groups();
+            for (c, group) in groups.iter().enumerate() {
+                let table = group.table();
                 let blocks = table.blocks();
                 let i = c * b + r;
                 if blocks.len() > width {
@@ -208,14 +208,14 @@ impl BlockTableRows {
 #[derive(Debug, Clone, Default)]
 pub(crate) struct StepPlan {
     pub step_id: u64,
-    /// Branch and sample index of each sampled row.
-    pub sampled: Vec<(BranchKey, u32)>,
+    /// The sample (its key and its index) of each sampled row.
+    pub sampled: Vec<(SampleKey, u32)>,
     /// The step's beam rows (`StepOutput::beam_rows`).
     pub beam_rows: Vec<i64>,
-    /// Every branch with rows in the step, in row order (what `rollback_step` undoes).
-    pub scheduled: Vec<BranchKey>,
-    /// Branches swapped out while building the step (their copies run with it).
-    pub swapped_out: Vec<BranchKey>,
+    /// Every sample with rows in the step, in row order (what `rollback_step` undoes).
+    pub scheduled: Vec<SampleKey>,
+    /// Samples swapped out while building the step (their copies run with it).
+    pub swapped_out: Vec<SampleKey>,
     /// The request ends the step reported (given back to the next step on rollback).
     pub reported: Vec<(Arc<str>, FinishReason)>,
 }
@@ -233,7 +233,7 @@ pub struct RequestUpdate {
     pub index: u32,
     /// The token appended.
     pub token: u32,
-    /// Set when this branch ended with this token.
+    /// Set when this sample ended with this token.
     pub finish_reason: Option<FinishReason>,
     /// Prompt tokens served from the prefix cache at the request's first admission.
     pub num_cached_tokens: usize,
@@ -242,7 +242,7 @@ pub struct RequestUpdate {
     /// Beam search: the beam's cumulative log-probability (the best hypothesis' at the end).
     pub cumulative_logprob: Option<f64>,
     /// The logits row the token was sampled from (`None` for a beam update). With drafts a
-    /// branch gets several updates in one step, one per emitted token, from consecutive rows.
+    /// sample gets several updates in one step, one per emitted token, from consecutive rows.
     pub row: Option<u32>,
 }
 

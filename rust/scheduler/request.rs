@@ -1,9 +1,10 @@
-//! Requests and their branches.
+//! Requests and their samples.
 //!
-//! A request has a prompt and stop parameters shared by its `n` parallel samples. Each sample
-//! is a *branch*: its own token ids, output count and KV sequence. A request starts with one
-//! branch; when its prompt has been computed and `n > 1`, the scheduler forks it into `n`
-//! branches that share the prompt's blocks (copy-on-write on their first write). Branches are
+//! A request has a prompt and stop parameters shared by its `n` parallel samples (the `n` of
+//! `SamplingParams`; a beam search's live beams). Each *sample* has its own token ids, output
+//! count and KV sequence. A request starts with one
+//! sample; when its prompt has been computed and `n > 1`, the scheduler forks it into `n`
+//! samples that share the prompt's blocks (copy-on-write on their first write). Samples are
 //! what the scheduler queues, runs and preempts.
 
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use crate::error::{CoreError, Result};
 use crate::ids::SeqId;
 use crate::kv_cache_manager::RetentionPolicy;
 use crate::slab::SlabKey;
-use crate::speculative::BranchSpec;
+use crate::speculative::SampleSpec;
 
 /// What a caller submits.
 #[derive(Debug, Clone)]
@@ -128,10 +129,10 @@ impl NewRequest {
 
 /// Key of a request in the scheduler's slab.
 pub type RequestKey = SlabKey;
-/// Key of a branch in the scheduler's slab.
-pub type BranchKey = SlabKey;
+/// Key of a sample in the scheduler's slab.
+pub type SampleKey = SlabKey;
 
-/// A live request (shared by its branches).
+/// A live request (shared by its samples).
 #[derive(Debug, Clone)]
 pub(crate) struct Request {
     pub id: Arc<str>,
@@ -143,33 +144,33 @@ pub(crate) struct Request {
     pub stop_token_ids: Vec<u32>,
     pub extra: ExtraKey,
     pub retention: RetentionPolicy,
-    /// Live branches.
-    pub branches: Vec<BranchKey>,
+    /// Live samples.
+    pub samples: Vec<SampleKey>,
     /// Whether the `n`-way fork has happened.
     pub forked: bool,
     /// Prompt tokens found in the prefix cache at first admission.
     pub num_cached_tokens: usize,
     pub admitted_once: bool,
-    /// Take a KV lease when the first branch ends (`NewRequest::hold_kv`).
+    /// Take a KV lease when the first sample ends (`NewRequest::hold_kv`).
     pub hold_kv: bool,
-    /// The search state of a beam request (its branches are its live beams).
+    /// The search state of a beam request (its samples are its live beams).
     pub beam: Option<BeamSearch>,
     /// Never admitted on prefix-cache hits (`NewRequest::skip_prefix_cache`).
     pub skip_prefix_cache: bool,
-    /// Its branches may draft (`NewRequest::speculate`, and not a beam search).
+    /// Its samples may draft (`NewRequest::speculate`, and not a beam search).
     pub speculate: bool,
-    /// What it still waits for; while not empty it is blocked: its one branch is in neither
+    /// What it still waits for; while not empty it is blocked: its one sample is in neither
     /// queue and holds no sequence (`scheduler::admission`).
     pub waiting_for: WaitSet,
 }
 
-/// One sample stream of a request.
+/// One sample of a request: what the scheduler queues, runs and preempts.
 #[derive(Debug, Clone)]
-pub(crate) struct Branch {
+pub(crate) struct Sample {
     pub req: RequestKey,
     /// Sample index within the request (`0 .. n`).
     pub index: u32,
-    /// Token ids while the branch waits to be recomputed; while it runs or is swapped out,
+    /// Token ids while the sample waits to be recomputed; while it runs or is swapped out,
     /// its KV sequence holds them.
     pub tokens: Vec<u32>,
     /// The KV sequence while running (on the device) or swapped out (on the host).
@@ -182,6 +183,6 @@ pub(crate) struct Branch {
     pub order: (i64, u64, u32),
     /// A beam's cumulative log-probability (0 otherwise).
     pub cum_logprob: f64,
-    /// Speculative decoding: the branch's n-gram index and running acceptance.
-    pub spec: BranchSpec,
+    /// Speculative decoding: the sample's n-gram index and running acceptance.
+    pub spec: SampleSpec,
 }

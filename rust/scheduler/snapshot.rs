@@ -16,20 +16,20 @@ pub struct RequestSummary {
     pub id: Arc<str>,
     /// Arrival number (0, 1, ... in `add_request` order): what `memory_map`'s owners name.
     pub arrival: u64,
-    /// "running" (a branch runs), "swapped" (a branch waits on the host tier), "waiting"
+    /// "running" (a sample runs), "swapped" (a sample waits on the host tier), "waiting"
     /// (queued), or, for a blocked request, "waiting_for_grammar" / "waiting_for_remote_kv"
     /// (the grammar first when it waits for both).
     pub state: &'static str,
     /// Prompt tokens.
     pub prompt_tokens: usize,
-    /// Tokens generated so far (the longest branch).
+    /// Tokens generated so far (the longest sample).
     pub output_tokens: usize,
-    /// Distinct device blocks its branches hold (shared between its branches counted once).
+    /// Distinct device blocks its samples hold (shared between its samples counted once).
     pub num_blocks: usize,
     /// Prompt tokens found in the prefix cache at first admission.
     pub cached_tokens: usize,
-    /// Live branches (parallel samples).
-    pub num_branches: usize,
+    /// Live samples (`n` parallel samples, or a beam search's live beams).
+    pub num_samples: usize,
 }
 
 impl Scheduler {
@@ -48,12 +48,12 @@ impl Scheduler {
                 let mut arrival = u64::MAX;
                 let (mut tokens, mut output) = (0usize, 0usize);
                 let mut blocks = HashSet::new();
-                for &b in &req.branches {
-                    let Some(branch) = self.branches.get(b) else { continue };
-                    arrival = arrival.min(branch.order.1);
-                    output = output.max(branch.num_output);
-                    let seq = branch.seq.and_then(|s| self.kv.seq(s).ok());
-                    tokens = tokens.max(seq.map_or(branch.tokens.len(), |s| s.num_tokens()));
+                for &b in &req.samples {
+                    let Some(sample) = self.samples.get(b) else { continue };
+                    arrival = arrival.min(sample.order.1);
+                    output = output.max(sample.num_output);
+                    let seq = sample.seq.and_then(|s| self.kv.seq(s).ok());
+                    tokens = tokens.max(seq.map_or(sample.tokens.len(), |s| s.num_tokens()));
                     if running.contains(&b) {
                         state = "running";
                     } else if state != "running" && seq.is_some_and(|s| s.tier() == Tier::Host) {
@@ -71,7 +71,7 @@ impl Scheduler {
                     output_tokens: output,
                     num_blocks: blocks.len(),
                     cached_tokens: req.num_cached_tokens,
-                    num_branches: req.branches.len(),
+                    num_samples: req.samples.len(),
                 }
             })
             .collect();

@@ -23,7 +23,7 @@ pub(crate) struct Counters {
 }
 
 impl Counters {
-    /// Counts a branch that ended by a token (a stop or a length limit).
+    /// Counts a sample that ended by a token (a stop or a length limit).
     pub fn count_finish(&mut self, reason: super::FinishReason) {
         match reason {
             super::FinishReason::Stop => self.finished_stop += 1,
@@ -35,7 +35,7 @@ impl Counters {
 /// A statistic's value: a count or a fraction.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum StatValue {
-    /// A number of blocks, tokens, branches, steps, ...
+    /// A number of blocks, tokens, samples, steps, ...
     Count(u64),
     /// A ratio in `0.0 ..= 1.0`.
     Fraction(f64),
@@ -103,9 +103,9 @@ scheduler_stats! {
         pub tokens_held: usize,
         /// Slots of the blocks in use.
         pub slots_allocated: usize,
-        /// Running branches.
+        /// Running samples.
         pub num_running: usize,
-        /// Waiting branches (queued for admission; blocked requests are not among them).
+        /// Waiting samples (queued for admission; blocked requests are not among them).
         pub num_waiting: usize,
         /// Blocked requests whose grammar is compiling (`scheduler::admission`).
         pub num_waiting_for_grammar: usize,
@@ -117,15 +117,15 @@ scheduler_stats! {
         pub prefix_cache_queries: u64,
         /// Of those, tokens served from the cache.
         pub prefix_cache_hits: u64,
-        /// Tokens looked up when preempted branches were re-admitted.
+        /// Tokens looked up when preempted samples were re-admitted.
         pub resumed_prefix_queries: u64,
-        /// Of those, tokens found (mostly the branch's own freed blocks), counted apart.
+        /// Of those, tokens found (mostly the sample's own freed blocks), counted apart.
         pub resumed_prefix_hits: u64,
         /// Steps scheduled.
         pub num_steps: u64,
-        /// Branches ended by eos / stop ids.
+        /// Samples ended by eos / stop ids.
         pub num_finished_stop: u64,
-        /// Branches ended by max_tokens / max_model_len.
+        /// Samples ended by max_tokens / max_model_len.
         pub num_finished_length: u64,
         /// Requests aborted.
         pub num_aborted: u64,
@@ -135,7 +135,7 @@ scheduler_stats! {
         pub num_host_blocks: usize,
         /// Free host blocks (cached or not).
         pub num_host_free_blocks: usize,
-        /// Host blocks held by swapped-out branches (or pinned by the step being planned).
+        /// Host blocks held by swapped-out samples (or pinned by the step being planned).
         pub num_host_used_blocks: usize,
         /// Host blocks registered in the prefix cache (in use or free).
         pub num_host_cached_blocks: usize,
@@ -143,9 +143,9 @@ scheduler_stats! {
         pub host_kv_usage: f64,
         /// Cached host blocks evicted by reuse.
         pub num_host_evictions: u64,
-        /// Branches swapped out to the host, waiting to come back.
+        /// Samples swapped out to the host, waiting to come back.
         pub num_swapped: usize,
-        /// Of `num_preemptions`, those that swapped the branch out (the rest recomputed).
+        /// Of `num_preemptions`, those that swapped the sample out (the rest recomputed).
         pub num_swap_preemptions: u64,
         /// Of `prefix_cache_hits`, tokens found only on the host tier (loaded back).
         pub prefix_cache_host_hits: u64,

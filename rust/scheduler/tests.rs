@@ -45,7 +45,7 @@ fn reused_outputs_match_fresh_ones(seed: u64, ring: usize, block_size: usize) {
         // The other arrays: a fresh build of the same rows gives the same values.
         let mut fresh = StepOutput::default();
         fresh.cu_seqlens_q.push(0);
-        let scheduled: Vec<(BranchKey, SeqId)> = s
+        let scheduled: Vec<(SampleKey, SeqId)> = s
             .in_flight
             .as_ref()
             .unwrap()
@@ -436,8 +436,8 @@ fn skip_prefix_cache_computes_the_whole_prompt_and_still_caches_it() {
     s.check_invariants().unwrap();
 }
 
-/// A scheduler over a full and a sliding-window column (window 6, blocks of 4) that prefills
-/// in chunks of 8 tokens, so the sliding column leaves blocks behind during the prefill.
+/// A scheduler over a full and a sliding-window KV cache group (window 6, blocks of 4) that prefills
+/// in chunks of 8 tokens, so the sliding KV cache group leaves blocks behind during the prefill.
 fn grouped_scheduler(num_blocks: usize) -> Scheduler {
     let mut cfg = SchedulerConfig::new(4, num_blocks);
     cfg.max_num_batched_tokens = 8;
@@ -450,10 +450,10 @@ fn used_blocks(s: &Scheduler) -> usize {
 }
 
 #[test]
-fn kv_lease_with_groups_holds_every_column_whole() {
+fn kv_lease_with_groups_holds_every_group_whole() {
     let mut s = grouped_scheduler(64);
     let prompt: Vec<u32> = (0..30).collect();
-    // Without hold_kv the sliding column gives back behind its window.
+    // Without hold_kv the sliding KV cache group gives back behind its window.
     s.add_request(NewRequest::new("plain", prompt.clone(), 1)).unwrap();
     run_to_end(&mut s);
     assert_eq!(used_blocks(&s), 0);
@@ -470,30 +470,30 @@ fn kv_lease_with_groups_holds_every_column_whole() {
             let out = s.schedule().unwrap();
             s.check_invariants().unwrap();
             for &seq in &out.row_seqs {
-                // Nothing given back in any column, at any step.
+                // Nothing given back in any KV cache group, at any step.
                 let q = s.kv.seq(seq).unwrap();
-                assert!(q.keeps_all() && q.columns().iter().all(|c| c.num_released() == 0));
+                assert!(q.keeps_all() && q.kv_groups().iter().all(|c| c.num_released() == 0));
             }
             let sampled = vec![9u32; out.num_sampled()];
             s.update(out.step_id, &sampled).unwrap();
             s.check_invariants().unwrap();
             steps += 1;
         }
-        // Warm: the seven blocks "plain" cached in both columns are hits (the sliding column's
+        // Warm: the seven blocks "plain" cached in both KV cache groups are hits (the sliding KV cache group's
         // given back behind its window too, taken back); two tokens are computed. Cold: four
         // chunks of 8.
         assert_eq!(steps, if warm { 1 } else { 4 });
         let (blocks, num_tokens) = s.kv_lease(&id).unwrap();
         assert_eq!(num_tokens, 30);
-        // Column-major: 8 blocks of column 0, then 8 of column 1, all distinct, none null.
+        // Group-major: 8 blocks of KV cache group 0, then 8 of KV cache group 1, all distinct, none null.
         assert_eq!(blocks.len(), 16);
         assert!(blocks.iter().all(|&b| b != BlockId::NULL.0));
         assert_eq!(blocks.iter().collect::<std::collections::HashSet<_>>().len(), 16);
         assert_eq!(used_blocks(&s), 16);
         let lease = s.kv_leases[id.as_str()];
-        let cols = s.kv.seq(lease).unwrap().columns();
-        assert_eq!(cols[0].table().blocks().iter().map(|b| b.0).collect::<Vec<_>>(), blocks[..8]);
-        assert_eq!(cols[1].table().blocks().iter().map(|b| b.0).collect::<Vec<_>>(), blocks[8..]);
+        let groups = s.kv.seq(lease).unwrap().kv_groups();
+        assert_eq!(groups[0].table().blocks().iter().map(|b| b.0).collect::<Vec<_>>(), blocks[..8]);
+        assert_eq!(groups[1].table().blocks().iter().map(|b| b.0).collect::<Vec<_>>(), blocks[8..]);
         // Memory pressure cannot take them: another request runs beside the lease.
         s.add_request(NewRequest::new(format!("q{warm}"), (100..160).collect(), 4)).unwrap();
         run_to_end(&mut s);
@@ -507,7 +507,7 @@ fn kv_lease_with_groups_holds_every_column_whole() {
 
 #[test]
 fn hold_kv_with_groups_must_fit_the_pool_whole() {
-    // 40 + 1 tokens in two columns keep 22 blocks: more than the pool's 16, so the request is
+    // 40 + 1 tokens in two KV cache groups keep 22 blocks: more than the pool's 16, so the request is
     // refused at once rather than waiting forever; without hold_kv it runs.
     let mut s = grouped_scheduler(16);
     let mut r = NewRequest::new("big", (0..40).collect(), 1);
@@ -519,30 +519,30 @@ fn hold_kv_with_groups_must_fit_the_pool_whole() {
 }
 
 #[test]
-fn kv_reservation_with_groups_reserves_every_column() {
+fn kv_reservation_with_groups_reserves_every_group() {
     let mut s = grouped_scheduler(64);
     let prompt: Vec<u32> = (0..30).collect();
-    // This pool caches the first two blocks of both columns.
+    // This pool caches the first two blocks of both KV cache groups.
     s.add_request(NewRequest::new("warm", prompt[..10].to_vec(), 1)).unwrap();
     run_to_end(&mut s);
     assert_eq!(s.kv.cached_prefix_blocks(&prompt), 2);
     let (hits, fresh) = s.reserve_kv("r", prompt.clone(), 10, None).unwrap().unwrap();
     s.check_invariants().unwrap();
-    // (30 - 1) / 4 = 7 blocks per column, 2 of them hits: 5 fresh in each column.
+    // (30 - 1) / 4 = 7 blocks per KV cache group, 2 of them hits: 5 fresh in each KV cache group.
     assert_eq!((hits, fresh.len()), (2, 10));
     let res = s.kv_reservations["r"];
-    let cols = s.kv.seq(res).unwrap().columns();
-    for (c, col) in cols.iter().enumerate() {
-        // Every hit held (none given back), then the column's fresh blocks, column-major.
-        assert_eq!(col.num_released(), 0);
-        let table: Vec<u32> = col.table().blocks().iter().map(|b| b.0).collect();
+    let groups = s.kv.seq(res).unwrap().kv_groups();
+    for (c, group) in groups.iter().enumerate() {
+        // Every hit held (none given back), then the KV cache group's fresh blocks, group-major.
+        assert_eq!(group.num_released(), 0);
+        let table: Vec<u32> = group.table().blocks().iter().map(|b| b.0).collect();
         assert_eq!(table[2..], fresh[c * 5..(c + 1) * 5]);
-        for &b in &col.table().blocks()[..2] {
+        for &b in &group.table().blocks()[..2] {
             assert!(s.kv.pool().is_cached(b) && s.kv.pool().ref_count(b).unwrap() == 1);
         }
     }
     assert_eq!(used_blocks(&s), 14);
-    // Not findable while the KV is arriving; every column's blocks after the commit.
+    // Not findable while the KV is arriving; every KV cache group's blocks after the commit.
     assert_eq!(s.kv.cached_prefix_blocks(&prompt), 2);
     assert!(s.commit_kv("r"));
     s.check_invariants().unwrap();
@@ -552,9 +552,9 @@ fn kv_reservation_with_groups_reserves_every_column() {
     let out = s.schedule().unwrap();
     s.check_invariants().unwrap();
     assert_eq!(out.num_tokens(), 2, "28 of 30 prompt tokens come from the reservation");
-    // The sliding column starts with the entries behind the window given back.
+    // The sliding KV cache group starts with the entries behind the window given back.
     let d = out.row_seqs[0];
-    let released: Vec<usize> = s.kv.seq(d).unwrap().columns().iter().map(|c| c.num_released()).collect();
+    let released: Vec<usize> = s.kv.seq(d).unwrap().kv_groups().iter().map(|c| c.num_released()).collect();
     assert_eq!(released, vec![0, AttentionSpan::SlidingWindow(6).dead_blocks(28, 4)]);
     s.update(out.step_id, &vec![9u32; out.num_sampled()]).unwrap();
     run_to_end(&mut s);

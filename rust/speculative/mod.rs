@@ -1,14 +1,14 @@
-//! Speculative decoding in the scheduler: which tokens to draft for a decoding branch, and how
+//! Speculative decoding in the scheduler: which tokens to draft for a decoding sample, and how
 //! many of them a step should verify.
 //!
 //! A decode step at small batch reads every weight to produce one token per row; verifying
 //! `d` drafted tokens in the same forward costs little more, and every accepted draft is a
-//! token gained. The scheduler drafts while it builds the step: for each decoding branch of a
+//! token gained. The scheduler drafts while it builds the step: for each decoding sample of a
 //! request that allows it, a proposer ([`ngram`], [`suffix`]) suggests up to `num_speculative_tokens`
 //! tokens, the [`SpecCostModel`] keeps as many as pay for their compute, and the drafts become
-//! pending tokens of the branch's KV sequence (`KvCacheManager::append_drafts`), computed
+//! pending tokens of the sample's KV sequence (`KvCacheManager::append_drafts`), computed
 //! with it in one row (`1 + d` tokens, `1 + d` logits rows). `update` takes one sampled token
-//! per logits row: row `j` was sampled from the target's distribution after the branch's
+//! per logits row: row `j` was sampled from the target's distribution after the sample's
 //! tokens and drafts `1 ..= j`, so the drafts are accepted while each equals the token sampled
 //! before it, the first mismatch is replaced by the sampled token, and when all match the
 //! last row gives one more (the bonus). For a draft chosen without randomness (a point mass),
@@ -34,7 +34,7 @@ pub const MAX_SPECULATIVE_TOKENS: usize = 16;
 /// Where drafts come from.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum SpecMethod {
-    /// Prompt lookup over the branch's own tokens (prompt and output): the tokens that followed
+    /// Prompt lookup over the sample's own tokens (prompt and output): the tokens that followed
     /// the latest earlier occurrence of its last `min ..= max` tokens.
     Ngram {
         /// Shortest suffix looked up (>= 1).
@@ -42,10 +42,10 @@ pub enum SpecMethod {
         /// Longest suffix matched (>= min).
         max: usize,
     },
-    /// Suffix decoding: the longest suffix matched in the branch's tokens and in recent
+    /// Suffix decoding: the longest suffix matched in the sample's tokens and in recent
     /// requests' outputs, a variable number of drafts by continuation frequency ([`suffix`]).
     Suffix(SuffixParams),
-    /// Drafts handed in by the caller for each branch ([`crate::scheduler::Scheduler::set_drafts`]),
+    /// Drafts handed in by the caller for each sample ([`crate::scheduler::Scheduler::set_drafts`]),
     /// e.g. from a smaller draft model run by the engine.
     Provided,
 }
@@ -200,27 +200,27 @@ impl Default for Acceptance {
     }
 }
 
-/// A branch's speculation state: its n-gram index, the drafts handed in for it, and its
+/// A sample's speculation state: its n-gram index, the drafts handed in for it, and its
 /// acceptance so far.
 #[derive(Debug, Clone, Default)]
-pub struct BranchSpec {
-    /// The branch's n-gram index (prompt lookup, suffix decoding).
+pub struct SampleSpec {
+    /// The sample's n-gram index (prompt lookup, suffix decoding).
     pub index: NgramIndex,
-    /// Drafts handed in by the caller ([`SpecMethod::Provided`]), for the branch at
-    /// `provided_at` tokens: stale (ignored) once the branch has another length.
+    /// Drafts handed in by the caller ([`SpecMethod::Provided`]), for the sample at
+    /// `provided_at` tokens: stale (ignored) once the sample has another length.
     pub provided: Vec<u32>,
-    /// The branch's token count the `provided` drafts follow.
+    /// The sample's token count the `provided` drafts follow.
     pub provided_at: usize,
-    /// The branch's own acceptance evidence (decaying by [`BRANCH_DECAY`] per verified row).
+    /// The sample's own acceptance evidence (decaying by [`SAMPLE_DECAY`] per verified row).
     pub acceptance: Acceptance,
 }
 
-/// Decay of a branch's acceptance evidence per verified row.
-pub const BRANCH_DECAY: f64 = 0.9;
+/// Decay of a sample's acceptance evidence per verified row.
+pub const SAMPLE_DECAY: f64 = 0.9;
 /// Decay of the scheduler-wide acceptance evidence per verified row.
 pub const GLOBAL_DECAY: f64 = 0.995;
-/// How many trials the scheduler-wide acceptance counts for in a branch's estimate: a new
-/// branch drafts as the recent branches' drafts fared, its own rows take over within a few.
+/// How many trials the scheduler-wide acceptance counts for in a sample's estimate: a new
+/// sample drafts as the recent samples' drafts fared, its own rows take over within a few.
 pub const PRIOR_WEIGHT: f64 = 4.0;
 
 #[cfg(test)]

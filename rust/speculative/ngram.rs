@@ -3,7 +3,7 @@
 //! and output alike.
 //!
 //! A scan of the whole context per step costs O(length) per row: 2,000 tokens x 256 rows is
-//! half a million comparisons, far over a step's budget. So each branch keeps an
+//! half a million comparisons, far over a step's budget. So each sample keeps an
 //! [`NgramIndex`] that grows with its tokens (the hash chains of LZ77 compressors): the
 //! position of the latest occurrence of every `min`-gram, and for each position the one
 //! before it with the same `min`-gram. A proposal hashes the last `min` tokens, walks at most
@@ -46,7 +46,7 @@ fn gram_hash(gram: &[u32]) -> u64 {
     h ^ (h >> 29)
 }
 
-/// One branch's index of `min`-gram occurrences (see the module docs). It only ever covers
+/// One sample's index of `min`-gram occurrences (see the module docs). It only ever covers
 /// verified tokens: a proposal indexes up to the token before the last, and drafted tokens are
 /// appended after it.
 #[derive(Debug, Clone, Default)]

@@ -7,12 +7,12 @@
 //! substring, its count the substring's occurrences, its children their continuations. The two
 //! queries a proposal makes are: the deepest node matching a suffix of the sequence (up to
 //! `max_depth` tokens), and the counts of that node's continuations, token after token. Both are
-//! answered here from the hash chains of [`NgramIndex`] (over the branch's tokens, and over one
+//! answered here from the hash chains of [`NgramIndex`] (over the sample's tokens, and over one
 //! text of recent outputs with a separator after each): the latest [`MAX_OCCURRENCES`]
 //! occurrences of the last [`GRAM`] tokens, each extended backwards to its match length; the
 //! occurrences of the longest match are the node's, and their next tokens its children. The
 //! walk is bounded (a tree's node holds every occurrence; here the latest 32 per text), and
-//! nothing is built per substring: a branch's index costs one entry per token, where a
+//! nothing is built per substring: a sample's index costs one entry per token, where a
 //! depth-bounded suffix trie costs up to `max_depth`.
 
 use std::collections::VecDeque;
@@ -111,7 +111,7 @@ impl RecentOutputs {
     }
 }
 
-/// One occurrence of the matched suffix: in the branch's own tokens or in the recent outputs,
+/// One occurrence of the matched suffix: in the sample's own tokens or in the recent outputs,
 /// and its last position there.
 #[derive(Debug, Clone, Copy)]
 struct Occurrence {
@@ -119,7 +119,7 @@ struct Occurrence {
     end: usize,
 }
 
-/// Writes into `out` (cleared first) up to `k` drafts for a branch whose tokens are `tokens`
+/// Writes into `out` (cleared first) up to `k` drafts for a sample whose tokens are `tokens`
 /// and whose index is `local`, with `recent` the outputs of recent requests (module docs).
 pub fn propose(local: &mut NgramIndex, tokens: &[u32], recent: &RecentOutputs, p: &SuffixParams, k: usize, out: &mut Vec<u32>) {
     out.clear();
@@ -205,7 +205,7 @@ mod tests {
         let mut recent = RecentOutputs::default();
         recent.add(&[5, 6, 7, 8, 9], p.max_cached_requests);
         let mut out = Vec::new();
-        // The branch never saw "6 7" continue; an earlier request's output did.
+        // The sample never saw "6 7" continue; an earlier request's output did.
         propose(&mut NgramIndex::default(), &[1, 2, 6, 7], &recent, &p, 4, &mut out);
         assert_eq!(out, vec![8, 9], "stops at the output's end");
         recent.add(&[20, 21, 22], p.max_cached_requests);

@@ -1,7 +1,7 @@
 //! What speculative decoding learns from requests, kept apart per tenant.
 //!
 //! Two things outlive a request: suffix decoding's outputs of recent requests (matched by every
-//! later proposal) and the acceptance of recent verified rows (a new branch's prior, which sets
+//! later proposal) and the acceptance of recent verified rows (a new sample's prior, which sets
 //! how many drafts it gets). Shared by every request, either would carry one tenant's outputs
 //! into another's drafts: the tokens accepted, and the step times, tell the second tenant what
 //! the first one generated. So both are kept per **cache salt**, the tenant key the prefix
@@ -26,7 +26,7 @@ pub const MAX_TENANTS: usize = 4096;
 pub struct TenantSpec {
     /// Suffix decoding: the outputs of this tenant's recent finished requests.
     pub recent_outputs: RecentOutputs,
-    /// The acceptance of this tenant's recent verified rows: its new branches' prior.
+    /// The acceptance of this tenant's recent verified rows: its new samples' prior.
     pub acceptance: Acceptance,
     /// When it was last used ([`TenantSpecs`]' own counter): the eviction order.
     last_used: u64,

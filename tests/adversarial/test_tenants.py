@@ -1,6 +1,6 @@
 """Attack 9: nothing a tenant's requests leave behind reaches another tenant (``cache_salt``).
 
-Suffix decoding drafts from the outputs of recent requests, and a new branch's draft count
+Suffix decoding drafts from the outputs of recent requests, and a new sample's draft count
 follows the acceptance of recent rows: both are stores that outlive a request. Keyed by
 nothing, tenant A's outputs became tenant B's drafts, and B learned what A generated from the
 tokens accepted (and from its own step times). Both are keyed by the cache salt now, as the

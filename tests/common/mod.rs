@@ -24,11 +24,11 @@ pub fn chain(prev: u64, token: u32) -> u64 {
     z ^ (z >> 29)
 }
 
-/// The value a column's layer writes at a position: the chain over the previous position's
+/// The value a group's layer writes at a position: the chain over the previous position's
 /// value (`prev`, `ROOT` where the query cannot see it: at 0, at a chunk's start) and, in a
-/// sliding or chunked column, the value at the first position the query sees (`first`, `ROOT`
+/// sliding or chunked group, the value at the first position the query sees (`first`, `ROOT`
 /// when that is the query itself), so a wrong block anywhere in the window changes it. A full
-/// column's value is the plain chain.
+/// group's value is the plain chain.
 pub fn column_value(span: AttentionSpan, prev: u64, first: u64, token: u32) -> u64 {
     if span.is_full() {
         chain(prev, token)
@@ -37,21 +37,21 @@ pub fn column_value(span: AttentionSpan, prev: u64, first: u64, token: u32) -> u
     }
 }
 
-/// What a contiguous cache holds in every column (`values[c][pos]`), grown a token at a time.
+/// What a contiguous cache holds in every group (`values[c][pos]`), grown a token at a time.
 pub fn push_reference_token(spans: &[AttentionSpan], values: &mut Vec<Vec<u64>>, token: u32) {
     values.resize(spans.len(), Vec::new());
-    for (span, col) in spans.iter().zip(values.iter_mut()) {
-        let pos = col.len();
+    for (span, group) in spans.iter().zip(values.iter_mut()) {
+        let pos = group.len();
         let fv = span.first_visible(pos);
-        let prev = if pos > fv { col[pos - 1] } else { ROOT };
-        let first = if fv < pos { col[fv] } else { ROOT };
-        col.push(column_value(*span, prev, first, token));
+        let prev = if pos > fv { group[pos - 1] } else { ROOT };
+        let first = if fv < pos { group[fv] } else { ROOT };
+        group.push(column_value(*span, prev, first, token));
     }
 }
 
-/// The digest a sequence's logits see: its last position's value in every column, combined.
+/// The digest a sequence's logits see: its last position's value in every group, combined.
 pub fn reference_digest(values: &[Vec<u64>]) -> u64 {
-    values.iter().map(|col| *col.last().unwrap()).fold(0, |a, v| a ^ v)
+    values.iter().map(|group| *group.last().unwrap()).fold(0, |a, v| a ^ v)
 }
 
 /// The fake model: one value per slot of the device, host and disk tiers.
@@ -60,7 +60,7 @@ pub struct FakeModel {
     pub kv: Vec<Option<u64>>,
     pub host: Vec<Option<u64>>,
     pub disk: Vec<Option<u64>>,
-    /// What each KV-cache column's layer attends to (one full column by default).
+    /// What each KV cache group's layer attends to (one full group by default).
     pub spans: Vec<AttentionSpan>,
 }
 
@@ -125,14 +125,14 @@ impl FakeModel {
     }
 
     /// A forward: the copies, then every scheduled token's value written to its slot in every
-    /// column, and the value at each logits row (the columns' values of that row's last
+    /// group, and the value at each logits row (the groups' values of that row's last
     /// position, combined: the digest of the sequence as the KV holds it).
     pub fn forward(&mut self, out: &StepOutput) -> Vec<u64> {
         self.copy_blocks(out, || true);
         let (w, rows, tokens) = (out.block_table_width, out.num_rows(), out.num_tokens());
-        assert_eq!(out.num_columns, self.spans.len());
-        assert_eq!(out.block_tables.len(), out.num_columns * rows * w);
-        assert_eq!(out.slot_mapping.len(), out.num_columns * tokens);
+        assert_eq!(out.num_kv_groups, self.spans.len());
+        assert_eq!(out.block_tables.len(), out.num_kv_groups * rows * w);
+        assert_eq!(out.slot_mapping.len(), out.num_kv_groups * tokens);
         for (c, &span) in self.spans.clone().iter().enumerate() {
             // Positions of one row depend on earlier positions of the same row, so rows are
             // processed token by token in order (a causal forward).
@@ -154,7 +154,7 @@ impl FakeModel {
         }
         out.logits_indices
             .iter()
-            .map(|&t| (0..out.num_columns).map(|c| self.kv[out.slot_mapping[c * tokens + t as usize] as usize].unwrap()).fold(0, |a, v| a ^ v))
+            .map(|&t| (0..out.num_kv_groups).map(|c| self.kv[out.slot_mapping[c * tokens + t as usize] as usize].unwrap()).fold(0, |a, v| a ^ v))
             .collect()
     }
 }

@@ -1,74 +1,44 @@
 """The KV connector: one engine's side of disaggregated prefill / decode.
 
-It joins three parts: the Rust scheduler's leases and reservations
-(``Scheduler.kv_lease`` / ``reserve_kv``, see rust/scheduler/kv_transfer.rs), a
-:class:`~pagedkv.distributed.kv_transport.KVTransport` that moves the bytes (NIXL or gloo),
-and the control plane (:mod:`pagedkv.distributed.control`: handshake, lease claim and release,
-every message authenticated with the deployment's shared secret).
+It joins the Rust scheduler's leases and reservations (``Scheduler.kv_lease`` / ``reserve_kv``,
+rust/scheduler/kv_transfer.rs), a :class:`~pagedkv.distributed.kv_transport.KVTransport` that
+moves the bytes (NIXL or gloo), and the control plane (:mod:`pagedkv.distributed.control`:
+handshake, lease claim and release, every message authenticated with the shared secret).
 
-**Producer** (``role`` producer/both). A request added with ``{"do_remote_decode": true}``
-holds its KV when it ends: :meth:`lease_params` turns the scheduler's lease into the
-``kv_transfer_params`` of its output (engine id, control address, block ids, number of tokens,
-block size, KV dtype, prompt digest, and a fresh unguessable ``remote_lease_token``) and starts
-the lease clock. The lease ends when the reader releases it over the control plane, or after
-``lease_seconds`` (:meth:`poll`).
+**Producer.** A request added with ``{"do_remote_decode": true}`` holds its KV when it ends:
+:meth:`lease_params` turns the scheduler's lease into the ``kv_transfer_params`` of its output
+(engine id, control address, block ids, tokens, block size, KV dtype, prompt digest and a fresh
+unguessable ``remote_lease_token``). The lease ends when the reader releases it, or after
+``lease_seconds`` (:meth:`poll`). Leases are *claimed*, not named: the params travel through a
+client, so the producer binds a lease to the first consumer that claims it with the token,
+grants that consumer's transport its blocks, and answers with the lease's own block ids, token
+count and token digest; the consumer reads only if those equal the params' and its own prompt
+(forged ids or foreign KV are refused, a failed pull handled by the policy).
 
-**Leases are claimed, not named.** The params travel through a client, so a consumer trusts
-nothing in them but the token. Before reading, it *claims* the lease with the token; the
-producer binds the lease to the first consumer engine that claims it (another's claim is
-refused), grants that consumer's transport the lease's blocks (the gloo holder serves nothing
-else), and answers with the lease's own block ids, token count and the digest of the tokens
-whose KV the blocks hold. The consumer reads only if those equal the params' (forged block
-ids are refused, not read) and the vouched digest equals its own prompt's prefix (else the
-KV belongs to other tokens and would enter its prefix cache under the wrong ones); a refusal
-is a failed pull, handled by the policy (recompute: the prompt is computed here, nothing
-foreign enters the cache). An unknown or forged token is refused by the producer.
+**Consumer.** A request added with ``{"do_remote_prefill": true, ...}`` enters the scheduler at
+once, blocked on ``"remote_kv"`` (live, never scheduled, holding no block). :meth:`check_load`
+checks the params before that add; :meth:`start_load` reserves blocks for the prompt's full
+blocks (sharing what is cached here; only the rest is pulled) and hands the pull to the
+connector's thread: handshake (the KV fingerprints must match), read, release (a release that
+finds the lease gone fails the pull: the blocks may have been reused mid-read). Nothing to pull:
+the request is unblocked at once. :meth:`take_finished_loads`, before every step, commits the
+blocks that arrived (they enter the prefix cache and the request hits them) or cancels the
+reservation; the engine unblocks the request or fails it (``fail`` policy). The connector holds
+only the pull (:attr:`KVConnector.loads`); an aborted request's pull is :meth:`abandon`-ed.
 
-**Consumer** (``role`` consumer/both). A request added with ``{"do_remote_prefill": true, ...}``
-enters the scheduler at once, *blocked* on ``"remote_kv"`` (``Scheduler.add_request(...,
-wait_for=["remote_kv"])``: live, never scheduled, holding no block; see
-rust/scheduler/admission.rs). :meth:`check_load` checks the params before that add (nothing held,
-nothing connected); :meth:`start_load`, after it, reserves blocks (a reservation named after the
-request) for the prompt's full blocks (sharing what this engine already caches; only the rest
-is pulled) and hands the pull to the connector's thread, which handshakes with the producer
-when it first meets it (the transport refuses another layout; the fingerprint must match),
-reads the blocks (coalesced runs), and releases the lease; a release that finds the lease gone
-means the blocks may have been reused mid-read, so the pull failed (a claim happens just before
-the read). Nothing to pull (all cached here, or no room now): the engine unblocks the request
-at once and it computes its prompt. :meth:`take_finished_loads`, called by the engine before
-every step, commits the blocks that arrived (they enter the prefix cache, and the request,
-unblocked next, hits them) or cancels the reservation; the engine then unblocks the request
-(recompute policy, or success) or fails it (``fail`` policy). The connector holds only the pull
-(:attr:`KVConnector.loads`); whether a request waits for it is the scheduler's
-(``Scheduler.waiting_for``). A request aborted meanwhile leaves the scheduler at once; its
-pull is :meth:`abandon`-ed and its reservation ends when the read does (the read may still
-write the blocks), unreported.
+**KV cache groups** (worker/kv_layout.py): a lease's block ids are every group's table,
+group-major (group 0's ``n`` ids, then group 1's, ...), a producer's sliding groups holding the
+whole prompt (nothing is given back for a ``hold_kv`` request). Both engines have the same
+groups (the handshake's fingerprint names the layout), so the consumer reserves the same blocks
+in every group and reads remote blocks ``g * n + hits ..`` into group ``g``'s fresh ones.
 
-**KV cache groups.** A model whose KV is kept in columns (worker/kv_layout.py: one block
-table per column) moves every column: a lease's block ids are every column's table,
-column-major (column 0's ``n`` ids, then column 1's ``n``, ...), the producer's sliding and
-chunked columns holding the whole prompt (the scheduler gives nothing back behind a window for
-a ``hold_kv`` request). Both engines have the same columns — the fingerprint checked at the
-handshake names the layout — so the consumer splits the ids into its column count, reserves
-the same blocks in every column (``reserve_kv``: fresh ones column-major too) and reads, for
-each column ``c``, remote blocks ``c * n + hits ..`` into that column's fresh blocks.
-
-Threading: ``start_load``, ``abandon``, ``take_finished_loads``, ``lease_params``, ``poll`` run
-on the engine's thread under its lock. The transport is used only by the connector's thread
-(and its own internals); the control server's release handler takes the engine's lock.
-
-**The pull thread never dies of a pull.** Its input comes, in the end, from a client (the
-params) and from a peer (the producer's replies, or whatever answers at the address the params
-name), so each pull's every step runs under its own ``except Exception``: a failure is that
-pull's error (the request is recomputed here, or failed, by the policy), recorded in the
-engine's :class:`~pagedkv.background.BackgroundThreads` when it is not an ordinary transfer
-failure (``PagedKVError``), and the loop goes on; a failure outside any one pull fails the pulls
-in flight rather than leaving them waiting. Should the thread die anyway, ``/health`` says
-degraded, naming it, and :meth:`KVConnector.start_load` stops handing it pulls (the prompt is
-computed here). What reaches the thread is bounded first: ``parse_kv_transfer_params`` checks
-every field's type and size at ``add_request``, a consumer with ``allowed_producers`` pulls only
-from those addresses, and the control plane parses replies within bounds
-(:mod:`pagedkv.distributed.control`).
+**Threads.** ``start_load``, ``abandon``, ``take_finished_loads``, ``lease_params`` and ``poll``
+run on the engine's thread under its lock; the transport only on the connector's thread. That
+thread never dies of a pull: its input comes from clients and peers, so each pull runs under its
+own ``except Exception`` (the pull's error; recorded in
+:class:`~pagedkv.background.BackgroundThreads` unless an ordinary ``PagedKVError``). Should it
+die anyway, ``/health`` says degraded and :meth:`start_load` stops handing it pulls. Its input is
+bounded first (``parse_kv_transfer_params``, ``allowed_producers``, the control plane's parsers).
 """
 
 from __future__ import annotations
@@ -127,7 +97,7 @@ class _Lease:
 @dataclass
 class _Load:
     """One pull: the producer's ``remote_block_ids`` into ``local_block_ids``, pairwise (every
-    column's blocks after the hits, column-major)."""
+    KV cache group's blocks after the hits, group-major)."""
 
     request_id: str
     remote: RemotePrefill
@@ -187,8 +157,8 @@ class KVConnector:
         self.engine_id = config.engine_id or f"pagedkv-{uuid.uuid4().hex[:12]}"
         self.scheduler = scheduler
         self.block_size = runner.block_size
-        # KV cache groups: one block table per column, carried column-major (module docs).
-        self.num_columns = runner.kv_layout.num_columns
+        # KV cache groups: one block table per group, carried group-major (module docs).
+        self.num_kv_groups = runner.kv_layout.num_columns
         self.kv_dtype = str(runner.kv_cache.dtype).removeprefix("torch.")
         self.fingerprint = _fingerprint_for_peers(runner)
         self._lock = lock
@@ -384,11 +354,11 @@ class KVConnector:
                 f"producer {remote.remote_engine_id!r} has {remote.remote_block_size}-token blocks of "
                 f"{remote.remote_kv_dtype}, this engine {self.block_size}-token blocks of {self.kv_dtype}"
             )
-        columns = self.num_columns
-        per_column, rest = divmod(len(remote.remote_block_ids), columns)
-        if rest or per_column < -(-remote.remote_num_tokens // self.block_size):
+        groups = self.num_kv_groups
+        per_group, rest = divmod(len(remote.remote_block_ids), groups)
+        if rest or per_group < -(-remote.remote_num_tokens // self.block_size):
             raise InvalidArgumentError(
-                f"kv_transfer_params: {len(remote.remote_block_ids)} block ids are not {columns} column(s) "
+                f"kv_transfer_params: {len(remote.remote_block_ids)} block ids are not {groups} KV cache group(s) "
                 f"holding {remote.remote_num_tokens} tokens of {self.block_size}-token blocks"
             )
         if self._thread is None or not self._thread.is_alive():
@@ -404,8 +374,8 @@ class KVConnector:
         is in the scheduler, blocked on ``"remote_kv"``. Returns False when there is nothing to
         wait for (nothing to pull, or no room now: the caller unblocks the request at once and
         it computes what it lacks); else the request waits for :meth:`take_finished_loads`."""
-        columns = self.num_columns
-        per_column = len(remote.remote_block_ids) // columns
+        groups = self.num_kv_groups
+        per_group = len(remote.remote_block_ids) // groups
         full_blocks = min(remote.remote_num_tokens, len(prompt_token_ids)) // self.block_size
         reserved = self.scheduler.reserve_kv(request_id, prompt_token_ids, full_blocks, cache_salt)
         if reserved is None or not reserved[1]:
@@ -417,12 +387,10 @@ class KVConnector:
             self._jobs.put(_Load(request_id, remote, [], [], [], release_only=True))
             return False
         num_hits, fresh = reserved
-        # Column c's blocks after the hits, on both sides: the remote ones from c * per_column.
-        fresh_per_column = len(fresh) // columns
+        # Group g's blocks after the hits, on both sides: the remote ones from g * per_group.
+        fresh_per_group = len(fresh) // groups
         remote_ids = [
-            remote.remote_block_ids[c * per_column + num_hits + k]
-            for c in range(columns)
-            for k in range(fresh_per_column)
+            remote.remote_block_ids[g * per_group + num_hits + k] for g in range(groups) for k in range(fresh_per_group)
         ]
         load = _Load(
             request_id=request_id,

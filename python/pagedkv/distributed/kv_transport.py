@@ -9,7 +9,7 @@ contiguous regions too, so a transfer is described per *run*, not per block.
 With KV cache groups (worker/kv_layout.py) the cache is ``[N, 2, pages, block_size, ...]``: dim
 0 holds the ``N`` layers of a page (``page_layers``), a "block" here is a page, and ``num_layers``
 is ``N``. Nothing else changes: a page is ``2 * N`` regions, and a request's pages (every
-column's) are just more block ids. Which layer a page slot holds, and which column a page
+KV cache group's) are just more block ids. Which layer a page slot holds, and which group a page
 serves, is not part of this layout: two engines with the same ``N`` but other groups would
 exchange bytes in the wrong places, so the connector's handshake first compares the engines'
 KV fingerprints, which name the grouped layout (``ModelRunner.kv_fingerprint``, "kv_layout").

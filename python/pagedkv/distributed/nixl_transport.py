@@ -70,7 +70,8 @@ def import_nixl_api() -> ModuleType:
 
 
 # How often the holder-side progress thread drives UCX: often enough that a pull is not held up
-# (bench_kv_transport: the same GB/s as at 0.2 ms), rarely enough to cost ~1-2% of a core idle.
+# (bench_kv_transport: no slower than a shorter interval), rarely enough to cost little of an
+# idle core.
 PROGRESS_INTERVAL_S = 0.001
 
 

@@ -227,7 +227,7 @@ _FLAG_KEYS = {"do_remote_prefill", "do_remote_decode"}
 # Bounds of kv_transfer_params (docs/limits.md): everything a consumer's pull thread is handed
 # has passed them, so no value it meets can be of a type, size or shape it does not expect.
 MAX_PARAM_CHARS = 256  # remote_engine_id, remote_request_id, remote_kv_dtype, remote_address
-MAX_REMOTE_BLOCK_IDS = 1 << 20  # every column's block ids together
+MAX_REMOTE_BLOCK_IDS = 1 << 20  # every KV cache group's block ids together
 MAX_BLOCK_ID = (1 << 31) - 1  # block ids and token counts are int32 in the core and on the wire
 MAX_BLOCK_SIZE = 1 << 16
 _LEASE_TOKEN = re.compile(r"[A-Za-z0-9_-]{16,128}")  # secrets.token_urlsafe's alphabet

@@ -131,7 +131,7 @@ def kv_maps(scheduler: Scheduler, requests: Mapping[str, RequestState]) -> dict[
         "host_cached": host_cached,
         "disk_ref_counts": disk_refs,
         "disk_cached": disk_cached,
-        "columns": scheduler.block_columns(),
+        "columns": scheduler.block_kv_groups(),
         "requests": scheduler.request_summaries(),
         "prompts": {rid: state.prompt for rid, state in live},
         "constraints": {rid: state.grammar.kind for rid, state in live if state.grammar is not None},

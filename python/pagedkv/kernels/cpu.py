@@ -5,7 +5,7 @@ Decode attention on a CPU is bound by memory bandwidth. The torch path gathers e
 sequence's K/V into a padded copy before SDPA, so the KV bytes cross memory three times; the
 Rust kernel (``pagedkv._core.paged_decode_attention_cpu``, rust/cpu_attention.rs) reads each
 K and V row once through the block table, on ``torch.get_num_threads()`` threads with the GIL
-released: ~2.4x faster per layer for 64 sequences x 496 tokens (SmolLM2's 9/3 heads, D=64).
+released, so it is faster per layer than SDPA over the copy (benches/RESULTS.md).
 Sequences with several query rows are few per step and are large matrix products, which
 SDPA already does well: they stay on :func:`reference.attend_extend_rows`.
 

@@ -1,7 +1,7 @@
 """What one layer's attention does besides bottom-right causal masking.
 
 Most models attend every query to the whole context before it. Many popular ones do not, in
-some or all layers (issue 25):
+some or all layers:
 
 * **sliding window** ``w`` (Mistral, Gemma 2/3, gpt-oss, Cohere 2, ...): the query at
   position ``p`` sees the keys ``k`` with ``p - w < k <= p``, its last ``w`` tokens, itself
@@ -108,7 +108,7 @@ class LayerAttention:
             )
 
 
-# Plain causal attention over the whole context: what every layer did before issue 25.
+# Plain causal attention over the whole context (no window, chunk, sinks or soft-cap).
 FULL_ATTENTION = LayerAttention()
 
 

@@ -3,9 +3,10 @@ package, ``static/dashboard.html``) and ``GET /dashboard/state`` (what it draws,
 
 The state comes from one engine-thread call per refresh (``AsyncLLM.kv_snapshot``: the Rust
 core's block maps and request summaries), so the step loop pays nothing while no page is open.
-Block states travel as base64 byte arrays (one byte per block, 4 per owner, 2 per KV-cache
-column), not per-block JSON. With KV cache groups the page also draws the device blocks by
-column (which group's layers each block holds) and counts each column's blocks. Prompt text is left out unless the server was started with ``--dashboard-show-prompts``.
+Block states travel as base64 byte arrays (one byte per block, 4 per owner, 2 per KV cache
+group), not per-block JSON. With KV cache groups the page also draws the device blocks by
+group (which group's layers each block holds) and counts each group's blocks. Prompt text is
+left out unless the server was started with ``--dashboard-show-prompts``.
 """
 
 from __future__ import annotations
@@ -54,14 +55,14 @@ def encode_state(snapshot: dict[str, Any], *, show_prompts: bool) -> dict[str, A
             "output_tokens": output_tokens,
             "blocks": num_blocks,
             "cached_tokens": cached_tokens,
-            "branches": branches,
+            "samples": samples,
             # A structured request's constraint kind ("json", "regex", "grammar", ...), or "".
             "constraint": constraints.get(rid, ""),
             # Speculative decoding: [drafted, accepted] tokens so far ([0, 0] without drafts).
             "drafts": list(drafts.get(rid, (0, 0))),
             **({"prompt": (prompts.get(rid) or "")[:_PROMPT_CHARS]} if show_prompts else {}),
         }
-        for rid, arrival, state, prompt_tokens, output_tokens, num_blocks, cached_tokens, branches in snapshot[
+        for rid, arrival, state, prompt_tokens, output_tokens, num_blocks, cached_tokens, samples in snapshot[
             "requests"
         ]
     ]
@@ -89,9 +90,9 @@ def encode_state(snapshot: dict[str, Any], *, show_prompts: bool) -> dict[str, A
         "time": time.time(),
         "block_states": _b64(device),
         "block_owners": _b64(np.asarray(snapshot["owner"], dtype=np.int32)),
-        # KV cache groups: the column each device block serves (-1: free, uncached).
-        "block_columns": _b64(np.asarray(snapshot["columns"], dtype=np.int16)),
-        "column_spans": list(snapshot["column_spans"]),
+        # KV cache groups: the group each device block serves (-1: free, uncached).
+        "block_kv_groups": _b64(np.asarray(snapshot["columns"], dtype=np.int16)),
+        "kv_group_spans": list(snapshot["column_spans"]),
         "host_block_states": _b64(host),
         "disk_block_states": _b64(disk),
         "recent_preemptions": [{"time": t, "id": rid} for t, rid in snapshot["recent_preemptions"]],

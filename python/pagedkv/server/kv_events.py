@@ -4,36 +4,12 @@ A router that sends each request to the engine already caching most of its promp
 what every engine caches. ``pagedkv serve --kv-events-endpoint tcp://...`` publishes it the way
 vLLM does, so existing consumers of vLLM's events read pagedkv's unchanged.
 
-Events
-    Produced by the Rust core as its block pools change (``SchedulerConfig(enable_kv_events=True)``),
-    taken once per step as one encoded batch (``Scheduler.take_kv_events(time.time())``):
-
-    * ``BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium)``:
-      blocks entered a pool's prefix cache. Consecutive blocks of one chain stored in one pool
-      are one event: ``block_hashes`` in chain order, ``token_ids`` all their tokens,
-      ``parent_block_hash`` the parent of the first (``None`` for a prompt's first block).
-      Within a step, parents are announced before their children. ``lora_id`` is always ``None``.
-    * ``BlockRemoved(block_hashes, medium)``: blocks left a pool's prefix cache (reused for other
-      content, dropped by a reset, or uncached after a failed step).
-    * ``AllBlocksCleared()``: nothing is cached any more (a prefix-cache reset that left every
-      pool empty).
-
-    A block hash is an unsigned 64-bit integer: the engine's 128-bit chained block hash folded
-    to 64 bits, unique among the blocks a pool caches, so a consumer can key its view by it.
-    ``pagedkv._core.block_hashes(prompt_token_ids, block_size, cache_salt)`` gives the hashes of a
-    prompt's full blocks, to match against what an engine announced.
-
-    ``medium`` names the pool: ``"GPU"`` is the engine's primary KV pool, the one attention reads
-    (vLLM's name for it, kept even when the engine runs on a CPU), ``"CPU"`` the host tier,
-    ``"DISK"`` the disk tier. The same content may be cached in several media at once, each with
-    its own Stored / Removed events; a stored block's parent may live in another medium.
-
-Wire format (msgpack, msgspec structs with ``array_like=True, omit_defaults=True``, events
-``tag=True`` so each starts with its class name)
-    A batch is ``[ts, [event, ...]]`` (``ts``: float64 seconds; vLLM's optional trailing
-    ``data_parallel_rank`` is omitted); ``["BlockStored", [hash, ...], parent | nil, [token, ...],
-    block_size, nil, medium]``, ``["BlockRemoved", [hash, ...], medium]``, ``["AllBlocksCleared"]``.
-    :func:`decode_event_batch` reads one.
+Events (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``; media ``"GPU"``, ``"CPU"``,
+``"DISK"``) are produced by the Rust core as its pools change
+(``SchedulerConfig(enable_kv_events=True)``) and taken once per step as one encoded batch
+(``Scheduler.take_kv_events(time.time())``); rust/kv_events.rs defines them, their block hashes
+(64-bit, unique among the blocks one pool caches; ``pagedkv._core.block_hashes`` gives a
+prompt's) and the msgpack wire format. :func:`decode_event_batch` reads a batch.
 
 Publishing protocol (vLLM's)
     A PUB socket bound at the endpoint sends one multipart message per batch: ``[topic, seq,

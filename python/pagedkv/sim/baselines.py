@@ -13,51 +13,9 @@ enough) and a freed region coalesces with free neighbours, so holes between live
 (external fragmentation) are real. Units are token slots; one slot holds one token's KV for all
 layers.
 
-Replay (continuous batching, kept comparable to the paged scheduler)
---------------------------------------------------------------------
-The clock advances ``step_duration_s`` per step; a request can be admitted once its
-``arrival_time`` is <= the step's start. When nothing runs and the next request has not
-arrived, the clock jumps to the first step at or after its arrival; skipped idle steps are not
-counted. Each step:
-
-1. running sequences, in admission order, take their work out of the token budget
-   ``max_num_batched_tokens``: the next prefill chunk (the rest of the prompt, cut to the budget
-   left) or, once prefilled, one decode token per parallel sample;
-2. waiting requests are admitted **FCFS in arrival order with head-of-line blocking**: the head
-   is admitted if it has arrived, ``max_num_seqs`` leaves room for its ``n`` sequences, budget
-   is left (all of its prompt when chunked prefill is off), and all ``n`` regions can be
-   reserved (all or nothing); otherwise admission stops for this step. An admitted request
-   starts its prefill in the same step;
-3. the scheduled tokens are computed. Every token (prompt or generated) occupies one slot of its
-   region: the step that completes a prefill also samples the first output token, and every
-   decode step adds one more. A request is done after ``output_len`` tokens;
-4. the memory breakdown of the step is recorded (requests finishing this step still count);
-5. finished requests release their regions.
-
-Output is cut at ``max_model_len``: a request generates ``min(output_len, max_model_len -
-prompt_len)`` tokens (as an engine stops with finish reason ``"length"``), counted in
-``num_truncated``. A request is refused up front (PromptTooLongError) when its prompt leaves no
-room for one output token or its ``n`` regions can never fit in the arena; a configuration no
-request could run under raises ConfigError.
-
-Memory breakdown of a step (vLLM paper, Fig. 2)
------------------------------------------------
-For each live sequence with region size ``R``, final length ``F = prompt_len + generated
-tokens it will have at the end`` and current length ``C`` (prompt tokens prefilled so far +
-tokens generated so far), and with ``H`` = the reservation size of the head of the waiting
-queue (the next request in arrival order not yet admitted, arrived or not; each of its ``n``
-sequences needs ``H``):
-
-* ``token_states``            = sum of ``C``: slots holding KV of tokens already computed;
-* ``reserved_unused``         = sum of ``F - C``: reserved for tokens the sequence will still
-  produce (used later, idle now);
-* ``internal_fragmentation``  = sum of ``R - F``: reserved but never used (beyond the final
-  length); always 0 under ``exact``;
-* ``external_fragmentation``  = free slots in holes smaller than ``H``: free memory between
-  reservations that the next reservation cannot use; 0 when no request is waiting;
-* ``free``                    = every other free slot.
-
-The five add up to ``num_slots`` exactly, at every step.
+The replay (:func:`replay_reservation`) steps as the paged scheduler does, and each step's
+memory breakdown (:class:`MemoryBreakdown`, vLLM paper's Fig. 2) splits every slot into token
+states, reserved-unused, internal and external fragmentation, and free.
 """
 
 from __future__ import annotations
@@ -207,7 +165,25 @@ class ReservationConfig:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Slots per category during one step (see the module docstring); they sum to ``num_slots``."""
+    """Slots per category during one step; they sum to ``num_slots``.
+
+    Memory breakdown of a step (vLLM paper, Fig. 2). For each live sequence with region size ``R``, final length ``F = prompt_len + generated
+    tokens it will have at the end`` and current length ``C`` (prompt tokens prefilled so far +
+    tokens generated so far), and with ``H`` = the reservation size of the head of the waiting
+    queue (the next request in arrival order not yet admitted, arrived or not; each of its ``n``
+    sequences needs ``H``):
+
+    * ``token_states``            = sum of ``C``: slots holding KV of tokens already computed;
+    * ``reserved_unused``         = sum of ``F - C``: reserved for tokens the sequence will still
+      produce (used later, idle now);
+    * ``internal_fragmentation``  = sum of ``R - F``: reserved but never used (beyond the final
+      length); always 0 under ``exact``;
+    * ``external_fragmentation``  = free slots in holes smaller than ``H``: free memory between
+      reservations that the next reservation cannot use; 0 when no request is waiting;
+    * ``free``                    = every other free slot.
+
+    The five add up to ``num_slots`` exactly, at every step.
+    """
 
     step: int
     token_states: int
@@ -331,6 +307,31 @@ def replay_reservation(
     record_steps: bool = False,
 ) -> ReservationReplayResult:
     """Replay ``requests`` (taken in arrival order, stable) through a reservation allocator.
+
+    The replay (continuous batching, kept comparable to the paged scheduler). The clock advances ``step_duration_s`` per step; a request can be admitted once its
+    ``arrival_time`` is <= the step's start. When nothing runs and the next request has not
+    arrived, the clock jumps to the first step at or after its arrival; skipped idle steps are not
+    counted. Each step:
+
+    1. running sequences, in admission order, take their work out of the token budget
+       ``max_num_batched_tokens``: the next prefill chunk (the rest of the prompt, cut to the budget
+       left) or, once prefilled, one decode token per parallel sample;
+    2. waiting requests are admitted **FCFS in arrival order with head-of-line blocking**: the head
+       is admitted if it has arrived, ``max_num_seqs`` leaves room for its ``n`` sequences, budget
+       is left (all of its prompt when chunked prefill is off), and all ``n`` regions can be
+       reserved (all or nothing); otherwise admission stops for this step. An admitted request
+       starts its prefill in the same step;
+    3. the scheduled tokens are computed. Every token (prompt or generated) occupies one slot of its
+       region: the step that completes a prefill also samples the first output token, and every
+       decode step adds one more. A request is done after ``output_len`` tokens;
+    4. the memory breakdown of the step is recorded (requests finishing this step still count);
+    5. finished requests release their regions.
+
+    Output is cut at ``max_model_len``: a request generates ``min(output_len, max_model_len -
+    prompt_len)`` tokens (as an engine stops with finish reason ``"length"``), counted in
+    ``num_truncated``. A request is refused up front (PromptTooLongError) when its prompt leaves no
+    room for one output token or its ``n`` regions can never fit in the arena; a configuration no
+    request could run under raises ConfigError.
 
     ``record_steps`` keeps every step's :class:`MemoryBreakdown` and arena layout in the
     result's ``steps`` and ``layouts`` (memory grows with steps x live requests).

@@ -1,4 +1,4 @@
-"""How much KV a model with sliding-window or chunked layers really needs (issue 25, capacity).
+"""How much KV a model with sliding-window or chunked layers really needs.
 
 A layer with a sliding window ``w`` never again reads a key more than ``w - 1`` positions behind
 the newest query; a chunked layer of size ``C`` never reads behind its chunk's start. A cache
@@ -33,8 +33,8 @@ __all__ = [
     "blocks_held",
     "bytes_per_page",
     "bytes_per_sequence",
-    "column_spans",
     "groups_of_layer_types",
+    "kv_group_spans",
     "model_kv_of_config",
     "page_layers",
 ]
@@ -136,11 +136,12 @@ def page_layers(model: ModelKV, layout: str) -> int:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def column_spans(model: ModelKV, layout: str = "groups") -> tuple[tuple[str, int | None], ...]:
-    """The KV-cache columns of ``layout`` (``whole`` or ``groups``) as the Rust core's
-    ``SchedulerConfig(attention_spans=...)`` takes them: one ``(kind, size)`` per column, a
-    group of ``L`` layers taking ``L / page_layers`` columns, full groups first (column 0's
-    hashes are the ones KV events report)."""
+def kv_group_spans(model: ModelKV, layout: str = "groups") -> tuple[tuple[str, int | None], ...]:
+    """The KV cache groups of ``layout`` (``whole`` or ``groups``) as the Rust core's
+    ``SchedulerConfig(attention_spans=...)`` takes them: one ``(kind, size)`` per KV cache
+    group (one block table, ``page_layers`` layers per page), an ``AttentionGroup`` of ``L``
+    layers taking ``L / page_layers`` of them, full attention first (KV cache group 0's hashes
+    are the ones KV events report)."""
     if layout == "whole":
         return (("full", None),)
     if layout != "groups":
@@ -149,7 +150,7 @@ def column_spans(model: ModelKV, layout: str = "groups") -> tuple[tuple[str, int
     spans: list[tuple[str, int | None]] = []
     for group in sorted(model.groups, key=lambda g: g.sliding_window is not None or g.chunk_size is not None):
         if group.sliding_window is not None and group.chunk_size is not None:
-            raise ValueError("a group with both a window and a chunk is not a column the core knows")
+            raise ValueError("a group with both a window and a chunk is not a KV cache group the core knows")
         span: tuple[str, int | None] = (
             ("sliding_window", group.sliding_window)
             if group.sliding_window is not None

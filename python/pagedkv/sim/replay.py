@@ -6,12 +6,12 @@ replaced by synthetic sampled tokens (every request runs ``ignore_eos`` until it
 how many requests run at once, how full the KV blocks are, how often the pool preempts, how
 much the prefix cache saves.
 
-The step model is the one of :mod:`pagedkv.sim.baselines`, so the two are compared like for
-like: the clock advances ``step_duration_s`` per step; a request enters the scheduler once its
-``arrival_time`` has passed; when nothing is running the clock jumps to the next arrival
-(idle steps are not counted); each step one token budget is shared by decodes and prefill
-chunks, running requests first, then FCFS admission with head-of-line blocking; the step that
-completes a prefill samples the first token.
+The step model is the one of :func:`pagedkv.sim.baselines.replay_reservation`, so the two
+are compared like for like: the clock advances ``step_duration_s`` per step; a request enters
+the scheduler once its ``arrival_time`` has passed; when nothing is running the clock jumps to
+the next arrival (idle steps are not counted); each step one token budget is shared by decodes
+and prefill chunks, running requests first, then FCFS admission with head-of-line blocking;
+the step that completes a prefill samples the first token.
 
 Memory breakdown of a paged step (same categories as the baselines): ``token_states`` = slots
 of blocks in use that hold a computed token (a shared block counts once);
@@ -20,35 +20,8 @@ each sequence's last block); ``free`` = slots of free blocks (cached ones includ
 reusable at once). Paging reserves nothing ahead and any free block fits any request, so
 ``reserved_unused`` and ``external_fragmentation`` are 0 by construction.
 
-KV offload tier (``PagedConfig.num_host_blocks`` > 0). The scheduler then also owns a host
-pool of that many blocks, which holds swapped-out sequences (``preemption_mode`` ``"swap"``,
-or ``"auto"`` per victim by the scheduler's cost model) and, with prefix caching, the cached
-blocks the device pool evicts (written back; a later prompt whose prefix misses on the device
-but hits on the host has those blocks loaded back before its prefill). Each step's
-``swap_out`` (device -> host) and ``swap_in`` (host -> device) block copies are charged on
-the simulated clock, before the step's forward and without overlap with it:
-
-    step time = step_duration_s + (len(swap_out) + len(swap_in)) * bytes_per_block / swap_bytes_per_second
-
-so a step with K block copies lasts ``K * bytes_per_block / swap_bytes_per_second`` longer
-(the copies' total is ``PagedReplayResult.copy_time_s``; 0 without a tier, or with
-``bytes_per_block`` 0 = unknown). The clock is ``k * step_duration_s + copy time so far``;
-arrival times follow it. Default bandwidth: 25 GB/s, a PCIe 4.0/5.0 x16-class
-GPU <-> pinned host link in practice. The ``auto`` rule compares ``2 * blocks * bytes_per_block /
-swap_bytes_per_second`` (out and back) with ``tokens / recompute_tokens_per_second``; the
-default recompute throughput is the step model's own, ``max_num_batched_tokens /
-step_duration_s`` (a full-budget step), so that rule and the simulated clock agree. The
-recompute side is not charged beyond the step model: its cost shows as ``tokens_computed``
-(and as extra steps once the token budget binds).
-
-Retention clock. A request's ``retention_priority`` / ``retention_duration`` /
-``retention_tokens`` go to ``Scheduler.add_request``; a retention duration counts from the
-moment a block is freed, on the scheduler's retention clock. The replay builds its scheduler
-with ``manual_clock=True``, so that clock never moves with wall time: before each ``schedule``
-it is moved (``Scheduler.advance_clock``) to the simulated time of that step (the clock above,
-idle jumps included), in whole microseconds. A replay is therefore deterministic, and a
-duration of D seconds expires D simulated seconds after the step that freed the block
-(blocks freed by a step's ``update`` are stamped with that step's start time).
+With a host tier the replay charges each step's swap copies on the simulated clock, and it
+drives the scheduler's retention clock by that clock (:func:`replay_paged`).
 """
 
 from __future__ import annotations
@@ -106,7 +79,7 @@ class PagedConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     step_duration_s: float = 0.02  # simulated time per step; maps arrival times onto steps
-    # KV offload tier (module docstring): host blocks (0: none), what preemption does, the
+    # KV offload tier (replay_paged): host blocks (0: none), what preemption does, the
     # bytes of one block (all layers, K and V, scales; 0: unknown, copies cost no time), the
     # copy bandwidth between the tiers and the recompute throughput of the cost model.
     num_host_blocks: int = 0
@@ -114,8 +87,8 @@ class PagedConfig:
     bytes_per_block: int = 0
     swap_bytes_per_second: float = DEFAULT_SWAP_BYTES_PER_SECOND
     recompute_tokens_per_second: float | None = None  # None: max_num_batched_tokens / step_duration_s
-    # KV cache groups: one (kind, size) per KV-cache column (pagedkv.sim.kv_groups.column_spans);
-    # None: one full column. With groups, a "block" of this config is a page of some layers.
+    # KV cache groups: one (kind, size) per KV cache group (pagedkv.sim.kv_groups.kv_group_spans);
+    # None: one full-attention group. With groups, a "block" of this config is a page of some layers.
     attention_spans: tuple[tuple[str, int | None], ...] | None = None
 
     def __post_init__(self) -> None:
@@ -177,7 +150,7 @@ class PagedConfig:
             bytes_per_block=self.bytes_per_block,
             swap_bytes_per_second=float(self.swap_bytes_per_second),
             recompute_tokens_per_second=self.recompute_throughput,
-            # The retention clock is the simulated one (module docstring), never wall time.
+            # The retention clock is the simulated one (replay_paged), never wall time.
             manual_clock=True,
             attention_spans=self.attention_spans,
         )
@@ -210,7 +183,7 @@ class PagedReplayResult:
     block_steps: int  # sum over counted steps of blocks in use: the time integral of KV held
     wall_time_s: float
     steps: tuple[MemoryBreakdown, ...] | None = field(default=None, repr=False)
-    # KV offload tier (all 0 without one; see the module docstring):
+    # KV offload tier (all 0 without one; see replay_paged):
     num_host_blocks: int = 0
     preemption_mode: str = "recompute"
     bytes_per_block: int = 0
@@ -284,9 +257,39 @@ def replay_paged(
     update (e.g. to draw the pool's memory map). Requests whose prompt leaves no room for one
     output token under ``max_model_len`` are refused up front with PromptTooLongError. A
     request's ``retention_priority`` / ``retention_duration`` / ``retention_tokens`` go to
-    ``Scheduler.add_request``, on the simulated retention clock (module docstring).
+    ``Scheduler.add_request``, on the simulated retention clock (below).
     ``record_cached_tokens`` fills ``request_cached_tokens`` (prompt tokens each request found
     in the cache at its first admission).
+
+    KV offload tier (``PagedConfig.num_host_blocks`` > 0). The scheduler then also owns a host
+    pool of that many blocks, which holds swapped-out sequences (``preemption_mode`` ``"swap"``,
+    or ``"auto"`` per victim by the scheduler's cost model) and, with prefix caching, the cached
+    blocks the device pool evicts (written back; a later prompt whose prefix misses on the device
+    but hits on the host has those blocks loaded back before its prefill). Each step's
+    ``swap_out`` (device -> host) and ``swap_in`` (host -> device) block copies are charged on
+    the simulated clock, before the step's forward and without overlap with it:
+
+        step time = step_duration_s + (len(swap_out) + len(swap_in)) * bytes_per_block / swap_bytes_per_second
+
+    so a step with K block copies lasts ``K * bytes_per_block / swap_bytes_per_second`` longer
+    (the copies' total is ``PagedReplayResult.copy_time_s``; 0 without a tier, or with
+    ``bytes_per_block`` 0 = unknown). The clock is ``k * step_duration_s + copy time so far``;
+    arrival times follow it. Default bandwidth: 25 GB/s, a PCIe 4.0/5.0 x16-class
+    GPU <-> pinned host link in practice. The ``auto`` rule compares ``2 * blocks * bytes_per_block /
+    swap_bytes_per_second`` (out and back) with ``tokens / recompute_tokens_per_second``; the
+    default recompute throughput is the step model's own, ``max_num_batched_tokens /
+    step_duration_s`` (a full-budget step), so that rule and the simulated clock agree. The
+    recompute side is not charged beyond the step model: its cost shows as ``tokens_computed``
+    (and as extra steps once the token budget binds).
+
+    Retention clock. A request's ``retention_priority`` / ``retention_duration`` /
+    ``retention_tokens`` go to ``Scheduler.add_request``; a retention duration counts from the
+    moment a block is freed, on the scheduler's retention clock. The replay builds its scheduler
+    with ``manual_clock=True``, so that clock never moves with wall time: before each ``schedule``
+    it is moved (``Scheduler.advance_clock``) to the simulated time of that step (the clock above,
+    idle jumps included), in whole microseconds. A replay is therefore deterministic, and a
+    duration of D seconds expires D simulated seconds after the step that freed the block
+    (blocks freed by a step's ``update`` are stamped with that step's start time).
     """
     started = time.perf_counter()
     ordered = sorted(requests, key=lambda r: r.arrival_time)

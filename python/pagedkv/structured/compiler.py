@@ -34,8 +34,8 @@ A compiled grammar is a *template* matcher in its initial state; each sample get
 (:meth:`CompiledGrammar.new_matcher`: the compiled lexer and grammar are shared, only the parse
 state is copied).
 
-The llguidance tokenizer (a view of the engine's Hugging Face tokenizer) takes ~0.35 s to build
-and holds the GIL for most of it (SmolLM2's 49k vocabulary); it is built
+The llguidance tokenizer (a view of the engine's Hugging Face tokenizer) takes a noticeable part of a
+second to build and holds the GIL for most of it (SmolLM2's 49k vocabulary); it is built
 once per process and tokenizer (:func:`llguidance_tokenizer`), on a thread the compiler starts
 with the engine, so no request waits for it and no stream stalls behind it. The compile threads
 start with the first compile.

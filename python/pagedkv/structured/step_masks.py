@@ -22,7 +22,7 @@ row instead (no row is ever all ``-inf``), and the engine fails that request alo
 commits the row's token (``OutputProcessor._apply_update``: the matcher is in error).
 
 The fill calls llguidance's executor directly: ``llguidance.torch`` is not imported (its
-``torch.compile`` decorator imports dynamo: ~7 s holding the GIL, every stream stalled).
+``torch.compile`` decorator imports dynamo: seconds holding the GIL, every stream stalled).
 """
 
 from __future__ import annotations

