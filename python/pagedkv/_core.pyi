@@ -21,11 +21,14 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "block_hashes",
+    "check_config_fields",
+    "config_fields",
     "cpu_isa",
     "cpu_linear",
     "cpu_linear_gguf",
     "gguf_linear_isas",
     "paged_decode_attention_cpu",
+    "resolve_speculative",
 ]
 
 MAX_NUM_BLOCKS: int
