@@ -173,7 +173,7 @@ fn spec(name: &str) -> &'static FieldSpec {
 }
 
 impl FieldSpec {
-    /// What the field accepts, in words: "an int in 1 .. 4096", "one of ('fcfs', 'priority')",
+    /// What the field accepts, in words: "an int in 1 .. 4096", "in [0, 1)", "'fcfs' or 'priority'",
     /// "an int in 0 .. 16777216 (0: no host tier)".
     pub fn expected(&self) -> String {
         let range = self.range_words();
@@ -191,7 +191,7 @@ impl FieldSpec {
             FieldRange::Float { min, min_inclusive, max, max_inclusive } => match max {
                 None => format!("a finite number {} {min}", if min_inclusive { ">=" } else { ">" }),
                 Some(max) => format!(
-                    "a number in {}{min}, {max}{}",
+                    "in {}{min}, {max}{}",
                     if min_inclusive { "[" } else { "(" },
                     if max_inclusive { "]" } else { ")" }
                 ),
