@@ -21,11 +21,14 @@ __all__ = [
     "SchedulerOutput",
     "SchedulerStats",
     "block_hashes",
+    "check_config_fields",
+    "config_fields",
     "cpu_isa",
     "cpu_linear",
     "cpu_linear_gguf",
     "gguf_linear_isas",
     "paged_decode_attention_cpu",
+    "resolve_speculative",
 ]
 
 MAX_NUM_BLOCKS: int
@@ -529,6 +532,11 @@ class Scheduler:
 _KVCacheArray = npt.NDArray[np.float32] | npt.NDArray[np.int8] | npt.NDArray[np.uint8]
 
 def block_hashes(token_ids: _Ints, block_size: SupportsIndex, cache_salt: str | None = None) -> list[int]: ...
+
+# The scheduler's settings table (rust/scheduler/config.rs): defaults, ranges, checks.
+def config_fields() -> dict[str, dict[str, Any]]: ...
+def check_config_fields(**fields: Any) -> None: ...
+def resolve_speculative(**args: Any) -> dict[str, Any]: ...
 def paged_decode_attention_cpu(
     query: npt.NDArray[np.float32],  # [T, H, D]
     key_cache: _KVCacheArray,  # [num_blocks, block_size, Hkv, D]

@@ -6,6 +6,7 @@
 mod allocator;
 mod attention;
 mod args;
+mod config;
 mod errors;
 mod linear;
 mod linear_gguf;
@@ -32,6 +33,9 @@ fn core_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(linear_gguf::cpu_linear_gguf, m)?)?;
     m.add_function(wrap_pyfunction!(linear_gguf::gguf_linear_isas, m)?)?;
     m.add_function(wrap_pyfunction!(scheduler::block_hashes, m)?)?;
+    m.add_function(wrap_pyfunction!(config::config_fields, m)?)?;
+    m.add_function(wrap_pyfunction!(config::check_config_fields, m)?)?;
+    m.add_function(wrap_pyfunction!(config::resolve_speculative, m)?)?;
     m.add("MAX_NUM_BLOCKS", crate::block_pool::MAX_NUM_BLOCKS)?;
     m.add("MAX_BLOCK_SIZE", crate::block_pool::MAX_BLOCK_SIZE)?;
     m.add("ERROR_CLASS_NAMES", pyo3::types::PyTuple::new(m.py(), errors::ERROR_CLASS_NAMES)?)?;

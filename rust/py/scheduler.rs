@@ -20,8 +20,7 @@ use crate::scheduler::{
     BeamCandidates, FinishReason, NewRequest, Policy, PreemptionMode, RequestKey, RequestUpdate, Scheduler, SchedulerConfig,
     SchedulerStats, StatValue, StepOutput, Wait,
 };
-use crate::error::CoreError;
-use crate::speculative::{SpecMethod, SpeculativeConfig, SuffixParams};
+use crate::scheduler::DEFAULT_BLOCK_SIZE;
 
 /// Scheduler configuration, validated on construction.
 #[pyclass(module = "pagedkv._core", name = "SchedulerConfig", frozen, from_py_object)]
@@ -72,7 +71,7 @@ impl PySchedulerConfig {
         suffix_decoding_min_token_prob: Option<&Bound<'_, PyAny>>,
         suffix_decoding_max_cached_requests: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let bs = block_size.map(|o| positive_arg(o, "block_size")).transpose()?.unwrap_or(16);
+        let bs = block_size.map(|o| positive_arg(o, "block_size")).transpose()?.unwrap_or(DEFAULT_BLOCK_SIZE);
         let mut c = SchedulerConfig::new(bs, positive_arg(num_blocks, "num_blocks")?);
         if let Some(o) = max_num_seqs {
             c.max_num_seqs = positive_arg(o, "max_num_seqs")?;
@@ -122,37 +121,20 @@ impl PySchedulerConfig {
         if let Some(o) = attention_spans.filter(|o| !o.is_none()) {
             c.attention_spans = attention_spans_arg(o)?;
         }
-        if let Some(o) = num_speculative_tokens.filter(|o| !o.is_none()) {
-            let arg = |o: Option<&Bound<'_, PyAny>>, name: &str, default: usize| o.filter(|o| !o.is_none()).map(|o| count_arg(o, name)).transpose().map(|v| v.unwrap_or(default));
-            let method = match speculative_method.filter(|o| !o.is_none()).map(|o| str_arg(o, "speculative_method")).transpose()?.as_deref() {
-                None | Some("ngram") => SpecMethod::Ngram {
-                    min: arg(prompt_lookup_min, "prompt_lookup_min", 2)?,
-                    max: arg(prompt_lookup_max, "prompt_lookup_max", 5)?,
-                },
-                Some("suffix") => {
-                    let d = SuffixParams::default();
-                    let float = |o: Option<&Bound<'_, PyAny>>, name: &str, default: f64| o.filter(|o| !o.is_none()).map(|o| float_arg(o, name)).transpose().map(|v| v.unwrap_or(default));
-                    SpecMethod::Suffix(SuffixParams {
-                        max_depth: arg(suffix_decoding_max_tree_depth, "suffix_decoding_max_tree_depth", d.max_depth)?,
-                        max_spec_factor: float(suffix_decoding_max_spec_factor, "suffix_decoding_max_spec_factor", d.max_spec_factor)?,
-                        min_token_prob: float(suffix_decoding_min_token_prob, "suffix_decoding_min_token_prob", d.min_token_prob)?,
-                        max_cached_requests: suffix_decoding_max_cached_requests
-                            .filter(|o| !o.is_none())
-                            .map(|o| count_arg(o, "suffix_decoding_max_cached_requests"))
-                            .transpose()?
-                            .unwrap_or(d.max_cached_requests),
-                    })
-                }
-                Some("draft_model") => SpecMethod::Provided,
-                Some(other) => {
-                    return Err(CoreError::Config(format!("speculative_method must be \"ngram\", \"suffix\" or \"draft_model\", got {other:?}")).into())
-                }
-            };
-            c.speculative = Some(SpeculativeConfig {
-                method,
-                num_speculative_tokens: count_arg(o, "num_speculative_tokens")?,
-                adaptive: speculative_adaptive.filter(|o| !o.is_none()).map(|o| bool_arg(o, "speculative_adaptive")).transpose()?.unwrap_or(true),
-            });
+        if num_speculative_tokens.is_some_and(|o| !o.is_none()) {
+            let given = [
+                ("num_speculative_tokens", num_speculative_tokens),
+                ("speculative_method", speculative_method),
+                ("prompt_lookup_min", prompt_lookup_min),
+                ("prompt_lookup_max", prompt_lookup_max),
+                ("speculative_adaptive", speculative_adaptive),
+                ("suffix_decoding_max_tree_depth", suffix_decoding_max_tree_depth),
+                ("suffix_decoding_max_spec_factor", suffix_decoding_max_spec_factor),
+                ("suffix_decoding_min_token_prob", suffix_decoding_min_token_prob),
+                ("suffix_decoding_max_cached_requests", suffix_decoding_max_cached_requests),
+            ];
+            let args = super::config::speculative_args(|name| given.iter().find(|(n, _)| *n == name).and_then(|(_, o)| o.cloned()))?;
+            c.speculative = Some(args.resolve()?);
         }
         c.validate()?;
         Ok(PySchedulerConfig { inner: c })
@@ -1254,13 +1236,7 @@ pub fn block_hashes(
     cache_salt: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Vec<u64>> {
     let bs = positive_arg(block_size, "block_size")?;
-    if bs > crate::block_pool::MAX_BLOCK_SIZE {
-        return Err(crate::error::CoreError::Config(format!(
-            "block_size must be in 1..={}, got {bs}",
-            crate::block_pool::MAX_BLOCK_SIZE
-        ))
-        .into());
-    }
+    crate::scheduler::field("block_size").map_or(Ok(()), |f| f.check_int(bs as i64))?;
     let tokens = token_ids_arg(token_ids, "token_ids")?;
     let salt = salt_arg(cache_salt)?;
     Ok(crate::kv_events::wire_block_hashes(&tokens, bs, salt.as_deref(), crate::block_hash::HashMode::Xxh3))

@@ -52,7 +52,7 @@ use std::sync::Arc;
 pub use admission::{Wait, WaitSet};
 pub use beam::{BeamCandidates, BeamResult};
 pub use beam_search::{BeamHypothesis, BeamParams};
-pub use config::{Policy, PreemptionMode, SchedulerConfig};
+pub use config::{field, FieldDefault, FieldRange, FieldSpec, Policy, PreemptionMode, SchedulerConfig, SpeculativeArgs, DEFAULT_BLOCK_SIZE, FIELDS};
 pub(crate) use output::BlockTableRows;
 pub use output::{RequestUpdate, StepOutput};
 pub use finish::FinishReason;

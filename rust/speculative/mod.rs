@@ -30,6 +30,12 @@ use crate::error::{CoreError, Result};
 
 /// Most tokens drafted per row and step.
 pub const MAX_SPECULATIVE_TOKENS: usize = 16;
+/// N-gram prompt lookup: the longest suffix that may be looked up.
+pub const MAX_PROMPT_LOOKUP: usize = 64;
+/// Suffix decoding: the deepest suffix tree allowed.
+pub const MAX_SUFFIX_TREE_DEPTH: usize = 256;
+/// Suffix decoding: the most recent outputs that may be kept.
+pub const MAX_SUFFIX_CACHED_REQUESTS: usize = 1_000_000;
 
 /// Where drafts come from.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -85,15 +91,15 @@ impl SpeculativeConfig {
         }
         match self.method {
             SpecMethod::Ngram { min, max } => {
-                if min == 0 || max < min || max > 64 {
+                if min == 0 || max < min || max > MAX_PROMPT_LOOKUP {
                     return err(format!(
-                        "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= 64, got {min} and {max}"
+                        "prompt_lookup_min and prompt_lookup_max must satisfy 1 <= min <= max <= {MAX_PROMPT_LOOKUP}, got {min} and {max}"
                     ));
                 }
             }
             SpecMethod::Suffix(p) => {
-                if !(suffix::GRAM..=256).contains(&p.max_depth) {
-                    return err(format!("suffix_decoding_max_tree_depth must be in {}..=256, got {}", suffix::GRAM, p.max_depth));
+                if !(suffix::GRAM..=MAX_SUFFIX_TREE_DEPTH).contains(&p.max_depth) {
+                    return err(format!("suffix_decoding_max_tree_depth must be in {}..={MAX_SUFFIX_TREE_DEPTH}, got {}", suffix::GRAM, p.max_depth));
                 }
                 if !(p.max_spec_factor.is_finite() && p.max_spec_factor > 0.0) {
                     return err(format!("suffix_decoding_max_spec_factor must be a finite number > 0, got {}", p.max_spec_factor));
@@ -101,8 +107,8 @@ impl SpeculativeConfig {
                 if !(0.0..=1.0).contains(&p.min_token_prob) {
                     return err(format!("suffix_decoding_min_token_prob must be in [0, 1], got {}", p.min_token_prob));
                 }
-                if p.max_cached_requests > 1_000_000 {
-                    return err(format!("suffix_decoding_max_cached_requests must be at most 1000000, got {}", p.max_cached_requests));
+                if p.max_cached_requests > MAX_SUFFIX_CACHED_REQUESTS {
+                    return err(format!("suffix_decoding_max_cached_requests must be at most {MAX_SUFFIX_CACHED_REQUESTS}, got {}", p.max_cached_requests));
                 }
             }
             SpecMethod::Provided => {}

@@ -40,9 +40,14 @@ pub struct SuffixParams {
     pub max_cached_requests: usize,
 }
 
+impl SuffixParams {
+    /// vLLM's defaults (the scheduler config's table, `scheduler::config::FIELDS`, reads them).
+    pub const DEFAULT: SuffixParams = SuffixParams { max_depth: 24, max_spec_factor: 1.0, min_token_prob: 0.1, max_cached_requests: 1000 };
+}
+
 impl Default for SuffixParams {
     fn default() -> Self {
-        SuffixParams { max_depth: 24, max_spec_factor: 1.0, min_token_prob: 0.1, max_cached_requests: 1000 }
+        Self::DEFAULT
     }
 }
 

@@ -27,9 +27,9 @@ import textwrap
 import time
 from typing import Any
 
+from pagedkv.cli.engine_args import add_engine_arguments
 from pagedkv.cli.generate import add_offload_arguments, offload_engine_args
 from pagedkv.errors import PagedKVError
-from pagedkv.sizes import byte_size_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,26 +37,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--max-prompt-tokens", type=int, default=384, help="skip longer ShareGPT prompts")
-    p.add_argument(
-        "--kv-cache-memory",
-        type=byte_size_arg,
-        default="256MiB",
-        metavar="SIZE",
-        help="KV cache size: bytes or with a unit (CPU; default: 256MiB)",
+    # The engine's flags, with the demo's own pool (CPU-sized), context and batch.
+    add_engine_arguments(
+        p,
+        ("device", "kv_cache_memory", "block_size", "max_model_len", "kv_cache_dtype", "max_num_seqs"),
+        title="engine",
+        defaults={"kv_cache_memory": "256MiB", "max_model_len": 2048, "max_num_seqs": 48},
     )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=2048, help="longest sequence (the pool must hold one)")
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        help="KV cache dtype: auto (the model's), int8, fp8 (= fp8_e4m3), fp8_e5m2 (quantized, a scale per token and head)",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show", type=int, default=3, help="completions to print")
-    p.add_argument("--device", default="auto")
     add_offload_arguments(p)
 
 

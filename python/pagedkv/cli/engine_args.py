@@ -1,15 +1,13 @@
 """Every :class:`EngineArgs` field as a command-line flag (``--max-num-seqs 64``), generated
-from the dataclass so a new engine argument is a new flag without touching the CLI.
+from the dataclass's field declarations, so a new engine argument is a new flag without
+touching the CLI, and a flag's default and help are the field's (declared once, in
+:mod:`pagedkv.config`).
 
 Types come from the annotations (``int``, ``float``, ``str``, optional or not); a ``bool``
 becomes ``--flag`` / ``--no-flag``; a byte count (``BYTE_SIZE_FIELDS``) takes a size
 (``512MiB``, ``8GiB``, ``4096``); a structured one (``kv_transfer_config``) takes JSON text.
-Values are validated by EngineArgs itself (a ConfigError names the field).
-
-The help text is the field's bullet in the EngineArgs docstring, as plain text: Sphinx roles
-(``:class:`~a.B```) become their name, a bullet that names several fields is printed under the
-first one (the others point to it), and the default is said once (not again when the bullet
-already says it).
+Values are validated by EngineArgs itself (a ConfigError names the field). The help text is
+the field's doc as plain text (Sphinx roles become their name), with its default said once.
 """
 
 from __future__ import annotations
@@ -19,8 +17,10 @@ import dataclasses
 import re
 import types
 import typing
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+from pagedkv.config.fields import field_doc
 from pagedkv.engine.args import BYTE_SIZE_FIELDS, EngineArgs
 from pagedkv.sizes import byte_size_arg
 
@@ -44,26 +44,8 @@ def _plain(rst: str) -> str:
 
 
 def field_help() -> dict[str, str]:
-    """Field name -> its help: the bullet that names it in the EngineArgs docstring, for the
-    first field the bullet names; ``see --first`` for the others, and for a field a bullet
-    only mentions (one paragraph, printed once). A one-field bullet loses its ``name:`` head
-    (the flag says it)."""
-    doc = EngineArgs.__doc__ or ""
-    helps: dict[str, str] = {}
-    mentions: dict[str, str] = {}
-    for bullet in re.split(r"\n\s*- ", doc)[1:]:
-        bullet = bullet.split("\n\n")[0]  # the bullet ends at a blank line (the closing paragraphs)
-        head, _, body = bullet.partition(":")
-        names = [n for n in re.findall(r"``(\w+)``", head) if n not in helps]
-        if not names:
-            continue
-        single = re.fullmatch(r"\s*``\w+``\s*", head) is not None
-        helps[names[0]] = _plain(body if single and body else bullet)
-        for other in names[1:]:
-            helps[other] = f"see {_flag(names[0])}"
-        for other in re.findall(r"``(\w+)[`=]", body):
-            mentions.setdefault(other, f"see {_flag(names[0])}")
-    return {**mentions, **helps}
+    """Field name -> its help: the field's doc as plain text."""
+    return {f.name: _plain(field_doc(f)) for f in dataclasses.fields(EngineArgs)}
 
 
 def _scalar_type(annotation: Any) -> type:
@@ -86,35 +68,49 @@ class _BoolFlag(argparse.BooleanOptionalAction):
 
 
 def _with_default(text: str, default: Any) -> str:
-    """``text`` and its default, unless the text already says it (or it is None after a
-    "see --other", whose help says what none means)."""
-    if "default" in text.lower() or (default is None and text.startswith("see ")):
+    """``text`` and its default, unless the text already says it."""
+    if "default" in text.lower():
         return text
     shown = "none" if default is None else default
     return f"{text} Default: {shown}." if text.endswith(".") else f"{text} (default: {shown})"
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine (EngineArgs)")
+def add_engine_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    only: Iterable[str] | None = None,
+    *,
+    title: str = "engine (EngineArgs)",
+    defaults: Mapping[str, Any] | None = None,
+    choices: Mapping[str, Iterable[str]] | None = None,
+) -> None:
+    """Adds a flag per EngineArgs field (``only``: these fields, in this order) to a group
+    ``title`` of ``parser`` (or to ``parser`` itself when it is a group). ``defaults``: a
+    command's own defaults for some fields (said in their help); ``choices``: fields that
+    argparse checks against a list (its own error names the flag)."""
+    group = parser.add_argument_group(title) if isinstance(parser, argparse.ArgumentParser) else parser
     hints = typing.get_type_hints(EngineArgs)
-    helps = field_help()
-    for f in dataclasses.fields(EngineArgs):
-        if f.name in _SKIP:
-            continue
-        flag = _flag(f.name)
-        default = f.default
-        text = _with_default(helps.get(f.name, f.name.replace("_", " ")), default).replace("%", "%%")
-        if f.name in BYTE_SIZE_FIELDS:
+    by_name = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    names = [n for n in by_name if n not in _SKIP] if only is None else list(only)
+    own = dict(defaults or {})
+    for name in names:
+        f = by_name[name]
+        flag = _flag(name)
+        default = own.get(name, f.default)
+        text = _with_default(_plain(field_doc(f)) or name.replace("_", " "), default).replace("%", "%%")
+        extra: dict[str, Any] = {}
+        if choices and name in choices:
+            extra["choices"] = tuple(choices[name])
+        if name in BYTE_SIZE_FIELDS:
             group.add_argument(flag, type=byte_size_arg, default=default, metavar="SIZE", help=text)
             continue
-        kind = _scalar_type(hints[f.name])
+        kind = _scalar_type(hints[name])
         if kind is bool:
             group.add_argument(flag, action=_BoolFlag, default=default, help=text)
         elif kind not in (int, float, str):
             # A structured argument (kv_transfer_config): JSON text, parsed by EngineArgs.
             group.add_argument(flag, type=str, default=default, metavar="JSON", help=text)
         else:
-            group.add_argument(flag, type=kind, default=default, help=text)
+            group.add_argument(flag, type=kind, default=default, help=text, **extra)
 
 
 def engine_args_from(namespace: argparse.Namespace, model: str | None) -> EngineArgs:

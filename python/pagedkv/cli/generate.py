@@ -20,8 +20,9 @@ import json
 import sys
 from typing import Any
 
+from pagedkv.cli.engine_args import add_engine_arguments
+from pagedkv.config import PREEMPTION_MODES
 from pagedkv.errors import PagedKVError
-from pagedkv.sizes import byte_size_arg
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,55 +45,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument(
-        "--kv-cache-memory", type=byte_size_arg, default=None, metavar="SIZE", help="KV cache size (e.g. 512MiB; CPU)"
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        help="KV cache dtype: auto (the model's), int8, fp8 (= fp8_e4m3), fp8_e5m2 (quantized, a scale per token and head)",
+    add_engine_arguments(
+        p, ("dtype", "device", "max_model_len", "kv_cache_memory", "block_size", "kv_cache_dtype"), title="engine"
     )
     add_offload_arguments(p)
     p.add_argument("--json", action="store_true", help="print the outputs as JSON")
 
 
-PREEMPTION_MODES = ("recompute", "swap", "auto")
+# The KV offload tier's EngineArgs fields, flags of `generate` and `demo`.
+OFFLOAD_FIELDS = (
+    "num_host_blocks",
+    "host_kv_cache_memory",
+    "swap_space",
+    "preemption_mode",
+    "kv_cache_dir",
+    "kv_cache_dir_max_bytes",
+)
 
 
 def add_offload_arguments(p: argparse.ArgumentParser) -> None:
-    """The KV offload tier's flags (EngineArgs' num_host_blocks, host_kv_cache_memory,
-    swap_space, preemption_mode, kv_cache_dir, kv_cache_dir_max_bytes); sizes in bytes or with
-    a unit (``8GiB``)."""
-    g = p.add_argument_group("KV offload (host and disk tiers)")
-    g.add_argument(
-        "--num-host-blocks", type=int, default=None, help="host-memory KV tier size in blocks (0: no host tier)"
-    )
-    g.add_argument(
-        "--host-kv-cache-memory",
-        type=byte_size_arg,
-        default=None,
-        metavar="SIZE",
-        help="host-memory KV tier size (e.g. 2GiB)",
-    )
-    g.add_argument("--swap-space", type=float, default=None, help="host-memory KV tier size in GiB")
-    g.add_argument(
-        "--preemption-mode",
-        choices=PREEMPTION_MODES,
-        default="recompute",
-        help="a preempted request's KV: recompute it later, swap it to the host tier and back, or auto "
-        "(the cheaper per preemption); swap and auto need a host tier (default: recompute)",
-    )
-    g.add_argument("--kv-cache-dir", default=None, help="folder of the disk KV tier (created if missing)")
-    g.add_argument(
-        "--kv-cache-dir-max-bytes",
-        type=byte_size_arg,
-        default=None,
-        metavar="SIZE",
-        help="the most the disk tier may hold (e.g. 20GiB)",
+    """The KV offload tier's flags (EngineArgs' fields of ``OFFLOAD_FIELDS``); sizes in bytes or
+    with a unit (``8GiB``); ``--preemption-mode`` checked by argparse."""
+    add_engine_arguments(
+        p,
+        OFFLOAD_FIELDS,
+        title="KV offload (host and disk tiers)",
+        choices={"preemption_mode": PREEMPTION_MODES},
     )
 
 

@@ -31,6 +31,7 @@ import math
 import sys
 from typing import Any
 
+from pagedkv.config import CORE_FIELDS
 from pagedkv.errors import ConfigError, PagedKVError
 from pagedkv.sim.kv_budget import DEFAULT_SWAP_BYTES_PER_SECOND
 from pagedkv.sim.simulate import DEFAULT_KV_MEMORY, build_workload, simulate
@@ -184,20 +185,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     sched = parser.add_argument_group("scheduler")
-    sched.add_argument("--block-size", type=int, default=16, help="tokens per block [default: 16]")
+    block_size = CORE_FIELDS["block_size"]["default"]
+    sched.add_argument("--block-size", type=int, default=block_size, help=f"tokens per block [default: {block_size}]")
     sched.add_argument(
         "--max-model-len", type=int, default=2048, help="longest sequence, prompt + output [default: 2048]"
     )
-    sched.add_argument("--max-num-seqs", type=int, default=256, help="running sequences at most [default: 256]")
+    max_num_seqs = CORE_FIELDS["max_num_seqs"]["default"]
+    sched.add_argument(
+        "--max-num-seqs", type=int, default=max_num_seqs, help=f"running sequences at most [default: {max_num_seqs}]"
+    )
     sched.add_argument(
         "--max-num-batched-tokens", type=int, default=8192, help="tokens per step at most [default: 8192]"
     )
     sched.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    watermark = CORE_FIELDS["watermark"]["default"]
     sched.add_argument(
         "--watermark",
         type=float,
-        default=0.01,
-        help="fraction of blocks admission keeps free for running decodes [default: 0.01, the scheduler's]",
+        default=watermark,
+        help=f"fraction of blocks admission keeps free for running decodes [default: {watermark}, the scheduler's]",
     )
     sched.add_argument(
         "--step-duration",
