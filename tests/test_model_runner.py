@@ -570,3 +570,61 @@ def test_max_model_len_above_the_declared_context_warns(tiny_qwen2) -> None:
             CacheConfig(block_size=8, num_blocks=64),
         )
     assert runner.max_model_len == 512
+
+
+def test_set_up_warnings_point_at_the_code_that_built_the_runner(tiny_qwen2, monkeypatch) -> None:
+    import pagedkv.worker.kv_cache_plan as kv_cache_plan
+
+    monkeypatch.setattr(kv_cache_plan, "MAX_NUM_BLOCKS", 64)
+    with pytest.warns(UserWarning) as record:
+        ModelRunner(
+            ModelConfig(tiny_qwen2, dtype="float32", device="cpu", max_model_len=512),
+            CacheConfig(block_size=8, kv_cache_memory=1 << 20, host_kv_cache_memory=1 << 20),
+        )
+    messages = [str(w.message) for w in record]
+    assert any("max_model_len = 512" in m for m in messages) and sum("clamped to 64" in m for m in messages) == 2
+    assert {w.filename for w in record} == {__file__}
+
+
+# ---------------------------------------------------------------- the step contract
+
+
+def test_the_scheduler_output_has_every_field_of_the_step_contract() -> None:
+    """The engine hands the runner the Rust SchedulerOutput as it is: it must have every array
+    the runner reads (StepArrays), and a hand-built StepInput every field of a ModelStep."""
+    from pagedkv import SchedulerOutput
+    from pagedkv.worker.step_input import ModelStep, StepArrays
+
+    arrays = [name for name in vars(StepArrays) if not name.startswith("_")]
+    assert len(arrays) == 12
+    assert [name for name in arrays if not hasattr(SchedulerOutput, name)] == []
+    step = StepInput(
+        input_ids=np.zeros(1, dtype=np.int64),
+        positions=np.zeros(1, dtype=np.int64),
+        slot_mapping=np.zeros(1, dtype=np.int64),
+        cu_seqlens_q=np.array([0, 1], dtype=np.int32),
+        seq_lens=np.ones(1, dtype=np.int32),
+        block_tables=np.zeros((1, 1), dtype=np.int32),
+        logits_indices=np.zeros(1, dtype=np.int64),
+    )
+    for name in [*arrays, *(n for n in vars(ModelStep) if not n.startswith("_"))]:
+        assert hasattr(step, name), name
+    assert step.hidden_rows is None and step.swap_in.shape == (0, 2) and step.disk_load.dtype == np.int32
+
+
+def test_the_worker_does_not_import_the_parallel_package() -> None:
+    """parallel/ builds runners and imports the worker; the worker reaches tensor parallelism
+    only through its ParallelRank protocol (no import loop)."""
+    import ast
+    from pathlib import Path
+
+    import pagedkv.worker
+
+    found = []
+    for path in sorted(Path(pagedkv.worker.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            found += [f"{path.name}: {n}" for n in names if n.startswith("pagedkv.parallel")]
+    assert found == []
