@@ -116,7 +116,8 @@ bench-python: build
 	$(PY) benches/bench_scheduler.py --write
 
 # Python: ruff (format and lint) over python/ tests/ benches/, mypy on the package (run from
-# python/ so that the repository's `kernels` link is not taken for a second package), the stub
+# python/ so that the repository's `kernels` link is not taken for a second package; the engine,
+# worker and sample layers also under --strict, which mypy cannot set per module), the stub
 # against the built extension; Rust: clippy with warnings as errors.
 # The four are independent: `make -j` runs them side by side.
 lint: lint-ruff lint-mypy lint-stubs lint-clippy
@@ -125,6 +126,7 @@ lint-ruff: $(DEPS_STAMP)
 	$(VENV)/bin/ruff check python tests benches
 lint-mypy: $(DEPS_STAMP)
 	cd python && $(abspath $(PY)) -m mypy --config-file ../pyproject.toml -p pagedkv
+	cd python && $(abspath $(PY)) -m mypy --strict --config-file ../pyproject.toml pagedkv/engine pagedkv/worker pagedkv/sample
 lint-stubs: build
 	cd /tmp && $(abspath $(PY)) -m mypy.stubtest pagedkv._core
 lint-clippy:

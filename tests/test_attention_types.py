@@ -217,7 +217,7 @@ def test_preemption_and_forks_keep_the_variants(models: dict[str, str], model_ty
     # cannot all stay. With KV cache groups a block is a page of some layers and the sliding
     # columns give blocks back: a pool of two pages more than one 96-token request holds.
     llm = _engine(folder, max_model_len=96)
-    spans = llm.llm_engine.runner.kv_layout.columns
+    spans = llm.llm_engine.runner.kv_layout.kv_groups
     pages = llm.llm_engine.scheduler.config.blocks_for_sequence(96) + 2 if len(spans) > 1 else 14
     llm = _engine(
         folder, num_blocks=pages, max_model_len=96, preemption_mode=mode, num_host_blocks=32 if mode == "swap" else 0
@@ -285,7 +285,7 @@ def test_tensor_parallel_splits_the_heads_of_a_soft_capped_windowed_model(models
     llm = _engine(folder, tensor_parallel_size=2)
     try:
         assert llm.llm_engine.runner.num_kv_heads == 1
-        assert llm.llm_engine.runner.kv_layout.num_columns == 2  # KV cache groups over the ranks
+        assert llm.llm_engine.runner.kv_layout.num_kv_groups == 2  # KV cache groups over the ranks
         assert [la.logits_soft_cap for la in llm.llm_engine.runner.layer_attention] == [20.0] * 4
         _check_greedy(llm, expected)
         _assert_pool_whole(llm)

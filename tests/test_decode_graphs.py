@@ -91,7 +91,7 @@ def test_graphed_decodes_with_kv_cache_groups(tmp_path, monkeypatch: pytest.Monk
         ]
     llm = _engine(folder, kv_cache_dtype=kv_cache_dtype)
     runner = llm.llm_engine.runner
-    assert runner.kv_layout.num_columns > 1
+    assert runner.kv_layout.num_kv_groups > 1
     runner.enable_decode_graphs(capture=False)
     assert runner.decode_graphs is not None
     replays = _Replays(monkeypatch, runner.decode_graphs)

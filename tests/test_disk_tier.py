@@ -175,7 +175,7 @@ def test_kv_cache_groups_restart_from_the_disk_tier(windowed_model: str, tmp_pat
         )
     )
     with LLM(**kw) as llm:
-        assert llm.llm_engine.runner.kv_layout.num_columns == 2, llm.llm_engine.runner.kv_layout_note
+        assert llm.llm_engine.runner.kv_layout.num_kv_groups == 2, llm.llm_engine.runner.kv_layout_note
         assert run(llm) == reference
     columns = {json.loads(_header_bytes(path))["column"] for path in block_files(tmp_path / "kv")}
     assert columns == {0, 1}, columns

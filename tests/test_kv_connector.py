@@ -300,8 +300,8 @@ def windowed(
 
 def test_kv_cache_groups_travel_every_group(windowed: tuple[str, LLMEngine, LLMEngine]) -> None:
     folder, producer, consumer = windowed
-    groups = consumer.runner.kv_layout.num_columns
-    assert groups == producer.runner.kv_layout.num_columns == 4  # groups on, with kv_transfer_config
+    groups = consumer.runner.kv_layout.num_kv_groups
+    assert groups == producer.runner.kv_layout.num_kv_groups == 4  # groups on, with kv_transfer_config
     assert consumer.kv_connector is not None and "kv_layout" in consumer.kv_connector.fingerprint
     model = _reference(folder)
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)

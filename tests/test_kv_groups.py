@@ -182,21 +182,25 @@ def test_kv_layout_of_layers() -> None:
     layout = KVLayout.of_layers(gemma, max_model_len=4096)
     assert isinstance(layout, KVLayout) and layout.grouped
     assert layout.page_layers == 3
-    assert layout.columns == (("full", None),) + (("sliding_window", 512),) * 5
-    assert layout.describe() == "1 full + 5 sliding window 512 columns, pages of 3 layers"
+    assert layout.kv_groups == (("full", None),) + (("sliding_window", 512),) * 5
+    assert layout.describe() == "1 full + 5 sliding window 512 KV cache groups, pages of 3 layers"
     # The full layers (5, 11, 17) fill column 0's page; the sliding ones three to a column.
-    assert [layout.layer_column[i] for i in (5, 11, 17)] == [0, 0, 0]
+    assert [layout.layer_kv_group[i] for i in (5, 11, 17)] == [0, 0, 0]
     assert [layout.layer_slot[i] for i in (5, 11, 17)] == [0, 1, 2]
-    assert layout.layer_column[:5] == (1, 1, 1, 2, 2) and layout.layer_slot[:5] == (0, 1, 2, 0, 1)
-    assert sorted(zip(layout.layer_column, layout.layer_slot)) == sorted({*zip(layout.layer_column, layout.layer_slot)})
+    assert layout.layer_kv_group[:5] == (1, 1, 1, 2, 2) and layout.layer_slot[:5] == (0, 1, 2, 0, 1)
+    assert sorted(zip(layout.layer_kv_group, layout.layer_slot)) == sorted(
+        {*zip(layout.layer_kv_group, layout.layer_slot)}
+    )
     # A window at least max_model_len long limits nothing: every layer whole.
     assert not KVLayout.of_layers(gemma, max_model_len=512).grouped  # type: ignore[union-attr]
     # Every layer sliding (Mistral): one sliding column, pages of every layer.
     mistral = KVLayout.of_layers([sliding] * 4, max_model_len=4096)
-    assert isinstance(mistral, KVLayout) and mistral.columns == (("sliding_window", 512),) and mistral.page_layers == 4
+    assert (
+        isinstance(mistral, KVLayout) and mistral.kv_groups == (("sliding_window", 512),) and mistral.page_layers == 4
+    )
     llama4 = KVLayout.of_layers([chunked] * 3 + [full], max_model_len=4096)
-    assert isinstance(llama4, KVLayout) and llama4.columns == (("full", None),) + (("chunked_local", 64),) * 3
+    assert isinstance(llama4, KVLayout) and llama4.kv_groups == (("full", None),) + (("chunked_local", 64),) * 3
     assert KVLayout.of_layers([LayerAttention(sliding_window=8, chunk_size=64), full], 4096) == (
         "a layer with both a sliding window and chunks"
     )
-    assert KVLayout.whole(4).columns == (("full", None),) and not KVLayout.whole(4).grouped
+    assert KVLayout.whole(4).kv_groups == (("full", None),) and not KVLayout.whole(4).grouped

@@ -158,7 +158,7 @@ class KVConnector:
         self.scheduler = scheduler
         self.block_size = runner.block_size
         # KV cache groups: one block table per group, carried group-major (module docs).
-        self.num_kv_groups = runner.kv_layout.num_columns
+        self.num_kv_groups = runner.kv_layout.num_kv_groups
         self.kv_dtype = str(runner.kv_cache.dtype).removeprefix("torch.")
         self.fingerprint = _fingerprint_for_peers(runner)
         self._lock = lock

@@ -5,12 +5,11 @@ the cached KV down the tiers."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from pagedkv._core import Scheduler, SchedulerOutput
 from pagedkv.worker.model_runner import ModelRunner
+from pagedkv.worker.step_input import ModelStep
 
 __all__ = ["StepForward", "has_copies"]
 
@@ -27,7 +26,7 @@ class StepForward:
         self.runner = runner
         self.scheduler = scheduler
 
-    def run(self, out: SchedulerOutput, step: Any = None) -> torch.Tensor:
+    def run(self, out: SchedulerOutput, step: SchedulerOutput | ModelStep | None = None) -> torch.Tensor:
         """``runner.execute(step or out)`` (``step``: ``out`` with its prompt rows): the logits
         of the rows to sample."""
         step = out if step is None else step

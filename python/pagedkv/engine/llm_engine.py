@@ -416,12 +416,12 @@ class LLMEngine:
     def kv_snapshot(self) -> dict[str, Any]:
         """The KV cache as a live view draws it, from the Rust core in one go between steps
         (:func:`pagedkv.engine.stats.kv_maps`), with the last preemptions (time, request id),
-        ``column_spans`` (each KV cache group column's span, as the start-up log names it) and
+        ``kv_group_spans`` (each KV cache group's span, as the start-up log names it) and
         the stats."""
         with self._lock:
             snapshot = kv_maps(self.scheduler, self.requests)
             snapshot["recent_preemptions"] = list(self.stats.recent_preemptions)
-        snapshot["column_spans"] = self.runner.kv_layout.column_names()
+        snapshot["kv_group_spans"] = self.runner.kv_layout.kv_group_names()
         return snapshot | {"stats": self.get_stats()}
 
     def get_stats(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from pagedkv.engine.outputs import Logprob
 from pagedkv.engine.request_state import RequestState
 from pagedkv.sample.ops import topk
 from pagedkv.worker.head_rows import Head, HiddenRows
+from pagedkv.worker.step_input import IndexArray, ModelStep
 
 __all__ = [
     "Found",
@@ -76,22 +77,31 @@ class PromptLogprobs:
 
 
 class StepWithPromptRows:
-    """A ``SchedulerOutput`` whose ``logits_indices`` also hold the prompt rows (everything
-    else is the step's own: the runner and the tensor-parallel broadcast read fields by name)."""
+    """A ``SchedulerOutput`` whose ``logits_indices`` also hold the prompt rows, as the
+    worker's ``ModelStep`` (worker/step_input.py): every other array is the step's own."""
 
-    def __init__(self, step: Any, rows: PromptRows) -> None:
-        self._step = step
+    def __init__(self, step: SchedulerOutput, rows: PromptRows) -> None:
         self.rows = rows
         self.num_sampled = len(step.logits_indices)
-        self.logits_indices = np.concatenate([np.asarray(step.logits_indices, dtype=np.int64), rows.token_indices])
+        self.logits_indices: IndexArray = np.concatenate(
+            [np.asarray(step.logits_indices, dtype=np.int64), rows.token_indices]
+        )
         # The prompt rows' hidden states instead of their logits, if the runner can.
         self.hidden_rows = HiddenRows(len(rows.token_indices))
+        self.input_ids: IndexArray = step.input_ids
+        self.positions: IndexArray = step.positions
+        self.slot_mapping: IndexArray = step.slot_mapping
+        self.cu_seqlens_q: IndexArray = step.cu_seqlens_q
+        self.seq_lens: IndexArray = step.seq_lens
+        self.block_tables: IndexArray = step.block_tables
+        self.copy_ops: IndexArray = step.copy_ops
+        self.swap_out: IndexArray = step.swap_out
+        self.swap_in: IndexArray = step.swap_in
+        self.disk_store: IndexArray = step.disk_store
+        self.disk_load: IndexArray = step.disk_load
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._step, name)
 
-
-def plan(step: Any, requests: Mapping[str, RequestState]) -> PromptRows | None:
+def plan(step: SchedulerOutput, requests: Mapping[str, RequestState]) -> PromptRows | None:
     """The prompt rows ``step`` must compute for the requests that want prompt logprobs."""
     spans: list[tuple[str, int, int]] = []
     indices: list[np.ndarray] = []
@@ -197,7 +207,9 @@ Found = tuple[PromptRows, PromptLogprobs]
 
 
 def run_step(
-    step: SchedulerOutput, requests: Mapping[str, RequestState], forward: Callable[[Any], torch.Tensor]
+    step: SchedulerOutput,
+    requests: Mapping[str, RequestState],
+    forward: Callable[[SchedulerOutput | ModelStep], torch.Tensor],
 ) -> tuple[torch.Tensor, Found | None]:
     """``forward(step)`` (the runner's execute), with the prompt rows the step's requests want
     added (:func:`plan`): the sampled rows' logits [S, V], and the prompt rows' logprobs if any."""

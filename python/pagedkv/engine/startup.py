@@ -88,8 +88,8 @@ def make_scheduler(config: EngineConfig, runner: ModelRunner) -> Scheduler:
         preemption_mode=config.scheduling.preemption_mode,
         bytes_per_block=runner.bytes_per_block,
         enable_kv_events=config.cache.enable_kv_cache_events,
-        # KV cache groups: one block table per column (worker/kv_layout.py).
-        attention_spans=layout.columns,
+        # KV cache groups: one block table per group (worker/kv_layout.py).
+        attention_spans=layout.kv_groups,
         **_speculative_args(config.speculative),
     )
     check_pool_holds_one_request(

@@ -111,11 +111,11 @@ def structured_stats(grammars: GrammarCompiler, masks: StepMasks) -> dict[str, A
 
 def kv_maps(scheduler: Scheduler, requests: Mapping[str, RequestState]) -> dict[str, Any]:
     """The KV cache as a live view draws it (``LLMEngine.kv_snapshot`` adds the last
-    preemptions, the column spans and the stats): ``memory_map`` (device ``ref_counts``
+    preemptions, the KV cache groups' spans and the stats): ``memory_map`` (device ``ref_counts``
     int32[N], ``cached`` bool[N], ``owner`` int64[N]: the arrival number of the earliest
     running request holding each block, -1 if none), ``tier_map`` (host ``host_ref_counts`` /
     ``host_cached``; empty without a host tier), ``disk_map`` (``disk_ref_counts`` /
-    ``disk_cached``), ``columns`` (KV cache groups: int16[N], the column each device block
+    ``disk_cached``), ``kv_groups`` (int16[N], the KV cache group each device block
     serves, -1 free and uncached), the requests' summaries (``Scheduler.request_summaries``),
     prompts, ``constraints`` (request id -> the kind of its structured-output constraint) and
     ``drafts`` (request id -> its drafted and accepted tokens)."""
@@ -131,7 +131,7 @@ def kv_maps(scheduler: Scheduler, requests: Mapping[str, RequestState]) -> dict[
         "host_cached": host_cached,
         "disk_ref_counts": disk_refs,
         "disk_cached": disk_cached,
-        "columns": scheduler.block_kv_groups(),
+        "kv_groups": scheduler.block_kv_groups(),
         "requests": scheduler.request_summaries(),
         "prompts": {rid: state.prompt for rid, state in live},
         "constraints": {rid: state.grammar.kind for rid, state in live if state.grammar is not None},

@@ -91,8 +91,8 @@ def encode_state(snapshot: dict[str, Any], *, show_prompts: bool) -> dict[str, A
         "block_states": _b64(device),
         "block_owners": _b64(np.asarray(snapshot["owner"], dtype=np.int32)),
         # KV cache groups: the group each device block serves (-1: free, uncached).
-        "block_kv_groups": _b64(np.asarray(snapshot["columns"], dtype=np.int16)),
-        "kv_group_spans": list(snapshot["column_spans"]),
+        "block_kv_groups": _b64(np.asarray(snapshot["kv_groups"], dtype=np.int16)),
+        "kv_group_spans": list(snapshot["kv_group_spans"]),
         "host_block_states": _b64(host),
         "disk_block_states": _b64(disk),
         "recent_preemptions": [{"time": t, "id": rid} for t, rid in snapshot["recent_preemptions"]],

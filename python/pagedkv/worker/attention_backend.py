@@ -72,10 +72,10 @@ class PagedAttentionContext:
     kv_scales: list[KVScales] | None = None
     # Per layer: its window, chunk, soft-cap and sinks; None: every layer plain causal.
     layers: list[LayerAttention] | None = None
-    # KV cache groups (worker/kv_layout.py): one metadata per column (its block tables and
-    # slots) and, per layer, the column it reads; None: one column, ``metadata``.
-    column_metadata: list[AttentionMetadata] | None = None
-    layer_columns: Sequence[int] | None = None
+    # KV cache groups (worker/kv_layout.py): one metadata per group (its block tables and
+    # slots) and, per layer, the group it reads; None: one group, ``metadata``.
+    group_metadata: list[AttentionMetadata] | None = None
+    layer_kv_groups: Sequence[int] | None = None
 
 
 @dataclass
@@ -130,8 +130,8 @@ def pagedkv_attention_forward(
         scales = context.kv_scales[layer] if context.kv_scales is not None else None
         variant = context.layers[layer] if context.layers is not None else FULL_ATTENTION
         metadata = context.metadata
-        if context.column_metadata is not None and context.layer_columns is not None:
-            metadata = context.column_metadata[context.layer_columns[layer]]
+        if context.group_metadata is not None and context.layer_kv_groups is not None:
+            metadata = context.group_metadata[context.layer_kv_groups[layer]]
         context.backend.store_kv(k, v, key_cache, value_cache, metadata, scales)
         out = context.backend.paged_attention(
             q, key_cache, value_cache, metadata, scale=scaling, kv_scales=scales, layer=variant

@@ -14,7 +14,7 @@ How (the invariants a replay relies on):
   smallest bucket ``>= B`` with ``bucket - B`` padding rows. Larger steps, steps with prompt
   rows, and steps that answer prompt rows as hidden states run the usual way.
 - **Static buffers.** A graph reads fixed addresses, so every input lives in one buffer sized for
-  the largest bucket (token ids, positions, per-column slots and block tables, sequence
+  the largest bucket (token ids, positions, per-group slots and block tables, sequence
   lengths, the constant ``cu_seqlens_q = 0, 1, .., B`` and logit rows ``0 .. B - 1``); a bucket
   uses their first rows. :meth:`DecodeGraphs.run` copies the step into them and the padding
   after it; the outputs (logits) live in the graph's memory pool and are copied out.
@@ -82,11 +82,11 @@ class DecodeGraphs:
     def __init__(
         self,
         forward: Forward,
-        make_context: Callable[[list[AttentionMetadata]], PagedAttentionContext],  # one metadata per column
+        make_context: Callable[[list[AttentionMetadata]], PagedAttentionContext],  # one metadata per KV cache group
         backend: AttentionBackend,
         caches: tuple[torch.Tensor, torch.Tensor],  # one layer's (key, value), [N, block_size, Hkv, D] each
         *,
-        num_columns: int,
+        num_kv_groups: int,
         max_model_len: int,
         dtype: torch.dtype,  # the layers' query / key / value dtype
         sizes: Sequence[int],
@@ -96,7 +96,7 @@ class DecodeGraphs:
         self._make_context = make_context
         self._backend = backend
         self._caches = caches
-        self.num_columns = num_columns
+        self.num_kv_groups = num_kv_groups
         self.max_model_len = max_model_len
         self._dtype = dtype
         self.sizes = sorted(sizes)
@@ -110,8 +110,8 @@ class DecodeGraphs:
         # The static buffers (module docstring); padding values where no step has written.
         self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
         self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.slots = torch.full((num_columns, largest), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros((num_columns, largest, self.max_blocks), dtype=torch.int32, device=device)
+        self.slots = torch.full((num_kv_groups, largest), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros((num_kv_groups, largest, self.max_blocks), dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.logits_rows = torch.arange(largest, dtype=torch.int64, device=device)
@@ -148,7 +148,7 @@ class DecodeGraphs:
                 dtype=self._dtype,
                 static_bounds=(1, self.max_model_len),
             )
-            for c in range(self.num_columns)
+            for c in range(self.num_kv_groups)
         ]
         bucket = _Bucket(size, self._make_context(metadata), None, None)
         # One run first: launchers' caches, the compiled forward's first call and the Triton
@@ -177,7 +177,7 @@ class DecodeGraphs:
         self,
         input_ids: torch.Tensor,  # [B] int64, on any device
         positions: torch.Tensor,  # [B] int64
-        slot_mapping: torch.Tensor,  # [C * B] int64 (column c's slots at [c * B, (c + 1) * B))
+        slot_mapping: torch.Tensor,  # [C * B] int64 (group c's slots at [c * B, (c + 1) * B))
         block_tables: torch.Tensor,  # [C * B, W] int32, W <= max_blocks, no -1 (clamped)
         seq_lens: torch.Tensor,  # [B] int32
     ) -> torch.Tensor:  # [B, V] float32 logits, a tensor of its own
@@ -191,9 +191,9 @@ class DecodeGraphs:
         self.input_ids[:num_seqs].copy_(input_ids, non_blocking=True)
         self.positions[:num_seqs].copy_(positions, non_blocking=True)
         self.seq_lens[:num_seqs].copy_(seq_lens, non_blocking=True)
-        self.slots[:, :num_seqs].copy_(slot_mapping.view(self.num_columns, num_seqs), non_blocking=True)
+        self.slots[:, :num_seqs].copy_(slot_mapping.view(self.num_kv_groups, num_seqs), non_blocking=True)
         self.block_tables[:, :num_seqs, :width].copy_(
-            block_tables.view(self.num_columns, num_seqs, width), non_blocking=True
+            block_tables.view(self.num_kv_groups, num_seqs, width), non_blocking=True
         )
         self._pad(num_seqs, size)
         if bucket.graph is not None:

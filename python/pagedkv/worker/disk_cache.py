@@ -17,7 +17,7 @@ quantized cache), ``<kv_cache_dir>/pagedkv-<fingerprint>/slot-<slot>.kvb``:
 - 8 bytes magic ``PAGEDKV1``, 4 bytes little-endian header length ``n``;
 - ``n`` bytes of UTF-8 JSON: ``fingerprint`` (model, its config and weight files, geometry,
   dtypes, block size, scale mode, and the page layout with KV cache groups), the block's
-  ``hash`` and ``parent_hash`` (hex), ``tokens``, ``salt``, ``column`` (the KV-cache column
+  ``hash`` and ``parent_hash`` (hex), ``tokens``, ``salt``, ``column`` (the file format's name for the KV cache group
   whose layers the page holds; 0 without groups, and absent in files written before them),
   ``payload_bytes`` and the payload's ``crc32``; padded so the payload starts at a 4096-byte
   boundary;
@@ -73,7 +73,7 @@ class DiskEntry:
     parent_hash: bytes | None
     tokens: list[int]
     salt: str | None
-    column: int = 0
+    kv_group: int = 0
 
 
 def disk_fingerprint(model_path: str, *, geometry: dict[str, Any]) -> dict[str, Any]:
@@ -160,7 +160,7 @@ class DiskKVStore:
         return bad
 
     def _write(self, slot: int, host_block: int, info: tuple[bytes, bytes | None, list[int], str | None, int]) -> None:
-        hash_, parent, tokens, salt, column = info
+        hash_, parent, tokens, salt, kv_group = info
         parts = [t[:, :, host_block].contiguous() for t in self._host]
         payload = b"".join(p.numpy().tobytes() for p in parts)
         header = json.dumps(
@@ -170,7 +170,7 @@ class DiskKVStore:
                 "parent_hash": None if parent is None else parent.hex(),
                 "tokens": list(tokens),
                 "salt": salt,
-                "column": column,
+                "column": kv_group,
                 "payload_bytes": len(payload),
                 "crc32": zlib.crc32(payload),
             }
@@ -232,10 +232,12 @@ class DiskKVStore:
         parent = header["parent_hash"]
         hash_ = bytes.fromhex(header["hash"])
         tokens = header["tokens"]
-        column = header.get("column", 0)  # files from before KV cache groups: one column
-        if len(hash_) != 16 or not isinstance(tokens, list) or not isinstance(column, int) or column < 0:
+        kv_group = header.get("column", 0)  # files from before KV cache groups: group 0
+        if len(hash_) != 16 or not isinstance(tokens, list) or not isinstance(kv_group, int) or kv_group < 0:
             raise ValueError("malformed header")
-        return DiskEntry(path, hash_, None if parent is None else bytes.fromhex(parent), tokens, header["salt"], column)
+        return DiskEntry(
+            path, hash_, None if parent is None else bytes.fromhex(parent), tokens, header["salt"], kv_group
+        )
 
     def restore(self, scheduler: Any) -> int:
         """Scan the folder and register the valid entries with ``scheduler`` (its disk tier
@@ -244,7 +246,7 @@ class DiskKVStore:
         entries = self.scan()
         if not entries:
             return 0
-        slots = scheduler.restore_disk_blocks([(e.hash, e.parent_hash, e.tokens, e.salt, e.column) for e in entries])
+        slots = scheduler.restore_disk_blocks([(e.hash, e.parent_hash, e.tokens, e.salt, e.kv_group) for e in entries])
         # Two renames (through temporary names), since new slots may name existing files.
         moves = []
         for entry, slot in zip(entries, slots):

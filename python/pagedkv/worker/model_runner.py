@@ -189,7 +189,7 @@ class ModelRunner:
         self.kv_static_scales = static_scales is not None
 
         # 2. The KV cache's plan: KV cache groups (worker/kv_layout.py: pages of some layers, one
-        # block table per column; or every layer whole, the reason in kv_layout_note), a block's
+        # block table per KV cache group; or every layer whole, the reason in kv_layout_note), a block's
         # bytes (a page: page_layers layers of one block), the pools' block counts.
         plan = plan_kv_cache(
             geometry,
@@ -281,9 +281,9 @@ class ModelRunner:
         seq_lens = index_tensor(step.seq_lens, torch.int32, "seq_lens")
         block_tables = index_tensor(step.block_tables, torch.int32, "block_tables")
         logits_indices = index_tensor(step.logits_indices, torch.int64, "logits_indices")
-        num_columns = self.kv_layout.num_columns
+        num_kv_groups = self.kv_layout.num_kv_groups
         check_step_shapes(
-            input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, block_tables, logits_indices, num_columns
+            input_ids, positions, slot_mapping, cu_seqlens_q, seq_lens, block_tables, logits_indices, num_kv_groups
         )
         num_tokens = input_ids.shape[0]
         metadata: list[kernels.AttentionMetadata] | None = None
@@ -294,22 +294,22 @@ class ModelRunner:
         )
         if num_tokens > 0:
             check_token_values(input_ids, logits_indices, self.vocab_size)
-            # Once per step and column, for all layers: convert, validate (values too, on the
+            # Once per step and KV cache group, for all layers: convert, validate (values too, on the
             # host), move.
             key_cache, value_cache = self.kv_caches[0]
             num_seqs = seq_lens.shape[0]
             metadata = []
             graph_tables = []
-            for c in range(num_columns):
+            for c in range(num_kv_groups):
                 tables = block_tables[c * num_seqs : (c + 1) * num_seqs]
                 if self.kv_layout.grouped:
                     # Given-back blocks (-1) lie behind every query's window: no kernel reads
                     # them; block 0 keeps the ids in range for the checks.
                     tables = tables.clamp(min=0)
-                column_slots = slot_mapping[c * num_tokens : (c + 1) * num_tokens]
+                group_slots = slot_mapping[c * num_tokens : (c + 1) * num_tokens]
                 if graphed:
                     kernels.validation.check_step_metadata(
-                        column_slots,
+                        group_slots,
                         tables,
                         seq_lens,
                         cu_seqlens_q,
@@ -323,7 +323,7 @@ class ModelRunner:
                     continue
                 metadata.append(
                     self.backend.prepare(
-                        column_slots,
+                        group_slots,
                         tables,
                         seq_lens,
                         cu_seqlens_q,
@@ -369,16 +369,16 @@ class ModelRunner:
         )
 
     def _attention_context(self, metadata: list[kernels.AttentionMetadata]) -> PagedAttentionContext:
-        """The step's attention context over its metadata, one per KV column."""
-        columns = len(metadata) > 1
+        """The step's attention context over its metadata, one per KV cache group."""
+        grouped = len(metadata) > 1
         return PagedAttentionContext(
             backend=self.backend,
             kv_caches=self.kv_caches,
             metadata=metadata[0],
             kv_scales=self.kv_scales,
             layers=self.layer_attention,
-            column_metadata=metadata if columns else None,
-            layer_columns=self.kv_layout.layer_column if columns else None,
+            group_metadata=metadata if grouped else None,
+            layer_kv_groups=self.kv_layout.layer_kv_group if grouped else None,
         )
 
     def _graph_serves(
@@ -419,7 +419,7 @@ class ModelRunner:
             self._attention_context,
             self.backend,
             self.kv_caches[0],
-            num_columns=self.kv_layout.num_columns,
+            num_kv_groups=self.kv_layout.num_kv_groups,
             max_model_len=self.max_model_len,
             dtype=self.dtype,
             sizes=capture_sizes(self.scheduling_config.max_num_seqs),
@@ -445,14 +445,14 @@ class ModelRunner:
             self.enable_decode_graphs()
 
     def _warm_up_step(self) -> None:
-        num_columns = self.kv_layout.num_columns
+        num_kv_groups = self.kv_layout.num_kv_groups
         step = StepInput(
             input_ids=np.zeros(1, dtype=np.int64),
             positions=np.zeros(1, dtype=np.int64),
-            slot_mapping=np.zeros(num_columns, dtype=np.int64),
+            slot_mapping=np.zeros(num_kv_groups, dtype=np.int64),
             cu_seqlens_q=np.array([0, 1], dtype=np.int32),
             seq_lens=np.ones(1, dtype=np.int32),
-            block_tables=np.zeros((num_columns, 1), dtype=np.int32),
+            block_tables=np.zeros((num_kv_groups, 1), dtype=np.int32),
             logits_indices=np.zeros(1, dtype=np.int64),
         )
         self.execute(step)
@@ -616,7 +616,7 @@ class ModelRunner:
         """What must match for KV written by another engine (a disk file, a transferred block)
         to be valid here: the model (path, a digest of its config and weight files) and the KV
         format (layers, heads, head_dim, dtypes, scale mode, block size) and, with KV cache
-        groups, the page layout (a page and a column mean other layers under another layout;
+        groups, the page layout (a page and a KV cache group mean other layers under another layout;
         with every layer whole the key is absent, so those fingerprints are what they were), and
         a weight quantization (int8 weights compute other K/V than the checkpoint's; absent
         without one)."""
@@ -633,11 +633,13 @@ class ModelRunner:
             geometry["quantization"] = self.quantization
         layout = self.kv_layout
         if layout.grouped:
-            # Lists, not tuples: the fingerprint is compared with its JSON round trip.
+            # Lists, not tuples: the fingerprint is compared with its JSON round trip. The keys
+            # ("columns", "layer_column": the KV cache groups' old name) are in the fingerprints
+            # of existing disk tiers and of peers' layouts: renaming them would orphan those.
             geometry["kv_layout"] = {
                 "page_layers": layout.page_layers,
-                "columns": [[kind, size] for kind, size in layout.columns],
-                "layer_column": list(layout.layer_column),
+                "columns": [[kind, size] for kind, size in layout.kv_groups],
+                "layer_column": list(layout.layer_kv_group),
                 "layer_slot": list(layout.layer_slot),
             }
         return disk_fingerprint(self.model_path, geometry=geometry)

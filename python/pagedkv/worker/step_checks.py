@@ -62,10 +62,10 @@ def check_step_shapes(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     logits_indices: torch.Tensor,
-    num_columns: int = 1,
+    num_kv_groups: int = 1,
 ) -> None:
-    """Shape consistency of one step (metadata only: no device sync). With ``num_columns``
-    KV-cache columns, ``slot_mapping`` is ``[C * T]`` and ``block_tables`` ``[C * B, W]``."""
+    """Shape consistency of one step (metadata only: no device sync). With ``num_kv_groups``
+    KV cache group, ``slot_mapping`` is ``[C * T]`` and ``block_tables`` ``[C * B, W]``."""
     for name, tensor in (
         ("input_ids", input_ids),
         ("positions", positions),
@@ -77,19 +77,19 @@ def check_step_shapes(
         if tensor.dim() != 1:
             raise InvalidArgumentError(f"{name} must be 1-D, got shape {tuple(tensor.shape)}")
     num_tokens = input_ids.shape[0]
-    if positions.shape[0] != num_tokens or slot_mapping.shape[0] != num_columns * num_tokens:
+    if positions.shape[0] != num_tokens or slot_mapping.shape[0] != num_kv_groups * num_tokens:
         raise InvalidArgumentError(
             f"input_ids and positions must have one entry per token and slot_mapping one per token and "
-            f"KV-cache column ({num_columns}), got {num_tokens}, {positions.shape[0]}, {slot_mapping.shape[0]}"
+            f"KV cache group ({num_kv_groups}), got {num_tokens}, {positions.shape[0]}, {slot_mapping.shape[0]}"
         )
     num_seqs = seq_lens.shape[0]
     if cu_seqlens_q.shape[0] != num_seqs + 1:
         raise InvalidArgumentError(
             f"cu_seqlens_q must have B + 1 = {num_seqs + 1} entries, got {cu_seqlens_q.shape[0]}"
         )
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_columns * num_seqs:
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_kv_groups * num_seqs:
         raise InvalidArgumentError(
-            f"block_tables must be [C * B = {num_columns} x {num_seqs}, max_blocks], got shape "
+            f"block_tables must be [C * B = {num_kv_groups} x {num_seqs}, max_blocks], got shape "
             f"{tuple(block_tables.shape)}"
         )
 

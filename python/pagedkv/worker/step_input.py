@@ -39,14 +39,14 @@ __all__ = [
 # An index array as the scheduler hands it over (numpy) or a caller built it (torch).
 IndexArray: TypeAlias = "npt.NDArray[np.int64 | np.int32] | torch.Tensor"
 # A disk slot's identity, written into its file (``Scheduler.disk_block_info``): block hash,
-# parent hash, token ids, cache salt, KV-cache column.
+# parent hash, token ids, cache salt, KV cache group.
 DiskBlockInfo: TypeAlias = "tuple[bytes, bytes | None, list[int], str | None, int]"
 DiskBlockInfos: TypeAlias = "Sequence[DiskBlockInfo | None]"
 
 
 class StepArrays(Protocol):
     """One step's arrays, with ``SchedulerOutput``'s names and dtypes: ``T`` tokens, ``B``
-    rows, ``C`` KV cache columns, ``S`` sampled rows, ``K`` rows per op list."""
+    rows, ``C`` KV cache groups, ``S`` sampled rows, ``K`` rows per op list."""
 
     @property
     def input_ids(self) -> IndexArray: ...  # int64 [T]
