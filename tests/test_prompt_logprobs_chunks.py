@@ -14,6 +14,7 @@ from torch import nn
 from pagedkv.engine import prompt_logprobs
 from pagedkv.engine.prompt_logprobs import PromptRows, compute
 from pagedkv.worker.head_rows import HeadSplit, HiddenRows
+from pagedkv.worker.step_input import StepInput
 
 HIDDEN, VOCAB = 16, 1000
 
@@ -149,18 +150,26 @@ def test_compute_step_takes_the_rows_from_whichever_the_runner_answered() -> Non
     head, hidden = exact_head_and_hidden(5)
     rows = PromptRows([("a", 1, 3)], np.array([0, 1, 2]), np.array([7, 8, 9]), 2)
 
-    @dataclass
-    class Step:
-        logits_indices: np.ndarray
+    def step(logits_indices: np.ndarray) -> StepInput:  # only the sampled rows matter here
+        empty = np.zeros(0, dtype=np.int64)
+        return StepInput(
+            input_ids=empty,
+            positions=empty,
+            slot_mapping=empty,
+            cu_seqlens_q=empty,
+            seq_lens=empty,
+            block_tables=np.zeros((0, 0), dtype=np.int32),
+            logits_indices=logits_indices,
+        )
 
     with torch.inference_mode():
         logits = head(hidden)  # rows 3, 4 sampled; rows 0, 1, 2 the prompt's
         expected = compute(rows, logits[:3])
-        unanswered = prompt_logprobs.StepWithPromptRows(Step(np.array([3, 4])), rows)
+        unanswered = prompt_logprobs.StepWithPromptRows(step(np.array([3, 4])), rows)
         assert unanswered.num_sampled == 2 and unanswered.logits_indices.tolist() == [3, 4, 0, 1, 2]
         sampled, found = prompt_logprobs.compute_step(unanswered, torch.cat([logits[3:], logits[:3]]))
         assert torch.equal(sampled, logits[3:])
-        answered = prompt_logprobs.StepWithPromptRows(Step(np.array([3, 4])), rows)
+        answered = prompt_logprobs.StepWithPromptRows(step(np.array([3, 4])), rows)
         answered.hidden_rows.hidden = hidden[:3]
         answered.hidden_rows.head = HeadSplit(ToyLM(head)).head
         sampled_too, found_too = prompt_logprobs.compute_step(answered, logits[3:])

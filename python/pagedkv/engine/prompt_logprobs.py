@@ -35,7 +35,7 @@ from pagedkv.engine.outputs import Logprob
 from pagedkv.engine.request_state import RequestState
 from pagedkv.sample.ops import topk
 from pagedkv.worker.head_rows import Head, HiddenRows
-from pagedkv.worker.step_input import IndexArray, ModelStep
+from pagedkv.worker.step_input import IndexArray, ModelStep, StepArrays
 
 __all__ = [
     "Found",
@@ -80,7 +80,7 @@ class StepWithPromptRows:
     """A ``SchedulerOutput`` whose ``logits_indices`` also hold the prompt rows, as the
     worker's ``ModelStep`` (worker/step_input.py): every other array is the step's own."""
 
-    def __init__(self, step: SchedulerOutput, rows: PromptRows) -> None:
+    def __init__(self, step: StepArrays, rows: PromptRows) -> None:
         self.rows = rows
         self.num_sampled = len(step.logits_indices)
         self.logits_indices: IndexArray = np.concatenate(
