@@ -13,7 +13,7 @@ aiperf gets it with ``--extra-inputs``, and ``min_tokens`` per row) — and each
 and output-token throughput over its run, TTFT and ITL medians; every run is checked (every
 request succeeded, each reply has exactly ``max_tokens`` tokens, prompt tokens = the loader's).
 
-The module also holds what ``tests/test_clients_load.py`` shares with it: running a tool's CLI
+The module also holds what ``tests/serving/test_clients_load.py`` shares with it: running a tool's CLI
 bounded in its own process group, the offline tokenizer for aiperf, each tool's configuration
 and report reader.
 

@@ -321,7 +321,7 @@ def grammars(engine: Any, args: argparse.Namespace) -> None:
     tokens = sum(len(v) for v in outputs.values())
     body += (
         f"\n\nCompliance: {compliant} / {len(schemas)} of pagedkv's constrained greedy outputs parse and validate "
-        "(tests/test_structured_outputs.py checks two temperature-1 samples per schema too).\n"
+        "(tests/engine/test_structured_outputs.py checks two temperature-1 samples per schema too).\n"
         f"{len(schemas)} schemas x {args.rounds} rounds, {tokens} tokens of valid outputs per round; one thread, "
         "caches off; SmolLM2's tokenizer (49,152 tokens). 'Refused': a schema using a feature the engine does not "
         "implement (uniqueItems, not, if/then, contains, propertyNames, an unknown format) raises an error; the "

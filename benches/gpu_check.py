@@ -7,8 +7,8 @@
 
 Sections, run in order, each a function ``section(ctx) -> dict`` in ``SECTIONS``:
 
-1. ``correctness``: the kernel test files (``tests/test_kernels_*.py`` and
-   ``tests/test_kv_quant_triton.py``) in pytest subprocesses, compiled for the GPU with the
+1. ``correctness``: the kernel test files (``tests/kernels/test_kernels_*.py`` and
+   ``tests/kernels/test_kv_quant_triton.py``) in pytest subprocesses, compiled for the GPU with the
    ``gpu``-marked tests included (bf16, quantized caches, caches past 2^31 elements), then a
    sweep of larger batches against the float64 oracle in bf16 and fp16, and with quantized
    caches (int8, fp8 e5m2, fp8 e4m3 from compute capability 8.9): the K/V stored by the Triton
@@ -160,8 +160,8 @@ def _run_kernel_tests() -> dict:
     so one process per file (the attention file split in two, the quantized-cache file in
     three) keeps the wall time short.
     """
-    files = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "tests").glob("test_kernels_*.py"))
-    files.append("tests/test_kv_quant_triton.py")
+    files = sorted(str(p.relative_to(REPO_ROOT)) for p in (REPO_ROOT / "tests" / "kernels").glob("test_kernels_*.py"))
+    files.append("tests/kernels/test_kv_quant_triton.py")
     groups = []
     for name in files:
         if name.endswith("test_kernels_attention.py"):
@@ -904,7 +904,7 @@ def _layer_batch_shape(ctx: Context) -> tuple:
 def _layer_oracle_rows(ctx: Context, cases: list[tuple]) -> list[dict]:
     """Each ``(name, layer, cache format or None)``: the Triton kernels against the float64
     oracle (``reference.paged_attention(..., layer=...)``, itself checked against transformers'
-    mask functions by tests/test_kernels_layer_attention.py) on the same cache, with the blocks
+    mask functions by tests/kernels/test_kernels_layer_attention.py) on the same cache, with the blocks
     behind each window then dropped (NaN and -1): a read of one is a non-finite output."""
     import torch
     from paged_batches import make_paged_batch

@@ -27,7 +27,7 @@
 //!
 //! Every output element is summed in the same order whatever the tile it falls in, the number
 //! of rows `M` and the number of threads: row `m` of the product of `M` rows is bit for bit the
-//! product of that row alone (tests/test_cpu_linear.py checks it). So a sequence's logits do not
+//! product of that row alone (tests/kernels/test_cpu_linear.py checks it). So a sequence's logits do not
 //! depend on what else is in its batch -- on one path: the paths differ from each other in the
 //! last bits (fused or not, 8 or 16 lanes; `avx512_bf16` by the inputs' rounding to bfloat16).
 //!

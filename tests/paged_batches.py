@@ -12,7 +12,7 @@ kernel can fall into made explicit:
   column, so that reading past the end shows up as a bad address or a NaN.
 
 Query rows are packed in batch order; ``cu_seqlens_q`` and ``seq_lens`` follow the kernel contract
-(docs/architecture.md, Kernels: ``seq_lens`` counts every KV token, the new ones included).
+(docs/kernels.md, Kernels: ``seq_lens`` counts every KV token, the new ones included).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ __all__ = [
 
 MAX_NUM_BLOCKS: int
 MAX_BLOCK_SIZE: int
-# The pagedkv.errors classes the bindings can raise (tests/test_errors_mapping.py).
+# The pagedkv.errors classes the bindings can raise (tests/core/test_errors_mapping.py).
 ERROR_CLASS_NAMES: tuple[str, ...]
 
 @final

@@ -27,7 +27,7 @@ fn error_class<'py>(py: Python<'py>, name: &str) -> Bound<'py, PyType> {
 /// Declares the `pagedkv.errors` classes the bindings raise: `ErrorClass` has one variant
 /// per class, named like it, and `ERROR_CLASS_NAMES` lists them. A class is raised only
 /// through `ErrorClass`, so every name the bindings can use is in the list, which
-/// tests/test_errors_mapping.py checks against python/pagedkv/errors.py (exported as
+/// tests/core/test_errors_mapping.py checks against python/pagedkv/errors.py (exported as
 /// `pagedkv._core.ERROR_CLASS_NAMES`).
 macro_rules! error_classes {
     ($($class:ident),* $(,)?) => {

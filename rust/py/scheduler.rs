@@ -247,7 +247,7 @@ impl PySchedulerConfig {
     }
 }
 
-/// One step to execute: flat numpy arrays in batch order (see docs/architecture.md, "Step
+/// One step to execute: flat numpy arrays in batch order (see docs/core.md, "Step
 /// output"). The arrays are read-only by contract: once nothing references them any more,
 /// a later step may reuse them.
 #[pyclass(module = "pagedkv._core", name = "SchedulerOutput", frozen)]
@@ -862,7 +862,7 @@ impl PyScheduler {
 
     /// Speculative decoding's step-time model: `overhead_s` seconds per step plus
     /// `per_token_s` per token, as measured. A draft is verified only if its expected gain
-    /// beats the tokens per second of a step without it (docs/architecture.md, "Speculative
+    /// beats the tokens per second of a step without it (docs/engine.md, "Speculative
     /// decoding").
     fn set_spec_cost(&mut self, overhead_s: &Bound<'_, PyAny>, per_token_s: &Bound<'_, PyAny>) -> PyResult<()> {
         Ok(self.inner.set_spec_cost(float_arg(overhead_s, "overhead_s")?, float_arg(per_token_s, "per_token_s")?)?)

@@ -7,7 +7,7 @@ use super::request::{SampleKey, RequestKey};
 use crate::ids::SeqId;
 use crate::kv_cache_manager::KvCacheManager;
 
-/// One scheduled step (docs/architecture.md, "Step output"). Rows are samples in batch
+/// One scheduled step (docs/core.md, "Step output"). Rows are samples in batch
 /// order: running ones first (decodes and continuing prefills), then newly admitted ones.
 ///
 /// [`super::Scheduler::schedule_into`] refills an existing output in place, reusing its

@@ -62,7 +62,7 @@ impl From<f64> for StatValue {
 /// Defines `SchedulerStats` from one field list: the struct (which the Python bindings expose
 /// as `pagedkv.SchedulerStats`, one read-only attribute per field), its field names, and a walk
 /// over the fields (`as_dict` in Python). A field is added here and nowhere else in Rust; the
-/// stub python/pagedkv/_core.pyi is checked against it by tests/test_stubs.py.
+/// stub python/pagedkv/_core.pyi is checked against it by tests/core/test_stubs.py.
 macro_rules! scheduler_stats {
     ($(#[$meta:meta])* pub struct $name:ident { $($(#[doc = $doc:literal])* pub $field:ident: $ty:ty,)* }) => {
         $(#[$meta])*

@@ -1,5 +1,5 @@
 """lm-eval on this folder's quiz tasks, offline: one call to run a task against a model, and
-readers for what came back. Shared by tests/test_clients_eval.py and benches/bench_lm_eval.py.
+readers for what came back. Shared by tests/serving/test_clients_eval.py and benches/bench_lm_eval.py.
 
 The caller sets ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` (:data:`OFFLINE_ENV`) before
 lm-eval, transformers or datasets are imported: the tasks' data and the tokenizer are local,

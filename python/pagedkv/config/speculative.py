@@ -26,7 +26,7 @@ _METHOD_DEFAULT = "the method's default; ``None`` when another method is chosen"
 @documented
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (docs/architecture.md, "Speculative decoding"). Parameters left
+    """Speculative decoding (docs/engine.md, "Speculative decoding"). Parameters left
     ``None`` take the core's defaults for the chosen method (set on the built config)."""
 
     num_speculative_tokens: int | None = core_setting(

@@ -11,7 +11,7 @@ so only the last partial block and the tokens emitted since are computed, then `
 steps, batched over the samples, produce the drafts, which the target scheduler gets through
 ``Scheduler.set_drafts`` and verifies in the next step that schedules the sample. A greedy draft
 is a point mass, and the target's verification of point-mass drafts is exact
-(docs/architecture.md, "Speculative decoding"). The draft pool is a quarter of the target's KV
+(docs/engine.md, "Speculative decoding"). The draft pool is a quarter of the target's KV
 bytes (at least 16 MiB); when it runs short the draft scheduler preempts, as any scheduler does,
 and drafting only gets slower. A failure while drafting costs the drafts of that step, never
 the target's step: it is logged, the draft requests are dropped, and the target goes on.

@@ -152,7 +152,7 @@ def compute(
     vocabulary in one call), each chunk's statistics taken before the next one overwrites it.
     Every statistic of a row comes from that row's logits alone, so chunks change no number, as
     long as the head gives a row the same logits in any chunk (a GEMM's sums per row do not
-    depend on the other rows with the BLAS measured; tests/test_prompt_logprobs_chunks.py
+    depend on the other rows with the BLAS measured; tests/engine/test_prompt_logprobs_chunks.py
     checks the chunking itself on exact products)."""
     num_rows = values.shape[0]
     device = values.device

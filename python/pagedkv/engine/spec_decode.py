@@ -1,4 +1,4 @@
-"""The engine's side of speculative decoding (docs/architecture.md, "Speculative decoding").
+"""The engine's side of speculative decoding (docs/engine.md, "Speculative decoding").
 
 The Rust scheduler drafts, schedules and verifies; the engine only has to sample each logits
 row of a row with drafts as an ordinary step would have sampled it, and to feed the

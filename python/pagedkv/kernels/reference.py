@@ -9,7 +9,7 @@ Two jobs, one implementation:
   every step, so the common case (a batch of decodes) is vectorised, never a Python loop per
   sequence.
 
-Layout (docs/architecture.md, Kernels)::
+Layout (docs/kernels.md, Kernels)::
 
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     slot s of the pool  ==  key_cache[s // block_size, s % block_size]

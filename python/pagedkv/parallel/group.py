@@ -143,7 +143,7 @@ class TPGroup:
         its gloo group destroyed during the interpreter's teardown, where gloo's threads can
         still be joinable: the process then aborts ("terminate called without an active
         exception", exit -6) after a clean run (seen once in four runs of
-        tests/test_operator_experience.py)."""
+        tests/serving/test_operator_experience.py)."""
         for pg in {id(g): g for g in (self._pg, self._control) if g is not None}.values():
             try:
                 pg.shutdown()

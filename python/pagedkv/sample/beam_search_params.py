@@ -3,7 +3,7 @@
 Beam search keeps the ``beam_width`` most likely continuations (by cumulative log-probability)
 at every step and returns the best ``beam_width`` finished sequences; the scheduler runs the
 beams natively on copy-on-write KV blocks (see ``pagedkv.scheduler`` docs in
-docs/architecture.md, "Beam search").
+docs/core.md, "Beam search").
 """
 
 from __future__ import annotations

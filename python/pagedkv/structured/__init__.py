@@ -9,7 +9,7 @@
 - :mod:`~pagedkv.structured.stats`: compile and mask time histograms for ``/metrics``.
 
 The grammar engine is llguidance (its Python package, a Rust core). Why the matchers live in
-Python next to the sampler, not in the Rust scheduler: docs/architecture.md, "Structured outputs".
+Python next to the sampler, not in the Rust scheduler: docs/engine.md, "Structured outputs".
 """
 
 from pagedkv.structured.params import StructuredOutputsParams

@@ -18,7 +18,7 @@ RoPE); per layer the attention function
 1. writes the new K/V into layer ``module.layer_idx``'s paged cache (``backend.store_kv``), then
 2. attends over the cache (``backend.paged_attention``: varlen, bottom-right causal per
    sequence, with the layer's window, chunk, soft-cap and sinks from ``context.layers``;
-   docs/architecture.md, Kernels),
+   docs/kernels.md, Kernels),
 
 and returns ``[1, T, H, D]`` (the layout transformers reshapes into the output projection).
 

@@ -43,12 +43,12 @@ not freeze.
 The attention op's K/V store is a side effect, so the op is marked as having one: a graph
 specialised for a step that samples no row (a prefill chunk before the prompt's last) once
 removed the last layer's call as dead code, and that layer's K/V for the chunk was never
-written (tiny Gemma 2/3 gave other greedy tokens on chunked prefills; tests/test_compiled_forward.py
+written (tiny Gemma 2/3 gave other greedy tokens on chunked prefills; tests/worker/test_compiled_forward.py
 counts every layer's call in every step).
 
 Outputs are not bit-identical to eager (inductor fuses the norms and elementwise ops, which
 sums in other orders): greedy tokens are checked against transformers and eager
-(tests/test_compiled_forward.py, tests/test_engine_greedy.py), and the default stays eager.
+(tests/worker/test_compiled_forward.py, tests/engine/test_engine_greedy.py), and the default stays eager.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ How (the invariants a replay relies on):
 
 The mechanics other than the capture itself (buckets, buffers, padding, metadata without host
 facts, the forward run on the buffers) run on the CPU too: ``capture=False`` makes a "replay"
-call the forward on the buffers (tests/test_decode_graphs.py checks greedy tokens against eager
+call the forward on the buffers (tests/worker/test_decode_graphs.py checks greedy tokens against eager
 with it). The capture and its speed are checked on a GPU by ``benches/gpu_check.py``
 (section ``cuda_graphs``).
 """

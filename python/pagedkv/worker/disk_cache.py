@@ -3,7 +3,7 @@
 The Rust core decides what goes to disk and where (``Scheduler`` disk slots: cached host blocks
 the host pool evicts are written down, a prefix hit found only on disk is read back into a
 host block); this class owns the files and moves the bytes. One step's disk ops, in the
-runner's order (docs/architecture.md, "KV offload tiers"):
+runner's order (docs/core.md, "KV offload tiers"):
 
 1. ``disk_store`` rows ``(host_block, slot)``: the host block's KV is written to the slot's
    file, *before* the step's swap-outs may overwrite that host block;

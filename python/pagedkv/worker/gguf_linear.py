@@ -18,7 +18,7 @@ undone, as with ``quantization="int8"``.
 The kernel sums each output element in one order whatever the other rows of the step and the
 threads, so a row's product does not depend on its batch. Against the float32 model dequantized
 from the same file the product differs by rounding only (the same weights, summed in another
-order): tests/test_gguf_linear.py checks logits and greedy tokens.
+order): tests/kernels/test_gguf_linear.py checks logits and greedy tokens.
 
 Under ``torch.compile`` the product is the custom op ``pagedkv::cpu_linear_gguf`` (opaque to the
 compiler); eager forwards call the kernel directly.

@@ -337,7 +337,7 @@ def _convert_gguf(model: EmbeddedModel, target: Path) -> None:
     checkpoint has, so nothing is patched here beyond dropping the GGUF quantization. Gemma 3's
     GGUF stores neither the layer types, the local RoPE base, the RoPE scaling nor
     ``query_pre_attn_scalar``; Gemma3TextConfig's defaults (every 6th layer full, base 10,000,
-    none, 256) are the 270M's (tests/test_model_files.py checks them against
+    none, 256) are the 270M's (tests/worker/test_model_files.py checks them against
     google/gemma-3-270m's config), but a larger Gemma 3 (4B and up: linear RoPE scaling 8 on the
     full layers; 27B: scalar 168) would need them set here.
     """

@@ -10,7 +10,7 @@ step profile", has the engine's step with both.
 
 The price: oneDNN sums in another order than MKL, so logits differ from the default path's in
 the last bits (about 1e-6 relative): greedy tokens can differ at a near-tie, which is why
-this is an option and not the default (tests/test_onednn_linear.py checks greedy equality with
+this is an option and not the default (tests/kernels/test_onednn_linear.py checks greedy equality with
 transformers on the test prompts). Memory: the packed copies sit beside the model's own
 weights (which stay: the embedding tied to the LM head, the prompt-logprob head split and the
 state dict read them), so the linears' weights take twice their size.
