@@ -58,6 +58,12 @@ def _run(tree: Path, kind: str, num_requests: int) -> dict[str, float]:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def _head(tree: Path) -> str:
+    """The checkout's commit, for the record."""
+    proc = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return proc.stdout.strip() or "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", type=Path, required=True, help="the checkout to compare against (built)")
@@ -91,7 +97,7 @@ def main() -> None:
         write_section(
             f"Before and after: {args.label or trees['after'].name}",
             f"python benches/bench_before_after.py --before {args.before} --rounds {args.rounds} --requests {args.requests}",
-            f"{args.rounds} rounds, sides alternating, fresh processes. {table}",
+            f"{args.rounds} rounds, sides alternating, fresh processes; before: {_head(trees['before'])}.\n\n{table}",
         )
 
 
