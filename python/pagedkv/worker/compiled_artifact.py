@@ -1,4 +1,4 @@
-"""The compiled forward on disk, so that a restart skips the compiler (issue 29).
+"""The compiled forward on disk, so that a restart skips the compiler.
 
 A process that compiles the forward (``enforce_eager=False``) saves it whole with torch's
 ahead-of-time capture (``torch.compile(...).aot_compile``, then ``save_compiled_function``):

@@ -33,9 +33,8 @@ way (graph breaks allowed), and nothing is saved.
 
 On the CPU with torch's own linears the runner compiles with inductor's freezing
 (``freeze=True``): the weights become graph constants and the linears oneDNN's prepacked
-products; without it the linears stay MKL's and the compiled step was 1.02x (batch 1) and 1.33x
-(batch 16) eager's, with it 1.40x and 2.49x (SmolLM2; benches/RESULTS.md, "Decode step
-profile"). A frozen graph is neither saved (its weights are constants of the artifact) nor cached
+products; without it the linears stay MKL's and compiling gains far less over eager
+(benches/RESULTS.md, "Decode step profile"). A frozen graph is neither saved (its weights are constants of the artifact) nor cached
 across processes (AOT autograd refuses it), so with pagedkv's own linears
 (``linear_kernel="pagedkv"``, int8 weights: ops of their own, nothing to pack) the runner does
 not freeze.
@@ -99,7 +98,7 @@ _TOKEN_HINT: int | None = 1
 
 
 # Defined through torch.library.Library, not torch.library.custom_op: the plain backend kernel
-# costs 3-6 us less per call (cpu_linear.py says why that matters at 241 calls per step).
+# costs less per call (cpu_linear.py says why that matters at one call per layer and linear).
 _LIBRARY = torch.library.Library("pagedkv", "FRAGMENT")  # type: ignore[no-untyped-call]
 _LIBRARY.define("paged_attention_step(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor")  # type: ignore[no-untyped-call]
 
@@ -207,17 +206,17 @@ class CompiledForward:
         self.artifact_path: Path | None = None
         self.seconds: float | None = None  # making the last forward and its first call
         # Inductor's options, set around every call (compiles happen in calls;
-        # torch.compile(options={"freezing": True}) compiled the same as without: a batch-16
-        # step 143 ms either way, 120 with the patch).
+        # torch.compile(options={"freezing": True}) compiled the same as without: the options
+        # must be in force when the compile happens, which is inside a call).
         # - freezing: the weights become constants of the graph, so inductor may lay them out for
         #   its kernels (on the CPU: oneDNN's packed linears, as linear_kernel="onednn" does).
         # - cpp.threads = 1: inductor's own CPU kernels (norms, RoPE, activations: the graph's
         #   products and attention are ops with their own threads) run on the calling thread.
         #   With torch's threads, a kernel whose loop it split (the MLP's act * up) entered an
         #   OpenMP region at every layer, waking sleeping threads while pagedkv's kernel threads
-        #   still spun on the other cores: 78 us per call, and the work outside the linears of a
-        #   batch-1 SmolLM2 step took 14.1 ms against 8.5 with one thread (eager: 11.6). One
-        #   thread costs little at prefill: these kernels read a few MB per layer.
+        #   still spun on the other cores, so the work outside the linears of a batch-1 step took
+        #   longer than eager's (benches/RESULTS.md, "Compiled forward: the step's overhead").
+        #   One thread costs little at prefill: these kernels read a few MB per layer.
         self._inductor_options: dict[str, Any] = {"freezing": freeze, "cpp.threads": 1}
 
     @staticmethod

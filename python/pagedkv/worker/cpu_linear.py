@@ -5,22 +5,16 @@ and bfloat16 weights at every row count (``quantization="bf16"``,
 :mod:`pagedkv.worker.bf16_linear`). The kernel takes the fastest path the CPU has (portable,
 AVX2, AVX-512, AVX512-BF16; ``_core.cpu_isa()`` says which).
 
-Why: a batch-1 decode step is bound by reading the weights, and torch's default product (MKL,
-AVX2 on this project's AMD EPYC machines) streamed SmolLM2's decoder linears at 13-14 GB/s
-where the kernel, on the crate's worker threads, read them at 19-20 GB/s: 31 vs 22 ms per
-step for the 210 linears, 61 vs 44 ms at 16 rows (since it prefetches weight rows ahead, 27
-GB/s: "Compiled forward: the step's overhead"); from 64 rows on MKL's blocked product is the
-faster one (122 vs 135 ms), so ``linear_kernel="pagedkv"`` hands products of more than
-:data:`MAX_KERNEL_ROWS` rows to torch. In the engine's step: 1.28x at batch 1, 1.33x at 16;
-compiled, 1.19x and 1.12x eager with the kernel (benches/bench_step_overhead.py). A compiled
-server with it once ran 4-8x slower than eager: the row limit, checked in the forward, was a
-guard on the step's token count, and each side of it (times dynamo's one-token and one-row
-specialisations) a graph of its own at ~50 s a compile; the op checks it now, and one graph
-serves every step. Int8 weights take the kernel at every row count: it was faster than
-torch's weight-only int8 product at 1 to 512 rows (12 vs 16 ms at one row, 36 vs 53 at 16, 1.0
-vs 1.36 s at 512) and multiplies float32 inputs exactly where torch's kernel wants them
-rounded to bfloat16. (benches/RESULTS.md, "Decode step with pagedkv's CPU linear
-kernel" and "Weight precision".)
+Why: a batch-1 decode step is bound by reading the weights, and the kernel, prefetching weight
+rows ahead on the crate's worker threads, streams them faster than torch's default product
+(MKL) up to a few dozen rows; past that MKL's blocked product wins, so
+``linear_kernel="pagedkv"`` hands products of more than :data:`MAX_KERNEL_ROWS` rows to torch.
+The row limit is checked inside the op, not in the forward: as a check on the step's token
+count it was a guard of the compiled graph, and each side of it a graph of its own (a compile
+each). Int8 weights take the kernel at every row count: it beats torch's weight-only int8
+product at every row count measured and multiplies float32 inputs exactly where torch's kernel
+wants them rounded to bfloat16. The figures: benches/RESULTS.md, "Decode step with pagedkv's
+CPU linear kernel", "Compiled forward: the step's overhead" and "Weight precision".
 
 The parameters' numpy views are made once, when a linear is switched (:class:`KernelArrays`):
 code that later replaces a parameter object (rather than copying into it) must switch again.
@@ -101,11 +95,10 @@ def _run(
 
 
 # The kernel as the op ``pagedkv::cpu_linear`` for compiled graphs, defined through
-# ``torch.library.Library`` rather than ``torch.library.custom_op``: a decode step of SmolLM2
-# calls it 211 times, and custom_op's Python wrapper (autograd and aliasing checks around the
-# kernel) cost 3-6 us more per call than a plain backend kernel (6.7-10.9 against 3.4-5.2 us
-# over the bare call in two runs, inference mode; benches/RESULTS.md, "Compiled forward: the
-# step's overhead").
+# ``torch.library.Library`` rather than ``torch.library.custom_op``: a decode step calls it
+# once per linear (hundreds of times), and custom_op's Python wrapper (autograd and aliasing
+# checks around the kernel) costs several microseconds more per call than a plain backend
+# kernel (benches/RESULTS.md, "Compiled forward: the step's overhead").
 _LIBRARY = torch.library.Library("pagedkv", "FRAGMENT")  # type: ignore[no-untyped-call]
 _LIBRARY.define("cpu_linear(Tensor x, Tensor weight, Tensor? scales, Tensor? bias) -> Tensor")  # type: ignore[no-untyped-call]
 

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (issue 29): with ``enforce_eager=False`` on a GPU, a step whose
+"""CUDA graphs for decode steps: with ``enforce_eager=False`` on a GPU, a step whose
 every sequence decodes one token replays a graph captured at start instead of launching the
 forward's kernels one by one from Python.
 

@@ -130,8 +130,8 @@ class HeadSplit:
 
 
 # The most bytes of float32 logits one call of the head writes (prompt_logprobs.compute takes
-# ``rows_per_call`` rows at a time). The CPU's GEMM wants many rows per call: on SmolLM2's
-# 49k x 576 float32 head, 512-row calls took ~1.1x one 1023-row call, 64-row calls ~1.8x.
+# ``rows_per_call`` rows at a time). The CPU's GEMM wants many rows per call: small calls
+# (tens of rows) over a large vocabulary cost well more in all than one call of every row.
 _CALL_BYTES = 256 << 20
 
 

@@ -487,7 +487,7 @@ class ModelRunner:
         ``2 * n * bytes_per_block / bandwidth`` seconds. Scratch blocks of the pool's shape
         are used: the real KV (device and host) is not touched, and no host tier is needed.
         Default ``num_blocks``: about 64 MiB worth (1 .. 256 blocks), more than the CPU caches
-        hold, so the figure is a memory bandwidth (8 blocks of SmolLM2 read 1.8x too fast)."""
+        hold, so the figure is a memory bandwidth (a few blocks are read from the caches, too fast)."""
         if num_blocks is None:
             num_blocks = max(1, min(256, (64 << 20) // self.bytes_per_block))
         for name, value in (("num_blocks", num_blocks), ("repeats", repeats)):

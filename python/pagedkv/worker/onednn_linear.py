@@ -1,12 +1,11 @@
 """The model's linears through oneDNN with prepacked weights (``linear_kernel="onednn"``).
 
 On the CPU, torch multiplies float32 matrices with MKL. On this project's AMD EPYC machines
-MKL takes its AVX2 path, and a linear over 16-64 rows (a decode batch) is compute-bound there:
-SmolLM2-135M's 210 decoder linears took 137-143 ms at 16 rows against 57 ms through oneDNN
-(AVX-512, weights reordered once into its blocked layout), 291 vs 123 ms at 64 rows. One row
-is memory-bound: there oneDNN runs on one thread, which streams the weights faster than MKL
-(a batch-1 step 40 vs 51 ms; ``_ONE_ROW_THREADS``). benches/RESULTS.md, "Decode
-step profile", has the engine's step with both.
+MKL takes its AVX2 path, and a linear over 16-64 rows (a decode batch) is compute-bound there,
+where oneDNN (AVX-512, weights reordered once into its blocked layout) runs it well over twice
+as fast. One row is memory-bound: there oneDNN runs on one thread, which streams the weights
+faster than MKL (``_ONE_ROW_THREADS``). benches/RESULTS.md, "Decode step profile", has the
+engine's step with both.
 
 The price: oneDNN sums in another order than MKL, so logits differ from the default path's in
 the last bits (about 1e-6 relative): greedy tokens can differ at a near-tie, which is why
@@ -36,9 +35,9 @@ __all__ = ["OneDNNLinears", "onednn_available", "use_onednn_linears"]
 # The row count oneDNN lays the packed weights out for (a decode batch); any row count runs.
 _PACK_ROWS = 16
 # One row (a batch-1 decode step) is memory-bound, and one core reads the weights about as
-# fast as two can here: oneDNN on one thread streamed SmolLM2's decoder weights at 17 GB/s,
-# on two at 15, MKL at 11-14 (W.sum(): 20). Its two-thread one-row product also pays a fork
-# and join per call (q/k/v/o at batch 1: 18.3 ms per step, 9.2 with MKL). So a one-row product
+# fast as two can on the machines measured (oneDNN on one thread streamed the weights faster
+# than on two, and faster than MKL), and a two-thread one-row product also pays a fork and
+# join per call (benches/RESULTS.md, "Decode step profile"). So a one-row product
 # runs with torch's thread count set to this around the call (process-wide: the engine's step
 # is the only torch work of a serving process while it runs).
 _ONE_ROW_THREADS = 1
