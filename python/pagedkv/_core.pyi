@@ -458,6 +458,9 @@ class Scheduler:
     ) -> None:
         """Adds a request; with ``wait_for`` (among ``"grammar"``, ``"remote_kv"``) it is
         blocked, never scheduled and holding no block, until ``unblock`` lifts each reason."""
+    def add(self, request: object) -> None:
+        """Adds ``request``, an object with ``add_request``'s argument names as attributes
+        (``pagedkv.engine.admission.SchedulerRequest``): the same checks and errors."""
     def schedule(self) -> SchedulerOutput: ...
     def update(
         self,

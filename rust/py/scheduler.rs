@@ -15,6 +15,7 @@ use super::args::{
     attention_spans_arg, beam_arg, beam_candidates_arg, bool_arg, count_arg, float_arg, hash_mode_arg, index_arg, int_arg, int_list_arg, object_arg, positive_arg, retention_arg, salt_arg,
     str_arg, str_obj_arg, token_ids_arg, wait_set_arg,
 };
+use super::errors::invalid_argument;
 use super::reuse::{ArrayRing, EmptyLists, ListRing, TableRing};
 use crate::scheduler::{
     BeamCandidates, FinishReason, NewRequest, Policy, PreemptionMode, RequestKey, RequestUpdate, Scheduler, SchedulerConfig,
@@ -678,7 +679,7 @@ impl PyScheduler {
     /// "remote_kv"): what it waits for before it may be scheduled; it is blocked (live, never
     /// scheduled, holding no block) until `unblock` lifts each. A request waiting for
     /// "remote_kv" is refused (DuplicateRequestError) while a reservation of its name is held.
-    /// Without `wait_for` it is queued at once.
+    /// Without `wait_for` it is queued at once. The keyword form of `add`.
     #[pyo3(signature = (
         request_id, prompt_token_ids, *, max_tokens, min_tokens = None, eos_token_ids = None,
         stop_token_ids = None, ignore_eos = None, priority = None, cache_salt = None, n = None,
@@ -686,56 +687,44 @@ impl PyScheduler {
         beam_width = None, length_penalty = None, skip_prefix_cache = None, speculate = None, wait_for = None
     ))]
     #[allow(clippy::too_many_arguments)]
-    fn add_request(
+    fn add_request<'py>(
         &mut self,
-        request_id: &Bound<'_, PyAny>,
-        prompt_token_ids: &Bound<'_, PyAny>,
-        max_tokens: &Bound<'_, PyAny>,
-        min_tokens: Option<&Bound<'_, PyAny>>,
-        eos_token_ids: Option<&Bound<'_, PyAny>>,
-        stop_token_ids: Option<&Bound<'_, PyAny>>,
-        ignore_eos: Option<&Bound<'_, PyAny>>,
-        priority: Option<&Bound<'_, PyAny>>,
-        cache_salt: Option<&Bound<'_, PyAny>>,
-        n: Option<&Bound<'_, PyAny>>,
-        retention_priority: Option<&Bound<'_, PyAny>>,
-        retention_duration: Option<&Bound<'_, PyAny>>,
-        retention_tokens: Option<&Bound<'_, PyAny>>,
-        hold_kv: Option<&Bound<'_, PyAny>>,
-        beam_width: Option<&Bound<'_, PyAny>>,
-        length_penalty: Option<&Bound<'_, PyAny>>,
-        skip_prefix_cache: Option<&Bound<'_, PyAny>>,
-        speculate: Option<&Bound<'_, PyAny>>,
-        wait_for: Option<&Bound<'_, PyAny>>,
+        request_id: Bound<'py, PyAny>,
+        prompt_token_ids: Bound<'py, PyAny>,
+        max_tokens: Bound<'py, PyAny>,
+        min_tokens: Option<Bound<'py, PyAny>>,
+        eos_token_ids: Option<Bound<'py, PyAny>>,
+        stop_token_ids: Option<Bound<'py, PyAny>>,
+        ignore_eos: Option<Bound<'py, PyAny>>,
+        priority: Option<Bound<'py, PyAny>>,
+        cache_salt: Option<Bound<'py, PyAny>>,
+        n: Option<Bound<'py, PyAny>>,
+        retention_priority: Option<Bound<'py, PyAny>>,
+        retention_duration: Option<Bound<'py, PyAny>>,
+        retention_tokens: Option<Bound<'py, PyAny>>,
+        hold_kv: Option<Bound<'py, PyAny>>,
+        beam_width: Option<Bound<'py, PyAny>>,
+        length_penalty: Option<Bound<'py, PyAny>>,
+        skip_prefix_cache: Option<Bound<'py, PyAny>>,
+        speculate: Option<Bound<'py, PyAny>>,
+        wait_for: Option<Bound<'py, PyAny>>,
     ) -> PyResult<()> {
-        let id_str = str_obj_arg(request_id, "request_id")?.clone();
-        let opt_ids = |o: Option<&Bound<'_, PyAny>>, name: &str| -> PyResult<Vec<u32>> {
-            match o {
-                Some(o) if !o.is_none() => token_ids_arg(o, name),
-                _ => Ok(Vec::new()),
-            }
-        };
-        let req = NewRequest {
-            id: id_str.to_str()?.to_string(),
-            prompt: token_ids_arg(prompt_token_ids, "prompt_token_ids")?,
-            n: n.map(|o| count_arg(o, "n")).transpose()?.unwrap_or(1),
-            max_tokens: count_arg(max_tokens, "max_tokens")?,
-            min_tokens: min_tokens.map(|o| count_arg(o, "min_tokens")).transpose()?.unwrap_or(0),
-            eos_token_ids: opt_ids(eos_token_ids, "eos_token_ids")?,
-            stop_token_ids: opt_ids(stop_token_ids, "stop_token_ids")?,
-            ignore_eos: ignore_eos.map(|o| bool_arg(o, "ignore_eos")).transpose()?.unwrap_or(false),
-            priority: priority.map(|o| int_arg(o, "priority")).transpose()?.unwrap_or(0),
-            cache_salt: salt_arg(cache_salt)?,
-            retention: retention_arg(retention_priority, retention_duration, retention_tokens)?,
-            hold_kv: hold_kv.map(|o| bool_arg(o, "hold_kv")).transpose()?.unwrap_or(false),
-            beam: beam_arg(beam_width, length_penalty)?,
-            skip_prefix_cache: skip_prefix_cache.map(|o| bool_arg(o, "skip_prefix_cache")).transpose()?.unwrap_or(false),
-            speculate: speculate.map(|o| bool_arg(o, "speculate")).transpose()?.unwrap_or(true),
-            wait_for: wait_for.map(wait_set_arg).transpose()?.unwrap_or_default(),
-        };
-        let key = self.inner.add_request(req)?;
-        self.names.set(key, id_str.unbind());
-        Ok(())
+        self.add_fields(RequestFields {
+            request_id, prompt_token_ids, max_tokens, min_tokens, eos_token_ids, stop_token_ids, ignore_eos, priority,
+            cache_salt, n, retention_priority, retention_duration, retention_tokens, hold_kv, beam_width,
+            length_penalty, skip_prefix_cache, speculate, wait_for,
+        })
+    }
+
+    /// Adds `request`, an object with `add_request`'s argument names as attributes (the
+    /// engine's `pagedkv.engine.admission.SchedulerRequest`): the same conversion and checks,
+    /// the same typed errors. An object without one of the attributes is an
+    /// InvalidArgumentError naming it.
+    fn add(&mut self, request: &Bound<'_, PyAny>) -> PyResult<()> {
+        let fields = request
+            .extract::<RequestFields<'_>>()
+            .map_err(|e| invalid_argument(format!("add() needs a request with add_request's fields as attributes: {e}")))?;
+        self.add_fields(fields)
     }
 
     /// Builds the next step.
@@ -1242,3 +1231,71 @@ pub fn block_hashes(
     Ok(crate::kv_events::wire_block_hashes(&tokens, bs, salt.as_deref(), crate::block_hash::HashMode::Xxh3))
 }
 
+
+/// A new request's fields as Python hands them over, unconverted: `Scheduler.add_request`'s
+/// keyword arguments, or the attributes of the object `Scheduler.add` takes. One conversion
+/// (`Scheduler::add_fields`) turns them into the core's `NewRequest`.
+#[derive(FromPyObject)]
+struct RequestFields<'py> {
+    request_id: Bound<'py, PyAny>,
+    prompt_token_ids: Bound<'py, PyAny>,
+    max_tokens: Bound<'py, PyAny>,
+    min_tokens: Option<Bound<'py, PyAny>>,
+    eos_token_ids: Option<Bound<'py, PyAny>>,
+    stop_token_ids: Option<Bound<'py, PyAny>>,
+    ignore_eos: Option<Bound<'py, PyAny>>,
+    priority: Option<Bound<'py, PyAny>>,
+    cache_salt: Option<Bound<'py, PyAny>>,
+    n: Option<Bound<'py, PyAny>>,
+    retention_priority: Option<Bound<'py, PyAny>>,
+    retention_duration: Option<Bound<'py, PyAny>>,
+    retention_tokens: Option<Bound<'py, PyAny>>,
+    hold_kv: Option<Bound<'py, PyAny>>,
+    beam_width: Option<Bound<'py, PyAny>>,
+    length_penalty: Option<Bound<'py, PyAny>>,
+    skip_prefix_cache: Option<Bound<'py, PyAny>>,
+    speculate: Option<Bound<'py, PyAny>>,
+    wait_for: Option<Bound<'py, PyAny>>,
+}
+
+/// A field that was given: present and not None.
+fn given<'py>(o: &Option<Bound<'py, PyAny>>) -> Option<Bound<'py, PyAny>> {
+    o.as_ref().filter(|o| !o.is_none()).cloned()
+}
+
+impl PyScheduler {
+    /// Converts and checks a new request's fields (each error names its field) and adds it.
+    fn add_fields(&mut self, f: RequestFields<'_>) -> PyResult<()> {
+        let id_str = str_obj_arg(&f.request_id, "request_id")?.clone();
+        let opt_ids = |o: &Option<Bound<'_, PyAny>>, name: &str| -> PyResult<Vec<u32>> {
+            match given(o) {
+                Some(o) => token_ids_arg(&o, name),
+                None => Ok(Vec::new()),
+            }
+        };
+        let flag = |o: &Option<Bound<'_, PyAny>>, name: &str, default: bool| -> PyResult<bool> {
+            given(o).map(|o| bool_arg(&o, name)).transpose().map(|v| v.unwrap_or(default))
+        };
+        let req = NewRequest {
+            id: id_str.to_str()?.to_string(),
+            prompt: token_ids_arg(&f.prompt_token_ids, "prompt_token_ids")?,
+            n: given(&f.n).map(|o| count_arg(&o, "n")).transpose()?.unwrap_or(1),
+            max_tokens: count_arg(&f.max_tokens, "max_tokens")?,
+            min_tokens: given(&f.min_tokens).map(|o| count_arg(&o, "min_tokens")).transpose()?.unwrap_or(0),
+            eos_token_ids: opt_ids(&f.eos_token_ids, "eos_token_ids")?,
+            stop_token_ids: opt_ids(&f.stop_token_ids, "stop_token_ids")?,
+            ignore_eos: flag(&f.ignore_eos, "ignore_eos", false)?,
+            priority: given(&f.priority).map(|o| int_arg(&o, "priority")).transpose()?.unwrap_or(0),
+            cache_salt: salt_arg(given(&f.cache_salt).as_ref())?,
+            retention: retention_arg(f.retention_priority.as_ref(), f.retention_duration.as_ref(), f.retention_tokens.as_ref())?,
+            hold_kv: flag(&f.hold_kv, "hold_kv", false)?,
+            beam: beam_arg(f.beam_width.as_ref(), f.length_penalty.as_ref())?,
+            skip_prefix_cache: flag(&f.skip_prefix_cache, "skip_prefix_cache", false)?,
+            speculate: flag(&f.speculate, "speculate", true)?,
+            wait_for: given(&f.wait_for).map(|o| wait_set_arg(&o)).transpose()?.unwrap_or_default(),
+        };
+        let key = self.inner.add_request(req)?;
+        self.names.set(key, id_str.unbind());
+        Ok(())
+    }
+}

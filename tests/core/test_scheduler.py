@@ -369,3 +369,60 @@ def test_finish_sample_ends_one_sample_then_the_request() -> None:
     s.update(out, model.execute(out))
     s.check_invariants()
     assert s.stats().num_free_blocks == 16
+
+
+def _scheduler_request(**changes: object) -> object:
+    """The engine's typed request (pagedkv.engine.admission), with ``changes``."""
+    import dataclasses
+
+    from pagedkv.engine.admission import SchedulerRequest
+
+    fields = dict(
+        request_id="r",
+        prompt_token_ids=[1, 2, 3, 4, 5],
+        max_tokens=3,
+        min_tokens=0,
+        eos_token_ids=[],
+        stop_token_ids=[],
+        ignore_eos=False,
+        priority=0,
+        n=2,
+        retention_priority=None,
+        retention_duration=None,
+        retention_tokens=None,
+        cache_salt=None,
+        hold_kv=False,
+        beam_width=None,
+        length_penalty=None,
+        skip_prefix_cache=False,
+        speculate=True,
+        wait_for=[],
+    )
+    return dataclasses.replace(SchedulerRequest(**fields), **changes)  # type: ignore[arg-type]
+
+
+def test_add_takes_the_typed_request_as_add_request_takes_keywords() -> None:
+    """``Scheduler.add`` (the engine's one call) converts and checks the same fields as
+    ``add_request``: the same steps for a good request, the same typed error for a bad field,
+    a clear one for an object that is not a request; a refused request changes nothing."""
+    typed, _ = make()
+    typed.add(_scheduler_request())
+    keywords, _ = make()
+    keywords.add_request("r", [1, 2, 3, 4, 5], max_tokens=3, n=2)
+    a, b = typed.schedule(), keywords.schedule()
+    assert a.req_ids == b.req_ids and np.array_equal(a.input_ids, b.input_ids)
+    assert np.array_equal(a.sample_indices, b.sample_indices)
+    for bad, error in (
+        (_scheduler_request(request_id="x", max_tokens=-1), pagedkv.errors.InvalidArgumentError),
+        (_scheduler_request(request_id="y", prompt_token_ids=[1, -2]), pagedkv.errors.InvalidArgumentError),
+        (_scheduler_request(request_id="z", wait_for=["nothing"]), pagedkv.errors.InvalidArgumentError),
+        (_scheduler_request(), pagedkv.errors.DuplicateRequestError),
+    ):
+        with pytest.raises(error):
+            typed.add(bad)
+        kw = {f: getattr(bad, f) for f in bad.__dataclass_fields__}  # type: ignore[attr-defined]
+        with pytest.raises(error):
+            keywords.add_request(kw.pop("request_id"), kw.pop("prompt_token_ids"), **kw)
+    with pytest.raises(pagedkv.errors.InvalidArgumentError, match="no attribute .request_id"):
+        typed.add(object())
+    assert typed.stats().num_waiting + typed.stats().num_running == 1

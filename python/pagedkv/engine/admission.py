@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import TimeoutError as FutureTimeoutError
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pagedkv._core import Scheduler
@@ -35,6 +36,32 @@ __all__ = ["Admission", "Fail"]
 
 # Takes a request out of the engine with finish_reason "error" (Failures.fail_later).
 Fail = Callable[[RequestState, Exception], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerRequest:
+    """A new request as the Rust scheduler takes it (``Scheduler.add``): the fields of
+    ``Scheduler.add_request``, converted and checked once, in Rust, with typed errors."""
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    max_tokens: int
+    min_tokens: int
+    eos_token_ids: Sequence[int]
+    stop_token_ids: Sequence[int]
+    ignore_eos: bool
+    priority: int
+    n: int
+    retention_priority: int | None
+    retention_duration: float | None
+    retention_tokens: int | None
+    cache_salt: str | None
+    hold_kv: bool
+    beam_width: int | None
+    length_penalty: float | None
+    skip_prefix_cache: bool
+    speculate: bool
+    wait_for: Sequence[str]
 
 
 class Admission:
@@ -96,30 +123,32 @@ class Admission:
                 compiling.release()
 
     def _add_to_scheduler(self, request: NewRequest, wait_for: list[str]) -> None:
-        """The one ``Scheduler.add_request`` call: the request as the scheduler takes it."""
+        """The one call that adds a request to the scheduler, as a typed :class:`SchedulerRequest`."""
         state, params, beam = request.state, request.state.params, request.beam
-        self.scheduler.add_request(
-            state.request_id,
-            state.prompt_token_ids,
-            max_tokens=request.max_tokens,
-            min_tokens=params.min_tokens,
-            eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
-            stop_token_ids=params.stop_token_ids or [],
-            ignore_eos=params.ignore_eos,
-            priority=request.priority,
-            n=params.n,
-            retention_priority=params.retention_priority,
-            retention_duration=params.retention_duration,
-            retention_tokens=params.retention_tokens,
-            cache_salt=state.cache_salt,
-            hold_kv=state.hold_kv,
-            beam_width=None if beam is None else beam.beam_width,
-            length_penalty=None if beam is None else beam.length_penalty,
-            # Cached blocks have no logits: a request that wants the prompt's computes it whole.
-            skip_prefix_cache=params.prompt_logprobs is not None,
-            # A grammar's matcher cannot follow drafts: constrained requests never draft.
-            speculate=request.constraint is None,
-            wait_for=wait_for,
+        self.scheduler.add(
+            SchedulerRequest(
+                request_id=state.request_id,
+                prompt_token_ids=state.prompt_token_ids,
+                max_tokens=request.max_tokens,
+                min_tokens=params.min_tokens,
+                eos_token_ids=[] if params.ignore_eos else self.eos_token_ids,
+                stop_token_ids=params.stop_token_ids or [],
+                ignore_eos=params.ignore_eos,
+                priority=request.priority,
+                n=params.n,
+                retention_priority=params.retention_priority,
+                retention_duration=params.retention_duration,
+                retention_tokens=params.retention_tokens,
+                cache_salt=state.cache_salt,
+                hold_kv=state.hold_kv,
+                beam_width=None if beam is None else beam.beam_width,
+                length_penalty=None if beam is None else beam.length_penalty,
+                # Cached blocks have no logits: a request that wants the prompt's computes it whole.
+                skip_prefix_cache=params.prompt_logprobs is not None,
+                # A grammar's matcher cannot follow drafts: constrained requests never draft.
+                speculate=request.constraint is None,
+                wait_for=wait_for,
+            )
         )
 
     def _start_kv_load(self, state: RequestState, remote: RemotePrefill, requests: dict[str, RequestState]) -> None:
