@@ -265,16 +265,19 @@ fn validate(
             out.len()
         ));
     }
-    if let Some(b) = bias {
-        if b.len() != d.out_features {
-            return bad(format!(
-                "bias has {} values for {} output rows",
-                b.len(),
-                d.out_features
-            ));
-        }
+    check_bias(bias, d.out_features)
+}
+
+/// A bias, when there is one, has one value per output row (both kernels' check).
+pub(crate) fn check_bias(bias: Option<&[f32]>, out_features: usize) -> Result<()> {
+    match bias {
+        Some(b) if b.len() != out_features => Err(CoreError::InvalidArgument(format!(
+            "bias has {} values for {} output rows",
+            b.len(),
+            out_features
+        ))),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// How many threads a product of `d` takes: one below [`MIN_PARALLEL_MACS`] multiply-adds (a

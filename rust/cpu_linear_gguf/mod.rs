@@ -38,7 +38,7 @@
 //! as in [`crate::cpu_linear`]. Every length is checked before any work: bad input is an error,
 //! never a panic.
 
-use crate::cpu_linear::{run_in_column_ranges, LinearDims};
+use crate::cpu_linear::{check_bias, run_in_column_ranges, LinearDims};
 use crate::error::{CoreError, Result};
 
 mod portable;
@@ -276,16 +276,7 @@ fn validate(
             out.len()
         ));
     }
-    if let Some(b) = bias {
-        if b.len() != d.out_features {
-            return bad(format!(
-                "bias has {} values for {} output rows",
-                b.len(),
-                d.out_features
-            ));
-        }
-    }
-    Ok(())
+    check_bias(bias, d.out_features)
 }
 
 /// A validated product's inputs.
